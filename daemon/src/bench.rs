@@ -1,0 +1,182 @@
+//! `inferd bench`: prefill and decode throughput, time to first token and peak memory, as JSON,
+//! optionally side by side with llama.cpp's own tools on the same file and thread count.
+//!
+//! The workload mirrors llama.cpp's: `llama-bench` pp512/tg128 and `llama-batched-bench` with
+//! 128-token prompts and 128 generated tokens per sequence. Prompts are pseudo-random ordinary
+//! tokens, each distinct so the prefix cache never shortcuts a measurement.
+
+use crate::engine::{argmax, Engine, EngineOptions};
+use crate::model::Model;
+use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Instant;
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct BenchArgs {
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Compute threads (default: all cores).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Prompt length of the prefill measurement.
+    #[arg(long, default_value_t = 512)]
+    pub prefill_tokens: usize,
+    /// Prompt length per sequence in the decode measurements.
+    #[arg(long, default_value_t = 128)]
+    pub prompt_tokens: usize,
+    /// Tokens generated per sequence in the decode measurements.
+    #[arg(long, default_value_t = 128)]
+    pub gen_tokens: usize,
+    /// Batch sizes of the decode measurements.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,8,16")]
+    pub batches: Vec<usize>,
+    /// Repetitions of each measurement (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    pub repeat: usize,
+    /// Also run llama.cpp's llama-bench and llama-batched-bench from this directory
+    /// (see tests/bench/build-llama-cpp) and report the ratios.
+    #[arg(long)]
+    pub llama_cpp: Option<PathBuf>,
+}
+
+/// Deterministic ordinary (non-special) token ids.
+fn prompt(len: usize, salt: u64, vocab: usize, skip: usize) -> Vec<u32> {
+    let mut x = salt.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (skip + (x as usize) % (vocab - skip)) as u32
+        })
+        .collect()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Peak resident memory of this process, in MiB (Linux `VmHWM`).
+pub fn peak_rss_mib() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
+    let vocab = model.config.vocab;
+    let skip = model.tokenizer.vocab_size().min(vocab).min(256);
+    let max_batch = args.batches.iter().copied().max().unwrap_or(1);
+    let kv_tokens = (max_batch * (args.prompt_tokens + args.gen_tokens)).max(args.prefill_tokens) * 2;
+    let opts = EngineOptions {
+        threads: args.threads,
+        kv_budget_bytes: kv_tokens * crate::backend::cpu::kv_block_bytes(&model.config, 16) / 16,
+        ..EngineOptions::default()
+    };
+    let mut engine = Engine::cpu(model, &opts);
+    let threads = opts.threads();
+    let reps = args.repeat.max(1);
+    let mut salt = 1u64;
+    let mut next = || {
+        salt += 1;
+        salt
+    };
+
+    // Warm-up: touch every weight page once.
+    let (s, _) = engine.prefill(&[&prompt(16, next(), vocab, skip)])?.remove(0);
+    engine.release(s);
+
+    let mut pp = Vec::new();
+    for _ in 0..reps {
+        let p = prompt(args.prefill_tokens, next(), vocab, skip);
+        let t = Instant::now();
+        let (s, _) = engine.prefill(&[&p])?.remove(0);
+        pp.push(args.prefill_tokens as f64 / t.elapsed().as_secs_f64());
+        engine.release(s);
+    }
+    let mut ttft = Vec::new();
+    for _ in 0..reps {
+        let p = prompt(args.prompt_tokens, next(), vocab, skip);
+        let t = Instant::now();
+        let (s, logits) = engine.prefill(&[&p])?.remove(0);
+        std::hint::black_box(argmax(&logits));
+        ttft.push(t.elapsed().as_secs_f64() * 1000.0);
+        engine.release(s);
+    }
+    let mut decode = serde_json::Map::new();
+    for &b in &args.batches {
+        let mut rates = Vec::new();
+        for _ in 0..reps {
+            let prompts: Vec<Vec<u32>> = (0..b).map(|_| prompt(args.prompt_tokens, next(), vocab, skip)).collect();
+            let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+            let started = engine.prefill(&refs)?;
+            let mut step: Vec<_> = started.iter().map(|(s, l)| (*s, argmax(l))).collect();
+            let t = Instant::now();
+            for _ in 1..args.gen_tokens {
+                let logits = engine.decode(&step)?;
+                for (j, st) in step.iter_mut().enumerate() {
+                    st.1 = argmax(&logits[j * vocab..(j + 1) * vocab]);
+                }
+            }
+            rates.push((b * (args.gen_tokens - 1)) as f64 / t.elapsed().as_secs_f64());
+            started.iter().for_each(|(s, _)| engine.release(*s));
+        }
+        decode.insert(b.to_string(), json!(median(rates)));
+    }
+    let mut report = json!({
+        "model": model.path.display().to_string(),
+        "backend": "cpu",
+        "isa": format!("{:?}", engine.backend.isa()),
+        "threads": threads,
+        "prefill_tokens": args.prefill_tokens,
+        "prefill_tok_s": median(pp),
+        "ttft_ms": { "prompt_tokens": args.prompt_tokens, "median": median(ttft) },
+        "decode_tok_s": { "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "by_batch": decode },
+        "peak_rss_mib": peak_rss_mib(),
+    });
+    if let Some(dir) = &args.llama_cpp {
+        report["llama_cpp"] = compare(dir, model, args, threads, &report)?;
+    }
+    Ok(report)
+}
+
+/// Runs llama.cpp's tools on the same model and threads and returns their figures and our ratios.
+fn compare(dir: &std::path::Path, model: &Model, args: &BenchArgs, threads: usize, ours: &Value) -> anyhow::Result<Value> {
+    let m = model.path.display().to_string();
+    let t = threads.to_string();
+    let out = Command::new(dir.join("llama-bench"))
+        .args(["-m", &m, "-t", &t, "-p", &args.prefill_tokens.to_string(), "-n", &args.gen_tokens.to_string(), "-r", &args.repeat.max(1).to_string(), "-o", "json"])
+        .output()?;
+    anyhow::ensure!(out.status.success(), "llama-bench failed: {}", String::from_utf8_lossy(&out.stderr));
+    let rows: Value = serde_json::from_slice(&out.stdout)?;
+    let pick = |key: &str| rows.as_array().and_then(|a| a.iter().find(|r| r[key].as_u64().unwrap_or(0) > 0)).and_then(|r| r["avg_ts"].as_f64());
+    let (pp, tg) = (pick("n_prompt"), pick("n_gen"));
+    let npl: Vec<String> = args.batches.iter().map(|b| b.to_string()).collect();
+    let ctx = (args.batches.iter().max().unwrap_or(&1) * (args.prompt_tokens + args.gen_tokens) + 64).to_string();
+    let out = Command::new(dir.join("llama-batched-bench"))
+        .args(["-m", &m, "-t", &t, "-c", &ctx, "-npp", &args.prompt_tokens.to_string(), "-ntg", &args.gen_tokens.to_string(), "-npl", &npl.join(","), "--output-format", "jsonl"])
+        .output()?;
+    anyhow::ensure!(out.status.success(), "llama-batched-bench failed: {}", String::from_utf8_lossy(&out.stderr));
+    let mut batched = serde_json::Map::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.starts_with('{')) {
+        let r: Value = serde_json::from_str(line)?;
+        if let (Some(b), Some(s)) = (r["pl"].as_u64(), r["speed_tg"].as_f64()) {
+            batched.insert(b.to_string(), json!(s));
+        }
+    }
+    let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => json!((a / b * 100.0).round() / 100.0),
+        _ => Value::Null,
+    };
+    let mut ratios = serde_json::Map::new();
+    ratios.insert("prefill".into(), ratio(ours["prefill_tok_s"].as_f64(), pp));
+    ratios.insert("decode_batch1_vs_tg".into(), ratio(ours["decode_tok_s"]["by_batch"]["1"].as_f64(), tg));
+    for b in &args.batches {
+        let k = b.to_string();
+        ratios.insert(format!("decode_batch{k}"), ratio(ours["decode_tok_s"]["by_batch"][&k].as_f64(), batched.get(&k).and_then(Value::as_f64)));
+    }
+    Ok(json!({ "pp_tok_s": pp, "tg_tok_s": tg, "batched_decode_tok_s": batched, "ratios": ratios }))
+}

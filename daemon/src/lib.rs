@@ -1,0 +1,22 @@
+//! inferd: the local LLM inference service.
+//!
+//! The crate is the daemon's library; `src/main.rs` is the `inferd` command line on top of it.
+//! See ARCHITECTURE.md at the repository root for the map; in short:
+//!
+//! - [`model`]: loading GGUF files and Hugging Face directories (memory-mapped weights).
+//! - [`tokenizer`]: text <-> ids, chat templates, streaming detokenization.
+//! - [`kv`]: the paged KV cache bookkeeping (block pool, block tables, prefix cache).
+//! - [`backend`]: the forward pass behind the [`backend::Backend`] trait; the CPU backend.
+//! - [`engine`]: generation on top of backend + KV cache (greedy decoding for now).
+//! - [`bench`]: the `inferd bench` measurements.
+
+#![deny(unsafe_code)]
+
+pub mod backend;
+pub mod bench;
+pub mod chat;
+pub mod engine;
+pub mod kv;
+pub mod model;
+pub mod paths;
+pub mod tokenizer;

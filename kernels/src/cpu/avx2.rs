@@ -1,0 +1,262 @@
+//! AVX2 + FMA + F16C kernels (x86-64), selected at run time by [`kernels`].
+//!
+//! The integer products follow the llama.cpp ggml-cpu scheme: 4-bit weights are unpacked to
+//! unsigned bytes and multiplied with signed 8-bit activations by `vpmaddubsw`, pairs summed to
+//! i32 by `vpmaddwd`, then scaled per block in f32. Sums are exact in i32, so results differ from
+//! the scalar reference only by the f32 accumulation order.
+//!
+//! Every function here is `#[target_feature(enable = "avx2,fma,f16c")]`; the safe wrappers in the
+//! table returned by [`kernels`] are only reachable after [`kernels`] has checked those features.
+
+use super::{Isa, Kernels};
+use crate::quant::{BlockQ8, QK};
+use half::f16;
+use std::arch::x86_64::*;
+
+/// The AVX2 table, or `None` when this processor lacks AVX2, FMA or F16C.
+pub fn kernels() -> Option<Kernels> {
+    if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")) {
+        return None;
+    }
+    // Each closure below calls a `#[target_feature]` function; they are only ever stored in this
+    // table, which exists only when the features were detected above.
+    Some(Kernels {
+        isa: Isa::Avx2,
+        // SAFETY: AVX2/FMA/F16C were detected above.
+        quantize_q8: |x, out| unsafe { quantize_q8(x, out) },
+        // SAFETY: as above.
+        dot_q4_0: |w, a| unsafe { dot_q4_x4::<false, 1>(w, [a, a, a, a])[0] },
+        // SAFETY: as above.
+        dot_q4_1: |w, a| unsafe { dot_q4_x4::<true, 1>(w, [a, a, a, a])[0] },
+        // SAFETY: as above.
+        dot_q8_0: |w, a| unsafe { dot_q8_0_x4::<1>(w, [a, a, a, a])[0] },
+        // SAFETY: as above.
+        dot_q4_0_x4: |w, a| unsafe { dot_q4_x4::<false, 4>(w, a) },
+        // SAFETY: as above.
+        dot_q4_1_x4: |w, a| unsafe { dot_q4_x4::<true, 4>(w, a) },
+        // SAFETY: as above.
+        dot_q8_0_x4: |w, a| unsafe { dot_q8_0_x4::<4>(w, a) },
+        // SAFETY: as above.
+        dot_f32: |w, x| unsafe { dot_f32(w, x) },
+        // SAFETY: as above.
+        dot_f16: |w, x| unsafe { dot_f16(w, x) },
+        // SAFETY: as above.
+        dot_bf16: |w, x| unsafe { dot_bf16(w, x) },
+        // SAFETY: as above.
+        dot_f16_f32: |k, q| unsafe { dot_f16_f32(k, q) },
+        // SAFETY: as above.
+        axpy_f16: |a, x, y| unsafe { axpy_f16(a, x, y) },
+    })
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum(v: __m256) -> f32 {
+    let lo = _mm256_castps256_ps128(v);
+    let hi = _mm256_extractf128_ps::<1>(v);
+    let s = _mm_add_ps(lo, hi);
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
+    _mm_cvtss_f32(s)
+}
+
+#[inline]
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quantize_q8(x: &[f32], out: &mut [BlockQ8]) {
+    assert_eq!(x.len(), out.len() * QK);
+    let sign_mask = _mm256_set1_ps(-0.0);
+    for (chunk, blk) in x.chunks_exact(QK).zip(out.iter_mut()) {
+        // SAFETY: `chunk` has 32 f32s, read as four unaligned 8-lane loads.
+        let v = unsafe { [0, 8, 16, 24].map(|o| _mm256_loadu_ps(chunk.as_ptr().add(o))) };
+        let mut m = _mm256_andnot_ps(sign_mask, v[0]);
+        for vi in &v[1..] {
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign_mask, *vi));
+        }
+        let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        let m4 = _mm_max_ss(m4, _mm_shuffle_ps::<1>(m4, m4));
+        let amax = _mm_cvtss_f32(m4);
+        let d = amax / 127.0;
+        let id = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
+        // cvtps rounds to nearest even, as the scalar reference does.
+        let q = v.map(|vi| _mm256_cvtps_epi32(_mm256_mul_ps(vi, id)));
+        let sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        let p01 = _mm256_packs_epi32(q[0], q[1]);
+        let p23 = _mm256_packs_epi32(q[2], q[3]);
+        let p = _mm256_packs_epi16(p01, p23);
+        // packs interleave 128-bit lanes: restore element order.
+        let p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        // SAFETY: `blk.qs` is 32 bytes.
+        unsafe { _mm256_storeu_si256(blk.qs.as_mut_ptr().cast(), p) };
+        let s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256::<1>(sum));
+        let s4 = _mm_hadd_epi32(s4, s4);
+        let s4 = _mm_hadd_epi32(s4, s4);
+        blk.d = d;
+        blk.s = d * _mm_cvtsi128_si32(s4) as f32;
+    }
+}
+
+/// Q4_0 (`OFFSET == false`) or Q4_1 (`OFFSET == true`) weights against up to four activation rows
+/// (`N` of them are used; the rest are ignored).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q4_x4<const OFFSET: bool, const N: usize>(w: &[u8], a: [&[BlockQ8]; 4]) -> [f32; 4] {
+    let nb = a[0].len();
+    let bb = if OFFSET { 20 } else { 18 };
+    assert!(w.len() >= nb * bb && a[..N].iter().all(|r| r.len() == nb));
+    let low = _mm_set1_epi8(0x0f);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut off = [0f32; 4];
+    for i in 0..nb {
+        let blk = &w[i * bb..i * bb + bb];
+        let d = f16_at(blk, 0);
+        let (m, qs) = if OFFSET { (f16_at(blk, 2), &blk[4..20]) } else { (-8.0 * d, &blk[2..18]) };
+        // SAFETY: `qs` is 16 bytes.
+        let q = unsafe { _mm_loadu_si128(qs.as_ptr().cast()) };
+        let lo = _mm_and_si128(q, low);
+        let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), low);
+        let wq = _mm256_set_m128i(hi, lo);
+        for r in 0..N {
+            let ab = &a[r][i];
+            // SAFETY: `ab.qs` is 32 bytes.
+            let aq = unsafe { _mm256_loadu_si256(ab.qs.as_ptr().cast()) };
+            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, aq), ones);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * ab.d), _mm256_cvtepi32_ps(p), acc[r]);
+            off[r] += m * ab.s;
+        }
+    }
+    let mut out = [0f32; 4];
+    for r in 0..N {
+        out[r] = hsum(acc[r]) + off[r];
+    }
+    out
+}
+
+/// Q8_0 weights against up to four activation rows.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q8_0_x4<const N: usize>(w: &[u8], a: [&[BlockQ8]; 4]) -> [f32; 4] {
+    let nb = a[0].len();
+    assert!(w.len() >= nb * 34 && a[..N].iter().all(|r| r.len() == nb));
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); 4];
+    for i in 0..nb {
+        let blk = &w[i * 34..i * 34 + 34];
+        let d = f16_at(blk, 0);
+        // SAFETY: `blk[2..34]` is 32 bytes.
+        let wq = unsafe { _mm256_loadu_si256(blk[2..].as_ptr().cast()) };
+        // |w| as unsigned, sign moved onto the activation: vpmaddubsw needs one unsigned operand.
+        let aw = _mm256_sign_epi8(wq, wq);
+        for r in 0..N {
+            let ab = &a[r][i];
+            // SAFETY: `ab.qs` is 32 bytes.
+            let aq = unsafe { _mm256_loadu_si256(ab.qs.as_ptr().cast()) };
+            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(aq, wq)), ones);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * ab.d), _mm256_cvtepi32_ps(p), acc[r]);
+        }
+    }
+    let mut out = [0f32; 4];
+    for r in 0..N {
+        out[r] = hsum(acc[r]);
+    }
+    out
+}
+
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_f32(w: &[u8], x: &[f32]) -> f32 {
+    let n = x.len();
+    assert!(w.len() >= n * 4);
+    let mut acc = _mm256_setzero_ps();
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n elements remain in both rows.
+        let (wv, xv) = unsafe { (_mm256_loadu_ps(w.as_ptr().add(4 * i).cast()), _mm256_loadu_ps(x.as_ptr().add(i))) };
+        acc = _mm256_fmadd_ps(wv, xv, acc);
+        i += 8;
+    }
+    hsum(acc) + super::scalar::dot_f32(&w[4 * i..], &x[i..])
+}
+
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_f16(w: &[u8], x: &[f32]) -> f32 {
+    let n = x.len();
+    assert!(w.len() >= n * 2);
+    let mut acc = _mm256_setzero_ps();
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n elements remain in both rows.
+        let (wv, xv) = unsafe { (_mm_loadu_si128(w.as_ptr().add(2 * i).cast()), _mm256_loadu_ps(x.as_ptr().add(i))) };
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(wv), xv, acc);
+        i += 8;
+    }
+    hsum(acc) + super::scalar::dot_f16(&w[2 * i..], &x[i..])
+}
+
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_bf16(w: &[u8], x: &[f32]) -> f32 {
+    let n = x.len();
+    assert!(w.len() >= n * 2);
+    let mut acc = _mm256_setzero_ps();
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n elements remain in both rows.
+        let (wv, xv) = unsafe { (_mm_loadu_si128(w.as_ptr().add(2 * i).cast()), _mm256_loadu_ps(x.as_ptr().add(i))) };
+        // bf16 is the high half of an f32: widen and shift into place.
+        let wf = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(wv)));
+        acc = _mm256_fmadd_ps(wf, xv, acc);
+        i += 8;
+    }
+    hsum(acc) + super::scalar::dot_bf16(&w[2 * i..], &x[i..])
+}
+
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_f16_f32(k: &[f16], q: &[f32]) -> f32 {
+    let n = k.len().min(q.len());
+    let mut acc = _mm256_setzero_ps();
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n elements remain in both slices; f16 is 2 bytes, repr(transparent) u16.
+        let (kv, qv) = unsafe { (_mm_loadu_si128(k.as_ptr().add(i).cast()), _mm256_loadu_ps(q.as_ptr().add(i))) };
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(kv), qv, acc);
+        i += 8;
+    }
+    hsum(acc) + super::scalar::dot_f16_f32(&k[i..n], &q[i..n])
+}
+
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn axpy_f16(a: f32, x: &[f16], y: &mut [f32]) {
+    let n = x.len().min(y.len());
+    let av = _mm256_set1_ps(a);
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n elements remain in both slices.
+        unsafe {
+            let xv = _mm256_cvtph_ps(_mm_loadu_si128(x.as_ptr().add(i).cast()));
+            let yp = y.as_mut_ptr().add(i);
+            _mm256_storeu_ps(yp, _mm256_fmadd_ps(av, xv, _mm256_loadu_ps(yp)));
+        }
+        i += 8;
+    }
+    super::scalar::axpy_f16(a, &x[i..n], &mut y[i..n]);
+}

@@ -1,0 +1,89 @@
+//! CPU kernels, chosen once per process by instruction set.
+//!
+//! [`Kernels::detect`] returns a table of function pointers: the AVX2+FMA+F16C versions when the
+//! processor has them, the scalar reference otherwise. The scalar versions in [`scalar`] are the
+//! numerical reference: every fast path is property-tested against them (see `tests` below).
+//! `INFERD_ISA=scalar` forces the reference (useful to bisect a numerical difference).
+
+use crate::quant::BlockQ8;
+
+pub mod scalar;
+#[cfg(target_arch = "x86_64")]
+pub mod avx2;
+
+/// The instruction set a kernel table was built for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    Scalar,
+    Avx2,
+}
+
+/// Quantized-weight dot product: one weight row (raw block bytes) against one activation row.
+pub type DotQ8 = fn(&[u8], &[BlockQ8]) -> f32;
+/// The same against four activation rows at once (weights unpacked once, used four times).
+pub type DotQ8x4 = fn(&[u8], [&[BlockQ8]; 4]) -> [f32; 4];
+/// Float-weight dot product: one weight row (raw little-endian bytes) against f32 activations.
+pub type DotF = fn(&[u8], &[f32]) -> f32;
+
+/// The kernel table for one instruction set.
+#[derive(Clone, Copy)]
+pub struct Kernels {
+    pub isa: Isa,
+    /// Quantizes f32 activations (`x.len() == 32 * out.len()`) to 8-bit blocks.
+    pub quantize_q8: fn(&[f32], &mut [BlockQ8]),
+    pub dot_q4_0: DotQ8,
+    pub dot_q4_1: DotQ8,
+    pub dot_q8_0: DotQ8,
+    pub dot_q4_0_x4: DotQ8x4,
+    pub dot_q4_1_x4: DotQ8x4,
+    pub dot_q8_0_x4: DotQ8x4,
+    pub dot_f32: DotF,
+    pub dot_f16: DotF,
+    pub dot_bf16: DotF,
+    /// `Σ k[i] * q[i]` with `k` stored as f16 (attention scores against the K cache).
+    pub dot_f16_f32: fn(&[half::f16], &[f32]) -> f32,
+    /// `y += a * x` with `x` stored as f16 (attention-weighted sum of the V cache).
+    pub axpy_f16: fn(f32, &[half::f16], &mut [f32]),
+}
+
+impl std::fmt::Debug for Kernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Kernels").field("isa", &self.isa).finish_non_exhaustive()
+    }
+}
+
+impl Kernels {
+    /// The scalar reference table.
+    pub fn scalar() -> Self {
+        Kernels {
+            isa: Isa::Scalar,
+            quantize_q8: scalar::quantize_q8,
+            dot_q4_0: scalar::dot_q4_0,
+            dot_q4_1: scalar::dot_q4_1,
+            dot_q8_0: scalar::dot_q8_0,
+            dot_q4_0_x4: |w, a| a.map(|a| scalar::dot_q4_0(w, a)),
+            dot_q4_1_x4: |w, a| a.map(|a| scalar::dot_q4_1(w, a)),
+            dot_q8_0_x4: |w, a| a.map(|a| scalar::dot_q8_0(w, a)),
+            dot_f32: scalar::dot_f32,
+            dot_f16: scalar::dot_f16,
+            dot_bf16: scalar::dot_bf16,
+            dot_f16_f32: scalar::dot_f16_f32,
+            axpy_f16: scalar::axpy_f16,
+        }
+    }
+
+    /// The fastest table this processor supports (honouring `INFERD_ISA=scalar`).
+    pub fn detect() -> Self {
+        if std::env::var("INFERD_ISA").is_ok_and(|v| v == "scalar") {
+            return Self::scalar();
+        }
+        #[cfg(target_arch = "x86_64")]
+        if let Some(k) = avx2::kernels() {
+            return k;
+        }
+        Self::scalar()
+    }
+}
+
+#[cfg(test)]
+mod tests;

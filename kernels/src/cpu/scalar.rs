@@ -1,0 +1,87 @@
+//! Scalar reference kernels: the numerical definition every fast path is tested against.
+//! Written for clarity, not speed; integer sums are exact so SIMD versions can match them closely.
+
+use crate::quant::{read_bf16, read_f16, read_f32, BlockQ8, QK};
+use half::f16;
+
+pub fn quantize_q8(x: &[f32], out: &mut [BlockQ8]) {
+    assert_eq!(x.len(), out.len() * QK);
+    for (chunk, blk) in x.chunks_exact(QK).zip(out.iter_mut()) {
+        let amax = chunk.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, v) in blk.qs.iter_mut().zip(chunk) {
+            let r = (v * id).round_ties_even() as i32;
+            *q = r as i8;
+            sum += r;
+        }
+        blk.d = d;
+        blk.s = d * sum as f32;
+    }
+}
+
+/// `Σ_j q4[j] * a[j]` over one block, with nibbles unpacked as the format says.
+fn nibble_dot(qs: &[u8], a: &[i8; QK]) -> i32 {
+    let mut s = 0i32;
+    for j in 0..16 {
+        s += i32::from(qs[j] & 0xf) * i32::from(a[j]);
+        s += i32::from(qs[j] >> 4) * i32::from(a[j + 16]);
+    }
+    s
+}
+
+pub fn dot_q4_0(w: &[u8], a: &[BlockQ8]) -> f32 {
+    let mut acc = 0f32;
+    for (i, ab) in a.iter().enumerate() {
+        let blk = &w[i * 18..i * 18 + 18];
+        let d = read_f16(blk, 0);
+        // weight = d * (q - 8): the offset folds into the activation block sum.
+        acc += d * (ab.d * nibble_dot(&blk[2..18], &ab.qs) as f32) - 8.0 * d * ab.s;
+    }
+    acc
+}
+
+pub fn dot_q4_1(w: &[u8], a: &[BlockQ8]) -> f32 {
+    let mut acc = 0f32;
+    for (i, ab) in a.iter().enumerate() {
+        let blk = &w[i * 20..i * 20 + 20];
+        let d = read_f16(blk, 0);
+        let m = read_f16(blk, 2);
+        acc += d * (ab.d * nibble_dot(&blk[4..20], &ab.qs) as f32) + m * ab.s;
+    }
+    acc
+}
+
+pub fn dot_q8_0(w: &[u8], a: &[BlockQ8]) -> f32 {
+    let mut acc = 0f32;
+    for (i, ab) in a.iter().enumerate() {
+        let blk = &w[i * 34..i * 34 + 34];
+        let d = read_f16(blk, 0);
+        let s: i32 = (0..QK).map(|j| i32::from(blk[2 + j] as i8) * i32::from(ab.qs[j])).sum();
+        acc += d * (ab.d * s as f32);
+    }
+    acc
+}
+
+pub fn dot_f32(w: &[u8], x: &[f32]) -> f32 {
+    x.iter().enumerate().map(|(i, v)| read_f32(w, 4 * i) * v).sum()
+}
+
+pub fn dot_f16(w: &[u8], x: &[f32]) -> f32 {
+    x.iter().enumerate().map(|(i, v)| read_f16(w, 2 * i) * v).sum()
+}
+
+pub fn dot_bf16(w: &[u8], x: &[f32]) -> f32 {
+    x.iter().enumerate().map(|(i, v)| read_bf16(w, 2 * i) * v).sum()
+}
+
+pub fn dot_f16_f32(k: &[f16], q: &[f32]) -> f32 {
+    k.iter().zip(q).map(|(a, b)| a.to_f32() * b).sum()
+}
+
+pub fn axpy_f16(a: f32, x: &[f16], y: &mut [f32]) {
+    for (yi, xi) in y.iter_mut().zip(x) {
+        *yi += a * xi.to_f32();
+    }
+}

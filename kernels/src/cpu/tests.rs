@@ -1,0 +1,111 @@
+//! Property tests: every fast kernel against the scalar reference on random rows.
+
+use super::{scalar, Kernels};
+use crate::quant::{quantize_row, BlockQ8, DType, QK};
+use proptest::prelude::*;
+
+fn fast() -> Option<Kernels> {
+    let k = Kernels::detect();
+    (k.isa != super::Isa::Scalar).then_some(k)
+}
+
+fn row(len: usize) -> impl Strategy<Value = Vec<f32>> {
+    proptest::collection::vec(-4.0f32..4.0, len)
+}
+
+fn q8(x: &[f32]) -> Vec<BlockQ8> {
+    let mut b = vec![BlockQ8::default(); x.len() / QK];
+    scalar::quantize_q8(x, &mut b);
+    b
+}
+
+fn close(a: f32, b: f32, scale: f32) -> bool {
+    (a - b).abs() <= 1e-4 * scale.max(1.0)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    #[test]
+    fn quantize_q8_matches_reference(x in row(4 * QK)) {
+        let Some(k) = fast() else { return Ok(()) };
+        let r = q8(&x);
+        let mut f = vec![BlockQ8::default(); 4];
+        (k.quantize_q8)(&x, &mut f);
+        for (a, b) in r.iter().zip(&f) {
+            prop_assert_eq!(a.qs, b.qs);
+            prop_assert_eq!(a.d, b.d);
+            prop_assert!(close(a.s, b.s, a.s.abs()));
+        }
+    }
+
+    #[test]
+    fn quantized_dots_match_reference(w in row(8 * QK), xs in proptest::collection::vec(row(8 * QK), 4)) {
+        let Some(k) = fast() else { return Ok(()) };
+        let acts: Vec<Vec<BlockQ8>> = xs.iter().map(|x| q8(x)).collect();
+        let a4 = [&acts[0][..], &acts[1][..], &acts[2][..], &acts[3][..]];
+        let cases: [(DType, super::DotQ8, super::DotQ8, super::DotQ8x4); 3] = [
+            (DType::Q4_0, scalar::dot_q4_0, k.dot_q4_0, k.dot_q4_0_x4),
+            (DType::Q4_1, scalar::dot_q4_1, k.dot_q4_1, k.dot_q4_1_x4),
+            (DType::Q8_0, scalar::dot_q8_0, k.dot_q8_0, k.dot_q8_0_x4),
+        ];
+        for (dt, reference, one, four) in cases {
+            let mut wb = Vec::new();
+            quantize_row(dt, &w, &mut wb);
+            let got4 = four(&wb, a4);
+            for r in 0..4 {
+                let want = reference(&wb, &acts[r]);
+                let scale: f32 = w.iter().zip(&xs[r]).map(|(a, b)| (a * b).abs()).sum();
+                prop_assert!(close(want, one(&wb, &acts[r]), scale), "{:?} single", dt);
+                prop_assert!(close(want, got4[r], scale), "{:?} x4 row {}", dt, r);
+            }
+        }
+    }
+
+    #[test]
+    fn float_dots_match_reference(w in row(77), x in row(77)) {
+        let Some(k) = fast() else { return Ok(()) };
+        let scale: f32 = w.iter().zip(&x).map(|(a, b)| (a * b).abs()).sum();
+        for (dt, reference, got) in [
+            (DType::F32, scalar::dot_f32 as super::DotF, k.dot_f32),
+            (DType::F16, scalar::dot_f16, k.dot_f16),
+            (DType::BF16, scalar::dot_bf16, k.dot_bf16),
+        ] {
+            let mut wb = Vec::new();
+            quantize_row(dt, &w, &mut wb);
+            prop_assert!(close(reference(&wb, &x), got(&wb, &x), scale), "{:?}", dt);
+        }
+    }
+
+    #[test]
+    fn f16_attention_kernels_match_reference(kv in row(67), q in row(67), a in -2.0f32..2.0) {
+        let Some(k) = fast() else { return Ok(()) };
+        let kh: Vec<half::f16> = kv.iter().map(|v| half::f16::from_f32(*v)).collect();
+        let scale: f32 = kv.iter().zip(&q).map(|(a, b)| (a * b).abs()).sum();
+        prop_assert!(close(scalar::dot_f16_f32(&kh, &q), (k.dot_f16_f32)(&kh, &q), scale));
+        let mut y1 = q.clone();
+        let mut y2 = q.clone();
+        scalar::axpy_f16(a, &kh, &mut y1);
+        (k.axpy_f16)(a, &kh, &mut y2);
+        for (u, v) in y1.iter().zip(&y2) {
+            prop_assert!(close(*u, *v, u.abs()));
+        }
+    }
+}
+
+#[test]
+fn quantized_dot_approximates_float_dot() {
+    // The reference itself must be right: compare against a float dot of the dequantized weights.
+    let w: Vec<f32> = (0..256).map(|i| ((i * 7919) % 97) as f32 / 48.0 - 1.0).collect();
+    let x: Vec<f32> = (0..256).map(|i| ((i * 104729) % 89) as f32 / 44.0 - 1.0).collect();
+    let a = q8(&x);
+    for (dt, dot) in [(DType::Q4_0, scalar::dot_q4_0 as super::DotQ8), (DType::Q4_1, scalar::dot_q4_1), (DType::Q8_0, scalar::dot_q8_0)] {
+        let mut wb = Vec::new();
+        quantize_row(dt, &w, &mut wb);
+        let mut wd = vec![0.0; 256];
+        crate::quant::dequantize_row(dt, &wb, &mut wd);
+        let exact: f32 = wd.iter().zip(&x).map(|(a, b)| a * b).sum();
+        let got = dot(&wb, &a);
+        assert!((exact - got).abs() < 0.05 * exact.abs().max(1.0), "{dt:?}: {exact} vs {got}");
+    }
+}

@@ -1,0 +1,24 @@
+//! inferd compute kernels.
+//!
+//! Everything that touches weights or activations element by element lives here, so that `unsafe`
+//! SIMD code stays in one crate. The layout follows candle's `quantized/` and llama.cpp's `ggml-cpu`:
+//!
+//! - [`quant`]: the on-disk block formats (GGUF Q4_0, Q4_1, Q8_0, F16, BF16, F32) and the activation
+//!   format [`quant::BlockQ8`] that quantized matrix products consume.
+//! - [`cpu`]: the kernels proper: a scalar reference (`cpu::scalar`, kept forever and the oracle of
+//!   the property tests) and an AVX2+FMA path (`cpu::avx2`) chosen once at run time.
+//! - [`matmul`]: the multi-threaded matrix product driver over a [`pool::ThreadPool`].
+//! - [`ops`]: the small per-row operations of a transformer block (RMSNorm, RoPE, SwiGLU, softmax).
+//! - [`attention`]: attention over a paged K/V cache.
+//!
+//! No kernel allocates on the hot path; callers own every buffer.
+
+pub mod attention;
+pub mod cpu;
+pub mod matmul;
+pub mod ops;
+pub mod pool;
+pub mod quant;
+
+pub use cpu::{Isa, Kernels};
+pub use quant::{BlockQ8, DType};

@@ -1,0 +1,150 @@
+//! The matrix product driver: `y = x · Wᵀ` for a weight matrix in any [`DType`], threaded over
+//! output rows.
+//!
+//! Weights are row-major as GGUF and safetensors store them: row `r` (one output feature) holds
+//! `cols` input weights. Activations come as `tokens` rows of `cols` floats, and for quantized
+//! weights also pre-quantized to [`BlockQ8`] (quantize once, reuse for Q/K/V or gate/up).
+//! Each task owns a chunk of weight rows and runs every token against it, four tokens per weight
+//! unpack, so a chunk is read from memory once per call whatever the batch size.
+
+use crate::cpu::Kernels;
+use crate::pool::{SyncPtr, ThreadPool};
+use crate::quant::{BlockQ8, DType, QK};
+
+/// A borrowed weight matrix.
+#[derive(Clone, Copy, Debug)]
+pub struct Matrix<'a> {
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+    pub data: &'a [u8],
+}
+
+impl Matrix<'_> {
+    pub fn row_bytes(&self) -> usize {
+        self.dtype.bytes_for(self.cols).unwrap_or(0)
+    }
+
+    pub fn row(&self, r: usize) -> &[u8] {
+        let rb = self.row_bytes();
+        &self.data[r * rb..(r + 1) * rb]
+    }
+}
+
+/// Activations for a product: `tokens` rows of `cols` floats, and their 8-bit blocks when the
+/// weights are quantized (`q8.len() == tokens * cols / 32`, else empty).
+#[derive(Clone, Copy, Debug)]
+pub struct Input<'a> {
+    pub f32: &'a [f32],
+    pub q8: &'a [BlockQ8],
+    pub tokens: usize,
+}
+
+/// Rows per task: enough tasks to balance across threads, few enough to keep dispatch cheap.
+fn chunk_rows(rows: usize, threads: usize) -> usize {
+    let target_tasks = threads * 8;
+    (rows.div_ceil(target_tasks)).clamp(4, 256)
+}
+
+/// `y[t * w.rows + r] = Σ_c w[r][c] * x[t][c]` for every token `t` and row `r`.
+pub fn matmul(pool: &ThreadPool, k: &Kernels, w: &Matrix<'_>, x: &Input<'_>, y: &mut [f32]) {
+    let (n, t) = (w.rows, x.tokens);
+    assert_eq!(y.len(), n * t, "output shape");
+    assert_eq!(x.f32.len(), t * w.cols, "input shape");
+    assert!(w.data.len() >= n * w.row_bytes(), "weight bytes");
+    if w.dtype.is_quantized() {
+        assert_eq!(x.q8.len(), t * w.cols / QK, "quantized input shape");
+    }
+    let chunk = chunk_rows(n, pool.threads());
+    let out = SyncPtr(y.as_mut_ptr());
+    let task = |i: usize| {
+        let r0 = i * chunk;
+        let r1 = (r0 + chunk).min(n);
+        // Each task writes only columns r0..r1 of every output row: disjoint across tasks.
+        let store = |tok: usize, r: usize, v: f32| {
+            debug_assert!(tok < t && r < n);
+            // SAFETY: `tok * n + r < y.len()` (asserted shapes) and no other task writes row `r`.
+            unsafe { *out.get().add(tok * n + r) = v };
+        };
+        rows_times_tokens(k, w, x, r0, r1, &store);
+    };
+    pool.run(n.div_ceil(chunk), &task);
+}
+
+fn rows_times_tokens(k: &Kernels, w: &Matrix<'_>, x: &Input<'_>, r0: usize, r1: usize, store: &dyn Fn(usize, usize, f32)) {
+    let t = x.tokens;
+    if w.dtype.is_quantized() {
+        let (one, four) = match w.dtype {
+            DType::Q4_0 => (k.dot_q4_0, k.dot_q4_0_x4),
+            DType::Q4_1 => (k.dot_q4_1, k.dot_q4_1_x4),
+            _ => (k.dot_q8_0, k.dot_q8_0_x4),
+        };
+        let nb = w.cols / QK;
+        let act = |tok: usize| &x.q8[tok * nb..(tok + 1) * nb];
+        let mut tok = 0;
+        while tok + 4 <= t {
+            let a = [act(tok), act(tok + 1), act(tok + 2), act(tok + 3)];
+            for r in r0..r1 {
+                let v = four(w.row(r), a);
+                for (j, vj) in v.into_iter().enumerate() {
+                    store(tok + j, r, vj);
+                }
+            }
+            tok += 4;
+        }
+        for tok in tok..t {
+            for r in r0..r1 {
+                store(tok, r, one(w.row(r), act(tok)));
+            }
+        }
+    } else {
+        let dot = match w.dtype {
+            DType::F32 => k.dot_f32,
+            DType::F16 => k.dot_f16,
+            _ => k.dot_bf16,
+        };
+        for tok in 0..t {
+            let xr = &x.f32[tok * w.cols..(tok + 1) * w.cols];
+            for r in r0..r1 {
+                store(tok, r, dot(w.row(r), xr));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{dequantize_row, quantize_row};
+
+    #[test]
+    fn matmul_matches_dequantized_float_product() {
+        let pool = ThreadPool::new(2);
+        let (rows, cols, tokens) = (37, 64, 6);
+        let wf: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 113) as f32 / 56.0 - 1.0).collect();
+        let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 104729) % 97) as f32 / 48.0 - 1.0).collect();
+        for kern in [Kernels::scalar(), Kernels::detect()] {
+            for dt in [DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+                let mut data = Vec::new();
+                for r in 0..rows {
+                    quantize_row(dt, &wf[r * cols..(r + 1) * cols], &mut data);
+                }
+                let w = Matrix { dtype: dt, rows, cols, data: &data };
+                let mut q8 = vec![BlockQ8::default(); tokens * cols / QK];
+                (kern.quantize_q8)(&x, &mut q8);
+                let mut y = vec![0.0; rows * tokens];
+                matmul(&pool, &kern, &w, &Input { f32: &x, q8: &q8, tokens }, &mut y);
+                let mut wr = vec![0.0; cols];
+                for r in 0..rows {
+                    dequantize_row(dt, w.row(r), &mut wr);
+                    for t in 0..tokens {
+                        let want: f32 = wr.iter().zip(&x[t * cols..]).map(|(a, b)| a * b).sum();
+                        let got = y[t * rows + r];
+                        let tol = if dt.is_quantized() { 0.05 } else { 1e-3 };
+                        assert!((want - got).abs() < tol * want.abs().max(1.0), "{dt:?} r{r} t{t}: {want} vs {got}");
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,213 @@
+//! A small persistent thread pool for data-parallel kernels.
+//!
+//! Decode runs a few hundred matrix products per token, each tens of microseconds long, so waking
+//! workers must cost far less than that: workers spin briefly on a generation counter before they
+//! park on a condition variable (the scheme of llama.cpp's ggml threadpool). The calling thread
+//! takes part in every job. Tasks are claimed from a shared atomic counter, so uneven tasks balance.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering::SeqCst};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How long an idle worker spins before it parks.
+const SPIN: Duration = Duration::from_micros(200);
+
+struct Job<'a> {
+    task: &'a (dyn Fn(usize) + Sync),
+    n_tasks: usize,
+    next: AtomicUsize,
+    done: AtomicUsize,
+    panicked: AtomicBool,
+}
+
+impl Job<'_> {
+    /// Claims and runs tasks until none are left.
+    fn work(&self) {
+        loop {
+            let i = self.next.fetch_add(1, SeqCst);
+            if i >= self.n_tasks {
+                return;
+            }
+            if catch_unwind(AssertUnwindSafe(|| (self.task)(i))).is_err() {
+                self.panicked.store(true, SeqCst);
+            }
+            self.done.fetch_add(1, SeqCst);
+        }
+    }
+}
+
+struct Shared {
+    generation: AtomicU64,
+    /// The current job (type-erased `Job<'_>`), null between jobs.
+    job: AtomicPtr<()>,
+    /// Workers currently holding a pointer to the job.
+    active: AtomicUsize,
+    shutdown: AtomicBool,
+    lock: Mutex<()>,
+    wake: Condvar,
+}
+
+/// A fixed set of worker threads; see the module docs.
+pub struct ThreadPool {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+    /// Serializes callers: one job at a time.
+    running: Mutex<()>,
+}
+
+impl std::fmt::Debug for ThreadPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ThreadPool({} threads)", self.threads())
+    }
+}
+
+impl ThreadPool {
+    /// A pool running jobs on `threads` threads in all (the caller plus `threads - 1` workers).
+    pub fn new(threads: usize) -> Self {
+        let shared = Arc::new(Shared {
+            generation: AtomicU64::new(0),
+            job: AtomicPtr::new(std::ptr::null_mut()),
+            active: AtomicUsize::new(0),
+            shutdown: AtomicBool::new(false),
+            lock: Mutex::new(()),
+            wake: Condvar::new(),
+        });
+        let workers = (1..threads.max(1))
+            .map(|i| {
+                let s = Arc::clone(&shared);
+                std::thread::Builder::new()
+                    .name(format!("inferd-worker-{i}"))
+                    .spawn(move || worker(&s))
+                    .expect("spawning a kernel worker thread")
+            })
+            .collect();
+        ThreadPool { shared, workers, running: Mutex::new(()) }
+    }
+
+    /// The number of threads a job runs on, the caller included.
+    pub fn threads(&self) -> usize {
+        self.workers.len() + 1
+    }
+
+    /// Runs `task(i)` for every `i < n_tasks` across the pool and returns when all have finished.
+    /// A panicking task is re-raised here after the others finish.
+    pub fn run(&self, n_tasks: usize, task: &(dyn Fn(usize) + Sync)) {
+        if n_tasks == 0 {
+            return;
+        }
+        let job = Job { task, n_tasks, next: AtomicUsize::new(0), done: AtomicUsize::new(0), panicked: AtomicBool::new(false) };
+        if self.workers.is_empty() || n_tasks == 1 {
+            job.work();
+        } else {
+            let _serial = self.running.lock().unwrap_or_else(|e| e.into_inner());
+            self.shared.job.store(&job as *const Job<'_> as *mut (), SeqCst);
+            self.shared.generation.fetch_add(1, SeqCst);
+            drop(self.shared.lock.lock().unwrap_or_else(|e| e.into_inner()));
+            self.shared.wake.notify_all();
+            job.work();
+            while job.done.load(SeqCst) < n_tasks {
+                std::hint::spin_loop();
+            }
+            // Retire the job, then wait until no worker still holds a pointer to it (it lives on
+            // this stack frame).
+            self.shared.job.store(std::ptr::null_mut(), SeqCst);
+            while self.shared.active.load(SeqCst) != 0 {
+                std::hint::spin_loop();
+            }
+        }
+        if job.panicked.load(SeqCst) {
+            panic!("a kernel task panicked");
+        }
+    }
+}
+
+fn worker(s: &Shared) {
+    let mut seen = s.generation.load(SeqCst);
+    loop {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        while s.generation.load(SeqCst) == seen && !s.shutdown.load(SeqCst) {
+            std::hint::spin_loop();
+            spins = spins.wrapping_add(1);
+            if spins % 1024 == 0 && start.elapsed() > SPIN {
+                let guard = s.lock.lock().unwrap_or_else(|e| e.into_inner());
+                if s.generation.load(SeqCst) == seen && !s.shutdown.load(SeqCst) {
+                    drop(s.wake.wait(guard).unwrap_or_else(|e| e.into_inner()));
+                }
+            }
+        }
+        if s.shutdown.load(SeqCst) {
+            return;
+        }
+        seen = s.generation.load(SeqCst);
+        s.active.fetch_add(1, SeqCst);
+        let ptr = s.job.load(SeqCst);
+        if !ptr.is_null() {
+            // SAFETY: a non-null job pointer was loaded after `active` was raised, so the caller in
+            // `run` is still waiting (it nulls the pointer, then waits for `active == 0`) and the
+            // `Job` on its stack is alive until we lower `active` below.
+            let job = unsafe { &*(ptr as *const Job<'_>) };
+            job.work();
+        }
+        s.active.fetch_sub(1, SeqCst);
+    }
+}
+
+impl Drop for ThreadPool {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, SeqCst);
+        drop(self.shared.lock.lock().unwrap_or_else(|e| e.into_inner()));
+        self.shared.wake.notify_all();
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+/// A raw pointer that kernels share across tasks writing disjoint parts of one output buffer.
+#[derive(Clone, Copy)]
+pub struct SyncPtr<T>(pub *mut T);
+// SAFETY: users only write disjoint elements through it from different tasks (each use says why).
+unsafe impl<T: Send> Send for SyncPtr<T> {}
+// SAFETY: as above.
+unsafe impl<T: Send> Sync for SyncPtr<T> {}
+
+impl<T> SyncPtr<T> {
+    /// The pointer (a method, so closures capture the whole `Sync` wrapper, not the raw field).
+    #[inline]
+    pub fn get(self) -> *mut T {
+        self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_every_task_once() {
+        let pool = ThreadPool::new(3);
+        for n in [1, 2, 7, 1000] {
+            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            pool.run(n, &|i| {
+                hits[i].fetch_add(1, SeqCst);
+            });
+            assert!(hits.iter().all(|h| h.load(SeqCst) == 1));
+        }
+    }
+
+    #[test]
+    fn survives_idle_periods_and_panics() {
+        let pool = ThreadPool::new(2);
+        std::thread::sleep(Duration::from_millis(5));
+        let r = catch_unwind(AssertUnwindSafe(|| pool.run(4, &|i| assert_ne!(i, 2))));
+        assert!(r.is_err());
+        let count = AtomicUsize::new(0);
+        pool.run(8, &|_| {
+            count.fetch_add(1, SeqCst);
+        });
+        assert_eq!(count.load(SeqCst), 8);
+    }
+}

@@ -1,0 +1,1 @@
+//! Support crate for the end-to-end tests.
