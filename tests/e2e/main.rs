@@ -1,1 +1,7 @@
-//! e2e
+//! End-to-end tests of the engine: tiny generated models in every supported format, hostile
+//! files, and the real default model against independent golden data (tests/golden).
+
+mod corrupt;
+mod golden;
+mod tiny;
+mod tokenizer;

@@ -1,0 +1,145 @@
+//! Tiny random-weight models written by the tests: formats agree, batching and prefix caching
+//! do not change results, KV blocks are never leaked.
+
+use inferd::engine::{argmax, Engine, EngineOptions};
+use inferd::model::Model;
+use inferd_e2e::{temp_dir, write_tiny_gguf, write_tiny_hf, TinySpec};
+use inferd_kernels::DType;
+
+fn opts() -> EngineOptions {
+    EngineOptions { kv_budget_bytes: 8 << 20, block_size: 4, prefill_chunk: 7, threads: 2 }
+}
+
+fn prompt(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| 3 + (i * 31 + salt * 17) % 250).collect()
+}
+
+fn last_logits(model: &Model, p: &[u32]) -> Vec<f32> {
+    let mut e = Engine::cpu(model, &opts());
+    let (s, l) = e.prefill(&[p]).unwrap().remove(0);
+    e.release(s);
+    l
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+#[test]
+fn gguf_and_safetensors_of_the_same_weights_agree() {
+    // The GGUF file stores Q/K permuted for interleaved RoPE, the HF one in rotate-half layout:
+    // equal logits prove both loaders and both RoPE styles.
+    let dir = temp_dir("formats");
+    let spec = TinySpec::default();
+    let g = Model::load(&write_tiny_gguf(&dir.join("m.gguf"), &spec, DType::F32, DType::F32)).unwrap();
+    let h = Model::load(&write_tiny_hf(&dir.join("hf"), &spec, safetensors::Dtype::F32)).unwrap();
+    assert_eq!(g.config.rope_style, inferd_kernels::ops::RopeStyle::Interleaved);
+    assert_eq!(h.config.rope_style, inferd_kernels::ops::RopeStyle::Neox);
+    let p = prompt(19, 1);
+    let (lg, lh) = (last_logits(&g, &p), last_logits(&h, &p));
+    assert!(max_diff(&lg, &lh) < 1e-3, "GGUF vs safetensors: {}", max_diff(&lg, &lh));
+    // The tokenizers agree too.
+    let text = "the 123 then\n  inner <|im_start|>";
+    for special in [false, true] {
+        assert_eq!(g.tokenizer.encode(text, special).unwrap(), h.tokenizer.encode(text, special).unwrap());
+    }
+}
+
+#[test]
+fn every_weight_type_loads_and_tracks_the_f32_model() {
+    let dir = temp_dir("dtypes");
+    let spec = TinySpec::default();
+    let reference = Model::load(&write_tiny_gguf(&dir.join("f32.gguf"), &spec, DType::F32, DType::F32)).unwrap();
+    let p = prompt(9, 2);
+    let want = last_logits(&reference, &p);
+    let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+    for (dt, emb, tol) in [(DType::F16, DType::F16, 0.01), (DType::BF16, DType::BF16, 0.05), (DType::Q8_0, DType::Q8_0, 0.1), (DType::Q4_1, DType::Q8_0, 0.35), (DType::Q4_0, DType::Q8_0, 0.5)] {
+        let m = Model::load(&write_tiny_gguf(&dir.join(format!("{}.gguf", dt.name())), &spec, dt, emb)).unwrap();
+        assert_eq!(m.weights.layers[0].wq.dtype, dt);
+        let got = last_logits(&m, &p);
+        let d = max_diff(&want, &got);
+        assert!(d < tol * scale, "{}: max diff {d} vs logit scale {scale}", dt.name());
+    }
+    for st in [safetensors::Dtype::F16, safetensors::Dtype::BF16] {
+        let m = Model::load(&write_tiny_hf(&dir.join(format!("hf-{st:?}")), &spec, st)).unwrap();
+        let d = max_diff(&want, &last_logits(&m, &p));
+        assert!(d < 0.05 * scale, "{st:?}: {d}");
+    }
+}
+
+#[test]
+fn batched_decode_equals_unbatched() {
+    let dir = temp_dir("batch");
+    let m = Model::load(&write_tiny_gguf(&dir.join("m.gguf"), &TinySpec::default(), DType::Q4_1, DType::Q8_0)).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..8).map(|i| prompt(5 + 3 * i, i as u32)).collect();
+    let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+    let mut alone = Vec::new();
+    for p in &refs {
+        let mut e = Engine::cpu(&m, &opts());
+        alone.push(e.generate_greedy(&[p], 12, &[], &mut |_, _| {}).unwrap().remove(0));
+    }
+    let mut e = Engine::cpu(&m, &opts());
+    let together = e.generate_greedy(&refs, 12, &[], &mut |_, _| {}).unwrap();
+    assert_eq!(alone, together);
+    assert_eq!(e.kv.sequences(), 0);
+    assert_eq!(e.kv.stats().free, e.kv.stats().total, "every block returned");
+}
+
+#[test]
+fn prefix_cache_hit_gives_the_cold_logits() {
+    let dir = temp_dir("prefix");
+    let m = Model::load(&write_tiny_gguf(&dir.join("m.gguf"), &TinySpec::default(), DType::Q8_0, DType::Q8_0)).unwrap();
+    let system = prompt(21, 5);
+    let mut a = system.clone();
+    a.extend(prompt(6, 8));
+    let cold = last_logits(&m, &a);
+    let mut e = Engine::cpu(&m, &opts());
+    let (s, _) = e.prefill(&[&system]).unwrap().remove(0);
+    e.release(s);
+    let before = e.kv.prefix_hit_tokens;
+    let (s, warm) = e.prefill(&[&a]).unwrap().remove(0);
+    assert_eq!(e.kv.prefix_hit_tokens - before, 20, "five full blocks of four reused");
+    assert!(max_diff(&cold, &warm) < 1e-4, "{}", max_diff(&cold, &warm));
+    e.release(s);
+}
+
+#[test]
+fn forked_sequences_diverge_without_disturbing_each_other() {
+    let dir = temp_dir("fork");
+    let m = Model::load(&write_tiny_gguf(&dir.join("m.gguf"), &TinySpec::default(), DType::F16, DType::F16)).unwrap();
+    let p = prompt(10, 3);
+    let mut e = Engine::cpu(&m, &opts());
+    let (a, _) = e.prefill(&[&p]).unwrap().remove(0);
+    let b = e.kv.fork(a);
+    let la = e.decode(&[(a, 7), (b, 9)]).unwrap().to_vec();
+    let vocab = e.vocab();
+    // Each branch must equal a fresh sequence with the same tokens.
+    for (i, t) in [7u32, 9].into_iter().enumerate() {
+        let mut q = p.clone();
+        q.push(t);
+        let want = last_logits(&m, &q);
+        assert!(max_diff(&want, &la[i * vocab..(i + 1) * vocab]) < 1e-4);
+    }
+    e.release(a);
+    e.release(b);
+    assert_eq!(e.kv.stats().free, e.kv.stats().total);
+}
+
+#[test]
+fn bad_batches_are_errors_and_leak_nothing() {
+    let dir = temp_dir("bad");
+    let m = Model::load(&write_tiny_gguf(&dir.join("m.gguf"), &TinySpec::default(), DType::F32, DType::F32)).unwrap();
+    let mut e = Engine::cpu(&m, &opts());
+    let vocab = e.vocab() as u32;
+    assert!(e.prefill(&[&[]]).is_err());
+    assert!(e.prefill(&[&[1, 2], &[vocab + 5]]).is_err(), "out-of-vocabulary id");
+    assert!(e.prefill(&[&prompt(300, 1)]).is_err(), "longer than the context");
+    assert_eq!(e.kv.sequences(), 0);
+    assert_eq!(e.kv.stats().free, e.kv.stats().total);
+    // A pool too small for the prompt is a value, not a panic.
+    let mut small = Engine::cpu(&m, &EngineOptions { kv_budget_bytes: 1, ..opts() });
+    assert!(matches!(small.prefill(&[&prompt(40, 1)]), Err(inferd::engine::EngineError::OutOfBlocks(_))));
+    assert_eq!(small.kv.sequences(), 0);
+    let _ = argmax(&[0.0]);
+}
