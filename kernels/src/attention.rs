@@ -28,34 +28,50 @@ impl PagedKv<'_> {
     }
 }
 
-/// Causal attention of query head `q` (one `head_dim` vector, already rotated) sharing KV head
-/// `kv_head`, over positions `0..ctx_len` of the sequence whose blocks are `table`.
-/// `scores` is scratch of at least `ctx_len`; the result is written to `out` (`head_dim`).
+/// Causal attention of the `g` query heads that share KV head `kv_head` (GQA), over positions
+/// `0..ctx_len` of the sequence whose blocks are `table`. `q` holds the `g` rotated query vectors
+/// back to back (`g × head_dim`); the results go to `out` in the same layout. `scores` is
+/// scratch of at least `ctx_len * g`. Each key and value is converted from f16 once per group.
 #[allow(clippy::too_many_arguments)]
-pub fn attend_head(
+pub fn attend_group(
     k: &Kernels,
     kv: &PagedKv<'_>,
     table: &[u32],
     ctx_len: usize,
     kv_head: usize,
     q: &[f32],
+    g: usize,
     scale: f32,
     scores: &mut [f32],
     out: &mut [f32],
 ) {
     let (bs, hd) = (kv.block_size, kv.head_dim);
-    let scores = &mut scores[..ctx_len];
-    for (pos, s) in scores.iter_mut().enumerate() {
-        let blk = table[pos / bs] as usize;
-        let o = PagedKv::offset(bs, kv.n_kv_heads, hd, blk, kv_head, pos % bs);
-        *s = (k.dot_f16_f32)(&kv.k[o..o + hd], q) * scale;
+    let scores = &mut scores[..ctx_len * g];
+    let blocks = ctx_len.div_ceil(bs);
+    let span = |b: usize| {
+        let n = bs.min(ctx_len - b * bs);
+        let o = PagedKv::offset(bs, kv.n_kv_heads, hd, table[b] as usize, kv_head, 0);
+        (o, n)
+    };
+    for b in 0..blocks {
+        let (o, n) = span(b);
+        (k.attn_scores)(&kv.k[o..o + n * hd], q, hd, g, scale, &mut scores[b * bs * g..(b * bs + n) * g]);
     }
-    crate::ops::softmax(scores);
+    // Softmax of each head's column (stride g).
+    for j in 0..g {
+        let max = scores.iter().skip(j).step_by(g).copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0;
+        for s in scores.iter_mut().skip(j).step_by(g) {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        let inv = 1.0 / sum;
+        scores.iter_mut().skip(j).step_by(g).for_each(|s| *s *= inv);
+    }
     out.fill(0.0);
-    for (pos, &p) in scores.iter().enumerate() {
-        let blk = table[pos / bs] as usize;
-        let o = PagedKv::offset(bs, kv.n_kv_heads, hd, blk, kv_head, pos % bs);
-        (k.axpy_f16)(p, &kv.v[o..o + hd], out);
+    for b in 0..blocks {
+        let (o, n) = span(b);
+        (k.attn_values)(&kv.v[o..o + n * hd], &scores[b * bs * g..(b * bs + n) * g], hd, g, out);
     }
 }
 
@@ -72,7 +88,7 @@ thread_local! {
 }
 
 /// Attention for a whole batch: `q` is `[tokens][n_heads * head_dim]`, `ctx[t]` says what token
-/// `t` sees, `out` has the shape of `q`. Parallel over (token, head) pairs.
+/// `t` sees, `out` has the shape of `q`. Parallel over (token, KV head) pairs.
 pub fn attend_batch(pool: &ThreadPool, k: &Kernels, kv: &PagedKv<'_>, n_heads: usize, q: &[f32], ctx: &[QueryCtx<'_>], out: &mut [f32]) {
     let hd = kv.head_dim;
     let qdim = n_heads * hd;
@@ -86,21 +102,23 @@ pub fn attend_batch(pool: &ThreadPool, k: &Kernels, kv: &PagedKv<'_>, n_heads: u
     }
     let scale = 1.0 / (hd as f32).sqrt();
     let dst = SyncPtr(out.as_mut_ptr());
+    let nkv = kv.n_kv_heads;
     let task = |i: usize| {
-        let (t, h) = (i / n_heads, i % n_heads);
+        let (t, g) = (i / nkv, i % nkv);
         let c = ctx[t];
-        let off = t * qdim + h * hd;
-        // SAFETY: task (t, h) is the only writer of out[off..off + hd], which lies inside `out`
-        // (asserted shape), and `out` outlives `pool.run`.
-        let o = unsafe { std::slice::from_raw_parts_mut(dst.get().add(off), hd) };
+        let off = t * qdim + g * group * hd;
+        let len = group * hd;
+        // SAFETY: task (t, g) is the only writer of out[off..off + len] (the query heads of KV
+        // head g for token t), which lies inside `out` (asserted shape); `out` outlives `pool.run`.
+        let o = unsafe { std::slice::from_raw_parts_mut(dst.get().add(off), len) };
         SCORES.with_borrow_mut(|scores| {
-            if scores.len() < c.ctx_len {
-                scores.resize(c.ctx_len, 0.0);
+            if scores.len() < c.ctx_len * group {
+                scores.resize(c.ctx_len * group, 0.0);
             }
-            attend_head(k, kv, c.table, c.ctx_len, h / group, &q[off..off + hd], scale, scores, o);
+            attend_group(k, kv, c.table, c.ctx_len, g, &q[off..off + len], group, scale, scores, o);
         });
     };
-    pool.run(ctx.len() * n_heads, &task);
+    pool.run(ctx.len() * nkv, &task);
 }
 
 #[cfg(test)]
@@ -123,18 +141,25 @@ mod tests {
                 vp[o + i] = f16::from_f32(vals[p][i]);
             }
         }
-        let q: Vec<f32> = (0..hd).map(|i| i as f32 / 4.0 - 1.0).collect();
+        // Two query heads share the KV head.
+        let g = 2;
+        let q: Vec<f32> = (0..g * hd).map(|i| (i % 11) as f32 / 4.0 - 1.0).collect();
         let kv = PagedKv { k: &kp, v: &vp, block_size: bs, n_kv_heads: nkv, head_dim: hd };
-        let mut scores = vec![0.0; ctx];
-        let mut out = vec![0.0; hd];
-        attend_head(&Kernels::detect(), &kv, &table, ctx, 0, &q, 0.5, &mut scores, &mut out);
-        // Contiguous reference with the same f16-rounded values.
-        let r = |x: f32| f16::from_f32(x).to_f32();
-        let mut w: Vec<f32> = keys.iter().map(|kk| kk.iter().zip(&q).map(|(a, b)| r(*a) * b).sum::<f32>() * 0.5).collect();
-        crate::ops::softmax(&mut w);
-        for i in 0..hd {
-            let want: f32 = (0..ctx).map(|p| w[p] * r(vals[p][i])).sum();
-            assert!((want - out[i]).abs() < 1e-4, "{want} vs {}", out[i]);
+        for kern in [Kernels::scalar(), Kernels::detect()] {
+            let mut scores = vec![0.0; ctx * g];
+            let mut out = vec![0.0; g * hd];
+            attend_group(&kern, &kv, &table, ctx, 0, &q, g, 0.5, &mut scores, &mut out);
+            // Contiguous reference with the same f16-rounded values, one head at a time.
+            let r = |x: f32| f16::from_f32(x).to_f32();
+            for j in 0..g {
+                let qj = &q[j * hd..(j + 1) * hd];
+                let mut w: Vec<f32> = keys.iter().map(|kk| kk.iter().zip(qj).map(|(a, b)| r(*a) * b).sum::<f32>() * 0.5).collect();
+                crate::ops::softmax(&mut w);
+                for i in 0..hd {
+                    let want: f32 = (0..ctx).map(|p| w[p] * r(vals[p][i])).sum();
+                    assert!((want - out[j * hd + i]).abs() < 1e-4, "{want} vs {}", out[j * hd + i]);
+                }
+            }
         }
     }
 }

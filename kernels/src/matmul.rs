@@ -48,27 +48,46 @@ fn chunk_rows(rows: usize, threads: usize) -> usize {
 
 /// `y[t * w.rows + r] = Σ_c w[r][c] * x[t][c]` for every token `t` and row `r`.
 pub fn matmul(pool: &ThreadPool, k: &Kernels, w: &Matrix<'_>, x: &Input<'_>, y: &mut [f32]) {
-    let (n, t) = (w.rows, x.tokens);
-    assert_eq!(y.len(), n * t, "output shape");
-    assert_eq!(x.f32.len(), t * w.cols, "input shape");
-    assert!(w.data.len() >= n * w.row_bytes(), "weight bytes");
-    if w.dtype.is_quantized() {
-        assert_eq!(x.q8.len(), t * w.cols / QK, "quantized input shape");
+    matmul_many(pool, k, &[*w], x, &mut [y]);
+}
+
+/// Several products of the same input in one parallel dispatch (Q, K and V; gate and up):
+/// `ys[m] = x · ws[m]ᵀ`. One dispatch instead of several saves a thread wake-up and barrier
+/// per matrix, which matters at batch size 1.
+pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<'_>, ys: &mut [&mut [f32]]) {
+    assert_eq!(ws.len(), ys.len(), "one output per matrix");
+    let t = x.tokens;
+    let mut first_task = Vec::with_capacity(ws.len() + 1);
+    let mut tasks = 0;
+    for (w, y) in ws.iter().zip(ys.iter()) {
+        assert_eq!(y.len(), w.rows * t, "output shape");
+        assert_eq!(x.f32.len(), t * w.cols, "input shape");
+        assert!(w.data.len() >= w.rows * w.row_bytes(), "weight bytes");
+        if w.dtype.is_quantized() {
+            assert_eq!(x.q8.len(), t * w.cols / QK, "quantized input shape");
+        }
+        first_task.push(tasks);
+        tasks += w.rows.div_ceil(chunk_rows(w.rows, pool.threads()));
     }
-    let chunk = chunk_rows(n, pool.threads());
-    let out = SyncPtr(y.as_mut_ptr());
+    first_task.push(tasks);
+    let outs: Vec<SyncPtr<f32>> = ys.iter_mut().map(|y| SyncPtr(y.as_mut_ptr())).collect();
     let task = |i: usize| {
-        let r0 = i * chunk;
+        let m = first_task.partition_point(|&f| f <= i) - 1;
+        let w = &ws[m];
+        let (n, chunk) = (w.rows, chunk_rows(w.rows, pool.threads()));
+        let r0 = (i - first_task[m]) * chunk;
         let r1 = (r0 + chunk).min(n);
-        // Each task writes only columns r0..r1 of every output row: disjoint across tasks.
+        let out = outs[m];
+        // Each task writes only columns r0..r1 of every output row of matrix m: disjoint.
         let store = |tok: usize, r: usize, v: f32| {
             debug_assert!(tok < t && r < n);
-            // SAFETY: `tok * n + r < y.len()` (asserted shapes) and no other task writes row `r`.
+            // SAFETY: `tok * n + r < ys[m].len()` (asserted shapes) and no other task writes
+            // column `r` of output `m`; the outputs outlive `pool.run`.
             unsafe { *out.get().add(tok * n + r) = v };
         };
         rows_times_tokens(k, w, x, r0, r1, &store);
     };
-    pool.run(n.div_ceil(chunk), &task);
+    pool.run(tasks, &task);
 }
 
 fn rows_times_tokens(k: &Kernels, w: &Matrix<'_>, x: &Input<'_>, r0: usize, r1: usize, store: &dyn Fn(usize, usize, f32)) {

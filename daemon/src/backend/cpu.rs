@@ -11,7 +11,7 @@ use crate::kv::BlockCopy;
 use crate::model::{LlamaConfig, LlamaWeights, Tensor};
 use half::f16;
 use inferd_kernels::attention::{attend_batch, PagedKv, QueryCtx};
-use inferd_kernels::matmul::{matmul, Input};
+use inferd_kernels::matmul::{matmul_many, Input};
 use inferd_kernels::ops::{rms_norm, swiglu, Rope};
 use inferd_kernels::pool::ThreadPool;
 use inferd_kernels::quant::QK;
@@ -89,17 +89,20 @@ impl CpuBackend {
         self.kernels.isa
     }
 
-    /// `out = x · Wᵀ` for `tokens` rows of `x`; quantizes `x` into `q8` first when `W` is quantized
-    /// and `fresh` (callers pass `fresh = false` to reuse the blocks of the same `x`).
-    #[allow(clippy::too_many_arguments)]
-    fn project(pool: &ThreadPool, k: &Kernels, w: &Tensor, x: &[f32], tokens: usize, q8: &mut Vec<BlockQ8>, fresh: bool, out: &mut Vec<f32>) {
-        if w.dtype.is_quantized() && fresh {
+    /// `outs[m] = x · ws[m]ᵀ` for `tokens` rows of `x`, in one parallel dispatch; quantizes `x`
+    /// to 8-bit blocks first when any of the weights is quantized.
+    fn project(pool: &ThreadPool, k: &Kernels, ws: &[&Tensor], x: &[f32], tokens: usize, q8: &mut Vec<BlockQ8>, outs: &mut [&mut Vec<f32>]) {
+        if ws.iter().any(|w| w.dtype.is_quantized()) {
             q8.resize(x.len() / QK, BlockQ8::default());
             (k.quantize_q8)(x, q8);
         }
-        resize(out, tokens * w.rows);
-        let q8s: &[BlockQ8] = if w.dtype.is_quantized() { q8 } else { &[] };
-        matmul(pool, k, &w.matrix(), &Input { f32: x, q8: q8s, tokens }, out);
+        let mats: Vec<_> = ws.iter().map(|w| w.matrix()).collect();
+        let mut ys: Vec<&mut [f32]> = Vec::with_capacity(outs.len());
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            resize(out, tokens * w.rows);
+            ys.push(out.as_mut_slice());
+        }
+        matmul_many(pool, k, &mats, &Input { f32: x, q8, tokens }, &mut ys);
     }
 }
 
@@ -160,9 +163,7 @@ impl Backend for CpuBackend {
             for t in 0..n {
                 rms_norm(&s.x[t * h..(t + 1) * h], &lw.attn_norm, cfg.rms_eps, &mut s.xb[t * h..(t + 1) * h]);
             }
-            Self::project(pool, k, &lw.wq, &s.xb, n, &mut s.q8, true, &mut s.q);
-            Self::project(pool, k, &lw.wk, &s.xb, n, &mut s.q8, !lw.wq.dtype.is_quantized(), &mut s.k);
-            Self::project(pool, k, &lw.wv, &s.xb, n, &mut s.q8, !lw.wk.dtype.is_quantized(), &mut s.v);
+            Self::project(pool, k, &[&lw.wq, &lw.wk, &lw.wv], &s.xb, n, &mut s.q8, &mut [&mut s.q, &mut s.k, &mut s.v]);
             for t in 0..n {
                 self.rope.apply(&mut s.q[t * qd..(t + 1) * qd], hd, pos_of[t]);
                 self.rope.apply(&mut s.k[t * kvd..(t + 1) * kvd], hd, pos_of[t]);
@@ -182,17 +183,16 @@ impl Backend for CpuBackend {
             }
             let kv = PagedKv { k: kc, v: vc, block_size: bs, n_kv_heads: nkv, head_dim: hd };
             attend_batch(pool, k, &kv, cfg.n_heads, &s.q, &ctx, &mut s.att);
-            Self::project(pool, k, &lw.wo, &s.att, n, &mut s.q8, true, &mut s.out);
+            Self::project(pool, k, &[&lw.wo], &s.att, n, &mut s.q8, &mut [&mut s.out]);
             s.x.iter_mut().zip(&s.out).for_each(|(x, o)| *x += o);
 
             // Feed-forward block (SwiGLU).
             for t in 0..n {
                 rms_norm(&s.x[t * h..(t + 1) * h], &lw.ffn_norm, cfg.rms_eps, &mut s.xb[t * h..(t + 1) * h]);
             }
-            Self::project(pool, k, &lw.w_gate, &s.xb, n, &mut s.q8, true, &mut s.gate);
-            Self::project(pool, k, &lw.w_up, &s.xb, n, &mut s.q8, !lw.w_gate.dtype.is_quantized(), &mut s.up);
+            Self::project(pool, k, &[&lw.w_gate, &lw.w_up], &s.xb, n, &mut s.q8, &mut [&mut s.gate, &mut s.up]);
             swiglu(&mut s.gate, &s.up);
-            Self::project(pool, k, &lw.w_down, &s.gate, n, &mut s.q8, true, &mut s.out);
+            Self::project(pool, k, &[&lw.w_down], &s.gate, n, &mut s.q8, &mut [&mut s.out]);
             s.x.iter_mut().zip(&s.out).for_each(|(x, o)| *x += o);
         }
 
@@ -208,7 +208,11 @@ impl Backend for CpuBackend {
         for (i, &t) in rows.iter().enumerate() {
             rms_norm(&s.x[t * h..(t + 1) * h], &self.w.output_norm, cfg.rms_eps, &mut s.xb[i * h..(i + 1) * h]);
         }
-        Self::project(pool, k, &self.w.output, &s.xb[..rows.len() * h], rows.len(), &mut s.q8, true, logits);
+        if rows.is_empty() {
+            logits.clear();
+            return Ok(());
+        }
+        Self::project(pool, k, &[&self.w.output], &s.xb[..rows.len() * h], rows.len(), &mut s.q8, &mut [logits]);
         Ok(())
     }
 }

@@ -44,7 +44,18 @@ pub struct Kernels {
     pub dot_f16_f32: fn(&[half::f16], &[f32]) -> f32,
     /// `y += a * x` with `x` stored as f16 (attention-weighted sum of the V cache).
     pub axpy_f16: fn(f32, &[half::f16], &mut [f32]),
+    /// Attention scores of `g` query heads against `n` cached keys of one KV head:
+    /// `out[i * g + j] = scale * k[i] · q[j]` (`k`: `n × hd` f16, `q`: `g × hd`).
+    pub attn_scores: AttnScores,
+    /// Attention-weighted values: `out[j] += Σ_i p[i * g + j] * v[i]` (`v`: `n × hd` f16,
+    /// `out`: `g × hd`).
+    pub attn_values: AttnValues,
 }
+
+/// See [`Kernels::attn_scores`]: `(k, q, hd, g, scale, out)`.
+pub type AttnScores = fn(&[half::f16], &[f32], usize, usize, f32, &mut [f32]);
+/// See [`Kernels::attn_values`]: `(v, p, hd, g, out)`.
+pub type AttnValues = fn(&[half::f16], &[f32], usize, usize, &mut [f32]);
 
 impl std::fmt::Debug for Kernels {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -69,6 +80,8 @@ impl Kernels {
             dot_bf16: scalar::dot_bf16,
             dot_f16_f32: scalar::dot_f16_f32,
             axpy_f16: scalar::axpy_f16,
+            attn_scores: scalar::attn_scores,
+            attn_values: scalar::attn_values,
         }
     }
 

@@ -85,3 +85,21 @@ pub fn axpy_f16(a: f32, x: &[f16], y: &mut [f32]) {
         *yi += a * xi.to_f32();
     }
 }
+
+pub fn attn_scores(k: &[f16], q: &[f32], hd: usize, g: usize, scale: f32, out: &mut [f32]) {
+    let n = k.len() / hd;
+    for i in 0..n {
+        for j in 0..g {
+            out[i * g + j] = scale * dot_f16_f32(&k[i * hd..(i + 1) * hd], &q[j * hd..(j + 1) * hd]);
+        }
+    }
+}
+
+pub fn attn_values(v: &[f16], p: &[f32], hd: usize, g: usize, out: &mut [f32]) {
+    let n = v.len() / hd;
+    for i in 0..n {
+        for j in 0..g {
+            axpy_f16(p[i * g + j], &v[i * hd..(i + 1) * hd], &mut out[j * hd..(j + 1) * hd]);
+        }
+    }
+}

@@ -93,6 +93,28 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(100))]
+
+    #[test]
+    fn grouped_attention_kernels_match_reference(kv in row(5 * 64), q in row(3 * 64), p in proptest::collection::vec(0.0f32..1.0, 15)) {
+        let Some(k) = fast() else { return Ok(()) };
+        let kh: Vec<half::f16> = kv.iter().map(|v| half::f16::from_f32(*v)).collect();
+        let (mut s1, mut s2) = (vec![0.0; 15], vec![0.0; 15]);
+        scalar::attn_scores(&kh, &q, 64, 3, 0.125, &mut s1);
+        (k.attn_scores)(&kh, &q, 64, 3, 0.125, &mut s2);
+        for (a, b) in s1.iter().zip(&s2) {
+            prop_assert!(close(*a, *b, 8.0));
+        }
+        let (mut o1, mut o2) = (q.clone(), q.clone());
+        scalar::attn_values(&kh, &p, 64, 3, &mut o1);
+        (k.attn_values)(&kh, &p, 64, 3, &mut o2);
+        for (a, b) in o1.iter().zip(&o2) {
+            prop_assert!(close(*a, *b, 8.0));
+        }
+    }
+}
+
 #[test]
 fn quantized_dot_approximates_float_dot() {
     // The reference itself must be right: compare against a float dot of the dequantized weights.
