@@ -11,6 +11,7 @@
 //! - [`bench`]: the `inferd bench` measurements.
 
 #![deny(unsafe_code)]
+#![cfg_attr(test, allow(clippy::unwrap_used))] // unit tests: a failed unwrap is a failed test
 
 pub mod backend;
 pub mod bench;

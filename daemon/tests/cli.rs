@@ -1,5 +1,7 @@
 //! The `inferd` command line, run as a user would: generation, tokenization, clear errors.
 
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
 use std::process::Command;
 
 fn inferd(args: &[&str]) -> std::process::Output {
