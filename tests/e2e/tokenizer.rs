@@ -52,3 +52,43 @@ fn streaming_never_emits_broken_utf8() {
     let s: String = chat.iter().map(|&id| dec.push(&m.tokenizer, id).unwrap()).collect();
     assert_eq!(s, "user\nHi");
 }
+
+#[test]
+fn sentencepiece_vocabularies_merge_by_score_and_fall_back_to_bytes() {
+    use inferd::model::gguf::Gguf;
+    use inferd::model::gguf_writer::{GgufWriter, MetaValue};
+    use inferd::model::mmap::Blob;
+    use inferd::tokenizer::Tokenizer;
+    // A Llama-2-style vocabulary: specials, 256 byte tokens, then scored pieces.
+    let mut tokens: Vec<String> = vec!["<unk>".into(), "<s>".into(), "</s>".into()];
+    let mut types = vec![2, 3, 3];
+    let mut scores = vec![0.0f32; 3];
+    for b in 0..=255u8 {
+        tokens.push(format!("<0x{b:02X}>"));
+        types.push(6);
+        scores.push(0.0);
+    }
+    let pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "ll", "he", "hell", "hello", "▁hello", "or", "wor", "worl", "world", "▁world"];
+    for (i, p) in pieces.iter().enumerate() {
+        tokens.push(p.to_string());
+        types.push(1);
+        scores.push(-(i as f32));
+    }
+    let id = |p: &str| tokens.iter().position(|t| t == p).unwrap() as u32;
+    let mut w = GgufWriter::default();
+    w.meta("tokenizer.ggml.model", MetaValue::Str("llama".into()))
+        .meta("tokenizer.ggml.tokens", MetaValue::StrArray(tokens.clone()))
+        .meta("tokenizer.ggml.token_type", MetaValue::I32Array(types))
+        .meta("tokenizer.ggml.scores", MetaValue::F32Array(scores))
+        .meta("tokenizer.ggml.bos_token_id", MetaValue::U32(1))
+        .meta("tokenizer.ggml.eos_token_id", MetaValue::U32(2));
+    let g = Gguf::parse(Blob::from_vec(w.to_bytes())).unwrap();
+    let tok = Tokenizer::from_gguf(&g).unwrap();
+    // SentencePiece models prepend BOS by default and mark word starts with ▁.
+    assert_eq!(tok.encode("hello world", false).unwrap(), vec![1, id("▁hello"), id("▁world")]);
+    // Characters outside the vocabulary become their UTF-8 bytes.
+    let crab = tok.encode("hello 🦀", false).unwrap();
+    assert_eq!(crab, vec![1, id("▁hello"), id("▁"), id("<0xF0>"), id("<0x9F>"), id("<0xA6>"), id("<0x80>")]);
+    assert_eq!(tok.decode(&crab, true).unwrap(), " hello 🦀");
+    assert_eq!(tok.eos(), &[2]);
+}
