@@ -32,12 +32,26 @@ impl Rope {
         Rope { style, inv_freq }
     }
 
+    /// The rotation of position `pos`: `(sin, cos)` of each frequency, `head_dim / 2` pairs.
+    /// Computed once per token and reused for every head of every layer.
+    pub fn angles(&self, pos: usize, out: &mut [(f32, f32)]) {
+        for (o, f) in out.iter_mut().zip(&self.inv_freq) {
+            *o = (pos as f32 * f).sin_cos();
+        }
+    }
+
     /// Rotates every head in `x` (`heads * head_dim` floats) to position `pos`.
     pub fn apply(&self, x: &mut [f32], head_dim: usize, pos: usize) {
+        let mut angles = vec![(0.0, 0.0); head_dim / 2];
+        self.angles(pos, &mut angles);
+        self.apply_angles(x, head_dim, &angles);
+    }
+
+    /// Rotates every head in `x` by precomputed [`Rope::angles`].
+    pub fn apply_angles(&self, x: &mut [f32], head_dim: usize, angles: &[(f32, f32)]) {
         let half = head_dim / 2;
         for head in x.chunks_exact_mut(head_dim) {
-            for (i, f) in self.inv_freq.iter().enumerate() {
-                let (sin, cos) = (pos as f32 * f).sin_cos();
+            for (i, &(sin, cos)) in angles.iter().enumerate().take(half) {
                 let (a, b) = match self.style {
                     RopeStyle::Interleaved => (2 * i, 2 * i + 1),
                     RopeStyle::Neox => (i, i + half),

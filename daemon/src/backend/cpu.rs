@@ -30,6 +30,7 @@ struct Scratch {
     gate: Vec<f32>, // (tokens, ffn)
     up: Vec<f32>,   // (tokens, ffn)
     out: Vec<f32>,  // (tokens, hidden) projection output
+    angles: Vec<(f32, f32)>, // (tokens, head_dim / 2) RoPE (sin, cos)
 }
 
 fn resize(v: &mut Vec<f32>, n: usize) {
@@ -158,15 +159,20 @@ impl Backend for CpuBackend {
         }
         resize(&mut s.xb, n * h);
         resize(&mut s.att, n * qd);
+        // (tokens, head_dim / 2) rotations, shared by every layer.
+        s.angles.resize(n * hd / 2, (0.0, 0.0));
+        for (t, &p) in pos_of.iter().enumerate() {
+            self.rope.angles(p, &mut s.angles[t * hd / 2..(t + 1) * hd / 2]);
+        }
         for (li, lw) in self.w.layers.iter().enumerate() {
             // Attention block.
             for t in 0..n {
                 rms_norm(&s.x[t * h..(t + 1) * h], &lw.attn_norm, cfg.rms_eps, &mut s.xb[t * h..(t + 1) * h]);
             }
             Self::project(pool, k, &[&lw.wq, &lw.wk, &lw.wv], &s.xb, n, &mut s.q8, &mut [&mut s.q, &mut s.k, &mut s.v]);
-            for t in 0..n {
-                self.rope.apply(&mut s.q[t * qd..(t + 1) * qd], hd, pos_of[t]);
-                self.rope.apply(&mut s.k[t * kvd..(t + 1) * kvd], hd, pos_of[t]);
+            for (t, angles) in s.angles.chunks_exact(hd / 2).enumerate() {
+                self.rope.apply_angles(&mut s.q[t * qd..(t + 1) * qd], hd, angles);
+                self.rope.apply_angles(&mut s.k[t * kvd..(t + 1) * kvd], hd, angles);
             }
             let (kc, vc) = (&mut self.k_cache[li], &mut self.v_cache[li]);
             for t in 0..n {
