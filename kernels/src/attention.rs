@@ -46,6 +46,7 @@ pub fn attend_group(
     out: &mut [f32],
 ) {
     let (bs, hd) = (kv.block_size, kv.head_dim);
+    assert!((1..=64).contains(&g), "at most 64 query heads per KV head");
     let scores = &mut scores[..ctx_len * g];
     let blocks = ctx_len.div_ceil(bs);
     let span = |b: usize| {
@@ -57,16 +58,23 @@ pub fn attend_group(
         let (o, n) = span(b);
         (k.attn_scores)(&kv.k[o..o + n * hd], q, hd, g, scale, &mut scores[b * bs * g..(b * bs + n) * g]);
     }
-    // Softmax of each head's column (stride g).
-    for j in 0..g {
-        let max = scores.iter().skip(j).step_by(g).copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0;
-        for s in scores.iter_mut().skip(j).step_by(g) {
-            *s = (*s - max).exp();
-            sum += *s;
-        }
-        let inv = 1.0 / sum;
-        scores.iter_mut().skip(j).step_by(g).for_each(|s| *s *= inv);
+    // Softmax of each head's column (stride g): shift by the column max, one vector exp over
+    // everything, normalize.
+    let mut max = [f32::NEG_INFINITY; 64];
+    let g_max = &mut max[..g];
+    for row in scores.chunks_exact(g) {
+        g_max.iter_mut().zip(row).for_each(|(m, &v)| *m = m.max(v));
+    }
+    for row in scores.chunks_exact_mut(g) {
+        row.iter_mut().zip(g_max.iter()).for_each(|(v, m)| *v -= m);
+    }
+    (k.exp)(scores);
+    let mut sum = [0f32; 64];
+    for row in scores.chunks_exact(g) {
+        sum[..g].iter_mut().zip(row).for_each(|(s, &v)| *s += v);
+    }
+    for row in scores.chunks_exact_mut(g) {
+        row.iter_mut().zip(&sum[..g]).for_each(|(v, s)| *v /= s);
     }
     out.fill(0.0);
     for b in 0..blocks {
@@ -93,7 +101,7 @@ pub fn attend_batch(pool: &ThreadPool, k: &Kernels, kv: &PagedKv<'_>, n_heads: u
     let hd = kv.head_dim;
     let qdim = n_heads * hd;
     let group = n_heads / kv.n_kv_heads;
-    assert!(group > 0 && n_heads % kv.n_kv_heads == 0, "head grouping");
+    assert!(group > 0 && group <= 64 && n_heads % kv.n_kv_heads == 0, "head grouping");
     assert_eq!(q.len(), ctx.len() * qdim, "query shape");
     assert_eq!(out.len(), q.len(), "output shape");
     for c in ctx {

@@ -30,6 +30,9 @@ impl LlamaConfig {
         if self.n_heads % self.n_kv_heads != 0 {
             return Err(format!("{} query heads are not a multiple of {} KV heads", self.n_heads, self.n_kv_heads));
         }
+        if self.n_heads / self.n_kv_heads > 64 {
+            return Err(format!("{} query heads per KV head (at most 64 supported)", self.n_heads / self.n_kv_heads));
+        }
         if self.head_dim % 2 != 0 {
             return Err(format!("head dimension {} is odd", self.head_dim));
         }

@@ -50,6 +50,8 @@ pub fn kernels() -> Option<Kernels> {
         attn_scores: |k, q, hd, g, scale, out| unsafe { attn_scores(k, q, hd, g, scale, out) },
         // SAFETY: as above.
         attn_values: |v, p, hd, g, out| unsafe { attn_values(v, p, hd, g, out) },
+        // SAFETY: as above.
+        exp: |x| unsafe { exp(x) },
     })
 }
 
@@ -333,4 +335,34 @@ unsafe fn attn_values(v: &[f16], p: &[f32], hd: usize, g: usize, out: &mut [f32]
             }
         }
     }
+}
+
+/// `exp` of 8 lanes: `2^n * e^r` with `n = round(x / ln 2)`, `|r| <= ln 2 / 2`, and a degree-6
+/// polynomial for `e^r` (the classic Cephes `expf` coefficients).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn exp8(x: __m256) -> __m256 {
+    let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3)), _mm256_set1_ps(88.3));
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)));
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm256_set1_ps(1.987_569_1e-4);
+    for c in [1.398_2e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.0e-1] {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    }
+    let y = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0)));
+    let scale = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)));
+    _mm256_mul_ps(y, _mm256_castsi256_ps(scale))
+}
+
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn exp(x: &mut [f32]) {
+    let mut chunks = x.chunks_exact_mut(8);
+    for c in &mut chunks {
+        // SAFETY: `c` is 8 f32s.
+        unsafe { _mm256_storeu_ps(c.as_mut_ptr(), exp8(_mm256_loadu_ps(c.as_ptr()))) };
+    }
+    super::scalar::exp(chunks.into_remainder());
 }

@@ -50,6 +50,9 @@ pub struct Kernels {
     /// Attention-weighted values: `out[j] += Σ_i p[i * g + j] * v[i]` (`v`: `n × hd` f16,
     /// `out`: `g × hd`).
     pub attn_values: AttnValues,
+    /// `x[i] = exp(x[i])` (softmax and SiLU; the AVX2 version is a polynomial within 2e-7
+    /// relative error of `f32::exp`).
+    pub exp: fn(&mut [f32]),
 }
 
 /// See [`Kernels::attn_scores`]: `(k, q, hd, g, scale, out)`.
@@ -82,6 +85,7 @@ impl Kernels {
             axpy_f16: scalar::axpy_f16,
             attn_scores: scalar::attn_scores,
             attn_values: scalar::attn_values,
+            exp: scalar::exp,
         }
     }
 

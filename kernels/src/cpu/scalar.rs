@@ -103,3 +103,7 @@ pub fn attn_values(v: &[f16], p: &[f32], hd: usize, g: usize, out: &mut [f32]) {
         }
     }
 }
+
+pub fn exp(x: &mut [f32]) {
+    x.iter_mut().for_each(|v| *v = v.exp());
+}

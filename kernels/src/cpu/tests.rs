@@ -115,6 +115,19 @@ proptest! {
     }
 }
 
+proptest! {
+    #[test]
+    fn exp_matches_reference(x in proptest::collection::vec(-80.0f32..80.0, 1..40)) {
+        let Some(k) = fast() else { return Ok(()) };
+        let mut y = x.clone();
+        (k.exp)(&mut y);
+        for (a, b) in x.iter().zip(&y) {
+            let want = a.exp();
+            prop_assert!((want - b).abs() <= 2e-6 * want, "exp({}) = {} vs {}", a, b, want);
+        }
+    }
+}
+
 #[test]
 fn quantized_dot_approximates_float_dot() {
     // The reference itself must be right: compare against a float dot of the dequantized weights.
