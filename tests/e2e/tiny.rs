@@ -143,3 +143,28 @@ fn bad_batches_are_errors_and_leak_nothing() {
     assert_eq!(small.kv.sequences(), 0);
     let _ = argmax(&[0.0]);
 }
+
+#[test]
+fn a_decode_step_that_runs_out_of_blocks_leaves_every_sequence_intact() {
+    let dir = temp_dir("oob-cow");
+    let m = Model::load(&write_tiny_gguf(&dir.join("m.gguf"), &TinySpec::default(), DType::F32, DType::F32)).unwrap();
+    let block_bytes = inferd::backend::cpu::kv_block_bytes(&m.config, 4);
+    let mut e = Engine::cpu(&m, &EngineOptions { kv_budget_bytes: 4 * block_bytes, ..opts() });
+    assert_eq!(e.kv.stats().total, 4);
+    let p = prompt(6, 4);
+    let (a, _) = e.prefill(&[&p]).unwrap().remove(0); // two blocks, the last one partial
+    let b = e.kv.fork(a); // shares both
+    let (c, _) = e.prefill(&[&prompt(4, 9)]).unwrap().remove(0); // one full block
+    assert_eq!(e.kv.stats().free, 1);
+    // `a` copies its shared block into the last free one, then `c` finds no block for its token.
+    assert!(matches!(e.decode(&[(a, 7), (c, 9)]), Err(inferd::engine::EngineError::OutOfBlocks(_))));
+    assert_eq!((e.kv.len(a), e.kv.len(c)), (6, 4), "the step was undone");
+    e.release(c);
+    let got = e.decode(&[(a, 7)]).unwrap().to_vec();
+    let mut q = p.clone();
+    q.push(7);
+    assert!(max_diff(&last_logits(&m, &q), &got) < 1e-4, "sequence a kept its cache contents");
+    e.release(a);
+    e.release(b);
+    assert_eq!(e.kv.stats().free, 4);
+}

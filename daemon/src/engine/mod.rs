@@ -145,7 +145,10 @@ impl<B: Backend> Engine<B> {
             match self.kv.append(s, &toks[i]) {
                 Ok(c) => copies.extend(c),
                 Err(e) => {
-                    // Undo the slots reserved so far in this step.
+                    // Undo the slots reserved so far in this step. Copy-on-write already gave
+                    // some of them a fresh last block: fill it, or the shortened sequence would
+                    // keep a block whose earlier positions were never copied.
+                    self.backend.copy_blocks(&copies)?;
                     for &(s2, _) in &step[..i] {
                         let len = self.kv.len(s2);
                         self.kv.truncate(s2, len - 1);
