@@ -64,16 +64,12 @@ impl Rope {
     }
 }
 
-/// `gate = silu(gate) * up`, in place; `exp` is the kernel table's vector exponential.
-pub fn swiglu(gate: &mut [f32], up: &[f32], exp: fn(&mut [f32])) {
-    let mut e = [0f32; 256];
-    for (g, u) in gate.chunks_mut(256).zip(up.chunks(256)) {
-        let e = &mut e[..g.len()];
-        e.iter_mut().zip(g.iter()).for_each(|(e, g)| *e = -g);
-        exp(e);
-        for ((g, u), e) in g.iter_mut().zip(u).zip(e.iter()) {
-            *g = *g / (1.0 + e) * u;
-        }
+/// `gate = silu(gate) * up`, in place. Uses the exact `exp`: the vector polynomial one moved
+/// the default model's logits past the golden tolerance (BENCHMARKS.md), as this model amplifies
+/// small activation changes through the 8-bit quantization that follows.
+pub fn swiglu(gate: &mut [f32], up: &[f32]) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
     }
 }
 
