@@ -10,6 +10,7 @@
 //! - [`matmul`]: the multi-threaded matrix product driver over a [`pool::ThreadPool`].
 //! - [`ops`]: the small per-row operations of a transformer block (RMSNorm, RoPE, SwiGLU, softmax).
 //! - [`attention`]: attention over a paged K/V cache.
+//! - [`packed`]: activations laid out 16 tokens side by side for the AVX-512 VNNI kernel.
 //!
 //! No kernel allocates on the hot path; callers own every buffer.
 
@@ -19,6 +20,7 @@ pub mod attention;
 pub mod cpu;
 pub mod matmul;
 pub mod ops;
+pub mod packed;
 pub mod pool;
 pub mod quant;
 

@@ -52,12 +52,13 @@ pub fn kernels() -> Option<Kernels> {
         attn_values: |v, p, hd, g, out| unsafe { attn_values(v, p, hd, g, out) },
         // SAFETY: as above.
         exp: |x| unsafe { exp(x) },
+        gemm16: None,
     })
 }
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn hsum(v: __m256) -> f32 {
+pub(super) fn hsum(v: __m256) -> f32 {
     let lo = _mm256_castps256_ps128(v);
     let hi = _mm256_extractf128_ps::<1>(v);
     let s = _mm_add_ps(lo, hi);
@@ -67,7 +68,7 @@ fn hsum(v: __m256) -> f32 {
 }
 
 #[inline]
-fn f16_at(b: &[u8], at: usize) -> f32 {
+pub(super) fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
@@ -79,7 +80,7 @@ const PREFETCH_BYTES: usize = 2048;
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn prefetch(w: &[u8], at: usize) {
+pub(super) fn prefetch(w: &[u8], at: usize) {
     // A prefetch never faults, so an address past the end of `w` is harmless.
     _mm_prefetch::<_MM_HINT_T0>(w.as_ptr().wrapping_add(at + PREFETCH_BYTES).cast());
 }

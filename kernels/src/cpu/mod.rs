@@ -3,19 +3,24 @@
 //! [`Kernels::detect`] returns a table of function pointers: the AVX2+FMA+F16C versions when the
 //! processor has them, the scalar reference otherwise. The scalar versions in [`scalar`] are the
 //! numerical reference: every fast path is property-tested against them (see `tests` below).
-//! `INFERD_ISA=scalar` forces the reference (useful to bisect a numerical difference).
+//! `INFERD_ISA=scalar` forces the reference (useful to bisect a numerical difference),
+//! `INFERD_ISA=avx2` the AVX2 table on an AVX-512 machine.
 
 use crate::quant::BlockQ8;
 
 pub mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub mod avx512;
 
 /// The instruction set a kernel table was built for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
     Scalar,
     Avx2,
+    /// AVX-512 (F, BW, VL) with VNNI, on top of AVX2.
+    Avx512Vnni,
 }
 
 /// Quantized-weight dot product: one weight row (raw block bytes) against one activation row.
@@ -53,7 +58,14 @@ pub struct Kernels {
     /// `x[i] = exp(x[i])` (softmax and SiLU; the AVX2 version is a polynomial within 2e-7
     /// relative error of `f32::exp`).
     pub exp: fn(&mut [f32]),
+    /// One quantized weight row against a group of 16 packed tokens, when the ISA has a kernel
+    /// for it. Its per-token arithmetic is exactly that of the single-token dots of the same
+    /// table, so a token's result never depends on its batch.
+    pub gemm16: Option<Gemm16>,
 }
+
+/// See [`Kernels::gemm16`].
+pub type Gemm16 = fn(crate::quant::DType, &[u8], &crate::packed::Packed16) -> [f32; 16];
 
 /// See [`Kernels::attn_scores`]: `(k, q, hd, g, scale, out)`.
 pub type AttnScores = fn(&[half::f16], &[f32], usize, usize, f32, &mut [f32]);
@@ -86,6 +98,7 @@ impl Kernels {
             attn_scores: scalar::attn_scores,
             attn_values: scalar::attn_values,
             exp: scalar::exp,
+            gemm16: None,
         }
     }
 
@@ -94,11 +107,20 @@ impl Kernels {
         if std::env::var("INFERD_ISA").is_ok_and(|v| v == "scalar") {
             return Self::scalar();
         }
+        let avx2_only = std::env::var("INFERD_ISA").is_ok_and(|v| v == "avx2");
         #[cfg(target_arch = "x86_64")]
-        if let Some(k) = avx2::kernels() {
+        if let Some(k) = avx512::kernels().filter(|_| !avx2_only).or_else(avx2::kernels) {
             return k;
         }
         Self::scalar()
+    }
+
+    /// Every table this processor supports, the reference first (for tests and benchmarks).
+    pub fn all() -> Vec<Self> {
+        let mut v = vec![Self::scalar()];
+        #[cfg(target_arch = "x86_64")]
+        v.extend(avx2::kernels().into_iter().chain(avx512::kernels()));
+        v
     }
 }
 

@@ -41,23 +41,32 @@ proptest! {
 
     #[test]
     fn quantized_dots_match_reference(w in row(8 * QK), xs in proptest::collection::vec(row(8 * QK), 4)) {
-        let Some(k) = fast() else { return Ok(()) };
-        let acts: Vec<Vec<BlockQ8>> = xs.iter().map(|x| q8(x)).collect();
-        let a4 = [&acts[0][..], &acts[1][..], &acts[2][..], &acts[3][..]];
-        let cases: [(DType, super::DotQ8, super::DotQ8, super::DotQ8x4); 3] = [
-            (DType::Q4_0, scalar::dot_q4_0, k.dot_q4_0, k.dot_q4_0_x4),
-            (DType::Q4_1, scalar::dot_q4_1, k.dot_q4_1, k.dot_q4_1_x4),
-            (DType::Q8_0, scalar::dot_q8_0, k.dot_q8_0, k.dot_q8_0_x4),
-        ];
-        for (dt, reference, one, four) in cases {
-            let mut wb = Vec::new();
-            quantize_row(dt, &w, &mut wb);
-            let got4 = four(&wb, a4);
-            for r in 0..4 {
-                let want = reference(&wb, &acts[r]);
-                let scale: f32 = w.iter().zip(&xs[r]).map(|(a, b)| (a * b).abs()).sum();
-                prop_assert!(close(want, one(&wb, &acts[r]), scale), "{:?} single", dt);
-                prop_assert!(close(want, got4[r], scale), "{:?} x4 row {}", dt, r);
+        // Every fast table: the quantized dots differ between AVX2 and AVX-512.
+        for k in Kernels::all().into_iter().filter(|k| k.isa != super::Isa::Scalar) {
+            let acts: Vec<Vec<BlockQ8>> = xs.iter().map(|x| q8(x)).collect();
+            let a4 = [&acts[0][..], &acts[1][..], &acts[2][..], &acts[3][..]];
+            let cases: [(DType, super::DotQ8, super::DotQ8, super::DotQ8x4); 3] = [
+                (DType::Q4_0, scalar::dot_q4_0, k.dot_q4_0, k.dot_q4_0_x4),
+                (DType::Q4_1, scalar::dot_q4_1, k.dot_q4_1, k.dot_q4_1_x4),
+                (DType::Q8_0, scalar::dot_q8_0, k.dot_q8_0, k.dot_q8_0_x4),
+            ];
+            for (dt, reference, one, four) in cases {
+                let mut wb = Vec::new();
+                quantize_row(dt, &w, &mut wb);
+                let got4 = four(&wb, a4);
+                for r in 0..4 {
+                    let want = reference(&wb, &acts[r]);
+                    let scale: f32 = w.iter().zip(&xs[r]).map(|(a, b)| (a * b).abs()).sum();
+                    prop_assert!(close(want, one(&wb, &acts[r]), scale), "{:?} {:?} single", k.isa, dt);
+                    prop_assert!(close(want, got4[r], scale), "{:?} {:?} x4 row {}", k.isa, dt, r);
+                }
+                if let Some(gemm) = k.gemm16 {
+                    let rows: Vec<&[BlockQ8]> = acts.iter().map(Vec::as_slice).collect();
+                    let got = gemm(dt, &wb, &crate::packed::Packed16::pack(&rows));
+                    for r in 0..4 {
+                        prop_assert_eq!(got[r], one(&wb, &acts[r]), "{:?} {:?} gemm16 lane {} is the single dot", k.isa, dt, r);
+                    }
+                }
             }
         }
     }
