@@ -168,3 +168,34 @@ fn a_decode_step_that_runs_out_of_blocks_leaves_every_sequence_intact() {
     e.release(b);
     assert_eq!(e.kv.stats().free, 4);
 }
+
+#[test]
+fn sharded_safetensors_load_through_their_index() {
+    let dir = temp_dir("shards");
+    let spec = TinySpec::default();
+    let single = Model::load(&write_tiny_hf(&dir.join("one"), &spec, safetensors::Dtype::BF16)).unwrap();
+    // Split the same tensors over two shards and an index, as large checkpoints ship.
+    let sharded = write_tiny_hf(&dir.join("two"), &spec, safetensors::Dtype::BF16);
+    let bytes = std::fs::read(sharded.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut shards: [Vec<(String, safetensors::tensor::TensorView<'_>)>; 2] = [Vec::new(), Vec::new()];
+    let mut weight_map = serde_json::Map::new();
+    for (i, (name, view)) in st.tensors().into_iter().enumerate() {
+        let file = format!("model-0000{}-of-00002.safetensors", i % 2 + 1);
+        weight_map.insert(name.clone(), serde_json::json!(file));
+        shards[i % 2].push((name, view));
+    }
+    for (i, shard) in shards.into_iter().enumerate() {
+        safetensors::tensor::serialize_to_file(shard, None, &sharded.join(format!("model-0000{}-of-00002.safetensors", i + 1))).unwrap();
+    }
+    std::fs::remove_file(sharded.join("model.safetensors")).unwrap();
+    let index = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
+    std::fs::write(sharded.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    let two = Model::load(&sharded).unwrap();
+    let p = prompt(11, 6);
+    assert_eq!(last_logits(&single, &p), last_logits(&two, &p));
+    // An index naming a shard outside the directory is refused.
+    let evil = serde_json::json!({ "weight_map": { "lm_head.weight": "../one/model.safetensors" } });
+    std::fs::write(sharded.join("model.safetensors.index.json"), evil.to_string()).unwrap();
+    assert!(Model::load(&sharded).unwrap_err().to_string().contains("leaves the model directory"));
+}
