@@ -41,10 +41,11 @@ pub struct Input<'a> {
     pub tokens: usize,
 }
 
-/// Rows per task: enough tasks to balance across threads, few enough to keep dispatch cheap.
-fn chunk_rows(rows: usize, threads: usize) -> usize {
+/// Rows per task: enough tasks to balance across threads, few enough to keep dispatch cheap;
+/// a multiple of 16 where the 16-row kernel runs.
+fn chunk_rows(rows: usize, threads: usize, align: usize) -> usize {
     let target_tasks = threads * 8;
-    (rows.div_ceil(target_tasks)).clamp(4, 256)
+    (rows.div_ceil(target_tasks)).clamp(4, 256).next_multiple_of(align)
 }
 
 /// `y[t * w.rows + r] = Σ_c w[r][c] * x[t][c]` for every token `t` and row `r`.
@@ -58,6 +59,10 @@ pub fn matmul(pool: &ThreadPool, k: &Kernels, w: &Matrix<'_>, x: &Input<'_>, y: 
 pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<'_>, ys: &mut [&mut [f32]]) {
     assert_eq!(ws.len(), ys.len(), "one output per matrix");
     let t = x.tokens;
+    // Fewer than 4 tokens: each goes through the 16-row kernel when the ISA has one (measured:
+    // faster than the 16-lane kernel below 4 tokens, slower from 4).
+    let gemv = k.gemv16.filter(|_| t < 4 || k.gemm16.is_none());
+    let align = |w: &Matrix<'_>| if gemv.is_some() && w.dtype.is_quantized() { 16 } else { 1 };
     let mut first_task = Vec::with_capacity(ws.len() + 1);
     let mut tasks = 0;
     for (w, y) in ws.iter().zip(ys.iter()) {
@@ -68,16 +73,20 @@ pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<
             assert_eq!(x.q8.len(), t * w.cols / QK, "quantized input shape");
         }
         first_task.push(tasks);
-        tasks += w.rows.div_ceil(chunk_rows(w.rows, pool.threads()));
+        tasks += w.rows.div_ceil(chunk_rows(w.rows, pool.threads(), align(w)));
     }
     first_task.push(tasks);
     // Batches of 4 or more tokens go through the 16-token kernel when the ISA has one (measured:
-    // faster than single-token dots from 4 tokens on).
+    // faster than single-token dots from 4 tokens on), unless the 16-row kernel takes them.
     let packed: Vec<Packed16> = match k.gemm16 {
-        Some(_) if t >= 4 && ws.iter().any(|w| w.dtype.is_quantized()) => {
+        Some(_) if t >= 4 && gemv.is_none() && ws.iter().any(|w| w.dtype.is_quantized()) => {
             let nb = x.q8.len() / t;
             let rows: Vec<&[BlockQ8]> = x.q8.chunks_exact(nb).collect();
-            rows.chunks(LANES).map(Packed16::pack).collect()
+            // A group of at most 8 tokens fills the lanes with two weight rows per call, every
+            // token packed twice (see `Kernels::gemm16`).
+            rows.chunks(LANES)
+                .map(|g| if g.len() <= LANES / 2 { Packed16::pack(&g.iter().flat_map(|&r| [r, r]).collect::<Vec<_>>()) } else { Packed16::pack(g) })
+                .collect()
         }
         _ => Vec::new(),
     };
@@ -85,7 +94,7 @@ pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<
     let task = |i: usize| {
         let m = first_task.partition_point(|&f| f <= i) - 1;
         let w = &ws[m];
-        let (n, chunk) = (w.rows, chunk_rows(w.rows, pool.threads()));
+        let (n, chunk) = (w.rows, chunk_rows(w.rows, pool.threads(), align(w)));
         let r0 = (i - first_task[m]) * chunk;
         let r1 = (r0 + chunk).min(n);
         let out = outs[m];
@@ -96,19 +105,53 @@ pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<
             // column `r` of output `m`; the outputs outlive `pool.run`.
             unsafe { *out.get().add(tok * n + r) = v };
         };
-        rows_times_tokens(k, w, x, &packed, r0, r1, &store);
+        match gemv {
+            Some(gemv) if w.dtype.is_quantized() => rows_times_token(k, gemv, w, x, r0, r1, &store),
+            _ => rows_times_tokens(k, w, x, &packed, r0, r1, &store),
+        }
     };
     pool.run(tasks, &task);
+}
+
+/// Rows `r0..r1` against every token, one token at a time, 16 rows per kernel call.
+fn rows_times_token(k: &Kernels, gemv: crate::cpu::Gemv16, w: &Matrix<'_>, x: &Input<'_>, r0: usize, r1: usize, store: &dyn Fn(usize, usize, f32)) {
+    let one = match w.dtype {
+        DType::Q4_0 => k.dot_q4_0,
+        DType::Q4_1 => k.dot_q4_1,
+        _ => k.dot_q8_0,
+    };
+    let (nb, rb) = (w.cols / QK, w.row_bytes());
+    for tok in 0..x.tokens {
+        let act = &x.q8[tok * nb..(tok + 1) * nb];
+        let mut r = r0;
+        while r + 16 <= r1 {
+            let v = gemv(w.dtype, &w.data[r * rb..(r + 16) * rb], rb, act);
+            for (i, vi) in v.into_iter().enumerate() {
+                store(tok, r + i, vi);
+            }
+            r += 16;
+        }
+        for r in r..r1 {
+            store(tok, r, one(w.row(r), act));
+        }
+    }
 }
 
 fn rows_times_tokens(k: &Kernels, w: &Matrix<'_>, x: &Input<'_>, packed: &[Packed16], r0: usize, r1: usize, store: &dyn Fn(usize, usize, f32)) {
     let t = x.tokens;
     if let (Some(gemm), true, false) = (k.gemm16, w.dtype.is_quantized(), packed.is_empty()) {
         for (g, p) in packed.iter().enumerate() {
-            for r in r0..r1 {
-                let v = gemm(w.dtype, w.row(r), p);
+            // Rows per call: 2 when the group holds every token twice (the last row of an odd
+            // range is passed twice and stored once).
+            let per = if (t - g * LANES).min(LANES) <= LANES / 2 { 2 } else { 1 };
+            for r in (r0..r1).step_by(per) {
+                let rows = [w.row(r), w.row((r + 1).min(r1 - 1))];
+                let v = gemm(w.dtype, &rows[..per], p);
                 for (lane, &vl) in v.iter().enumerate().take(p.tokens) {
-                    store(g * LANES + lane, r, vl);
+                    let (tok, rr) = (g * LANES + lane / per, r + lane % per);
+                    if rr < r1 {
+                        store(tok, rr, vl);
+                    }
                 }
             }
         }
@@ -158,12 +201,14 @@ mod tests {
 
     #[test]
     fn a_tokens_result_does_not_depend_on_its_batch() {
-        // Alone, in a batch of 4, of 9 and of 21 (AVX-512: the 16-token kernel plus a padded
-        // group), every kernel table must give every token bit-identical outputs.
+        // Alone and in batches of 2 to 24 tokens, every kernel table must give every token
+        // bit-identical outputs. AVX-512 covers each path: 16 rows per call below 4 tokens, two
+        // rows against 8 doubled tokens up to 8, 16 tokens per call above, a padded last group
+        // (21), a group of at most 8 after a full one (24), and rows past the last 16 (19 rows).
         let pool = ThreadPool::new(2);
         let (rows, cols) = (19, 96);
         let wf: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 113) as f32 / 56.0 - 1.0).collect();
-        let x: Vec<f32> = (0..21 * cols).map(|i| ((i * 104729) % 97) as f32 / 48.0 - 1.0).collect();
+        let x: Vec<f32> = (0..24 * cols).map(|i| ((i * 104729) % 97) as f32 / 48.0 - 1.0).collect();
         for kern in Kernels::all() {
             for dt in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
                 let mut data = Vec::new();
@@ -179,7 +224,7 @@ mod tests {
                     matmul(&pool, &kern, &w, &Input { f32: xs, q8: &q8, tokens }, &mut y);
                     y
                 };
-                let alone: Vec<Vec<f32>> = (0..21).map(|t| {
+                let alone: Vec<Vec<f32>> = (0..24).map(|t| {
                     let xs = &x[t * cols..(t + 1) * cols];
                     let mut q8 = vec![BlockQ8::default(); cols / QK];
                     (kern.quantize_q8)(xs, &mut q8);
@@ -187,7 +232,7 @@ mod tests {
                     matmul(&pool, &kern, &w, &Input { f32: xs, q8: &q8, tokens: 1 }, &mut y);
                     y
                 }).collect();
-                for tokens in [4, 9, 21] {
+                for tokens in [2, 3, 4, 8, 9, 21, 24] {
                     let y = run(tokens);
                     for t in 0..tokens {
                         assert_eq!(&y[t * rows..(t + 1) * rows], &alone[t][..], "{:?} {dt:?}: token {t} of {tokens}", kern.isa);

@@ -44,6 +44,9 @@ struct Shared {
     job: AtomicPtr<()>,
     /// Workers currently holding a pointer to the job.
     active: AtomicUsize,
+    /// Workers parked (or about to park) on `wake`: a job only takes the lock and makes the
+    /// wake-up system call when some worker is asleep.
+    sleepers: AtomicUsize,
     shutdown: AtomicBool,
     lock: Mutex<()>,
     wake: Condvar,
@@ -70,6 +73,7 @@ impl ThreadPool {
             generation: AtomicU64::new(0),
             job: AtomicPtr::new(std::ptr::null_mut()),
             active: AtomicUsize::new(0),
+            sleepers: AtomicUsize::new(0),
             shutdown: AtomicBool::new(false),
             lock: Mutex::new(()),
             wake: Condvar::new(),
@@ -104,8 +108,12 @@ impl ThreadPool {
             let _serial = self.running.lock().unwrap_or_else(|e| e.into_inner());
             self.shared.job.store(&job as *const Job<'_> as *mut (), SeqCst);
             self.shared.generation.fetch_add(1, SeqCst);
-            drop(self.shared.lock.lock().unwrap_or_else(|e| e.into_inner()));
-            self.shared.wake.notify_all();
+            // A worker raises `sleepers` under the lock before it re-checks the generation, so
+            // either it sees the new generation or we see it asleep and wake it.
+            if self.shared.sleepers.load(SeqCst) > 0 {
+                drop(self.shared.lock.lock().unwrap_or_else(|e| e.into_inner()));
+                self.shared.wake.notify_all();
+            }
             job.work();
             while job.done.load(SeqCst) < n_tasks {
                 std::hint::spin_loop();
@@ -133,9 +141,13 @@ fn worker(s: &Shared) {
             spins = spins.wrapping_add(1);
             if spins % 1024 == 0 && start.elapsed() > SPIN {
                 let guard = s.lock.lock().unwrap_or_else(|e| e.into_inner());
+                s.sleepers.fetch_add(1, SeqCst);
                 if s.generation.load(SeqCst) == seen && !s.shutdown.load(SeqCst) {
                     drop(s.wake.wait(guard).unwrap_or_else(|e| e.into_inner()));
+                } else {
+                    drop(guard);
                 }
+                s.sleepers.fetch_sub(1, SeqCst);
             }
         }
         if s.shutdown.load(SeqCst) {

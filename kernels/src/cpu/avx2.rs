@@ -53,6 +53,7 @@ pub fn kernels() -> Option<Kernels> {
         // SAFETY: as above.
         exp: |x| unsafe { exp(x) },
         gemm16: None,
+        gemv16: None,
     })
 }
 

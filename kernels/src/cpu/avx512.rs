@@ -12,7 +12,7 @@
 //! same for `off`. Integer sums are exact in any order; every float operation happens in the same
 //! order on the same values.
 
-use super::avx2::{f16_at, prefetch};
+use super::avx2::prefetch;
 use super::{Isa, Kernels};
 use crate::packed::{Packed16, LANES};
 use crate::quant::{BlockQ8, DType, QK};
@@ -52,7 +52,9 @@ pub fn kernels() -> Option<Kernels> {
         // SAFETY: as above.
         dot_q8_0_x4: |w, a| a.map(|a| unsafe { dot::<Q8_0>(w, a) }),
         // SAFETY: as above.
-        gemm16: Some(|dt, w, p| unsafe { gemm16(dt, w, p) }),
+        gemm16: Some(|dt, rows, p| unsafe { gemm16(dt, rows, p) }),
+        // SAFETY: as above.
+        gemv16: Some(|dt, w, rb, a| unsafe { gemv16(dt, w, rb, a) }),
         ..base
     })
 }
@@ -71,10 +73,12 @@ const fn layout(kind: u8) -> (usize, usize) {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 fn scales<const KIND: u8>(blk: &[u8]) -> (f32, f32) {
-    let d = f16_at(blk, 0);
+    // F16C on the first 4 bytes: d, and for Q4_1 m (Q4_0/Q8_0: two quant bytes, unused).
+    let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([blk[0], blk[1], blk[2], blk[3]])));
+    let d = _mm_cvtss_f32(dm);
     match KIND {
         Q4_0 => (d, -8.0 * d),
-        Q4_1 => (d, f16_at(blk, 2)),
+        Q4_1 => (d, _mm_cvtss_f32(_mm_movehdup_ps(dm))),
         _ => (d, 0.0),
     }
 }
@@ -145,53 +149,94 @@ unsafe fn dot<const KIND: u8>(w: &[u8], a: &[BlockQ8]) -> f32 {
     ((l[0] + l[1]) + (l[2] + l[3])) + ((o[0] + o[1]) + (o[2] + o[3]))
 }
 
-/// One weight row against a packed group of 16 tokens.
+/// One or two weight rows against a packed group of 16 lanes: lane `l` is token `l / R` against
+/// row `l % R` (`R = rows.len()`; for two rows the caller packs every token twice).
 ///
 /// # Safety
 /// The CPU must support the features of [`kernels`].
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn gemm16(dt: DType, w: &[u8], p: &Packed16) -> [f32; 16] {
+unsafe fn gemm16(dt: DType, rows: &[&[u8]], p: &Packed16) -> [f32; 16] {
     // SAFETY (all arms): same features as this function's caller guarantees.
-    match dt {
+    match (dt, rows) {
         // SAFETY: as above.
-        DType::Q4_0 => unsafe { gemm16_kind::<Q4_0>(w, p) },
+        (DType::Q4_0, &[w]) => unsafe { gemm16_kind::<Q4_0, 1>([w], p) },
         // SAFETY: as above.
-        DType::Q4_1 => unsafe { gemm16_kind::<Q4_1>(w, p) },
+        (DType::Q4_1, &[w]) => unsafe { gemm16_kind::<Q4_1, 1>([w], p) },
         // SAFETY: as above.
-        DType::Q8_0 => unsafe { gemm16_kind::<Q8_0>(w, p) },
-        other => panic!("gemm16 has no {other:?} kernel"),
+        (DType::Q8_0, &[w]) => unsafe { gemm16_kind::<Q8_0, 1>([w], p) },
+        // SAFETY: as above.
+        (DType::Q4_0, &[w0, w1]) => unsafe { gemm16_kind::<Q4_0, 2>([w0, w1], p) },
+        // SAFETY: as above.
+        (DType::Q4_1, &[w0, w1]) => unsafe { gemm16_kind::<Q4_1, 2>([w0, w1], p) },
+        // SAFETY: as above.
+        (DType::Q8_0, &[w0, w1]) => unsafe { gemm16_kind::<Q8_0, 2>([w0, w1], p) },
+        (other, rows) => panic!("gemm16 has no {other:?} kernel for {} rows", rows.len()),
     }
+}
+
+/// Two f32s as one 64-bit pattern broadcast to all lanes: `[x, y, x, y, ...]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn pair_ps(x: f32, y: f32) -> __m512 {
+    _mm512_castpd_ps(_mm512_set1_pd(f64::from_bits(u64::from(x.to_bits()) | (u64::from(y.to_bits()) << 32))))
 }
 
 /// # Safety
 /// The CPU must support the features of [`kernels`].
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn gemm16_kind<const KIND: u8>(w: &[u8], p: &Packed16) -> [f32; 16] {
+unsafe fn gemm16_kind<const KIND: u8, const R: usize>(w: [&[u8]; R], p: &Packed16) -> [f32; 16] {
     let (bb, q) = layout(KIND);
     let nb = p.blocks;
-    assert!(w.len() >= nb * bb && p.qs.len() >= nb * QK * LANES && p.d.len() >= nb * LANES && p.s.len() >= nb * LANES && p.isum.len() >= nb * LANES);
+    assert!(w.iter().all(|w| w.len() >= nb * bb) && p.qs.len() >= nb * QK * LANES && p.d.len() >= nb * LANES && p.s.len() >= nb * LANES && p.isum.len() >= nb * LANES);
     let mut acc = [_mm512_setzero_ps(); 4];
     let mut off = [_mm512_setzero_ps(); 4];
-    let mut wb = [0i32; 8];
-    for b in 0..nb {
-        prefetch(w, b * bb);
-        let blk = &w[b * bb..(b + 1) * bb];
-        let (d, m) = scales::<KIND>(blk);
-        let wq = if KIND == Q8_0 {
-            // SAFETY: 32 quant bytes follow the scale.
-            // Signed quants + 128 are unsigned bytes; 128 * Σa is subtracted below.
-            unsafe { _mm256_xor_si256(_mm256_loadu_si256(blk[2..].as_ptr().cast()), _mm256_set1_epi8(-128)) }
-        } else {
-            nibbles(&blk[q..])
+    // Weight quants of the block, dword j of row r at j * R + r.
+    let mut wb = [0i32; 16];
+    let mut step = |b: usize, acc: &mut __m512, off: &mut __m512| {
+        let unpack = |w: &[u8]| {
+            prefetch(w, b * bb);
+            let blk = &w[b * bb..(b + 1) * bb];
+            let wq = if KIND == Q8_0 {
+                // SAFETY: 32 quant bytes follow the scale.
+                // Signed quants + 128 are unsigned bytes; 128 * Σa is subtracted below.
+                unsafe { _mm256_xor_si256(_mm256_loadu_si256(blk[2..].as_ptr().cast()), _mm256_set1_epi8(-128)) }
+            } else {
+                nibbles(&blk[q..])
+            };
+            (scales::<KIND>(blk), wq)
         };
-        // SAFETY: `wb` is 8 i32s = 32 bytes.
-        unsafe { _mm256_storeu_si256(wb.as_mut_ptr().cast(), wq) };
-        let mut isum = _mm512_setzero_si512();
-        for (j, &four) in wb.iter().enumerate() {
+        let ((d0, m0), wq0) = unpack(w[0]);
+        let (d, m) = if R == 1 {
+            // SAFETY: `wb` is 16 i32s.
+            unsafe { _mm256_storeu_si256(wb.as_mut_ptr().cast(), wq0) };
+            (_mm512_set1_ps(d0), _mm512_set1_ps(m0))
+        } else {
+            let ((d1, m1), wq1) = unpack(w[R - 1]);
+            let (x, y) = (_mm256_unpacklo_epi32(wq0, wq1), _mm256_unpackhi_epi32(wq0, wq1));
+            // SAFETY: `wb` is 16 i32s = 64 bytes.
+            unsafe {
+                _mm256_storeu_si256(wb.as_mut_ptr().cast(), _mm256_permute2x128_si256::<0x20>(x, y));
+                _mm256_storeu_si256(wb.as_mut_ptr().add(8).cast(), _mm256_permute2x128_si256::<0x31>(x, y));
+            }
+            (pair_ps(d0, d1), pair_ps(m0, m1))
+        };
+        // The broadcasts below must be loads from memory (load ports) rather than register
+        // shuffles (the one shuffle port), so the compiler may not see through the store.
+        let wb = std::hint::black_box(&mut wb);
+        // Two chains of four: the products of a block are not one long dependency chain.
+        let mut isum = [_mm512_setzero_si512(); 2];
+        for j in 0..8 {
             // SAFETY: 64 bytes at ((b * 8 + j) * 16) * 4 lie inside `qs` (asserted length).
             let act = unsafe { _mm512_loadu_si512(p.qs.as_ptr().add((b * 8 + j) * LANES * 4).cast()) };
-            isum = _mm512_dpbusd_epi32(isum, _mm512_set1_epi32(four), act);
+            let four = if R == 1 {
+                _mm512_set1_epi32(wb[j])
+            } else {
+                // SAFETY: dwords 2j and 2j + 1 of `wb`.
+                _mm512_set1_epi64(unsafe { wb.as_ptr().add(2 * j).cast::<i64>().read_unaligned() })
+            };
+            isum[j % 2] = _mm512_dpbusd_epi32(isum[j % 2], four, act);
         }
+        let mut isum = _mm512_add_epi32(isum[0], isum[1]);
         // SAFETY: 16 values at b * 16 in each per-lane array (asserted lengths).
         let (da, sa, asum) = unsafe {
             (
@@ -203,16 +248,170 @@ unsafe fn gemm16_kind<const KIND: u8>(w: &[u8], p: &Packed16) -> [f32; 16] {
         if KIND == Q8_0 {
             isum = _mm512_sub_epi32(isum, _mm512_slli_epi32::<7>(asum));
         }
-        let sc = _mm512_mul_ps(da, _mm512_set1_ps(d));
-        acc[b % 4] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, acc[b % 4]);
+        let sc = _mm512_mul_ps(da, d);
+        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, *acc);
         if KIND != Q8_0 {
-            off[b % 4] = _mm512_fmadd_ps(_mm512_set1_ps(m), sa, off[b % 4]);
+            *off = _mm512_fmadd_ps(m, sa, *off);
         }
+    };
+    // Blocks in fours, so each accumulator index is a constant (registers, not the stack).
+    let mut b = 0;
+    while b < nb {
+        for j in 0..4 {
+            if b + j < nb {
+                step(b + j, &mut acc[j], &mut off[j]);
+            }
+        }
+        b += 4;
     }
     let a = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
     let o = _mm512_add_ps(_mm512_add_ps(off[0], off[1]), _mm512_add_ps(off[2], off[3]));
     let mut out = [0f32; 16];
     // SAFETY: 16 f32s.
     unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(a, o)) };
+    out
+}
+
+/// Sixteen consecutive weight rows (`w` holds them back to back, `rb` bytes each) against one
+/// token: the weight-stationary counterpart of [`gemm16`] for a single token.
+///
+/// The lanes are the rows. Each row's quants of a block pair go through one `vpdpbusd`, a
+/// transpose-and-add tree turns the 16 rows' partial sums into one vector of per-row integer
+/// sums per block, and from there every lane does exactly the float arithmetic of a
+/// [`gemm16`] lane (module docs), so the result equals the single-token [`dot`] bit for bit.
+///
+/// # Safety
+/// The CPU must support the features of [`kernels`].
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn gemv16(dt: DType, w: &[u8], rb: usize, a: &[BlockQ8]) -> [f32; 16] {
+    match dt {
+        // SAFETY: same features as this function's caller guarantees.
+        DType::Q4_0 => unsafe { gemv16_kind::<Q4_0>(w, rb, a) },
+        // SAFETY: as above.
+        DType::Q4_1 => unsafe { gemv16_kind::<Q4_1>(w, rb, a) },
+        // SAFETY: as above.
+        DType::Q8_0 => unsafe { gemv16_kind::<Q8_0>(w, rb, a) },
+        other => panic!("gemv16 has no {other:?} kernel"),
+    }
+}
+
+/// The quants of blocks `b` (lanes 0..8) and `b + 1` (lanes 8..16, zeros when `pair` is false)
+/// of the row starting at `row`, as bytes in element order (`vpdpbusd`'s unsigned operand;
+/// Q8_0 biased by +128).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn weight_pair<const KIND: u8>(row: *const u8, b: usize, pair: bool) -> __m512i {
+    let (bb, q) = layout(KIND);
+    let p0 = row.wrapping_add(b * bb + q);
+    let p1 = p0.wrapping_add(bb);
+    if KIND == Q8_0 {
+        // SAFETY: the caller guarantees 32 quant bytes at p0.
+        let lo = unsafe { _mm256_loadu_si256(p0.cast()) };
+        // SAFETY: and at p1 when `pair`.
+        let hi = if pair { unsafe { _mm256_loadu_si256(p1.cast()) } } else { _mm256_setzero_si256() };
+        let v = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+        _mm512_xor_si512(v, _mm512_set1_epi8(-128))
+    } else {
+        // 128-bit lanes [q_b, q_b, q_b1, q_b1], then low nibbles in lanes 0 and 2, high in 1 and 3.
+        // SAFETY: the caller guarantees 16 quant bytes at p0.
+        let v = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(p0.cast()) });
+        // SAFETY: and at p1 when `pair`.
+        let v = if pair { _mm512_mask_broadcast_i32x4(v, 0xff00, unsafe { _mm_loadu_si128(p1.cast()) }) } else { v };
+        _mm512_and_si512(_mm512_mask_srli_epi16::<4>(v, 0xff00_ff00, v), _mm512_set1_epi8(0x0f))
+    }
+}
+
+/// Per-row integer sums of blocks `b` and `b + 1` from the 16 rows' `vpdpbusd` partials
+/// (`v[i]`: row `i`, lanes 0..8 block `b`, 8..16 block `b + 1`): two vectors, lanes = rows.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn reduce16(v: &[__m512i; 16]) -> (__m512i, __m512i) {
+    // Within each 128-bit lane: 4 partials of 16 rows -> 1 sum of 4 rows, in row order.
+    let u: [__m512i; 8] = std::array::from_fn(|i| {
+        let (x, y) = (v[2 * i], v[2 * i + 1]);
+        _mm512_add_epi32(_mm512_unpacklo_epi32(x, y), _mm512_unpackhi_epi32(x, y))
+    });
+    let t: [__m512i; 4] = std::array::from_fn(|i| {
+        let (x, y) = (u[2 * i], u[2 * i + 1]);
+        _mm512_add_epi32(_mm512_unpacklo_epi64(x, y), _mm512_unpackhi_epi64(x, y))
+    });
+    // t[i], 128-bit lanes: rows 4i..4i+4 of [b low half, b high half, b+1 low, b+1 high].
+    let halves = |x: __m512i, y: __m512i| {
+        _mm512_add_epi32(_mm512_shuffle_i32x4::<0b10_00_10_00>(x, y), _mm512_shuffle_i32x4::<0b11_01_11_01>(x, y))
+    };
+    // s0: [rows 0..4 of b, rows 0..4 of b+1, rows 4..8 of b, rows 4..8 of b+1]; s1: rows 8..16.
+    let (s0, s1) = (halves(t[0], t[1]), halves(t[2], t[3]));
+    (_mm512_shuffle_i32x4::<0b10_00_10_00>(s0, s1), _mm512_shuffle_i32x4::<0b11_01_11_01>(s0, s1))
+}
+
+/// # Safety
+/// The CPU must support the features of [`kernels`].
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn gemv16_kind<const KIND: u8>(w: &[u8], rb: usize, a: &[BlockQ8]) -> [f32; 16] {
+    let (bb, _) = layout(KIND);
+    let nb = a.len();
+    assert!(nb * bb <= rb && w.len() >= 16 * rb && 16 * rb < i32::MAX as usize, "16 rows of {nb} blocks");
+    let row_at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(rb as i32));
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let mut off = [_mm512_setzero_ps(); 4];
+    // (d, m) of every row's block c: one 32-bit gather (Q4_0/Q8_0: d and 2 quant bytes).
+    let gather = |c: usize| {
+        // SAFETY: offsets i * rb + c * bb + 4 <= 16 * rb are inside `w` (asserted above).
+        unsafe { _mm512_i32gather_epi32::<1>(_mm512_add_epi32(row_at, _mm512_set1_epi32((c * bb) as i32)), w.as_ptr().cast()) }
+    };
+    // Block `c`'s float step for the 16 rows, as one gemm16 lane does it.
+    let step = |c: usize, g: __m512i, mut isum: __m512i, acc: &mut __m512, off: &mut __m512| {
+        let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+        if KIND == Q8_0 {
+            let asum: i32 = a[c].qs.iter().map(|&q| i32::from(q)).sum();
+            isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(asum << 7));
+        }
+        let sc = _mm512_mul_ps(_mm512_set1_ps(a[c].d), d);
+        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, *acc);
+        if KIND != Q8_0 {
+            let m = if KIND == Q4_1 { _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(g))) } else { _mm512_mul_ps(_mm512_set1_ps(-8.0), d) };
+            *off = _mm512_fmadd_ps(m, _mm512_set1_ps(a[c].s), *off);
+        }
+    };
+    // The next 16 rows are fetched while these are computed, a share per block pair.
+    let (lines, steps) = (16 * rb / 64, nb.div_ceil(2));
+    let next = w.as_ptr().wrapping_add(16 * rb);
+    let mut b = 0;
+    while b < nb {
+        let pair = b + 1 < nb;
+        let s = b / 2;
+        for l in s * lines / steps..(s + 1) * lines / steps {
+            // A prefetch never faults: the address may lie past `w`.
+            _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(l * 64).cast());
+        }
+        // Scales first: the gathers' latency hides behind the integer work.
+        let g0 = gather(b);
+        let g1 = if pair { gather(b + 1) } else { _mm512_setzero_si512() };
+        // SAFETY: `qs` is 32 bytes.
+        let lo = unsafe { _mm256_loadu_si256(a[b].qs.as_ptr().cast()) };
+        // SAFETY: as above.
+        let hi = if pair { unsafe { _mm256_loadu_si256(a[b + 1].qs.as_ptr().cast()) } } else { _mm256_setzero_si256() };
+        let act = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+        let v: [__m512i; 16] = std::array::from_fn(|i| {
+            // SAFETY: row i's blocks b (and b + 1 when `pair`) lie inside `w`: b + 1 < nb,
+            // nb * bb <= rb and 16 rows of rb bytes (asserted above).
+            let wq = unsafe { weight_pair::<KIND>(w.as_ptr().add(i * rb), b, pair) };
+            _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, act)
+        });
+        let (s0, s1) = reduce16(&v);
+        // b is even: its accumulator is 0 or 2, b + 1's the next one.
+        let k = b % 4;
+        let ((a0, a1), (o0, o1)) = (acc.split_at_mut(k + 1), off.split_at_mut(k + 1));
+        step(b, g0, s0, &mut a0[k], &mut o0[k]);
+        if pair {
+            step(b + 1, g1, s1, &mut a1[0], &mut o1[0]);
+        }
+        b += 2;
+    }
+    let s = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    let o = _mm512_add_ps(_mm512_add_ps(off[0], off[1]), _mm512_add_ps(off[2], off[3]));
+    let mut out = [0f32; 16];
+    // SAFETY: 16 f32s.
+    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(s, o)) };
     out
 }

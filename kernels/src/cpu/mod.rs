@@ -58,15 +58,21 @@ pub struct Kernels {
     /// `x[i] = exp(x[i])` (softmax and SiLU; the AVX2 version is a polynomial within 2e-7
     /// relative error of `f32::exp`).
     pub exp: fn(&mut [f32]),
-    /// One quantized weight row against a group of 16 packed tokens, when the ISA has a kernel
-    /// for it. Its per-token arithmetic is exactly that of the single-token dots of the same
-    /// table, so a token's result never depends on its batch.
+    /// One quantized weight row against a group of 16 packed tokens, or two rows against 8
+    /// tokens packed twice each (lane `l`: token `l / R`, row `l % R`), when the ISA has a
+    /// kernel for it. Its per-lane arithmetic is exactly that of the single-token dots of the
+    /// same table, so a token's result never depends on its batch.
     pub gemm16: Option<Gemm16>,
+    /// Sixteen consecutive quantized weight rows (`rb` bytes each) against one token, when the
+    /// ISA has a kernel for it; lane `i` equals the single-token dot of row `i` bit for bit.
+    pub gemv16: Option<Gemv16>,
 }
 
 /// See [`Kernels::gemm16`].
-pub type Gemm16 = fn(crate::quant::DType, &[u8], &crate::packed::Packed16) -> [f32; 16];
+pub type Gemm16 = fn(crate::quant::DType, &[&[u8]], &crate::packed::Packed16) -> [f32; 16];
 
+/// See [`Kernels::gemv16`]: `(dtype, rows, rb, activations)`.
+pub type Gemv16 = fn(crate::quant::DType, &[u8], usize, &[BlockQ8]) -> [f32; 16];
 /// See [`Kernels::attn_scores`]: `(k, q, hd, g, scale, out)`.
 pub type AttnScores = fn(&[half::f16], &[f32], usize, usize, f32, &mut [f32]);
 /// See [`Kernels::attn_values`]: `(v, p, hd, g, out)`.
@@ -99,6 +105,7 @@ impl Kernels {
             attn_values: scalar::attn_values,
             exp: scalar::exp,
             gemm16: None,
+            gemv16: None,
         }
     }
 

@@ -62,10 +62,41 @@ proptest! {
                 }
                 if let Some(gemm) = k.gemm16 {
                     let rows: Vec<&[BlockQ8]> = acts.iter().map(Vec::as_slice).collect();
-                    let got = gemm(dt, &wb, &crate::packed::Packed16::pack(&rows));
+                    let got = gemm(dt, &[&wb], &crate::packed::Packed16::pack(&rows));
                     for r in 0..4 {
                         prop_assert_eq!(got[r], one(&wb, &acts[r]), "{:?} {:?} gemm16 lane {} is the single dot", k.isa, dt, r);
                     }
+                    // Two weight rows (the second the first reversed), every token packed twice.
+                    let mut wrev = Vec::new();
+                    quantize_row(dt, &w.iter().rev().copied().collect::<Vec<_>>(), &mut wrev);
+                    let twice: Vec<&[BlockQ8]> = rows.iter().flat_map(|&r| [r, r]).collect();
+                    let got = gemm(dt, &[&wb, &wrev], &crate::packed::Packed16::pack(&twice));
+                    for r in 0..4 {
+                        prop_assert_eq!(got[2 * r], one(&wb, &acts[r]), "{:?} {:?} two-row gemm16, row 0 token {}", k.isa, dt, r);
+                        prop_assert_eq!(got[2 * r + 1], one(&wrev, &acts[r]), "{:?} {:?} two-row gemm16, row 1 token {}", k.isa, dt, r);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn gemv16_lanes_are_the_single_dots(ws in proptest::collection::vec(row(7 * QK), 16), x in row(7 * QK), blocks in 1usize..=7) {
+        // Sixteen rows against one token, an odd or even number of blocks, with padding after
+        // each row as in a wider matrix: every lane must equal that row's single-token dot.
+        let act = q8(&x[..blocks * QK]);
+        for k in Kernels::all() {
+            let Some(gemv) = k.gemv16 else { continue };
+            for (dt, one) in [(DType::Q4_0, k.dot_q4_0), (DType::Q4_1, k.dot_q4_1), (DType::Q8_0, k.dot_q8_0)] {
+                let rb = dt.bytes_for(7 * QK).unwrap();
+                let mut wb = Vec::new();
+                for w in &ws {
+                    quantize_row(dt, w, &mut wb);
+                }
+                let got = gemv(dt, &wb, rb, &act);
+                for (r, &g) in got.iter().enumerate() {
+                    let row = &wb[r * rb..r * rb + dt.bytes_for(blocks * QK).unwrap()];
+                    prop_assert_eq!(g, one(row, &act), "{:?} {:?} lane {} of {} blocks", k.isa, dt, r, blocks);
                 }
             }
         }
