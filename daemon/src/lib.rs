@@ -8,6 +8,8 @@
 //! - [`kv`]: the paged KV cache bookkeeping (block pool, block tables, prefix cache).
 //! - [`backend`]: the forward pass behind the [`backend::Backend`] trait; the CPU backend.
 //! - [`engine`]: generation on top of backend + KV cache (greedy decoding for now).
+//! - [`plugin`]: decoder plugins, host side: loading, registry, sessions over the C ABI.
+//! - [`decode`]: driving a request through a strategy plugin over a sequence store.
 //! - [`bench`]: the `inferd bench` measurements.
 
 #![deny(unsafe_code)]
@@ -16,8 +18,10 @@
 pub mod backend;
 pub mod bench;
 pub mod chat;
+pub mod decode;
 pub mod engine;
 pub mod kv;
 pub mod model;
 pub mod paths;
+pub mod plugin;
 pub mod tokenizer;

@@ -1,9 +1,13 @@
-//! The `inferd` command line: `run` (one-shot generation), `tokenize`, `bench`.
-//! The daemon (`serve`) and plugin commands arrive with their issues.
+//! The `inferd` command line: `run` (one-shot generation through a decoder plugin), `tokenize`,
+//! `bench`, `plugin check` and `plugin probe`. The daemon (`serve`) arrives with its issue.
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use inferd::chat::{ChatMessage, ChatTemplate};
+use inferd::decode::generate;
+use inferd::decode::store::{EngineStore, MockStore};
+use inferd::plugin::{Registry, Session, SessionRequest, TrustPolicy};
+use std::collections::BTreeMap;
 use inferd::engine::{Engine, EngineOptions};
 use inferd::model::Model;
 use inferd::tokenizer::stream::StreamDecoder;
@@ -33,7 +37,23 @@ enum Cmd {
         /// Compute threads (default: all cores).
         #[arg(long, default_value_t = 0)]
         threads: usize,
+        /// Decoding strategy (a loaded plugin's strategy name).
+        #[arg(long, default_value = "greedy")]
+        decoder: String,
+        /// The strategy's parameters as a JSON object.
+        #[arg(long, default_value = "{}")]
+        params: String,
+        /// Seed of the random draws (default: a random one).
+        #[arg(long)]
+        seed: Option<u64>,
+        #[command(flatten)]
+        plugins: PluginDirs,
         prompt: String,
+    },
+    /// Decoder plugins: check a file, probe a strategy.
+    Plugin {
+        #[command(subcommand)]
+        cmd: PluginCmd,
     },
     /// Print the token ids of TEXT as a JSON array.
     Tokenize {
@@ -46,6 +66,58 @@ enum Cmd {
     },
     /// Measure prefill and decode speed, TTFT and peak memory; print a JSON report.
     Bench(inferd::bench::BenchArgs),
+}
+
+#[derive(clap::Args)]
+struct PluginDirs {
+    /// Directory to load decoder plugins from (repeatable; default: $INFERD_PLUGIN_DIR, the
+    /// executable's directory, $XDG_DATA_HOME/inferd/plugins, /usr/lib/inferd/plugins).
+    #[arg(long = "plugin-dir")]
+    dirs: Vec<PathBuf>,
+}
+
+impl PluginDirs {
+    fn registry(&self) -> Result<Registry> {
+        let dirs = inferd::paths::plugin_dirs(&self.dirs);
+        let (reg, refused) = Registry::load_dirs(&dirs, TrustPolicy::User);
+        for r in refused {
+            eprintln!("inferd: {r}");
+        }
+        if reg.names().is_empty() {
+            bail!("no decoding strategies found in {dirs:?} (build them with `cargo build --release`, or pass --plugin-dir)");
+        }
+        Ok(reg)
+    }
+}
+
+#[derive(Subcommand)]
+enum PluginCmd {
+    /// Load FILE the way the daemon does and print what it declares, or why it is refused.
+    Check {
+        file: PathBuf,
+        /// Apply the system daemon's rules (root-owned, not group- or world-writable).
+        #[arg(long)]
+        system: bool,
+    },
+    /// Run one step of strategy NAME against fixed logits DRAWS times and print the empirical
+    /// distribution of the drawn token ids as JSON.
+    Probe {
+        name: String,
+        /// The logits, a JSON array of numbers (the vocabulary is its length).
+        #[arg(long)]
+        logits: String,
+        /// Tokens generated so far (for penalties), a JSON array of ids.
+        #[arg(long, default_value = "[]")]
+        history: String,
+        #[arg(long, default_value = "{}")]
+        params: String,
+        #[arg(long, default_value_t = 10000)]
+        draws: u64,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[command(flatten)]
+        plugins: PluginDirs,
+    },
 }
 
 fn model_path(p: Option<PathBuf>) -> Result<PathBuf> {
@@ -63,10 +135,21 @@ pub(crate) fn load(p: Option<PathBuf>) -> Result<Model> {
     Model::load(&path).with_context(|| format!("loading {}", path.display()))
 }
 
-fn run(model: Option<PathBuf>, max_tokens: usize, chat: bool, threads: usize, prompt: &str) -> Result<()> {
+struct RunArgs {
+    max_tokens: usize,
+    chat: bool,
+    threads: usize,
+    decoder: String,
+    params: String,
+    seed: Option<u64>,
+}
+
+fn run(model: Option<PathBuf>, a: RunArgs, plugins: &PluginDirs, prompt: &str) -> Result<()> {
+    let reg = plugins.registry()?;
+    let strategy = reg.get(&a.decoder)?;
     let model = load(model)?;
     let tok = &model.tokenizer;
-    let ids = if chat {
+    let ids = if a.chat {
         let bos = tok.bos().map(|b| tok.token_text(b)).unwrap_or_default();
         let eos = tok.eos().first().map(|&e| tok.token_text(e)).unwrap_or_default();
         let tmpl = ChatTemplate::new(model.chat_template.as_deref(), bos, eos)?;
@@ -75,12 +158,27 @@ fn run(model: Option<PathBuf>, max_tokens: usize, chat: bool, threads: usize, pr
     } else {
         tok.encode(prompt, false)?
     };
-    let opts = EngineOptions { threads, ..EngineOptions::default() };
+    if ids.is_empty() {
+        bail!("the prompt is empty");
+    }
+    let req = SessionRequest {
+        prompt: &ids,
+        generated: &[],
+        params: &a.params,
+        max_tokens: u32::try_from(a.max_tokens).unwrap_or(u32::MAX),
+        n: 1,
+        seed: a.seed.unwrap_or_else(random_seed),
+        eos: tok.eos(),
+    };
+    // Reject bad parameters before loading anything heavy into the KV cache.
+    Session::validate(&strategy, model.config.vocab as u32, &req)?;
+    let opts = EngineOptions { threads: a.threads, ..EngineOptions::default() };
     let mut engine = Engine::cpu(&model, &opts);
+    let mut store = EngineStore::new(&mut engine);
     let mut dec = StreamDecoder::new(true);
     let mut out = std::io::stdout().lock();
     let mut write_err = None;
-    engine.generate_greedy(&[&ids], max_tokens, tok.eos(), &mut |_, id| {
+    generate(&strategy, &mut store, &req, &mut |_, id| {
         if let Ok(piece) = dec.push(tok, id) {
             if let Err(e) = out.write_all(piece.as_bytes()).and_then(|()| out.flush()) {
                 write_err.get_or_insert(e);
@@ -94,10 +192,90 @@ fn run(model: Option<PathBuf>, max_tokens: usize, chat: bool, threads: usize, pr
     Ok(())
 }
 
+/// A seed for a request that did not give one.
+fn random_seed() -> u64 {
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    t ^ (u64::from(std::process::id()) << 32)
+}
+
+fn plugin_check(file: &std::path::Path, system: bool) -> Result<()> {
+    let path = std::path::absolute(file)?;
+    let mut reg = Registry::default();
+    let policy = if system { TrustPolicy::System } else { TrustPolicy::User };
+    let decl = reg.load_file(&path, policy)?;
+    let strategies: Vec<serde_json::Value> = decl
+        .strategies
+        .iter()
+        .map(|s| {
+            serde_json::json!({
+                "name": s.name,
+                "description": s.description,
+                "needs_draft": s.flags & inferd_plugin_api::abi::STRATEGY_NEEDS_DRAFT != 0,
+                "params": serde_json::from_str::<serde_json::Value>(&s.params_doc).unwrap_or_default(),
+            })
+        })
+        .collect();
+    let report = serde_json::json!({
+        "file": path,
+        "plugin": decl.name,
+        "version": decl.version,
+        "abi": format!("{}.{}", inferd_plugin_api::ABI_MAJOR, decl.abi_minor),
+        "strategies": strategies,
+    });
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    Ok(())
+}
+
+struct ProbeArgs {
+    logits: String,
+    history: String,
+    params: String,
+    draws: u64,
+    seed: u64,
+}
+
+fn plugin_probe(name: &str, a: ProbeArgs, plugins: &PluginDirs) -> Result<()> {
+    let logits: Vec<f32> = serde_json::from_str(&a.logits).context("--logits must be a JSON array of numbers")?;
+    let history: Vec<u32> = serde_json::from_str(&a.history).context("--history must be a JSON array of token ids")?;
+    if logits.is_empty() {
+        bail!("--logits is empty");
+    }
+    if let Some(t) = history.iter().find(|&&t| t as usize >= logits.len()) {
+        bail!("history token {t} is outside the vocabulary of {}", logits.len());
+    }
+    if a.draws == 0 {
+        bail!("--draws must be at least 1");
+    }
+    let reg = plugins.registry()?;
+    let strategy = reg.get(name)?;
+    let vocab = logits.len();
+    let fixed = logits.clone();
+    let mut store = MockStore::new(vocab, Box::new(move |_| fixed.clone()));
+    let mut counts: BTreeMap<u32, u64> = BTreeMap::new();
+    for i in 0..a.draws {
+        // The mock model ignores the prompt; one placeholder token gives the first step a
+        // position to return logits for.
+        let req = SessionRequest { prompt: &[0], generated: &history, params: &a.params, max_tokens: 1, n: 1, seed: a.seed.wrapping_add(i), eos: &[] };
+        let choices = generate(&strategy, &mut store, &req, &mut |_, _| {})?;
+        if let Some(&t) = choices.first().and_then(|c| c.tokens.first()) {
+            *counts.entry(t).or_default() += 1;
+        }
+    }
+    let dist: serde_json::Map<String, serde_json::Value> = counts.into_iter().map(|(t, c)| (t.to_string(), serde_json::json!(c as f64 / a.draws as f64))).collect();
+    println!("{}", serde_json::Value::Object(dist));
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
-        Cmd::Run { model, max_tokens, chat, threads, prompt } => run(model, max_tokens, chat, threads, &prompt),
+        Cmd::Run { model, max_tokens, chat, threads, decoder, params, seed, plugins, prompt } => {
+            run(model, RunArgs { max_tokens, chat, threads, decoder, params, seed }, &plugins, &prompt)
+        }
+        Cmd::Plugin { cmd: PluginCmd::Check { file, system } } => plugin_check(&file, system),
+        Cmd::Plugin { cmd: PluginCmd::Probe { name, logits, history, params, draws, seed, plugins } } => {
+            plugin_probe(&name, ProbeArgs { logits, history, params, draws, seed }, &plugins)
+        }
         Cmd::Tokenize { model, special, text } => {
             let model = load(model)?;
             let ids = model.tokenizer.encode(&text, special)?;

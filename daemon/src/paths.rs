@@ -24,3 +24,26 @@ pub fn model_dirs() -> Vec<PathBuf> {
 pub fn default_model() -> Option<PathBuf> {
     model_dirs().into_iter().map(|d| d.join(DEFAULT_MODEL_FILE)).find(|p| p.exists())
 }
+
+/// Plugin directories: `explicit` when given, else `$INFERD_PLUGIN_DIR`, the directory of the
+/// running executable (a build tree: `cargo build` puts the plugins next to `inferd`), the
+/// user's `$XDG_DATA_HOME/inferd/plugins` and the system's `/usr/lib/inferd/plugins`.
+pub fn plugin_dirs(explicit: &[PathBuf]) -> Vec<PathBuf> {
+    if !explicit.is_empty() {
+        return explicit.iter().map(|d| std::path::absolute(d).unwrap_or_else(|_| d.clone())).collect();
+    }
+    let mut dirs = Vec::new();
+    if let Some(d) = std::env::var_os("INFERD_PLUGIN_DIR") {
+        dirs.push(PathBuf::from(d));
+    }
+    if let Some(d) = std::env::current_exe().ok().and_then(|e| e.parent().map(PathBuf::from)) {
+        dirs.push(d);
+    }
+    let data = std::env::var_os("XDG_DATA_HOME").map(PathBuf::from).or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share")));
+    if let Some(d) = data {
+        dirs.push(d.join("inferd/plugins"));
+    }
+    dirs.push(PathBuf::from("/usr/lib/inferd/plugins"));
+    dirs.dedup();
+    dirs
+}

@@ -48,3 +48,65 @@ fn bad_model_paths_fail_with_a_message() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a GGUF file"));
 }
+
+/// A built-in plugin next to the binary (`cargo build --release` puts them there).
+fn plugin(name: &str) -> String {
+    let dir = std::path::Path::new(env!("CARGO_BIN_EXE_inferd")).parent().unwrap();
+    dir.join(format!("libinferd_{name}.so")).display().to_string()
+}
+
+#[test]
+fn plugin_check_reports_declarations_and_refusals() {
+    let out = inferd(&["plugin", "check", &plugin("nucleus")]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["abi"], "1.0");
+    assert_eq!(v["strategies"][0]["name"], "nucleus");
+    assert!(v["strategies"][0]["params"]["top_p"].is_string());
+    // (Not directly in /tmp: a directory everyone may write to is refused.)
+    let dir = std::env::temp_dir().join(format!("inferd-cli-junk-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let junk = dir.join("libjunk.so");
+    std::fs::write(&junk, b"junk").unwrap();
+    let out = inferd(&["plugin", "check", junk.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(junk.to_str().unwrap()) && err.contains("cannot load"), "{err}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn plugin_probe_prints_the_empirical_distribution() {
+    let out = inferd(&["plugin", "probe", "nucleus", "--logits", "[1.0, 1.0, -30.0]", "--params", r#"{"top_k": 2}"#, "--draws", "4000", "--seed", "9"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let d: std::collections::BTreeMap<String, f64> = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(d.keys().collect::<Vec<_>>(), vec!["0", "1"]);
+    assert!((d["0"] - 0.5).abs() < 0.05, "{d:?}");
+    // The history feeds the penalties: a large presence penalty on token 0 leaves token 1.
+    let out = inferd(&["plugin", "probe", "nucleus", "--logits", "[1.0, 1.0, -30.0]", "--history", "[0]", "--params", r#"{"presence_penalty": 2, "temperature": 0}"#, "--draws", "10"]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), r#"{"1":1.0}"#);
+    let out = inferd(&["plugin", "probe", "nucleus", "--logits", "[1.0]", "--params", r#"{"top_q": 1}"#]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown parameter top_q"));
+    let out = inferd(&["plugin", "probe", "nope", "--logits", "[1.0]"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown decoding strategy \"nope\""));
+}
+
+#[test]
+fn run_uses_any_strategy_and_seeds_repeat() {
+    let args = |seed: &'static str| ["run", "--model", "", "--decoder", "nucleus", "--params", r#"{"temperature": 1.0, "top_p": 0.95}"#, "--seed", seed, "--max-tokens", "12", "Once upon a time"];
+    let m = model();
+    let go = |seed| {
+        let mut a = args(seed);
+        a[2] = &m;
+        let out = inferd(&a);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let a = go("5");
+    assert_eq!(a, go("5"));
+    assert_ne!(a, go("6"));
+    let out = inferd(&["run", "--model", &m, "--decoder", "min-p", "--params", r#"{"min_p": 1.5}"#, "hi"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("min_p must be between 0 and 1"));
+}

@@ -1,12 +1,19 @@
 //! The inferd decoder-plugin ABI and its Rust SDK.
 //!
-//! Decoding strategies (greedy, nucleus, min-p, beam, speculative, third-party ones) will load as
-//! shared libraries behind a versioned C ABI defined here: a checked-in C header, its
-//! `#[repr(C)]` mirror, and a Rust SDK. The crate is in the workspace now so the dependency
-//! direction (plugin-api <- daemon, plugins) is fixed from the start; the ABI itself lands with
-//! the plugin issue. Until then the engine decodes greedily in-process.
+//! Decoding strategies are shared libraries behind the C ABI of `include/inferd_plugin.h`
+//! (the contract; [`abi`] mirrors it and a test checks the two agree). Rust plugins use the SDK:
+//! implement [`sdk::Strategy`] (or, for one-token-per-step strategies, [`sampler::Pick`]) and
+//! export it with [`export_plugin!`]. [`sampling`] holds the sampling transforms every strategy
+//! shares, [`params`] the checked reading of strategy parameters.
 
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
+#![cfg_attr(test, allow(clippy::unwrap_used))] // unit tests: a failed unwrap is a failed test
 
-/// The major version of the plugin ABI this crate will define.
-pub const ABI_MAJOR: u32 = 1;
+pub mod abi;
+pub mod params;
+pub mod sampler;
+pub mod sampling;
+#[allow(unsafe_code)]
+pub mod sdk;
+
+pub use abi::{ABI_MAJOR, ABI_MINOR};

@@ -1,9 +1,11 @@
 //! End-to-end tests of the engine: tiny generated models in every supported format, hostile
-//! files, and the real default model against independent golden data (tests/golden).
+//! files, the real default model against independent golden data (tests/golden), and decoder
+//! plugins through the C ABI.
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
 mod corrupt;
 mod golden;
+mod plugins;
 mod tiny;
 mod tokenizer;

@@ -24,6 +24,21 @@ pub enum EngineError {
     PromptTooLong { len: usize, ctx: usize },
     #[error("empty prompt")]
     EmptyPrompt,
+    #[error("sequence {0:?} is not in the KV cache")]
+    UnknownSequence(SeqId),
+    #[error("a step asked for {wanted} logits rows of a span of {tokens} tokens")]
+    BadLogitsCount { wanted: usize, tokens: usize },
+    #[error("sequence {0:?} appears twice in one step")]
+    DuplicateSequence(SeqId),
+}
+
+/// One sequence's part of [`Engine::run`]: append `tokens`, return the logits of the last
+/// `n_logits` of them.
+#[derive(Clone, Copy, Debug)]
+pub struct RunItem<'a> {
+    pub seq: SeqId,
+    pub tokens: &'a [u32],
+    pub n_logits: usize,
 }
 
 /// A backend, its KV cache bookkeeping and reusable logits storage.
@@ -175,6 +190,77 @@ impl<B: Backend> Engine<B> {
             self.kv.commit(s, len);
         }
         Ok(&self.logits[..step.len() * self.vocab()])
+    }
+
+    /// Runs every item's tokens on its sequence and returns, per item, the logits of its last
+    /// `n_logits` positions (`n_logits * vocab` floats). Long spans run in chunks of at most
+    /// `prefill_chunk` tokens per step across the batch. On error every sequence is back at
+    /// its length before the call.
+    pub fn run(&mut self, items: &[RunItem<'_>]) -> Result<Vec<Vec<f32>>, EngineError> {
+        let ctx = self.backend.config().context_len;
+        for (i, it) in items.iter().enumerate() {
+            if !self.kv.contains(it.seq) {
+                return Err(EngineError::UnknownSequence(it.seq));
+            }
+            if items[..i].iter().any(|o| o.seq == it.seq) {
+                return Err(EngineError::DuplicateSequence(it.seq));
+            }
+            if it.n_logits > it.tokens.len() {
+                return Err(EngineError::BadLogitsCount { wanted: it.n_logits, tokens: it.tokens.len() });
+            }
+            let len = self.kv.len(it.seq) + it.tokens.len();
+            if len > ctx {
+                return Err(EngineError::PromptTooLong { len, ctx });
+            }
+        }
+        let start: Vec<usize> = items.iter().map(|it| self.kv.len(it.seq)).collect();
+        let result = self.run_inner(items, &start);
+        if result.is_err() {
+            for (it, &len) in items.iter().zip(&start) {
+                self.kv.truncate(it.seq, len);
+            }
+        }
+        result
+    }
+
+    fn run_inner(&mut self, items: &[RunItem<'_>], start: &[usize]) -> Result<Vec<Vec<f32>>, EngineError> {
+        let vocab = self.vocab();
+        let mut out: Vec<Vec<f32>> = items.iter().map(|it| Vec::with_capacity(it.n_logits * vocab)).collect();
+        let mut done = vec![0usize; items.len()];
+        loop {
+            let mut budget = self.prefill_chunk;
+            let mut step: Vec<(usize, usize, usize)> = Vec::new(); // (item, start, end) within its tokens
+            for (i, it) in items.iter().enumerate() {
+                if done[i] < it.tokens.len() && budget > 0 {
+                    let end = it.tokens.len().min(done[i] + budget);
+                    budget -= end - done[i];
+                    step.push((i, done[i], end));
+                }
+            }
+            if step.is_empty() {
+                return Ok(out);
+            }
+            let mut copies = Vec::new();
+            for &(i, a, b) in &step {
+                copies.extend(self.kv.append(items[i].seq, &items[i].tokens[a..b])?);
+            }
+            self.backend.copy_blocks(&copies)?;
+            // Rows wanted from this chunk: its part of the last n_logits positions (a suffix).
+            let rows = |i: usize, a: usize, b: usize| b.saturating_sub(a.max(items[i].tokens.len() - items[i].n_logits));
+            let batch: Vec<SeqBatch<'_>> = step
+                .iter()
+                .map(|&(i, a, b)| SeqBatch { tokens: &items[i].tokens[a..b], start_pos: start[i] + a, block_table: self.kv.block_table(items[i].seq), logits: rows(i, a, b) })
+                .collect();
+            self.backend.forward(&batch, &mut self.logits)?;
+            let mut row = 0;
+            for &(i, a, b) in &step {
+                self.kv.commit(items[i].seq, start[i] + b);
+                let r = rows(i, a, b);
+                out[i].extend_from_slice(&self.logits[row * vocab..(row + r) * vocab]);
+                row += r;
+                done[i] = b;
+            }
+        }
     }
 
     pub fn release(&mut self, s: SeqId) {

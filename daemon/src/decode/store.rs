@@ -1,0 +1,225 @@
+//! Sequences as decoding strategies see them: token lists that can be created, forked,
+//! truncated and freed, and run in batches that return logits. [`EngineStore`] backs them with
+//! the engine and its paged KV cache; [`MockStore`] with a function from a token prefix to the
+//! next token's logits, for tests and `inferd plugin probe`.
+
+use crate::engine::{Engine, EngineError, RunItem};
+use crate::backend::Backend;
+use crate::kv::SeqId;
+use inferd_plugin_api::abi;
+use std::collections::HashMap;
+
+/// A sequence in a [`SeqStore`].
+pub type StoreSeq = u32;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("no draft model is bound to this model")]
+    NoDraftModel,
+    #[error("unknown sequence role {0}")]
+    UnknownRole(u32),
+    #[error("asked for {wanted} logits rows but only {tokens} tokens run")]
+    BadLogitsCount { wanted: usize, tokens: usize },
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+}
+
+impl StoreError {
+    /// The ABI status for a callback that failed with this error.
+    pub fn status(&self) -> i32 {
+        match self {
+            StoreError::Engine(EngineError::OutOfBlocks(_)) => abi::ERR_NO_MEMORY,
+            StoreError::Engine(_) => abi::ERR,
+            _ => abi::ERR_INVALID,
+        }
+    }
+}
+
+/// One sequence's part of a [`SeqStore::run`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoreRun {
+    pub seq: StoreSeq,
+    pub tokens: Vec<u32>,
+    pub n_logits: usize,
+}
+
+pub trait SeqStore {
+    fn vocab(&self) -> usize;
+    /// A new sequence of `role` (`abi::ROLE_*`) holding `prompt`, not yet run.
+    fn create(&mut self, role: u32, prompt: &[u32]) -> Result<StoreSeq, StoreError>;
+    /// A copy-on-write copy of `s`.
+    fn fork(&mut self, s: StoreSeq) -> Result<StoreSeq, StoreError>;
+    /// Keeps the first `len` tokens.
+    fn truncate(&mut self, s: StoreSeq, len: usize);
+    fn free(&mut self, s: StoreSeq);
+    fn tokens(&self, s: StoreSeq) -> Vec<u32>;
+    /// Appends each item's tokens, runs everything not run yet and returns the logits of each
+    /// item's last `n_logits` positions. On error nothing changed.
+    fn run(&mut self, items: &[StoreRun]) -> Result<Vec<Vec<f32>>, StoreError>;
+}
+
+/// Sequences in the engine's KV cache. Tokens appended but not yet run (a fresh prompt after
+/// its cached prefix) wait here until the next [`SeqStore::run`].
+pub struct EngineStore<'e, B: Backend> {
+    pub engine: &'e mut Engine<B>,
+    pending: HashMap<StoreSeq, Vec<u32>>,
+}
+
+impl<'e, B: Backend> EngineStore<'e, B> {
+    pub fn new(engine: &'e mut Engine<B>) -> Self {
+        EngineStore { engine, pending: HashMap::new() }
+    }
+}
+
+impl<B: Backend> SeqStore for EngineStore<'_, B> {
+    fn vocab(&self) -> usize {
+        self.engine.vocab()
+    }
+
+    fn create(&mut self, role: u32, prompt: &[u32]) -> Result<StoreSeq, StoreError> {
+        match role {
+            abi::ROLE_TARGET => {}
+            abi::ROLE_DRAFT => return Err(StoreError::NoDraftModel),
+            r => return Err(StoreError::UnknownRole(r)),
+        }
+        let s = self.engine.kv.create();
+        let cached = self.engine.kv.match_prefix(s, prompt);
+        self.pending.insert(s.0, prompt[cached..].to_vec());
+        Ok(s.0)
+    }
+
+    fn fork(&mut self, s: StoreSeq) -> Result<StoreSeq, StoreError> {
+        let new = self.engine.kv.fork(SeqId(s));
+        let p = self.pending.get(&s).cloned().unwrap_or_default();
+        self.pending.insert(new.0, p);
+        Ok(new.0)
+    }
+
+    fn truncate(&mut self, s: StoreSeq, len: usize) {
+        let run = self.engine.kv.len(SeqId(s));
+        let p = self.pending.entry(s).or_default();
+        if len <= run {
+            p.clear();
+            self.engine.kv.truncate(SeqId(s), len);
+        } else {
+            p.truncate(len - run);
+        }
+    }
+
+    fn free(&mut self, s: StoreSeq) {
+        self.pending.remove(&s);
+        self.engine.kv.free(SeqId(s));
+    }
+
+    fn tokens(&self, s: StoreSeq) -> Vec<u32> {
+        let mut t = self.engine.kv.tokens(SeqId(s)).to_vec();
+        t.extend(self.pending.get(&s).into_iter().flatten());
+        t
+    }
+
+    fn run(&mut self, items: &[StoreRun]) -> Result<Vec<Vec<f32>>, StoreError> {
+        let full: Vec<Vec<u32>> = items.iter().map(|it| self.pending.get(&it.seq).into_iter().flatten().chain(&it.tokens).copied().collect()).collect();
+        let runs: Vec<RunItem<'_>> = items.iter().zip(&full).map(|(it, t)| RunItem { seq: SeqId(it.seq), tokens: t, n_logits: it.n_logits }).collect();
+        let out = self.engine.run(&runs)?;
+        for it in items {
+            self.pending.remove(&it.seq);
+        }
+        Ok(out)
+    }
+}
+
+/// The next token's logits after a prefix.
+pub type LogitsFn = Box<dyn Fn(&[u32]) -> Vec<f32>>;
+
+/// Sequences as plain token lists over logits functions: the target's, and optionally a
+/// draft's (for speculative decoding tests).
+pub struct MockStore {
+    vocab: usize,
+    target: LogitsFn,
+    draft: Option<LogitsFn>,
+    seqs: HashMap<StoreSeq, (u32, Vec<u32>)>,
+    next: StoreSeq,
+    /// Positions run so far, target and draft (tests measure work with it).
+    pub positions_run: [usize; 2],
+}
+
+impl MockStore {
+    pub fn new(vocab: usize, target: LogitsFn) -> Self {
+        MockStore { vocab, target, draft: None, seqs: HashMap::new(), next: 1, positions_run: [0; 2] }
+    }
+
+    pub fn with_draft(mut self, draft: LogitsFn) -> Self {
+        self.draft = Some(draft);
+        self
+    }
+
+    /// Sequences still alive (tests check that nothing leaks).
+    pub fn live(&self) -> usize {
+        self.seqs.len()
+    }
+}
+
+impl SeqStore for MockStore {
+    fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    fn create(&mut self, role: u32, prompt: &[u32]) -> Result<StoreSeq, StoreError> {
+        match role {
+            abi::ROLE_TARGET => {}
+            abi::ROLE_DRAFT if self.draft.is_some() => {}
+            abi::ROLE_DRAFT => return Err(StoreError::NoDraftModel),
+            r => return Err(StoreError::UnknownRole(r)),
+        }
+        let s = self.next;
+        self.next += 1;
+        self.seqs.insert(s, (role, prompt.to_vec()));
+        Ok(s)
+    }
+
+    fn fork(&mut self, s: StoreSeq) -> Result<StoreSeq, StoreError> {
+        let copy = self.seqs.get(&s).cloned().unwrap_or_default();
+        let n = self.next;
+        self.next += 1;
+        self.seqs.insert(n, copy);
+        Ok(n)
+    }
+
+    fn truncate(&mut self, s: StoreSeq, len: usize) {
+        if let Some((_, t)) = self.seqs.get_mut(&s) {
+            t.truncate(len);
+        }
+    }
+
+    fn free(&mut self, s: StoreSeq) {
+        self.seqs.remove(&s);
+    }
+
+    fn tokens(&self, s: StoreSeq) -> Vec<u32> {
+        self.seqs.get(&s).map(|x| x.1.clone()).unwrap_or_default()
+    }
+
+    fn run(&mut self, items: &[StoreRun]) -> Result<Vec<Vec<f32>>, StoreError> {
+        let mut out = Vec::with_capacity(items.len());
+        for it in items {
+            let (role, mut toks) = self.seqs.get(&it.seq).cloned().unwrap_or_default();
+            toks.extend_from_slice(&it.tokens);
+            if it.n_logits > toks.len() {
+                return Err(StoreError::BadLogitsCount { wanted: it.n_logits, tokens: toks.len() });
+            }
+            let f = if role == abi::ROLE_DRAFT { self.draft.as_ref().unwrap_or(&self.target) } else { &self.target };
+            let mut rows = Vec::with_capacity(it.n_logits * self.vocab);
+            for p in toks.len() - it.n_logits..toks.len() {
+                rows.extend(f(&toks[..=p]));
+            }
+            out.push(rows);
+        }
+        for it in items {
+            if let Some((role, t)) = self.seqs.get_mut(&it.seq) {
+                t.extend_from_slice(&it.tokens);
+                self.positions_run[usize::from(*role == abi::ROLE_DRAFT)] += it.tokens.len();
+            }
+        }
+        Ok(out)
+    }
+}

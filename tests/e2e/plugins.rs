@@ -1,0 +1,240 @@
+//! Decoder plugins through the C ABI, as the daemon loads them: the built-in strategies (built
+//! by `cargo build` next to the test binaries), a strategy written in C compiled here with the
+//! system C compiler, and broken plugins that must be refused or survived.
+
+use inferd::decode::generate;
+use inferd::decode::store::{EngineStore, MockStore, SeqStore};
+use inferd::engine::{Engine, EngineOptions};
+use inferd::model::Model;
+use inferd::plugin::{FinishReason, PluginError, Registry, SessionRequest, TrustPolicy, QUARANTINE_AFTER};
+use inferd_plugin_api::params::Params;
+use inferd_plugin_api::sampling::{Accept, Sampling};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Where cargo put the plugin libraries: the profile directory above this test's `deps/`.
+fn build_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable");
+    let dir = exe.parent().and_then(Path::parent).expect("target/<profile>").to_path_buf();
+    assert!(dir.join("libinferd_greedy.so").exists(), "the plugins are not built in {} (tests/run builds them: cargo build --release)", dir.display());
+    dir
+}
+
+fn builtin() -> Registry {
+    let mut reg = Registry::default();
+    for name in ["greedy", "nucleus", "min_p"] {
+        reg.load_file(&build_dir().join(format!("libinferd_{name}.so")), TrustPolicy::User).unwrap_or_else(|e| panic!("{e}"));
+    }
+    reg
+}
+
+/// Compiles tests/plugins/greedy.c into `dir/lib<name>.so` with `defines`.
+fn compile_c(dir: &Path, name: &str, defines: &[&str]) -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("repository root").to_path_buf();
+    let out = dir.join(format!("lib{name}.so"));
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let st = Command::new(&cc)
+        .args(["-shared", "-fPIC", "-std=c99", "-Wall", "-Werror", "-O2", "-I"])
+        .arg(root.join("plugin-api/include"))
+        .args(defines.iter().map(|d| format!("-D{d}")))
+        .arg(root.join("tests/plugins/greedy.c"))
+        .arg("-o")
+        .arg(&out)
+        .status()
+        .unwrap_or_else(|e| panic!("running {cc}: {e} (install gcc)"));
+    assert!(st.success(), "compiling the C plugin with {defines:?}");
+    out
+}
+
+/// A mock model over 16 tokens whose logits depend on the whole prefix (a hash), so any
+/// decoding difference shows.
+fn hashed_model() -> MockStore {
+    MockStore::new(16, Box::new(|prefix: &[u32]| {
+        let mut h: u64 = 1469598103934665603;
+        for &t in prefix {
+            h = (h ^ u64::from(t)).wrapping_mul(1099511628211);
+        }
+        (0..16u64).map(|i| ((h.rotate_left(i as u32 * 4) % 1000) as f32) / 250.0).collect()
+    }))
+}
+
+fn req<'a>(prompt: &'a [u32], params: &'a str, max_tokens: u32, n: u32, seed: u64) -> SessionRequest<'a> {
+    SessionRequest { prompt, generated: &[], params, max_tokens, n, seed, eos: &[15] }
+}
+
+#[test]
+fn a_strategy_written_in_c_decodes_exactly_like_the_rust_greedy_plugin() {
+    let dir = inferd_e2e::temp_dir("c-plugin");
+    let mut reg = builtin();
+    let decl = reg.load_file(&compile_c(&dir, "cgreedy", &[]), TrustPolicy::User).unwrap();
+    assert_eq!((decl.name.as_str(), decl.strategies[0].name.as_str()), ("c-greedy", "c-greedy"));
+    let (c, rust) = (reg.get("c-greedy").unwrap(), reg.get("greedy").unwrap());
+    let mut store = hashed_model();
+    for prompt in [[1u32, 2, 3], [9, 9, 9], [0, 5, 14]] {
+        let a = generate(&c, &mut store, &req(&prompt, "{}", 12, 1, 0), &mut |_, _| {}).unwrap();
+        let b = generate(&rust, &mut store, &req(&prompt, "{}", 12, 1, 0), &mut |_, _| {}).unwrap();
+        assert_eq!(a[0].tokens, b[0].tokens);
+        assert_eq!(a[0].finish, b[0].finish);
+        assert!(!a[0].tokens.is_empty());
+    }
+    let e = generate(&c, &mut store, &req(&[1], r#"{"x": 1}"#, 4, 1, 0), &mut |_, _| {}).unwrap_err();
+    assert!(e.to_string().contains("c-greedy takes no parameters"), "{e}");
+    assert_eq!(store.live(), 0);
+}
+
+#[test]
+fn broken_plugins_are_refused_naming_the_file_and_why_and_the_rest_load() {
+    let dir = inferd_e2e::temp_dir("broken-plugins");
+    let cases = [
+        ("major2", "FAULT_MAJOR2", "built for plugin ABI 2"),
+        ("refuse", "FAULT_REFUSE", "refused this host"),
+        ("badname", "FAULT_BAD_NAME", "invalid name"),
+        ("noobserve", "FAULT_NO_OBSERVE", "no observe function"),
+        ("oldsize", "FAULT_OLD_SIZE", "not an ABI 1.0 inferd_strategy"),
+    ];
+    for (name, define, _) in cases {
+        compile_c(&dir, name, &[define]);
+    }
+    compile_c(&dir, "good", &[]);
+    std::fs::write(dir.join("libjunk.so"), b"not a shared library").unwrap();
+    let (reg, refused) = Registry::load_dirs(std::slice::from_ref(&dir), TrustPolicy::User);
+    assert_eq!(reg.names(), vec!["c-greedy"], "the good plugin loads despite the others");
+    assert_eq!(refused.len(), cases.len() + 1, "{refused:#?}");
+    for (name, _, why) in cases {
+        let line = refused.iter().find(|l| l.contains(&format!("lib{name}.so"))).unwrap_or_else(|| panic!("no refusal for {name}: {refused:#?}"));
+        assert!(line.contains(why), "{line}");
+    }
+    assert!(refused.iter().any(|l| l.contains("libjunk.so") && l.contains("cannot load")), "{refused:#?}");
+}
+
+#[test]
+fn plugins_writable_by_others_are_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = inferd_e2e::temp_dir("perm-plugins");
+    let p = compile_c(&dir, "open", &[]);
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let e = Registry::default().load_file(&p, TrustPolicy::User).unwrap_err();
+    assert!(e.to_string().contains("writable by everyone"), "{e}");
+    // Group-writable: fine for a user's own daemon, not for the system daemon.
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o664)).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let e = Registry::default().load_file(&p, TrustPolicy::System).unwrap_err();
+    assert!(e.to_string().contains("writable by its group"), "{e}");
+    assert!(Registry::default().load_file(&p, TrustPolicy::User).is_ok());
+    let e = Registry::default().load_file(Path::new("relative/libx.so"), TrustPolicy::User).unwrap_err();
+    assert!(e.to_string().contains("absolute"), "{e}");
+}
+
+#[test]
+fn a_failing_c_plugin_fails_its_own_requests_until_quarantined() {
+    let dir = inferd_e2e::temp_dir("failing-plugins");
+    let mut reg = Registry::default();
+    reg.load_file(&compile_c(&dir, "failplan", &["FAULT_FAIL_PLAN"]), TrustPolicy::User).unwrap();
+    let good = builtin().get("greedy").unwrap();
+    let mut store = hashed_model();
+    for _ in 0..QUARANTINE_AFTER {
+        let bad = reg.get("c-greedy").unwrap();
+        let e = generate(&bad, &mut store, &req(&[1, 2], "{}", 5, 1, 0), &mut |_, _| {}).unwrap_err();
+        assert!(e.to_string().contains("c-greedy was built to fail"), "{e}");
+        assert_eq!(store.live(), 0);
+        assert_eq!(generate(&good, &mut store, &req(&[1, 2], "{}", 5, 1, 0), &mut |_, _| {}).unwrap()[0].tokens.len(), 5);
+    }
+    assert!(matches!(reg.get("c-greedy"), Err(PluginError::Quarantined(_))));
+
+    // A plan naming a sequence the plugin never received is refused, not obeyed.
+    let dir2 = inferd_e2e::temp_dir("badhandle-plugins");
+    let mut reg = Registry::default();
+    reg.load_file(&compile_c(&dir2, "badhandle", &["FAULT_BAD_HANDLE"]), TrustPolicy::User).unwrap();
+    let e = generate(&reg.get("c-greedy").unwrap(), &mut store, &req(&[1, 2], "{}", 5, 1, 0), &mut |_, _| {}).unwrap_err();
+    assert!(e.to_string().contains("not this request's"), "{e}");
+    assert_eq!(store.live(), 0);
+}
+
+/// Draws `draws` first tokens from `strategy` with `params` and compares the frequencies with
+/// the reference distribution, within 4.5 standard deviations per token.
+fn check_distribution(reg: &Registry, strategy: &str, params: &str, want: &[(u32, f32)], logits: &[f32], history: &[u32]) {
+    let s = reg.get(strategy).unwrap();
+    let fixed = logits.to_vec();
+    let mut store = MockStore::new(logits.len(), Box::new(move |_| fixed.clone()));
+    let draws = 20_000u64;
+    let mut counts = vec![0u64; logits.len()];
+    for seed in 0..draws {
+        let r = SessionRequest { prompt: &[0], generated: history, params, max_tokens: 1, n: 1, seed, eos: &[] };
+        let out = generate(&s, &mut store, &r, &mut |_, _| {}).unwrap();
+        counts[out[0].tokens[0] as usize] += 1;
+    }
+    for t in 0..logits.len() as u32 {
+        let p = f64::from(want.iter().find(|x| x.0 == t).map_or(0.0, |x| x.1));
+        let got = counts[t as usize] as f64 / draws as f64;
+        let sd = (p * (1.0 - p) / draws as f64).sqrt();
+        assert!((got - p).abs() <= 4.5 * sd + 1e-9, "{strategy} {params}: token {t} drawn {got:.4}, expected {p:.4}");
+    }
+}
+
+#[test]
+fn sampling_plugins_draw_from_the_documented_distribution() {
+    let reg = builtin();
+    let logits = [2.0, 1.0, 0.5, 0.0, -1.0, 1.5, -0.5, 0.25];
+    let history = [5u32, 5, 1];
+    let accept = |min_p: bool| Accept { top_k: !min_p, top_p: !min_p, min_p: false };
+    for (strategy, params) in [
+        ("nucleus", "{}"),
+        ("nucleus", r#"{"temperature": 0.7}"#),
+        ("nucleus", r#"{"top_k": 3}"#),
+        ("nucleus", r#"{"top_p": 0.8}"#),
+        ("nucleus", r#"{"frequency_penalty": 0.8, "presence_penalty": 0.3}"#),
+        ("nucleus", r#"{"logit_bias": {"4": 3.5}}"#),
+        ("nucleus", r#"{"temperature": 1.4, "top_k": 5, "top_p": 0.9, "frequency_penalty": 0.5, "logit_bias": {"0": -1}}"#),
+        ("nucleus", r#"{"temperature": 0}"#),
+        ("min-p", r#"{"min_p": 0.2}"#),
+        ("min-p", r#"{"min_p": 0.2, "temperature": 1.8, "presence_penalty": 1.0}"#),
+    ] {
+        // The reference: the shared transform chain, configured as each plugin documents.
+        let mut p = Params::parse(params).unwrap();
+        let mut s = Sampling::from_params(&mut p, logits.len() as u32, accept(strategy == "min-p")).unwrap();
+        if strategy == "min-p" {
+            s.min_p = p.f64("min_p", 0.0..=1.0, 0.05).unwrap() as f32;
+            s.temperature_last = true;
+        }
+        p.finish().unwrap();
+        let want = s.distribution(&logits, &history);
+        check_distribution(&reg, strategy, params, &want, &logits, &history);
+    }
+}
+
+#[test]
+fn seeded_requests_repeat_and_choices_fork_the_prompt() {
+    let reg = builtin();
+    let nucleus = reg.get("nucleus").unwrap();
+    let mut store = hashed_model();
+    let run = |store: &mut MockStore, seed: u64, n: u32| generate(&nucleus, store, &req(&[3, 1], r#"{"temperature": 1.5}"#, 24, n, seed), &mut |_, _| {}).unwrap();
+    let a = run(&mut store, 42, 1);
+    assert_eq!(a, run(&mut store, 42, 1), "the same seed gives the same tokens");
+    assert_ne!(a[0].tokens, run(&mut store, 43, 1)[0].tokens, "another seed gives other tokens");
+    let many = run(&mut store, 42, 4);
+    assert_eq!(many.len(), 4);
+    assert_eq!(many[0], a[0], "choice 0 of n is the single choice of the same seed");
+    assert!(many.iter().skip(1).any(|c| c.tokens != a[0].tokens), "choices draw independently");
+    assert_eq!(store.live(), 0);
+}
+
+#[test]
+fn the_greedy_plugin_on_the_real_model_equals_the_engines_argmax_and_frees_its_blocks() {
+    let model = Model::load(&inferd_e2e::default_model()).unwrap();
+    let prompt = model.tokenizer.encode("The three primary colors are", false).unwrap();
+    let mut engine = Engine::cpu(&model, &EngineOptions { threads: 2, ..EngineOptions::default() });
+    let want = engine.generate_greedy(&[&prompt], 16, model.tokenizer.eos(), &mut |_, _| {}).unwrap();
+    let reg = builtin();
+    let greedy = reg.get("greedy").unwrap();
+    let mut store = EngineStore::new(&mut engine);
+    let r = SessionRequest { prompt: &prompt, generated: &[], params: "{}", max_tokens: 16, n: 3, seed: 0, eos: model.tokenizer.eos() };
+    let got = generate(&greedy, &mut store, &r, &mut |_, _| {}).unwrap();
+    for c in &got {
+        assert_eq!(c.tokens, want[0]);
+        assert_eq!(c.finish, Some(FinishReason::Length));
+    }
+    assert_eq!(store.engine.kv.sequences(), 0, "every sequence freed");
+    let stats = store.engine.kv.stats();
+    assert_eq!(stats.free, stats.total, "no KV block leaked (cached prefix blocks stay evictable)");
+    assert_eq!(store.vocab(), model.config.vocab);
+}
