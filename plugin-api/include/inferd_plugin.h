@@ -121,6 +121,9 @@ struct inferd_host_api {
     /* 128 random bits for (stream, counter) under the request's key: Philox4x32-10 with key =
      * the 64-bit seed and counter = {counter low, counter high, stream low, stream high}. */
     int32_t (*random)(inferd_call *call, uint64_t stream, uint64_t counter, uint32_t out[4]);
+    /* Adds `value` to the request's statistic `key` ([a-z0-9_]{1,64}), reported with its usage
+     * (e.g. "draft_tokens", "accepted_tokens" for speculative decoding). */
+    int32_t (*report)(inferd_call *call, const char *key, double value);
 };
 
 struct inferd_host_info {

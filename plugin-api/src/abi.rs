@@ -75,6 +75,7 @@ pub struct HostApi {
     pub emit: Option<unsafe extern "C" fn(*mut Call, u32, i32, f32) -> i32>,
     pub finish: Option<unsafe extern "C" fn(*mut Call, u32, u32) -> i32>,
     pub random: Option<unsafe extern "C" fn(*mut Call, u64, u64, *mut u32) -> i32>,
+    pub report: Option<unsafe extern "C" fn(*mut Call, *const c_char, f64) -> i32>,
 }
 
 #[repr(C)]
@@ -195,7 +196,7 @@ mod tests {
             "inferd_logits" => Logits, "inferd_strategy" => Strategy, "inferd_plugin_info" => PluginInfo,
         );
         fields!("inferd_header", Header, [type_ => "type", size, next]);
-        fields!("inferd_host_api", HostApi, [header, log, set_error, seq_create, seq_fork, seq_truncate, seq_free, seq_len, seq_tokens, emit, finish, random]);
+        fields!("inferd_host_api", HostApi, [header, log, set_error, seq_create, seq_fork, seq_truncate, seq_free, seq_len, seq_tokens, emit, finish, random, report]);
         fields!("inferd_host_info", HostInfo, [header, abi_major, abi_minor, host_version, api]);
         fields!("inferd_session_init", SessionInit, [header, params_json, seq, prompt_len, vocab_size, max_tokens, n, eos, n_eos, reserved, seed]);
         fields!("inferd_plan_item", PlanItem, [seq, tokens, n_tokens, n_logits]);

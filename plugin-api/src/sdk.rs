@@ -169,6 +169,14 @@ impl Host {
         Ok(out)
     }
 
+    /// Adds `value` to the request's statistic `key` (`[a-z0-9_]{1,64}`).
+    pub fn report(&self, key: &str, value: f64) -> Result<(), String> {
+        let f = self.api.report.ok_or("host lacks report")?;
+        let k = CString::new(key).map_err(|_| "report key contains NUL")?;
+        // SAFETY: as in `log`.
+        self.status("report", unsafe { f(self.call, k.as_ptr(), value) })
+    }
+
     /// A uniform number in [0, 1) with 53 random bits, for `(stream, counter)`.
     pub fn uniform(&self, stream: u64, counter: u64) -> Result<f64, String> {
         let r = self.random(stream, counter)?;

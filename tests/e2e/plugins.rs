@@ -22,7 +22,7 @@ fn build_dir() -> PathBuf {
 
 fn builtin() -> Registry {
     let mut reg = Registry::default();
-    for name in ["greedy", "nucleus", "min_p"] {
+    for name in ["greedy", "nucleus", "min_p", "beam"] {
         reg.load_file(&build_dir().join(format!("libinferd_{name}.so")), TrustPolicy::User).unwrap_or_else(|e| panic!("{e}"));
     }
     reg
@@ -237,4 +237,71 @@ fn the_greedy_plugin_on_the_real_model_equals_the_engines_argmax_and_frees_its_b
     let stats = store.engine.kv.stats();
     assert_eq!(stats.free, stats.total, "no KV block leaked (cached prefix blocks stay evictable)");
     assert_eq!(store.vocab(), model.config.vocab);
+}
+
+/// The issue's beam example: after the prompt "overloaded" 0.5197 and "busy" 0.2335; after
+/// "overloaded", "again" 0.36; after "busy", "handling" 0.92. Tokens: 0 overloaded, 1 busy,
+/// 2 again, 3 handling, 4 and 5 filler, 6 end-of-sequence.
+fn overloaded_model() -> MockStore {
+    let row = |top: &[(usize, f32)]| {
+        let rest = (1.0 - top.iter().map(|x| x.1).sum::<f32>()) / (7 - top.len()) as f32;
+        (0..7).map(|t| top.iter().find(|x| x.0 == t).map_or(rest, |x| x.1).ln()).collect::<Vec<f32>>()
+    };
+    MockStore::new(7, Box::new(move |prefix: &[u32]| match prefix.last() {
+        Some(0) if prefix.len() > 1 => row(&[(2, 0.36)]),
+        Some(1) if prefix.len() > 1 => row(&[(3, 0.92)]),
+        _ if prefix.len() == 1 => row(&[(0, 0.5197), (1, 0.2335)]),
+        _ => row(&[]),
+    }))
+}
+
+#[test]
+fn beam_search_finds_the_better_sequence_that_greedy_misses() {
+    let reg = builtin();
+    let mut store = overloaded_model();
+    let r = |params: &'static str, n: u32| SessionRequest { prompt: &[5], generated: &[], params, max_tokens: 2, n, seed: 0, eos: &[6] };
+    let prob = |c: &inferd::plugin::Choice| c.logprobs.iter().map(|&l| f64::from(l)).sum::<f64>().exp();
+    let greedy = generate(&reg.get("greedy").unwrap(), &mut store, &r("{}", 1), &mut |_, _| {}).unwrap();
+    assert_eq!(greedy[0].tokens, vec![0, 2], "overloaded, again");
+    assert!((prob(&greedy[0]) - 0.1871).abs() < 1e-4);
+    let beam = reg.get("beam").unwrap();
+    let out = generate(&beam, &mut store, &r(r#"{"beam_width": 2}"#, 2), &mut |_, _| {}).unwrap();
+    assert_eq!(out[0].tokens, vec![1, 3], "busy, handling");
+    assert!((prob(&out[0]) - 0.2148).abs() < 1e-4);
+    assert_eq!(out[1].tokens, vec![0, 2], "the runner-up is the greedy sequence");
+    // Width 1 is greedy.
+    let one = generate(&beam, &mut store, &r(r#"{"beam_width": 1}"#, 1), &mut |_, _| {}).unwrap();
+    assert_eq!(one[0].tokens, greedy[0].tokens);
+    assert_eq!(store.live(), 0, "dropped beams were freed");
+    let e = generate(&beam, &mut store, &r(r#"{"beam_width": 2}"#, 3), &mut |_, _| {}).unwrap_err();
+    assert!(e.to_string().contains("must not exceed beam_width"), "{e}");
+}
+
+#[test]
+fn beam_search_ends_hypotheses_at_end_of_sequence_and_ranks_by_normalized_score() {
+    // Token 6 ends a sequence; after the prompt it is likely, so one hypothesis ends at once.
+    let mut store = MockStore::new(7, Box::new(|prefix: &[u32]| {
+        let mut l = vec![0.0f32; 7];
+        if prefix.len() == 1 {
+            l[6] = 2.0;
+            l[0] = 1.5;
+        } else {
+            l[(prefix.len() % 5) + 1] = 3.0;
+        }
+        l
+    }));
+    let reg = builtin();
+    let beam = reg.get("beam").unwrap();
+    let r = SessionRequest { prompt: &[5], generated: &[], params: r#"{"beam_width": 3, "length_penalty": 0}"#, max_tokens: 6, n: 3, seed: 0, eos: &[6] };
+    let out = generate(&beam, &mut store, &r, &mut |_, _| {}).unwrap();
+    // With length_penalty 0 the score is the total log-probability: the immediate end wins.
+    assert_eq!(out[0].tokens, Vec::<u32>::new());
+    assert_eq!(out[0].finish, Some(FinishReason::Stop));
+    assert!(out[1..].iter().all(|c| !c.tokens.is_empty()));
+    // With a strong length reward the longest hypotheses win instead.
+    let r = SessionRequest { params: r#"{"beam_width": 3, "length_penalty": 3, "early_stopping": false}"#, ..r };
+    let out = generate(&beam, &mut store, &r, &mut |_, _| {}).unwrap();
+    assert_eq!(out[0].tokens.len(), 6);
+    assert_eq!(out[0].finish, Some(FinishReason::Length));
+    assert_eq!(store.live(), 0);
 }

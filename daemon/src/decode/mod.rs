@@ -8,6 +8,7 @@
 pub mod store;
 
 use crate::plugin::{Choice, LoadedStrategy, PluginError, Session, SessionRequest};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use store::SeqStore;
 
@@ -21,9 +22,21 @@ pub enum DecodeError {
     Runaway { strategy: String, rounds: usize },
 }
 
+/// A finished request: its choices and the statistics its strategy reported.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Generation {
+    pub choices: Vec<Choice>,
+    pub stats: BTreeMap<String, f64>,
+}
+
+/// [`generate_with_stats`] for the choices alone.
+pub fn generate(strategy: &Arc<LoadedStrategy>, store: &mut dyn SeqStore, req: &SessionRequest<'_>, on_token: &mut dyn FnMut(u32, u32)) -> Result<Vec<Choice>, DecodeError> {
+    generate_with_stats(strategy, store, req, on_token).map(|g| g.choices)
+}
+
 /// Runs one request to completion. `on_token(choice, token)` sees tokens as they are emitted.
 /// Every sequence of the request is freed before this returns, whatever happens.
-pub fn generate(strategy: &Arc<LoadedStrategy>, store: &mut dyn SeqStore, req: &SessionRequest<'_>, on_token: &mut dyn FnMut(u32, u32)) -> Result<Vec<Choice>, DecodeError> {
+pub fn generate_with_stats(strategy: &Arc<LoadedStrategy>, store: &mut dyn SeqStore, req: &SessionRequest<'_>, on_token: &mut dyn FnMut(u32, u32)) -> Result<Generation, DecodeError> {
     let mut session = Session::create(Arc::clone(strategy), store, req, on_token)?;
     // Each round must make progress; a strategy gets generous room (speculative rounds, beams).
     let limit = 64 + 16 * (req.max_tokens as usize + 1) * (req.n as usize).max(1);
@@ -47,6 +60,7 @@ pub fn generate(strategy: &Arc<LoadedStrategy>, store: &mut dyn SeqStore, req: &
             break Err(DecodeError::Runaway { strategy: strategy.name().to_owned(), rounds });
         }
     };
+    let stats = session.stats().clone();
     let choices = session.close(store);
-    result.map(|()| choices)
+    result.map(|()| Generation { choices, stats })
 }

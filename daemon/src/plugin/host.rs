@@ -36,6 +36,7 @@ pub trait HostSide {
     fn emit(&mut self, choice: u32, token: i32, logprob: f32) -> Result<(), HostErr>;
     fn finish(&mut self, choice: u32, reason: u32) -> Result<(), HostErr>;
     fn random(&mut self, stream: u64, counter: u64) -> [u32; 4];
+    fn report(&mut self, key: &str, value: f64) -> Result<(), HostErr>;
 }
 
 /// The context behind an `inferd_call` pointer.
@@ -212,6 +213,13 @@ unsafe extern "C" fn random(call: *mut abi::Call, stream: u64, counter: u64, out
     }
 }
 
+unsafe extern "C" fn report(call: *mut abi::Call, key: *const c_char, value: f64) -> i32 {
+    // SAFETY: as in `log`.
+    let k = unsafe { text(key) };
+    // SAFETY: as in `log`.
+    unsafe { with_ctx(call, |c| c.side.report(&k, value)) }
+}
+
 /// The host's info struct and callback table, built once and never freed.
 struct Tables {
     info: abi::HostInfo,
@@ -241,6 +249,7 @@ pub fn host_info() -> *const abi::HostInfo {
             emit: Some(emit),
             finish: Some(finish),
             random: Some(random),
+            report: Some(report),
         });
         let info = abi::HostInfo {
             header: abi::Header::new::<abi::HostInfo>(abi::TYPE_HOST_INFO),

@@ -13,7 +13,7 @@ use super::host::{CallCtx, HostErr, HostSide};
 use super::{philox, LoadedStrategy, PluginError};
 use crate::decode::store::{SeqStore, StoreRun, StoreSeq};
 use inferd_plugin_api::abi;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::{c_void, CString};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -59,6 +59,7 @@ pub type OnToken<'a> = &'a mut dyn FnMut(u32, u32);
 
 struct State {
     strategy: String,
+    stats: BTreeMap<String, f64>,
     handles: HashMap<abi::Seq, StoreSeq>,
     choices: Vec<Choice>,
     max_tokens: u32,
@@ -175,6 +176,18 @@ impl HostSide for Side<'_> {
     fn random(&mut self, stream: u64, counter: u64) -> [u32; 4] {
         philox::random(self.st.seed, stream, counter)
     }
+
+    fn report(&mut self, key: &str, value: f64) -> Result<(), HostErr> {
+        let ok = (1..=64).contains(&key.len()) && key.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+        if !ok || !value.is_finite() {
+            return Err(HostErr::invalid(format!("bad statistic {key:?} = {value}")));
+        }
+        if !self.st.stats.contains_key(key) && self.st.stats.len() >= 32 {
+            return Err(HostErr::invalid("more than 32 statistics"));
+        }
+        *self.st.stats.entry(key.to_owned()).or_default() += value;
+        Ok(())
+    }
 }
 
 /// A session-init struct and the memory it points to.
@@ -230,7 +243,7 @@ impl Session {
             return Err(invalid("n must be at least 1".into()));
         }
         let init = init_for(req, vocab, 0).map_err(invalid)?;
-        let mut st = State { strategy: strategy.name().to_owned(), handles: HashMap::new(), choices: Vec::new(), max_tokens: req.max_tokens, vocab, seed: req.seed };
+        let mut st = State { strategy: strategy.name().to_owned(), stats: BTreeMap::new(), handles: HashMap::new(), choices: Vec::new(), max_tokens: req.max_tokens, vocab, seed: req.seed };
         let mut nothing = |_: u32, _: u32| {};
         let mut side = Side { st: &mut st, store: None, on_token: &mut nothing };
         let mut ctx = CallCtx::new(&mut side);
@@ -249,7 +262,7 @@ impl Session {
         let vocab = store.vocab() as u32;
         Self::validate(&strategy, vocab, req)?;
         let mut s = Session {
-            st: State { strategy: strategy.name().to_owned(), handles: HashMap::new(), choices: vec![Choice::default(); req.n as usize], max_tokens: req.max_tokens, vocab, seed: req.seed },
+            st: State { strategy: strategy.name().to_owned(), stats: BTreeMap::new(), handles: HashMap::new(), choices: vec![Choice::default(); req.n as usize], max_tokens: req.max_tokens, vocab, seed: req.seed },
             strategy,
             ptr: std::ptr::null_mut(),
             failed: false,
@@ -373,6 +386,11 @@ impl Session {
         for (_, s) in self.st.handles.drain() {
             store.free(s);
         }
+    }
+
+    /// Statistics the strategy reported so far (`report`), by key.
+    pub fn stats(&self) -> &BTreeMap<String, f64> {
+        &self.st.stats
     }
 
     /// Ends the session: the choices, unfinished ones marked by why they stopped.
