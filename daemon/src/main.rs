@@ -171,7 +171,7 @@ fn run(model: Option<PathBuf>, a: RunArgs, plugins: &PluginDirs, prompt: &str) -
         eos: tok.eos(),
     };
     // Reject bad parameters before loading anything heavy into the KV cache.
-    Session::validate(&strategy, model.config.vocab as u32, &req)?;
+    Session::validate(&strategy, model.config.vocab as u32, 1 << inferd_plugin_api::abi::ROLE_TARGET, &req)?;
     let opts = EngineOptions { threads: a.threads, ..EngineOptions::default() };
     let mut engine = Engine::cpu(&model, &opts);
     let mut store = EngineStore::new(&mut engine);

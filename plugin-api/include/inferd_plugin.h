@@ -150,7 +150,9 @@ struct inferd_session_init {
     /* End-of-sequence tokens. */
     const int32_t *eos;
     uint32_t n_eos;
-    uint32_t reserved;
+    /* The sequence roles this request can create: bit (1 << INFERD_ROLE_*) set when available
+     * (INFERD_ROLE_DRAFT only when a draft model is bound to the request's model). */
+    uint32_t roles;
     uint64_t seed;
 };
 

@@ -25,6 +25,8 @@ pub struct SessionInit {
     pub max_tokens: u32,
     pub n: u32,
     pub eos: Vec<u32>,
+    /// Bit `1 << abi::ROLE_*` set for each role `seq_create` can make.
+    pub roles: u32,
     pub seed: u64,
 }
 
@@ -241,6 +243,7 @@ unsafe fn read_init(init: *const abi::SessionInit) -> Result<SessionInit, String
         max_tokens: i.max_tokens,
         n: i.n,
         eos,
+        roles: i.roles,
         seed: i.seed,
     })
 }

@@ -22,7 +22,7 @@ fn build_dir() -> PathBuf {
 
 fn builtin() -> Registry {
     let mut reg = Registry::default();
-    for name in ["greedy", "nucleus", "min_p", "beam"] {
+    for name in ["greedy", "nucleus", "min_p", "beam", "speculative"] {
         reg.load_file(&build_dir().join(format!("libinferd_{name}.so")), TrustPolicy::User).unwrap_or_else(|e| panic!("{e}"));
     }
     reg
@@ -304,4 +304,114 @@ fn beam_search_ends_hypotheses_at_end_of_sequence_and_ranks_by_normalized_score(
     assert_eq!(out[0].tokens.len(), 6);
     assert_eq!(out[0].finish, Some(FinishReason::Length));
     assert_eq!(store.live(), 0);
+}
+
+/// A mock model over `vocab` tokens from a hash of the prefix and a salt (another salt is
+/// another model with the same vocabulary), sharpened by `scale`.
+fn salted_model(vocab: usize, salt: u64, scale: f32) -> inferd::decode::store::LogitsFn {
+    Box::new(move |prefix: &[u32]| {
+        let mut h: u64 = 1469598103934665603 ^ salt;
+        for &t in prefix {
+            h = (h ^ u64::from(t)).wrapping_mul(1099511628211);
+        }
+        (0..vocab as u64).map(|i| (((h.rotate_left(i as u32 * 7) >> 7) % 1000) as f32) / 1000.0 * scale).collect()
+    })
+}
+
+#[test]
+fn greedy_speculative_decoding_is_token_for_token_greedy_decoding() {
+    let reg = builtin();
+    let (greedy, spec) = (reg.get("greedy").unwrap(), reg.get("speculative").unwrap());
+    // A repetitive prompt so prompt lookup finds matches; a draft model that is often wrong.
+    let prompt: Vec<u32> = (0..40).map(|i| [3, 1, 4, 1, 5, 9, 2, 6][i % 8]).collect();
+    for (drafter, draft_salt) in [("prompt-lookup", 0), ("model", 99), ("model", 7)] {
+        let mut store = MockStore::new(12, salted_model(12, 7, 8.0)).with_draft(salted_model(12, draft_salt, 8.0));
+        let want = generate(&greedy, &mut store, &req(&prompt, "{}", 40, 1, 0), &mut |_, _| {}).unwrap();
+        let params = format!(r#"{{"drafter": "{drafter}", "temperature": 0, "k": 4}}"#);
+        let got = inferd::decode::generate_with_stats(&spec, &mut store, &req(&prompt, &params, 40, 1, 0), &mut |_, _| {}).unwrap();
+        assert_eq!(got.choices[0].tokens, want[0].tokens, "{drafter} (draft salt {draft_salt})");
+        assert_eq!(got.choices[0].finish, want[0].finish);
+        let (drafted, accepted) = (got.stats["draft_tokens"], got.stats["accepted_tokens"]);
+        assert!(accepted <= drafted && got.stats["rounds"] >= 1.0, "{:?}", got.stats);
+        if draft_salt == 7 {
+            assert_eq!(accepted, drafted, "an identical draft model is always right");
+            assert!(got.stats["rounds"] < 40.0 / 3.0, "{:?}", got.stats);
+        }
+        assert_eq!(store.live(), 0);
+    }
+}
+
+#[test]
+fn sampled_speculative_decoding_keeps_the_targets_distribution() {
+    // Target and draft disagree; the first three tokens' joint distribution must be the
+    // target's, computed exactly by enumeration.
+    let vocab = 4usize;
+    let target = |prefix: &[u32]| salted_model(4, 1, 3.0)(prefix);
+    let p_next = |prefix: &[u32]| {
+        let l = target(prefix);
+        let m = l.iter().copied().fold(f32::MIN, f32::max);
+        let e: Vec<f64> = l.iter().map(|&x| f64::from(x - m).exp()).collect();
+        let s: f64 = e.iter().sum();
+        e.into_iter().map(|x| x / s).collect::<Vec<f64>>()
+    };
+    let prompt = [0u32, 1, 0, 1, 0];
+    let mut want = vec![0.0f64; vocab.pow(3)];
+    for a in 0..vocab {
+        for b in 0..vocab {
+            for c in 0..vocab {
+                let mut pre = prompt.to_vec();
+                let pa = p_next(&pre)[a];
+                pre.push(a as u32);
+                let pb = p_next(&pre)[b];
+                pre.push(b as u32);
+                want[(a * vocab + b) * vocab + c] = pa * pb * p_next(&pre)[c];
+            }
+        }
+    }
+    let reg = builtin();
+    let spec = reg.get("speculative").unwrap();
+    for params in [r#"{"drafter": "model", "k": 2}"#, r#"{"drafter": "prompt-lookup", "k": 2, "ngram_min": 1}"#] {
+        let mut store = MockStore::new(vocab, salted_model(4, 1, 3.0)).with_draft(salted_model(4, 2, 3.0));
+        let draws = 20_000u64;
+        let mut counts = vec![0u64; vocab.pow(3)];
+        let mut rejected = 0.0;
+        for seed in 0..draws {
+            let g = inferd::decode::generate_with_stats(&spec, &mut store, &SessionRequest { prompt: &prompt, generated: &[], params, max_tokens: 3, n: 1, seed, eos: &[] }, &mut |_, _| {}).unwrap();
+            let t = &g.choices[0].tokens;
+            counts[(t[0] as usize * vocab + t[1] as usize) * vocab + t[2] as usize] += 1;
+            rejected += g.stats.get("draft_tokens").copied().unwrap_or(0.0) - g.stats.get("accepted_tokens").copied().unwrap_or(0.0);
+        }
+        assert!(rejected > 100.0, "{params}: the test must exercise rejections ({rejected})");
+        for (i, &p) in want.iter().enumerate() {
+            let got = counts[i] as f64 / draws as f64;
+            let sd = (p * (1.0 - p) / draws as f64).sqrt();
+            assert!((got - p).abs() <= 4.5 * sd + 1e-9, "{params}: sequence {i} drawn {got:.4}, target {p:.4}");
+        }
+        assert_eq!(store.live(), 0);
+    }
+}
+
+#[test]
+fn speculative_decoding_on_the_real_model_matches_greedy_with_either_drafter() {
+    let path = inferd_e2e::default_model();
+    let (model, draft_model) = (Model::load(&path).unwrap(), Model::load(&path).unwrap());
+    let opts = EngineOptions { threads: 2, ..EngineOptions::default() };
+    let mut engine = Engine::cpu(&model, &opts);
+    let mut draft = Engine::cpu(&draft_model, &opts);
+    let text = "Rewrite with one word changed: The quick brown fox jumps over the lazy dog near the river bank.";
+    let prompt = model.tokenizer.encode(text, false).unwrap();
+    let reg = builtin();
+    let mut store = EngineStore::with_draft(&mut engine, &mut draft);
+    let r = |params: &'static str| SessionRequest { prompt: &prompt, generated: &[], params, max_tokens: 24, n: 1, seed: 0, eos: model.tokenizer.eos() };
+    let want = generate(&reg.get("greedy").unwrap(), &mut store, &r("{}"), &mut |_, _| {}).unwrap();
+    let spec = reg.get("speculative").unwrap();
+    for params in [r#"{"temperature": 0}"#, r#"{"temperature": 0, "drafter": "model", "k": 3}"#] {
+        let got = inferd::decode::generate_with_stats(&spec, &mut store, &r(params), &mut |_, _| {}).unwrap();
+        assert_eq!(got.choices[0].tokens, want[0].tokens, "{params}");
+        if params.contains("model") {
+            assert_eq!(got.stats["accepted_tokens"], got.stats["draft_tokens"], "the same model as draft is always right");
+        }
+    }
+    assert_eq!(store.engine.kv.sequences(), 0);
+    assert_eq!(store.draft.as_ref().unwrap().kv.sequences(), 0);
 }

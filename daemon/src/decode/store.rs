@@ -45,6 +45,8 @@ pub struct StoreRun {
 
 pub trait SeqStore {
     fn vocab(&self) -> usize;
+    /// Bit `1 << abi::ROLE_*` for each role [`SeqStore::create`] accepts.
+    fn roles(&self) -> u32;
     /// A new sequence of `role` (`abi::ROLE_*`) holding `prompt`, not yet run.
     fn create(&mut self, role: u32, prompt: &[u32]) -> Result<StoreSeq, StoreError>;
     /// A copy-on-write copy of `s`.
@@ -58,16 +60,52 @@ pub trait SeqStore {
     fn run(&mut self, items: &[StoreRun]) -> Result<Vec<Vec<f32>>, StoreError>;
 }
 
-/// Sequences in the engine's KV cache. Tokens appended but not yet run (a fresh prompt after
-/// its cached prefix) wait here until the next [`SeqStore::run`].
+/// Sequences in the engine's KV cache, and in a draft model's engine when one is bound
+/// (speculative decoding); draft sequences are numbered with [`DRAFT_BIT`] set. Tokens appended
+/// but not yet run (a fresh prompt after its cached prefix) wait here until the next
+/// [`SeqStore::run`].
 pub struct EngineStore<'e, B: Backend> {
     pub engine: &'e mut Engine<B>,
+    pub draft: Option<&'e mut Engine<B>>,
     pending: HashMap<StoreSeq, Vec<u32>>,
 }
 
+/// Marks a draft-model sequence in a [`StoreSeq`].
+pub const DRAFT_BIT: StoreSeq = 1 << 31;
+
 impl<'e, B: Backend> EngineStore<'e, B> {
     pub fn new(engine: &'e mut Engine<B>) -> Self {
-        EngineStore { engine, pending: HashMap::new() }
+        EngineStore { engine, draft: None, pending: HashMap::new() }
+    }
+
+    /// With a draft model (same vocabulary) for `abi::ROLE_DRAFT` sequences.
+    pub fn with_draft(engine: &'e mut Engine<B>, draft: &'e mut Engine<B>) -> Self {
+        EngineStore { engine, draft: Some(draft), pending: HashMap::new() }
+    }
+
+    /// The engine holding `s`, and its id there.
+    fn split(&mut self, s: StoreSeq) -> (&mut Engine<B>, SeqId) {
+        match (&mut self.draft, s & DRAFT_BIT != 0) {
+            (Some(d), true) => (&mut **d, SeqId(s & !DRAFT_BIT)),
+            _ => (&mut *self.engine, SeqId(s & !DRAFT_BIT)),
+        }
+    }
+
+    fn engine_of(&self, s: StoreSeq) -> &Engine<B> {
+        match (&self.draft, s & DRAFT_BIT != 0) {
+            (Some(d), true) => d,
+            _ => self.engine,
+        }
+    }
+
+    fn run_on(&mut self, draft: bool, items: &[&StoreRun]) -> Result<Vec<Vec<f32>>, StoreError> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let full: Vec<Vec<u32>> = items.iter().map(|it| self.pending.get(&it.seq).into_iter().flatten().chain(&it.tokens).copied().collect()).collect();
+        let runs: Vec<RunItem<'_>> = items.iter().zip(&full).map(|(it, t)| RunItem { seq: SeqId(it.seq & !DRAFT_BIT), tokens: t, n_logits: it.n_logits }).collect();
+        let engine = if draft { self.draft.as_deref_mut().ok_or(StoreError::NoDraftModel)? } else { &mut *self.engine };
+        Ok(engine.run(&runs)?)
     }
 }
 
@@ -76,53 +114,75 @@ impl<B: Backend> SeqStore for EngineStore<'_, B> {
         self.engine.vocab()
     }
 
+    fn roles(&self) -> u32 {
+        1 << abi::ROLE_TARGET | if self.draft.is_some() { 1 << abi::ROLE_DRAFT } else { 0 }
+    }
+
     fn create(&mut self, role: u32, prompt: &[u32]) -> Result<StoreSeq, StoreError> {
-        match role {
-            abi::ROLE_TARGET => {}
-            abi::ROLE_DRAFT => return Err(StoreError::NoDraftModel),
+        let (engine, bit) = match role {
+            abi::ROLE_TARGET => (&mut *self.engine, 0),
+            abi::ROLE_DRAFT => (self.draft.as_deref_mut().ok_or(StoreError::NoDraftModel)?, DRAFT_BIT),
             r => return Err(StoreError::UnknownRole(r)),
-        }
-        let s = self.engine.kv.create();
-        let cached = self.engine.kv.match_prefix(s, prompt);
-        self.pending.insert(s.0, prompt[cached..].to_vec());
-        Ok(s.0)
+        };
+        let s = engine.kv.create();
+        let cached = engine.kv.match_prefix(s, prompt);
+        self.pending.insert(s.0 | bit, prompt[cached..].to_vec());
+        Ok(s.0 | bit)
     }
 
     fn fork(&mut self, s: StoreSeq) -> Result<StoreSeq, StoreError> {
-        let new = self.engine.kv.fork(SeqId(s));
+        let (engine, id) = self.split(s);
+        let new = engine.kv.fork(id).0 | (s & DRAFT_BIT);
         let p = self.pending.get(&s).cloned().unwrap_or_default();
-        self.pending.insert(new.0, p);
-        Ok(new.0)
+        self.pending.insert(new, p);
+        Ok(new)
     }
 
     fn truncate(&mut self, s: StoreSeq, len: usize) {
-        let run = self.engine.kv.len(SeqId(s));
-        let p = self.pending.entry(s).or_default();
+        let (engine, id) = self.split(s);
+        let run = engine.kv.len(id);
         if len <= run {
-            p.clear();
-            self.engine.kv.truncate(SeqId(s), len);
+            engine.kv.truncate(id, len);
+            self.pending.entry(s).or_default().clear();
         } else {
-            p.truncate(len - run);
+            self.pending.entry(s).or_default().truncate(len - run);
         }
     }
 
     fn free(&mut self, s: StoreSeq) {
+        let (engine, id) = self.split(s);
+        engine.kv.free(id);
         self.pending.remove(&s);
-        self.engine.kv.free(SeqId(s));
     }
 
     fn tokens(&self, s: StoreSeq) -> Vec<u32> {
-        let mut t = self.engine.kv.tokens(SeqId(s)).to_vec();
+        let mut t = self.engine_of(s).kv.tokens(SeqId(s & !DRAFT_BIT)).to_vec();
         t.extend(self.pending.get(&s).into_iter().flatten());
         t
     }
 
     fn run(&mut self, items: &[StoreRun]) -> Result<Vec<Vec<f32>>, StoreError> {
-        let full: Vec<Vec<u32>> = items.iter().map(|it| self.pending.get(&it.seq).into_iter().flatten().chain(&it.tokens).copied().collect()).collect();
-        let runs: Vec<RunItem<'_>> = items.iter().zip(&full).map(|(it, t)| RunItem { seq: SeqId(it.seq), tokens: t, n_logits: it.n_logits }).collect();
-        let out = self.engine.run(&runs)?;
+        let (draft, target): (Vec<(usize, &StoreRun)>, Vec<(usize, &StoreRun)>) = items.iter().enumerate().partition(|(_, it)| it.seq & DRAFT_BIT != 0);
+        let t_items: Vec<&StoreRun> = target.iter().map(|x| x.1).collect();
+        let d_items: Vec<&StoreRun> = draft.iter().map(|x| x.1).collect();
+        let before: Vec<usize> = t_items.iter().map(|it| self.engine.kv.len(SeqId(it.seq))).collect();
+        let t_out = self.run_on(false, &t_items)?;
+        let d_out = match self.run_on(true, &d_items) {
+            Ok(o) => o,
+            Err(e) => {
+                // Undo the target half so nothing changed.
+                for (it, &len) in t_items.iter().zip(&before) {
+                    self.engine.kv.truncate(SeqId(it.seq), len);
+                }
+                return Err(e);
+            }
+        };
         for it in items {
             self.pending.remove(&it.seq);
+        }
+        let mut out = vec![Vec::new(); items.len()];
+        for ((i, _), o) in target.into_iter().zip(t_out).chain(draft.into_iter().zip(d_out)) {
+            out[i] = o;
         }
         Ok(out)
     }
@@ -162,6 +222,10 @@ impl MockStore {
 impl SeqStore for MockStore {
     fn vocab(&self) -> usize {
         self.vocab
+    }
+
+    fn roles(&self) -> u32 {
+        1 << abi::ROLE_TARGET | if self.draft.is_some() { 1 << abi::ROLE_DRAFT } else { 0 }
     }
 
     fn create(&mut self, role: u32, prompt: &[u32]) -> Result<StoreSeq, StoreError> {

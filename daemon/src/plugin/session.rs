@@ -197,7 +197,7 @@ struct Init {
     raw: abi::SessionInit,
 }
 
-fn init_for(req: &SessionRequest<'_>, vocab: u32, seq: abi::Seq) -> Result<Init, String> {
+fn init_for(req: &SessionRequest<'_>, vocab: u32, roles: u32, seq: abi::Seq) -> Result<Init, String> {
     let params = CString::new(req.params).map_err(|_| "parameters contain a NUL byte".to_string())?;
     let eos: Vec<i32> = req.eos.iter().map(|&t| t as i32).collect();
     let raw = abi::SessionInit {
@@ -210,7 +210,7 @@ fn init_for(req: &SessionRequest<'_>, vocab: u32, seq: abi::Seq) -> Result<Init,
         n: req.n,
         eos: eos.as_ptr(),
         n_eos: eos.len() as u32,
-        reserved: 0,
+        roles,
         seed: req.seed,
     };
     Ok(Init { _params: params, _eos: eos, raw })
@@ -237,12 +237,13 @@ impl Session {
     }
 
     /// Admission check: the strategy accepts the parameters and the request (no sequences yet).
-    pub fn validate(strategy: &LoadedStrategy, vocab: u32, req: &SessionRequest<'_>) -> Result<(), PluginError> {
+    /// `roles`: bit `1 << abi::ROLE_*` for each sequence role the request can use.
+    pub fn validate(strategy: &LoadedStrategy, vocab: u32, roles: u32, req: &SessionRequest<'_>) -> Result<(), PluginError> {
         let invalid = |message: String| PluginError::Invalid { strategy: strategy.name().to_owned(), message };
         if req.n == 0 {
             return Err(invalid("n must be at least 1".into()));
         }
-        let init = init_for(req, vocab, 0).map_err(invalid)?;
+        let init = init_for(req, vocab, roles, 0).map_err(invalid)?;
         let mut st = State { strategy: strategy.name().to_owned(), stats: BTreeMap::new(), handles: HashMap::new(), choices: Vec::new(), max_tokens: req.max_tokens, vocab, seed: req.seed };
         let mut nothing = |_: u32, _: u32| {};
         let mut side = Side { st: &mut st, store: None, on_token: &mut nothing };
@@ -259,8 +260,8 @@ impl Session {
 
     /// Creates the request's target sequence (prompt, prefix-cached) and the plugin session.
     pub fn create(strategy: Arc<LoadedStrategy>, store: &mut dyn SeqStore, req: &SessionRequest<'_>, on_token: OnToken<'_>) -> Result<Session, PluginError> {
-        let vocab = store.vocab() as u32;
-        Self::validate(&strategy, vocab, req)?;
+        let (vocab, roles) = (store.vocab() as u32, store.roles());
+        Self::validate(&strategy, vocab, roles, req)?;
         let mut s = Session {
             st: State { strategy: strategy.name().to_owned(), stats: BTreeMap::new(), handles: HashMap::new(), choices: vec![Choice::default(); req.n as usize], max_tokens: req.max_tokens, vocab, seed: req.seed },
             strategy,
@@ -274,7 +275,7 @@ impl Session {
         };
         let h = NEXT_HANDLE.fetch_add(1, Ordering::Relaxed);
         s.st.handles.insert(h, seq);
-        let init = match init_for(req, vocab, h) {
+        let init = match init_for(req, vocab, roles, h) {
             Ok(i) => i,
             Err(e) => {
                 store.free(seq);
