@@ -162,7 +162,8 @@ impl<B: Backend> SeqStore for EngineStore<'_, B> {
     }
 
     fn run(&mut self, items: &[StoreRun]) -> Result<Vec<Vec<f32>>, StoreError> {
-        let (draft, target): (Vec<(usize, &StoreRun)>, Vec<(usize, &StoreRun)>) = items.iter().enumerate().partition(|(_, it)| it.seq & DRAFT_BIT != 0);
+        type Indexed<'a> = Vec<(usize, &'a StoreRun)>;
+        let (draft, target): (Indexed<'_>, Indexed<'_>) = items.iter().enumerate().partition(|(_, it)| it.seq & DRAFT_BIT != 0);
         let t_items: Vec<&StoreRun> = target.iter().map(|x| x.1).collect();
         let d_items: Vec<&StoreRun> = draft.iter().map(|x| x.1).collect();
         let before: Vec<usize> = t_items.iter().map(|it| self.engine.kv.len(SeqId(it.seq))).collect();

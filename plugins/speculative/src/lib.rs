@@ -235,9 +235,9 @@ impl Speculative {
                 self.draft_pending = vec![new.0];
             }
         }
-        for i in 0..accepted {
+        for (i, &lp) in accepted_lp.iter().enumerate() {
             let t = self.proposal[i];
-            if !self.take(host, t, accepted_lp[i])? {
+            if !self.take(host, t, lp)? {
                 return self.finish(host);
             }
         }
