@@ -38,6 +38,16 @@ pub struct BenchArgs {
     /// (see tests/bench/build-llama-cpp) and report the ratios.
     #[arg(long)]
     pub llama_cpp: Option<PathBuf>,
+    /// Measure decoding strategies instead: plugin ABI overhead, speculative decoding speed-up
+    /// and acceptance, beam search KV blocks.
+    #[arg(long)]
+    pub decoders: bool,
+    /// With --decoders: also measure speculative decoding with this draft model.
+    #[arg(long)]
+    pub draft_model: Option<PathBuf>,
+    /// With --decoders: plugin directories (default: as `inferd run`).
+    #[arg(long = "plugin-dir")]
+    pub plugin_dirs: Vec<PathBuf>,
 }
 
 /// Deterministic ordinary (non-special) token ids.

@@ -162,6 +162,7 @@ fn run(model: Option<PathBuf>, a: RunArgs, plugins: &PluginDirs, prompt: &str) -
         bail!("the prompt is empty");
     }
     let req = SessionRequest {
+        logprobs: false,
         prompt: &ids,
         generated: &[],
         params: &a.params,
@@ -255,7 +256,7 @@ fn plugin_probe(name: &str, a: ProbeArgs, plugins: &PluginDirs) -> Result<()> {
     for i in 0..a.draws {
         // The mock model ignores the prompt; one placeholder token gives the first step a
         // position to return logits for.
-        let req = SessionRequest { prompt: &[0], generated: &history, params: &a.params, max_tokens: 1, n: 1, seed: a.seed.wrapping_add(i), eos: &[] };
+        let req = SessionRequest { logprobs: false, prompt: &[0], generated: &history, params: &a.params, max_tokens: 1, n: 1, seed: a.seed.wrapping_add(i), eos: &[] };
         let choices = generate(&strategy, &mut store, &req, &mut |_, _| {})?;
         if let Some(&t) = choices.first().and_then(|c| c.tokens.first()) {
             *counts.entry(t).or_default() += 1;
@@ -280,6 +281,14 @@ fn main() -> Result<()> {
             let model = load(model)?;
             let ids = model.tokenizer.encode(&text, special)?;
             println!("{}", serde_json::to_string(&ids)?);
+            Ok(())
+        }
+        Cmd::Bench(args) if args.decoders => {
+            let model = load(args.model.clone())?;
+            let draft = args.draft_model.clone().map(|p| load(Some(p))).transpose()?;
+            let reg = PluginDirs { dirs: args.plugin_dirs.clone() }.registry()?;
+            let report = inferd::decode::bench::run(&model, draft.as_ref(), &reg, args.threads, args.repeat)?;
+            println!("{}", serde_json::to_string_pretty(&report)?);
             Ok(())
         }
         Cmd::Bench(args) => {

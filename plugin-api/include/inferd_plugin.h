@@ -154,6 +154,10 @@ struct inferd_session_init {
      * (INFERD_ROLE_DRAFT only when a draft model is bound to the request's model). */
     uint32_t roles;
     uint64_t seed;
+    /* 1: the client asked for log-probabilities (emit's `logprob`); 0: a strategy may skip
+     * computing them and pass NAN. */
+    uint32_t logprobs;
+    uint32_t reserved;
 };
 
 /* One sequence's part of a plan. */

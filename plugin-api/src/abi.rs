@@ -102,6 +102,8 @@ pub struct SessionInit {
     pub n_eos: u32,
     pub roles: u32,
     pub seed: u64,
+    pub logprobs: u32,
+    pub reserved: u32,
 }
 
 #[repr(C)]
@@ -198,7 +200,7 @@ mod tests {
         fields!("inferd_header", Header, [type_ => "type", size, next]);
         fields!("inferd_host_api", HostApi, [header, log, set_error, seq_create, seq_fork, seq_truncate, seq_free, seq_len, seq_tokens, emit, finish, random, report]);
         fields!("inferd_host_info", HostInfo, [header, abi_major, abi_minor, host_version, api]);
-        fields!("inferd_session_init", SessionInit, [header, params_json, seq, prompt_len, vocab_size, max_tokens, n, eos, n_eos, roles, seed]);
+        fields!("inferd_session_init", SessionInit, [header, params_json, seq, prompt_len, vocab_size, max_tokens, n, eos, n_eos, roles, seed, logprobs, reserved]);
         fields!("inferd_plan_item", PlanItem, [seq, tokens, n_tokens, n_logits]);
         fields!("inferd_plan", Plan, [header, items, n_items, item_size, done, reserved]);
         fields!("inferd_logits", Logits, [header, n_items, vocab_size, rows, n_logits]);

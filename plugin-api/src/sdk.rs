@@ -28,6 +28,8 @@ pub struct SessionInit {
     /// Bit `1 << abi::ROLE_*` set for each role `seq_create` can make.
     pub roles: u32,
     pub seed: u64,
+    /// The client wants log-probabilities; otherwise `emit` may get NaN.
+    pub logprobs: bool,
 }
 
 /// One sequence's part of a plan: append `tokens`, then return logits for the last `n_logits`
@@ -245,6 +247,7 @@ unsafe fn read_init(init: *const abi::SessionInit) -> Result<SessionInit, String
         eos,
         roles: i.roles,
         seed: i.seed,
+        logprobs: i.logprobs != 0,
     })
 }
 

@@ -59,7 +59,7 @@ fn hashed_model() -> MockStore {
 }
 
 fn req<'a>(prompt: &'a [u32], params: &'a str, max_tokens: u32, n: u32, seed: u64) -> SessionRequest<'a> {
-    SessionRequest { prompt, generated: &[], params, max_tokens, n, seed, eos: &[15] }
+    SessionRequest { logprobs: false, prompt, generated: &[], params, max_tokens, n, seed, eos: &[15] }
 }
 
 #[test]
@@ -87,6 +87,7 @@ fn broken_plugins_are_refused_naming_the_file_and_why_and_the_rest_load() {
     let dir = inferd_e2e::temp_dir("broken-plugins");
     let cases = [
         ("major2", "FAULT_MAJOR2", "built for plugin ABI 2"),
+        ("noentry", "FAULT_NO_ENTRY", "no inferd_plugin_entry_v1 symbol"),
         ("refuse", "FAULT_REFUSE", "refused this host"),
         ("badname", "FAULT_BAD_NAME", "invalid name"),
         ("noobserve", "FAULT_NO_OBSERVE", "no observe function"),
@@ -159,7 +160,7 @@ fn check_distribution(reg: &Registry, strategy: &str, params: &str, want: &[(u32
     let draws = 20_000u64;
     let mut counts = vec![0u64; logits.len()];
     for seed in 0..draws {
-        let r = SessionRequest { prompt: &[0], generated: history, params, max_tokens: 1, n: 1, seed, eos: &[] };
+        let r = SessionRequest { logprobs: false, prompt: &[0], generated: history, params, max_tokens: 1, n: 1, seed, eos: &[] };
         let out = generate(&s, &mut store, &r, &mut |_, _| {}).unwrap();
         counts[out[0].tokens[0] as usize] += 1;
     }
@@ -227,7 +228,7 @@ fn the_greedy_plugin_on_the_real_model_equals_the_engines_argmax_and_frees_its_b
     let reg = builtin();
     let greedy = reg.get("greedy").unwrap();
     let mut store = EngineStore::new(&mut engine);
-    let r = SessionRequest { prompt: &prompt, generated: &[], params: "{}", max_tokens: 16, n: 3, seed: 0, eos: model.tokenizer.eos() };
+    let r = SessionRequest { logprobs: false, prompt: &prompt, generated: &[], params: "{}", max_tokens: 16, n: 3, seed: 0, eos: model.tokenizer.eos() };
     let got = generate(&greedy, &mut store, &r, &mut |_, _| {}).unwrap();
     for c in &got {
         assert_eq!(c.tokens, want[0]);
@@ -259,7 +260,7 @@ fn overloaded_model() -> MockStore {
 fn beam_search_finds_the_better_sequence_that_greedy_misses() {
     let reg = builtin();
     let mut store = overloaded_model();
-    let r = |params: &'static str, n: u32| SessionRequest { prompt: &[5], generated: &[], params, max_tokens: 2, n, seed: 0, eos: &[6] };
+    let r = |params: &'static str, n: u32| SessionRequest { logprobs: true, prompt: &[5], generated: &[], params, max_tokens: 2, n, seed: 0, eos: &[6] };
     let prob = |c: &inferd::plugin::Choice| c.logprobs.iter().map(|&l| f64::from(l)).sum::<f64>().exp();
     let greedy = generate(&reg.get("greedy").unwrap(), &mut store, &r("{}", 1), &mut |_, _| {}).unwrap();
     assert_eq!(greedy[0].tokens, vec![0, 2], "overloaded, again");
@@ -292,7 +293,7 @@ fn beam_search_ends_hypotheses_at_end_of_sequence_and_ranks_by_normalized_score(
     }));
     let reg = builtin();
     let beam = reg.get("beam").unwrap();
-    let r = SessionRequest { prompt: &[5], generated: &[], params: r#"{"beam_width": 3, "length_penalty": 0}"#, max_tokens: 6, n: 3, seed: 0, eos: &[6] };
+    let r = SessionRequest { logprobs: false, prompt: &[5], generated: &[], params: r#"{"beam_width": 3, "length_penalty": 0}"#, max_tokens: 6, n: 3, seed: 0, eos: &[6] };
     let out = generate(&beam, &mut store, &r, &mut |_, _| {}).unwrap();
     // With length_penalty 0 the score is the total log-probability: the immediate end wins.
     assert_eq!(out[0].tokens, Vec::<u32>::new());
@@ -376,7 +377,7 @@ fn sampled_speculative_decoding_keeps_the_targets_distribution() {
         let mut counts = vec![0u64; vocab.pow(3)];
         let mut rejected = 0.0;
         for seed in 0..draws {
-            let g = inferd::decode::generate_with_stats(&spec, &mut store, &SessionRequest { prompt: &prompt, generated: &[], params, max_tokens: 3, n: 1, seed, eos: &[] }, &mut |_, _| {}).unwrap();
+            let g = inferd::decode::generate_with_stats(&spec, &mut store, &SessionRequest { logprobs: false, prompt: &prompt, generated: &[], params, max_tokens: 3, n: 1, seed, eos: &[] }, &mut |_, _| {}).unwrap();
             let t = &g.choices[0].tokens;
             counts[(t[0] as usize * vocab + t[1] as usize) * vocab + t[2] as usize] += 1;
             rejected += g.stats.get("draft_tokens").copied().unwrap_or(0.0) - g.stats.get("accepted_tokens").copied().unwrap_or(0.0);
@@ -402,7 +403,7 @@ fn speculative_decoding_on_the_real_model_matches_greedy_with_either_drafter() {
     let prompt = model.tokenizer.encode(text, false).unwrap();
     let reg = builtin();
     let mut store = EngineStore::with_draft(&mut engine, &mut draft);
-    let r = |params: &'static str| SessionRequest { prompt: &prompt, generated: &[], params, max_tokens: 24, n: 1, seed: 0, eos: model.tokenizer.eos() };
+    let r = |params: &'static str| SessionRequest { logprobs: false, prompt: &prompt, generated: &[], params, max_tokens: 24, n: 1, seed: 0, eos: model.tokenizer.eos() };
     let want = generate(&reg.get("greedy").unwrap(), &mut store, &r("{}"), &mut |_, _| {}).unwrap();
     let spec = reg.get("speculative").unwrap();
     for params in [r#"{"temperature": 0}"#, r#"{"temperature": 0, "drafter": "model", "k": 3}"#] {

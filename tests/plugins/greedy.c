@@ -4,6 +4,7 @@
  * like the Rust greedy plugin. Built with one of the FAULT_* macros it becomes one of the broken
  * plugins the host must refuse or survive:
  *   FAULT_MAJOR2      exports only an ABI 2 entry point
+ *   FAULT_NO_ENTRY    exports no entry point at all
  *   FAULT_REFUSE      the entry point returns NULL
  *   FAULT_BAD_NAME    declares an invalid strategy name
  *   FAULT_NO_OBSERVE  leaves a required function out
@@ -140,7 +141,10 @@ static const struct inferd_plugin_info info = {
     .n_strategies = 1,
 };
 
-#ifdef FAULT_MAJOR2
+#if defined(FAULT_NO_ENTRY)
+const struct inferd_plugin_info *not_an_entry(void);
+const struct inferd_plugin_info *not_an_entry(void) { return &info; }
+#elif defined(FAULT_MAJOR2)
 const struct inferd_plugin_info *inferd_plugin_entry_v2(const struct inferd_host_info *host);
 const struct inferd_plugin_info *inferd_plugin_entry_v2(const struct inferd_host_info *host) {
     (void)host;

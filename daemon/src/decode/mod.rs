@@ -5,6 +5,7 @@
 //! daemon's scheduler will merge many sessions' plans into one batch per step with the same
 //! [`Session`] calls.
 
+pub mod bench;
 pub mod store;
 
 use crate::plugin::{Choice, LoadedStrategy, PluginError, Session, SessionRequest};

@@ -38,6 +38,8 @@ pub struct SessionRequest<'a> {
     pub n: u32,
     pub seed: u64,
     pub eos: &'a [u32],
+    /// The client wants each token's log-probability.
+    pub logprobs: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -212,6 +214,8 @@ fn init_for(req: &SessionRequest<'_>, vocab: u32, roles: u32, seq: abi::Seq) -> 
         n_eos: eos.len() as u32,
         roles,
         seed: req.seed,
+        logprobs: u32::from(req.logprobs),
+        reserved: 0,
     };
     Ok(Init { _params: params, _eos: eos, raw })
 }

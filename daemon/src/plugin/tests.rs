@@ -90,7 +90,7 @@ fn counting_model() -> MockStore {
 }
 
 fn request<'a>(prompt: &'a [u32], params: &'a str, max_tokens: u32, n: u32) -> SessionRequest<'a> {
-    SessionRequest { prompt, generated: &[], params, max_tokens, n, seed: 1, eos: &[7] }
+    SessionRequest { logprobs: false, prompt, generated: &[], params, max_tokens, n, seed: 1, eos: &[7] }
 }
 
 #[test]

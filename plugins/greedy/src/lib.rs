@@ -7,19 +7,20 @@ use inferd_plugin_api::sampling::{argmax, log_softmax_at};
 use inferd_plugin_api::sdk::{Host, SessionInit};
 use std::ffi::CStr;
 
-pub struct Greedy;
+/// Whether to compute log-probabilities (a pass over the vocabulary per token).
+pub struct Greedy(bool);
 
 impl Pick for Greedy {
     const NAME: &'static CStr = c"greedy";
     const DESCRIPTION: &'static CStr = c"The most probable token at every step";
 
-    fn parse(_p: &mut Params, _init: &SessionInit) -> Result<Self, String> {
-        Ok(Greedy)
+    fn parse(_p: &mut Params, init: &SessionInit) -> Result<Self, String> {
+        Ok(Greedy(init.logprobs))
     }
 
     fn pick(&self, _host: &Host, logits: &[f32], _history: &[u32], _choice: u32, _position: u32) -> Result<(u32, f32), String> {
         let t = argmax(logits);
-        Ok((t, log_softmax_at(logits, t as usize)))
+        Ok((t, if self.0 { log_softmax_at(logits, t as usize) } else { f32::NAN }))
     }
 }
 
