@@ -46,9 +46,22 @@ enum Cmd {
         /// Seed of the random draws (default: a random one).
         #[arg(long)]
         seed: Option<u64>,
+        /// A draft model (same vocabulary) for `--decoder speculative --params '{"drafter": "model"}'`.
+        #[arg(long)]
+        draft_model: Option<PathBuf>,
         #[command(flatten)]
         plugins: PluginDirs,
         prompt: String,
+    },
+    /// Write a model as a Hugging Face directory (config.json, model.safetensors,
+    /// tokenizer.json), dequantized to --dtype.
+    Export {
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// f32, f16 or bf16.
+        #[arg(long, default_value = "f16")]
+        dtype: String,
+        out: PathBuf,
     },
     /// Decoder plugins: check a file, probe a strategy.
     Plugin {
@@ -136,6 +149,7 @@ pub(crate) fn load(p: Option<PathBuf>) -> Result<Model> {
 }
 
 struct RunArgs {
+    draft_model: Option<PathBuf>,
     max_tokens: usize,
     chat: bool,
     threads: usize,
@@ -171,11 +185,22 @@ fn run(model: Option<PathBuf>, a: RunArgs, plugins: &PluginDirs, prompt: &str) -
         seed: a.seed.unwrap_or_else(random_seed),
         eos: tok.eos(),
     };
+    let draft = a.draft_model.map(|p| load(Some(p))).transpose()?;
+    if let Some(d) = &draft {
+        if d.config.vocab != model.config.vocab {
+            bail!("the draft model's vocabulary ({}) differs from the model's ({})", d.config.vocab, model.config.vocab);
+        }
+    }
     // Reject bad parameters before loading anything heavy into the KV cache.
-    Session::validate(&strategy, model.config.vocab as u32, 1 << inferd_plugin_api::abi::ROLE_TARGET, &req)?;
+    let roles = 1 << inferd_plugin_api::abi::ROLE_TARGET | u32::from(draft.is_some()) << inferd_plugin_api::abi::ROLE_DRAFT;
+    Session::validate(&strategy, model.config.vocab as u32, roles, &req)?;
     let opts = EngineOptions { threads: a.threads, ..EngineOptions::default() };
     let mut engine = Engine::cpu(&model, &opts);
-    let mut store = EngineStore::new(&mut engine);
+    let mut draft_engine = draft.as_ref().map(|d| Engine::cpu(d, &opts));
+    let mut store = match draft_engine.as_mut() {
+        Some(d) => EngineStore::with_draft(&mut engine, d),
+        None => EngineStore::new(&mut engine),
+    };
     let mut dec = StreamDecoder::new(true);
     let mut out = std::io::stdout().lock();
     let mut write_err = None;
@@ -270,8 +295,21 @@ fn plugin_probe(name: &str, a: ProbeArgs, plugins: &PluginDirs) -> Result<()> {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
-        Cmd::Run { model, max_tokens, chat, threads, decoder, params, seed, plugins, prompt } => {
-            run(model, RunArgs { max_tokens, chat, threads, decoder, params, seed }, &plugins, &prompt)
+        Cmd::Run { model, max_tokens, chat, threads, decoder, params, seed, draft_model, plugins, prompt } => {
+            run(model, RunArgs { draft_model, max_tokens, chat, threads, decoder, params, seed }, &plugins, &prompt)
+        }
+        Cmd::Export { model, dtype, out } => {
+            use inferd::model::export::{export_hf, ExportDtype};
+            let dtype = match dtype.as_str() {
+                "f32" => ExportDtype::F32,
+                "f16" => ExportDtype::F16,
+                "bf16" => ExportDtype::BF16,
+                other => bail!("--dtype must be f32, f16 or bf16, not {other:?}"),
+            };
+            let model = load(model)?;
+            export_hf(&model, &out, dtype).with_context(|| format!("exporting to {}", out.display()))?;
+            println!("{}", out.display());
+            Ok(())
         }
         Cmd::Plugin { cmd: PluginCmd::Check { file, system } } => plugin_check(&file, system),
         Cmd::Plugin { cmd: PluginCmd::Probe { name, logits, history, params, draws, seed, plugins } } => {

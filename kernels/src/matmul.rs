@@ -180,15 +180,27 @@ fn rows_times_tokens(k: &Kernels, w: &Matrix<'_>, x: &Input<'_>, packed: &[Packe
             }
         }
     } else {
-        let dot = match w.dtype {
-            DType::F32 => k.dot_f32,
-            DType::F16 => k.dot_f16,
-            _ => k.dot_bf16,
+        let (dot, four) = match w.dtype {
+            DType::F32 => (k.dot_f32, None),
+            DType::F16 => (k.dot_f16, Some(k.dot_f16_x4)),
+            _ => (k.dot_bf16, Some(k.dot_bf16_x4)),
         };
-        for tok in 0..t {
-            let xr = &x.f32[tok * w.cols..(tok + 1) * w.cols];
+        let xr = |tok: usize| &x.f32[tok * w.cols..(tok + 1) * w.cols];
+        let mut tok = 0;
+        if let Some(four) = four {
+            while tok + 4 <= t {
+                for r in r0..r1 {
+                    let v = four(w.row(r), [xr(tok), xr(tok + 1), xr(tok + 2), xr(tok + 3)]);
+                    for (j, vj) in v.into_iter().enumerate() {
+                        store(tok + j, r, vj);
+                    }
+                }
+                tok += 4;
+            }
+        }
+        for tok in tok..t {
             for r in r0..r1 {
-                store(tok, r, dot(w.row(r), xr));
+                store(tok, r, dot(w.row(r), xr(tok)));
             }
         }
     }
@@ -210,7 +222,7 @@ mod tests {
         let wf: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 113) as f32 / 56.0 - 1.0).collect();
         let x: Vec<f32> = (0..24 * cols).map(|i| ((i * 104729) % 97) as f32 / 48.0 - 1.0).collect();
         for kern in Kernels::all() {
-            for dt in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+            for dt in [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::F16, DType::BF16, DType::F32] {
                 let mut data = Vec::new();
                 for r in 0..rows {
                     quantize_row(dt, &wf[r * cols..(r + 1) * cols], &mut data);

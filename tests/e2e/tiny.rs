@@ -199,3 +199,28 @@ fn sharded_safetensors_load_through_their_index() {
     std::fs::write(sharded.join("model.safetensors.index.json"), evil.to_string()).unwrap();
     assert!(Model::load(&sharded).unwrap_err().to_string().contains("leaves the model directory"));
 }
+
+#[test]
+fn an_exported_hugging_face_directory_is_the_same_model() {
+    // GGUF (Q/K interleaved for RoPE, quantized) -> HF directory (rotate-half, F32 / BF16):
+    // same logits up to the export precision, same tokenizer, same special tokens.
+    use inferd::model::export::{export_hf, ExportDtype};
+    let dir = temp_dir("export");
+    let spec = TinySpec::default();
+    // (A quantized GGUF runs with 8-bit activations, its float export without: a looser bound.)
+    for (dtype, tol) in [(DType::F32, 1e-3f32), (DType::Q8_0, 0.3)] {
+        let g = Model::load(&write_tiny_gguf(&dir.join(format!("m-{dtype:?}.gguf")), &spec, dtype, DType::F32)).unwrap();
+        for (ex, extra) in [(ExportDtype::F32, 0.0f32), (ExportDtype::BF16, 0.15)] {
+            let out = dir.join(format!("hf-{dtype:?}-{ex:?}"));
+            export_hf(&g, &out, ex).unwrap();
+            let h = Model::load(&out).unwrap();
+            assert_eq!(h.config.rope_style, inferd_kernels::ops::RopeStyle::Neox);
+            assert_eq!((h.config.n_layers, h.config.vocab, h.tokenizer.eos()), (g.config.n_layers, g.config.vocab, g.tokenizer.eos()));
+            let p = prompt(13, 2);
+            let d = max_diff(&last_logits(&g, &p), &last_logits(&h, &p));
+            assert!(d < tol + extra, "{dtype:?} -> {ex:?}: logits differ by {d}");
+            let text = "the 123 then\n  inner <|im_start|>";
+            assert_eq!(g.tokenizer.encode(text, true).unwrap(), h.tokenizer.encode(text, true).unwrap());
+        }
+    }
+}

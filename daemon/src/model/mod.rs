@@ -5,6 +5,7 @@
 //! architecture, a tensor type we have no kernel for) is a [`ModelError`] that names it.
 
 pub mod config;
+pub mod export;
 pub mod gguf;
 pub mod gguf_writer;
 mod hf;

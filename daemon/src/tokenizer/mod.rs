@@ -112,6 +112,16 @@ impl Tokenizer {
         Ok(Tokenizer { special, plain, bos, add_bos, eos, specials, bytes })
     }
 
+    /// Writes the tokenizer as a Hugging Face `tokenizer.json` (with its special tokens).
+    pub fn save_hf(&self, path: &Path) -> Result<(), TokenizerError> {
+        self.special.save(path, false).map_err(|e| TokenizerError::Invalid(format!("writing {}: {e}", path.display())))
+    }
+
+    /// Whether encoding with special tokens starts with BOS.
+    pub fn adds_bos(&self) -> bool {
+        self.add_bos
+    }
+
     /// Loads a Hugging Face `tokenizer.json`.
     pub fn from_hf_file(path: &Path, bos: Option<u32>, eos: Vec<u32>, add_bos: bool) -> Result<Tokenizer, TokenizerError> {
         let tk = tokenizers::Tokenizer::from_file(path).map_err(|e| TokenizerError::Invalid(format!("{}: {e}", path.display())))?;

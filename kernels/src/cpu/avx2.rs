@@ -43,6 +43,10 @@ pub fn kernels() -> Option<Kernels> {
         // SAFETY: as above.
         dot_bf16: |w, x| unsafe { dot_bf16(w, x) },
         // SAFETY: as above.
+        dot_f16_x4: |w, x| unsafe { dot_half_x4::<false>(w, x) },
+        // SAFETY: as above.
+        dot_bf16_x4: |w, x| unsafe { dot_half_x4::<true>(w, x) },
+        // SAFETY: as above.
         dot_f16_f32: |k, q| unsafe { dot_f16_f32(k, q) },
         // SAFETY: as above.
         axpy_f16: |a, x, y| unsafe { axpy_f16(a, x, y) },
@@ -217,36 +221,100 @@ unsafe fn dot_f32(w: &[u8], x: &[f32]) -> f32 {
 /// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_f16(w: &[u8], x: &[f32]) -> f32 {
-    let n = x.len();
-    assert!(w.len() >= n * 2);
-    let mut acc = _mm256_setzero_ps();
+    // SAFETY: same features; the x4 kernel's per-token arithmetic is this dot's.
+    unsafe { dot_half::<false>(w, x) }
+}
+
+/// One f16 (`BF = false`) or bf16 weight row against four activation rows, each with exactly
+/// the arithmetic of [`dot_half`], so a token's result does not depend on its batch; the weights
+/// are converted once for the four, and the eight chains run in parallel.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_half_x4<const BF: bool>(w: &[u8], xs: [&[f32]; 4]) -> [f32; 4] {
+    let n = xs[0].len();
+    assert!(w.len() >= n * 2 && xs.iter().all(|x| x.len() == n));
+    let mut c = [[_mm256_setzero_ps(); 2]; 4];
     let mut i = 0;
-    while i + 8 <= n {
-        // SAFETY: i + 8 <= n elements remain in both rows.
-        let (wv, xv) = unsafe { (_mm_loadu_si128(w.as_ptr().add(2 * i).cast()), _mm256_loadu_ps(x.as_ptr().add(i))) };
-        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(wv), xv, acc);
+    while i + 16 <= n {
+        // SAFETY: i + 16 <= n elements remain in the weight row.
+        let (w0, w1) = unsafe { (half8::<BF>(w, i), half8::<BF>(w, i + 8)) };
+        for (ct, x) in c.iter_mut().zip(xs) {
+            // SAFETY: i + 16 <= n elements remain in every activation row (asserted lengths).
+            unsafe {
+                ct[0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x.as_ptr().add(i)), ct[0]);
+                ct[1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x.as_ptr().add(i + 8)), ct[1]);
+            }
+        }
+        i += 16;
+    }
+    if i + 8 <= n {
+        // SAFETY: i + 8 <= n elements remain in the weight row.
+        let w0 = unsafe { half8::<BF>(w, i) };
+        for (ct, x) in c.iter_mut().zip(xs) {
+            // SAFETY: as above, in every activation row.
+            ct[0] = _mm256_fmadd_ps(w0, unsafe { _mm256_loadu_ps(x.as_ptr().add(i)) }, ct[0]);
+        }
         i += 8;
     }
-    hsum(acc) + super::scalar::dot_f16(&w[2 * i..], &x[i..])
+    let tail = |x: &[f32]| if BF { super::scalar::dot_bf16(&w[2 * i..], &x[i..]) } else { super::scalar::dot_f16(&w[2 * i..], &x[i..]) };
+    std::array::from_fn(|t| hsum(_mm256_add_ps(c[t][0], c[t][1])) + tail(xs[t]))
 }
 
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_bf16(w: &[u8], x: &[f32]) -> f32 {
+    // SAFETY: as in `dot_f16`.
+    unsafe { dot_half::<true>(w, x) }
+}
+
+/// Eight f16 (`BF = false`) or bf16 weights at element `i`, as f32.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `w` holds 8 weights at `i`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn half8<const BF: bool>(w: &[u8], i: usize) -> __m256 {
+    // SAFETY: the caller's contract.
+    let wv = unsafe { _mm_loadu_si128(w.as_ptr().add(2 * i).cast()) };
+    if BF {
+        // bf16 is the high half of an f32: widen and shift into place.
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(wv)))
+    } else {
+        _mm256_cvtph_ps(wv)
+    }
+}
+
+/// The f16/bf16 dot: two 8-lane chains over alternating groups of 8 (so the FMA latency is
+/// half hidden), a last odd group into the first chain, `hsum(c0 + c1)`, then the scalar tail.
+/// (`dot_half_x4` does exactly this per token.)
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_half<const BF: bool>(w: &[u8], x: &[f32]) -> f32 {
     let n = x.len();
     assert!(w.len() >= n * 2);
-    let mut acc = _mm256_setzero_ps();
+    let (mut c0, mut c1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
     let mut i = 0;
-    while i + 8 <= n {
+    while i + 16 <= n {
+        // SAFETY: i + 16 <= n elements remain in both rows.
+        unsafe {
+            c0 = _mm256_fmadd_ps(half8::<BF>(w, i), _mm256_loadu_ps(x.as_ptr().add(i)), c0);
+            c1 = _mm256_fmadd_ps(half8::<BF>(w, i + 8), _mm256_loadu_ps(x.as_ptr().add(i + 8)), c1);
+        }
+        i += 16;
+    }
+    if i + 8 <= n {
         // SAFETY: i + 8 <= n elements remain in both rows.
-        let (wv, xv) = unsafe { (_mm_loadu_si128(w.as_ptr().add(2 * i).cast()), _mm256_loadu_ps(x.as_ptr().add(i))) };
-        // bf16 is the high half of an f32: widen and shift into place.
-        let wf = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(wv)));
-        acc = _mm256_fmadd_ps(wf, xv, acc);
+        c0 = unsafe { _mm256_fmadd_ps(half8::<BF>(w, i), _mm256_loadu_ps(x.as_ptr().add(i)), c0) };
         i += 8;
     }
-    hsum(acc) + super::scalar::dot_bf16(&w[2 * i..], &x[i..])
+    let c = [c0, c1];
+    let tail = if BF { super::scalar::dot_bf16(&w[2 * i..], &x[i..]) } else { super::scalar::dot_f16(&w[2 * i..], &x[i..]) };
+    hsum(_mm256_add_ps(c[0], c[1])) + tail
 }
 
 /// # Safety

@@ -29,6 +29,8 @@ pub type DotQ8 = fn(&[u8], &[BlockQ8]) -> f32;
 pub type DotQ8x4 = fn(&[u8], [&[BlockQ8]; 4]) -> [f32; 4];
 /// Float-weight dot product: one weight row (raw little-endian bytes) against f32 activations.
 pub type DotF = fn(&[u8], &[f32]) -> f32;
+/// The same against four activation rows.
+pub type DotFx4 = fn(&[u8], [&[f32]; 4]) -> [f32; 4];
 
 /// The kernel table for one instruction set.
 #[derive(Clone, Copy)]
@@ -45,6 +47,10 @@ pub struct Kernels {
     pub dot_f32: DotF,
     pub dot_f16: DotF,
     pub dot_bf16: DotF,
+    /// One f16 / bf16 weight row against four activation rows, each token's result equal to
+    /// the single-token dot bit for bit (weights converted once for the four).
+    pub dot_f16_x4: DotFx4,
+    pub dot_bf16_x4: DotFx4,
     /// `Σ k[i] * q[i]` with `k` stored as f16 (attention scores against the K cache).
     pub dot_f16_f32: fn(&[half::f16], &[f32]) -> f32,
     /// `y += a * x` with `x` stored as f16 (attention-weighted sum of the V cache).
@@ -99,6 +105,8 @@ impl Kernels {
             dot_f32: scalar::dot_f32,
             dot_f16: scalar::dot_f16,
             dot_bf16: scalar::dot_bf16,
+            dot_f16_x4: |w, x| x.map(|x| scalar::dot_f16(w, x)),
+            dot_bf16_x4: |w, x| x.map(|x| scalar::dot_bf16(w, x)),
             dot_f16_f32: scalar::dot_f16_f32,
             axpy_f16: scalar::axpy_f16,
             attn_scores: scalar::attn_scores,

@@ -45,7 +45,7 @@ fn parse(p: &mut Params, init: &SessionInit) -> Result<Config, String> {
         Some(Some(s)) if s == "model" => Drafter::Model,
         Some(_) => return Err("drafter must be \"prompt-lookup\" or \"model\"".into()),
     };
-    let k = p.u64("k", 1..=16, if drafter == Drafter::Model { 4 } else { 7 })? as usize;
+    let k = p.u64("k", 1..=16, if drafter == Drafter::Model { 3 } else { 15 })? as usize;
     let ngram_max = p.u64("ngram_max", 1..=8, 3)? as usize;
     let ngram_min = p.u64("ngram_min", 1..=8, 1)? as usize;
     if ngram_min > ngram_max {
@@ -253,7 +253,7 @@ impl Speculative {
 impl Strategy for Speculative {
     const NAME: &'static CStr = c"speculative";
     const DESCRIPTION: &'static CStr = c"Speculative decoding with exact rejection sampling: prompt lookup or a draft model";
-    const PARAMS_DOC: &'static CStr = c"{\"drafter\": \"prompt-lookup (default) or model\", \"k\": \"integer 1..16, draft tokens per round (default 7 for prompt lookup, 4 for a model)\", \"ngram_max\": \"integer 1..8, default 3\", \"ngram_min\": \"integer 1..8, default 1\", \"temperature\": \"number 0..2, default 1; 0 is greedy\", \"top_k\": \"integer, 0 off\", \"top_p\": \"number 0..1\", \"min_p\": \"number 0..1\", \"frequency_penalty\": \"number -2..2\", \"presence_penalty\": \"number -2..2\", \"logit_bias\": \"object token id -> -100..100\"}";
+    const PARAMS_DOC: &'static CStr = c"{\"drafter\": \"prompt-lookup (default) or model\", \"k\": \"integer 1..16, draft tokens per round (default 15 for prompt lookup, 3 for a model)\", \"ngram_max\": \"integer 1..8, default 3\", \"ngram_min\": \"integer 1..8, default 1\", \"temperature\": \"number 0..2, default 1; 0 is greedy\", \"top_k\": \"integer, 0 off\", \"top_p\": \"number 0..1\", \"min_p\": \"number 0..1\", \"frequency_penalty\": \"number -2..2\", \"presence_penalty\": \"number -2..2\", \"logit_bias\": \"object token id -> -100..100\"}";
 
     fn validate(_host: &Host, init: &SessionInit) -> Result<(), String> {
         parse_params(init, |p| parse(p, init)).map(drop)
