@@ -4,7 +4,7 @@
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use inferd::chat::{ChatMessage, ChatTemplate};
-use inferd::decode::generate;
+use inferd::decode::{generate, generate_with_stats};
 use inferd::decode::store::{EngineStore, MockStore};
 use inferd::plugin::{Registry, Session, SessionRequest, TrustPolicy};
 use std::collections::BTreeMap;
@@ -204,7 +204,7 @@ fn run(model: Option<PathBuf>, a: RunArgs, plugins: &PluginDirs, prompt: &str) -
     let mut dec = StreamDecoder::new(true);
     let mut out = std::io::stdout().lock();
     let mut write_err = None;
-    generate(&strategy, &mut store, &req, &mut |_, id| {
+    let done = generate_with_stats(&strategy, &mut store, &req, &mut |_, id| {
         if let Ok(piece) = dec.push(tok, id) {
             if let Err(e) = out.write_all(piece.as_bytes()).and_then(|()| out.flush()) {
                 write_err.get_or_insert(e);
@@ -212,6 +212,11 @@ fn run(model: Option<PathBuf>, a: RunArgs, plugins: &PluginDirs, prompt: &str) -
         }
     })?;
     writeln!(out, "{}", dec.finish())?;
+    // What the strategy reported (speculative acceptance, ...), on stderr.
+    if !done.stats.is_empty() {
+        let s: Vec<String> = done.stats.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        eprintln!("inferd: {} {}", strategy.name(), s.join(" "));
+    }
     if let Some(e) = write_err {
         return Err(e.into());
     }

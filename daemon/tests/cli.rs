@@ -106,6 +106,13 @@ fn run_uses_any_strategy_and_seeds_repeat() {
     let a = go("5");
     assert_eq!(a, go("5"));
     assert_ne!(a, go("6"));
+    // Speculative decoding with the model as its own draft: greedy output, acceptance on stderr.
+    let greedy = inferd(&["run", "--model", &m, "--max-tokens", "16", "Once upon a time"]);
+    let spec = inferd(&["run", "--model", &m, "--draft-model", &m, "--decoder", "speculative", "--params", r#"{"drafter": "model", "temperature": 0}"#, "--max-tokens", "16", "Once upon a time"]);
+    assert!(spec.status.success(), "{}", String::from_utf8_lossy(&spec.stderr));
+    assert_eq!(spec.stdout, greedy.stdout);
+    let err = String::from_utf8_lossy(&spec.stderr);
+    assert!(err.contains("accepted_tokens=") && err.contains("draft_tokens="), "{err}");
     let out = inferd(&["run", "--model", &m, "--decoder", "min-p", "--params", r#"{"min_p": 1.5}"#, "hi"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("min_p must be between 0 and 1"));

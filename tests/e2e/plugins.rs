@@ -416,3 +416,49 @@ fn speculative_decoding_on_the_real_model_matches_greedy_with_either_drafter() {
     assert_eq!(store.engine.kv.sequences(), 0);
     assert_eq!(store.draft.as_ref().unwrap().kv.sequences(), 0);
 }
+
+#[test]
+fn sessions_batched_together_decode_as_they_do_alone() {
+    // Greedy, sampled, beam and speculative requests merged into one batch per round on the
+    // real model: every one gets exactly the tokens it gets alone (batch-invariant kernels,
+    // per-request seeds), and a failing request in the batch fails alone.
+    use inferd::decode::{generate_batch, BatchRequest};
+    let model = Model::load(&inferd_e2e::default_model()).unwrap();
+    let mut engine = Engine::cpu(&model, &EngineOptions { threads: 2, ..EngineOptions::default() });
+    let reg = builtin();
+    let prompts: Vec<Vec<u32>> = ["The capital of France is", "Once upon a time, a fox", "List three fruits: apple, pear,", "Repeat: one two three, one two three,"]
+        .iter()
+        .map(|t| model.tokenizer.encode(t, false).unwrap())
+        .collect();
+    let eos = model.tokenizer.eos();
+    let specs = [("greedy", "{}", 1), ("nucleus", r#"{"temperature": 0.9, "top_p": 0.9}"#, 2), ("beam", r#"{"beam_width": 2}"#, 1), ("speculative", r#"{"temperature": 0}"#, 1)];
+    let reqs: Vec<BatchRequest<'_>> = specs
+        .iter()
+        .zip(&prompts)
+        .enumerate()
+        .map(|(i, ((name, params, n), p))| BatchRequest {
+            strategy: reg.get(name).unwrap(),
+            req: SessionRequest { logprobs: true, prompt: p, generated: &[], params, max_tokens: 12, n: *n, seed: 40 + i as u64, eos },
+        })
+        .collect();
+    let mut store = EngineStore::new(&mut engine);
+    let alone: Vec<_> = reqs.iter().map(|r| generate(&r.strategy, &mut store, &r.req, &mut |_, _| {}).unwrap()).collect();
+    let mut streamed = vec![0usize; reqs.len()];
+    let together = generate_batch(&mut store, &reqs, &mut |i, _, _| streamed[i] += 1);
+    for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+        let t = t.as_ref().unwrap();
+        assert_eq!(&t.choices, a, "request {i} ({})", specs[i].0);
+    }
+    assert_eq!(streamed[0], alone[0][0].tokens.len());
+    assert_eq!(store.engine.kv.sequences(), 0);
+
+    // A broken plugin's request fails; the one batched with it does not notice.
+    let dir = inferd_e2e::temp_dir("batch-badhandle");
+    let mut bad = Registry::default();
+    bad.load_file(&compile_c(&dir, "badhandle", &["FAULT_BAD_HANDLE"]), TrustPolicy::User).unwrap();
+    let mixed = [BatchRequest { strategy: bad.get("c-greedy").unwrap(), req: reqs[0].req.clone() }, reqs[0].clone()];
+    let out = generate_batch(&mut store, &mixed, &mut |_, _, _| {});
+    assert!(out[0].as_ref().unwrap_err().to_string().contains("not this request's"));
+    assert_eq!(out[1].as_ref().unwrap().choices, alone[0]);
+    assert_eq!(store.engine.kv.sequences(), 0);
+}
