@@ -88,6 +88,7 @@ fn broken_plugins_are_refused_naming_the_file_and_why_and_the_rest_load() {
     let cases = [
         ("major2", "FAULT_MAJOR2", "built for plugin ABI 2"),
         ("noentry", "FAULT_NO_ENTRY", "no inferd_plugin_entry_v1 symbol"),
+        ("newminor", "FAULT_NEWER_MINOR", "built for ABI 1.1; this inferd speaks 1.0"),
         ("refuse", "FAULT_REFUSE", "refused this host"),
         ("badname", "FAULT_BAD_NAME", "invalid name"),
         ("noobserve", "FAULT_NO_OBSERVE", "no observe function"),

@@ -5,6 +5,7 @@
  * plugins the host must refuse or survive:
  *   FAULT_MAJOR2      exports only an ABI 2 entry point
  *   FAULT_NO_ENTRY    exports no entry point at all
+ *   FAULT_NEWER_MINOR claims to be built for a newer minor version than the host speaks
  *   FAULT_REFUSE      the entry point returns NULL
  *   FAULT_BAD_NAME    declares an invalid strategy name
  *   FAULT_NO_OBSERVE  leaves a required function out
@@ -134,7 +135,11 @@ static const struct inferd_strategy *const strategies[] = {&strategy};
 static const struct inferd_plugin_info info = {
     .header = {INFERD_TYPE_PLUGIN_INFO, sizeof(struct inferd_plugin_info), NULL},
     .abi_major = INFERD_ABI_MAJOR,
+#ifdef FAULT_NEWER_MINOR
+    .abi_minor = INFERD_ABI_MINOR + 1,
+#else
     .abi_minor = 0,
+#endif
     .name = "c-greedy",
     .version = "1.0",
     .strategies = strategies,
