@@ -7,5 +7,6 @@
 mod corrupt;
 mod golden;
 mod plugins;
+mod serve;
 mod tiny;
 mod tokenizer;

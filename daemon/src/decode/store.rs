@@ -58,6 +58,11 @@ pub trait SeqStore {
     /// Appends each item's tokens, runs everything not run yet and returns the logits of each
     /// item's last `n_logits` positions. On error nothing changed.
     fn run(&mut self, items: &[StoreRun]) -> Result<Vec<Vec<f32>>, StoreError>;
+    /// Target-model KV blocks free (evictable cached ones included) and tokens per block, when
+    /// the store has a bounded cache (admission control).
+    fn capacity(&self) -> Option<(usize, usize)> {
+        None
+    }
 }
 
 /// Sequences in the engine's KV cache, and in a draft model's engine when one is bound
@@ -116,6 +121,10 @@ impl<B: Backend> SeqStore for EngineStore<'_, B> {
 
     fn roles(&self) -> u32 {
         1 << abi::ROLE_TARGET | if self.draft.is_some() { 1 << abi::ROLE_DRAFT } else { 0 }
+    }
+
+    fn capacity(&self) -> Option<(usize, usize)> {
+        Some((self.engine.kv.stats().free, self.engine.kv.block_size()))
     }
 
     fn create(&mut self, role: u32, prompt: &[u32]) -> Result<StoreSeq, StoreError> {
