@@ -45,7 +45,10 @@ pub struct BenchArgs {
     /// With --decoders: also measure speculative decoding with this draft model.
     #[arg(long)]
     pub draft_model: Option<PathBuf>,
-    /// With --decoders: plugin directories (default: as `inferd run`).
+    /// Measure the engine loop instead: continuous against static batching (max batch 8).
+    #[arg(long)]
+    pub serving: bool,
+    /// With --decoders or --serving: plugin directories (default: as `inferd run`).
     #[arg(long = "plugin-dir")]
     pub plugin_dirs: Vec<PathBuf>,
 }

@@ -326,6 +326,13 @@ fn main() -> Result<()> {
             println!("{}", serde_json::to_string(&ids)?);
             Ok(())
         }
+        Cmd::Bench(args) if args.serving => {
+            let model = load(args.model.clone())?;
+            let reg = PluginDirs { dirs: args.plugin_dirs.clone() }.registry()?;
+            let report = inferd::serve::bench::run(&model, &reg, args.threads, 8)?;
+            println!("{}", serde_json::to_string_pretty(&report)?);
+            Ok(())
+        }
         Cmd::Bench(args) if args.decoders => {
             let model = load(args.model.clone())?;
             let draft = args.draft_model.clone().map(|p| load(Some(p))).transpose()?;

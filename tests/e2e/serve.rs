@@ -7,7 +7,7 @@ use inferd::decode::store::EngineStore;
 use inferd::engine::{Engine, EngineOptions};
 use inferd::model::Model;
 use inferd::plugin::{Registry, SessionRequest, TrustPolicy};
-use inferd::serve::engine_loop::{engine_loop, Command, Event, LoopConfig, LoopStats, Submission};
+use inferd::serve::engine_loop::{channel_sink, engine_loop, Command, Event, LoopConfig, LoopStats, Submission};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 
@@ -27,7 +27,7 @@ fn start(model: Arc<Model>, blocks: usize) -> (Sender<Command>, std::thread::Joi
         let bytes = blocks * inferd::backend::cpu::kv_block_bytes(&model.config, 16);
         let mut engine = Engine::cpu(&model, &EngineOptions { threads: 2, kv_budget_bytes: bytes, ..EngineOptions::default() });
         let mut store = EngineStore::new(&mut engine);
-        let stats = engine_loop(&mut store, &rx, &LoopConfig { token_budget: 256, eos: model.tokenizer.eos().to_vec() });
+        let stats = engine_loop(&mut store, &rx, &LoopConfig { token_budget: 256, max_running: 64, eos: model.tokenizer.eos().to_vec() });
         (stats, engine.kv.sequences())
     });
     (tx, h)
@@ -43,7 +43,7 @@ struct Req {
 
 fn submit(tx: &Sender<Command>, reg: &Registry, r: &Req) -> Receiver<Event> {
     let (etx, erx) = channel();
-    let sub = Submission { id: r.id, strategy: reg.get(r.strategy).unwrap(), prompt: r.prompt.clone(), params: r.params.into(), max_tokens: r.max_tokens, n: 1, seed: r.id, logprobs: false, events: etx };
+    let sub = Submission { id: r.id, strategy: reg.get(r.strategy).unwrap(), prompt: r.prompt.clone(), params: r.params.into(), max_tokens: r.max_tokens, n: 1, seed: r.id, logprobs: false, events: channel_sink(etx) };
     tx.send(Command::Submit(sub)).unwrap();
     erx
 }

@@ -27,7 +27,6 @@ use std::sync::Arc;
 pub type RequestId = u64;
 
 /// A request as the engine thread receives it.
-#[derive(Debug)]
 pub struct Submission {
     pub id: RequestId,
     pub strategy: Arc<LoadedStrategy>,
@@ -37,7 +36,16 @@ pub struct Submission {
     pub n: u32,
     pub seed: u64,
     pub logprobs: bool,
-    pub events: Sender<Event>,
+    pub events: EventSink,
+}
+
+/// Where a request's events go; `false` means the client is gone, which cancels the request
+/// (its blocks are freed at the start of the next step).
+pub type EventSink = Box<dyn FnMut(Event) -> bool + Send>;
+
+/// An [`EventSink`] over a channel.
+pub fn channel_sink(tx: Sender<Event>) -> EventSink {
+    Box::new(move |e| tx.send(e).is_ok())
 }
 
 /// What a request's client hears.
@@ -48,7 +56,6 @@ pub enum Event {
     Failed(String),
 }
 
-#[derive(Debug)]
 pub enum Command {
     Submit(Submission),
     Cancel(RequestId),
@@ -61,6 +68,8 @@ pub enum Command {
 pub struct LoopConfig {
     /// Tokens per step across all sessions (decode tokens and prefill chunks).
     pub token_budget: usize,
+    /// Requests running at once, at most.
+    pub max_running: usize,
     pub eos: Vec<u32>,
 }
 
@@ -136,8 +145,8 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
                 Command::Submit(sub) => waiting.push_back(Waiting { sub, streamed: Vec::new() }),
                 Command::Cancel(id) => {
                     if let Some(i) = waiting.iter().position(|w| w.sub.id == id) {
-                        if let Some(w) = waiting.remove(i) {
-                            let _ = w.sub.events.send(Event::Failed("cancelled".into()));
+                        if let Some(mut w) = waiting.remove(i) {
+                            (w.sub.events)(Event::Failed("cancelled".into()));
                             stats.cancelled += 1;
                         }
                     }
@@ -146,24 +155,24 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
                     }
                 }
                 Command::Shutdown => {
-                    for w in waiting.drain(..) {
-                        let _ = w.sub.events.send(Event::Failed("the daemon is shutting down".into()));
+                    for mut w in waiting.drain(..) {
+                        (w.sub.events)(Event::Failed("the daemon is shutting down".into()));
                     }
-                    for r in running.drain(..) {
+                    for mut r in running.drain(..) {
                         r.session.close(store);
-                        let _ = r.sub.events.send(Event::Failed("the daemon is shutting down".into()));
+                        (r.sub.events)(Event::Failed("the daemon is shutting down".into()));
                     }
                     return stats;
                 }
             }
         }
         // Clients that went away lose their sequences in this same step.
-        for r in std::mem::take(&mut running) {
+        for mut r in std::mem::take(&mut running) {
             if r.gone {
                 hold = false;
                 stats.cancelled += 1;
                 r.session.close(store);
-                let _ = r.sub.events.send(Event::Failed("cancelled".into()));
+                (r.sub.events)(Event::Failed("cancelled".into()));
             } else {
                 running.push(r);
             }
@@ -172,7 +181,7 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
         // 2. Admission while the cache has room for the prompt plus one block of growth per
         // running request (and always one request when none runs).
         while let Some(w) = waiting.front() {
-            if hold && !running.is_empty() {
+            if (hold && !running.is_empty()) || running.len() >= cfg.max_running.max(1) {
                 break;
             }
             let len = w.sub.prompt.len() + w.streamed.len() + 1;
@@ -183,21 +192,18 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
                 }
                 if need > free {
                     // Nothing else runs, so everything is free: larger than the cache.
-                    let Some(w) = waiting.pop_front() else { break };
-                    let _ = w.sub.events.send(Event::Failed(format!("the request needs {need} KV blocks, more than the cache holds ({free} free)")));
+                    let Some(mut w) = waiting.pop_front() else { break };
+                    (w.sub.events)(Event::Failed(format!("the request needs {need} KV blocks, more than the cache holds ({free} free)")));
                     stats.failed += 1;
                     continue;
                 }
             }
-            let Some(w) = waiting.pop_front() else { break };
-            let events = w.sub.events.clone();
-            let mut on = |c: u32, t: u32| {
-                let _ = events.send(Event::Token { choice: c, token: t });
-            };
-            match Session::create(Arc::clone(&w.sub.strategy), store, &request(&w.sub, &w.streamed, &cfg.eos), &mut on) {
+            let Some(mut w) = waiting.pop_front() else { break };
+            // (Creating a session emits nothing.)
+            match Session::create(Arc::clone(&w.sub.strategy), store, &request(&w.sub, &w.streamed, &cfg.eos), &mut |_, _| {}) {
                 Ok(session) => running.push(Running { sub: w.sub, session, streamed: w.streamed, gone: false, deferred: false }),
                 Err(e) => {
-                    let _ = w.sub.events.send(Event::Failed(e.to_string()));
+                    (w.sub.events)(Event::Failed(e.to_string()));
                     stats.failed += 1;
                 }
             }
@@ -215,22 +221,23 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
         let mut budget = cfg.token_budget;
         let mut done: Vec<(usize, Result<(), String>)> = Vec::new();
         for (i, r) in running.iter_mut().enumerate() {
-            let events = r.sub.events.clone();
-            let streamed = &mut r.streamed;
+            let Running { sub, session, streamed, gone, deferred } = r;
             let mut on = |c: u32, t: u32| {
                 if c == 0 {
                     streamed.push(t);
                 }
-                let _ = events.send(Event::Token { choice: c, token: t });
+                if !(sub.events)(Event::Token { choice: c, token: t }) {
+                    *gone = true;
+                }
             };
-            match r.session.plan(store, &mut on) {
+            match session.plan(store, &mut on) {
                 Ok(Some(work)) => {
                     let tokens: usize = work.iter().map(|w| w.tokens.len().max(1)).sum();
-                    if tokens > budget && !batch.is_empty() && !r.deferred {
-                        r.deferred = true; // next step it runs whatever its size
+                    if tokens > budget && !batch.is_empty() && !*deferred {
+                        *deferred = true; // next step it runs whatever its size
                         continue;
                     }
-                    r.deferred = false;
+                    *deferred = false;
                     budget = budget.saturating_sub(tokens);
                     parts.push((i, batch.len()..batch.len() + work.len()));
                     batch.extend(work);
@@ -255,17 +262,17 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
                 Err(_) => parts.iter().map(|(_, r)| store.run(&batch[r.clone()])).collect(),
             };
             for ((i, range), rows) in parts.iter().zip(results) {
-                let r = &mut running[*i];
-                let events = r.sub.events.clone();
-                let streamed = &mut r.streamed;
+                let Running { sub, session, streamed, gone, .. } = &mut running[*i];
                 let mut on = |c: u32, t: u32| {
                     if c == 0 {
                         streamed.push(t);
                     }
-                    let _ = events.send(Event::Token { choice: c, token: t });
+                    if !(sub.events)(Event::Token { choice: c, token: t }) {
+                        *gone = true;
+                    }
                 };
                 let outcome = match rows {
-                    Ok(rows) => r.session.observe(store, &batch[range.clone()].to_vec(), &rows, &mut on).map_err(|e| e.to_string()),
+                    Ok(rows) => session.observe(store, &batch[range.clone()].to_vec(), &rows, &mut on).map_err(|e| e.to_string()),
                     Err(e) => Err(format!("running the model: {e}")),
                 };
                 if let Err(e) = outcome {
@@ -279,7 +286,7 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
         done.dedup_by_key(|d| d.0);
         for (i, outcome) in done {
             hold = false;
-            let r = running.remove(i);
+            let mut r = running.remove(i);
             let stats_map = r.session.stats().clone();
             let choices = r.session.close(store);
             match outcome {
@@ -295,23 +302,23 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
                             c.tokens = all;
                         }
                     }
-                    let _ = r.sub.events.send(Event::Finished(Generation { choices, stats: stats_map }));
+                    (r.sub.events)(Event::Finished(Generation { choices, stats: stats_map }));
                 }
                 Err(msg) => {
                     stats.failed += 1;
-                    let _ = r.sub.events.send(Event::Failed(msg));
+                    (r.sub.events)(Event::Failed(msg));
                 }
             }
         }
         if preempt {
             if running.len() <= 1 {
                 // Alone and still out of blocks: it cannot ever fit.
-                if let Some(r) = running.pop() {
+                if let Some(mut r) = running.pop() {
                     r.session.close(store);
                     stats.failed += 1;
-                    let _ = r.sub.events.send(Event::Failed("out of KV cache blocks: the request does not fit in the cache".into()));
+                    (r.sub.events)(Event::Failed("out of KV cache blocks: the request does not fit in the cache".into()));
                 }
-            } else if let Some(r) = running.pop() {
+            } else if let Some(mut r) = running.pop() {
                 // The newest request gives its blocks back and is recomputed later.
                 hold = true;
                 stats.preempted += 1;
@@ -320,7 +327,7 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
                     waiting.push_front(Waiting { sub: r.sub, streamed: r.streamed });
                 } else {
                     stats.failed += 1;
-                    let _ = r.sub.events.send(Event::Failed("preempted: out of KV cache blocks".into()));
+                    (r.sub.events)(Event::Failed("preempted: out of KV cache blocks".into()));
                 }
             }
         }

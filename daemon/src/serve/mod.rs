@@ -3,4 +3,5 @@
 //! Only the engine loop exists so far; the Unix-socket HTTP edge, D-Bus, systemd integration and
 //! configuration arrive next (issue 4).
 
+pub mod bench;
 pub mod engine_loop;
