@@ -53,6 +53,18 @@ enum Cmd {
         plugins: PluginDirs,
         prompt: String,
     },
+    /// Serve the model to local applications on a Unix socket (OpenAI-compatible HTTP).
+    Serve {
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Socket path (default: $XDG_RUNTIME_DIR/inferd/inferd.sock, else /run/inferd/inferd.sock).
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
+        #[command(flatten)]
+        plugins: PluginDirs,
+    },
     /// Write a model as a Hugging Face directory (config.json, model.safetensors,
     /// tokenizer.json), dequantized to --dtype.
     Export {
@@ -302,6 +314,12 @@ fn main() -> Result<()> {
     match cli.cmd {
         Cmd::Run { model, max_tokens, chat, threads, decoder, params, seed, draft_model, plugins, prompt } => {
             run(model, RunArgs { draft_model, max_tokens, chat, threads, decoder, params, seed }, &plugins, &prompt)
+        }
+        Cmd::Serve { model, socket, threads, plugins } => {
+            let reg = std::sync::Arc::new(plugins.registry()?);
+            let model = std::sync::Arc::new(load(model)?);
+            let socket = socket.unwrap_or_else(inferd::paths::default_socket);
+            inferd::serve::run(model, reg, &socket, threads)
         }
         Cmd::Export { model, dtype, out } => {
             use inferd::model::export::{export_hf, ExportDtype};

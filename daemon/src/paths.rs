@@ -47,3 +47,12 @@ pub fn plugin_dirs(explicit: &[PathBuf]) -> Vec<PathBuf> {
     dirs.dedup();
     dirs
 }
+
+/// The default socket: `$XDG_RUNTIME_DIR/inferd/inferd.sock` for a user, `/run/inferd/inferd.sock`
+/// without a runtime directory (the system daemon).
+pub fn default_socket() -> PathBuf {
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(d) => PathBuf::from(d).join("inferd/inferd.sock"),
+        None => PathBuf::from("/run/inferd/inferd.sock"),
+    }
+}

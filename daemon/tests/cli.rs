@@ -117,3 +117,72 @@ fn run_uses_any_strategy_and_seeds_repeat() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("min_p must be between 0 and 1"));
 }
+
+/// One HTTP/1.1 request over a Unix socket: (status, body).
+fn http(socket: &std::path::Path, method: &str, path: &str, body: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    write!(s, "{method} {path} HTTP/1.1\r\nHost: inferd\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let status = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = out.split_once("\r\n\r\n").map(|x| x.1.to_owned()).unwrap_or_default();
+    // Chunked bodies (SSE): keep only the data lines' payloads joined by newlines.
+    (status, body)
+}
+
+#[test]
+fn serve_answers_openai_completions_on_a_unix_socket() {
+    let dir = std::env::temp_dir().join(format!("inferd-serve-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let socket = dir.join("inferd.sock");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_inferd")).args(["serve", "--model", &model(), "--socket", socket.to_str().unwrap()]).spawn().unwrap();
+    let t0 = std::time::Instant::now();
+    while !socket.exists() && t0.elapsed().as_secs() < 60 {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let (st, body) = http(&socket, "GET", "/health", "");
+    assert_eq!((st, body.contains(r#""status":"ok""#)), (200, true), "{body}");
+    // The same greedy text as `inferd run`.
+    let (st, body) = http(&socket, "POST", "/v1/completions", r#"{"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}"#);
+    assert_eq!(st, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"][0]["text"], " Paris.\n");
+    assert_eq!(v["usage"]["completion_tokens"], 3);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    // Streaming: SSE chunks whose texts add up to the same, then [DONE].
+    let (st, body) = http(&socket, "POST", "/v1/completions", r#"{"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0, "stream": true}"#);
+    assert_eq!(st, 200);
+    let mut text = String::new();
+    for line in body.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if line == "[DONE]" {
+            text.push_str("[DONE]");
+            break;
+        }
+        let c: serde_json::Value = serde_json::from_str(line).unwrap();
+        text.push_str(c["choices"][0]["text"].as_str().unwrap());
+    }
+    assert_eq!(text, " Paris.\n[DONE]");
+    // Bad requests get the OpenAI error object with a fitting status.
+    for (body, status, needle) in [
+        ("{bad", 400, "malformed JSON"),
+        (r#"{"prompt": 3}"#, 400, "prompt must be a string"),
+        (r#"{"prompt": "hi", "max_tokens": -1}"#, 400, "max_tokens"),
+        (r#"{"prompt": "hi", "decoder": "nope"}"#, 404, "unknown decoding strategy"),
+        (r#"{"prompt": "hi", "model": "other"}"#, 404, "unknown model"),
+        (r#"{"prompt": "hi", "temperature": 7}"#, 400, "temperature must be between 0 and 2"),
+        (r#"{"prompt": "hi", "max_tokens": 8192}"#, 413, "exceed the context length"),
+    ] {
+        let (st, b) = http(&socket, "POST", "/v1/completions", body);
+        let v: serde_json::Value = serde_json::from_str(&b).unwrap_or_default();
+        assert_eq!(st, status, "{body}: {b}");
+        assert!(v["error"]["message"].as_str().unwrap_or("").contains(needle), "{body}: {b}");
+    }
+    let (st, b) = http(&socket, "POST", "/tokenize", r#"{"content": "Hello 12 world"}"#);
+    assert_eq!((st, b.as_str()), (200, r#"{"tokens":[19556,216,33,34,905]}"#));
+    let (st, b) = http(&socket, "POST", "/detokenize", r#"{"tokens": [19556, 216, 33, 34, 905]}"#);
+    assert_eq!((st, b.as_str()), (200, r#"{"content":"Hello 12 world"}"#));
+    child.kill().unwrap();
+    let _ = child.wait();
+    let _ = std::fs::remove_dir_all(dir);
+}
