@@ -178,6 +178,21 @@ fn serve_answers_openai_completions_on_a_unix_socket() {
         assert_eq!(st, status, "{body}: {b}");
         assert!(v["error"]["message"].as_str().unwrap_or("").contains(needle), "{body}: {b}");
     }
+    // Chat: the model's own template, an assistant message; streamed as deltas after a role.
+    let chat = r#"{"messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}], "max_tokens": 40, "temperature": 0}"#;
+    let (st, b) = http(&socket, "POST", "/v1/chat/completions", chat);
+    assert_eq!(st, 200, "{b}");
+    let v: serde_json::Value = serde_json::from_str(&b).unwrap();
+    let answer = v["choices"][0]["message"]["content"].as_str().unwrap().to_owned();
+    assert!(answer.contains("Paris") && !answer.contains("<|im_end|>"), "{answer}");
+    assert_eq!(v["object"], "chat.completion");
+    let (_, b) = http(&socket, "POST", "/v1/chat/completions", &chat.replace(r#""temperature": 0"#, r#""temperature": 0, "stream": true"#));
+    let chunks: Vec<serde_json::Value> = b.lines().filter_map(|l| l.strip_prefix("data: ")).filter(|l| *l != "[DONE]").map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let streamed: String = chunks[1..].iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(streamed, answer);
+    let (st, _) = http(&socket, "POST", "/v1/chat/completions", r#"{"messages": [{"role": "user"}]}"#);
+    assert_eq!(st, 400);
     let (st, b) = http(&socket, "POST", "/tokenize", r#"{"content": "Hello 12 world"}"#);
     assert_eq!((st, b.as_str()), (200, r#"{"tokens":[19556,216,33,34,905]}"#));
     let (st, b) = http(&socket, "POST", "/detokenize", r#"{"tokens": [19556, 216, 33, 34, 905]}"#);

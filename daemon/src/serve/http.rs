@@ -43,6 +43,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(|| async { Json(json!({ "status": "ok" })) }))
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .with_state(state)
@@ -133,12 +134,53 @@ async fn completions(State(st): State<Arc<AppState>>, body: axum::body::Bytes) -
         Ok(m) => m,
         Err(r) => return r,
     };
+    let Some(prompt) = m.get("prompt").and_then(Value::as_str) else { return bad("prompt must be a string", "prompt") };
+    let ids = match st.model.tokenizer.encode(prompt, false) {
+        Ok(ids) => ids,
+        Err(e) => return bad(e.to_string(), "prompt"),
+    };
+    respond(st, m, ids, false).await
+}
+
+/// The chat messages rendered with the model's own template, then as a completion.
+async fn chat_completions(State(st): State<Arc<AppState>>, body: axum::body::Bytes) -> Response {
+    let m = match object(&body) {
+        Ok(m) => m,
+        Err(r) => return r,
+    };
+    let Some(list) = m.get("messages").and_then(Value::as_array) else { return bad("messages must be an array", "messages") };
+    let mut messages = Vec::with_capacity(list.len());
+    for (i, msg) in list.iter().enumerate() {
+        let (Some(role), Some(content)) = (msg.get("role").and_then(Value::as_str), msg.get("content").and_then(Value::as_str)) else {
+            return bad(format!("messages[{i}] needs a string role and a string content"), "messages");
+        };
+        messages.push(crate::chat::ChatMessage::new(role, content));
+    }
+    if messages.is_empty() {
+        return bad("messages is empty", "messages");
+    }
+    let tok = &st.model.tokenizer;
+    let bos = tok.bos().map(|b| tok.token_text(b)).unwrap_or_default();
+    let eos = tok.eos().first().map(|&e| tok.token_text(e)).unwrap_or_default();
+    let text = match crate::chat::ChatTemplate::new(st.model.chat_template.as_deref(), bos, eos).and_then(|t| t.render(&messages, true)) {
+        Ok(t) => t,
+        Err(e) => return bad(format!("the chat template failed: {e}"), "messages"),
+    };
+    let ids = match tok.encode(&text, true) {
+        Ok(ids) => ids,
+        Err(e) => return bad(e.to_string(), "messages"),
+    };
+    respond(st, m, ids, true).await
+}
+
+/// A completion of `ids` for the request `m`: validated, submitted, answered as a completion
+/// or a chat completion, whole or streamed.
+async fn respond(st: Arc<AppState>, m: Map<String, Value>, ids: Vec<u32>, chat: bool) -> Response {
     if let Some(model) = m.get("model").and_then(Value::as_str) {
         if model != st.model.name {
             return error(StatusCode::NOT_FOUND, "invalid_request_error", format!("unknown model {model:?} (loaded: {})", st.model.name), Some("model"));
         }
     }
-    let Some(prompt) = m.get("prompt").and_then(Value::as_str) else { return bad("prompt must be a string", "prompt") };
     let ctx = st.model.config.context_len as u64;
     let (max_tokens, n, seed) = match (uint(&m, "max_tokens", 16, ctx), uint(&m, "n", 1, 16), uint(&m, "seed", 0, u64::MAX)) {
         (Ok(a), Ok(b), Ok(c)) => (a as u32, b as u32, c),
@@ -159,11 +201,9 @@ async fn completions(State(st): State<Arc<AppState>>, body: axum::body::Bytes) -
         Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, "server_error", e.to_string(), Some("decoder")),
     };
     let tok = &st.model.tokenizer;
-    let ids = match tok.encode(prompt, false) {
-        Ok(ids) if !ids.is_empty() => ids,
-        Ok(_) => return bad("the prompt is empty", "prompt"),
-        Err(e) => return bad(e.to_string(), "prompt"),
-    };
+    if ids.is_empty() {
+        return bad("the prompt is empty", "prompt");
+    }
     if ids.len() as u64 + u64::from(max_tokens) > ctx {
         return error(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", format!("{} prompt tokens + max_tokens {max_tokens} exceed the context length {ctx}", ids.len()), Some("prompt"));
     }
@@ -201,11 +241,15 @@ async fn completions(State(st): State<Arc<AppState>>, body: axum::body::Bytes) -
                         .map(|(i, c)| {
                             let text = tok.decode(&c.tokens, true).unwrap_or_else(|_| out[i].clone());
                             let reason = if c.finish == Some(crate::plugin::FinishReason::Length) { "length" } else { "stop" };
-                            json!({ "index": i, "text": text, "logprobs": Value::Null, "finish_reason": reason })
+                            if chat {
+                                json!({ "index": i, "message": { "role": "assistant", "content": text }, "logprobs": Value::Null, "finish_reason": reason })
+                            } else {
+                                json!({ "index": i, "text": text, "logprobs": Value::Null, "finish_reason": reason })
+                            }
                         })
                         .collect();
                     return Json(json!({
-                        "id": cid, "object": "text_completion", "created": created, "model": model_name, "choices": choices,
+                        "id": cid, "object": if chat { "chat.completion" } else { "text_completion" }, "created": created, "model": model_name, "choices": choices,
                         "usage": { "prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion },
                         "inferd": { "decoder": name, "stats": g.stats },
                     }))
@@ -221,12 +265,25 @@ async fn completions(State(st): State<Arc<AppState>>, body: axum::body::Bytes) -
     let stream = async_stream(move |emit| async move {
         let tok = &st2.model.tokenizer;
         let mut decs: Vec<StreamDecoder> = (0..n).map(|_| StreamDecoder::new(false)).collect();
-        let chunk = |choices: Value| json!({ "id": cid, "object": "text_completion", "created": created, "model": model_name, "choices": choices }).to_string();
+        let object = if chat { "chat.completion.chunk" } else { "text_completion" };
+        let chunk = |choices: Value| json!({ "id": cid, "object": object, "created": created, "model": model_name, "choices": choices }).to_string();
+        // A choice's piece of text, as a completion or a chat delta.
+        let piece = |i: u32, text: String, reason: Value| {
+            if chat {
+                json!({ "index": i, "delta": { "content": text }, "logprobs": Value::Null, "finish_reason": reason })
+            } else {
+                json!({ "index": i, "text": text, "logprobs": Value::Null, "finish_reason": reason })
+            }
+        };
+        if chat {
+            let roles: Vec<Value> = (0..n).map(|i| json!({ "index": i, "delta": { "role": "assistant" }, "finish_reason": Value::Null })).collect();
+            emit(chunk(Value::Array(roles)));
+        }
         while let Some(ev) = rx.recv().await {
             match ev {
                 Event::Token { choice, token } => {
-                    let piece = decs.get_mut(choice as usize).and_then(|d| d.push(tok, token).ok()).unwrap_or_default();
-                    if !piece.is_empty() && !emit(chunk(json!([{ "index": choice, "text": piece, "logprobs": Value::Null, "finish_reason": Value::Null }]))) {
+                    let text = decs.get_mut(choice as usize).and_then(|d| d.push(tok, token).ok()).unwrap_or_default();
+                    if !text.is_empty() && !emit(chunk(json!([piece(choice, text, Value::Null)]))) {
                         return; // the client went away: dropping `rx` cancels the request
                     }
                 }
@@ -238,7 +295,7 @@ async fn completions(State(st): State<Arc<AppState>>, body: axum::body::Bytes) -
                         .map(|(i, c)| {
                             let rest = decs.get_mut(i).map(StreamDecoder::finish).unwrap_or_default();
                             let reason = if c.finish == Some(crate::plugin::FinishReason::Length) { "length" } else { "stop" };
-                            json!({ "index": i, "text": rest, "logprobs": Value::Null, "finish_reason": reason })
+                            piece(i as u32, rest, json!(reason))
                         })
                         .collect();
                     emit(chunk(Value::Array(choices)));
