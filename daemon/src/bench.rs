@@ -54,7 +54,7 @@ pub struct BenchArgs {
 }
 
 /// Deterministic ordinary (non-special) token ids.
-fn prompt(len: usize, salt: u64, vocab: usize, skip: usize) -> Vec<u32> {
+pub(crate) fn prompt(len: usize, salt: u64, vocab: usize, skip: usize) -> Vec<u32> {
     let mut x = salt.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..len)
         .map(|_| {
@@ -66,7 +66,7 @@ fn prompt(len: usize, salt: u64, vocab: usize, skip: usize) -> Vec<u32> {
         .collect()
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }

@@ -420,10 +420,12 @@ fn speculative_decoding_on_the_real_model_matches_greedy_with_either_drafter() {
 
 #[test]
 fn sessions_batched_together_decode_as_they_do_alone() {
-    // Greedy, sampled, beam and speculative requests merged into one batch per round on the
-    // real model: every one gets exactly the tokens it gets alone (batch-invariant kernels,
-    // per-request seeds), and a failing request in the batch fails alone.
-    use inferd::decode::{generate_batch, BatchRequest};
+    // Greedy, sampled, beam and speculative requests in the daemon's engine loop, their plans
+    // merged into one batch per step on the real model: every one gets exactly the tokens and
+    // log-probabilities it gets alone (batch-invariant kernels, per-request seeds), and a
+    // failing request in the batch fails alone.
+    use inferd::serve::engine_loop::{channel_sink, engine_loop, Command, Event, LoopConfig, Submission};
+    use std::sync::mpsc::channel;
     let model = Model::load(&inferd_e2e::default_model()).unwrap();
     let mut engine = Engine::cpu(&model, &EngineOptions { threads: 2, ..EngineOptions::default() });
     let reg = builtin();
@@ -431,35 +433,48 @@ fn sessions_batched_together_decode_as_they_do_alone() {
         .iter()
         .map(|t| model.tokenizer.encode(t, false).unwrap())
         .collect();
-    let eos = model.tokenizer.eos();
+    let eos = model.tokenizer.eos().to_vec();
     let specs = [("greedy", "{}", 1), ("nucleus", r#"{"temperature": 0.9, "top_p": 0.9}"#, 2), ("beam", r#"{"beam_width": 2}"#, 1), ("speculative", r#"{"temperature": 0}"#, 1)];
-    let reqs: Vec<BatchRequest<'_>> = specs
+    let mut store = EngineStore::new(&mut engine);
+    let alone: Vec<_> = specs
         .iter()
         .zip(&prompts)
         .enumerate()
-        .map(|(i, ((name, params, n), p))| BatchRequest {
-            strategy: reg.get(name).unwrap(),
-            req: SessionRequest { logprobs: true, prompt: p, generated: &[], params, max_tokens: 12, n: *n, seed: 40 + i as u64, eos },
+        .map(|(i, ((name, params, n), p))| {
+            let r = SessionRequest { logprobs: true, prompt: p, generated: &[], params, max_tokens: 12, n: *n, seed: 40 + i as u64, eos: &eos };
+            generate(&reg.get(name).unwrap(), &mut store, &r, &mut |_, _| {}).unwrap()
         })
         .collect();
-    let mut store = EngineStore::new(&mut engine);
-    let alone: Vec<_> = reqs.iter().map(|r| generate(&r.strategy, &mut store, &r.req, &mut |_, _| {}).unwrap()).collect();
-    let mut streamed = vec![0usize; reqs.len()];
-    let together = generate_batch(&mut store, &reqs, &mut |i, _, _| streamed[i] += 1);
-    for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
-        let t = t.as_ref().unwrap();
-        assert_eq!(&t.choices, a, "request {i} ({})", specs[i].0);
+    // Runs (strategy, prompt index, params, n, seed) requests together; each request's events.
+    let run = |store: &mut EngineStore<'_, _>, subs: Vec<(std::sync::Arc<inferd::plugin::LoadedStrategy>, usize, &'static str, u32, u64)>| -> Vec<Vec<Event>> {
+        let (tx, rx) = channel();
+        let mut outs = Vec::new();
+        for (id, (strategy, p, params, n, seed)) in subs.into_iter().enumerate() {
+            let (etx, erx) = channel();
+            let sub = Submission { id: id as u64, strategy, prompt: prompts[p].clone(), params: params.into(), max_tokens: 12, n, seed, logprobs: true, events: channel_sink(etx) };
+            tx.send(Command::Submit(sub)).unwrap();
+            outs.push(erx);
+        }
+        drop(tx);
+        engine_loop(store, &rx, &LoopConfig { token_budget: 256, max_running: 64, eos: eos.clone() });
+        outs.into_iter().map(|r| r.try_iter().collect()).collect()
+    };
+    let subs = specs.iter().enumerate().map(|(i, (name, params, n))| (reg.get(name).unwrap(), i, *params, *n, 40 + i as u64)).collect();
+    let events = run(&mut store, subs);
+    for (i, ev) in events.iter().enumerate() {
+        let Some(Event::Finished(g)) = ev.last() else { panic!("request {i} ({}): {ev:?}", specs[i].0) };
+        assert_eq!(g.choices, alone[i], "request {i} ({})", specs[i].0);
     }
-    assert_eq!(streamed[0], alone[0][0].tokens.len());
+    let streamed = events[0].iter().filter(|e| matches!(e, Event::Token { .. })).count();
+    assert_eq!(streamed, alone[0][0].tokens.len());
     assert_eq!(store.engine.kv.sequences(), 0);
 
     // A broken plugin's request fails; the one batched with it does not notice.
     let dir = inferd_e2e::temp_dir("batch-badhandle");
     let mut bad = Registry::default();
     bad.load_file(&compile_c(&dir, "badhandle", &["FAULT_BAD_HANDLE"]), TrustPolicy::User).unwrap();
-    let mixed = [BatchRequest { strategy: bad.get("c-greedy").unwrap(), req: reqs[0].req.clone() }, reqs[0].clone()];
-    let out = generate_batch(&mut store, &mixed, &mut |_, _, _| {});
-    assert!(out[0].as_ref().unwrap_err().to_string().contains("not this request's"));
-    assert_eq!(out[1].as_ref().unwrap().choices, alone[0]);
+    let events = run(&mut store, vec![(bad.get("c-greedy").unwrap(), 0, "{}", 1, 40), (reg.get("greedy").unwrap(), 0, "{}", 1, 40)]);
+    assert!(matches!(events[0].last(), Some(Event::Failed(m)) if m.contains("not this request's")), "{:?}", events[0]);
+    assert!(matches!(events[1].last(), Some(Event::Finished(g)) if g.choices == alone[0]), "{:?}", events[1]);
     assert_eq!(store.engine.kv.sequences(), 0);
 }

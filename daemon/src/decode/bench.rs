@@ -12,6 +12,7 @@
 
 use super::store::{EngineStore, MockStore, SeqStore, StoreError, StoreRun, StoreSeq};
 use super::{generate, generate_with_stats};
+use crate::bench::median;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::Backend;
 use crate::engine::{argmax, Engine, EngineOptions};
@@ -19,11 +20,6 @@ use crate::model::Model;
 use crate::plugin::{Registry, SessionRequest};
 use serde_json::{json, Value};
 use std::time::Instant;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
 
 /// A store that records the most KV blocks in use after any run.
 struct Peak<'e, B: Backend> {
@@ -61,17 +57,9 @@ impl<B: Backend> SeqStore for Peak<'_, B> {
     }
 }
 
-/// Deterministic ordinary token ids.
+/// Deterministic ordinary token ids (past the first 256, where the special tokens are).
 fn tokens(len: usize, salt: u64, vocab: usize) -> Vec<u32> {
-    let mut x = salt.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (256 + (x as usize) % (vocab - 256)) as u32
-        })
-        .collect()
+    crate::bench::prompt(len, salt, vocab, 256)
 }
 
 const PARAGRAPH: &str = "The old lighthouse stood at the edge of the quick, cold sea for more than a hundred years. \

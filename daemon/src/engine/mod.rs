@@ -55,16 +55,9 @@ impl<B: Backend> std::fmt::Debug for Engine<B> {
     }
 }
 
-/// Index of the largest value (the first one on ties), the in-engine greedy choice.
-pub fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
+/// The in-engine greedy choice: the greedy plugin's own argmax (first maximum on ties), so both
+/// paths pick the same token.
+pub use inferd_plugin_api::sampling::argmax;
 
 impl Engine<CpuBackend> {
     /// A CPU engine for `model`, its KV pool sized from `opts.kv_budget_bytes`.

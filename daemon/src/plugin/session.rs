@@ -363,7 +363,7 @@ impl Session {
     }
 
     /// Hands the logits of the last plan's work to the plugin (`rows[i]` for item `i`).
-    pub fn observe(&mut self, store: &mut dyn SeqStore, work: &Work, rows: &[Vec<f32>], on_token: OnToken<'_>) -> Result<(), PluginError> {
+    pub fn observe(&mut self, store: &mut dyn SeqStore, work: &[StoreRun], rows: &[Vec<f32>], on_token: OnToken<'_>) -> Result<(), PluginError> {
         let vocab = store.vocab();
         let ptrs: Vec<*const f32> = rows.iter().map(|r| r.as_ptr()).collect();
         let counts: Vec<u32> = work.iter().zip(rows).map(|(w, r)| (w.n_logits.min(r.len() / vocab.max(1))) as u32).collect();

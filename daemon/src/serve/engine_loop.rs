@@ -272,7 +272,7 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
                     }
                 };
                 let outcome = match rows {
-                    Ok(rows) => session.observe(store, &batch[range.clone()].to_vec(), &rows, &mut on).map_err(|e| e.to_string()),
+                    Ok(rows) => session.observe(store, &batch[range.clone()], &rows, &mut on).map_err(|e| e.to_string()),
                     Err(e) => Err(format!("running the model: {e}")),
                 };
                 if let Err(e) = outcome {

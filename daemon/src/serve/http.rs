@@ -223,15 +223,10 @@ async fn respond(st: Arc<AppState>, m: Map<String, Value>, ids: Vec<u32>, chat: 
     let model_name = st.model.name.clone();
     let prompt_tokens = ids.len();
     if !stream {
-        let mut texts: Vec<StreamDecoder> = (0..n).map(|_| StreamDecoder::new(false)).collect();
-        let mut out: Vec<String> = vec![String::new(); n as usize];
+        // The text comes from the final tokens; the streamed ones are only counted on.
         while let Some(ev) = rx.recv().await {
             match ev {
-                Event::Token { choice, token } => {
-                    if let (Some(d), Some(o)) = (texts.get_mut(choice as usize), out.get_mut(choice as usize)) {
-                        o.push_str(&d.push(tok, token).unwrap_or_default());
-                    }
-                }
+                Event::Token { .. } => {}
                 Event::Finished(g) => {
                     let completion: usize = g.choices.iter().map(|c| c.tokens.len()).sum();
                     let choices: Vec<Value> = g
@@ -239,7 +234,7 @@ async fn respond(st: Arc<AppState>, m: Map<String, Value>, ids: Vec<u32>, chat: 
                         .iter()
                         .enumerate()
                         .map(|(i, c)| {
-                            let text = tok.decode(&c.tokens, true).unwrap_or_else(|_| out[i].clone());
+                            let text = tok.decode(&c.tokens, true).unwrap_or_default();
                             let reason = if c.finish == Some(crate::plugin::FinishReason::Length) { "length" } else { "stop" };
                             if chat {
                                 json!({ "index": i, "message": { "role": "assistant", "content": text }, "logprobs": Value::Null, "finish_reason": reason })
