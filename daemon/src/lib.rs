@@ -10,7 +10,7 @@
 //! - [`engine`]: generation on top of backend + KV cache (greedy decoding for now).
 //! - [`plugin`]: decoder plugins, host side: loading, registry, sessions over the C ABI.
 //! - [`decode`]: driving a request through a strategy plugin over a sequence store.
-//! - [`serve`]: the daemon; so far its engine loop (continuous batching over plugin sessions).
+//! - [`serve`]: the daemon: engine loops (continuous batching), HTTP and D-Bus edges, systemd.
 //! - [`bench`]: the `inferd bench` measurements.
 
 #![deny(unsafe_code)]

@@ -55,13 +55,26 @@ enum Cmd {
     },
     /// Serve the model to local applications on a Unix socket (OpenAI-compatible HTTP).
     Serve {
+        /// The configuration file (default: /etc/inferd/inferd.toml with --system,
+        /// $XDG_CONFIG_HOME/inferd/inferd.toml with --user; missing means the defaults).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Serve this model only (overrides the config's models).
         #[arg(long)]
         model: Option<PathBuf>,
-        /// Socket path (default: $XDG_RUNTIME_DIR/inferd/inferd.sock, else /run/inferd/inferd.sock).
+        /// Socket path (default: $XDG_RUNTIME_DIR/inferd/inferd.sock with --user,
+        /// /run/inferd/inferd.sock with --system).
         #[arg(long)]
         socket: Option<PathBuf>,
-        #[arg(long, default_value_t = 0)]
-        threads: usize,
+        /// Compute threads per model (default: the config's, else one per core).
+        #[arg(long)]
+        threads: Option<usize>,
+        /// The system daemon: system config, /run/inferd socket, system bus, root-owned plugins.
+        #[arg(long, conflicts_with = "user")]
+        system: bool,
+        /// A user's daemon (the default when not root): user config, $XDG_RUNTIME_DIR, session bus.
+        #[arg(long)]
+        user: bool,
         #[command(flatten)]
         plugins: PluginDirs,
     },
@@ -315,11 +328,9 @@ fn main() -> Result<()> {
         Cmd::Run { model, max_tokens, chat, threads, decoder, params, seed, draft_model, plugins, prompt } => {
             run(model, RunArgs { draft_model, max_tokens, chat, threads, decoder, params, seed }, &plugins, &prompt)
         }
-        Cmd::Serve { model, socket, threads, plugins } => {
-            let reg = std::sync::Arc::new(plugins.registry()?);
-            let model = std::sync::Arc::new(load(model)?);
-            let socket = socket.unwrap_or_else(inferd::paths::default_socket);
-            inferd::serve::run(model, reg, &socket, threads)
+        Cmd::Serve { config, model, socket, threads, system, user, plugins } => {
+            let mode = inferd::serve::config::Mode::resolve(system, user);
+            inferd::serve::run(&inferd::serve::ServeArgs { mode, config, model, socket, plugin_dirs: plugins.dirs, threads })
         }
         Cmd::Export { model, dtype, out } => {
             use inferd::model::export::{export_hf, ExportDtype};

@@ -451,12 +451,12 @@ fn sessions_batched_together_decode_as_they_do_alone() {
         let mut outs = Vec::new();
         for (id, (strategy, p, params, n, seed)) in subs.into_iter().enumerate() {
             let (etx, erx) = channel();
-            let sub = Submission { id: id as u64, strategy, prompt: prompts[p].clone(), params: params.into(), max_tokens: 12, n, seed, logprobs: true, events: channel_sink(etx) };
+            let sub = Submission { id: id as u64, strategy, prompt: prompts[p].clone(), params: params.into(), max_tokens: 12, n, seed, logprobs: true, meta: Default::default(), events: channel_sink(etx) };
             tx.send(Command::Submit(sub)).unwrap();
             outs.push(erx);
         }
         drop(tx);
-        engine_loop(store, &rx, &LoopConfig { token_budget: 256, max_running: 64, eos: eos.clone() });
+        engine_loop(store, &rx, &LoopConfig { token_budget: 256, max_running: 64, eos: eos.clone(), monitor: None });
         outs.into_iter().map(|r| r.try_iter().collect()).collect()
     };
     let subs = specs.iter().enumerate().map(|(i, (name, params, n))| (reg.get(name).unwrap(), i, *params, *n, 40 + i as u64)).collect();

@@ -27,7 +27,7 @@ fn start(model: Arc<Model>, blocks: usize) -> (Sender<Command>, std::thread::Joi
         let bytes = blocks * inferd::backend::cpu::kv_block_bytes(&model.config, 16);
         let mut engine = Engine::cpu(&model, &EngineOptions { threads: 2, kv_budget_bytes: bytes, ..EngineOptions::default() });
         let mut store = EngineStore::new(&mut engine);
-        let stats = engine_loop(&mut store, &rx, &LoopConfig { token_budget: 256, max_running: 64, eos: model.tokenizer.eos().to_vec() });
+        let stats = engine_loop(&mut store, &rx, &LoopConfig { token_budget: 256, max_running: 64, eos: model.tokenizer.eos().to_vec(), monitor: None });
         (stats, engine.kv.sequences())
     });
     (tx, h)
@@ -43,7 +43,7 @@ struct Req {
 
 fn submit(tx: &Sender<Command>, reg: &Registry, r: &Req) -> Receiver<Event> {
     let (etx, erx) = channel();
-    let sub = Submission { id: r.id, strategy: reg.get(r.strategy).unwrap(), prompt: r.prompt.clone(), params: r.params.into(), max_tokens: r.max_tokens, n: 1, seed: r.id, logprobs: false, events: channel_sink(etx) };
+    let sub = Submission { id: r.id, strategy: reg.get(r.strategy).unwrap(), prompt: r.prompt.clone(), params: r.params.into(), max_tokens: r.max_tokens, n: 1, seed: r.id, logprobs: false, meta: Default::default(), events: channel_sink(etx) };
     tx.send(Command::Submit(sub)).unwrap();
     erx
 }
@@ -155,4 +155,45 @@ fn cancelled_and_oversized_requests_fail_alone_and_free_their_blocks() {
     let (stats, live) = h.join().unwrap();
     assert_eq!((stats.cancelled, stats.failed, stats.finished), (1, 1, 1));
     assert_eq!(live, 0, "the cancelled request's blocks were freed");
+}
+
+/// The order in which requests got their first token, with `max_running` requests at a time, for
+/// `(uid, priority)` submissions queued before the loop starts.
+fn admission_order(reqs: &[(u32, inferd::serve::engine_loop::Priority)], max_running: usize) -> Vec<usize> {
+    use inferd::decode::store::MockStore;
+    use inferd::serve::engine_loop::RequestMeta;
+    let reg = registry();
+    let (tx, rx) = channel();
+    let (etx, erx) = channel::<(usize, Event)>();
+    for (i, &(uid, priority)) in reqs.iter().enumerate() {
+        let etx = etx.clone();
+        let events = Box::new(move |e: Event| etx.send((i, e)).is_ok());
+        let meta = RequestMeta { uid, priority, ..RequestMeta::default() };
+        let sub = Submission { id: i as u64, strategy: reg.get("greedy").unwrap(), prompt: vec![1, 2, 3], params: "{}".into(), max_tokens: 3, n: 1, seed: 0, logprobs: false, meta, events };
+        tx.send(Command::Submit(sub)).unwrap();
+    }
+    drop(tx);
+    drop(etx);
+    let mut store = MockStore::new(8, Box::new(|p: &[u32]| (0..8).map(|t| if t == (p.len() % 8) as u32 { 1.0 } else { 0.0 }).collect()));
+    engine_loop(&mut store, &rx, &LoopConfig { token_budget: 256, max_running, eos: Vec::new(), monitor: None });
+    let mut order = Vec::new();
+    for (i, e) in erx.iter() {
+        if matches!(e, Event::Token { .. }) && !order.contains(&i) {
+            order.push(i);
+        }
+    }
+    order
+}
+
+#[test]
+fn users_take_turns_and_interactive_requests_go_before_background_ones() {
+    use inferd::serve::engine_loop::Priority::{Background, Interactive};
+    // User 1 queues four requests before user 2's two: they alternate instead of user 2 waiting
+    // for all of user 1's; background work waits for every interactive request.
+    let reqs = [(1, Interactive), (1, Interactive), (1, Interactive), (1, Interactive), (3, Background), (2, Interactive), (2, Interactive)];
+    assert_eq!(admission_order(&reqs, 1), vec![0, 5, 1, 6, 2, 3, 4]);
+    // With two slots, each user holds one while both have work.
+    assert_eq!(admission_order(&reqs, 2), vec![0, 5, 1, 6, 2, 3, 4]);
+    // One user alone is served in order (first come, first served).
+    assert_eq!(admission_order(&[(7, Interactive), (7, Interactive), (7, Background), (7, Interactive)], 1), vec![0, 1, 3, 2]);
 }

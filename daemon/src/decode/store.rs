@@ -63,6 +63,20 @@ pub trait SeqStore {
     fn capacity(&self) -> Option<(usize, usize)> {
         None
     }
+    /// Target-model KV cache occupancy and prefix-cache counters, when the store has a cache.
+    fn cache_stats(&self) -> Option<CacheStats> {
+        None
+    }
+}
+
+/// What [`SeqStore::cache_stats`] reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    pub kv: crate::kv::KvStats,
+    /// Target prompt tokens given to [`SeqStore::create`] so far.
+    pub prompt_tokens: u64,
+    /// Of those, the tokens whose K/V came from the prefix cache.
+    pub cached_prompt_tokens: u64,
 }
 
 /// Sequences in the engine's KV cache, and in a draft model's engine when one is bound
@@ -73,6 +87,8 @@ pub struct EngineStore<'e, B: Backend> {
     pub engine: &'e mut Engine<B>,
     pub draft: Option<&'e mut Engine<B>>,
     pending: HashMap<StoreSeq, Vec<u32>>,
+    prompt_tokens: u64,
+    cached_prompt_tokens: u64,
 }
 
 /// Marks a draft-model sequence in a [`StoreSeq`].
@@ -80,12 +96,12 @@ pub const DRAFT_BIT: StoreSeq = 1 << 31;
 
 impl<'e, B: Backend> EngineStore<'e, B> {
     pub fn new(engine: &'e mut Engine<B>) -> Self {
-        EngineStore { engine, draft: None, pending: HashMap::new() }
+        EngineStore { engine, draft: None, pending: HashMap::new(), prompt_tokens: 0, cached_prompt_tokens: 0 }
     }
 
     /// With a draft model (same vocabulary) for `abi::ROLE_DRAFT` sequences.
     pub fn with_draft(engine: &'e mut Engine<B>, draft: &'e mut Engine<B>) -> Self {
-        EngineStore { engine, draft: Some(draft), pending: HashMap::new() }
+        EngineStore { engine, draft: Some(draft), pending: HashMap::new(), prompt_tokens: 0, cached_prompt_tokens: 0 }
     }
 
     /// The engine holding `s`, and its id there.
@@ -127,6 +143,10 @@ impl<B: Backend> SeqStore for EngineStore<'_, B> {
         Some((self.engine.kv.stats().free, self.engine.kv.block_size()))
     }
 
+    fn cache_stats(&self) -> Option<CacheStats> {
+        Some(CacheStats { kv: self.engine.kv.stats(), prompt_tokens: self.prompt_tokens, cached_prompt_tokens: self.cached_prompt_tokens })
+    }
+
     fn create(&mut self, role: u32, prompt: &[u32]) -> Result<StoreSeq, StoreError> {
         let (engine, bit) = match role {
             abi::ROLE_TARGET => (&mut *self.engine, 0),
@@ -135,6 +155,10 @@ impl<B: Backend> SeqStore for EngineStore<'_, B> {
         };
         let s = engine.kv.create();
         let cached = engine.kv.match_prefix(s, prompt);
+        if bit == 0 {
+            self.prompt_tokens += prompt.len() as u64;
+            self.cached_prompt_tokens += cached as u64;
+        }
         self.pending.insert(s.0 | bit, prompt[cached..].to_vec());
         Ok(s.0 | bit)
     }

@@ -39,6 +39,7 @@ fn workload(
         token_budget: 512,
         max_running: batch,
         eos: Vec::new(),
+        monitor: None,
     };
     let mut engine = Engine::cpu(
         model,
@@ -66,6 +67,7 @@ fn workload(
                 n: 1,
                 seed: 0,
                 logprobs: false,
+                meta: Default::default(),
                 events: Box::new(move |e| {
                     match e {
                         Event::Token { .. } => tokens += 1,

@@ -15,14 +15,24 @@
 //! sequences are freed and it waits at the front of the queue to be recomputed, continuing
 //! from the tokens it already streamed (they are not sent twice). A request that alone needs
 //! more blocks than the whole cache fails at admission.
+//!
+//! Fairness: the next request admitted is of the best priority class waiting (interactive
+//! before background); within it, of the user (peer uid) with the fewest running requests,
+//! ties going to the user admitted least recently, so users take turns and one user's batch
+//! job cannot starve another's chat. A preempted request goes back first.
+//!
+//! The loop reports to a [`Monitor`] every turn (status, metrics, the watchdog's heartbeat); it
+//! turns at least once a second even when idle.
 
+use super::monitor::Monitor;
 use crate::decode::store::{SeqStore, StoreError, StoreRun};
 use crate::decode::Generation;
 use crate::engine::EngineError;
 use crate::plugin::{LoadedStrategy, Session, SessionRequest};
-use std::collections::VecDeque;
-use std::sync::mpsc::{Receiver, Sender};
+use std::collections::{HashMap, VecDeque};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 pub type RequestId = u64;
 
@@ -36,7 +46,42 @@ pub struct Submission {
     pub n: u32,
     pub seed: u64,
     pub logprobs: bool,
+    pub meta: RequestMeta,
     pub events: EventSink,
+}
+
+/// Who asked and how urgently, for fairness and metrics.
+#[derive(Clone, Copy, Debug)]
+pub struct RequestMeta {
+    /// The local user (socket peer or D-Bus caller).
+    pub uid: u32,
+    pub priority: Priority,
+    /// When the edge accepted it (TTFT and latency count from here).
+    pub submitted: Instant,
+}
+
+impl Default for RequestMeta {
+    fn default() -> Self {
+        RequestMeta { uid: 0, priority: Priority::Interactive, submitted: Instant::now() }
+    }
+}
+
+/// Priority classes: every waiting interactive request is admitted before any background one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Priority {
+    #[default]
+    Interactive,
+    Background,
+}
+
+impl Priority {
+    pub fn parse(s: &str) -> Option<Priority> {
+        match s {
+            "interactive" => Some(Priority::Interactive),
+            "background" => Some(Priority::Background),
+            _ => None,
+        }
+    }
 }
 
 /// Where a request's events go; `false` means the client is gone, which cancels the request
@@ -71,18 +116,31 @@ pub struct LoopConfig {
     /// Requests running at once, at most.
     pub max_running: usize,
     pub eos: Vec<u32>,
+    /// Where the loop reports its state.
+    pub monitor: Option<Arc<Monitor>>,
+}
+
+impl Default for LoopConfig {
+    fn default() -> Self {
+        LoopConfig { token_budget: 512, max_running: 64, eos: Vec::new(), monitor: None }
+    }
 }
 
 struct Waiting {
     sub: Submission,
     /// Tokens already streamed before a preemption (choice 0; continued on recompute).
     streamed: Vec<u32>,
+    /// Its first token went out (TTFT recorded).
+    started: bool,
+    /// It was preempted: it goes back before anyone else.
+    resumed: bool,
 }
 
 struct Running {
     sub: Submission,
     session: Session,
     streamed: Vec<u32>,
+    started: bool,
     /// The client went away: close at the end of the step.
     gone: bool,
     /// Its plan waited for a step with room; it goes first next time.
@@ -112,6 +170,60 @@ fn request<'a>(sub: &'a Submission, streamed: &'a [u32], eos: &'a [u32]) -> Sess
     }
 }
 
+/// Which waiting request to admit next: a resumed (preempted) one first, else the best
+/// priority class, the user with the fewest running requests (ties: admitted least recently),
+/// that user's oldest request.
+fn next_waiting(waiting: &VecDeque<Waiting>, running: &[Running], last_admitted: &HashMap<u32, u64>) -> Option<usize> {
+    if waiting.front()?.resumed {
+        return Some(0);
+    }
+    let class = waiting.iter().map(|w| w.sub.meta.priority).min()?;
+    let mut load: HashMap<u32, usize> = HashMap::new();
+    for r in running {
+        *load.entry(r.sub.meta.uid).or_default() += 1;
+    }
+    // `min_by_key` keeps the first of equals, so the oldest of a user wins.
+    waiting
+        .iter()
+        .enumerate()
+        .filter(|(_, w)| w.sub.meta.priority == class)
+        .min_by_key(|(_, w)| {
+            let uid = w.sub.meta.uid;
+            (load.get(&uid).copied().unwrap_or(0), last_admitted.get(&uid).copied().unwrap_or(0))
+        })
+        .map(|(i, _)| i)
+}
+
+/// A token for a request's client: recorded (choice 0 for recompute after a preemption, the
+/// first one for TTFT) and sent; a client that is gone marks the request.
+struct Emit<'a> {
+    sub: &'a mut Submission,
+    streamed: &'a mut Vec<u32>,
+    started: &'a mut bool,
+    gone: &'a mut bool,
+    emitted: &'a mut u64,
+    monitor: Option<&'a Monitor>,
+}
+
+impl Emit<'_> {
+    fn token(&mut self, choice: u32, token: u32) {
+        if choice == 0 {
+            self.streamed.push(token);
+        }
+        if !*self.started {
+            *self.started = true;
+            let ttft = self.sub.meta.submitted.elapsed().as_secs_f64();
+            if let Some(m) = self.monitor {
+                m.update(|s| s.ttft.observe(ttft));
+            }
+        }
+        *self.emitted += 1;
+        if !(self.sub.events)(Event::Token { choice, token }) {
+            *self.gone = true;
+        }
+    }
+}
+
 /// Runs until [`Command::Shutdown`] or until every sender is gone and no work is left.
 pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopConfig) -> LoopStats {
     let mut stats = LoopStats::default();
@@ -121,13 +233,23 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
     // After a preemption nothing is admitted until a request leaves: otherwise the preempted
     // request comes straight back and the cache overflows again (livelock).
     let mut hold = false;
+    let monitor = cfg.monitor.as_deref();
+    let mut last_admitted: HashMap<u32, u64> = HashMap::new();
+    let mut admissions = 0u64;
+    // Per-strategy outcomes and tokens since the last report.
+    let mut outcomes: Vec<(String, bool, u64)> = Vec::new();
     loop {
-        // 1. Commands: block only when there is nothing to do.
+        let mut emitted = 0u64;
+        if let Some(m) = monitor {
+            m.beat();
+        }
+        // 1. Commands: block (a second at a time, to keep the heartbeat) only when idle.
         let mut cmds = Vec::new();
         if running.is_empty() && waiting.is_empty() {
-            match rx.recv() {
+            match rx.recv_timeout(Duration::from_secs(1)) {
                 Ok(c) => cmds.push(c),
-                Err(_) => return stats,
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Disconnected) => return stats,
             }
         }
         loop {
@@ -142,7 +264,7 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
         }
         for c in cmds {
             match c {
-                Command::Submit(sub) => waiting.push_back(Waiting { sub, streamed: Vec::new() }),
+                Command::Submit(sub) => waiting.push_back(Waiting { sub, streamed: Vec::new(), started: false, resumed: false }),
                 Command::Cancel(id) => {
                     if let Some(i) = waiting.iter().position(|w| w.sub.id == id) {
                         if let Some(mut w) = waiting.remove(i) {
@@ -162,6 +284,7 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
                         r.session.close(store);
                         (r.sub.events)(Event::Failed("the daemon is shutting down".into()));
                     }
+                    report(monitor, store, &stats, 0, 0, 0, &mut outcomes);
                     return stats;
                 }
             }
@@ -180,10 +303,11 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
 
         // 2. Admission while the cache has room for the prompt plus one block of growth per
         // running request (and always one request when none runs).
-        while let Some(w) = waiting.front() {
+        while let Some(i) = next_waiting(&waiting, &running, &last_admitted) {
             if (hold && !running.is_empty()) || running.len() >= cfg.max_running.max(1) {
                 break;
             }
+            let w = &waiting[i];
             let len = w.sub.prompt.len() + w.streamed.len() + 1;
             if let Some((free, bs)) = store.capacity() {
                 let need = len.div_ceil(bs);
@@ -192,23 +316,27 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
                 }
                 if need > free {
                     // Nothing else runs, so everything is free: larger than the cache.
-                    let Some(mut w) = waiting.pop_front() else { break };
+                    let Some(mut w) = waiting.remove(i) else { break };
                     (w.sub.events)(Event::Failed(format!("the request needs {need} KV blocks, more than the cache holds ({free} free)")));
                     stats.failed += 1;
                     continue;
                 }
             }
-            let Some(mut w) = waiting.pop_front() else { break };
+            let Some(mut w) = waiting.remove(i) else { break };
+            admissions += 1;
+            last_admitted.insert(w.sub.meta.uid, admissions);
             // (Creating a session emits nothing.)
             match Session::create(Arc::clone(&w.sub.strategy), store, &request(&w.sub, &w.streamed, &cfg.eos), &mut |_, _| {}) {
-                Ok(session) => running.push(Running { sub: w.sub, session, streamed: w.streamed, gone: false, deferred: false }),
+                Ok(session) => running.push(Running { sub: w.sub, session, streamed: w.streamed, started: w.started, gone: false, deferred: false }),
                 Err(e) => {
                     (w.sub.events)(Event::Failed(e.to_string()));
                     stats.failed += 1;
+                    outcomes.push((w.sub.strategy.name().to_owned(), false, 0));
                 }
             }
         }
         if running.is_empty() {
+            report(monitor, store, &stats, 0, waiting.len(), emitted, &mut outcomes);
             if disconnected && waiting.is_empty() {
                 return stats;
             }
@@ -221,16 +349,9 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
         let mut budget = cfg.token_budget;
         let mut done: Vec<(usize, Result<(), String>)> = Vec::new();
         for (i, r) in running.iter_mut().enumerate() {
-            let Running { sub, session, streamed, gone, deferred } = r;
-            let mut on = |c: u32, t: u32| {
-                if c == 0 {
-                    streamed.push(t);
-                }
-                if !(sub.events)(Event::Token { choice: c, token: t }) {
-                    *gone = true;
-                }
-            };
-            match session.plan(store, &mut on) {
+            let Running { sub, session, streamed, started, gone, deferred } = r;
+            let mut emit = Emit { sub, streamed, started, gone, emitted: &mut emitted, monitor };
+            match session.plan(store, &mut |c, t| emit.token(c, t)) {
                 Ok(Some(work)) => {
                     let tokens: usize = work.iter().map(|w| w.tokens.len().max(1)).sum();
                     if tokens > budget && !batch.is_empty() && !*deferred {
@@ -262,17 +383,10 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
                 Err(_) => parts.iter().map(|(_, r)| store.run(&batch[r.clone()])).collect(),
             };
             for ((i, range), rows) in parts.iter().zip(results) {
-                let Running { sub, session, streamed, gone, .. } = &mut running[*i];
-                let mut on = |c: u32, t: u32| {
-                    if c == 0 {
-                        streamed.push(t);
-                    }
-                    if !(sub.events)(Event::Token { choice: c, token: t }) {
-                        *gone = true;
-                    }
-                };
+                let Running { sub, session, streamed, started, gone, .. } = &mut running[*i];
+                let mut emit = Emit { sub, streamed, started, gone, emitted: &mut emitted, monitor };
                 let outcome = match rows {
-                    Ok(rows) => session.observe(store, &batch[range.clone()], &rows, &mut on).map_err(|e| e.to_string()),
+                    Ok(rows) => session.observe(store, &batch[range.clone()], &rows, &mut |c, t| emit.token(c, t)).map_err(|e| e.to_string()),
                     Err(e) => Err(format!("running the model: {e}")),
                 };
                 if let Err(e) = outcome {
@@ -289,6 +403,8 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
             let mut r = running.remove(i);
             let stats_map = r.session.stats().clone();
             let choices = r.session.close(store);
+            let name = r.sub.strategy.name().to_owned();
+            let tokens: u64 = choices.iter().map(|c| c.tokens.len() as u64).sum();
             match outcome {
                 Ok(()) => {
                     stats.finished += 1;
@@ -302,10 +418,16 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
                             c.tokens = all;
                         }
                     }
+                    let latency = r.sub.meta.submitted.elapsed().as_secs_f64();
+                    if let Some(m) = monitor {
+                        m.update(|s| s.latency.observe(latency));
+                    }
+                    outcomes.push((name, true, tokens));
                     (r.sub.events)(Event::Finished(Generation { choices, stats: stats_map }));
                 }
                 Err(msg) => {
                     stats.failed += 1;
+                    outcomes.push((name, false, tokens));
                     (r.sub.events)(Event::Failed(msg));
                 }
             }
@@ -316,6 +438,7 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
                 if let Some(mut r) = running.pop() {
                     r.session.close(store);
                     stats.failed += 1;
+                    outcomes.push((r.sub.strategy.name().to_owned(), false, 0));
                     (r.sub.events)(Event::Failed("out of KV cache blocks: the request does not fit in the cache".into()));
                 }
             } else if let Some(mut r) = running.pop() {
@@ -324,12 +447,44 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
                 stats.preempted += 1;
                 r.session.close(store);
                 if r.sub.n == 1 || r.streamed.is_empty() {
-                    waiting.push_front(Waiting { sub: r.sub, streamed: r.streamed });
+                    waiting.push_front(Waiting { sub: r.sub, streamed: r.streamed, started: r.started, resumed: true });
                 } else {
                     stats.failed += 1;
+                    outcomes.push((r.sub.strategy.name().to_owned(), false, 0));
                     (r.sub.events)(Event::Failed("preempted: out of KV cache blocks".into()));
                 }
             }
         }
+        report(monitor, store, &stats, running.len(), waiting.len(), emitted, &mut outcomes);
     }
+}
+
+/// The step's state to the monitor.
+fn report(monitor: Option<&Monitor>, store: &dyn SeqStore, stats: &LoopStats, running: usize, waiting: usize, emitted: u64, outcomes: &mut Vec<(String, bool, u64)>) {
+    let Some(m) = monitor else { return };
+    let cache = store.cache_stats();
+    m.update(|s| {
+        if let Some(c) = cache {
+            s.kv = c.kv;
+            s.prompt_tokens = c.prompt_tokens;
+            s.cached_prompt_tokens = c.cached_prompt_tokens;
+        }
+        s.running = running;
+        s.waiting = waiting;
+        s.steps = stats.steps;
+        s.finished = stats.finished;
+        s.failed = stats.failed;
+        s.cancelled = stats.cancelled;
+        s.preempted = stats.preempted;
+        s.generated_tokens += emitted;
+        for (name, ok, tokens) in outcomes.drain(..) {
+            let c = s.strategies.entry(name).or_default();
+            if ok {
+                c.finished += 1;
+            } else {
+                c.failed += 1;
+            }
+            c.tokens += tokens;
+        }
+    });
 }

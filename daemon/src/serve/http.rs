@@ -1,331 +1,328 @@
-//! The HTTP edge on the Unix socket: OpenAI-compatible completions (with SSE streaming),
-//! `/tokenize`, `/detokenize`, `/health`, `/v1/models`. Requests are parsed and validated here
-//! (admission: a bad parameter is a 400 before anything is scheduled) and handed to the engine
-//! thread as [`Command`]s; its [`Event`]s come back through a channel per request. Engine types
-//! stop here: the JSON is built from plain values.
+//! The HTTP edge on the Unix socket (and the optional loopback TCP listener): OpenAI-compatible
+//! completions and chat completions (whole or as Server-Sent Events), `/tokenize`,
+//! `/detokenize`, `/health`, `/v1/models`, `/v1/status` and Prometheus `/metrics`. The JSON is
+//! parsed here; checking and submitting are the shared [`request`](super::request) path. The
+//! peer's uid comes from SO_PEERCRED on the connection ([`Peer`]).
 
-// Helpers return the error response itself; its size does not matter once per request.
-#![allow(clippy::result_large_err)]
-
-use super::engine_loop::{Command, Event, Submission};
-use crate::model::Model;
-use crate::plugin::{PluginError, Registry, Session, SessionRequest};
-use crate::tokenizer::stream::StreamDecoder;
-use axum::extract::State;
+use super::engine_loop::Command;
+use super::request::{self, ApiError, Output, Piece};
+use super::Shared;
+use axum::extract::connect_info::Connected;
+use axum::extract::{ConnectInfo, State};
 use axum::http::StatusCode;
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::IncomingStream;
 use axum::{Json, Router};
 use serde_json::{json, Map, Value};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc::unbounded_channel;
 
-pub struct AppState {
-    pub model: Arc<Model>,
-    pub registry: Arc<Registry>,
-    pub engine: Mutex<std::sync::mpsc::Sender<Command>>,
-    pub next_id: AtomicU64,
+/// Who is on the other end of a connection: the uid from SO_PEERCRED on the Unix socket; none
+/// on loopback TCP (those requests share [`ANONYMOUS_UID`] for the limits).
+#[derive(Clone, Copy, Debug)]
+pub struct Peer {
+    pub uid: Option<u32>,
+}
+
+/// The uid a TCP client counts as (the conventional `nobody`).
+pub const ANONYMOUS_UID: u32 = 65534;
+
+impl Connected<IncomingStream<'_, tokio::net::UnixListener>> for Peer {
+    fn connect_info(stream: IncomingStream<'_, tokio::net::UnixListener>) -> Self {
+        Peer { uid: stream.io().peer_cred().ok().map(|c| c.uid()) }
+    }
+}
+
+impl Connected<IncomingStream<'_, tokio::net::TcpListener>> for Peer {
+    fn connect_info(_: IncomingStream<'_, tokio::net::TcpListener>) -> Self {
+        Peer { uid: None }
+    }
+}
+
+impl Peer {
+    fn uid(&self) -> u32 {
+        self.uid.unwrap_or(ANONYMOUS_UID)
+    }
+}
+
+/// Responses per route and status, for `/metrics`.
+#[derive(Debug, Default)]
+pub struct HttpCounters {
+    counts: Mutex<BTreeMap<(String, u16), u64>>,
+}
+
+impl HttpCounters {
+    fn count(&self, route: &str, status: u16) {
+        if let Ok(mut c) = self.counts.lock() {
+            *c.entry((route.to_owned(), status)).or_default() += 1;
+        }
+    }
+
+    pub fn snapshot(&self) -> BTreeMap<(String, u16), u64> {
+        self.counts.lock().map(|c| c.clone()).unwrap_or_default()
+    }
 }
 
 /// An OpenAI error object with its status.
-fn error(status: StatusCode, kind: &str, message: impl Into<String>, param: Option<&str>) -> Response {
-    (status, Json(json!({ "error": { "message": message.into(), "type": kind, "param": param, "code": Value::Null } }))).into_response()
+fn error(e: ApiError) -> Response {
+    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    (status, Json(json!({ "error": { "message": e.message, "type": e.kind(), "param": e.param, "code": Value::Null } }))).into_response()
 }
 
-fn bad(message: impl Into<String>, param: &str) -> Response {
-    error(StatusCode::BAD_REQUEST, "invalid_request_error", message, Some(param))
-}
-
-pub fn router(state: Arc<AppState>) -> Router {
+pub fn router(sh: Arc<Shared>) -> Router {
     Router::new()
-        .route("/health", get(|| async { Json(json!({ "status": "ok" })) }))
+        .route("/health", get(health))
         .route("/v1/models", get(models))
+        .route("/v1/status", get(status))
+        .route("/metrics", get(metrics))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
-        .with_state(state)
+        .layer(axum::middleware::from_fn_with_state(Arc::clone(&sh), count))
+        .with_state(sh)
 }
 
-async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
-    Json(json!({ "object": "list", "data": [{ "id": st.model.name, "object": "model", "owned_by": "inferd", "roles": ["target"] }] }))
+/// Counts every response by route and status.
+async fn count(State(sh): State<Arc<Shared>>, req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let route = req.uri().path().to_owned();
+    let known = ["/health", "/v1/models", "/v1/status", "/metrics", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"];
+    let route = if known.contains(&route.as_str()) { route } else { "other".into() };
+    let resp = next.run(req).await;
+    sh.http.count(&route, resp.status().as_u16());
+    resp
+}
+
+async fn health(State(sh): State<Arc<Shared>>) -> Response {
+    if sh.draining.load(std::sync::atomic::Ordering::Relaxed) {
+        return (StatusCode::SERVICE_UNAVAILABLE, Json(json!({ "status": "shutting down" }))).into_response();
+    }
+    Json(json!({ "status": "ok" })).into_response()
+}
+
+async fn models(State(sh): State<Arc<Shared>>) -> Json<Value> {
+    let mut data = Vec::new();
+    for m in &sh.models {
+        let mut roles = vec!["target"];
+        if m.draft.is_some() {
+            roles.push("speculative");
+        }
+        data.push(json!({ "id": m.name, "object": "model", "owned_by": "inferd", "roles": roles, "context_length": m.context_len, "draft": m.draft }));
+        if let Some(d) = &m.draft {
+            data.push(json!({ "id": d, "object": "model", "owned_by": "inferd", "roles": ["draft"], "draft_for": m.name }));
+        }
+    }
+    Json(json!({ "object": "list", "data": data }))
+}
+
+/// The engine state: per model KV blocks, queue, counters; plugins; uptime.
+pub fn status_json(sh: &Shared) -> Value {
+    let models: Vec<Value> = sh
+        .models
+        .iter()
+        .map(|m| {
+            let s = m.monitor.snapshot();
+            json!({
+                "name": m.name, "draft": m.draft, "context_length": m.context_len,
+                "kv_blocks": { "total": s.kv.total, "free": s.kv.free, "used": s.kv.total - s.kv.free, "cached": s.kv.cached, "block_size": s.kv.block_size },
+                "requests": { "running": s.running, "waiting": s.waiting, "finished": s.finished, "failed": s.failed, "cancelled": s.cancelled, "preempted": s.preempted },
+                "tokens": { "generated": s.generated_tokens, "prompt": s.prompt_tokens, "prompt_cached": s.cached_prompt_tokens, "per_second": s.tokens_per_second },
+                "steps": s.steps,
+                "heartbeat_age_ms": m.monitor.since_beat().as_millis() as u64,
+            })
+        })
+        .collect();
+    let reg = sh.registry();
+    let strategies: Vec<Value> = reg.strategies().iter().map(|s| json!({ "name": s.name(), "plugin": s.plugin_name, "version": s.plugin_version, "path": s.path, "quarantined": s.quarantined() })).collect();
+    let refused = sh.refused.lock().map(|r| r.clone()).unwrap_or_default();
+    json!({
+        "status": if sh.draining.load(std::sync::atomic::Ordering::Relaxed) { "stopping" } else { "ready" },
+        "uptime_seconds": sh.started.elapsed().as_secs_f64(),
+        "models": models,
+        "strategies": strategies,
+        "plugins_refused": refused,
+        "requests_per_user": sh.users.snapshot().into_iter().map(|(uid, n)| (uid.to_string(), json!(n))).collect::<Map<String, Value>>(),
+        "limits": { "max_requests_per_user": sh.limits().max_requests_per_user, "max_tokens": sh.limits().max_tokens },
+    })
+}
+
+async fn status(State(sh): State<Arc<Shared>>) -> Json<Value> {
+    Json(status_json(&sh))
+}
+
+async fn metrics(State(sh): State<Arc<Shared>>) -> Response {
+    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], super::metrics::prometheus(&sh)).into_response()
 }
 
 /// The body as a JSON object, or the 400 that says why not.
-fn object(body: &[u8]) -> Result<Map<String, Value>, Response> {
-    let text = std::str::from_utf8(body).map_err(|_| bad("the request body is not valid UTF-8", "body"))?;
+fn object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    let text = std::str::from_utf8(body).map_err(|_| ApiError::bad("the request body is not valid UTF-8", "body"))?;
     match serde_json::from_str::<Value>(text) {
         Ok(Value::Object(m)) => Ok(m),
-        Ok(_) => Err(bad("the request body must be a JSON object", "body")),
-        Err(e) => Err(bad(format!("malformed JSON: {e}"), "body")),
+        Ok(_) => Err(ApiError::bad("the request body must be a JSON object", "body")),
+        Err(e) => Err(ApiError::bad(format!("malformed JSON: {e}"), "body")),
     }
 }
 
-async fn tokenize(State(st): State<Arc<AppState>>, body: axum::body::Bytes) -> Response {
-    let m = match object(&body) {
-        Ok(m) => m,
-        Err(r) => return r,
-    };
-    let Some(text) = m.get("content").and_then(Value::as_str) else { return bad("content must be a string", "content") };
-    let special = m.get("add_special").and_then(Value::as_bool).unwrap_or(false);
-    match st.model.tokenizer.encode(text, special) {
-        Ok(ids) => Json(json!({ "tokens": ids })).into_response(),
-        Err(e) => bad(e.to_string(), "content"),
+fn model_field(m: &Map<String, Value>) -> Result<Option<&str>, ApiError> {
+    match m.get("model") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(_) => Err(ApiError::bad("model must be a string", "model")),
     }
 }
 
-async fn detokenize(State(st): State<Arc<AppState>>, body: axum::body::Bytes) -> Response {
-    let m = match object(&body) {
-        Ok(m) => m,
-        Err(r) => return r,
+async fn tokenize(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
+    let run = || -> Result<Value, ApiError> {
+        let m = object(&body)?;
+        let model = sh.model(model_field(&m)?)?;
+        let text = m.get("content").and_then(Value::as_str).ok_or_else(|| ApiError::bad("content must be a string", "content"))?;
+        let special = m.get("add_special").and_then(Value::as_bool).unwrap_or(false);
+        let ids = model.model.tokenizer.encode(text, special).map_err(|e| ApiError::bad(e.to_string(), "content"))?;
+        Ok(json!({ "tokens": ids }))
     };
-    let Some(ids) = m.get("tokens").and_then(Value::as_array) else { return bad("tokens must be an array of token ids", "tokens") };
-    let vocab = st.model.config.vocab as u64;
-    let ids: Option<Vec<u32>> = ids.iter().map(|v| v.as_u64().filter(|&t| t < vocab).map(|t| t as u32)).collect();
-    let Some(ids) = ids else { return bad(format!("tokens must be ids below {vocab}"), "tokens") };
-    match st.model.tokenizer.decode(&ids, false) {
-        Ok(text) => Json(json!({ "content": text })).into_response(),
-        Err(e) => bad(e.to_string(), "tokens"),
+    run().map_or_else(error, |v| Json(v).into_response())
+}
+
+async fn detokenize(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
+    let run = || -> Result<Value, ApiError> {
+        let m = object(&body)?;
+        let model = sh.model(model_field(&m)?)?;
+        let ids = m.get("tokens").and_then(Value::as_array).ok_or_else(|| ApiError::bad("tokens must be an array of token ids", "tokens"))?;
+        let vocab = model.model.config.vocab as u64;
+        let ids: Vec<u32> = ids.iter().map(|v| v.as_u64().filter(|&t| t < vocab).map(|t| t as u32)).collect::<Option<_>>().ok_or_else(|| ApiError::bad(format!("tokens must be ids below {vocab}"), "tokens"))?;
+        let text = model.model.tokenizer.decode(&ids, false).map_err(|e| ApiError::bad(e.to_string(), "tokens"))?;
+        Ok(json!({ "content": text }))
+    };
+    run().map_or_else(error, |v| Json(v).into_response())
+}
+
+async fn completions(State(sh): State<Arc<Shared>>, ConnectInfo(peer): ConnectInfo<Peer>, body: axum::body::Bytes) -> Response {
+    let start = || -> Result<(request::Prepared, Map<String, Value>), ApiError> {
+        let m = object(&body)?;
+        let model = sh.model(model_field(&m)?)?;
+        let prompt = m.get("prompt").and_then(Value::as_str).ok_or_else(|| ApiError::bad("prompt must be a string", "prompt"))?;
+        let ids = request::encode_prompt(&model.model, prompt)?;
+        Ok((request::prepare(&sh, model, &m, ids)?, m))
+    };
+    match start() {
+        Ok((p, m)) => respond(sh, p, &m, peer, false).await,
+        Err(e) => error(e),
     }
 }
 
-/// The strategy and its parameters for an OpenAI-style request: `decoder` and
-/// `decoder_params` when given; otherwise greedy at temperature 0, min-p when `min_p` is set,
-/// nucleus sampling else, with the request's sampling fields as parameters.
-fn strategy_of(m: &Map<String, Value>) -> Result<(String, String), Response> {
-    if let Some(d) = m.get("decoder") {
-        let name = d.as_str().ok_or_else(|| bad("decoder must be a string", "decoder"))?;
-        let params = match m.get("decoder_params") {
-            None | Some(Value::Null) => "{}".to_string(),
-            Some(Value::Object(o)) => Value::Object(o.clone()).to_string(),
-            Some(Value::String(s)) => s.clone(),
-            Some(_) => return Err(bad("decoder_params must be a JSON object", "decoder_params")),
-        };
-        return Ok((name.to_owned(), params));
-    }
-    let temperature = m.get("temperature").and_then(Value::as_f64);
-    let name = if temperature == Some(0.0) {
-        "greedy"
-    } else if m.get("min_p").is_some_and(|v| !v.is_null()) {
-        "min-p"
-    } else {
-        "nucleus"
+async fn chat_completions(State(sh): State<Arc<Shared>>, ConnectInfo(peer): ConnectInfo<Peer>, body: axum::body::Bytes) -> Response {
+    let start = || -> Result<(request::Prepared, Map<String, Value>), ApiError> {
+        let m = object(&body)?;
+        let model = sh.model(model_field(&m)?)?;
+        let ids = request::encode_chat(&model.model, &request::chat_messages(&m)?)?;
+        Ok((request::prepare(&sh, model, &m, ids)?, m))
     };
-    let keys: &[&str] = match name {
-        "greedy" => &[],
-        "min-p" => &["temperature", "min_p", "frequency_penalty", "presence_penalty", "logit_bias"],
-        _ => &["temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty", "logit_bias"],
-    };
-    let params: Map<String, Value> = keys.iter().filter_map(|k| m.get(*k).filter(|v| !v.is_null()).map(|v| ((*k).to_owned(), v.clone()))).collect();
-    Ok((name.to_owned(), Value::Object(params).to_string()))
-}
-
-fn uint(m: &Map<String, Value>, key: &str, default: u64, max: u64) -> Result<u64, Response> {
-    match m.get(key) {
-        None | Some(Value::Null) => Ok(default),
-        Some(v) => v.as_u64().filter(|&x| x <= max).ok_or_else(|| bad(format!("{key} must be an integer between 0 and {max}"), key)),
+    match start() {
+        Ok((p, m)) => respond(sh, p, &m, peer, true).await,
+        Err(e) => error(e),
     }
 }
 
-async fn completions(State(st): State<Arc<AppState>>, body: axum::body::Bytes) -> Response {
-    let m = match object(&body) {
-        Ok(m) => m,
-        Err(r) => return r,
-    };
-    let Some(prompt) = m.get("prompt").and_then(Value::as_str) else { return bad("prompt must be a string", "prompt") };
-    let ids = match st.model.tokenizer.encode(prompt, false) {
-        Ok(ids) => ids,
-        Err(e) => return bad(e.to_string(), "prompt"),
-    };
-    respond(st, m, ids, false).await
-}
-
-/// The chat messages rendered with the model's own template, then as a completion.
-async fn chat_completions(State(st): State<Arc<AppState>>, body: axum::body::Bytes) -> Response {
-    let m = match object(&body) {
-        Ok(m) => m,
-        Err(r) => return r,
-    };
-    let Some(list) = m.get("messages").and_then(Value::as_array) else { return bad("messages must be an array", "messages") };
-    let mut messages = Vec::with_capacity(list.len());
-    for (i, msg) in list.iter().enumerate() {
-        let (Some(role), Some(content)) = (msg.get("role").and_then(Value::as_str), msg.get("content").and_then(Value::as_str)) else {
-            return bad(format!("messages[{i}] needs a string role and a string content"), "messages");
-        };
-        messages.push(crate::chat::ChatMessage::new(role, content));
-    }
-    if messages.is_empty() {
-        return bad("messages is empty", "messages");
-    }
-    let tok = &st.model.tokenizer;
-    let bos = tok.bos().map(|b| tok.token_text(b)).unwrap_or_default();
-    let eos = tok.eos().first().map(|&e| tok.token_text(e)).unwrap_or_default();
-    let text = match crate::chat::ChatTemplate::new(st.model.chat_template.as_deref(), bos, eos).and_then(|t| t.render(&messages, true)) {
-        Ok(t) => t,
-        Err(e) => return bad(format!("the chat template failed: {e}"), "messages"),
-    };
-    let ids = match tok.encode(&text, true) {
-        Ok(ids) => ids,
-        Err(e) => return bad(e.to_string(), "messages"),
-    };
-    respond(st, m, ids, true).await
-}
-
-/// A completion of `ids` for the request `m`: validated, submitted, answered as a completion
-/// or a chat completion, whole or streamed.
-async fn respond(st: Arc<AppState>, m: Map<String, Value>, ids: Vec<u32>, chat: bool) -> Response {
-    if let Some(model) = m.get("model").and_then(Value::as_str) {
-        if model != st.model.name {
-            return error(StatusCode::NOT_FOUND, "invalid_request_error", format!("unknown model {model:?} (loaded: {})", st.model.name), Some("model"));
-        }
-    }
-    let ctx = st.model.config.context_len as u64;
-    let (max_tokens, n, seed) = match (uint(&m, "max_tokens", 16, ctx), uint(&m, "n", 1, 16), uint(&m, "seed", 0, u64::MAX)) {
-        (Ok(a), Ok(b), Ok(c)) => (a as u32, b as u32, c),
-        (Err(r), _, _) | (_, Err(r), _) | (_, _, Err(r)) => return r,
-    };
-    if n == 0 {
-        return bad("n must be at least 1", "n");
-    }
-    let seed = if m.get("seed").is_some_and(|v| !v.is_null()) { seed } else { st.next_id.load(Ordering::Relaxed).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5eed };
+/// A prepared request submitted and answered as a completion or a chat completion, whole or
+/// streamed.
+async fn respond(sh: Arc<Shared>, p: request::Prepared, m: &Map<String, Value>, peer: Peer, chat: bool) -> Response {
     let stream = m.get("stream").and_then(Value::as_bool).unwrap_or(false);
-    let (name, params) = match strategy_of(&m) {
-        Ok(x) => x,
-        Err(r) => return r,
-    };
-    let strategy = match st.registry.get(&name) {
+    let (n, prompt_tokens, decoder) = (p.n, p.prompt.len(), p.strategy.name().to_owned());
+    let mut out = Output::new(p.n, p.stop.clone());
+    let mut sub = match request::submit(&sh, p, peer.uid()) {
         Ok(s) => s,
-        Err(e @ PluginError::UnknownStrategy { .. }) => return error(StatusCode::NOT_FOUND, "invalid_request_error", e.to_string(), Some("decoder")),
-        Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, "server_error", e.to_string(), Some("decoder")),
+        Err(e) => return error(e),
     };
-    let tok = &st.model.tokenizer;
-    if ids.is_empty() {
-        return bad("the prompt is empty", "prompt");
-    }
-    if ids.len() as u64 + u64::from(max_tokens) > ctx {
-        return error(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", format!("{} prompt tokens + max_tokens {max_tokens} exceed the context length {ctx}", ids.len()), Some("prompt"));
-    }
-    let req = SessionRequest { prompt: &ids, generated: &[], params: &params, max_tokens, n, seed, eos: tok.eos(), logprobs: false };
-    if let Err(e) = Session::validate(&strategy, st.model.config.vocab as u32, 1, &req) {
-        return bad(e.to_string(), "decoder_params");
-    }
-    let id = st.next_id.fetch_add(1, Ordering::Relaxed);
-    let (tx, mut rx) = unbounded_channel::<Event>();
-    let sub = Submission { id, strategy, prompt: ids.clone(), params, max_tokens, n, seed, logprobs: false, events: Box::new(move |e| tx.send(e).is_ok()) };
-    let sent = st.engine.lock().map(|e| e.send(Command::Submit(sub)).is_ok()).unwrap_or(false);
-    if !sent {
-        return error(StatusCode::SERVICE_UNAVAILABLE, "server_error", "the engine is not running", None);
-    }
     let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-    let cid = format!("cmpl-{id}");
-    let model_name = st.model.name.clone();
-    let prompt_tokens = ids.len();
+    let cid = format!("{}-{}", if chat { "chatcmpl" } else { "cmpl" }, sub.id);
+    let model_name = sub.model.name.clone();
+    let object = match (chat, stream) {
+        (true, true) => "chat.completion.chunk",
+        (true, false) => "chat.completion",
+        (false, _) => "text_completion",
+    };
+    let finish = |reason: &str| json!(reason);
+    let choice = move |i: u32, text: String, reason: Value| {
+        if chat && stream {
+            json!({ "index": i, "delta": { "content": text }, "logprobs": Value::Null, "finish_reason": reason })
+        } else if chat {
+            json!({ "index": i, "message": { "role": "assistant", "content": text }, "logprobs": Value::Null, "finish_reason": reason })
+        } else {
+            json!({ "index": i, "text": text, "logprobs": Value::Null, "finish_reason": reason })
+        }
+    };
+    let usage = move |completion: usize| json!({ "prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion });
     if !stream {
-        // The text comes from the final tokens; the streamed ones are only counted on.
-        while let Some(ev) = rx.recv().await {
-            match ev {
-                Event::Token { .. } => {}
-                Event::Finished(g) => {
-                    let completion: usize = g.choices.iter().map(|c| c.tokens.len()).sum();
-                    let choices: Vec<Value> = g
-                        .choices
-                        .iter()
-                        .enumerate()
-                        .map(|(i, c)| {
-                            let text = tok.decode(&c.tokens, true).unwrap_or_default();
-                            let reason = if c.finish == Some(crate::plugin::FinishReason::Length) { "length" } else { "stop" };
-                            if chat {
-                                json!({ "index": i, "message": { "role": "assistant", "content": text }, "logprobs": Value::Null, "finish_reason": reason })
-                            } else {
-                                json!({ "index": i, "text": text, "logprobs": Value::Null, "finish_reason": reason })
-                            }
-                        })
-                        .collect();
-                    return Json(json!({
-                        "id": cid, "object": if chat { "chat.completion" } else { "text_completion" }, "created": created, "model": model_name, "choices": choices,
-                        "usage": { "prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion },
-                        "inferd": { "decoder": name, "stats": g.stats },
-                    }))
-                    .into_response();
+        let mut texts = vec![String::new(); n as usize];
+        let mut reasons = vec![Value::Null; n as usize];
+        while let Some(ev) = sub.events.recv().await {
+            for piece in out.on_event(&sub.model.model, ev) {
+                match piece {
+                    Piece::Text { choice, text, .. } => texts[choice as usize].push_str(&text),
+                    Piece::End { choice, reason, text } => {
+                        texts[choice as usize].push_str(&text);
+                        reasons[choice as usize] = finish(reason);
+                    }
+                    Piece::Done { completion_tokens, stats } => {
+                        let choices: Vec<Value> = texts.drain(..).zip(reasons.drain(..)).enumerate().map(|(i, (t, r))| choice(i as u32, t, r)).collect();
+                        return Json(json!({ "id": cid, "object": object, "created": created, "model": model_name, "choices": choices, "usage": usage(completion_tokens), "inferd": { "decoder": decoder, "stats": stats } })).into_response();
+                    }
+                    Piece::Failed(msg) => return error(ApiError::new(500, msg, None)),
                 }
-                Event::Failed(msg) => return error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", msg, None),
+            }
+            if out.all_stopped() {
+                cancel(&sub);
+                let Piece::Done { completion_tokens, .. } = out.done_by_stop() else { break };
+                let choices: Vec<Value> = texts.drain(..).zip(reasons.drain(..)).enumerate().map(|(i, (t, r))| choice(i as u32, t, r)).collect();
+                return Json(json!({ "id": cid, "object": object, "created": created, "model": model_name, "choices": choices, "usage": usage(completion_tokens), "inferd": { "decoder": decoder } })).into_response();
             }
         }
-        return error(StatusCode::SERVICE_UNAVAILABLE, "server_error", "the engine stopped", None);
+        return error(ApiError::new(503, "the engine stopped", None));
     }
     // Streaming: one SSE chunk per piece of text, a last one with the finish reasons, [DONE].
-    let st2 = Arc::clone(&st);
-    let stream = async_stream(move |emit| async move {
-        let tok = &st2.model.tokenizer;
-        let mut decs: Vec<StreamDecoder> = (0..n).map(|_| StreamDecoder::new(false)).collect();
-        let object = if chat { "chat.completion.chunk" } else { "text_completion" };
-        let chunk = |choices: Value| json!({ "id": cid, "object": object, "created": created, "model": model_name, "choices": choices }).to_string();
-        // A choice's piece of text, as a completion or a chat delta.
-        let piece = |i: u32, text: String, reason: Value| {
-            if chat {
-                json!({ "index": i, "delta": { "content": text }, "logprobs": Value::Null, "finish_reason": reason })
-            } else {
-                json!({ "index": i, "text": text, "logprobs": Value::Null, "finish_reason": reason })
-            }
-        };
-        if chat {
-            let roles: Vec<Value> = (0..n).map(|i| json!({ "index": i, "delta": { "role": "assistant" }, "finish_reason": Value::Null })).collect();
-            emit(chunk(Value::Array(roles)));
-        }
-        while let Some(ev) = rx.recv().await {
-            match ev {
-                Event::Token { choice, token } => {
-                    let text = decs.get_mut(choice as usize).and_then(|d| d.push(tok, token).ok()).unwrap_or_default();
-                    if !text.is_empty() && !emit(chunk(json!([piece(choice, text, Value::Null)]))) {
-                        return; // the client went away: dropping `rx` cancels the request
-                    }
-                }
-                Event::Finished(g) => {
-                    let choices: Vec<Value> = g
-                        .choices
-                        .iter()
-                        .enumerate()
-                        .map(|(i, c)| {
-                            let rest = decs.get_mut(i).map(StreamDecoder::finish).unwrap_or_default();
-                            let reason = if c.finish == Some(crate::plugin::FinishReason::Length) { "length" } else { "stop" };
-                            piece(i as u32, rest, json!(reason))
-                        })
-                        .collect();
-                    emit(chunk(Value::Array(choices)));
-                    break;
-                }
-                Event::Failed(msg) => {
-                    emit(json!({ "error": { "message": msg, "type": "server_error", "param": Value::Null, "code": Value::Null } }).to_string());
-                    break;
-                }
-            }
-        }
-        emit("[DONE]".to_string());
-    });
-    Sse::new(stream).into_response()
-}
-
-/// A stream of SSE events fed by an async producer through `emit` (false once the client is
-/// gone).
-fn async_stream<F, Fut>(producer: F) -> impl tokio_stream::Stream<Item = Result<SseEvent, std::convert::Infallible>>
-where
-    F: FnOnce(Box<dyn Fn(String) -> bool + Send + Sync>) -> Fut,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
     let (tx, rx) = unbounded_channel::<String>();
-    let emit: Box<dyn Fn(String) -> bool + Send + Sync> = Box::new(move |s| tx.send(s).is_ok());
-    tokio::spawn(producer(emit));
-    tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map_data()
+    tokio::spawn(async move {
+        let _slot = &sub.slot; // the user's place is held until the stream ends
+        let chunk = |choices: Value| json!({ "id": cid, "object": object, "created": created, "model": model_name, "choices": choices }).to_string();
+        let send = |s: String| tx.send(s).is_ok();
+        if chat {
+            let roles: Vec<Value> = (0..n).map(|i| json!({ "index": i, "delta": { "role": "assistant", "content": "" }, "logprobs": Value::Null, "finish_reason": Value::Null })).collect();
+            send(chunk(Value::Array(roles)));
+        }
+        'events: while let Some(ev) = sub.events.recv().await {
+            for piece in out.on_event(&sub.model.model, ev) {
+                let ok = match piece {
+                    Piece::Text { text, .. } if text.is_empty() => true,
+                    Piece::Text { choice: c, text, .. } => send(chunk(json!([choice(c, text, Value::Null)]))),
+                    Piece::End { choice: c, reason, text } => send(chunk(json!([choice(c, text, finish(reason))]))),
+                    Piece::Done { .. } => break 'events,
+                    Piece::Failed(msg) => {
+                        send(json!({ "error": { "message": msg, "type": "server_error", "param": Value::Null, "code": Value::Null } }).to_string());
+                        break 'events;
+                    }
+                };
+                if !ok {
+                    return; // the client went away: dropping `sub.events` cancels the request
+                }
+            }
+            if out.all_stopped() {
+                cancel(&sub);
+                break;
+            }
+        }
+        send("[DONE]".to_string());
+    });
+    let events = tokio_stream::StreamExt::map(tokio_stream::wrappers::UnboundedReceiverStream::new(rx), |s| Ok::<_, std::convert::Infallible>(SseEvent::default().data(s)));
+    Sse::new(events).into_response()
 }
 
-trait MapData {
-    fn map_data(self) -> impl tokio_stream::Stream<Item = Result<SseEvent, std::convert::Infallible>>;
-}
-
-impl<S: tokio_stream::Stream<Item = String>> MapData for S {
-    fn map_data(self) -> impl tokio_stream::Stream<Item = Result<SseEvent, std::convert::Infallible>> {
-        tokio_stream::StreamExt::map(self, |s| Ok(SseEvent::default().data(s)))
+/// Tells the engine a request is no longer wanted (its blocks are freed in its next step).
+fn cancel(sub: &request::Submitted) {
+    if let Ok(tx) = sub.model.engine.lock() {
+        let _ = tx.send(Command::Cancel(sub.id));
     }
 }

@@ -1,43 +1,354 @@
-//! The daemon: an engine thread per model ([`engine_loop`]) behind the API edges.
-//!
-//! So far: the engine loop and the HTTP edge on a Unix socket ([`http`]). D-Bus, systemd
-//! integration, configuration and fairness arrive next (issue 4).
+//! The daemon: one engine thread per configured model ([`engine_loop`]), behind two edges that
+//! share one request path ([`request`]): HTTP on a Unix socket ([`http`]) and D-Bus
+//! ([`dbus`]). [`run`] wires them to systemd ([`notify`]): READY after the models are loaded
+//! and the socket listens, the watchdog fed by the engine loops' heartbeats, SIGHUP reloads,
+//! SIGTERM drains.
 
 pub mod bench;
+pub mod config;
+pub mod dbus;
 pub mod engine_loop;
 pub mod http;
+pub mod metrics;
+pub mod monitor;
+pub mod notify;
+pub mod request;
 
 use crate::decode::store::EngineStore;
 use crate::engine::{Engine, EngineOptions};
 use crate::model::Model;
-use crate::plugin::Registry;
-use engine_loop::{engine_loop, LoopConfig};
-use std::path::Path;
-use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex};
+use crate::plugin::{Registry, TrustPolicy};
+use config::{Config, Limits, Mode};
+use engine_loop::{engine_loop, Command, LoopConfig};
+use monitor::Monitor;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
-/// Serves `model` on the Unix socket `socket` until the process ends.
-pub fn run(model: Arc<Model>, registry: Arc<Registry>, socket: &Path, threads: usize) -> anyhow::Result<()> {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let m = Arc::clone(&model);
-    std::thread::Builder::new().name("inferd-engine".into()).spawn(move || {
-        let mut engine = Engine::cpu(&m, &EngineOptions { threads, ..EngineOptions::default() });
-        let mut store = EngineStore::new(&mut engine);
-        engine_loop(&mut store, &rx, &LoopConfig { token_budget: 512, max_running: 64, eos: m.tokenizer.eos().to_vec() })
-    })?;
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
-    rt.block_on(async move {
-        if let Some(dir) = socket.parent() {
-            std::fs::create_dir_all(dir)?;
+/// A loaded model and its engine thread.
+pub struct ModelHandle {
+    /// The name requests use.
+    pub name: String,
+    pub model: Arc<Model>,
+    /// The bound draft model's name, if any.
+    pub draft: Option<String>,
+    /// Prompt plus generated tokens, at most.
+    pub context_len: usize,
+    /// `1 << abi::ROLE_*` for each sequence role its store offers.
+    pub roles: u32,
+    pub engine: Mutex<std::sync::mpsc::Sender<Command>>,
+    pub monitor: Arc<Monitor>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for ModelHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelHandle").field("name", &self.name).finish_non_exhaustive()
+    }
+}
+
+/// What every edge shares.
+#[derive(Debug)]
+pub struct Shared {
+    pub models: Vec<Arc<ModelHandle>>,
+    registry: RwLock<Arc<Registry>>,
+    limits: RwLock<Limits>,
+    pub users: request::UserLimits,
+    pub next_id: AtomicU64,
+    /// SIGTERM arrived: new requests get 503.
+    pub draining: AtomicBool,
+    pub started: Instant,
+    pub http: http::HttpCounters,
+    /// Plugin files refused at the last scan, with the reason.
+    pub refused: Mutex<Vec<String>>,
+}
+
+impl Shared {
+    pub fn registry(&self) -> Arc<Registry> {
+        self.registry.read().map(|r| Arc::clone(&r)).unwrap_or_default()
+    }
+
+    pub fn limits(&self) -> Limits {
+        self.limits.read().map(|l| l.clone()).unwrap_or_default()
+    }
+
+    /// Requests accepted and not yet answered in full, over both edges.
+    pub fn in_flight(&self) -> usize {
+        self.users.snapshot().values().sum()
+    }
+
+    /// A one-line summary (systemd's STATUS=).
+    pub fn summary(&self) -> String {
+        let names: Vec<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
+        let (run, wait) = self.models.iter().fold((0, 0), |(r, w), m| {
+            let s = m.monitor.snapshot();
+            (r + s.running, w + s.waiting)
+        });
+        format!("serving {}; {run} running, {wait} waiting", names.join(", "))
+    }
+}
+
+/// How `inferd serve` was asked to run: the mode, the config file, and flags that override it.
+#[derive(Clone, Debug)]
+pub struct ServeArgs {
+    pub mode: Mode,
+    /// `--config` (must exist) or the mode's default file (may be missing).
+    pub config: Option<PathBuf>,
+    pub model: Option<PathBuf>,
+    pub socket: Option<PathBuf>,
+    pub plugin_dirs: Vec<PathBuf>,
+    pub threads: Option<usize>,
+}
+
+impl ServeArgs {
+    /// The configuration: the file, then the flags on top.
+    pub fn config(&self) -> anyhow::Result<Config> {
+        let (path, required) = match &self.config {
+            Some(p) => (p.clone(), true),
+            None => (self.mode.config_path(), false),
+        };
+        let mut cfg = Config::load(&path, required)?;
+        if let Some(m) = &self.model {
+            cfg.models = vec![config::ModelConfig { path: m.clone(), name: None, kv_cache_mib: 512, context_len: 0, draft: None }];
         }
-        // A socket file left by a previous run would make bind fail.
-        if socket.exists() {
-            std::fs::remove_file(socket)?;
+        if let Some(s) = &self.socket {
+            cfg.server.socket = Some(s.clone());
         }
-        let listener = tokio::net::UnixListener::bind(socket)?;
-        eprintln!("inferd: serving {} on {}", model.name, socket.display());
-        let state = Arc::new(http::AppState { model, registry, engine: Mutex::new(tx), next_id: AtomicU64::new(1) });
-        axum::serve(listener, http::router(state)).await?;
-        Ok(())
-    })
+        if !self.plugin_dirs.is_empty() {
+            cfg.plugin_dirs = self.plugin_dirs.clone();
+        }
+        if let Some(t) = self.threads {
+            cfg.server.threads = t;
+        }
+        Ok(cfg)
+    }
+}
+
+fn load_plugins(cfg: &Config, mode: Mode) -> (Registry, Vec<String>) {
+    let policy = match mode {
+        Mode::System => TrustPolicy::System,
+        Mode::User => TrustPolicy::User,
+    };
+    let (reg, refused) = Registry::load_dirs(&crate::paths::plugin_dirs(&cfg.plugin_dirs), policy);
+    for r in &refused {
+        eprintln!("inferd: plugin refused: {r}");
+    }
+    (reg, refused)
+}
+
+/// Loads every configured model (the default model when none is) and starts its engine thread.
+fn start_models(cfg: &Config) -> anyhow::Result<Vec<Arc<ModelHandle>>> {
+    let list = if cfg.models.is_empty() {
+        let path = crate::paths::default_model().ok_or_else(|| anyhow::anyhow!("no model configured and the default model is not installed (run packaging/fetch-model)"))?;
+        vec![config::ModelConfig { path, name: None, kv_cache_mib: 512, context_len: 0, draft: None }]
+    } else {
+        cfg.models.clone()
+    };
+    let mut out: Vec<Arc<ModelHandle>> = Vec::new();
+    for mc in list {
+        let model = Arc::new(Model::load(&mc.path).map_err(|e| anyhow::anyhow!("loading {}: {e}", mc.path.display()))?);
+        let draft = mc.draft.as_ref().map(|p| Model::load(p).map(Arc::new).map_err(|e| anyhow::anyhow!("loading draft model {}: {e}", p.display()))).transpose()?;
+        if let Some(d) = &draft {
+            if d.config.vocab != model.config.vocab {
+                anyhow::bail!("draft model {} has a vocabulary of {} tokens, its target {} has {}", d.name, d.config.vocab, model.name, model.config.vocab);
+            }
+        }
+        let name = mc.name.clone().unwrap_or_else(|| model.name.clone());
+        if out.iter().any(|m| m.name == name) {
+            anyhow::bail!("two models are named {name:?}: give one a `name` in the config");
+        }
+        let context_len = if mc.context_len > 0 { mc.context_len.min(model.config.context_len) } else { model.config.context_len };
+        let monitor = Arc::new(Monitor::new(name.clone()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let opts = EngineOptions { threads: cfg.server.threads, kv_budget_bytes: mc.kv_cache_mib << 20, ..EngineOptions::default() };
+        let loop_cfg = LoopConfig { token_budget: cfg.scheduler.token_budget, max_running: cfg.scheduler.max_running, eos: model.tokenizer.eos().to_vec(), monitor: Some(Arc::clone(&monitor)) };
+        let (m, d) = (Arc::clone(&model), draft.clone());
+        let thread = std::thread::Builder::new().name(format!("inferd-engine-{name}")).spawn(move || {
+            let mut engine = Engine::cpu(&m, &opts);
+            match d {
+                Some(d) => {
+                    let mut draft_engine = Engine::cpu(&d, &EngineOptions { kv_budget_bytes: opts.kv_budget_bytes / 2, ..opts });
+                    engine_loop(&mut EngineStore::with_draft(&mut engine, &mut draft_engine), &rx, &loop_cfg);
+                }
+                None => {
+                    engine_loop(&mut EngineStore::new(&mut engine), &rx, &loop_cfg);
+                }
+            }
+        })?;
+        let roles = 1 << inferd_plugin_api::abi::ROLE_TARGET | if draft.is_some() { 1 << inferd_plugin_api::abi::ROLE_DRAFT } else { 0 };
+        out.push(Arc::new(ModelHandle { name, model, draft: draft.map(|d| d.name.clone()), context_len, roles, engine: Mutex::new(tx), monitor, thread: Mutex::new(Some(thread)) }));
+    }
+    Ok(out)
+}
+
+/// The listening socket: the one systemd passed (LISTEN_FDS), else a fresh one at the
+/// configured path with the configured mode and group.
+fn listen(cfg: &Config, mode: Mode) -> anyhow::Result<(std::os::unix::net::UnixListener, Option<PathBuf>)> {
+    if let Some(l) = notify::activated_listener()? {
+        return Ok((l, None));
+    }
+    let path = cfg.server.socket.clone().unwrap_or_else(|| mode.default_socket());
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("creating {}: {e}", dir.display()))?;
+    }
+    // A socket file left by a previous run would make bind fail; anything else is not ours.
+    if let Ok(meta) = std::fs::symlink_metadata(&path) {
+        use std::os::unix::fs::FileTypeExt;
+        if !meta.file_type().is_socket() {
+            anyhow::bail!("{} exists and is not a socket", path.display());
+        }
+        if std::os::unix::net::UnixStream::connect(&path).is_ok() {
+            anyhow::bail!("another daemon is already serving {}", path.display());
+        }
+        std::fs::remove_file(&path)?;
+    }
+    let l = std::os::unix::net::UnixListener::bind(&path).map_err(|e| anyhow::anyhow!("binding {}: {e}", path.display()))?;
+    set_permissions(&path, cfg)?;
+    Ok((l, Some(path)))
+}
+
+fn set_permissions(path: &Path, cfg: &Config) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = cfg.socket_mode().map_err(|e| anyhow::anyhow!(e))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
+    if let Some(g) = &cfg.server.socket_group {
+        let gid = config::group_id(g).ok_or_else(|| anyhow::anyhow!("server.socket_group: no group named {g:?}"))?;
+        std::os::unix::fs::chown(path, None, Some(gid)).map_err(|e| anyhow::anyhow!("giving {} to group {g}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// `inferd serve`: runs the daemon until SIGTERM or SIGINT.
+pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
+    let cfg = args.config()?;
+    let (reg, refused) = load_plugins(&cfg, args.mode);
+    let models = start_models(&cfg)?;
+    let shared = Arc::new(Shared {
+        models,
+        registry: RwLock::new(Arc::new(reg)),
+        limits: RwLock::new(cfg.limits.clone()),
+        users: request::UserLimits::default(),
+        next_id: AtomicU64::new(1),
+        draining: AtomicBool::new(false),
+        started: Instant::now(),
+        http: http::HttpCounters::default(),
+        refused: Mutex::new(refused),
+    });
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let result = rt.block_on(serve(Arc::clone(&shared), args, cfg));
+    // The engines end with their senders; wait for them so no request is cut mid-step.
+    for m in &shared.models {
+        if let Ok(tx) = m.engine.lock() {
+            let _ = tx.send(Command::Shutdown);
+        }
+        if let Some(t) = m.thread.lock().ok().and_then(|mut t| t.take()) {
+            let _ = t.join();
+        }
+    }
+    result
+}
+
+async fn serve(sh: Arc<Shared>, args: &ServeArgs, cfg: Config) -> anyhow::Result<()> {
+    let (listener, path) = listen(&cfg, args.mode)?;
+    listener.set_nonblocking(true)?;
+    let listener = tokio::net::UnixListener::from_std(listener)?;
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let router = http::router(Arc::clone(&sh));
+    let s = Arc::clone(&stop);
+    let mut servers = tokio::task::JoinSet::new();
+    servers.spawn(async move {
+        axum::serve(listener, router.clone().into_make_service_with_connect_info::<http::Peer>()).with_graceful_shutdown(async move { s.notified().await }).await
+    });
+    if let Some(addr) = &cfg.server.tcp {
+        let tcp = tokio::net::TcpListener::bind(addr).await.map_err(|e| anyhow::anyhow!("server.tcp {addr}: {e}"))?;
+        let local = tcp.local_addr()?;
+        if !local.ip().is_loopback() {
+            anyhow::bail!("server.tcp must be a loopback address, not {local}");
+        }
+        let (s, r) = (Arc::clone(&stop), http::router(Arc::clone(&sh)));
+        servers.spawn(async move { axum::serve(tcp, r.into_make_service_with_connect_info::<http::Peer>()).with_graceful_shutdown(async move { s.notified().await }).await });
+    }
+    let bus = if cfg.server.dbus {
+        match dbus::serve(Arc::clone(&sh), args.mode).await {
+            Ok(c) => Some(c),
+            Err(e) => {
+                eprintln!("inferd: D-Bus unavailable ({e}); serving the socket only");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let where_ = path.as_ref().map_or_else(|| "the socket systemd passed".to_string(), |p| p.display().to_string());
+    eprintln!("inferd: serving {} on {where_}", sh.models.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", "));
+    notify::ready(&sh.summary());
+    let watchdog = notify::watchdog(Arc::clone(&sh));
+
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
+    let mut status_tick = tokio::time::interval(Duration::from_secs(5));
+    loop {
+        tokio::select! {
+            _ = term.recv() => break,
+            _ = int.recv() => break,
+            _ = hup.recv() => reload(&sh, args).await,
+            _ = status_tick.tick() => notify::status(&sh.summary()),
+            Some(r) = servers.join_next() => {
+                // A listener ended by itself: that is an error worth exiting for.
+                match r {
+                    Ok(Ok(())) => anyhow::bail!("the HTTP listener stopped"),
+                    Ok(Err(e)) => anyhow::bail!("the HTTP listener failed: {e}"),
+                    Err(e) => anyhow::bail!("the HTTP listener panicked: {e}"),
+                }
+            }
+        }
+    }
+    // Drain: refuse new requests, let running ones finish within the grace time, then cancel
+    // the rest (their clients get an error) and close the listeners.
+    notify::stopping();
+    sh.draining.store(true, Ordering::Relaxed);
+    let grace = Duration::from_secs(cfg.server.shutdown_grace_secs);
+    let t0 = Instant::now();
+    while sh.in_flight() > 0 && t0.elapsed() < grace {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for m in &sh.models {
+        if let Ok(tx) = m.engine.lock() {
+            let _ = tx.send(Command::Shutdown);
+        }
+    }
+    stop.notify_waiters();
+    let _ = tokio::time::timeout(Duration::from_secs(5), async { while servers.join_next().await.is_some() {} }).await;
+    watchdog.abort();
+    drop(bus);
+    if let Some(p) = path {
+        let _ = std::fs::remove_file(p);
+    }
+    eprintln!("inferd: stopped");
+    Ok(())
+}
+
+/// SIGHUP: reread the config (limits apply at once; models and the socket need a restart) and
+/// rescan the plugin directories.
+async fn reload(sh: &Arc<Shared>, args: &ServeArgs) {
+    notify::reloading();
+    match args.config() {
+        Ok(cfg) => {
+            let (reg, refused) = load_plugins(&cfg, args.mode);
+            if let Ok(mut r) = sh.registry.write() {
+                *r = Arc::new(reg);
+            }
+            if let Ok(mut r) = sh.refused.lock() {
+                *r = refused;
+            }
+            if let Ok(mut l) = sh.limits.write() {
+                *l = cfg.limits.clone();
+            }
+            eprintln!("inferd: reloaded the configuration and {} strategies", sh.registry().names().len());
+        }
+        Err(e) => eprintln!("inferd: reload failed, keeping the running configuration: {e:#}"),
+    }
+    notify::ready(&sh.summary());
 }

@@ -1,0 +1,248 @@
+//! The daemon's configuration: `inferd.toml` (TOML through `serde` + `toml`), its defaults and
+//! the two modes. `--system` reads `/etc/inferd/inferd.toml` and serves `/run/inferd/inferd.sock`
+//! on the system bus; `--user` (the default when not root) reads
+//! `$XDG_CONFIG_HOME/inferd/inferd.toml` and serves `$XDG_RUNTIME_DIR/inferd/inferd.sock` on the
+//! session bus. A missing file means the defaults; an unknown key is an error that names the key
+//! and the file. Command-line flags override the file. The commented default is
+//! `packaging/inferd.toml`; a test keeps it parsing to exactly [`Config::default`].
+
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+
+/// Which daemon this is: the system's (root, system bus) or one user's (session bus).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    System,
+    User,
+}
+
+impl Mode {
+    /// `--system` / `--user`, else system for root and user for everyone else.
+    pub fn resolve(system: bool, user: bool) -> Mode {
+        match (system, user) {
+            (true, _) => Mode::System,
+            (_, true) => Mode::User,
+            _ if effective_uid() == Some(0) => Mode::System,
+            _ => Mode::User,
+        }
+    }
+
+    /// The config file read when `--config` is not given.
+    pub fn config_path(self) -> PathBuf {
+        match self {
+            Mode::System => PathBuf::from("/etc/inferd/inferd.toml"),
+            Mode::User => {
+                let base = std::env::var_os("XDG_CONFIG_HOME").map(PathBuf::from).or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config")));
+                base.unwrap_or_else(|| PathBuf::from(".config")).join("inferd/inferd.toml")
+            }
+        }
+    }
+
+    /// The socket served when neither the config nor `--socket` names one.
+    pub fn default_socket(self) -> PathBuf {
+        match self {
+            Mode::System => PathBuf::from("/run/inferd/inferd.sock"),
+            Mode::User => crate::paths::default_socket(),
+        }
+    }
+}
+
+/// The effective uid of this process (the owner of its `/proc/self` entry).
+pub fn effective_uid() -> Option<u32> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self").ok().map(|m| m.uid())
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub server: Server,
+    pub scheduler: Scheduler,
+    pub limits: Limits,
+    /// Plugin directories searched for decoding strategies (empty: the built-in search path).
+    pub plugin_dirs: Vec<PathBuf>,
+    /// The models to load, one engine thread each; empty means the default model.
+    #[serde(rename = "model")]
+    pub models: Vec<ModelConfig>,
+}
+
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Server {
+    /// The Unix socket (empty: the mode's default).
+    pub socket: Option<PathBuf>,
+    /// The socket file's permissions, as an octal string ("0660").
+    pub socket_mode: String,
+    /// The group owning the socket file (empty: the daemon's own group).
+    pub socket_group: Option<String>,
+    /// An additional HTTP listener on a loopback address ("127.0.0.1:8080"); off by default.
+    /// It has no peer credentials: its requests count as one anonymous user.
+    pub tcp: Option<String>,
+    /// Serve `org.inferd.Inference1` on the mode's bus.
+    pub dbus: bool,
+    /// Compute threads per model; 0 means one per core.
+    pub threads: usize,
+    /// Seconds in-flight requests get to finish after SIGTERM before they are cancelled.
+    pub shutdown_grace_secs: u64,
+}
+
+impl Default for Server {
+    fn default() -> Self {
+        Server { socket: None, socket_mode: "0660".into(), socket_group: None, tcp: None, dbus: true, threads: 0, shutdown_grace_secs: 10 }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Scheduler {
+    /// Tokens per engine step, decode tokens and prompt chunks together.
+    pub token_budget: usize,
+    /// Requests running at once per model.
+    pub max_running: usize,
+}
+
+impl Default for Scheduler {
+    fn default() -> Self {
+        Scheduler { token_budget: 512, max_running: 64 }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// Requests one user (peer uid) may have in flight at once; more get 429.
+    pub max_requests_per_user: usize,
+    /// Most new tokens one request may ask for (also capped by the context length).
+    pub max_tokens: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { max_requests_per_user: 16, max_tokens: 4096 }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// A GGUF file or a Hugging Face directory.
+    pub path: PathBuf,
+    /// The name requests use (default: the model's own name).
+    pub name: Option<String>,
+    /// Memory for this model's KV cache, in MiB.
+    #[serde(default = "default_kv_mib")]
+    pub kv_cache_mib: usize,
+    /// Caps the model's context length (0: the model's own).
+    #[serde(default)]
+    pub context_len: usize,
+    /// A draft model (same vocabulary) bound to this one for speculative decoding.
+    pub draft: Option<PathBuf>,
+}
+
+fn default_kv_mib() -> usize {
+    512
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("{path}: {message}")]
+    Invalid { path: PathBuf, message: String },
+}
+
+impl Config {
+    /// Reads `path`; a missing file gives the defaults when `required` is false.
+    pub fn load(path: &Path, required: bool) -> Result<Config, ConfigError> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => Config::parse(&text, path),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !required => Ok(Config::default()),
+            Err(source) => Err(ConfigError::Read { path: path.to_owned(), source }),
+        }
+    }
+
+    /// Parses the text of `path` (named in errors) and checks the values.
+    pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
+        // toml's message names the unknown key and shows the line it is on.
+        let cfg: Config = toml::from_str(text).map_err(|e| ConfigError::Parse { path: path.to_owned(), message: e.to_string().trim_end().to_owned() })?;
+        let invalid = |message: String| ConfigError::Invalid { path: path.to_owned(), message };
+        cfg.socket_mode().map_err(invalid)?;
+        if cfg.scheduler.token_budget == 0 || cfg.scheduler.max_running == 0 {
+            return Err(invalid("scheduler.token_budget and scheduler.max_running must be at least 1".into()));
+        }
+        if cfg.limits.max_requests_per_user == 0 || cfg.limits.max_tokens == 0 {
+            return Err(invalid("limits.max_requests_per_user and limits.max_tokens must be at least 1".into()));
+        }
+        if let Some(m) = cfg.models.iter().find(|m| m.kv_cache_mib == 0) {
+            return Err(invalid(format!("model {}: kv_cache_mib must be at least 1", m.path.display())));
+        }
+        Ok(cfg)
+    }
+
+    /// `server.socket_mode` as permission bits.
+    pub fn socket_mode(&self) -> Result<u32, String> {
+        let s = self.server.socket_mode.trim_start_matches("0o");
+        u32::from_str_radix(s, 8).ok().filter(|m| *m <= 0o777).ok_or_else(|| format!("server.socket_mode must be octal permission bits such as \"0660\", not {:?}", self.server.socket_mode))
+    }
+}
+
+/// The gid of group `name` from `/etc/group`.
+pub fn group_id(name: &str) -> Option<u32> {
+    let text = std::fs::read_to_string("/etc/group").ok()?;
+    text.lines().find_map(|l| {
+        let mut f = l.split(':');
+        (f.next()? == name).then_some(())?;
+        f.next()?;
+        f.next()?.parse().ok()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_packaged_default_config_is_the_default() {
+        let path = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../packaging/inferd.toml"));
+        let text = std::fs::read_to_string(path).expect("packaging/inferd.toml");
+        let cfg = Config::parse(&text, path).expect("parses");
+        assert_eq!(cfg, Config { models: cfg.models.clone(), ..Config::default() });
+        assert_eq!(cfg.socket_mode(), Ok(0o660));
+    }
+
+    #[test]
+    fn unknown_keys_name_the_key_and_the_file() {
+        let p = Path::new("/etc/inferd/inferd.toml");
+        let e = Config::parse("[server]\nsockett = \"/tmp/x\"\n", p).expect_err("unknown key");
+        let msg = e.to_string();
+        assert!(msg.contains("/etc/inferd/inferd.toml") && msg.contains("sockett"), "{msg}");
+        let e = Config::parse("colour = 1\n", p).expect_err("unknown top-level key").to_string();
+        assert!(e.contains("colour"), "{e}");
+        let e = Config::parse("[[model]]\npath = \"a.gguf\"\nkv_mib = 3\n", p).expect_err("unknown model key").to_string();
+        assert!(e.contains("kv_mib"), "{e}");
+    }
+
+    #[test]
+    fn values_are_checked() {
+        let p = Path::new("x.toml");
+        assert!(Config::parse("[server]\nsocket_mode = \"0999\"\n", p).is_err());
+        assert!(Config::parse("[server]\nsocket_mode = 660\n", p).is_err(), "a number is not the octal string");
+        assert!(Config::parse("[scheduler]\ntoken_budget = 0\n", p).is_err());
+        assert!(Config::parse("[limits]\nmax_requests_per_user = 0\n", p).is_err());
+        let cfg = Config::parse("[server]\nsocket_mode = \"0600\"\n[[model]]\npath = \"/m/a.gguf\"\nname = \"a\"\ndraft = \"/m/b.gguf\"\n[[model]]\npath = \"/m/c\"\n", p).expect("valid");
+        assert_eq!(cfg.socket_mode(), Ok(0o600));
+        assert_eq!(cfg.models.len(), 2);
+        assert_eq!(cfg.models[0].draft.as_deref(), Some(Path::new("/m/b.gguf")));
+        assert_eq!(cfg.models[1].kv_cache_mib, 512);
+        assert!(Config::load(Path::new("/nonexistent/inferd.toml"), false).is_ok());
+        assert!(Config::load(Path::new("/nonexistent/inferd.toml"), true).is_err());
+    }
+
+    #[test]
+    fn group_ids_come_from_etc_group() {
+        assert_eq!(group_id("root"), Some(0));
+        assert_eq!(group_id("no-such-group-here"), None);
+    }
+}

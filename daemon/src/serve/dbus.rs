@@ -1,0 +1,357 @@
+//! The D-Bus edge (zbus): `org.inferd.Inference1` at `/org/inferd/Inference1` on the system bus
+//! (system mode) or the session bus (user mode). `Generate` and `Chat` return a request object
+//! (`/org/inferd/Inference1/request/<n>`, interface `org.inferd.Inference1.Request`) whose
+//! `Token`, `Finished` and `Failed` signals go to the calling connection only (unicast, so no
+//! other user reads the text); `Complete` answers with the whole text. The caller's uid (bus
+//! credentials) counts against the same per-user limit as a socket peer's, and a caller that
+//! leaves the bus has its requests cancelled. Options (`a{sv}`) carry the HTTP fields and go
+//! through the same checks ([`request`](super::request)).
+//!
+//! The introspection data is checked in (`daemon/dbus/org.inferd.Inference1.xml`); a test
+//! compares it with what the daemon serves.
+
+use super::config::Mode;
+use super::engine_loop::{Command, RequestId};
+use super::request::{self, ApiError, Output, Piece};
+use super::{ModelHandle, Shared};
+use serde_json::{Map, Value as Json};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use zbus::fdo;
+use zbus::message::Header;
+use zbus::names::{BusName, UniqueName};
+use zbus::object_server::SignalEmitter;
+use zbus::zvariant::{ObjectPath, OwnedObjectPath, OwnedValue, Value};
+use zbus::{interface, Connection};
+
+pub const NAME: &str = "org.inferd.Inference1";
+pub const PATH: &str = "/org/inferd/Inference1";
+
+/// Requests in flight per caller (unique bus name), to cancel when the caller leaves.
+type Owners = Arc<Mutex<HashMap<String, Vec<(Arc<ModelHandle>, RequestId)>>>>;
+
+pub struct Inference {
+    sh: Arc<Shared>,
+    owners: Owners,
+}
+
+fn failed(e: ApiError) -> fdo::Error {
+    match e.status {
+        400 | 413 => fdo::Error::InvalidArgs(e.message),
+        404 => fdo::Error::InvalidArgs(e.message),
+        429 => fdo::Error::LimitsExceeded(e.message),
+        _ => fdo::Error::Failed(e.message),
+    }
+}
+
+/// An `a{sv}` option as the JSON value the HTTP field would have.
+fn option_json(key: &str, v: &Value<'_>) -> Result<Json, ApiError> {
+    let bad = || ApiError::bad(format!("option {key} has an unsupported type {}", v.value_signature()), "options");
+    Ok(match v {
+        Value::Value(inner) => return option_json(key, inner),
+        Value::Bool(b) => Json::from(*b),
+        Value::U8(x) => Json::from(*x),
+        Value::I16(x) => Json::from(*x),
+        Value::U16(x) => Json::from(*x),
+        Value::I32(x) => Json::from(*x),
+        Value::U32(x) => Json::from(*x),
+        Value::I64(x) => Json::from(*x),
+        Value::U64(x) => Json::from(*x),
+        Value::F64(x) => Json::from(*x),
+        Value::Str(s) if key == "decoder_params" => serde_json::from_str(s).map_err(|e| ApiError::bad(format!("decoder_params is not JSON: {e}"), "decoder_params"))?,
+        Value::Str(s) => Json::from(s.as_str()),
+        Value::Array(a) => Json::Array(a.iter().map(|x| option_json(key, x)).collect::<Result<_, _>>()?),
+        _ => return Err(bad()),
+    })
+}
+
+const OPTIONS: [&str; 14] = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "decoder", "decoder_params", "frequency_penalty", "presence_penalty", "priority", "n", "logit_bias"];
+
+fn options_json(options: &HashMap<String, OwnedValue>) -> Result<Map<String, Json>, ApiError> {
+    let mut m = Map::new();
+    for (k, v) in options {
+        if !OPTIONS.contains(&k.as_str()) {
+            return Err(ApiError::bad(format!("unknown option {k:?} (known: {})", OPTIONS.join(", ")), "options"));
+        }
+        let j = option_json(k, v)?;
+        // logit_bias travels as JSON text, like decoder_params.
+        let j = match (k.as_str(), j) {
+            ("logit_bias", Json::String(s)) => serde_json::from_str(&s).map_err(|e| ApiError::bad(format!("logit_bias is not JSON: {e}"), "logit_bias"))?,
+            (_, j) => j,
+        };
+        m.insert(k.clone(), j);
+    }
+    if m.get("n").and_then(Json::as_u64).is_some_and(|n| n != 1) {
+        return Err(ApiError::bad("over D-Bus a request has one choice (n = 1)", "n"));
+    }
+    Ok(m)
+}
+
+/// The uid of a bus connection, from the bus.
+async fn caller_uid(conn: &Connection, sender: &UniqueName<'_>) -> fdo::Result<u32> {
+    let proxy = fdo::DBusProxy::new(conn).await?;
+    proxy.get_connection_unix_user(BusName::Unique(sender.clone())).await
+}
+
+impl Inference {
+    /// Checks and submits a request for `sender`; returns it with its output decoder.
+    async fn start(&self, conn: &Connection, hdr: &Header<'_>, ids: Result<(Arc<ModelHandle>, Vec<u32>), ApiError>, options: &HashMap<String, OwnedValue>) -> fdo::Result<(request::Submitted, Output, String)> {
+        let sender = hdr.sender().ok_or_else(|| fdo::Error::Failed("a call without a sender".into()))?.to_owned();
+        let uid = caller_uid(conn, &sender).await?;
+        let m = options_json(options).map_err(failed)?;
+        let (handle, ids) = ids.map_err(failed)?;
+        let p = request::prepare(&self.sh, handle, &m, ids).map_err(failed)?;
+        let out = Output::new(1, p.stop.clone());
+        let sub = request::submit(&self.sh, p, uid).map_err(failed)?;
+        if let Ok(mut o) = self.owners.lock() {
+            o.entry(sender.to_string()).or_default().push((Arc::clone(&sub.model), sub.id));
+        }
+        Ok((sub, out, sender.to_string()))
+    }
+
+    fn prompt_ids(&self, model: &str, prompt: &str) -> Result<(Arc<ModelHandle>, Vec<u32>), ApiError> {
+        let h = self.sh.model(Some(model))?;
+        let ids = request::encode_prompt(&h.model, prompt)?;
+        Ok((h, ids))
+    }
+
+    fn chat_ids(&self, model: &str, messages: &[HashMap<String, String>]) -> Result<(Arc<ModelHandle>, Vec<u32>), ApiError> {
+        let h = self.sh.model(Some(model))?;
+        let msgs: Vec<(String, String)> = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| match (m.get("role"), m.get("content")) {
+                (Some(r), Some(c)) => Ok((r.clone(), c.clone())),
+                _ => Err(ApiError::bad(format!("messages[{i}] needs a role and a content"), "messages")),
+            })
+            .collect::<Result<_, _>>()?;
+        let ids = request::encode_chat(&h.model, &msgs)?;
+        Ok((h, ids))
+    }
+
+    /// Exports a request object and streams its signals to `sender` from a task.
+    async fn stream(&self, conn: &Connection, started: (request::Submitted, Output, String)) -> fdo::Result<OwnedObjectPath> {
+        let (sub, out, sender) = started;
+        let path = OwnedObjectPath::try_from(format!("{PATH}/request/{}", sub.id)).map_err(|e| fdo::Error::Failed(e.to_string()))?;
+        let obj = RequestObject { model: Arc::clone(&sub.model), id: sub.id, owner: sender.clone() };
+        conn.object_server().at(&path, obj).await?;
+        let (conn, p, owners) = (conn.clone(), path.clone(), Arc::clone(&self.owners));
+        tokio::spawn(async move {
+            forward(&conn, &p, sub, out, &sender).await;
+            let _ = conn.object_server().remove::<RequestObject, _>(&p).await;
+            forget(&owners, &sender, &p);
+        });
+        Ok(path)
+    }
+}
+
+/// Drops a finished request from its owner's list.
+fn forget(owners: &Owners, sender: &str, path: &ObjectPath<'_>) {
+    let id: Option<RequestId> = path.as_str().rsplit('/').next().and_then(|s| s.parse().ok());
+    if let (Ok(mut o), Some(id)) = (owners.lock(), id) {
+        if let Some(list) = o.get_mut(sender) {
+            list.retain(|(_, r)| *r != id);
+            if list.is_empty() {
+                o.remove(sender);
+            }
+        }
+    }
+}
+
+/// Token counts as the `Finished` signal's `usage`.
+fn usage(prompt: usize, completion: usize) -> HashMap<&'static str, Value<'static>> {
+    HashMap::from([("prompt_tokens", Value::from(prompt as u32)), ("completion_tokens", Value::from(completion as u32)), ("total_tokens", Value::from((prompt + completion) as u32))])
+}
+
+/// The request's pieces as unicast signals to `sender`.
+async fn forward(conn: &Connection, path: &ObjectPath<'_>, mut sub: request::Submitted, mut out: Output, sender: &str) {
+    let Ok(dest) = UniqueName::try_from(sender.to_owned()) else { return };
+    let Ok(emitter) = SignalEmitter::new(conn, path.to_owned()) else { return };
+    let emitter = emitter.set_destination(BusName::Unique(dest));
+    let mut reason = "stop";
+    while let Some(ev) = sub.events.recv().await {
+        for piece in out.on_event(&sub.model.model, ev) {
+            let sent = match piece {
+                Piece::Text { text, .. } if text.is_empty() => Ok(()),
+                Piece::Text { text, token, .. } => RequestObject::token(&emitter, &text, token).await,
+                Piece::End { text, reason: r, .. } => {
+                    reason = r;
+                    // The held-back tail of the text: no single token completed it.
+                    if text.is_empty() { Ok(()) } else { RequestObject::token(&emitter, &text, u32::MAX).await }
+                }
+                Piece::Done { completion_tokens, .. } => {
+                    let _ = RequestObject::finished(&emitter, reason, usage(sub.prompt_tokens, completion_tokens)).await;
+                    return;
+                }
+                Piece::Failed(msg) => {
+                    let _ = RequestObject::failed(&emitter, &msg).await;
+                    return;
+                }
+            };
+            if sent.is_err() {
+                return; // the bus connection is gone: dropping `sub` cancels the request
+            }
+        }
+        if out.all_stopped() {
+            if let Ok(tx) = sub.model.engine.lock() {
+                let _ = tx.send(Command::Cancel(sub.id));
+            }
+            if let Piece::Done { completion_tokens, .. } = out.done_by_stop() {
+                let _ = RequestObject::finished(&emitter, "stop", usage(sub.prompt_tokens, completion_tokens)).await;
+            }
+            return;
+        }
+    }
+}
+
+#[interface(name = "org.inferd.Inference1")]
+impl Inference {
+    /// Starts generating from `prompt`; tokens arrive as signals of the returned request object.
+    #[zbus(out_args("request"))]
+    async fn generate(&self, #[zbus(header)] hdr: Header<'_>, #[zbus(connection)] conn: &Connection, model: &str, prompt: &str, options: HashMap<String, OwnedValue>) -> fdo::Result<OwnedObjectPath> {
+        let started = self.start(conn, &hdr, self.prompt_ids(model, prompt), &options).await?;
+        self.stream(conn, started).await
+    }
+
+    /// Starts a chat answer to `messages` (each with `role` and `content`).
+    #[zbus(out_args("request"))]
+    async fn chat(&self, #[zbus(header)] hdr: Header<'_>, #[zbus(connection)] conn: &Connection, model: &str, messages: Vec<HashMap<String, String>>, options: HashMap<String, OwnedValue>) -> fdo::Result<OwnedObjectPath> {
+        let started = self.start(conn, &hdr, self.chat_ids(model, &messages), &options).await?;
+        self.stream(conn, started).await
+    }
+
+    /// Generates from `prompt` and answers with the whole text.
+    #[zbus(out_args("text"))]
+    async fn complete(&self, #[zbus(header)] hdr: Header<'_>, #[zbus(connection)] conn: &Connection, model: &str, prompt: &str, options: HashMap<String, OwnedValue>) -> fdo::Result<String> {
+        let (mut sub, mut out, sender) = self.start(conn, &hdr, self.prompt_ids(model, prompt), &options).await?;
+        let mut text = String::new();
+        let result = 'events: loop {
+            let Some(ev) = sub.events.recv().await else { break Err(fdo::Error::Failed("the engine stopped".into())) };
+            for piece in out.on_event(&sub.model.model, ev) {
+                match piece {
+                    Piece::Text { text: t, .. } | Piece::End { text: t, .. } => text.push_str(&t),
+                    Piece::Done { .. } => break 'events Ok(()),
+                    Piece::Failed(m) => break 'events Err(fdo::Error::Failed(m)),
+                }
+            }
+            if out.all_stopped() {
+                if let Ok(tx) = sub.model.engine.lock() {
+                    let _ = tx.send(Command::Cancel(sub.id));
+                }
+                break Ok(());
+            }
+        };
+        if let Ok(mut o) = self.owners.lock() {
+            if let Some(list) = o.get_mut(&sender) {
+                list.retain(|(_, r)| *r != sub.id);
+            }
+        }
+        result.map(|()| text)
+    }
+
+    #[zbus(out_args("tokens"))]
+    async fn tokenize(&self, model: &str, text: &str) -> fdo::Result<Vec<u32>> {
+        let h = self.sh.model(Some(model)).map_err(failed)?;
+        h.model.tokenizer.encode(text, false).map_err(|e| fdo::Error::InvalidArgs(e.to_string()))
+    }
+
+    #[zbus(property)]
+    async fn models(&self) -> Vec<String> {
+        self.sh.models.iter().map(|m| m.name.clone()).collect()
+    }
+
+    #[zbus(property)]
+    async fn strategies(&self) -> Vec<String> {
+        self.sh.registry().names()
+    }
+
+    #[zbus(property)]
+    async fn status(&self) -> HashMap<String, OwnedValue> {
+        let mut st: HashMap<String, OwnedValue> = HashMap::new();
+        let mut put = |k: &str, v: Value<'_>| {
+            if let Ok(o) = OwnedValue::try_from(v) {
+                st.insert(k.to_owned(), o);
+            }
+        };
+        let (mut running, mut waiting, mut total, mut free, mut cached) = (0u32, 0u32, 0u32, 0u32, 0u32);
+        for m in &self.sh.models {
+            let s = m.monitor.snapshot();
+            running += s.running as u32;
+            waiting += s.waiting as u32;
+            total += s.kv.total as u32;
+            free += s.kv.free as u32;
+            cached += s.kv.cached as u32;
+        }
+        put("state", Value::from(if self.sh.draining.load(std::sync::atomic::Ordering::Relaxed) { "stopping" } else { "ready" }));
+        put("uptime_seconds", Value::from(self.sh.started.elapsed().as_secs_f64()));
+        put("running", Value::from(running));
+        put("waiting", Value::from(waiting));
+        put("kv_blocks_total", Value::from(total));
+        put("kv_blocks_free", Value::from(free));
+        put("kv_blocks_cached", Value::from(cached));
+        st
+    }
+}
+
+/// One request in flight, as a D-Bus object.
+pub struct RequestObject {
+    model: Arc<ModelHandle>,
+    id: RequestId,
+    owner: String,
+}
+
+#[interface(name = "org.inferd.Inference1.Request")]
+impl RequestObject {
+    /// Stops the request; only its caller may.
+    async fn cancel(&self, #[zbus(header)] hdr: Header<'_>) -> fdo::Result<()> {
+        if hdr.sender().map(|s| s.as_str()) != Some(self.owner.as_str()) {
+            return Err(fdo::Error::AccessDenied("only the caller that started a request may cancel it".into()));
+        }
+        if let Ok(tx) = self.model.engine.lock() {
+            let _ = tx.send(Command::Cancel(self.id));
+        }
+        Ok(())
+    }
+
+    /// A piece of text and the token that completed it.
+    #[zbus(signal)]
+    async fn token(emitter: &SignalEmitter<'_>, text: &str, token_id: u32) -> zbus::Result<()>;
+
+    /// The request ended: `reason` is "stop" or "length"; `usage` has the token counts.
+    #[zbus(signal)]
+    async fn finished(emitter: &SignalEmitter<'_>, reason: &str, usage: HashMap<&str, Value<'_>>) -> zbus::Result<()>;
+
+    #[zbus(signal)]
+    async fn failed(emitter: &SignalEmitter<'_>, message: &str) -> zbus::Result<()>;
+}
+
+/// Connects to the mode's bus, serves the interface and owns the name; a task cancels the
+/// requests of callers that leave the bus.
+pub async fn serve(sh: Arc<Shared>, mode: Mode) -> zbus::Result<Connection> {
+    let owners: Owners = Arc::default();
+    let iface = Inference { sh, owners: Arc::clone(&owners) };
+    let builder = match mode {
+        Mode::System => zbus::connection::Builder::system()?,
+        Mode::User => zbus::connection::Builder::session()?,
+    };
+    let conn = builder.serve_at(PATH, iface)?.name(NAME)?.build().await?;
+    let proxy = fdo::DBusProxy::new(&conn).await?;
+    let mut gone = proxy.receive_name_owner_changed().await?;
+    tokio::spawn(async move {
+        use tokio_stream::StreamExt;
+        while let Some(sig) = gone.next().await {
+            let Ok(args) = sig.args() else { continue };
+            if args.new_owner().is_some() {
+                continue;
+            }
+            let name = args.name().to_string();
+            let left = owners.lock().ok().and_then(|mut o| o.remove(&name));
+            for (model, id) in left.into_iter().flatten() {
+                if let Ok(tx) = model.engine.lock() {
+                    let _ = tx.send(Command::Cancel(id));
+                }
+            }
+        }
+    });
+    Ok(conn)
+}

@@ -1,0 +1,374 @@
+//! The request path both edges share (HTTP and D-Bus): the OpenAI-style fields of a request,
+//! checked and turned into a [`Submission`] for the right model's engine thread; the per-user
+//! limit; and the way back, [`Output`], which turns the engine's token events into text pieces
+//! per choice, with stop strings applied. Errors are [`ApiError`]s, which each edge renders in
+//! its own protocol (the OpenAI error object, a D-Bus error).
+
+use super::engine_loop::{Command, Event, Priority, RequestId, RequestMeta, Submission};
+use super::{ModelHandle, Shared};
+use crate::model::Model;
+use crate::plugin::{FinishReason, LoadedStrategy, PluginError, Session, SessionRequest};
+use crate::tokenizer::stream::StreamDecoder;
+use serde_json::{Map, Value};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+/// A request refused, with the HTTP status that fits.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ApiError {
+    pub status: u16,
+    pub message: String,
+    pub param: Option<&'static str>,
+}
+
+impl ApiError {
+    pub fn bad(message: impl Into<String>, param: &'static str) -> ApiError {
+        ApiError { status: 400, message: message.into(), param: Some(param) }
+    }
+    pub fn new(status: u16, message: impl Into<String>, param: Option<&'static str>) -> ApiError {
+        ApiError { status, message: message.into(), param }
+    }
+    /// The OpenAI error type for the status.
+    pub fn kind(&self) -> &'static str {
+        match self.status {
+            400 | 404 | 413 => "invalid_request_error",
+            429 => "rate_limit_error",
+            _ => "server_error",
+        }
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+/// A checked request, ready for its engine thread.
+pub struct Prepared {
+    pub model: Arc<ModelHandle>,
+    pub strategy: Arc<LoadedStrategy>,
+    pub prompt: Vec<u32>,
+    pub params: String,
+    pub max_tokens: u32,
+    pub n: u32,
+    pub seed: u64,
+    pub priority: Priority,
+    pub stop: Vec<String>,
+}
+
+impl Shared {
+    /// The model a request names (`model` field), or the first one configured.
+    pub fn model(&self, name: Option<&str>) -> Result<Arc<ModelHandle>, ApiError> {
+        match name {
+            None | Some("") => self.models.first().cloned().ok_or_else(|| ApiError::new(503, "no model is loaded", None)),
+            Some(n) => self.models.iter().find(|m| m.name == n).cloned().ok_or_else(|| {
+                let names: Vec<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
+                ApiError::new(404, format!("unknown model {n:?} (loaded: {})", names.join(", ")), Some("model"))
+            }),
+        }
+    }
+}
+
+/// `prompt` text as token ids.
+pub fn encode_prompt(model: &Model, text: &str) -> Result<Vec<u32>, ApiError> {
+    model.tokenizer.encode(text, false).map_err(|e| ApiError::bad(e.to_string(), "prompt"))
+}
+
+/// Chat messages rendered with the model's own template, as token ids.
+pub fn encode_chat(model: &Model, messages: &[(String, String)]) -> Result<Vec<u32>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::bad("messages is empty", "messages"));
+    }
+    let msgs: Vec<crate::chat::ChatMessage> = messages.iter().map(|(r, c)| crate::chat::ChatMessage::new(r, c)).collect();
+    let tok = &model.tokenizer;
+    let bos = tok.bos().map(|b| tok.token_text(b)).unwrap_or_default();
+    let eos = tok.eos().first().map(|&e| tok.token_text(e)).unwrap_or_default();
+    let text = crate::chat::ChatTemplate::new(model.chat_template.as_deref(), bos, eos)
+        .and_then(|t| t.render(&msgs, true))
+        .map_err(|e| ApiError::bad(format!("the chat template failed: {e}"), "messages"))?;
+    tok.encode(&text, true).map_err(|e| ApiError::bad(e.to_string(), "messages"))
+}
+
+/// The `messages` field of a chat request as (role, content) pairs.
+pub fn chat_messages(m: &Map<String, Value>) -> Result<Vec<(String, String)>, ApiError> {
+    let list = m.get("messages").and_then(Value::as_array).ok_or_else(|| ApiError::bad("messages must be an array", "messages"))?;
+    list.iter()
+        .enumerate()
+        .map(|(i, msg)| match (msg.get("role").and_then(Value::as_str), msg.get("content").and_then(Value::as_str)) {
+            (Some(r), Some(c)) => Ok((r.to_owned(), c.to_owned())),
+            _ => Err(ApiError::bad(format!("messages[{i}] needs a string role and a string content"), "messages")),
+        })
+        .collect()
+}
+
+/// The strategy and its parameters for an OpenAI-style request: `decoder` and
+/// `decoder_params` when given; otherwise greedy at temperature 0, min-p when `min_p` is set,
+/// nucleus sampling else, with the request's sampling fields as parameters.
+fn strategy_of(m: &Map<String, Value>) -> Result<(String, String), ApiError> {
+    if let Some(d) = m.get("decoder").filter(|v| !v.is_null()) {
+        let name = d.as_str().ok_or_else(|| ApiError::bad("decoder must be a string", "decoder"))?;
+        let params = match m.get("decoder_params") {
+            None | Some(Value::Null) => "{}".to_string(),
+            Some(Value::Object(o)) => Value::Object(o.clone()).to_string(),
+            Some(Value::String(s)) => s.clone(),
+            Some(_) => return Err(ApiError::bad("decoder_params must be a JSON object", "decoder_params")),
+        };
+        return Ok((name.to_owned(), params));
+    }
+    let temperature = m.get("temperature").and_then(Value::as_f64);
+    let name = if temperature == Some(0.0) {
+        "greedy"
+    } else if m.get("min_p").is_some_and(|v| !v.is_null()) {
+        "min-p"
+    } else {
+        "nucleus"
+    };
+    let keys: &[&str] = match name {
+        "greedy" => &[],
+        "min-p" => &["temperature", "min_p", "frequency_penalty", "presence_penalty", "logit_bias"],
+        _ => &["temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty", "logit_bias"],
+    };
+    let params: Map<String, Value> = keys.iter().filter_map(|k| m.get(*k).filter(|v| !v.is_null()).map(|v| ((*k).to_owned(), v.clone()))).collect();
+    Ok((name.to_owned(), Value::Object(params).to_string()))
+}
+
+fn uint(m: &Map<String, Value>, key: &'static str, default: u64, max: u64) -> Result<u64, ApiError> {
+    match m.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(v) => v.as_u64().filter(|&x| x <= max).ok_or_else(|| ApiError::bad(format!("{key} must be an integer between 0 and {max}"), key)),
+    }
+}
+
+/// `stop`: a string or an array of at most 4 non-empty strings.
+fn stops(m: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
+    let list = match m.get("stop") {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a.iter().map(|v| v.as_str().map(str::to_owned)).collect::<Option<Vec<_>>>().ok_or_else(|| ApiError::bad("stop must be a string or an array of strings", "stop"))?,
+        Some(_) => return Err(ApiError::bad("stop must be a string or an array of strings", "stop")),
+    };
+    if list.len() > 4 || list.iter().any(String::is_empty) {
+        return Err(ApiError::bad("stop takes at most 4 non-empty strings", "stop"));
+    }
+    Ok(list)
+}
+
+/// Checks the fields of request `m` whose prompt is `prompt` for `model`.
+pub fn prepare(sh: &Shared, model: Arc<ModelHandle>, m: &Map<String, Value>, prompt: Vec<u32>) -> Result<Prepared, ApiError> {
+    let ctx = model.context_len as u64;
+    let cap = u64::from(sh.limits().max_tokens).min(ctx);
+    let max_tokens = uint(m, "max_tokens", 16.min(cap), cap)? as u32;
+    let n = uint(m, "n", 1, 16)? as u32;
+    if n == 0 {
+        return Err(ApiError::bad("n must be at least 1", "n"));
+    }
+    let seed = match m.get("seed") {
+        None | Some(Value::Null) => sh.next_id.load(Ordering::Relaxed).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5eed,
+        _ => uint(m, "seed", 0, u64::MAX)?,
+    };
+    let priority = match m.get("priority") {
+        None | Some(Value::Null) => Priority::Interactive,
+        Some(v) => v.as_str().and_then(Priority::parse).ok_or_else(|| ApiError::bad("priority must be \"interactive\" or \"background\"", "priority"))?,
+    };
+    let stop = stops(m)?;
+    let (name, params) = strategy_of(m)?;
+    let strategy = match sh.registry().get(&name) {
+        Ok(s) => s,
+        Err(e @ PluginError::UnknownStrategy { .. }) => return Err(ApiError::new(404, e.to_string(), Some("decoder"))),
+        Err(e) => return Err(ApiError::new(503, e.to_string(), Some("decoder"))),
+    };
+    if prompt.is_empty() {
+        return Err(ApiError::bad("the prompt is empty", "prompt"));
+    }
+    if prompt.len() as u64 + u64::from(max_tokens) > ctx {
+        return Err(ApiError::new(413, format!("{} prompt tokens + max_tokens {max_tokens} exceed the context length {ctx}", prompt.len()), Some("prompt")));
+    }
+    let tok = &model.model.tokenizer;
+    let req = SessionRequest { prompt: &prompt, generated: &[], params: &params, max_tokens, n, seed, eos: tok.eos(), logprobs: false };
+    Session::validate(&strategy, model.model.config.vocab as u32, model.roles, &req).map_err(|e| ApiError::bad(e.to_string(), "decoder_params"))?;
+    Ok(Prepared { model, strategy, prompt, params, max_tokens, n, seed, priority, stop })
+}
+
+/// Requests in flight per user, against `limits.max_requests_per_user`.
+#[derive(Debug, Default)]
+pub struct UserLimits {
+    active: Mutex<HashMap<u32, usize>>,
+}
+
+/// One request's place under its user's limit, given back when dropped.
+#[derive(Debug)]
+pub struct Slot {
+    owner: Arc<Shared>,
+    uid: u32,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if let Ok(mut a) = self.owner.users.active.lock() {
+            if let Some(c) = a.get_mut(&self.uid) {
+                *c -= 1;
+                if *c == 0 {
+                    a.remove(&self.uid);
+                }
+            }
+        }
+    }
+}
+
+impl UserLimits {
+    /// Requests in flight per uid.
+    pub fn snapshot(&self) -> BTreeMap<u32, usize> {
+        self.active.lock().map(|a| a.iter().map(|(k, v)| (*k, *v)).collect()).unwrap_or_default()
+    }
+}
+
+/// A submitted request: its id (for cancelling), its user slot, its events.
+pub struct Submitted {
+    pub id: RequestId,
+    pub model: Arc<ModelHandle>,
+    pub slot: Slot,
+    pub prompt_tokens: usize,
+    pub events: tokio::sync::mpsc::UnboundedReceiver<Event>,
+}
+
+/// Takes a place under `uid`'s limit (429 past it) and hands the request to its engine thread.
+pub fn submit(sh: &Arc<Shared>, p: Prepared, uid: u32) -> Result<Submitted, ApiError> {
+    if sh.draining.load(Ordering::Relaxed) {
+        return Err(ApiError::new(503, "the daemon is shutting down", None));
+    }
+    let max = sh.limits().max_requests_per_user;
+    {
+        let mut a = sh.users.active.lock().map_err(|_| ApiError::new(500, "internal error: poisoned lock", None))?;
+        let c = a.entry(uid).or_default();
+        if *c >= max {
+            return Err(ApiError::new(429, format!("user {uid} already has {max} requests in flight (limits.max_requests_per_user)"), None));
+        }
+        *c += 1;
+    }
+    let slot = Slot { owner: Arc::clone(sh), uid };
+    let prompt_tokens = p.prompt.len();
+    let id = sh.next_id.fetch_add(1, Ordering::Relaxed);
+    let (tx, events) = tokio::sync::mpsc::unbounded_channel::<Event>();
+    let meta = RequestMeta { uid, priority: p.priority, submitted: std::time::Instant::now() };
+    let sub = Submission { id, strategy: p.strategy, prompt: p.prompt, params: p.params, max_tokens: p.max_tokens, n: p.n, seed: p.seed, logprobs: false, meta, events: Box::new(move |e| tx.send(e).is_ok()) };
+    let sent = p.model.engine.lock().map(|e| e.send(Command::Submit(sub)).is_ok()).unwrap_or(false);
+    if !sent {
+        return Err(ApiError::new(503, "the engine is not running", None));
+    }
+    Ok(Submitted { id, model: p.model, slot, prompt_tokens, events })
+}
+
+/// What a client hears, choice by choice, once tokens are text.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Piece {
+    Text { choice: u32, text: String, token: u32 },
+    /// A choice ended: "stop" (end of sequence or a stop string) or "length".
+    End { choice: u32, reason: &'static str, text: String },
+    /// Every choice ended.
+    Done { completion_tokens: usize, stats: BTreeMap<String, f64> },
+    Failed(String),
+}
+
+/// Turns engine [`Event`]s into [`Piece`]s: incremental detokenization per choice, stop strings
+/// (text after a stop string is never sent; text that may begin one is held back until it
+/// cannot).
+pub struct Output {
+    stop: Vec<String>,
+    choices: Vec<ChoiceOut>,
+}
+
+#[derive(Default)]
+struct ChoiceOut {
+    dec: StreamDecoder,
+    /// Text decoded but not sent yet (it may be the start of a stop string).
+    held: String,
+    tokens: usize,
+    ended: bool,
+}
+
+impl Output {
+    pub fn new(n: u32, stop: Vec<String>) -> Output {
+        Output { stop, choices: (0..n).map(|_| ChoiceOut { dec: StreamDecoder::new(true), ..ChoiceOut::default() }).collect() }
+    }
+
+    /// Every choice ended through a stop string: the request can be cancelled.
+    pub fn all_stopped(&self) -> bool {
+        self.choices.iter().all(|c| c.ended)
+    }
+
+    pub fn on_event(&mut self, model: &Model, ev: Event) -> Vec<Piece> {
+        let tok = &model.tokenizer;
+        match ev {
+            Event::Token { choice, token } => {
+                let Some(c) = self.choices.get_mut(choice as usize) else { return Vec::new() };
+                if c.ended {
+                    return Vec::new();
+                }
+                c.tokens += 1;
+                let text = c.dec.push(tok, token).unwrap_or_default();
+                c.held.push_str(&text);
+                if let Some(at) = self.stop.iter().filter_map(|s| c.held.find(s.as_str())).min() {
+                    c.held.truncate(at);
+                    c.ended = true;
+                    return vec![Piece::End { choice, reason: "stop", text: std::mem::take(&mut c.held) }];
+                }
+                // Keep back the longest tail that could still begin a stop string.
+                let keep = self.stop.iter().map(|s| partial_suffix(&c.held, s)).max().unwrap_or(0);
+                let send = c.held.len() - keep;
+                let out: String = c.held.drain(..send).collect();
+                vec![Piece::Text { choice, text: out, token }]
+            }
+            Event::Finished(g) => {
+                let mut out = Vec::new();
+                for (i, c) in self.choices.iter_mut().enumerate() {
+                    if c.ended {
+                        continue;
+                    }
+                    let mut text = std::mem::take(&mut c.held);
+                    text.push_str(&c.dec.finish());
+                    let fin = g.choices.get(i);
+                    if c.tokens == 0 {
+                        // A strategy that did not stream its tokens: the final ones are the text.
+                        if let Some(f) = fin {
+                            text = tok.decode(&f.tokens, true).unwrap_or_default();
+                            c.tokens = f.tokens.len();
+                        }
+                    }
+                    let reason = if fin.and_then(|f| f.finish) == Some(FinishReason::Length) { "length" } else { "stop" };
+                    out.push(Piece::End { choice: i as u32, reason, text });
+                }
+                out.push(Piece::Done { completion_tokens: self.choices.iter().map(|c| c.tokens).sum(), stats: g.stats });
+                out
+            }
+            Event::Failed(m) => vec![Piece::Failed(m)],
+        }
+    }
+
+    /// The closing piece when every choice stopped on a stop string (the request is cancelled,
+    /// so no `Finished` event comes).
+    pub fn done_by_stop(&self) -> Piece {
+        Piece::Done { completion_tokens: self.choices.iter().map(|c| c.tokens).sum(), stats: BTreeMap::new() }
+    }
+}
+
+/// The length of the longest proper prefix of `stop` that `text` ends with (on a character
+/// boundary of `text`).
+fn partial_suffix(text: &str, stop: &str) -> usize {
+    (1..stop.len()).rev().find(|&k| text.len() >= k && text.is_char_boundary(text.len() - k) && stop.is_char_boundary(k) && text.ends_with(&stop[..k])).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::partial_suffix;
+
+    #[test]
+    fn partial_stop_strings_are_held_back() {
+        assert_eq!(partial_suffix("hello wor", "world"), 3);
+        assert_eq!(partial_suffix("hello", "world"), 0);
+        assert_eq!(partial_suffix("a\n", "\n\n"), 1);
+        assert_eq!(partial_suffix("x", "x"), 0, "a whole match is not partial");
+        assert_eq!(partial_suffix("é", "éa"), 2);
+    }
+}
