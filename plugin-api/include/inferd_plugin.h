@@ -22,7 +22,9 @@
  * The host drives batching. For each request it creates a session, then repeats:
  *   plan(session)     -> the plugin says, per sequence, which tokens to append and how many
  *                        positions' logits it wants. It must not block and changes no state the
- *                        host can see.
+ *                        host can see: the host may call plan again before observe (a plan
+ *                        postponed to a later step, a prompt prefilled in chunks first), and
+ *                        the same plan must come back.
  *   (the host merges all sessions' plans into one batch and runs the model)
  *   observe(session)  -> the plugin receives those logits and acts through host callbacks: emit
  *                        tokens, finish choices, fork / truncate / free sequences.

@@ -22,12 +22,16 @@ fn registry() -> Registry {
 /// Starts an engine thread over `model` with a KV pool of `blocks` blocks; returns its command
 /// sender and a handle yielding the loop's counters and the engine's live sequence count.
 fn start(model: Arc<Model>, blocks: usize) -> (Sender<Command>, std::thread::JoinHandle<(LoopStats, usize)>) {
+    start_with_budget(model, blocks, 256)
+}
+
+fn start_with_budget(model: Arc<Model>, blocks: usize, token_budget: usize) -> (Sender<Command>, std::thread::JoinHandle<(LoopStats, usize)>) {
     let (tx, rx) = channel();
     let h = std::thread::spawn(move || {
         let bytes = blocks * inferd::backend::cpu::kv_block_bytes(&model.config, 16);
         let mut engine = Engine::cpu(&model, &EngineOptions { threads: 2, kv_budget_bytes: bytes, ..EngineOptions::default() });
         let mut store = EngineStore::new(&mut engine);
-        let stats = engine_loop(&mut store, &rx, &LoopConfig { token_budget: 256, max_running: 64, eos: model.tokenizer.eos().to_vec(), monitor: None });
+        let stats = engine_loop(&mut store, &rx, &LoopConfig { token_budget, max_running: 64, eos: model.tokenizer.eos().to_vec(), monitor: None });
         (stats, engine.kv.sequences())
     });
     (tx, h)
@@ -196,4 +200,48 @@ fn users_take_turns_and_interactive_requests_go_before_background_ones() {
     assert_eq!(admission_order(&reqs, 2), vec![0, 5, 1, 6, 2, 3, 4]);
     // One user alone is served in order (first come, first served).
     assert_eq!(admission_order(&[(7, Interactive), (7, Interactive), (7, Background), (7, Interactive)], 1), vec![0, 1, 3, 2]);
+}
+
+#[test]
+fn a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding() {
+    let model = Arc::new(Model::load(&inferd_e2e::default_model()).unwrap());
+    let reg = registry();
+    let p = |t: &str| model.tokenizer.encode(t, false).unwrap();
+    let story = "The old lighthouse keeper climbed the stairs every evening, counting each step. ".repeat(30);
+    let decoding = Req { id: 21, strategy: "greedy", params: "{}", prompt: p("Ten facts about the moon:"), max_tokens: 40 };
+    let long = Req { id: 22, strategy: "greedy", params: "{}", prompt: p(&story), max_tokens: 4 };
+    assert!(long.prompt.len() > 400, "{}", long.prompt.len());
+    let (tx, h) = start_with_budget(Arc::clone(&model), 2048, 64);
+    // One channel for both, to see how their tokens interleave.
+    let (etx, erx) = channel::<(u64, Event)>();
+    for r in [&decoding, &long] {
+        let etx = etx.clone();
+        let id = r.id;
+        let sub = Submission { id, strategy: reg.get(r.strategy).unwrap(), prompt: r.prompt.clone(), params: r.params.into(), max_tokens: r.max_tokens, n: 1, seed: id, logprobs: false, meta: Default::default(), events: Box::new(move |e| etx.send((id, e)).is_ok()) };
+        tx.send(Command::Submit(sub)).unwrap();
+    }
+    drop(etx);
+    let mut order = Vec::new();
+    let mut results = std::collections::HashMap::new();
+    for (id, e) in erx.iter() {
+        match e {
+            Event::Token { .. } => order.push(id),
+            Event::Finished(g) => {
+                results.insert(id, g.choices[0].tokens.clone());
+                if results.len() == 2 {
+                    break;
+                }
+            }
+            Event::Failed(m) => panic!("request {id} failed: {m}"),
+        }
+    }
+    tx.send(Command::Shutdown).unwrap();
+    let (stats, live) = h.join().unwrap();
+    assert_eq!(results[&21], alone(&model, &reg, &decoding));
+    assert_eq!(results[&22], alone(&model, &reg, &long), "a prompt prefilled in chunks gives the tokens it gives whole");
+    // While the long prompt was prefilled (about 64 tokens a step), the other request went on
+    // decoding a token a step: without chunks it would have waited for the whole prompt.
+    let before_first_long = order.iter().take_while(|&&id| id != 22).count();
+    assert!(before_first_long >= long.prompt.len() / 64 - 1, "only {before_first_long} decode tokens during the prefill: {order:?}");
+    assert_eq!((stats.failed, live), (0, 0));
 }

@@ -63,6 +63,17 @@ pub trait SeqStore {
     fn capacity(&self) -> Option<(usize, usize)> {
         None
     }
+    /// Tokens of `s` appended but not run yet (a fresh prompt after its cached prefix).
+    fn pending(&self, _s: StoreSeq) -> usize {
+        0
+    }
+    /// [`SeqStore::run`], and in the same forward pass the first `k` pending tokens of each
+    /// `(seq, k)` in `prefill` (chunked prefill: no logits; the rest stays pending). A store
+    /// without pending tokens runs `items` alone.
+    fn run_with_prefill(&mut self, items: &[StoreRun], prefill: &[(StoreSeq, usize)]) -> Result<Vec<Vec<f32>>, StoreError> {
+        let _ = prefill;
+        self.run(items)
+    }
     /// Target-model KV cache occupancy and prefix-cache counters, when the store has a cache.
     fn cache_stats(&self) -> Option<CacheStats> {
         None
@@ -119,14 +130,21 @@ impl<'e, B: Backend> EngineStore<'e, B> {
         }
     }
 
-    fn run_on(&mut self, draft: bool, items: &[&StoreRun]) -> Result<Vec<Vec<f32>>, StoreError> {
-        if items.is_empty() {
+    /// Runs `items` (their pending tokens first) and the `prefill` chunks of pending tokens in
+    /// one forward pass on the target or the draft engine; the chunks leave `pending` only when
+    /// the whole call succeeds (the caller drains them).
+    fn run_on(&mut self, draft: bool, items: &[&StoreRun], prefill: &[(StoreSeq, usize)]) -> Result<Vec<Vec<f32>>, StoreError> {
+        if items.is_empty() && prefill.is_empty() {
             return Ok(Vec::new());
         }
         let full: Vec<Vec<u32>> = items.iter().map(|it| self.pending.get(&it.seq).into_iter().flatten().chain(&it.tokens).copied().collect()).collect();
-        let runs: Vec<RunItem<'_>> = items.iter().zip(&full).map(|(it, t)| RunItem { seq: SeqId(it.seq & !DRAFT_BIT), tokens: t, n_logits: it.n_logits }).collect();
+        let chunks: Vec<Vec<u32>> = prefill.iter().map(|&(s, k)| self.pending.get(&s).map(|p| p[..k.min(p.len())].to_vec()).unwrap_or_default()).collect();
+        let mut runs: Vec<RunItem<'_>> = items.iter().zip(&full).map(|(it, t)| RunItem { seq: SeqId(it.seq & !DRAFT_BIT), tokens: t, n_logits: it.n_logits }).collect();
+        runs.extend(prefill.iter().zip(&chunks).map(|(&(s, _), t)| RunItem { seq: SeqId(s & !DRAFT_BIT), tokens: t, n_logits: 0 }));
         let engine = if draft { self.draft.as_deref_mut().ok_or(StoreError::NoDraftModel)? } else { &mut *self.engine };
-        Ok(engine.run(&runs)?)
+        let mut out = engine.run(&runs)?;
+        out.truncate(items.len());
+        Ok(out)
     }
 }
 
@@ -195,24 +213,45 @@ impl<B: Backend> SeqStore for EngineStore<'_, B> {
     }
 
     fn run(&mut self, items: &[StoreRun]) -> Result<Vec<Vec<f32>>, StoreError> {
+        self.run_with_prefill(items, &[])
+    }
+
+    fn pending(&self, s: StoreSeq) -> usize {
+        self.pending.get(&s).map_or(0, Vec::len)
+    }
+
+    fn run_with_prefill(&mut self, items: &[StoreRun], prefill: &[(StoreSeq, usize)]) -> Result<Vec<Vec<f32>>, StoreError> {
         type Indexed<'a> = Vec<(usize, &'a StoreRun)>;
+        // Chunks of target sequences that are not also run whole, at most what is pending.
+        let prefill: Vec<(StoreSeq, usize)> = prefill
+            .iter()
+            .filter(|(s, _)| s & DRAFT_BIT == 0 && !items.iter().any(|it| it.seq == *s))
+            .map(|&(s, k)| (s, k.min(self.pending(s))))
+            .filter(|&(_, k)| k > 0)
+            .collect();
         let (draft, target): (Indexed<'_>, Indexed<'_>) = items.iter().enumerate().partition(|(_, it)| it.seq & DRAFT_BIT != 0);
         let t_items: Vec<&StoreRun> = target.iter().map(|x| x.1).collect();
         let d_items: Vec<&StoreRun> = draft.iter().map(|x| x.1).collect();
-        let before: Vec<usize> = t_items.iter().map(|it| self.engine.kv.len(SeqId(it.seq))).collect();
-        let t_out = self.run_on(false, &t_items)?;
-        let d_out = match self.run_on(true, &d_items) {
+        let target_seqs: Vec<StoreSeq> = t_items.iter().map(|it| it.seq).chain(prefill.iter().map(|p| p.0)).collect();
+        let before: Vec<usize> = target_seqs.iter().map(|&s| self.engine.kv.len(SeqId(s))).collect();
+        let t_out = self.run_on(false, &t_items, &prefill)?;
+        let d_out = match self.run_on(true, &d_items, &[]) {
             Ok(o) => o,
             Err(e) => {
                 // Undo the target half so nothing changed.
-                for (it, &len) in t_items.iter().zip(&before) {
-                    self.engine.kv.truncate(SeqId(it.seq), len);
+                for (&s, &len) in target_seqs.iter().zip(&before) {
+                    self.engine.kv.truncate(SeqId(s), len);
                 }
                 return Err(e);
             }
         };
         for it in items {
             self.pending.remove(&it.seq);
+        }
+        for &(s, k) in &prefill {
+            if let Some(p) = self.pending.get_mut(&s) {
+                p.drain(..k);
+            }
         }
         let mut out = vec![Vec::new(); items.len()];
         for ((i, _), o) in target.into_iter().zip(t_out).chain(draft.into_iter().zip(d_out)) {

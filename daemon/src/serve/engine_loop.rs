@@ -6,7 +6,8 @@
 //! 1. takes the commands that arrived,
 //! 2. admits waiting requests while the KV cache has room for their prompts,
 //! 3. asks every running session for its plan and merges the plans into one batch under the
-//!    step's token budget (a plan that does not fit waits for the next step),
+//!    step's token budget (a plan that does not fit waits for the next step; a prompt that does
+//!    not fit is prefilled a chunk at a time, in the same forward as the others' decode tokens),
 //! 4. runs the batch once and hands every session its rows,
 //! 5. retires finished and failed requests at once, so a short request never waits for a long
 //!    one.
@@ -25,7 +26,7 @@
 //! turns at least once a second even when idle.
 
 use super::monitor::Monitor;
-use crate::decode::store::{SeqStore, StoreError, StoreRun};
+use crate::decode::store::{SeqStore, StoreError, StoreRun, StoreSeq};
 use crate::decode::Generation;
 use crate::engine::EngineError;
 use crate::plugin::{LoadedStrategy, Session, SessionRequest};
@@ -107,6 +108,9 @@ pub enum Command {
     /// Cancel everything and end the loop.
     Shutdown,
 }
+
+/// The smallest prompt chunk a step runs, even when the step's budget is spent.
+const MIN_CHUNK: usize = 16;
 
 /// Scheduler settings.
 #[derive(Clone, Debug)]
@@ -347,13 +351,32 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
         let mut batch: Vec<StoreRun> = Vec::new();
         let mut parts: Vec<(usize, std::ops::Range<usize>)> = Vec::new();
         let mut budget = cfg.token_budget;
+        let mut prefill: Vec<(StoreSeq, usize)> = Vec::new();
         let mut done: Vec<(usize, Result<(), String>)> = Vec::new();
         for (i, r) in running.iter_mut().enumerate() {
             let Running { sub, session, streamed, started, gone, deferred } = r;
             let mut emit = Emit { sub, streamed, started, gone, emitted: &mut emitted, monitor };
             match session.plan(store, &mut |c, t| emit.token(c, t)) {
                 Ok(Some(work)) => {
-                    let tokens: usize = work.iter().map(|w| w.tokens.len().max(1)).sum();
+                    let pending: usize = work.iter().map(|w| store.pending(w.seq)).sum();
+                    let tokens: usize = work.iter().map(|w| w.tokens.len().max(1)).sum::<usize>() + pending;
+                    if tokens > budget && pending > 0 {
+                        // Chunked prefill: part of the prompt runs in this step's forward, next
+                        // to everyone's decode tokens; the plan comes again next step. (At least
+                        // MIN_CHUNK tokens, so a prompt always progresses; at least one token
+                        // stays pending for the plan itself when it brings none.)
+                        let mut room = budget.max(MIN_CHUNK);
+                        for w in &work {
+                            let keep = usize::from(w.tokens.is_empty());
+                            let k = store.pending(w.seq).saturating_sub(keep).min(room);
+                            if k > 0 {
+                                prefill.push((w.seq, k));
+                                room -= k;
+                                budget = budget.saturating_sub(k);
+                            }
+                        }
+                        continue;
+                    }
                     if tokens > budget && !batch.is_empty() && !*deferred {
                         *deferred = true; // next step it runs whatever its size
                         continue;
@@ -370,11 +393,11 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
 
         // 4. One forward for everyone.
         let mut preempt = false;
-        if !batch.is_empty() {
+        if !batch.is_empty() || !prefill.is_empty() {
             stats.steps += 1;
             // Each part's rows, from one batch, or (when the batch failed for another reason
             // than a full cache) from running each part alone, so only the request at fault fails.
-            let results: Vec<Result<Vec<Vec<f32>>, StoreError>> = match store.run(&batch) {
+            let results: Vec<Result<Vec<Vec<f32>>, StoreError>> = match store.run_with_prefill(&batch, &prefill) {
                 Ok(mut rows) => parts.iter().map(|(_, r)| Ok(rows.drain(..r.len()).collect())).collect(),
                 Err(StoreError::Engine(EngineError::OutOfBlocks(_))) => {
                     preempt = true;
