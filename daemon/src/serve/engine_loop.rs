@@ -242,6 +242,7 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
     let mut admissions = 0u64;
     // Per-strategy outcomes and tokens since the last report.
     let mut outcomes: Vec<(String, bool, u64)> = Vec::new();
+    report(monitor, store, &stats, 0, 0, 0, &mut outcomes);
     loop {
         let mut emitted = 0u64;
         if let Some(m) = monitor {
