@@ -358,7 +358,9 @@ fn main() -> Result<()> {
         Cmd::Bench(args) if args.serving => {
             let model = load(args.model.clone())?;
             let reg = PluginDirs { dirs: args.plugin_dirs.clone() }.registry()?;
-            let report = inferd::serve::bench::run(&model, &reg, args.threads, 8)?;
+            let batching = inferd::serve::bench::run(&model, &reg, args.threads, 8)?;
+            let clients = inferd::serve::bench_clients::run(&model_path(args.model.clone())?, &model, &reg, args.threads)?;
+            let report = serde_json::json!({ "batching": batching, "socket": clients });
             println!("{}", serde_json::to_string_pretty(&report)?);
             Ok(())
         }

@@ -5,6 +5,7 @@
 //! SIGTERM drains.
 
 pub mod bench;
+pub mod bench_clients;
 pub mod config;
 pub mod dbus;
 pub mod engine_loop;
