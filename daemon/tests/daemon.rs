@@ -500,6 +500,8 @@ fn dbus_generate_complete_properties_unicast_and_introspection() {
         let leaver = connect().await;
         leaver.call_method(Some("org.inferd.Inference1"), "/org/inferd/Inference1", Some("org.inferd.Inference1"), "Generate", &("", "Once upon a time", &long)).await.unwrap();
         wait_for("the leaver's request to run", Duration::from_secs(20), || d.status()["models"][0]["requests"]["running"] == 1);
+        let uid = std::fs::metadata("/proc/self").map(|m| std::os::unix::fs::MetadataExt::uid(&m)).unwrap();
+        assert_eq!(d.status()["requests_per_user"][uid.to_string()], 1, "a D-Bus caller's uid counts like a socket peer's");
         let cancelled = d.status()["models"][0]["requests"]["cancelled"].as_u64().unwrap();
         drop(leaver);
         wait_for("the leaver's request to be cancelled", Duration::from_secs(20), || d.status()["models"][0]["requests"]["cancelled"].as_u64().unwrap() > cancelled);
@@ -593,6 +595,10 @@ fn several_models_each_with_its_engine_and_a_bound_draft_model() {
     let (st, b) = d.http("POST", "/v1/completions", &long);
     assert_eq!(st, 413, "{b}");
     assert_eq!(d.http("POST", "/v1/completions", &long.replace(r#""b""#, r#""a""#)).0, 200, "a's context is the model's own");
+    // Larger than a's whole KV cache (64 MiB): 413 at admission, not a failure later.
+    let (st, b) = d.http("POST", "/v1/completions", r#"{"model": "a", "prompt": "hi", "max_tokens": 4000, "n": 16}"#);
+    assert_eq!(st, 413, "{b}");
+    assert!(b.contains("KV cache blocks"), "{b}");
     // The draft model bound to "a" drafts for speculative decoding; "b" has none.
     let spec = |model: &str| d.http("POST", "/v1/completions", &format!(r#"{{"model": "{model}", "prompt": "The capital of France is", "max_tokens": 6, "decoder": "speculative", "decoder_params": {{"drafter": "model", "temperature": 0}}}}"#));
     let (st, b) = spec("a");

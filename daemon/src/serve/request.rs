@@ -185,6 +185,14 @@ pub fn prepare(sh: &Shared, model: Arc<ModelHandle>, m: &Map<String, Value>, pro
     if prompt.len() as u64 + u64::from(max_tokens) > ctx {
         return Err(ApiError::new(413, format!("{} prompt tokens + max_tokens {max_tokens} exceed the context length {ctx}", prompt.len()), Some("prompt")));
     }
+    // Larger than the whole KV cache: it could never run (each choice grows its own blocks).
+    let kv = model.monitor.snapshot().kv;
+    if kv.total > 0 && kv.block_size > 0 {
+        let need = prompt.len().div_ceil(kv.block_size) + n as usize * (max_tokens as usize).div_ceil(kv.block_size);
+        if need > kv.total {
+            return Err(ApiError::new(413, format!("the request needs {need} KV cache blocks ({} prompt tokens, max_tokens {max_tokens}, n {n}); the cache holds {}", prompt.len(), kv.total), Some("max_tokens")));
+        }
+    }
     let tok = &model.model.tokenizer;
     let req = SessionRequest { prompt: &prompt, generated: &[], params: &params, max_tokens, n, seed, eos: tok.eos(), logprobs: false };
     Session::validate(&strategy, model.model.config.vocab as u32, model.roles, &req).map_err(|e| ApiError::bad(e.to_string(), "decoder_params"))?;
