@@ -54,7 +54,7 @@ pub fn kernels() -> Option<Kernels> {
         // SAFETY: as above.
         gemm16: Some(|dt, rows, p| unsafe { gemm16(dt, rows, p) }),
         // SAFETY: as above.
-        gemv16: Some(|dt, w, rb, a| unsafe { gemv16(dt, w, rb, a) }),
+        gemv16: Some(|dt, w, rb, a, out| unsafe { gemv16(dt, w, rb, a, out) }),
         ..base
     })
 }
@@ -283,15 +283,35 @@ unsafe fn gemm16_kind<const KIND: u8, const R: usize>(w: [&[u8]; R], p: &Packed1
 /// # Safety
 /// The CPU must support the features of [`kernels`].
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn gemv16(dt: DType, w: &[u8], rb: usize, a: &[BlockQ8]) -> [f32; 16] {
+unsafe fn gemv16(dt: DType, w: &[u8], rb: usize, a: &[&[BlockQ8]], out: &mut [[f32; 16]]) {
     match dt {
         // SAFETY: same features as this function's caller guarantees.
-        DType::Q4_0 => unsafe { gemv16_kind::<Q4_0>(w, rb, a) },
+        DType::Q4_0 => unsafe { gemv16_tokens::<Q4_0>(w, rb, a, out) },
         // SAFETY: as above.
-        DType::Q4_1 => unsafe { gemv16_kind::<Q4_1>(w, rb, a) },
+        DType::Q4_1 => unsafe { gemv16_tokens::<Q4_1>(w, rb, a, out) },
         // SAFETY: as above.
-        DType::Q8_0 => unsafe { gemv16_kind::<Q8_0>(w, rb, a) },
+        DType::Q8_0 => unsafe { gemv16_tokens::<Q8_0>(w, rb, a, out) },
         other => panic!("gemv16 has no {other:?} kernel"),
+    }
+}
+
+/// [`gemv16_kind`] for as many tokens as `a` holds.
+///
+/// # Safety
+/// The CPU must support the features of [`kernels`].
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn gemv16_tokens<const KIND: u8>(w: &[u8], rb: usize, a: &[&[BlockQ8]], out: &mut [[f32; 16]]) {
+    assert_eq!(a.len(), out.len(), "one output per token");
+    match *a {
+        // SAFETY: same features as this function's caller guarantees.
+        [t0] => out.copy_from_slice(&unsafe { gemv16_kind::<KIND, 1>(w, rb, [t0]) }),
+        // SAFETY: as above.
+        [t0, t1] => out.copy_from_slice(&unsafe { gemv16_kind::<KIND, 2>(w, rb, [t0, t1]) }),
+        // SAFETY: as above.
+        [t0, t1, t2] => out.copy_from_slice(&unsafe { gemv16_kind::<KIND, 3>(w, rb, [t0, t1, t2]) }),
+        // SAFETY: as above.
+        [t0, t1, t2, t3] => out.copy_from_slice(&unsafe { gemv16_kind::<KIND, 4>(w, rb, [t0, t1, t2, t3]) }),
+        _ => panic!("gemv16 takes 1 to {} tokens, not {}", super::GEMV_TOKENS, a.len()),
     }
 }
 
@@ -344,23 +364,27 @@ fn reduce16(v: &[__m512i; 16]) -> (__m512i, __m512i) {
     (_mm512_shuffle_i32x4::<0b10_00_10_00>(s0, s1), _mm512_shuffle_i32x4::<0b11_01_11_01>(s0, s1))
 }
 
+/// Sixteen rows against `N` tokens: each block pair of the rows is loaded, unpacked and its
+/// scales gathered once, then multiplied with every token; per token the arithmetic is exactly
+/// the single-token one (module docs).
+///
 /// # Safety
 /// The CPU must support the features of [`kernels`].
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn gemv16_kind<const KIND: u8>(w: &[u8], rb: usize, a: &[BlockQ8]) -> [f32; 16] {
+unsafe fn gemv16_kind<const KIND: u8, const N: usize>(w: &[u8], rb: usize, a: [&[BlockQ8]; N]) -> [[f32; 16]; N] {
     let (bb, _) = layout(KIND);
-    let nb = a.len();
-    assert!(nb * bb <= rb && w.len() >= 16 * rb && 16 * rb < i32::MAX as usize, "16 rows of {nb} blocks");
+    let nb = a[0].len();
+    assert!(a.iter().all(|t| t.len() == nb) && nb * bb <= rb && w.len() >= 16 * rb && 16 * rb < i32::MAX as usize, "16 rows of {nb} blocks");
     let row_at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(rb as i32));
-    let mut acc = [_mm512_setzero_ps(); 4];
-    let mut off = [_mm512_setzero_ps(); 4];
+    let mut acc = [[_mm512_setzero_ps(); 4]; N];
+    let mut off = [[_mm512_setzero_ps(); 4]; N];
     // (d, m) of every row's block c: one 32-bit gather (Q4_0/Q8_0: d and 2 quant bytes).
     let gather = |c: usize| {
         // SAFETY: offsets i * rb + c * bb + 4 <= 16 * rb are inside `w` (asserted above).
         unsafe { _mm512_i32gather_epi32::<1>(_mm512_add_epi32(row_at, _mm512_set1_epi32((c * bb) as i32)), w.as_ptr().cast()) }
     };
-    // Block `c`'s float step for the 16 rows, as one gemm16 lane does it.
-    let step = |c: usize, g: __m512i, mut isum: __m512i, acc: &mut __m512, off: &mut __m512| {
+    // Block `c`'s float step for the 16 rows and token activations `a`, as one gemm16 lane.
+    let step = |a: &[BlockQ8], c: usize, g: __m512i, mut isum: __m512i, acc: &mut __m512, off: &mut __m512| {
         let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
         if KIND == Q8_0 {
             let asum: i32 = a[c].qs.iter().map(|&q| i32::from(q)).sum();
@@ -387,31 +411,37 @@ unsafe fn gemv16_kind<const KIND: u8>(w: &[u8], rb: usize, a: &[BlockQ8]) -> [f3
         // Scales first: the gathers' latency hides behind the integer work.
         let g0 = gather(b);
         let g1 = if pair { gather(b + 1) } else { _mm512_setzero_si512() };
-        // SAFETY: `qs` is 32 bytes.
-        let lo = unsafe { _mm256_loadu_si256(a[b].qs.as_ptr().cast()) };
-        // SAFETY: as above.
-        let hi = if pair { unsafe { _mm256_loadu_si256(a[b + 1].qs.as_ptr().cast()) } } else { _mm256_setzero_si256() };
-        let act = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
-        let v: [__m512i; 16] = std::array::from_fn(|i| {
+        let wq: [__m512i; 16] = std::array::from_fn(|i| {
             // SAFETY: row i's blocks b (and b + 1 when `pair`) lie inside `w`: b + 1 < nb,
             // nb * bb <= rb and 16 rows of rb bytes (asserted above).
-            let wq = unsafe { weight_pair::<KIND>(w.as_ptr().add(i * rb), b, pair) };
-            _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, act)
+            unsafe { weight_pair::<KIND>(w.as_ptr().add(i * rb), b, pair) }
         });
-        let (s0, s1) = reduce16(&v);
         // b is even: its accumulator is 0 or 2, b + 1's the next one.
         let k = b % 4;
-        let ((a0, a1), (o0, o1)) = (acc.split_at_mut(k + 1), off.split_at_mut(k + 1));
-        step(b, g0, s0, &mut a0[k], &mut o0[k]);
-        if pair {
-            step(b + 1, g1, s1, &mut a1[0], &mut o1[0]);
+        for t in 0..N {
+            let at = a[t];
+            // SAFETY: `qs` is 32 bytes.
+            let lo = unsafe { _mm256_loadu_si256(at[b].qs.as_ptr().cast()) };
+            // SAFETY: as above.
+            let hi = if pair { unsafe { _mm256_loadu_si256(at[b + 1].qs.as_ptr().cast()) } } else { _mm256_setzero_si256() };
+            let act = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+            let v: [__m512i; 16] = std::array::from_fn(|i| _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[i], act));
+            let (s0, s1) = reduce16(&v);
+            let ((a0, a1), (o0, o1)) = (acc[t].split_at_mut(k + 1), off[t].split_at_mut(k + 1));
+            step(at, b, g0, s0, &mut a0[k], &mut o0[k]);
+            if pair {
+                step(at, b + 1, g1, s1, &mut a1[0], &mut o1[0]);
+            }
         }
         b += 2;
     }
-    let s = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-    let o = _mm512_add_ps(_mm512_add_ps(off[0], off[1]), _mm512_add_ps(off[2], off[3]));
-    let mut out = [0f32; 16];
-    // SAFETY: 16 f32s.
-    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(s, o)) };
-    out
+    std::array::from_fn(|t| {
+        let (acc, off) = (&acc[t], &off[t]);
+        let s = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+        let o = _mm512_add_ps(_mm512_add_ps(off[0], off[1]), _mm512_add_ps(off[2], off[3]));
+        let mut out = [0f32; 16];
+        // SAFETY: 16 f32s.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(s, o)) };
+        out
+    })
 }

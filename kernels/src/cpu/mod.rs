@@ -69,16 +69,21 @@ pub struct Kernels {
     /// kernel for it. Its per-lane arithmetic is exactly that of the single-token dots of the
     /// same table, so a token's result never depends on its batch.
     pub gemm16: Option<Gemm16>,
-    /// Sixteen consecutive quantized weight rows (`rb` bytes each) against one token, when the
-    /// ISA has a kernel for it; lane `i` equals the single-token dot of row `i` bit for bit.
+    /// Sixteen consecutive quantized weight rows (`rb` bytes each) against 1 to
+    /// [`GEMV_TOKENS`] tokens, each row's blocks unpacked once for all of them, when the ISA has
+    /// a kernel for it; `out[t][i]` equals the single-token dot of row `i` with token `t` bit
+    /// for bit.
     pub gemv16: Option<Gemv16>,
 }
 
 /// See [`Kernels::gemm16`].
 pub type Gemm16 = fn(crate::quant::DType, &[&[u8]], &crate::packed::Packed16) -> [f32; 16];
 
-/// See [`Kernels::gemv16`]: `(dtype, rows, rb, activations)`.
-pub type Gemv16 = fn(crate::quant::DType, &[u8], usize, &[BlockQ8]) -> [f32; 16];
+/// See [`Kernels::gemv16`]: `(dtype, rows, rb, tokens' activations, out)`, one output per token.
+pub type Gemv16 = fn(crate::quant::DType, &[u8], usize, &[&[BlockQ8]], &mut [[f32; 16]]);
+
+/// The most tokens one [`Kernels::gemv16`] call takes.
+pub const GEMV_TOKENS: usize = 4;
 /// See [`Kernels::attn_scores`]: `(k, q, hd, g, scale, out)`.
 pub type AttnScores = fn(&[half::f16], &[f32], usize, usize, f32, &mut [f32]);
 /// See [`Kernels::attn_values`]: `(v, p, hd, g, out)`.

@@ -81,10 +81,12 @@ proptest! {
     }
 
     #[test]
-    fn gemv16_lanes_are_the_single_dots(ws in proptest::collection::vec(row(7 * QK), 16), x in row(7 * QK), blocks in 1usize..=7) {
-        // Sixteen rows against one token, an odd or even number of blocks, with padding after
-        // each row as in a wider matrix: every lane must equal that row's single-token dot.
-        let act = q8(&x[..blocks * QK]);
+    fn gemv16_lanes_are_the_single_dots(ws in proptest::collection::vec(row(7 * QK), 16), xs in proptest::collection::vec(row(7 * QK), 1..=crate::cpu::GEMV_TOKENS), blocks in 1usize..=7) {
+        // Sixteen rows against 1 to 4 tokens, an odd or even number of blocks, with padding
+        // after each row as in a wider matrix: every lane of every token must equal that row's
+        // single-token dot with that token.
+        let acts: Vec<Vec<BlockQ8>> = xs.iter().map(|x| q8(&x[..blocks * QK])).collect();
+        let act_refs: Vec<&[BlockQ8]> = acts.iter().map(Vec::as_slice).collect();
         for k in Kernels::all() {
             let Some(gemv) = k.gemv16 else { continue };
             for (dt, one) in [(DType::Q4_0, k.dot_q4_0), (DType::Q4_1, k.dot_q4_1), (DType::Q8_0, k.dot_q8_0)] {
@@ -93,10 +95,13 @@ proptest! {
                 for w in &ws {
                     quantize_row(dt, w, &mut wb);
                 }
-                let got = gemv(dt, &wb, rb, &act);
-                for (r, &g) in got.iter().enumerate() {
-                    let row = &wb[r * rb..r * rb + dt.bytes_for(blocks * QK).unwrap()];
-                    prop_assert_eq!(g, one(row, &act), "{:?} {:?} lane {} of {} blocks", k.isa, dt, r, blocks);
+                let mut got = vec![[0f32; 16]; acts.len()];
+                gemv(dt, &wb, rb, &act_refs, &mut got);
+                for (t, (out, act)) in got.iter().zip(&acts).enumerate() {
+                    for (r, &g) in out.iter().enumerate() {
+                        let row = &wb[r * rb..r * rb + dt.bytes_for(blocks * QK).unwrap()];
+                        prop_assert_eq!(g, one(row, act), "{:?} {:?} token {} lane {} of {} blocks", k.isa, dt, t, r, blocks);
+                    }
                 }
             }
         }
