@@ -2,9 +2,11 @@
 //! RELOADING, STOPPING, WATCHDOG) and socket activation (LISTEN_FDS). Outside systemd (no
 //! NOTIFY_SOCKET, no LISTEN_FDS) every call here does nothing.
 
+use super::monitor::Monitor;
 use super::Shared;
 use sd_notify::NotifyState;
 use std::sync::Arc;
+use std::time::Duration;
 
 
 fn send(states: &[NotifyState<'_>]) {
@@ -44,7 +46,7 @@ pub fn watchdog(sh: Arc<Shared>) -> tokio::task::JoinHandle<()> {
         let mut tick = tokio::time::interval(period / 2);
         loop {
             tick.tick().await;
-            let stuck: Vec<&str> = sh.models.iter().filter(|m| m.monitor.since_beat() > period / 2).map(|m| m.name.as_str()).collect();
+            let stuck = stalled(sh.models.iter().map(|m| &*m.monitor), period);
             if stuck.is_empty() {
                 send(&[NotifyState::Watchdog]);
             } else {
@@ -52,6 +54,11 @@ pub fn watchdog(sh: Arc<Shared>) -> tokio::task::JoinHandle<()> {
             }
         }
     })
+}
+
+/// The engine loops (by model name) that have not turned within half the watchdog period.
+pub fn stalled<'a>(monitors: impl Iterator<Item = &'a Monitor>, period: Duration) -> Vec<&'a str> {
+    monitors.filter(|m| m.since_beat() > period / 2).map(|m| m.model.as_str()).collect()
 }
 
 /// The first socket passed by the service manager (LISTEN_FDS), if this is socket activation.
@@ -69,3 +76,20 @@ pub fn activated_listener() -> anyhow::Result<Option<std::os::unix::net::UnixLis
     Ok(Some(listener))
 }
 
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_loop_that_stops_turning_stops_the_watchdog() {
+        let (alive, stuck) = (Monitor::new("alive"), Monitor::new("stuck"));
+        alive.beat();
+        stuck.beat();
+        let period = Duration::from_millis(100);
+        assert!(stalled([&alive, &stuck].into_iter(), period).is_empty());
+        std::thread::sleep(Duration::from_millis(70));
+        alive.beat();
+        assert_eq!(stalled([&alive, &stuck].into_iter(), period), ["stuck"]);
+    }
+}
