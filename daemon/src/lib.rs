@@ -11,7 +11,7 @@
 //! - [`plugin`]: decoder plugins, host side: loading, registry, sessions over the C ABI.
 //! - [`decode`]: driving a request through a strategy plugin over a sequence store.
 //! - [`serve`]: the daemon: engine loops (continuous batching), HTTP and D-Bus edges, systemd.
-//! - [`client`]: the blocking HTTP client of the daemon's socket that `inferctl` uses.
+//! - [`client`], [`ctl`]: the blocking HTTP client of the daemon's socket and `inferctl`.
 //! - [`bench`]: the `inferd bench` measurements.
 
 #![deny(unsafe_code)]
@@ -21,6 +21,7 @@ pub mod backend;
 pub mod bench;
 pub mod chat;
 pub mod client;
+pub mod ctl;
 pub mod decode;
 pub mod engine;
 pub mod kv;

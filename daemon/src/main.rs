@@ -88,6 +88,10 @@ enum Cmd {
         dtype: String,
         out: PathBuf,
     },
+    /// Write the man pages generated from the command-line definitions, inferd(8) and
+    /// inferctl(1), into DIR (packaging/man holds them; a test keeps them current).
+    #[command(hide = true)]
+    Man { dir: PathBuf },
     /// Decoder plugins: check a file, probe a strategy.
     Plugin {
         #[command(subcommand)]
@@ -345,6 +349,12 @@ fn main() -> Result<()> {
             println!("{}", out.display());
             Ok(())
         }
+        Cmd::Man { dir } => {
+            use clap::CommandFactory;
+            std::fs::create_dir_all(&dir)?;
+            write_man_pages(&dir, Cli::command(), "8")?;
+            write_man_pages(&dir, inferd::ctl::Cli::command(), "1")
+        }
         Cmd::Plugin { cmd: PluginCmd::Check { file, system } } => plugin_check(&file, system),
         Cmd::Plugin { cmd: PluginCmd::Probe { name, logits, history, params, draws, seed, plugins } } => {
             plugin_probe(&name, ProbeArgs { logits, history, params, draws, seed }, &plugins)
@@ -379,4 +389,22 @@ fn main() -> Result<()> {
             Ok(())
         }
     }
+}
+
+/// A man page for `cmd` and one per visible subcommand, git-style (`inferd-serve.8`), into `dir`.
+fn write_man_pages(dir: &std::path::Path, cmd: clap::Command, section: &str) -> Result<()> {
+    fn walk(dir: &std::path::Path, mut cmd: clap::Command, name: String, section: &str) -> Result<()> {
+        cmd = cmd.display_name(name.clone()).bin_name(name.replace('-', " "));
+        let subs: Vec<clap::Command> = cmd.get_subcommands().filter(|c| !c.is_hide_set()).cloned().collect();
+        let mut out = Vec::new();
+        clap_mangen::Man::new(cmd.clone()).section(section).manual("inferd").source(concat!("inferd ", env!("CARGO_PKG_VERSION"))).render(&mut out)?;
+        std::fs::write(dir.join(format!("{name}.{section}")), out)?;
+        for sub in subs {
+            let sub_name = format!("{name}-{}", sub.get_name());
+            walk(dir, sub, sub_name, section)?;
+        }
+        Ok(())
+    }
+    let name = cmd.get_name().to_owned();
+    walk(dir, cmd, name, section)
 }

@@ -26,7 +26,8 @@ pub fn default_model() -> Option<PathBuf> {
 }
 
 /// Plugin directories: `explicit` when given, else `$INFERD_PLUGIN_DIR`, the directory of the
-/// running executable (a build tree: `cargo build` puts the plugins next to `inferd`), the
+/// running executable unless it is a system bin directory (a build tree: `cargo build` puts
+/// the plugins next to `inferd`), the
 /// user's `$XDG_DATA_HOME/inferd/plugins` and the system's `/usr/lib/inferd/plugins`.
 pub fn plugin_dirs(explicit: &[PathBuf]) -> Vec<PathBuf> {
     if !explicit.is_empty() {
@@ -36,8 +37,12 @@ pub fn plugin_dirs(explicit: &[PathBuf]) -> Vec<PathBuf> {
     if let Some(d) = std::env::var_os("INFERD_PLUGIN_DIR") {
         dirs.push(PathBuf::from(d));
     }
+    // The executable's own directory when it is a build tree, not a system bin directory
+    // (which holds other shared objects, such as ld.so, that are no plugins).
     if let Some(d) = std::env::current_exe().ok().and_then(|e| e.parent().map(PathBuf::from)) {
-        dirs.push(d);
+        if !["/usr/bin", "/usr/local/bin", "/bin", "/usr/sbin", "/sbin"].iter().any(|b| d == std::path::Path::new(b)) {
+            dirs.push(d);
+        }
     }
     let data = std::env::var_os("XDG_DATA_HOME").map(PathBuf::from).or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share")));
     if let Some(d) = data {

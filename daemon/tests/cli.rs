@@ -117,3 +117,22 @@ fn run_uses_any_strategy_and_seeds_repeat() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("min_p must be between 0 and 1"));
 }
+
+#[test]
+fn the_packaged_man_pages_match_the_command_line() {
+    let dir = std::env::temp_dir().join(format!("inferd-man-{}", std::process::id()));
+    let out = inferd(&["man", dir.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // Every page but the two written by hand.
+    let packaged = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../packaging/man"));
+    let names = |d: &std::path::Path| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(d).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| !["inferd.toml.5", "inferd-fetch-model.8"].contains(&n.as_str())).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(names(&dir), names(packaged), "regenerate with `target/release/inferd man packaging/man`");
+    for n in names(&dir) {
+        assert_eq!(std::fs::read_to_string(dir.join(&n)).unwrap(), std::fs::read_to_string(packaged.join(&n)).unwrap(), "{n} is stale: regenerate with `target/release/inferd man packaging/man`");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}

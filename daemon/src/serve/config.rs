@@ -213,6 +213,18 @@ mod tests {
     }
 
     #[test]
+    fn the_man_page_documents_every_key_of_the_default_config() {
+        let root = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
+        let default = std::fs::read_to_string(root.join("packaging/inferd.toml")).expect("packaging/inferd.toml");
+        let man = std::fs::read_to_string(root.join("packaging/man/inferd.toml.5")).expect("packaging/man/inferd.toml.5");
+        let keys: Vec<&str> = default.lines().map(|l| l.trim_start_matches("# ").trim()).filter_map(|l| l.split_once(" = ").map(|(k, _)| k)).filter(|k| !k.contains(' ')).collect();
+        assert!(keys.len() >= 14, "{keys:?}");
+        for k in keys {
+            assert!(man.contains(&format!(".B {k}\n")), "inferd.toml(5) does not document {k}");
+        }
+    }
+
+    #[test]
     fn unknown_keys_name_the_key_and_the_file() {
         let p = Path::new("/etc/inferd/inferd.toml");
         let e = Config::parse("[server]\nsockett = \"/tmp/x\"\n", p).expect_err("unknown key");
