@@ -1,7 +1,9 @@
 //! `inferctl`: the command-line client of the inferd daemon, over its Unix socket (the binary
 //! `src/bin/inferctl.rs` calls [`main`]).
 //!
-//!     inferctl [--socket PATH] status | models | plugins | tokenize TEXT | generate PROMPT | chat
+//! ```text
+//! inferctl [--socket PATH] status | models | plugins | tokenize TEXT | generate PROMPT | chat
+//! ```
 //!
 //! `generate` and `chat` stream text to the terminal as it comes; `chat` keeps the conversation
 //! (one user message per input line; `/reset` starts over). Options mirror `inferd run`.
