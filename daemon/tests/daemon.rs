@@ -194,7 +194,7 @@ fn openai_api_status_and_metrics_on_the_unix_socket() {
     let v: Value = serde_json::from_str(&b).unwrap();
     assert_eq!(v["data"][0]["id"], "SmolLM2-135M-Instruct.Q4_1");
 
-    // Status: KV blocks, requests, strategies, uptime. (The stop-string requests' cancellations
+    // Status: KV blocks, requests, strategies, uptime. (The stop-string requests' ends
     // reach the engine a moment after their answers.)
     wait_for("idle", Duration::from_secs(10), || d.status()["models"][0]["requests"]["running"] == 0);
     let s = d.status();
@@ -202,6 +202,7 @@ fn openai_api_status_and_metrics_on_the_unix_socket() {
     assert!(m["kv_blocks"]["total"].as_u64().unwrap() > 100, "{s}");
     assert_eq!(m["requests"]["running"], 0);
     assert!(m["requests"]["finished"].as_u64().unwrap() >= 5, "{s}");
+    assert_eq!(m["requests"]["cancelled"], 0, "requests ended by a stop string count as finished: {s}");
     assert!(m["tokens"]["generated"].as_u64().unwrap() >= 20, "{s}");
     assert!(m["kv_blocks"]["cached"].as_u64().unwrap() > 0, "finished prompts stay in the prefix cache: {s}");
     assert!(m["tokens"]["prompt_cached"].as_u64().unwrap() > 0, "the repeated prompt came from the prefix cache: {s}");

@@ -194,7 +194,7 @@ async fn forward(conn: &Connection, path: &ObjectPath<'_>, mut sub: request::Sub
         }
         if out.all_stopped() {
             if let Ok(tx) = sub.model.engine.lock() {
-                let _ = tx.send(Command::Cancel(sub.id));
+                let _ = tx.send(Command::Stop(sub.id));
             }
             if let Piece::Done { completion_tokens, .. } = out.done_by_stop() {
                 let _ = RequestObject::finished(&emitter, "stop", usage(sub.prompt_tokens, completion_tokens)).await;
@@ -236,7 +236,7 @@ impl Inference {
             }
             if out.all_stopped() {
                 if let Ok(tx) = sub.model.engine.lock() {
-                    let _ = tx.send(Command::Cancel(sub.id));
+                    let _ = tx.send(Command::Stop(sub.id));
                 }
                 break Ok(());
             }

@@ -105,6 +105,8 @@ pub enum Event {
 pub enum Command {
     Submit(Submission),
     Cancel(RequestId),
+    /// The client has what it wants (a stop string matched): end the request as finished.
+    Stop(RequestId),
     /// Cancel everything and end the loop.
     Shutdown,
 }
@@ -147,6 +149,8 @@ struct Running {
     started: bool,
     /// The client went away: close at the end of the step.
     gone: bool,
+    /// The client stopped it (a stop string): finish it at the start of the next step.
+    stop: bool,
     /// Its plan waited for a step with room; it goes first next time.
     deferred: bool,
 }
@@ -281,6 +285,11 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
                         r.gone = true;
                     }
                 }
+                Command::Stop(id) => {
+                    if let Some(r) = running.iter_mut().find(|r| r.sub.id == id) {
+                        r.stop = true;
+                    }
+                }
                 Command::Shutdown => {
                     for mut w in waiting.drain(..) {
                         (w.sub.events)(Event::Failed("the daemon is shutting down".into()));
@@ -295,12 +304,25 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
             }
         }
         // Clients that went away lose their sequences in this same step.
+        // Requests their clients stopped end as finished, with what they generated.
         for mut r in std::mem::take(&mut running) {
             if r.gone {
                 hold = false;
                 stats.cancelled += 1;
                 r.session.close(store);
                 (r.sub.events)(Event::Failed("cancelled".into()));
+            } else if r.stop {
+                hold = false;
+                stats.finished += 1;
+                let generation_stats = r.session.stats().clone();
+                let choices = r.session.close(store);
+                let tokens: u64 = choices.iter().map(|c| c.tokens.len() as u64).sum();
+                outcomes.push((r.sub.strategy.name().to_owned(), true, tokens));
+                let latency = r.sub.meta.submitted.elapsed().as_secs_f64();
+                if let Some(m) = monitor {
+                    m.update(|s| s.latency.observe(latency));
+                }
+                (r.sub.events)(Event::Finished(Generation { choices, stats: generation_stats }));
             } else {
                 running.push(r);
             }
@@ -332,7 +354,7 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
             last_admitted.insert(w.sub.meta.uid, admissions);
             // (Creating a session emits nothing.)
             match Session::create(Arc::clone(&w.sub.strategy), store, &request(&w.sub, &w.streamed, &cfg.eos), &mut |_, _| {}) {
-                Ok(session) => running.push(Running { sub: w.sub, session, streamed: w.streamed, started: w.started, gone: false, deferred: false }),
+                Ok(session) => running.push(Running { sub: w.sub, session, streamed: w.streamed, started: w.started, gone: false, stop: false, deferred: false }),
                 Err(e) => {
                     (w.sub.events)(Event::Failed(e.to_string()));
                     stats.failed += 1;
@@ -355,7 +377,7 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
         let mut prefill: Vec<(StoreSeq, usize)> = Vec::new();
         let mut done: Vec<(usize, Result<(), String>)> = Vec::new();
         for (i, r) in running.iter_mut().enumerate() {
-            let Running { sub, session, streamed, started, gone, deferred } = r;
+            let Running { sub, session, streamed, started, gone, deferred, .. } = r;
             let mut emit = Emit { sub, streamed, started, gone, emitted: &mut emitted, monitor };
             match session.plan(store, &mut |c, t| emit.token(c, t)) {
                 Ok(Some(work)) => {

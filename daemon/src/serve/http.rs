@@ -275,7 +275,7 @@ async fn respond(sh: Arc<Shared>, p: request::Prepared, m: &Map<String, Value>, 
                 }
             }
             if out.all_stopped() {
-                cancel(&sub);
+                stop(&sub);
                 let Piece::Done { completion_tokens, .. } = out.done_by_stop() else { break };
                 let choices: Vec<Value> = texts.drain(..).zip(reasons.drain(..)).enumerate().map(|(i, (t, r))| choice(i as u32, t, r)).collect();
                 return Json(json!({ "id": cid, "object": object, "created": created, "model": model_name, "choices": choices, "usage": usage(completion_tokens), "inferd": { "decoder": decoder } })).into_response();
@@ -310,7 +310,7 @@ async fn respond(sh: Arc<Shared>, p: request::Prepared, m: &Map<String, Value>, 
                 }
             }
             if out.all_stopped() {
-                cancel(&sub);
+                stop(&sub);
                 break;
             }
         }
@@ -320,9 +320,10 @@ async fn respond(sh: Arc<Shared>, p: request::Prepared, m: &Map<String, Value>, 
     Sse::new(events).into_response()
 }
 
-/// Tells the engine a request is no longer wanted (its blocks are freed in its next step).
-fn cancel(sub: &request::Submitted) {
+/// Tells the engine a request has what it wants (a stop string matched): it ends as finished
+/// and its blocks are freed in the next step.
+fn stop(sub: &request::Submitted) {
     if let Ok(tx) = sub.model.engine.lock() {
-        let _ = tx.send(Command::Cancel(sub.id));
+        let _ = tx.send(Command::Stop(sub.id));
     }
 }
