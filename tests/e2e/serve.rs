@@ -245,3 +245,33 @@ fn a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding() {
     assert!(before_first_long >= long.prompt.len() / 64 - 1, "only {before_first_long} decode tokens during the prefill: {order:?}");
     assert_eq!((stats.failed, live), (0, 0));
 }
+
+#[test]
+fn a_shared_prompt_arriving_twice_at_once_is_prefilled_once() {
+    use inferd::serve::monitor::Monitor;
+    let model = Arc::new(Model::load(&inferd_e2e::default_model()).unwrap());
+    let reg = registry();
+    let p = |t: &str| model.tokenizer.encode(t, false).unwrap();
+    let system = "You answer questions about lighthouses, briefly and politely. ".repeat(40);
+    let a = Req { id: 31, strategy: "greedy", params: "{}", prompt: p(&format!("{system}Question: how tall are they?")), max_tokens: 4 };
+    let b = Req { id: 32, strategy: "greedy", params: "{}", prompt: p(&format!("{system}Question: who keeps them?")), max_tokens: 4 };
+    let shared = a.prompt.iter().zip(&b.prompt).take_while(|(x, y)| x == y).count();
+    assert!(shared > 300, "{shared}");
+    let monitor = Arc::new(Monitor::new("m"));
+    let (tx, rx) = channel();
+    let (m, mon) = (Arc::clone(&model), Arc::clone(&monitor));
+    let h = std::thread::spawn(move || {
+        let mut engine = Engine::cpu(&m, &EngineOptions { threads: 2, ..EngineOptions::default() });
+        engine_loop(&mut EngineStore::new(&mut engine), &rx, &LoopConfig { token_budget: 64, max_running: 64, eos: m.tokenizer.eos().to_vec(), monitor: Some(mon) })
+    });
+    // Both in the queue before the loop takes its first command.
+    let rxs: Vec<Receiver<Event>> = [&a, &b].iter().map(|r| submit(&tx, &reg, r)).collect();
+    let results: Vec<_> = rxs.iter().map(collect).collect();
+    tx.send(Command::Shutdown).unwrap();
+    h.join().unwrap();
+    assert_eq!(results[0].1.as_ref().unwrap(), &alone(&model, &reg, &a));
+    assert_eq!(results[1].1.as_ref().unwrap(), &alone(&model, &reg, &b));
+    // The second found the shared part in the cache: computed once, not twice.
+    let s = monitor.snapshot();
+    assert!(s.cached_prompt_tokens as usize >= shared / 16 * 16 - 16, "cached {} of a {shared}-token shared prefix", s.cached_prompt_tokens);
+}

@@ -6,7 +6,8 @@
 //!   (the engine's own batch-16 throughput, sessions and plugins included, no HTTP). Run
 //!   alternately, twice, so machine noise shows.
 //! - Prefix caching: TTFT of a chat request whose 1,000-token system prompt is already cached
-//!   (another user question after it) against the same request with a system prompt never seen.
+//!   (another user question after it) against the same request with a system prompt never seen;
+//!   and four requests with the same new system prompt at once.
 
 use super::engine_loop::{engine_loop, Command, Event, LoopConfig, Submission};
 use crate::client::Client;
@@ -179,6 +180,17 @@ fn prefix_cache(model_path: &Path, model: &Model, threads: usize) -> anyhow::Res
         warm.push(ttft(&d.client, "/v1/chat/completions", &ask(&sys, "Where is your shop?"))?);
         warm.push(ttft(&d.client, "/v1/chat/completions", &ask(&sys, "Do you ship abroad?"))?);
     }
+    // Four apps send the same new system prompt at the same moment: it is prefilled once (the
+    // others wait for it and hit the cache), so the last of them is answered about when one
+    // cold request would be.
+    let sys = system("kettles");
+    let together: Vec<f64> = std::thread::scope(|s| {
+        let hs: Vec<_> = ["Do you ship?", "Are they steel?", "Any in red?", "How much?"].iter().map(|q| {
+            let (client, body) = (&d.client, ask(&sys, q));
+            s.spawn(move || ttft(client, "/v1/chat/completions", &body))
+        }).collect();
+        hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a client panicked")))).collect::<anyhow::Result<Vec<f64>>>()
+    })?;
     let s = d.client.json("GET", "/v1/status", None)?;
     let (c, w) = (percentile(cold.clone(), 0.5), percentile(warm.clone(), 0.5));
     Ok(json!({
@@ -186,6 +198,8 @@ fn prefix_cache(model_path: &Path, model: &Model, threads: usize) -> anyhow::Res
         "ttft_cold_s": cold, "ttft_cached_s": warm,
         "ttft_cold_p50_s": c, "ttft_cached_p50_s": w,
         "speedup": c / w,
+        "four_at_once_ttft_s": together.clone(),
+        "four_at_once_last_over_cold": together.iter().copied().fold(0.0, f64::max) / c,
         "prompt_tokens_cached": s["models"][0]["tokens"]["prompt_cached"],
         "prompt_tokens": s["models"][0]["tokens"]["prompt"],
     }))

@@ -20,7 +20,10 @@
 //! Fairness: the next request admitted is of the best priority class waiting (interactive
 //! before background); within it, of the user (peer uid) with the fewest running requests,
 //! ties going to the user admitted least recently, so users take turns and one user's batch
-//! job cannot starve another's chat. A preempted request goes back first.
+//! job cannot starve another's chat. A preempted request goes back first. A request whose
+//! prompt shares 128 tokens or more with one still being prefilled waits for that prefill and then
+//! finds the shared part in the prefix cache: a system prompt sent by several apps at once is
+//! computed once.
 //!
 //! The loop reports to a [`Monitor`] every turn (status, metrics, the watchdog's heartbeat); it
 //! turns at least once a second even when idle.
@@ -111,6 +114,9 @@ pub enum Command {
     Shutdown,
 }
 
+/// The shortest shared prompt prefix worth waiting for instead of computing it again.
+const SHARED_PREFILL: usize = 128;
+
 /// The smallest prompt chunk a step runs, even when the step's budget is spent.
 const MIN_CHUNK: usize = 16;
 
@@ -181,11 +187,11 @@ fn request<'a>(sub: &'a Submission, streamed: &'a [u32], eos: &'a [u32]) -> Sess
 /// Which waiting request to admit next: a resumed (preempted) one first, else the best
 /// priority class, the user with the fewest running requests (ties: admitted least recently),
 /// that user's oldest request.
-fn next_waiting(waiting: &VecDeque<Waiting>, running: &[Running], last_admitted: &HashMap<u32, u64>) -> Option<usize> {
+fn next_waiting(waiting: &VecDeque<Waiting>, running: &[Running], last_admitted: &HashMap<u32, u64>, eligible: &dyn Fn(&Waiting) -> bool) -> Option<usize> {
     if waiting.front()?.resumed {
         return Some(0);
     }
-    let class = waiting.iter().map(|w| w.sub.meta.priority).min()?;
+    let class = waiting.iter().filter(|w| eligible(w)).map(|w| w.sub.meta.priority).min()?;
     let mut load: HashMap<u32, usize> = HashMap::new();
     for r in running {
         *load.entry(r.sub.meta.uid).or_default() += 1;
@@ -194,12 +200,17 @@ fn next_waiting(waiting: &VecDeque<Waiting>, running: &[Running], last_admitted:
     waiting
         .iter()
         .enumerate()
-        .filter(|(_, w)| w.sub.meta.priority == class)
+        .filter(|(_, w)| w.sub.meta.priority == class && eligible(w))
         .min_by_key(|(_, w)| {
             let uid = w.sub.meta.uid;
             (load.get(&uid).copied().unwrap_or(0), last_admitted.get(&uid).copied().unwrap_or(0))
         })
         .map(|(i, _)| i)
+}
+
+/// How many leading tokens `a` and `b` share.
+fn shared_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 /// A token for a request's client: recorded (choice 0 for recompute after a preemption, the
@@ -330,7 +341,16 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
 
         // 2. Admission while the cache has room for the prompt plus one block of growth per
         // running request (and always one request when none runs).
-        while let Some(i) = next_waiting(&waiting, &running, &last_admitted) {
+        // A request whose prompt shares SHARED_PREFILL tokens or more with one still being
+        // prefilled waits for that prefill: then its prefix comes from the cache instead of
+        // being computed twice (the same system prompt from several apps at once is prefilled
+        // once). Shorter shared parts (a chat template's opening) are cheaper to recompute than
+        // to wait for.
+        let block = if store.capacity().is_some() { SHARED_PREFILL } else { usize::MAX };
+        let mut prefilling: Vec<Vec<u32>> = if block == usize::MAX { Vec::new() } else { running.iter().filter(|r| !r.started).map(|r| r.sub.prompt.clone()).collect() };
+        loop {
+            let eligible = |w: &Waiting| !prefilling.iter().any(|p| shared_prefix(p, &w.sub.prompt) >= block);
+            let Some(i) = next_waiting(&waiting, &running, &last_admitted, &eligible) else { break };
             if (hold && !running.is_empty()) || running.len() >= cfg.max_running.max(1) {
                 break;
             }
@@ -354,7 +374,12 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
             last_admitted.insert(w.sub.meta.uid, admissions);
             // (Creating a session emits nothing.)
             match Session::create(Arc::clone(&w.sub.strategy), store, &request(&w.sub, &w.streamed, &cfg.eos), &mut |_, _| {}) {
-                Ok(session) => running.push(Running { sub: w.sub, session, streamed: w.streamed, started: w.started, gone: false, stop: false, deferred: false }),
+                Ok(session) => {
+                    if block != usize::MAX && !w.started {
+                        prefilling.push(w.sub.prompt.clone());
+                    }
+                    running.push(Running { sub: w.sub, session, streamed: w.streamed, started: w.started, gone: false, stop: false, deferred: false });
+                }
                 Err(e) => {
                     (w.sub.events)(Event::Failed(e.to_string()));
                     stats.failed += 1;
