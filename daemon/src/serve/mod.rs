@@ -251,6 +251,11 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
 }
 
 async fn serve(sh: Arc<Shared>, args: &ServeArgs, cfg: Config) -> anyhow::Result<()> {
+    // Signal handlers first: a SIGTERM or SIGHUP right after READY=1 must not hit the default
+    // action (termination).
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
     let (listener, path) = listen(&cfg, args.mode)?;
     listener.set_nonblocking(true)?;
     let listener = tokio::net::UnixListener::from_std(listener)?;
@@ -286,9 +291,6 @@ async fn serve(sh: Arc<Shared>, args: &ServeArgs, cfg: Config) -> anyhow::Result
     notify::ready(&sh.summary());
     let watchdog = notify::watchdog(Arc::clone(&sh));
 
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
-    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
     let mut status_tick = tokio::time::interval(Duration::from_secs(5));
     loop {
         tokio::select! {
