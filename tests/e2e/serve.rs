@@ -275,3 +275,63 @@ fn a_shared_prompt_arriving_twice_at_once_is_prefilled_once() {
     let s = monitor.snapshot();
     assert!(s.cached_prompt_tokens as usize >= shared / 16 * 16 - 16, "cached {} of a {shared}-token shared prefix", s.cached_prompt_tokens);
 }
+
+#[test]
+fn submissions_that_meet_a_shutdown_are_told_so() {
+    use inferd::decode::store::MockStore;
+    let reg = registry();
+    let (tx, rx) = channel();
+    let mut events = Vec::new();
+    for id in [1, 2] {
+        let (etx, erx) = channel();
+        events.push(erx);
+        let sub = Submission { id, strategy: reg.get("greedy").unwrap(), prompt: vec![1, 2], params: "{}".into(), max_tokens: 3, n: 1, seed: 0, logprobs: false, meta: Default::default(), events: channel_sink(etx) };
+        tx.send(Command::Submit(sub)).unwrap();
+        if id == 1 {
+            tx.send(Command::Shutdown).unwrap();
+        }
+    }
+    drop(tx);
+    let mut store = MockStore::new(8, Box::new(|_: &[u32]| vec![0.0; 8]));
+    engine_loop(&mut store, &rx, &LoopConfig { token_budget: 64, max_running: 4, eos: Vec::new(), monitor: None });
+    for (i, erx) in events.iter().enumerate() {
+        match erx.try_recv() {
+            Ok(Event::Failed(m)) => assert!(m.contains("shutting down"), "request {i}: {m}"),
+            other => panic!("request {i} got {other:?} instead of a failure"),
+        }
+    }
+}
+
+#[test]
+fn a_request_sharing_a_prompt_waits_only_for_the_prefill_not_the_whole_generation() {
+    let model = Arc::new(Model::load(&inferd_e2e::default_model()).unwrap());
+    let reg = registry();
+    let p = |t: &str| model.tokenizer.encode(t, false).unwrap();
+    let system = "You answer questions about lighthouses, briefly and politely. ".repeat(40);
+    // Beam search emits its tokens only at the end; the greedy request must not wait for that.
+    let beam = Req { id: 41, strategy: "beam", params: r#"{"beam_width": 2}"#, prompt: p(&format!("{system}Question: how tall are they?")), max_tokens: 48 };
+    let greedy = Req { id: 42, strategy: "greedy", params: "{}", prompt: p(&format!("{system}Question: who keeps them?")), max_tokens: 2 };
+    let (tx, h) = start_with_budget(Arc::clone(&model), 2048, 256);
+    let (etx, erx) = channel::<(u64, Event)>();
+    for r in [&beam, &greedy] {
+        let (etx, id) = (etx.clone(), r.id);
+        let sub = Submission { id, strategy: reg.get(r.strategy).unwrap(), prompt: r.prompt.clone(), params: r.params.into(), max_tokens: r.max_tokens, n: 1, seed: 0, logprobs: false, meta: Default::default(), events: Box::new(move |e| etx.send((id, e)).is_ok()) };
+        tx.send(Command::Submit(sub)).unwrap();
+    }
+    drop(etx);
+    let mut finished = Vec::new();
+    for (id, e) in erx.iter() {
+        match e {
+            Event::Finished(_) => finished.push(id),
+            Event::Failed(m) => panic!("request {id} failed: {m}"),
+            Event::Token { .. } => {}
+        }
+        if finished.len() == 2 {
+            break;
+        }
+    }
+    tx.send(Command::Shutdown).unwrap();
+    let (stats, live) = h.join().unwrap();
+    assert_eq!(finished, [42, 41], "the greedy request finished while the beam search ran");
+    assert_eq!((stats.failed, live), (0, 0));
+}

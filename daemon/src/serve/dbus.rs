@@ -202,6 +202,8 @@ async fn forward(conn: &Connection, path: &ObjectPath<'_>, mut sub: request::Sub
             return;
         }
     }
+    // The engine went away without a last word: the caller must not wait forever.
+    let _ = RequestObject::failed(&emitter, "the engine stopped").await;
 }
 
 #[interface(name = "org.inferd.Inference1")]
@@ -244,6 +246,9 @@ impl Inference {
         if let Ok(mut o) = self.owners.lock() {
             if let Some(list) = o.get_mut(&sender) {
                 list.retain(|(_, r)| *r != sub.id);
+                if list.is_empty() {
+                    o.remove(&sender);
+                }
             }
         }
         result.map(|()| text)

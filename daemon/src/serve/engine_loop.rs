@@ -32,7 +32,7 @@ use super::monitor::Monitor;
 use crate::decode::store::{SeqStore, StoreError, StoreRun, StoreSeq};
 use crate::decode::Generation;
 use crate::engine::EngineError;
-use crate::plugin::{LoadedStrategy, Session, SessionRequest};
+use crate::plugin::{Choice, FinishReason, LoadedStrategy, Session, SessionRequest};
 use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
@@ -157,6 +157,8 @@ struct Running {
     gone: bool,
     /// The client stopped it (a stop string): finish it at the start of the next step.
     stop: bool,
+    /// Its prompt has been run (its first plan was observed).
+    prefilled: bool,
     /// Its plan waited for a step with room; it goes first next time.
     deferred: bool,
 }
@@ -282,7 +284,8 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
                 }
             }
         }
-        for c in cmds {
+        let mut cmds = cmds.into_iter();
+        while let Some(c) = cmds.next() {
             match c {
                 Command::Submit(sub) => waiting.push_back(Waiting { sub, streamed: Vec::new(), started: false, resumed: false }),
                 Command::Cancel(id) => {
@@ -300,8 +303,26 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
                     if let Some(r) = running.iter_mut().find(|r| r.sub.id == id) {
                         r.stop = true;
                     }
+                    // Preempted and waiting: it ends with what it streamed.
+                    if let Some(i) = waiting.iter().position(|w| w.sub.id == id) {
+                        if let Some(mut w) = waiting.remove(i) {
+                            stats.finished += 1;
+                            outcomes.push((w.sub.strategy.name().to_owned(), true, w.streamed.len() as u64));
+                            let choice = Choice { tokens: std::mem::take(&mut w.streamed), logprobs: Vec::new(), finish: Some(FinishReason::Stop) };
+                            (w.sub.events)(Event::Finished(Generation { choices: vec![choice], stats: Default::default() }));
+                        }
+                    }
                 }
                 Command::Shutdown => {
+                    // Everything not finished hears why: the queue, the running requests, and
+                    // submissions that came with or after the shutdown.
+                    let late = cmds.by_ref().chain(rx.try_iter()).filter_map(|c| match c {
+                        Command::Submit(sub) => Some(sub),
+                        _ => None,
+                    });
+                    for mut sub in late.collect::<Vec<_>>() {
+                        (sub.events)(Event::Failed("the daemon is shutting down".into()));
+                    }
                     for mut w in waiting.drain(..) {
                         (w.sub.events)(Event::Failed("the daemon is shutting down".into()));
                     }
@@ -347,7 +368,7 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
         // once). Shorter shared parts (a chat template's opening) are cheaper to recompute than
         // to wait for.
         let block = if store.capacity().is_some() { SHARED_PREFILL } else { usize::MAX };
-        let mut prefilling: Vec<Vec<u32>> = if block == usize::MAX { Vec::new() } else { running.iter().filter(|r| !r.started).map(|r| r.sub.prompt.clone()).collect() };
+        let mut prefilling: Vec<Vec<u32>> = if block == usize::MAX { Vec::new() } else { running.iter().filter(|r| !r.prefilled).map(|r| r.sub.prompt.clone()).collect() };
         loop {
             let eligible = |w: &Waiting| !prefilling.iter().any(|p| shared_prefix(p, &w.sub.prompt) >= block);
             let Some(i) = next_waiting(&waiting, &running, &last_admitted, &eligible) else { break };
@@ -375,10 +396,10 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
             // (Creating a session emits nothing.)
             match Session::create(Arc::clone(&w.sub.strategy), store, &request(&w.sub, &w.streamed, &cfg.eos), &mut |_, _| {}) {
                 Ok(session) => {
-                    if block != usize::MAX && !w.started {
+                    if block != usize::MAX {
                         prefilling.push(w.sub.prompt.clone());
                     }
-                    running.push(Running { sub: w.sub, session, streamed: w.streamed, started: w.started, gone: false, stop: false, deferred: false });
+                    running.push(Running { sub: w.sub, session, streamed: w.streamed, started: w.started, gone: false, stop: false, prefilled: false, deferred: false });
                 }
                 Err(e) => {
                     (w.sub.events)(Event::Failed(e.to_string()));
@@ -414,6 +435,7 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
                         // MIN_CHUNK tokens, so a prompt always progresses; at least one token
                         // stays pending for the plan itself when it brings none.)
                         let mut room = budget.max(MIN_CHUNK);
+                        let chunks = prefill.len();
                         for w in &work {
                             let keep = usize::from(w.tokens.is_empty());
                             let k = store.pending(w.seq).saturating_sub(keep).min(room);
@@ -423,7 +445,11 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
                                 budget = budget.saturating_sub(k);
                             }
                         }
-                        continue;
+                        // Nothing left to chunk (one token kept for the plan): the plan itself
+                        // goes through the deferral below, so it runs next step at the latest.
+                        if prefill.len() > chunks {
+                            continue;
+                        }
                     }
                     if tokens > budget && !batch.is_empty() && !*deferred {
                         *deferred = true; // next step it runs whatever its size
@@ -454,7 +480,8 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
                 Err(_) => parts.iter().map(|(_, r)| store.run(&batch[r.clone()])).collect(),
             };
             for ((i, range), rows) in parts.iter().zip(results) {
-                let Running { sub, session, streamed, started, gone, .. } = &mut running[*i];
+                let Running { sub, session, streamed, started, gone, prefilled, .. } = &mut running[*i];
+                *prefilled = true;
                 let mut emit = Emit { sub, streamed, started, gone, emitted: &mut emitted, monitor };
                 let outcome = match rows {
                     Ok(rows) => session.observe(store, &batch[range.clone()], &rows, &mut |c, t| emit.token(c, t)).map_err(|e| e.to_string()),
@@ -469,6 +496,9 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
         // 5. Retire finished and failed requests; preempt when the cache ran out.
         done.sort_by_key(|d| std::cmp::Reverse(d.0));
         done.dedup_by_key(|d| d.0);
+        // Requests leaving now give their blocks back: a step that ran out of blocks is simply
+        // tried again next step, with nobody preempted or failed.
+        let left = !done.is_empty();
         for (i, outcome) in done {
             hold = false;
             let mut r = running.remove(i);
@@ -483,7 +513,7 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
                     // The client saw the tokens streamed before a preemption: report them too.
                     if !r.streamed.is_empty() && r.sub.n == 1 {
                         if let Some(c) = choices.first_mut() {
-                            let before = r.streamed.len() - c.tokens.len();
+                            let before = r.streamed.len().saturating_sub(c.tokens.len());
                             let mut all = r.streamed[..before].to_vec();
                             all.extend(&c.tokens);
                             c.tokens = all;
@@ -503,7 +533,7 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
                 }
             }
         }
-        if preempt {
+        if preempt && !left {
             if running.len() <= 1 {
                 // Alone and still out of blocks: it cannot ever fit.
                 if let Some(mut r) = running.pop() {

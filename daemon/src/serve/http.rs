@@ -293,15 +293,21 @@ async fn respond(sh: Arc<Shared>, p: request::Prepared, m: &Map<String, Value>, 
             let roles: Vec<Value> = (0..n).map(|i| json!({ "index": i, "delta": { "role": "assistant", "content": "" }, "logprobs": Value::Null, "finish_reason": Value::Null })).collect();
             send(chunk(Value::Array(roles)));
         }
+        let error = |msg: &str| json!({ "error": { "message": msg, "type": "server_error", "param": Value::Null, "code": Value::Null } }).to_string();
+        let mut ended = false;
         'events: while let Some(ev) = sub.events.recv().await {
             for piece in out.on_event(&sub.model.model, ev) {
                 let ok = match piece {
                     Piece::Text { text, .. } if text.is_empty() => true,
                     Piece::Text { choice: c, text, .. } => send(chunk(json!([choice(c, text, Value::Null)]))),
                     Piece::End { choice: c, reason, text } => send(chunk(json!([choice(c, text, finish(reason))]))),
-                    Piece::Done { .. } => break 'events,
+                    Piece::Done { .. } => {
+                        ended = true;
+                        break 'events;
+                    }
                     Piece::Failed(msg) => {
-                        send(json!({ "error": { "message": msg, "type": "server_error", "param": Value::Null, "code": Value::Null } }).to_string());
+                        send(error(&msg));
+                        ended = true;
                         break 'events;
                     }
                 };
@@ -311,8 +317,13 @@ async fn respond(sh: Arc<Shared>, p: request::Prepared, m: &Map<String, Value>, 
             }
             if out.all_stopped() {
                 stop(&sub);
+                ended = true;
                 break;
             }
+        }
+        if !ended {
+            // The engine went away without a last word: say so rather than look complete.
+            send(error("the engine stopped"));
         }
         send("[DONE]".to_string());
     });
