@@ -37,8 +37,7 @@ pub struct Inference {
 
 fn failed(e: ApiError) -> fdo::Error {
     match e.status {
-        400 | 413 => fdo::Error::InvalidArgs(e.message),
-        404 => fdo::Error::InvalidArgs(e.message),
+        400 | 404 | 413 => fdo::Error::InvalidArgs(e.message),
         429 => fdo::Error::LimitsExceeded(e.message),
         _ => fdo::Error::Failed(e.message),
     }

@@ -368,7 +368,7 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
         // once). Shorter shared parts (a chat template's opening) are cheaper to recompute than
         // to wait for.
         let block = if store.capacity().is_some() { SHARED_PREFILL } else { usize::MAX };
-        let mut prefilling: Vec<Vec<u32>> = if block == usize::MAX { Vec::new() } else { running.iter().filter(|r| !r.prefilled).map(|r| r.sub.prompt.clone()).collect() };
+        let mut prefilling: Vec<Vec<u32>> = if block == usize::MAX || waiting.is_empty() { Vec::new() } else { running.iter().filter(|r| !r.prefilled).map(|r| r.sub.prompt.clone()).collect() };
         loop {
             let eligible = |w: &Waiting| !prefilling.iter().any(|p| shared_prefix(p, &w.sub.prompt) >= block);
             let Some(i) = next_waiting(&waiting, &running, &last_admitted, &eligible) else { break };

@@ -336,14 +336,8 @@ impl Output {
                     }
                     let mut text = std::mem::take(&mut c.held);
                     text.push_str(&c.dec.finish());
+                    // (Every token of a choice was emitted, so streamed: the text is complete.)
                     let fin = g.choices.get(i);
-                    if c.tokens == 0 {
-                        // A strategy that did not stream its tokens: the final ones are the text.
-                        if let Some(f) = fin {
-                            text = tok.decode(&f.tokens, true).unwrap_or_default();
-                            c.tokens = f.tokens.len();
-                        }
-                    }
                     let reason = if fin.and_then(|f| f.finish) == Some(FinishReason::Length) { "length" } else { "stop" };
                     out.push(Piece::End { choice: i as u32, reason, text });
                 }
