@@ -338,12 +338,9 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
         // Clients that went away lose their sequences in this same step.
         // Requests their clients stopped end as finished, with what they generated.
         for mut r in std::mem::take(&mut running) {
-            if r.gone {
-                hold = false;
-                stats.cancelled += 1;
-                r.session.close(store);
-                (r.sub.events)(Event::Failed("cancelled".into()));
-            } else if r.stop {
+            // A stopped request whose client then left (it got its answer and closed) still
+            // counts as finished.
+            if r.stop {
                 hold = false;
                 stats.finished += 1;
                 let generation_stats = r.session.stats().clone();
@@ -355,6 +352,11 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
                     m.update(|s| s.latency.observe(latency));
                 }
                 (r.sub.events)(Event::Finished(Generation { choices, stats: generation_stats }));
+            } else if r.gone {
+                hold = false;
+                stats.cancelled += 1;
+                r.session.close(store);
+                (r.sub.events)(Event::Failed("cancelled".into()));
             } else {
                 running.push(r);
             }
