@@ -5,8 +5,8 @@
 //! 128-token prompts and 128 generated tokens per sequence. Prompts are pseudo-random ordinary
 //! tokens, each distinct so the prefix cache never shortcuts a measurement.
 
-use crate::engine::{argmax, Engine, EngineOptions};
-use crate::model::Model;
+use inferd_engine::engine::{argmax, Engine, EngineOptions};
+use inferd_engine::model::Model;
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::process::Command;
@@ -86,7 +86,7 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
     let kv_tokens = (max_batch * (args.prompt_tokens + args.gen_tokens)).max(args.prefill_tokens) * 2;
     let opts = EngineOptions {
         threads: args.threads,
-        kv_budget_bytes: kv_tokens * crate::backend::cpu::kv_block_bytes(&model.config, 16) / 16,
+        kv_budget_bytes: kv_tokens * inferd_engine::backend::cpu::kv_block_bytes(&model.config, 16) / 16,
         ..EngineOptions::default()
     };
     let mut engine = Engine::cpu(model, &opts);
@@ -142,7 +142,7 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
     let mut report = json!({
         "model": model.path.display().to_string(),
         "backend": "cpu",
-        "isa": format!("{:?}", engine.backend.isa()),
+        "isa": engine.backend.device(),
         "threads": threads,
         "prefill_tokens": args.prefill_tokens,
         "prefill_tok_s": median(pp),
@@ -157,20 +157,58 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
 }
 
 /// Runs llama.cpp's tools on the same model and threads and returns their figures and our ratios.
-fn compare(dir: &std::path::Path, model: &Model, args: &BenchArgs, threads: usize, ours: &Value) -> anyhow::Result<Value> {
+fn compare(
+    dir: &std::path::Path,
+    model: &Model,
+    args: &BenchArgs,
+    threads: usize,
+    ours: &Value,
+) -> anyhow::Result<Value> {
     let m = model.path.display().to_string();
     let t = threads.to_string();
     let out = Command::new(dir.join("llama-bench"))
-        .args(["-m", &m, "-t", &t, "-p", &args.prefill_tokens.to_string(), "-n", &args.gen_tokens.to_string(), "-r", &args.repeat.max(1).to_string(), "-o", "json"])
+        .args([
+            "-m",
+            &m,
+            "-t",
+            &t,
+            "-p",
+            &args.prefill_tokens.to_string(),
+            "-n",
+            &args.gen_tokens.to_string(),
+            "-r",
+            &args.repeat.max(1).to_string(),
+            "-o",
+            "json",
+        ])
         .output()?;
     anyhow::ensure!(out.status.success(), "llama-bench failed: {}", String::from_utf8_lossy(&out.stderr));
     let rows: Value = serde_json::from_slice(&out.stdout)?;
-    let pick = |key: &str| rows.as_array().and_then(|a| a.iter().find(|r| r[key].as_u64().unwrap_or(0) > 0)).and_then(|r| r["avg_ts"].as_f64());
+    let pick = |key: &str| {
+        rows.as_array()
+            .and_then(|a| a.iter().find(|r| r[key].as_u64().unwrap_or(0) > 0))
+            .and_then(|r| r["avg_ts"].as_f64())
+    };
     let (pp, tg) = (pick("n_prompt"), pick("n_gen"));
     let npl: Vec<String> = args.batches.iter().map(|b| b.to_string()).collect();
     let ctx = (args.batches.iter().max().unwrap_or(&1) * (args.prompt_tokens + args.gen_tokens) + 64).to_string();
     let out = Command::new(dir.join("llama-batched-bench"))
-        .args(["-m", &m, "-t", &t, "-c", &ctx, "-npp", &args.prompt_tokens.to_string(), "-ntg", &args.gen_tokens.to_string(), "-npl", &npl.join(","), "--output-format", "jsonl"])
+        .args([
+            "-m",
+            &m,
+            "-t",
+            &t,
+            "-c",
+            &ctx,
+            "-npp",
+            &args.prompt_tokens.to_string(),
+            "-ntg",
+            &args.gen_tokens.to_string(),
+            "-npl",
+            &npl.join(","),
+            "--output-format",
+            "jsonl",
+        ])
         .output()?;
     anyhow::ensure!(out.status.success(), "llama-batched-bench failed: {}", String::from_utf8_lossy(&out.stderr));
     let mut batched = serde_json::Map::new();
@@ -189,7 +227,10 @@ fn compare(dir: &std::path::Path, model: &Model, args: &BenchArgs, threads: usiz
     ratios.insert("decode_batch1_vs_tg".into(), ratio(ours["decode_tok_s"]["by_batch"]["1"].as_f64(), tg));
     for b in &args.batches {
         let k = b.to_string();
-        ratios.insert(format!("decode_batch{k}"), ratio(ours["decode_tok_s"]["by_batch"][&k].as_f64(), batched.get(&k).and_then(Value::as_f64)));
+        ratios.insert(
+            format!("decode_batch{k}"),
+            ratio(ours["decode_tok_s"]["by_batch"][&k].as_f64(), batched.get(&k).and_then(Value::as_f64)),
+        );
     }
     Ok(json!({ "pp_tok_s": pp, "tg_tok_s": tg, "batched_decode_tok_s": batched, "ratios": ratios }))
 }

@@ -3,14 +3,14 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
-use inferd::chat::{ChatMessage, ChatTemplate};
-use inferd::decode::{generate, generate_with_stats};
-use inferd::decode::store::{EngineStore, MockStore};
-use inferd::plugin::{Registry, Session, SessionRequest, TrustPolicy};
+use inferd_engine::chat::{ChatMessage, ChatTemplate};
+use inferd_engine::decode::store::{EngineStore, MockStore};
+use inferd_engine::decode::{generate, generate_with_stats};
+use inferd_engine::engine::{Engine, EngineOptions};
+use inferd_engine::model::Model;
+use inferd_engine::plugin::{Registry, Session, SessionRequest, TrustPolicy};
+use inferd_engine::tokenizer::stream::StreamDecoder;
 use std::collections::BTreeMap;
-use inferd::engine::{Engine, EngineOptions};
-use inferd::model::Model;
-use inferd::tokenizer::stream::StreamDecoder;
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -120,7 +120,7 @@ struct PluginDirs {
 
 impl PluginDirs {
     fn registry(&self) -> Result<Registry> {
-        let dirs = inferd::paths::plugin_dirs(&self.dirs);
+        let dirs = inferd_engine::paths::plugin_dirs(&self.dirs);
         let (reg, refused) = Registry::load_dirs(&dirs, TrustPolicy::User);
         for r in refused {
             eprintln!("inferd: {r}");
@@ -163,11 +163,11 @@ enum PluginCmd {
 }
 
 fn model_path(p: Option<PathBuf>) -> Result<PathBuf> {
-    match p.or_else(inferd::paths::default_model) {
+    match p.or_else(inferd_engine::paths::default_model) {
         Some(p) => Ok(p),
         None => bail!(
             "no --model given and the default model is not installed in any of {:?}; run packaging/fetch-model",
-            inferd::paths::model_dirs()
+            inferd_engine::paths::model_dirs()
         ),
     }
 }
@@ -217,11 +217,16 @@ fn run(model: Option<PathBuf>, a: RunArgs, plugins: &PluginDirs, prompt: &str) -
     let draft = a.draft_model.map(|p| load(Some(p))).transpose()?;
     if let Some(d) = &draft {
         if d.config.vocab != model.config.vocab {
-            bail!("the draft model's vocabulary ({}) differs from the model's ({})", d.config.vocab, model.config.vocab);
+            bail!(
+                "the draft model's vocabulary ({}) differs from the model's ({})",
+                d.config.vocab,
+                model.config.vocab
+            );
         }
     }
     // Reject bad parameters before loading anything heavy into the KV cache.
-    let roles = 1 << inferd_plugin_api::abi::ROLE_TARGET | u32::from(draft.is_some()) << inferd_plugin_api::abi::ROLE_DRAFT;
+    let roles =
+        1 << inferd_plugin_api::abi::ROLE_TARGET | u32::from(draft.is_some()) << inferd_plugin_api::abi::ROLE_DRAFT;
     Session::validate(&strategy, model.config.vocab as u32, roles, &req)?;
     let opts = EngineOptions { threads: a.threads, ..EngineOptions::default() };
     let mut engine = Engine::cpu(&model, &opts);
@@ -254,7 +259,8 @@ fn run(model: Option<PathBuf>, a: RunArgs, plugins: &PluginDirs, prompt: &str) -
 
 /// A seed for a request that did not give one.
 fn random_seed() -> u64 {
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    let t =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
     t ^ (u64::from(std::process::id()) << 32)
 }
 
@@ -315,13 +321,23 @@ fn plugin_probe(name: &str, a: ProbeArgs, plugins: &PluginDirs) -> Result<()> {
     for i in 0..a.draws {
         // The mock model ignores the prompt; one placeholder token gives the first step a
         // position to return logits for.
-        let req = SessionRequest { logprobs: false, prompt: &[0], generated: &history, params: &a.params, max_tokens: 1, n: 1, seed: a.seed.wrapping_add(i), eos: &[] };
+        let req = SessionRequest {
+            logprobs: false,
+            prompt: &[0],
+            generated: &history,
+            params: &a.params,
+            max_tokens: 1,
+            n: 1,
+            seed: a.seed.wrapping_add(i),
+            eos: &[],
+        };
         let choices = generate(&strategy, &mut store, &req, &mut |_, _| {})?;
         if let Some(&t) = choices.first().and_then(|c| c.tokens.first()) {
             *counts.entry(t).or_default() += 1;
         }
     }
-    let dist: serde_json::Map<String, serde_json::Value> = counts.into_iter().map(|(t, c)| (t.to_string(), serde_json::json!(c as f64 / a.draws as f64))).collect();
+    let dist: serde_json::Map<String, serde_json::Value> =
+        counts.into_iter().map(|(t, c)| (t.to_string(), serde_json::json!(c as f64 / a.draws as f64))).collect();
     println!("{}", serde_json::Value::Object(dist));
     Ok(())
 }
@@ -334,10 +350,17 @@ fn main() -> Result<()> {
         }
         Cmd::Serve { config, model, socket, threads, system, user, plugins } => {
             let mode = inferd::serve::config::Mode::resolve(system, user);
-            inferd::serve::run(&inferd::serve::ServeArgs { mode, config, model, socket, plugin_dirs: plugins.dirs, threads })
+            inferd::serve::run(&inferd::serve::ServeArgs {
+                mode,
+                config,
+                model,
+                socket,
+                plugin_dirs: plugins.dirs,
+                threads,
+            })
         }
         Cmd::Export { model, dtype, out } => {
-            use inferd::model::export::{export_hf, ExportDtype};
+            use inferd_engine::model::export::{export_hf, ExportDtype};
             let dtype = match dtype.as_str() {
                 "f32" => ExportDtype::F32,
                 "f16" => ExportDtype::F16,
@@ -353,7 +376,7 @@ fn main() -> Result<()> {
             use clap::CommandFactory;
             std::fs::create_dir_all(&dir)?;
             write_man_pages(&dir, Cli::command(), "8")?;
-            write_man_pages(&dir, inferd::ctl::Cli::command(), "1")
+            write_man_pages(&dir, inferctl::Cli::command(), "1")
         }
         Cmd::Plugin { cmd: PluginCmd::Check { file, system } } => plugin_check(&file, system),
         Cmd::Plugin { cmd: PluginCmd::Probe { name, logits, history, params, draws, seed, plugins } } => {
@@ -369,7 +392,8 @@ fn main() -> Result<()> {
             let model = load(args.model.clone())?;
             let reg = PluginDirs { dirs: args.plugin_dirs.clone() }.registry()?;
             let batching = inferd::serve::bench::run(&model, &reg, args.threads, 8)?;
-            let clients = inferd::serve::bench_clients::run(&model_path(args.model.clone())?, &model, &reg, args.threads)?;
+            let clients =
+                inferd::serve::bench_clients::run(&model_path(args.model.clone())?, &model, &reg, args.threads)?;
             let report = serde_json::json!({ "batching": batching, "socket": clients });
             println!("{}", serde_json::to_string_pretty(&report)?);
             Ok(())
@@ -378,7 +402,7 @@ fn main() -> Result<()> {
             let model = load(args.model.clone())?;
             let draft = args.draft_model.clone().map(|p| load(Some(p))).transpose()?;
             let reg = PluginDirs { dirs: args.plugin_dirs.clone() }.registry()?;
-            let report = inferd::decode::bench::run(&model, draft.as_ref(), &reg, args.threads, args.repeat)?;
+            let report = inferd::bench_decoders::run(&model, draft.as_ref(), &reg, args.threads, args.repeat)?;
             println!("{}", serde_json::to_string_pretty(&report)?);
             Ok(())
         }
@@ -397,7 +421,11 @@ fn write_man_pages(dir: &std::path::Path, cmd: clap::Command, section: &str) -> 
         cmd = cmd.display_name(name.clone()).bin_name(name.replace('-', " "));
         let subs: Vec<clap::Command> = cmd.get_subcommands().filter(|c| !c.is_hide_set()).cloned().collect();
         let mut out = Vec::new();
-        clap_mangen::Man::new(cmd.clone()).section(section).manual("inferd").source(concat!("inferd ", env!("CARGO_PKG_VERSION"))).render(&mut out)?;
+        clap_mangen::Man::new(cmd.clone())
+            .section(section)
+            .manual("inferd")
+            .source(concat!("inferd ", env!("CARGO_PKG_VERSION")))
+            .render(&mut out)?;
         std::fs::write(dir.join(format!("{name}.{section}")), out)?;
         for sub in subs {
             let sub_name = format!("{name}-{}", sub.get_name());

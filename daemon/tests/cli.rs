@@ -9,7 +9,7 @@ fn inferd(args: &[&str]) -> std::process::Output {
 }
 
 fn model() -> String {
-    let p = inferd::paths::default_model().expect("the default model is installed (run packaging/fetch-model)");
+    let p = inferd_engine::paths::default_model().expect("the default model is installed (run packaging/fetch-model)");
     p.display().to_string()
 }
 
@@ -18,7 +18,15 @@ fn run_generates_text_and_chat_answers() {
     let out = inferd(&["run", "--model", &model(), "--max-tokens", "3", "The capital of France is"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(String::from_utf8_lossy(&out.stdout), " Paris.\n\n");
-    let out = inferd(&["run", "--model", &model(), "--chat", "--max-tokens", "40", "What is the capital of France? Answer in one word."]);
+    let out = inferd(&[
+        "run",
+        "--model",
+        &model(),
+        "--chat",
+        "--max-tokens",
+        "40",
+        "What is the capital of France? Answer in one word.",
+    ]);
     assert!(out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("Paris"), "{text}");
@@ -77,13 +85,37 @@ fn plugin_check_reports_declarations_and_refusals() {
 
 #[test]
 fn plugin_probe_prints_the_empirical_distribution() {
-    let out = inferd(&["plugin", "probe", "nucleus", "--logits", "[1.0, 1.0, -30.0]", "--params", r#"{"top_k": 2}"#, "--draws", "4000", "--seed", "9"]);
+    let out = inferd(&[
+        "plugin",
+        "probe",
+        "nucleus",
+        "--logits",
+        "[1.0, 1.0, -30.0]",
+        "--params",
+        r#"{"top_k": 2}"#,
+        "--draws",
+        "4000",
+        "--seed",
+        "9",
+    ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let d: std::collections::BTreeMap<String, f64> = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(d.keys().collect::<Vec<_>>(), vec!["0", "1"]);
     assert!((d["0"] - 0.5).abs() < 0.05, "{d:?}");
     // The history feeds the penalties: a large presence penalty on token 0 leaves token 1.
-    let out = inferd(&["plugin", "probe", "nucleus", "--logits", "[1.0, 1.0, -30.0]", "--history", "[0]", "--params", r#"{"presence_penalty": 2, "temperature": 0}"#, "--draws", "10"]);
+    let out = inferd(&[
+        "plugin",
+        "probe",
+        "nucleus",
+        "--logits",
+        "[1.0, 1.0, -30.0]",
+        "--history",
+        "[0]",
+        "--params",
+        r#"{"presence_penalty": 2, "temperature": 0}"#,
+        "--draws",
+        "10",
+    ]);
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), r#"{"1":1.0}"#);
     let out = inferd(&["plugin", "probe", "nucleus", "--logits", "[1.0]", "--params", r#"{"top_q": 1}"#]);
     assert!(!out.status.success());
@@ -94,7 +126,22 @@ fn plugin_probe_prints_the_empirical_distribution() {
 
 #[test]
 fn run_uses_any_strategy_and_seeds_repeat() {
-    let args = |seed: &'static str| ["run", "--model", "", "--decoder", "nucleus", "--params", r#"{"temperature": 1.0, "top_p": 0.95}"#, "--seed", seed, "--max-tokens", "12", "Once upon a time"];
+    let args = |seed: &'static str| {
+        [
+            "run",
+            "--model",
+            "",
+            "--decoder",
+            "nucleus",
+            "--params",
+            r#"{"temperature": 1.0, "top_p": 0.95}"#,
+            "--seed",
+            seed,
+            "--max-tokens",
+            "12",
+            "Once upon a time",
+        ]
+    };
     let m = model();
     let go = |seed| {
         let mut a = args(seed);
@@ -108,7 +155,20 @@ fn run_uses_any_strategy_and_seeds_repeat() {
     assert_ne!(a, go("6"));
     // Speculative decoding with the model as its own draft: greedy output, acceptance on stderr.
     let greedy = inferd(&["run", "--model", &m, "--max-tokens", "16", "Once upon a time"]);
-    let spec = inferd(&["run", "--model", &m, "--draft-model", &m, "--decoder", "speculative", "--params", r#"{"drafter": "model", "temperature": 0}"#, "--max-tokens", "16", "Once upon a time"]);
+    let spec = inferd(&[
+        "run",
+        "--model",
+        &m,
+        "--draft-model",
+        &m,
+        "--decoder",
+        "speculative",
+        "--params",
+        r#"{"drafter": "model", "temperature": 0}"#,
+        "--max-tokens",
+        "16",
+        "Once upon a time",
+    ]);
     assert!(spec.status.success(), "{}", String::from_utf8_lossy(&spec.stderr));
     assert_eq!(spec.stdout, greedy.stdout);
     let err = String::from_utf8_lossy(&spec.stderr);
@@ -126,13 +186,21 @@ fn the_packaged_man_pages_match_the_command_line() {
     // Every page but the two written by hand.
     let packaged = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../packaging/man"));
     let names = |d: &std::path::Path| -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(d).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| !["inferd.toml.5", "inferd-fetch-model.8"].contains(&n.as_str())).collect();
+        let mut v: Vec<String> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| !["inferd.toml.5", "inferd-fetch-model.8"].contains(&n.as_str()))
+            .collect();
         v.sort();
         v
     };
     assert_eq!(names(&dir), names(packaged), "regenerate with `target/release/inferd man packaging/man`");
     for n in names(&dir) {
-        assert_eq!(std::fs::read_to_string(dir.join(&n)).unwrap(), std::fs::read_to_string(packaged.join(&n)).unwrap(), "{n} is stale: regenerate with `target/release/inferd man packaging/man`");
+        assert_eq!(
+            std::fs::read_to_string(dir.join(&n)).unwrap(),
+            std::fs::read_to_string(packaged.join(&n)).unwrap(),
+            "{n} is stale: regenerate with `target/release/inferd man packaging/man`"
+        );
     }
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -13,7 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn model() -> String {
-    let p = inferd::paths::default_model().expect("the default model is installed (run packaging/fetch-model)");
+    let p = inferd_engine::paths::default_model().expect("the default model is installed (run packaging/fetch-model)");
     p.display().to_string()
 }
 
@@ -47,8 +47,22 @@ impl Daemon {
         let cfg = dir.join("inferd.toml");
         std::fs::write(&cfg, config).unwrap();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_inferd"));
-        cmd.args(["serve", "--user", "--config", cfg.to_str().unwrap(), "--model", &model(), "--socket", socket.to_str().unwrap(), "--threads", "2"]);
-        cmd.env_remove("NOTIFY_SOCKET").env_remove("LISTEN_FDS").env_remove("WATCHDOG_USEC").env("DBUS_SESSION_BUS_ADDRESS", "unix:path=/nonexistent");
+        cmd.args([
+            "serve",
+            "--user",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--model",
+            &model(),
+            "--socket",
+            socket.to_str().unwrap(),
+            "--threads",
+            "2",
+        ]);
+        cmd.env_remove("NOTIFY_SOCKET")
+            .env_remove("LISTEN_FDS")
+            .env_remove("WATCHDOG_USEC")
+            .env("DBUS_SESSION_BUS_ADDRESS", "unix:path=/nonexistent");
         cmd.envs(env.iter().copied());
         let child = cmd.spawn().unwrap();
         let d = Daemon { child, socket };
@@ -65,7 +79,11 @@ impl Daemon {
     }
 
     fn signal(&self, sig: &str) {
-        assert!(Command::new("kill").args([&format!("-{sig}"), &self.child.id().to_string()]).status().unwrap().success());
+        assert!(Command::new("kill")
+            .args([&format!("-{sig}"), &self.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success());
     }
 }
 
@@ -124,23 +142,47 @@ fn openai_api_status_and_metrics_on_the_unix_socket() {
     let (st, body) = d.http("GET", "/health", "");
     assert_eq!((st, body.contains(r#""status":"ok""#)), (200, true), "{body}");
     // The same greedy text as `inferd run`.
-    let (st, body) = d.http("POST", "/v1/completions", r#"{"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}"#);
+    let (st, body) = d.http(
+        "POST",
+        "/v1/completions",
+        r#"{"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}"#,
+    );
     assert_eq!(st, 200, "{body}");
     let v: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["choices"][0]["text"], " Paris.\n");
     assert_eq!(v["usage"]["completion_tokens"], 3);
     assert_eq!(v["choices"][0]["finish_reason"], "length");
     // Streaming: SSE chunks whose texts add up to the same, then [DONE].
-    let (st, body) = d.http("POST", "/v1/completions", r#"{"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0, "stream": true}"#);
+    let (st, body) = d.http(
+        "POST",
+        "/v1/completions",
+        r#"{"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0, "stream": true}"#,
+    );
     assert_eq!(st, 200);
     assert_eq!(sse_text(&body), " Paris.\n[DONE]");
     // Stop strings: the text ends before the stop string, whole or streamed.
-    let (_, body) = d.http("POST", "/v1/completions", r#"{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "stop": ["\n", "zzz"]}"#);
+    let (_, body) = d.http(
+        "POST",
+        "/v1/completions",
+        r#"{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "stop": ["\n", "zzz"]}"#,
+    );
     let v: Value = serde_json::from_str(&body).unwrap();
-    assert_eq!((v["choices"][0]["text"].as_str(), v["choices"][0]["finish_reason"].as_str()), (Some(" Paris."), Some("stop")), "{body}");
-    let (_, body) = d.http("POST", "/v1/completions", r#"{"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0, "stop": "s.\nX", "stream": true}"#);
+    assert_eq!(
+        (v["choices"][0]["text"].as_str(), v["choices"][0]["finish_reason"].as_str()),
+        (Some(" Paris."), Some("stop")),
+        "{body}"
+    );
+    let (_, body) = d.http(
+        "POST",
+        "/v1/completions",
+        r#"{"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0, "stop": "s.\nX", "stream": true}"#,
+    );
     assert_eq!(sse_text(&body), " Paris.\n[DONE]", "text held back as a possible stop string is sent at the end");
-    let (_, body) = d.http("POST", "/v1/completions", r#"{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "stop": "ris", "stream": true}"#);
+    let (_, body) = d.http(
+        "POST",
+        "/v1/completions",
+        r#"{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "stop": "ris", "stream": true}"#,
+    );
     assert_eq!(sse_text(&body), " Pa[DONE]");
     // Bad requests get the OpenAI error object with a fitting status.
     for (body, status, needle) in [
@@ -179,8 +221,17 @@ fn openai_api_status_and_metrics_on_the_unix_socket() {
     let answer = v["choices"][0]["message"]["content"].as_str().unwrap().to_owned();
     assert!(answer.contains("Paris") && !answer.contains("<|im_end|>"), "{answer}");
     assert_eq!(v["object"], "chat.completion");
-    let (_, b) = d.http("POST", "/v1/chat/completions", &chat.replace(r#""temperature": 0"#, r#""temperature": 0, "stream": true"#));
-    let chunks: Vec<Value> = b.lines().filter_map(|l| l.strip_prefix("data: ")).filter(|l| *l != "[DONE]").map(|l| serde_json::from_str(l).unwrap()).collect();
+    let (_, b) = d.http(
+        "POST",
+        "/v1/chat/completions",
+        &chat.replace(r#""temperature": 0"#, r#""temperature": 0, "stream": true"#),
+    );
+    let chunks: Vec<Value> = b
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|l| *l != "[DONE]")
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let streamed: String = chunks[1..].iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
     assert_eq!(streamed, answer);
@@ -213,7 +264,11 @@ fn openai_api_status_and_metrics_on_the_unix_socket() {
     let (st, text) = d.http("GET", "/metrics", "");
     assert_eq!(st, 200);
     let metric = |name: &str| -> f64 {
-        text.lines().find(|l| l.starts_with(name)).and_then(|l| l.rsplit(' ').next()).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{name} missing:\n{text}"))
+        text.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing:\n{text}"))
     };
     assert!(metric("inferd_requests_total{model=\"SmolLM2-135M-Instruct.Q4_1\",outcome=\"finished\"}") >= 5.0);
     assert!(metric("inferd_time_to_first_token_seconds_count") >= 5.0);
@@ -239,7 +294,11 @@ fn config_sets_socket_permissions_and_per_user_limits() {
         (f.len() > 2 && f[2] == gid.to_string()).then(|| f[0].to_owned())
     });
     let group_line = group.map(|g| format!("socket_group = \"{g}\"\n")).unwrap_or_default();
-    let d = Daemon::start(&dir, &format!("[server]\nsocket_mode = \"0600\"\n{group_line}[limits]\nmax_requests_per_user = 2\n"), &[]);
+    let d = Daemon::start(
+        &dir,
+        &format!("[server]\nsocket_mode = \"0600\"\n{group_line}[limits]\nmax_requests_per_user = 2\n"),
+        &[],
+    );
     let meta = std::fs::metadata(&d.socket).unwrap();
     assert_eq!(meta.permissions().mode() & 0o777, 0o600);
     assert_eq!(meta.gid(), gid);
@@ -255,7 +314,9 @@ fn config_sets_socket_permissions_and_per_user_limits() {
     // A client that disconnects cancels its request and frees its place and its blocks.
     let free_before = d.status()["models"][0]["kv_blocks"]["free"].as_u64().unwrap();
     drop(a);
-    wait_for("the cancellation", Duration::from_secs(20), || d.status()["models"][0]["requests"]["cancelled"].as_u64().unwrap() >= 1);
+    wait_for("the cancellation", Duration::from_secs(20), || {
+        d.status()["models"][0]["requests"]["cancelled"].as_u64().unwrap() >= 1
+    });
     let s = d.status();
     assert_eq!(s["models"][0]["requests"]["running"], 1, "{s}");
     assert!(s["models"][0]["kv_blocks"]["free"].as_u64().unwrap() > free_before, "{s}");
@@ -267,7 +328,10 @@ fn config_sets_socket_permissions_and_per_user_limits() {
     // An unknown key in the config is an error naming the key and the file.
     let bad = dir.join("bad.toml");
     std::fs::write(&bad, "[server]\nsocket_mod = \"0600\"\n").unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_inferd")).args(["serve", "--user", "--config", bad.to_str().unwrap(), "--model", &model()]).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_inferd"))
+        .args(["serve", "--user", "--config", bad.to_str().unwrap(), "--model", &model()])
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("socket_mod") && err.contains("bad.toml"), "{err}");
     drop(d);
@@ -298,7 +362,11 @@ fn sd_notify_ready_reload_watchdog_and_a_draining_stop() {
     let dir = scratch("notify");
     let path = dir.join("notify.sock");
     let sock = UnixDatagram::bind(&path).unwrap();
-    let mut d = Daemon::start(&dir, "[server]\nshutdown_grace_secs = 30\n", &[("NOTIFY_SOCKET", path.to_str().unwrap()), ("WATCHDOG_USEC", "400000")]);
+    let mut d = Daemon::start(
+        &dir,
+        "[server]\nshutdown_grace_secs = 30\n",
+        &[("NOTIFY_SOCKET", path.to_str().unwrap()), ("WATCHDOG_USEC", "400000")],
+    );
     let got = notifications(&sock, "READY=1", Duration::from_secs(60));
     let ready = got.iter().find(|m| m.contains("READY=1")).unwrap();
     assert!(ready.contains("STATUS=serving SmolLM2-135M-Instruct.Q4_1"), "{ready}");
@@ -312,7 +380,8 @@ fn sd_notify_ready_reload_watchdog_and_a_draining_stop() {
     assert_eq!(d.http("GET", "/health", "").0, 200);
     // SIGTERM with a request in flight: STOPPING=1, new requests get 503, the running one
     // finishes, the process exits 0.
-    let mut stream = open_stream(&d.socket, r#"{"prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "stream": true}"#);
+    let mut stream =
+        open_stream(&d.socket, r#"{"prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "stream": true}"#);
     d.signal("TERM");
     notifications(&sock, "STOPPING=1", Duration::from_secs(10));
     let (st, body) = d.http("POST", "/v1/completions", r#"{"prompt": "hi", "max_tokens": 1}"#);
@@ -320,7 +389,10 @@ fn sd_notify_ready_reload_watchdog_and_a_draining_stop() {
     let mut rest = Vec::new();
     stream.read_to_end(&mut rest).unwrap();
     let rest = String::from_utf8_lossy(&rest);
-    assert!(rest.contains(r#""finish_reason":"length""#) && rest.contains("[DONE]"), "the in-flight request completes: {rest}");
+    assert!(
+        rest.contains(r#""finish_reason":"length""#) && rest.contains("[DONE]"),
+        "the in-flight request completes: {rest}"
+    );
     let status = d.child.wait().unwrap();
     assert!(status.success(), "{status:?}");
     assert!(!d.socket.exists(), "the socket file is removed");
@@ -333,13 +405,32 @@ fn socket_activation_serves_on_the_passed_socket() {
     let socket = dir.join("activated.sock");
     let m = model();
     let mut child = Command::new("systemd-socket-activate")
-        .args(["-l", socket.to_str().unwrap(), "-E", "HOME", env!("CARGO_BIN_EXE_inferd"), "serve", "--user", "--model", &m, "--threads", "2", "--socket", "/nonexistent/not-used.sock"])
+        .args([
+            "-l",
+            socket.to_str().unwrap(),
+            "-E",
+            "HOME",
+            env!("CARGO_BIN_EXE_inferd"),
+            "serve",
+            "--user",
+            "--model",
+            &m,
+            "--threads",
+            "2",
+            "--socket",
+            "/nonexistent/not-used.sock",
+        ])
         .stderr(Stdio::null())
         .spawn()
         .expect("systemd-socket-activate (apt-get install systemd)");
     wait_for("the activation socket", Duration::from_secs(10), || socket.exists());
     // The first connection starts the daemon, which serves it on the inherited socket.
-    let (st, body) = http(&socket, "POST", "/v1/completions", r#"{"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}"#);
+    let (st, body) = http(
+        &socket,
+        "POST",
+        "/v1/completions",
+        r#"{"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}"#,
+    );
     assert_eq!(st, 200, "{body}");
     assert!(body.contains(" Paris."), "{body}");
     assert!(!Path::new("/nonexistent/not-used.sock").exists());
@@ -353,7 +444,8 @@ fn socket_activation_serves_on_the_passed_socket() {
 fn the_official_openai_python_client_works_unchanged() {
     let dir = scratch("openai");
     let d = Daemon::start(&dir, "", &[]);
-    let pylib = std::env::var("INFERD_TEST_PYTHONPATH").unwrap_or_else(|_| format!("{}/.cache/inferd/python", std::env::var("HOME").unwrap_or_default()));
+    let pylib = std::env::var("INFERD_TEST_PYTHONPATH")
+        .unwrap_or_else(|_| format!("{}/.cache/inferd/python", std::env::var("HOME").unwrap_or_default()));
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/openai_client.py");
     let out = Command::new("python3").arg(script).arg(&d.socket).env("PYTHONPATH", &pylib).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -378,7 +470,10 @@ impl Bus {
     fn start(dir: &Path) -> Bus {
         let path = dir.join("bus");
         let address = format!("unix:path={}", path.display());
-        let child = Command::new("dbus-daemon").args(["--session", "--nofork", "--nopidfile", &format!("--address={address}")]).spawn().expect("dbus-daemon (apt-get install dbus)");
+        let child = Command::new("dbus-daemon")
+            .args(["--session", "--nofork", "--nopidfile", &format!("--address={address}")])
+            .spawn()
+            .expect("dbus-daemon (apt-get install dbus)");
         wait_for("the bus", Duration::from_secs(10), || UnixStream::connect(&path).is_ok());
         Bus { child, address }
     }
@@ -394,7 +489,10 @@ impl Drop for Bus {
 /// The lines of `<interface name="NAME">` … `</interface>` in introspection XML, trimmed.
 fn interface_xml(xml: &str, name: &str) -> Vec<String> {
     let lines: Vec<String> = xml.lines().map(|l| l.trim().to_owned()).filter(|l| !l.is_empty()).collect();
-    let start = lines.iter().position(|l| *l == format!("<interface name=\"{name}\">")).unwrap_or_else(|| panic!("no interface {name} in:\n{xml}"));
+    let start = lines
+        .iter()
+        .position(|l| *l == format!("<interface name=\"{name}\">"))
+        .unwrap_or_else(|| panic!("no interface {name} in:\n{xml}"));
     let len = lines[start..].iter().position(|l| l == "</interface>").unwrap();
     lines[start..=start + len].to_vec()
 }
@@ -406,39 +504,133 @@ fn dbus_generate_complete_properties_unicast_and_introspection() {
     let bus = Bus::start(&dir);
     let d = Daemon::start(&dir, "", &[("DBUS_SESSION_BUS_ADDRESS", &bus.address)]);
     let busctl = |args: &[&str]| -> String {
-        let out = Command::new("busctl").arg(format!("--address={}", bus.address)).args(args).output().expect("busctl (apt-get install systemd)");
+        let out = Command::new("busctl")
+            .arg(format!("--address={}", bus.address))
+            .args(args)
+            .output()
+            .expect("busctl (apt-get install systemd)");
         assert!(out.status.success(), "busctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
     wait_for("the bus name", Duration::from_secs(20), || {
-        Command::new("busctl").arg(format!("--address={}", bus.address)).args(["status", "org.inferd.Inference1"]).output().is_ok_and(|o| o.status.success())
+        Command::new("busctl")
+            .arg(format!("--address={}", bus.address))
+            .args(["status", "org.inferd.Inference1"])
+            .output()
+            .is_ok_and(|o| o.status.success())
     });
     // An independent client: gdbus for Complete, busctl for properties and Tokenize.
     let out = Command::new("gdbus")
-        .args(["call", "--session", "--dest", "org.inferd.Inference1", "--object-path", "/org/inferd/Inference1", "--method", "org.inferd.Inference1.Complete", "", "The capital of France is", "{'max_tokens': <uint32 3>, 'temperature': <0.0>}"])
+        .args([
+            "call",
+            "--session",
+            "--dest",
+            "org.inferd.Inference1",
+            "--object-path",
+            "/org/inferd/Inference1",
+            "--method",
+            "org.inferd.Inference1.Complete",
+            "",
+            "The capital of France is",
+            "{'max_tokens': <uint32 3>, 'temperature': <0.0>}",
+        ])
         .env("DBUS_SESSION_BUS_ADDRESS", &bus.address)
         .output()
         .expect("gdbus (apt-get install libglib2.0-bin)");
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), r"(' Paris.\n',)", "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(busctl(&["get-property", "org.inferd.Inference1", "/org/inferd/Inference1", "org.inferd.Inference1", "Models"]).trim(), r#"as 1 "SmolLM2-135M-Instruct.Q4_1""#);
-    assert!(busctl(&["get-property", "org.inferd.Inference1", "/org/inferd/Inference1", "org.inferd.Inference1", "Strategies"]).contains("\"greedy\""));
-    assert!(busctl(&["get-property", "org.inferd.Inference1", "/org/inferd/Inference1", "org.inferd.Inference1", "Status"]).contains("\"state\" s \"ready\""));
-    assert_eq!(busctl(&["call", "org.inferd.Inference1", "/org/inferd/Inference1", "org.inferd.Inference1", "Tokenize", "ss", "", "Hello 12 world"]).trim(), "au 5 19556 216 33 34 905");
-    let bad = Command::new("busctl").arg(format!("--address={}", bus.address)).args(["call", "org.inferd.Inference1", "/org/inferd/Inference1", "org.inferd.Inference1", "Complete", "ssa{sv}", "", "hi", "1", "temperature", "d", "9"]).output().unwrap();
-    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("temperature must be between 0 and 2"), "{}", String::from_utf8_lossy(&bad.stderr));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        r"(' Paris.\n',)",
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        busctl(&["get-property", "org.inferd.Inference1", "/org/inferd/Inference1", "org.inferd.Inference1", "Models"])
+            .trim(),
+        r#"as 1 "SmolLM2-135M-Instruct.Q4_1""#
+    );
+    assert!(busctl(&[
+        "get-property",
+        "org.inferd.Inference1",
+        "/org/inferd/Inference1",
+        "org.inferd.Inference1",
+        "Strategies"
+    ])
+    .contains("\"greedy\""));
+    assert!(busctl(&[
+        "get-property",
+        "org.inferd.Inference1",
+        "/org/inferd/Inference1",
+        "org.inferd.Inference1",
+        "Status"
+    ])
+    .contains("\"state\" s \"ready\""));
+    assert_eq!(
+        busctl(&[
+            "call",
+            "org.inferd.Inference1",
+            "/org/inferd/Inference1",
+            "org.inferd.Inference1",
+            "Tokenize",
+            "ss",
+            "",
+            "Hello 12 world"
+        ])
+        .trim(),
+        "au 5 19556 216 33 34 905"
+    );
+    let bad = Command::new("busctl")
+        .arg(format!("--address={}", bus.address))
+        .args([
+            "call",
+            "org.inferd.Inference1",
+            "/org/inferd/Inference1",
+            "org.inferd.Inference1",
+            "Complete",
+            "ssa{sv}",
+            "",
+            "hi",
+            "1",
+            "temperature",
+            "d",
+            "9",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        !bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("temperature must be between 0 and 2"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
 
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
         use tokio_stream::StreamExt;
-        let connect = || async { zbus::connection::Builder::address(bus.address.as_str()).unwrap().build().await.unwrap() };
+        let connect =
+            || async { zbus::connection::Builder::address(bus.address.as_str()).unwrap().build().await.unwrap() };
         let caller = connect().await;
         let other = connect().await;
         // Another connection asks for every Request signal: it must get none of the caller's.
-        zbus::fdo::DBusProxy::new(&other).await.unwrap().add_match_rule(zbus::MatchRule::try_from("type='signal',interface='org.inferd.Inference1.Request'").unwrap()).await.unwrap();
+        zbus::fdo::DBusProxy::new(&other)
+            .await
+            .unwrap()
+            .add_match_rule(
+                zbus::MatchRule::try_from("type='signal',interface='org.inferd.Inference1.Request'").unwrap(),
+            )
+            .await
+            .unwrap();
         let mut snoop = zbus::MessageStream::from(&other);
         let mut mine = zbus::MessageStream::from(&caller);
         let opts = std::collections::HashMap::from([("max_tokens", V::U32(8)), ("temperature", V::F64(0.0))]);
-        let reply = caller.call_method(Some("org.inferd.Inference1"), "/org/inferd/Inference1", Some("org.inferd.Inference1"), "Generate", &("", "The capital of France is", &opts)).await.unwrap();
+        let reply = caller
+            .call_method(
+                Some("org.inferd.Inference1"),
+                "/org/inferd/Inference1",
+                Some("org.inferd.Inference1"),
+                "Generate",
+                &("", "The capital of France is", &opts),
+            )
+            .await
+            .unwrap();
         let path: OwnedObjectPath = reply.body().deserialize().unwrap();
         assert!(path.as_str().starts_with("/org/inferd/Inference1/request/"), "{path}");
         let (mut text, mut ids, mut reason) = (String::new(), Vec::new(), String::new());
@@ -457,7 +649,8 @@ fn dbus_generate_complete_properties_unicast_and_introspection() {
                     ids.push(id);
                 }
                 Some("Finished") => {
-                    let (r, usage): (String, std::collections::HashMap<String, zbus::zvariant::OwnedValue>) = msg.body().deserialize().unwrap();
+                    let (r, usage): (String, std::collections::HashMap<String, zbus::zvariant::OwnedValue>) =
+                        msg.body().deserialize().unwrap();
                     assert_eq!(u32::try_from(&usage["completion_tokens"]).unwrap(), 8);
                     reason = r;
                 }
@@ -465,47 +658,119 @@ fn dbus_generate_complete_properties_unicast_and_introspection() {
                 _ => {}
             }
         }
-        let (_, body) = d.http("POST", "/v1/completions", r#"{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}"#);
+        let (_, body) = d.http(
+            "POST",
+            "/v1/completions",
+            r#"{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}"#,
+        );
         let v: Value = serde_json::from_str(&body).unwrap();
         assert_eq!(text, v["choices"][0]["text"].as_str().unwrap(), "the same text as over HTTP");
         assert_eq!(reason, "length");
         assert!(!ids.is_empty());
         while let Ok(Some(Ok(msg))) = tokio::time::timeout(Duration::from_millis(300), snoop.next()).await {
             let h = msg.header();
-            assert!(!(h.message_type() == zbus::message::Type::Signal && h.interface().is_some_and(|i| i.as_str() == "org.inferd.Inference1.Request")), "another connection received the caller's signal {:?}", h.member());
+            assert!(
+                !(h.message_type() == zbus::message::Type::Signal
+                    && h.interface().is_some_and(|i| i.as_str() == "org.inferd.Inference1.Request")),
+                "another connection received the caller's signal {:?}",
+                h.member()
+            );
         }
 
         // The introspection data the daemon serves is the checked-in XML, for both interfaces.
         let long = std::collections::HashMap::from([("max_tokens", V::U32(3000)), ("temperature", V::F64(0.0))]);
-        let reply = caller.call_method(Some("org.inferd.Inference1"), "/org/inferd/Inference1", Some("org.inferd.Inference1"), "Generate", &("", "Once upon a time", &long)).await.unwrap();
+        let reply = caller
+            .call_method(
+                Some("org.inferd.Inference1"),
+                "/org/inferd/Inference1",
+                Some("org.inferd.Inference1"),
+                "Generate",
+                &("", "Once upon a time", &long),
+            )
+            .await
+            .unwrap();
         let req: OwnedObjectPath = reply.body().deserialize().unwrap();
-        let checked_in = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/dbus/org.inferd.Inference1.xml")).unwrap();
+        let checked_in =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/dbus/org.inferd.Inference1.xml")).unwrap();
         let introspect = |p: String| {
             let c = caller.clone();
             async move {
-                let r = c.call_method(Some("org.inferd.Inference1"), p.as_str(), Some("org.freedesktop.DBus.Introspectable"), "Introspect", &()).await.unwrap();
+                let r = c
+                    .call_method(
+                        Some("org.inferd.Inference1"),
+                        p.as_str(),
+                        Some("org.freedesktop.DBus.Introspectable"),
+                        "Introspect",
+                        &(),
+                    )
+                    .await
+                    .unwrap();
                 r.body().deserialize::<String>().unwrap()
             }
         };
         let root = introspect("/org/inferd/Inference1".into()).await;
         let obj = introspect(req.to_string()).await;
-        assert_eq!(interface_xml(&root, "org.inferd.Inference1"), interface_xml(&checked_in, "org.inferd.Inference1"), "served:\n{root}");
-        assert_eq!(interface_xml(&obj, "org.inferd.Inference1.Request"), interface_xml(&checked_in, "org.inferd.Inference1.Request"), "served:\n{obj}");
+        assert_eq!(
+            interface_xml(&root, "org.inferd.Inference1"),
+            interface_xml(&checked_in, "org.inferd.Inference1"),
+            "served:\n{root}"
+        );
+        assert_eq!(
+            interface_xml(&obj, "org.inferd.Inference1.Request"),
+            interface_xml(&checked_in, "org.inferd.Inference1.Request"),
+            "served:\n{obj}"
+        );
         // Only the caller may cancel its request; Cancel stops it.
-        let denied = other.call_method(Some("org.inferd.Inference1"), req.as_str(), Some("org.inferd.Inference1.Request"), "Cancel", &()).await;
+        let denied = other
+            .call_method(
+                Some("org.inferd.Inference1"),
+                req.as_str(),
+                Some("org.inferd.Inference1.Request"),
+                "Cancel",
+                &(),
+            )
+            .await;
         assert!(denied.is_err());
-        caller.call_method(Some("org.inferd.Inference1"), req.as_str(), Some("org.inferd.Inference1.Request"), "Cancel", &()).await.unwrap();
-        wait_for("the cancelled request", Duration::from_secs(20), || d.status()["models"][0]["requests"]["running"] == 0);
+        caller
+            .call_method(
+                Some("org.inferd.Inference1"),
+                req.as_str(),
+                Some("org.inferd.Inference1.Request"),
+                "Cancel",
+                &(),
+            )
+            .await
+            .unwrap();
+        wait_for("the cancelled request", Duration::from_secs(20), || {
+            d.status()["models"][0]["requests"]["running"] == 0
+        });
 
         // A caller that leaves the bus has its requests cancelled.
         let leaver = connect().await;
-        leaver.call_method(Some("org.inferd.Inference1"), "/org/inferd/Inference1", Some("org.inferd.Inference1"), "Generate", &("", "Once upon a time", &long)).await.unwrap();
-        wait_for("the leaver's request to run", Duration::from_secs(20), || d.status()["models"][0]["requests"]["running"] == 1);
+        leaver
+            .call_method(
+                Some("org.inferd.Inference1"),
+                "/org/inferd/Inference1",
+                Some("org.inferd.Inference1"),
+                "Generate",
+                &("", "Once upon a time", &long),
+            )
+            .await
+            .unwrap();
+        wait_for("the leaver's request to run", Duration::from_secs(20), || {
+            d.status()["models"][0]["requests"]["running"] == 1
+        });
         let uid = std::fs::metadata("/proc/self").map(|m| std::os::unix::fs::MetadataExt::uid(&m)).unwrap();
-        assert_eq!(d.status()["requests_per_user"][uid.to_string()], 1, "a D-Bus caller's uid counts like a socket peer's");
+        assert_eq!(
+            d.status()["requests_per_user"][uid.to_string()],
+            1,
+            "a D-Bus caller's uid counts like a socket peer's"
+        );
         let cancelled = d.status()["models"][0]["requests"]["cancelled"].as_u64().unwrap();
         drop(leaver);
-        wait_for("the leaver's request to be cancelled", Duration::from_secs(20), || d.status()["models"][0]["requests"]["cancelled"].as_u64().unwrap() > cancelled);
+        wait_for("the leaver's request to be cancelled", Duration::from_secs(20), || {
+            d.status()["models"][0]["requests"]["cancelled"].as_u64().unwrap() > cancelled
+        });
         assert_eq!(d.status()["models"][0]["requests"]["running"], 0);
     });
     drop(d);
@@ -514,10 +779,24 @@ fn dbus_generate_complete_properties_unicast_and_introspection() {
 }
 
 fn inferctl(socket: &Path, args: &[&str], stdin: &str) -> (bool, String, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_inferctl")).arg("--socket").arg(socket).args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    // inferctl is another package of the workspace: its binary lies beside inferd's (tests/run
+    // builds the whole workspace first).
+    let mut child = Command::new(Path::new(env!("CARGO_BIN_EXE_inferd")).with_file_name("inferctl"))
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     child.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
     let out = child.wait_with_output().unwrap();
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 #[test]
@@ -526,7 +805,12 @@ fn inferctl_talks_to_the_daemon_and_says_when_it_cannot() {
     let d = Daemon::start(&dir, "", &[]);
     let (ok, out, err) = inferctl(&d.socket, &["status"], "");
     assert!(ok, "{err}");
-    assert!(out.contains("inferd: ready") && out.contains("model SmolLM2-135M-Instruct.Q4_1") && out.contains("KV blocks 0 used of"), "{out}");
+    assert!(
+        out.contains("inferd: ready")
+            && out.contains("model SmolLM2-135M-Instruct.Q4_1")
+            && out.contains("KV blocks 0 used of"),
+        "{out}"
+    );
     let (_, out, _) = inferctl(&d.socket, &["models"], "");
     assert_eq!(out, "SmolLM2-135M-Instruct.Q4_1\ttarget\n");
     let (_, out, _) = inferctl(&d.socket, &["plugins"], "");
@@ -537,7 +821,11 @@ fn inferctl_talks_to_the_daemon_and_says_when_it_cannot() {
     let (ok, out, err) = inferctl(&d.socket, &["generate", "--max-tokens", "3", "The capital of France is"], "");
     assert!(ok, "{err}");
     assert_eq!(out, " Paris.\n\n");
-    let (ok, out, _) = inferctl(&d.socket, &["generate", "--chat", "--max-tokens", "40", "What is the capital of France? Answer in one word."], "");
+    let (ok, out, _) = inferctl(
+        &d.socket,
+        &["generate", "--chat", "--max-tokens", "40", "What is the capital of France? Answer in one word."],
+        "",
+    );
     assert!(ok && out.contains("Paris"), "{out}");
     let (ok, _, err) = inferctl(&d.socket, &["generate", "--decoder", "nope", "hi"], "");
     assert!(!ok && err.contains("404") && err.contains("unknown decoding strategy"), "{err}");
@@ -551,7 +839,11 @@ fn inferctl_talks_to_the_daemon_and_says_when_it_cannot() {
     let (ok, out, _) = inferctl(&d.socket, &["chat", "--max-tokens", "8"], "My name is Ana.\nWhat is my name?\n");
     assert!(ok && out.lines().count() == 2, "{out}");
     let both_turns = prompt_tokens() - p1;
-    assert!(both_turns - first_turn > first_turn + 4, "the second turn's prompt ({}) holds the first turn ({first_turn}) and its answer", both_turns - first_turn);
+    assert!(
+        both_turns - first_turn > first_turn + 4,
+        "the second turn's prompt ({}) holds the first turn ({first_turn}) and its answer",
+        both_turns - first_turn
+    );
     // Clear messages when there is no daemon.
     let (ok, _, err) = inferctl(&dir.join("none.sock"), &["status"], "");
     assert!(!ok && err.contains("inferd is not running") && err.contains("none.sock"), "{err}");
@@ -572,7 +864,16 @@ fn several_models_each_with_its_engine_and_a_bound_draft_model() {
     let socket = dir.join("inferd.sock");
     std::fs::write(dir.join("inferd.toml"), &cfg).unwrap();
     let child = Command::new(env!("CARGO_BIN_EXE_inferd"))
-        .args(["serve", "--user", "--config", dir.join("inferd.toml").to_str().unwrap(), "--socket", socket.to_str().unwrap(), "--threads", "2"])
+        .args([
+            "serve",
+            "--user",
+            "--config",
+            dir.join("inferd.toml").to_str().unwrap(),
+            "--socket",
+            socket.to_str().unwrap(),
+            "--threads",
+            "2",
+        ])
         .env("DBUS_SESSION_BUS_ADDRESS", "unix:path=/nonexistent")
         .spawn()
         .unwrap();
@@ -587,7 +888,13 @@ fn several_models_each_with_its_engine_and_a_bound_draft_model() {
     assert_eq!(v["data"][2]["context_length"], 512);
     // Each name reaches its own engine, with its own limits.
     let greedy = |model: &str| {
-        let (st, b) = d.http("POST", "/v1/completions", &format!(r#"{{"model": "{model}", "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}}"#));
+        let (st, b) = d.http(
+            "POST",
+            "/v1/completions",
+            &format!(
+                r#"{{"model": "{model}", "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}}"#
+            ),
+        );
         assert_eq!(st, 200, "{b}");
         serde_json::from_str::<Value>(&b).unwrap()["choices"][0]["text"].as_str().unwrap().to_owned()
     };
@@ -595,13 +902,19 @@ fn several_models_each_with_its_engine_and_a_bound_draft_model() {
     let long = format!(r#"{{"model": "b", "prompt": "{}", "max_tokens": 10}}"#, "hello ".repeat(600));
     let (st, b) = d.http("POST", "/v1/completions", &long);
     assert_eq!(st, 413, "{b}");
-    assert_eq!(d.http("POST", "/v1/completions", &long.replace(r#""b""#, r#""a""#)).0, 200, "a's context is the model's own");
+    assert_eq!(
+        d.http("POST", "/v1/completions", &long.replace(r#""b""#, r#""a""#)).0,
+        200,
+        "a's context is the model's own"
+    );
     // Larger than a's whole KV cache (64 MiB): 413 at admission, not a failure later.
     let (st, b) = d.http("POST", "/v1/completions", r#"{"model": "a", "prompt": "hi", "max_tokens": 4000, "n": 16}"#);
     assert_eq!(st, 413, "{b}");
     assert!(b.contains("KV cache blocks"), "{b}");
     // The draft model bound to "a" drafts for speculative decoding; "b" has none.
-    let spec = |model: &str| d.http("POST", "/v1/completions", &format!(r#"{{"model": "{model}", "prompt": "The capital of France is", "max_tokens": 6, "decoder": "speculative", "decoder_params": {{"drafter": "model", "temperature": 0}}}}"#));
+    let spec = |model: &str| {
+        d.http("POST", "/v1/completions", &format!(r#"{{"model": "{model}", "prompt": "The capital of France is", "max_tokens": 6, "decoder": "speculative", "decoder_params": {{"drafter": "model", "temperature": 0}}}}"#))
+    };
     let (st, b) = spec("a");
     assert_eq!(st, 200, "{b}");
     let v: Value = serde_json::from_str(&b).unwrap();
@@ -611,7 +924,10 @@ fn several_models_each_with_its_engine_and_a_bound_draft_model() {
     assert!(st == 400 && b.contains("draft"), "{st} {b}");
     let s = d.status();
     assert_eq!(s["models"].as_array().unwrap().len(), 2);
-    assert!(s["models"][0]["kv_blocks"]["total"].as_u64().unwrap() > s["models"][1]["kv_blocks"]["total"].as_u64().unwrap(), "each model has the cache it was given: {s}");
+    assert!(
+        s["models"][0]["kv_blocks"]["total"].as_u64().unwrap() > s["models"][1]["kv_blocks"]["total"].as_u64().unwrap(),
+        "each model has the cache it was given: {s}"
+    );
     drop(d);
     let _ = std::fs::remove_dir_all(dir);
 }

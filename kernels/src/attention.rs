@@ -23,7 +23,14 @@ pub struct PagedKv<'a> {
 impl PagedKv<'_> {
     /// Offset of `(block, kv_head, slot)` in a pool.
     #[inline]
-    pub fn offset(block_size: usize, n_kv_heads: usize, head_dim: usize, block: usize, kv_head: usize, slot: usize) -> usize {
+    pub fn offset(
+        block_size: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        block: usize,
+        kv_head: usize,
+        slot: usize,
+    ) -> usize {
         ((block * n_kv_heads + kv_head) * block_size + slot) * head_dim
     }
 }
@@ -97,16 +104,29 @@ thread_local! {
 
 /// Attention for a whole batch: `q` is `[tokens][n_heads * head_dim]`, `ctx[t]` says what token
 /// `t` sees, `out` has the shape of `q`. Parallel over (token, KV head) pairs.
-pub fn attend_batch(pool: &ThreadPool, k: &Kernels, kv: &PagedKv<'_>, n_heads: usize, q: &[f32], ctx: &[QueryCtx<'_>], out: &mut [f32]) {
+pub fn attend_batch(
+    pool: &ThreadPool,
+    k: &Kernels,
+    kv: &PagedKv<'_>,
+    n_heads: usize,
+    q: &[f32],
+    ctx: &[QueryCtx<'_>],
+    out: &mut [f32],
+) {
     let hd = kv.head_dim;
     let qdim = n_heads * hd;
     let group = n_heads / kv.n_kv_heads;
-    assert!(group > 0 && group <= 64 && n_heads % kv.n_kv_heads == 0, "head grouping");
+    assert!(group > 0 && group <= 64 && n_heads.is_multiple_of(kv.n_kv_heads), "head grouping");
     assert_eq!(q.len(), ctx.len() * qdim, "query shape");
     assert_eq!(out.len(), q.len(), "output shape");
     for c in ctx {
         assert!(c.ctx_len > 0 && c.ctx_len <= c.table.len() * kv.block_size, "context exceeds block table");
-        assert!(c.table.iter().all(|&b| (b as usize + 1) * kv.n_kv_heads * kv.block_size * hd <= kv.k.len().min(kv.v.len())), "block id outside the pool");
+        assert!(
+            c.table
+                .iter()
+                .all(|&b| (b as usize + 1) * kv.n_kv_heads * kv.block_size * hd <= kv.k.len().min(kv.v.len())),
+            "block id outside the pool"
+        );
     }
     let scale = 1.0 / (hd as f32).sqrt();
     let dst = SyncPtr(out.as_mut_ptr());
@@ -161,7 +181,8 @@ mod tests {
             let r = |x: f32| f16::from_f32(x).to_f32();
             for j in 0..g {
                 let qj = &q[j * hd..(j + 1) * hd];
-                let mut w: Vec<f32> = keys.iter().map(|kk| kk.iter().zip(qj).map(|(a, b)| r(*a) * b).sum::<f32>() * 0.5).collect();
+                let mut w: Vec<f32> =
+                    keys.iter().map(|kk| kk.iter().zip(qj).map(|(a, b)| r(*a) * b).sum::<f32>() * 0.5).collect();
                 crate::ops::softmax(&mut w);
                 for i in 0..hd {
                     let want: f32 = (0..ctx).map(|p| w[p] * r(vals[p][i])).sum();

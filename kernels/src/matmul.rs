@@ -8,8 +8,8 @@
 //! unpack, so a chunk is read from memory once per call whatever the batch size.
 
 use crate::cpu::{Kernels, GEMV_TOKENS};
-use crate::pool::{SyncPtr, ThreadPool};
 use crate::packed::{Packed16, LANES};
+use crate::pool::{SyncPtr, ThreadPool};
 use crate::quant::{BlockQ8, DType, QK};
 
 /// A borrowed weight matrix.
@@ -86,7 +86,13 @@ pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<
             // A group of at most 8 tokens fills the lanes with two weight rows per call, every
             // token packed twice (see `Kernels::gemm16`).
             rows.chunks(LANES)
-                .map(|g| if g.len() <= LANES / 2 { Packed16::pack(&g.iter().flat_map(|&r| [r, r]).collect::<Vec<_>>()) } else { Packed16::pack(g) })
+                .map(|g| {
+                    if g.len() <= LANES / 2 {
+                        Packed16::pack(&g.iter().flat_map(|&r| [r, r]).collect::<Vec<_>>())
+                    } else {
+                        Packed16::pack(g)
+                    }
+                })
                 .collect()
         }
         _ => Vec::new(),
@@ -115,7 +121,15 @@ pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<
 }
 
 /// Rows `r0..r1` against every token, one token at a time, 16 rows per kernel call.
-fn rows_times_token(k: &Kernels, gemv: crate::cpu::Gemv16, w: &Matrix<'_>, x: &Input<'_>, r0: usize, r1: usize, store: &dyn Fn(usize, usize, f32)) {
+fn rows_times_token(
+    k: &Kernels,
+    gemv: crate::cpu::Gemv16,
+    w: &Matrix<'_>,
+    x: &Input<'_>,
+    r0: usize,
+    r1: usize,
+    store: &dyn Fn(usize, usize, f32),
+) {
     let one = match w.dtype {
         DType::Q4_0 => k.dot_q4_0,
         DType::Q4_1 => k.dot_q4_1,
@@ -145,7 +159,15 @@ fn rows_times_token(k: &Kernels, gemv: crate::cpu::Gemv16, w: &Matrix<'_>, x: &I
     }
 }
 
-fn rows_times_tokens(k: &Kernels, w: &Matrix<'_>, x: &Input<'_>, packed: &[Packed16], r0: usize, r1: usize, store: &dyn Fn(usize, usize, f32)) {
+fn rows_times_tokens(
+    k: &Kernels,
+    w: &Matrix<'_>,
+    x: &Input<'_>,
+    packed: &[Packed16],
+    r0: usize,
+    r1: usize,
+    store: &dyn Fn(usize, usize, f32),
+) {
     let t = x.tokens;
     if let (Some(gemm), true, false) = (k.gemm16, w.dtype.is_quantized(), packed.is_empty()) {
         for (g, p) in packed.iter().enumerate() {
@@ -219,8 +241,9 @@ mod tests {
     use super::*;
     use crate::quant::{dequantize_row, quantize_row};
 
-    #[test]
-    fn a_tokens_result_does_not_depend_on_its_batch() {
+    crate::cpu::test_every_isa!(a_tokens_result_does_not_depend_on_its_batch, matmul_matches_dequantized_float_product);
+
+    fn a_tokens_result_does_not_depend_on_its_batch(kern: &Kernels) {
         // Alone and in batches of 2 to 24 tokens, every kernel table must give every token
         // bit-identical outputs. AVX-512 covers each path: 16 rows against groups of up to 4
         // tokens below 6 (5: a group of 4 and one of 1), two rows against 8 doubled tokens up
@@ -230,7 +253,7 @@ mod tests {
         let (rows, cols) = (19, 96);
         let wf: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 113) as f32 / 56.0 - 1.0).collect();
         let x: Vec<f32> = (0..24 * cols).map(|i| ((i * 104729) % 97) as f32 / 48.0 - 1.0).collect();
-        for kern in Kernels::all() {
+        {
             for dt in [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::F16, DType::BF16, DType::F32] {
                 let mut data = Vec::new();
                 for r in 0..rows {
@@ -242,34 +265,40 @@ mod tests {
                     let mut q8 = vec![BlockQ8::default(); tokens * cols / QK];
                     (kern.quantize_q8)(xs, &mut q8);
                     let mut y = vec![0.0; rows * tokens];
-                    matmul(&pool, &kern, &w, &Input { f32: xs, q8: &q8, tokens }, &mut y);
+                    matmul(&pool, kern, &w, &Input { f32: xs, q8: &q8, tokens }, &mut y);
                     y
                 };
-                let alone: Vec<Vec<f32>> = (0..24).map(|t| {
-                    let xs = &x[t * cols..(t + 1) * cols];
-                    let mut q8 = vec![BlockQ8::default(); cols / QK];
-                    (kern.quantize_q8)(xs, &mut q8);
-                    let mut y = vec![0.0; rows];
-                    matmul(&pool, &kern, &w, &Input { f32: xs, q8: &q8, tokens: 1 }, &mut y);
-                    y
-                }).collect();
+                let alone: Vec<Vec<f32>> = (0..24)
+                    .map(|t| {
+                        let xs = &x[t * cols..(t + 1) * cols];
+                        let mut q8 = vec![BlockQ8::default(); cols / QK];
+                        (kern.quantize_q8)(xs, &mut q8);
+                        let mut y = vec![0.0; rows];
+                        matmul(&pool, kern, &w, &Input { f32: xs, q8: &q8, tokens: 1 }, &mut y);
+                        y
+                    })
+                    .collect();
                 for tokens in [2, 3, 4, 5, 6, 8, 9, 21, 24] {
                     let y = run(tokens);
                     for t in 0..tokens {
-                        assert_eq!(&y[t * rows..(t + 1) * rows], &alone[t][..], "{:?} {dt:?}: token {t} of {tokens}", kern.isa);
+                        assert_eq!(
+                            &y[t * rows..(t + 1) * rows],
+                            &alone[t][..],
+                            "{:?} {dt:?}: token {t} of {tokens}",
+                            kern.isa
+                        );
                     }
                 }
             }
         }
     }
 
-    #[test]
-    fn matmul_matches_dequantized_float_product() {
+    fn matmul_matches_dequantized_float_product(kern: &Kernels) {
         let pool = ThreadPool::new(2);
         let (rows, cols, tokens) = (37, 64, 6);
         let wf: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 113) as f32 / 56.0 - 1.0).collect();
         let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 104729) % 97) as f32 / 48.0 - 1.0).collect();
-        for kern in Kernels::all() {
+        {
             for dt in [DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1] {
                 let mut data = Vec::new();
                 for r in 0..rows {
@@ -279,7 +308,7 @@ mod tests {
                 let mut q8 = vec![BlockQ8::default(); tokens * cols / QK];
                 (kern.quantize_q8)(&x, &mut q8);
                 let mut y = vec![0.0; rows * tokens];
-                matmul(&pool, &kern, &w, &Input { f32: &x, q8: &q8, tokens }, &mut y);
+                matmul(&pool, kern, &w, &Input { f32: &x, q8: &q8, tokens }, &mut y);
                 let mut wr = vec![0.0; cols];
                 for r in 0..rows {
                     dequantize_row(dt, w.row(r), &mut wr);

@@ -101,7 +101,13 @@ impl ThreadPool {
         if n_tasks == 0 {
             return;
         }
-        let job = Job { task, n_tasks, next: AtomicUsize::new(0), done: AtomicUsize::new(0), panicked: AtomicBool::new(false) };
+        let job = Job {
+            task,
+            n_tasks,
+            next: AtomicUsize::new(0),
+            done: AtomicUsize::new(0),
+            panicked: AtomicBool::new(false),
+        };
         if self.workers.is_empty() || n_tasks == 1 {
             job.work();
         } else {
@@ -139,7 +145,7 @@ fn worker(s: &Shared) {
         while s.generation.load(SeqCst) == seen && !s.shutdown.load(SeqCst) {
             std::hint::spin_loop();
             spins = spins.wrapping_add(1);
-            if spins % 1024 == 0 && start.elapsed() > SPIN {
+            if spins.is_multiple_of(1024) && start.elapsed() > SPIN {
                 let guard = s.lock.lock().unwrap_or_else(|e| e.into_inner());
                 s.sleepers.fetch_add(1, SeqCst);
                 if s.generation.load(SeqCst) == seen && !s.shutdown.load(SeqCst) {

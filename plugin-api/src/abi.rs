@@ -198,14 +198,58 @@ mod tests {
             "inferd_logits" => Logits, "inferd_strategy" => Strategy, "inferd_plugin_info" => PluginInfo,
         );
         fields!("inferd_header", Header, [type_ => "type", size, next]);
-        fields!("inferd_host_api", HostApi, [header, log, set_error, seq_create, seq_fork, seq_truncate, seq_free, seq_len, seq_tokens, emit, finish, random, report]);
+        fields!(
+            "inferd_host_api",
+            HostApi,
+            [
+                header,
+                log,
+                set_error,
+                seq_create,
+                seq_fork,
+                seq_truncate,
+                seq_free,
+                seq_len,
+                seq_tokens,
+                emit,
+                finish,
+                random,
+                report
+            ]
+        );
         fields!("inferd_host_info", HostInfo, [header, abi_major, abi_minor, host_version, api]);
-        fields!("inferd_session_init", SessionInit, [header, params_json, seq, prompt_len, vocab_size, max_tokens, n, eos, n_eos, roles, seed, logprobs, reserved]);
+        fields!(
+            "inferd_session_init",
+            SessionInit,
+            [
+                header,
+                params_json,
+                seq,
+                prompt_len,
+                vocab_size,
+                max_tokens,
+                n,
+                eos,
+                n_eos,
+                roles,
+                seed,
+                logprobs,
+                reserved
+            ]
+        );
         fields!("inferd_plan_item", PlanItem, [seq, tokens, n_tokens, n_logits]);
         fields!("inferd_plan", Plan, [header, items, n_items, item_size, done, reserved]);
         fields!("inferd_logits", Logits, [header, n_items, vocab_size, rows, n_logits]);
-        fields!("inferd_strategy", Strategy, [header, name, description, params_doc, flags, reserved, validate, create, plan, observe, destroy]);
-        fields!("inferd_plugin_info", PluginInfo, [header, abi_major, abi_minor, name, version, strategies, n_strategies, reserved]);
+        fields!(
+            "inferd_strategy",
+            Strategy,
+            [header, name, description, params_doc, flags, reserved, validate, create, plan, observe, destroy]
+        );
+        fields!(
+            "inferd_plugin_info",
+            PluginInfo,
+            [header, abi_major, abi_minor, name, version, strategies, n_strategies, reserved]
+        );
         v
     }
 
@@ -214,19 +258,35 @@ mod tests {
         let layout = rust_layout();
         let dir = std::env::temp_dir().join(format!("inferd-abi-layout-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temp dir");
-        let mut c = String::from("#include <stdio.h>\n#include <stddef.h>\n#include \"inferd_plugin.h\"\nint main(void) {\n");
+        let mut c =
+            String::from("#include <stdio.h>\n#include <stddef.h>\n#include \"inferd_plugin.h\"\nint main(void) {\n");
         for (expr, _) in &layout {
             c.push_str(&format!("    printf(\"%zu\\n\", (size_t)({expr}));\n"));
         }
         // The constants too: the header's values are the contract.
         let consts: [(&str, i64); 22] = [
-            ("INFERD_LOG_ERROR", LOG_ERROR.into()), ("INFERD_LOG_WARN", LOG_WARN.into()), ("INFERD_LOG_INFO", LOG_INFO.into()), ("INFERD_ROLE_TARGET", ROLE_TARGET.into()),
-            ("INFERD_ABI_MAJOR", ABI_MAJOR.into()), ("INFERD_ABI_MINOR", ABI_MINOR.into()),
-            ("INFERD_OK", OK.into()), ("INFERD_ERR", ERR.into()), ("INFERD_ERR_INVALID", ERR_INVALID.into()), ("INFERD_ERR_NO_MEMORY", ERR_NO_MEMORY.into()),
-            ("INFERD_TYPE_HOST_INFO", TYPE_HOST_INFO.into()), ("INFERD_TYPE_HOST_API", TYPE_HOST_API.into()), ("INFERD_TYPE_PLUGIN_INFO", TYPE_PLUGIN_INFO.into()),
-            ("INFERD_TYPE_STRATEGY", TYPE_STRATEGY.into()), ("INFERD_TYPE_SESSION_INIT", TYPE_SESSION_INIT.into()), ("INFERD_TYPE_PLAN", TYPE_PLAN.into()),
-            ("INFERD_TYPE_LOGITS", TYPE_LOGITS.into()), ("INFERD_ROLE_DRAFT", ROLE_DRAFT.into()), ("INFERD_FINISH_STOP", FINISH_STOP.into()),
-            ("INFERD_FINISH_LENGTH", FINISH_LENGTH.into()), ("INFERD_STRATEGY_NEEDS_DRAFT", STRATEGY_NEEDS_DRAFT.into()), ("INFERD_LOG_DEBUG", LOG_DEBUG.into()),
+            ("INFERD_LOG_ERROR", LOG_ERROR.into()),
+            ("INFERD_LOG_WARN", LOG_WARN.into()),
+            ("INFERD_LOG_INFO", LOG_INFO.into()),
+            ("INFERD_ROLE_TARGET", ROLE_TARGET.into()),
+            ("INFERD_ABI_MAJOR", ABI_MAJOR.into()),
+            ("INFERD_ABI_MINOR", ABI_MINOR.into()),
+            ("INFERD_OK", OK.into()),
+            ("INFERD_ERR", ERR.into()),
+            ("INFERD_ERR_INVALID", ERR_INVALID.into()),
+            ("INFERD_ERR_NO_MEMORY", ERR_NO_MEMORY.into()),
+            ("INFERD_TYPE_HOST_INFO", TYPE_HOST_INFO.into()),
+            ("INFERD_TYPE_HOST_API", TYPE_HOST_API.into()),
+            ("INFERD_TYPE_PLUGIN_INFO", TYPE_PLUGIN_INFO.into()),
+            ("INFERD_TYPE_STRATEGY", TYPE_STRATEGY.into()),
+            ("INFERD_TYPE_SESSION_INIT", TYPE_SESSION_INIT.into()),
+            ("INFERD_TYPE_PLAN", TYPE_PLAN.into()),
+            ("INFERD_TYPE_LOGITS", TYPE_LOGITS.into()),
+            ("INFERD_ROLE_DRAFT", ROLE_DRAFT.into()),
+            ("INFERD_FINISH_STOP", FINISH_STOP.into()),
+            ("INFERD_FINISH_LENGTH", FINISH_LENGTH.into()),
+            ("INFERD_STRATEGY_NEEDS_DRAFT", STRATEGY_NEEDS_DRAFT.into()),
+            ("INFERD_LOG_DEBUG", LOG_DEBUG.into()),
         ];
         for (name, _) in &consts {
             c.push_str(&format!("    printf(\"%lld\\n\", (long long)({name}));\n"));
@@ -236,7 +296,11 @@ mod tests {
         let include = concat!(env!("CARGO_MANIFEST_DIR"), "/include");
         let exe = dir.join("layout");
         let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-        let st = Command::new(&cc).args(["-std=c99", "-Wall", "-Werror", "-I", include, "-o"]).arg(&exe).arg(dir.join("layout.c")).status();
+        let st = Command::new(&cc)
+            .args(["-std=c99", "-Wall", "-Werror", "-I", include, "-o"])
+            .arg(&exe)
+            .arg(dir.join("layout.c"))
+            .status();
         let st = st.unwrap_or_else(|e| panic!("running the C compiler `{cc}`: {e} (install gcc)"));
         assert!(st.success(), "the header does not compile");
         let out = Command::new(&exe).output().expect("run layout");

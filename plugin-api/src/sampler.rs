@@ -24,7 +24,14 @@ pub trait Pick: Sized + Send + 'static {
 
     /// The token for `choice` at generated position `position` (0-based), and its log
     /// probability; `history` holds the choice's generated tokens so far.
-    fn pick(&self, host: &Host, logits: &[f32], history: &[u32], choice: u32, position: u32) -> Result<(u32, f32), String>;
+    fn pick(
+        &self,
+        host: &Host,
+        logits: &[f32],
+        history: &[u32],
+        choice: u32,
+        position: u32,
+    ) -> Result<(u32, f32), String>;
 }
 
 struct Choice {
@@ -89,9 +96,27 @@ impl<P: Pick> Strategy for Sampler<P> {
         let pick = parse_params(init, |p| P::parse(p, init))?;
         let n = init.n.max(1) as usize;
         // Tokens past the prompt were generated before this session (a continued request).
-        let history: Vec<u32> = host.seq_tokens(init.seq)?.split_off((init.prompt_len as usize).min(host.seq_len(init.seq)? as usize));
-        let choices = (0..n).map(|c| Choice { seq: if c == 0 { init.seq } else { 0 }, history: history.clone(), emitted: 0, last: None, done: init.max_tokens == 0 }).collect();
-        Ok(Sampler { pick, root: init.seq, choices, started: false, max_tokens: init.max_tokens, eos: init.eos.clone(), vocab: init.vocab_size as usize, planned: Vec::new() })
+        let history: Vec<u32> =
+            host.seq_tokens(init.seq)?.split_off((init.prompt_len as usize).min(host.seq_len(init.seq)? as usize));
+        let choices = (0..n)
+            .map(|c| Choice {
+                seq: if c == 0 { init.seq } else { 0 },
+                history: history.clone(),
+                emitted: 0,
+                last: None,
+                done: init.max_tokens == 0,
+            })
+            .collect();
+        Ok(Sampler {
+            pick,
+            root: init.seq,
+            choices,
+            started: false,
+            max_tokens: init.max_tokens,
+            eos: init.eos.clone(),
+            vocab: init.vocab_size as usize,
+            planned: Vec::new(),
+        })
     }
 
     fn plan(&mut self, _host: &Host) -> Result<Plan, String> {

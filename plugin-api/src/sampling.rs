@@ -41,7 +41,16 @@ pub struct Sampling {
 
 impl Default for Sampling {
     fn default() -> Self {
-        Sampling { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0, frequency_penalty: 0.0, presence_penalty: 0.0, logit_bias: Vec::new(), temperature_last: false }
+        Sampling {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            logit_bias: Vec::new(),
+            temperature_last: false,
+        }
     }
 }
 
@@ -94,7 +103,10 @@ impl Sampling {
                 if id >= vocab {
                     return Err(format!("logit_bias token {id} is outside the vocabulary of {vocab}"));
                 }
-                let b = b.as_f64().filter(|b| (-100.0..=100.0).contains(b)).ok_or_else(|| format!("logit_bias for {id} must be a number between -100 and 100"))?;
+                let b = b
+                    .as_f64()
+                    .filter(|b| (-100.0..=100.0).contains(b))
+                    .ok_or_else(|| format!("logit_bias for {id} must be a number between -100 and 100"))?;
                 s.logit_bias.push((id, b as f32));
             }
             s.logit_bias.sort_by_key(|&(id, _)| id);
@@ -351,8 +363,12 @@ mod tests {
         assert!(parse(r#"{"top_k": 11}"#, all).is_err());
         assert!(parse(r#"{"logit_bias": {"10": 1}}"#, all).unwrap_err().contains("outside the vocabulary"));
         assert!(parse(r#"{"logit_bias": {"3": 101}}"#, all).is_err());
-        assert!(parse(r#"{"min_p": 0.1}"#, Accept { min_p: false, ..all }).unwrap_err().contains("unknown parameter min_p"));
-        let s = parse(r#"{"temperature": 0.5, "top_k": 3, "top_p": 0.9, "min_p": 0.05, "logit_bias": {"2": -100}}"#, all).unwrap();
+        assert!(parse(r#"{"min_p": 0.1}"#, Accept { min_p: false, ..all })
+            .unwrap_err()
+            .contains("unknown parameter min_p"));
+        let s =
+            parse(r#"{"temperature": 0.5, "top_k": 3, "top_p": 0.9, "min_p": 0.05, "logit_bias": {"2": -100}}"#, all)
+                .unwrap();
         assert_eq!((s.temperature, s.top_k, s.top_p, s.min_p, s.logit_bias), (0.5, 3, 0.9, 0.05, vec![(2, -100.0)]));
     }
 }

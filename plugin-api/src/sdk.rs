@@ -199,7 +199,11 @@ fn guard(call: *mut abi::Call, f: impl FnOnce(&Host) -> Result<(), String>) -> i
             abi::ERR
         }
         Err(panic) => {
-            let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned()).unwrap_or_default();
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
             host.set_error(&format!("the plugin panicked: {what}"));
             abi::ERR
         }
@@ -266,7 +270,11 @@ unsafe extern "C" fn validate<S: Strategy>(call: *mut abi::Call, init: *const ab
     })
 }
 
-unsafe extern "C" fn create<S: Strategy>(call: *mut abi::Call, init: *const abi::SessionInit, out: *mut *mut c_void) -> i32 {
+unsafe extern "C" fn create<S: Strategy>(
+    call: *mut abi::Call,
+    init: *const abi::SessionInit,
+    out: *mut *mut c_void,
+) -> i32 {
     guard(call, |host| {
         if out.is_null() {
             return Err("create: null session pointer".into());
@@ -298,7 +306,16 @@ unsafe extern "C" fn plan<S: Strategy>(call: *mut abi::Call, session: *mut c_voi
             Plan::Run(items) => (items, false),
         };
         b.tokens = items.iter().map(|it| it.tokens.iter().map(|&t| t as i32).collect()).collect();
-        b.items = items.iter().zip(&b.tokens).map(|(it, t)| abi::PlanItem { seq: it.seq, tokens: t.as_ptr(), n_tokens: t.len() as u32, n_logits: it.n_logits }).collect();
+        b.items = items
+            .iter()
+            .zip(&b.tokens)
+            .map(|(it, t)| abi::PlanItem {
+                seq: it.seq,
+                tokens: t.as_ptr(),
+                n_tokens: t.len() as u32,
+                n_logits: it.n_logits,
+            })
+            .collect();
         // SAFETY: checked size above; the items live in the session box until the next call.
         unsafe {
             (*out).items = b.items.as_ptr();
@@ -310,7 +327,11 @@ unsafe extern "C" fn plan<S: Strategy>(call: *mut abi::Call, session: *mut c_voi
     })
 }
 
-unsafe extern "C" fn observe<S: Strategy>(call: *mut abi::Call, session: *mut c_void, logits: *const abi::Logits) -> i32 {
+unsafe extern "C" fn observe<S: Strategy>(
+    call: *mut abi::Call,
+    session: *mut c_void,
+    logits: *const abi::Logits,
+) -> i32 {
     guard(call, |host| {
         if session.is_null() || logits.is_null() {
             return Err("observe: null pointer".into());
@@ -382,14 +403,23 @@ static DECLARED: OnceLock<Declared> = OnceLock::new();
 /// `host` is null or points to a host info struct valid for the call, whose callback table
 /// lives as long as the process.
 #[doc(hidden)]
-pub unsafe fn entry(host: *const abi::HostInfo, name: &str, version: &str, strategies: &[fn() -> abi::Strategy]) -> *const abi::PluginInfo {
+pub unsafe fn entry(
+    host: *const abi::HostInfo,
+    name: &str,
+    version: &str,
+    strategies: &[fn() -> abi::Strategy],
+) -> *const abi::PluginInfo {
     catch_unwind(AssertUnwindSafe(|| {
         if host.is_null() {
             return std::ptr::null();
         }
         // SAFETY: the host passes its info struct, valid for the call; the header is read first.
         let h = unsafe { *host };
-        if h.header.type_ != abi::TYPE_HOST_INFO || (h.header.size as usize) < std::mem::size_of::<abi::HostInfo>() || h.abi_major != abi::ABI_MAJOR || h.api.is_null() {
+        if h.header.type_ != abi::TYPE_HOST_INFO
+            || (h.header.size as usize) < std::mem::size_of::<abi::HostInfo>()
+            || h.abi_major != abi::ABI_MAJOR
+            || h.api.is_null()
+        {
             return std::ptr::null();
         }
         // SAFETY: checked non-null; the host's table lives as long as the host.

@@ -1,7 +1,7 @@
 //! Hostile and damaged model files: every one is an error with a message, never a panic.
 
-use inferd::model::Model;
 use inferd_e2e::{temp_dir, write_tiny_gguf, TinySpec};
+use inferd_engine::model::Model;
 use inferd_kernels::DType;
 
 fn load_bytes(dir: &std::path::Path, name: &str, bytes: &[u8]) -> Result<Model, String> {
@@ -13,7 +13,8 @@ fn load_bytes(dir: &std::path::Path, name: &str, bytes: &[u8]) -> Result<Model, 
 #[test]
 fn truncated_files_are_errors() {
     let dir = temp_dir("trunc");
-    let good = std::fs::read(write_tiny_gguf(&dir.join("good.gguf"), &TinySpec::default(), DType::Q4_1, DType::Q8_0)).unwrap();
+    let good =
+        std::fs::read(write_tiny_gguf(&dir.join("good.gguf"), &TinySpec::default(), DType::Q4_1, DType::Q8_0)).unwrap();
     assert!(load_bytes(&dir, "ok.gguf", &good).is_ok());
     let mut cuts: Vec<usize> = (0..200).collect();
     cuts.extend((200..good.len()).step_by(997));
@@ -27,7 +28,8 @@ fn truncated_files_are_errors() {
 #[test]
 fn corrupted_headers_never_panic() {
     let dir = temp_dir("flip");
-    let good = std::fs::read(write_tiny_gguf(&dir.join("good.gguf"), &TinySpec::default(), DType::Q8_0, DType::Q8_0)).unwrap();
+    let good =
+        std::fs::read(write_tiny_gguf(&dir.join("good.gguf"), &TinySpec::default(), DType::Q8_0, DType::Q8_0)).unwrap();
     let mut x = 12345u64;
     for _ in 0..300 {
         let mut bad = good.clone();
@@ -60,7 +62,8 @@ fn hostile_counts_and_unsupported_content_are_named() {
     assert!(load_bytes(&dir, "ver.gguf", &v).unwrap_err().contains("version 99"));
 
     // Another architecture is refused by name.
-    let good = std::fs::read(write_tiny_gguf(&dir.join("g.gguf"), &TinySpec::default(), DType::F32, DType::F32)).unwrap();
+    let good =
+        std::fs::read(write_tiny_gguf(&dir.join("g.gguf"), &TinySpec::default(), DType::F32, DType::F32)).unwrap();
     let pos = good.windows(5).position(|w| w == b"llama").unwrap();
     let mut other = good.clone();
     other[pos..pos + 5].copy_from_slice(b"gemma");

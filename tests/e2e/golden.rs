@@ -6,8 +6,8 @@
 //! compared wherever the reference's top-1/top-2 margin is at least `MARGIN`, and logits within
 //! `LOGIT_TOL`.
 
-use inferd::engine::{argmax, Engine, EngineOptions};
-use inferd::model::Model;
+use inferd_engine::engine::{argmax, Engine, EngineOptions};
+use inferd_engine::model::Model;
 use serde_json::Value;
 use std::sync::OnceLock;
 
@@ -31,7 +31,7 @@ fn ids(v: &Value) -> Vec<u32> {
     v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
 }
 
-fn engine() -> Engine<inferd::backend::cpu::CpuBackend> {
+fn engine() -> Engine {
     Engine::cpu(model(), &EngineOptions { kv_budget_bytes: 64 << 20, ..EngineOptions::default() })
 }
 
@@ -73,7 +73,8 @@ fn first_step_logits_match_the_reference() {
         assert!((mean - fs["mean"].as_f64().unwrap()).abs() <= 0.5, "{name}: mean {mean}");
         assert!((std - fs["std"].as_f64().unwrap()).abs() <= 0.1, "{name}: std {std}");
         assert!((lse - fs["logsumexp"].as_f64().unwrap()).abs() <= 0.5, "{name}: logsumexp {lse}");
-        let top3: Vec<u32> = fs["top20"].as_array().unwrap().iter().take(3).map(|p| p[0].as_u64().unwrap() as u32).collect();
+        let top3: Vec<u32> =
+            fs["top20"].as_array().unwrap().iter().take(3).map(|p| p[0].as_u64().unwrap() as u32).collect();
         assert!(top3.contains(&argmax(&logits)), "{name}: argmax {} not in reference top-3 {top3:?}", argmax(&logits));
     }
     eprintln!("largest first-step logit difference from the reference: {worst:.3}");
@@ -119,10 +120,12 @@ fn free_running_greedy_matches_until_the_first_close_call() {
 #[test]
 fn real_model_batched_equals_unbatched() {
     let cases = golden()["cases"].as_array().unwrap();
-    let prompts: Vec<Vec<u32>> = (0..8).map(|i| ids(&cases[i % cases.len()]["prompt_ids"])[i / cases.len()..].to_vec()).collect();
+    let prompts: Vec<Vec<u32>> =
+        (0..8).map(|i| ids(&cases[i % cases.len()]["prompt_ids"])[i / cases.len()..].to_vec()).collect();
     let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
     let mut e = engine();
-    let alone: Vec<Vec<u32>> = refs.iter().map(|p| e.generate_greedy(&[p], 16, &[], &mut |_, _| {}).unwrap().remove(0)).collect();
+    let alone: Vec<Vec<u32>> =
+        refs.iter().map(|p| e.generate_greedy(&[p], 16, &[], &mut |_, _| {}).unwrap().remove(0)).collect();
     let together = e.generate_greedy(&refs, 16, &[], &mut |_, _| {}).unwrap();
     assert_eq!(alone, together);
 }

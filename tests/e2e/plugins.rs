@@ -2,11 +2,11 @@
 //! by `cargo build` next to the test binaries), a strategy written in C compiled here with the
 //! system C compiler, and broken plugins that must be refused or survived.
 
-use inferd::decode::generate;
-use inferd::decode::store::{EngineStore, MockStore, SeqStore};
-use inferd::engine::{Engine, EngineOptions};
-use inferd::model::Model;
-use inferd::plugin::{FinishReason, PluginError, Registry, SessionRequest, TrustPolicy, QUARANTINE_AFTER};
+use inferd_engine::decode::generate;
+use inferd_engine::decode::store::{EngineStore, MockStore, SeqStore};
+use inferd_engine::engine::{Engine, EngineOptions};
+use inferd_engine::model::Model;
+use inferd_engine::plugin::{FinishReason, PluginError, Registry, SessionRequest, TrustPolicy, QUARANTINE_AFTER};
 use inferd_plugin_api::params::Params;
 use inferd_plugin_api::sampling::{Accept, Sampling};
 use std::path::{Path, PathBuf};
@@ -16,14 +16,19 @@ use std::process::Command;
 fn build_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("test executable");
     let dir = exe.parent().and_then(Path::parent).expect("target/<profile>").to_path_buf();
-    assert!(dir.join("libinferd_greedy.so").exists(), "the plugins are not built in {} (tests/run builds them: cargo build --release)", dir.display());
+    assert!(
+        dir.join("libinferd_greedy.so").exists(),
+        "the plugins are not built in {} (tests/run builds them: cargo build --release)",
+        dir.display()
+    );
     dir
 }
 
 fn builtin() -> Registry {
     let mut reg = Registry::default();
     for name in ["greedy", "nucleus", "min_p", "beam", "speculative"] {
-        reg.load_file(&build_dir().join(format!("libinferd_{name}.so")), TrustPolicy::User).unwrap_or_else(|e| panic!("{e}"));
+        reg.load_file(&build_dir().join(format!("libinferd_{name}.so")), TrustPolicy::User)
+            .unwrap_or_else(|e| panic!("{e}"));
     }
     reg
 }
@@ -49,13 +54,16 @@ fn compile_c(dir: &Path, name: &str, defines: &[&str]) -> PathBuf {
 /// A mock model over 16 tokens whose logits depend on the whole prefix (a hash), so any
 /// decoding difference shows.
 fn hashed_model() -> MockStore {
-    MockStore::new(16, Box::new(|prefix: &[u32]| {
-        let mut h: u64 = 1469598103934665603;
-        for &t in prefix {
-            h = (h ^ u64::from(t)).wrapping_mul(1099511628211);
-        }
-        (0..16u64).map(|i| ((h.rotate_left(i as u32 * 4) % 1000) as f32) / 250.0).collect()
-    }))
+    MockStore::new(
+        16,
+        Box::new(|prefix: &[u32]| {
+            let mut h: u64 = 1469598103934665603;
+            for &t in prefix {
+                h = (h ^ u64::from(t)).wrapping_mul(1099511628211);
+            }
+            (0..16u64).map(|i| ((h.rotate_left(i as u32 * 4) % 1000) as f32) / 250.0).collect()
+        }),
+    )
 }
 
 fn req<'a>(prompt: &'a [u32], params: &'a str, max_tokens: u32, n: u32, seed: u64) -> SessionRequest<'a> {
@@ -103,7 +111,10 @@ fn broken_plugins_are_refused_naming_the_file_and_why_and_the_rest_load() {
     assert_eq!(reg.names(), vec!["c-greedy"], "the good plugin loads despite the others");
     assert_eq!(refused.len(), cases.len() + 1, "{refused:#?}");
     for (name, _, why) in cases {
-        let line = refused.iter().find(|l| l.contains(&format!("lib{name}.so"))).unwrap_or_else(|| panic!("no refusal for {name}: {refused:#?}"));
+        let line = refused
+            .iter()
+            .find(|l| l.contains(&format!("lib{name}.so")))
+            .unwrap_or_else(|| panic!("no refusal for {name}: {refused:#?}"));
         assert!(line.contains(why), "{line}");
     }
     assert!(refused.iter().any(|l| l.contains("libjunk.so") && l.contains("cannot load")), "{refused:#?}");
@@ -139,7 +150,10 @@ fn a_failing_c_plugin_fails_its_own_requests_until_quarantined() {
         let e = generate(&bad, &mut store, &req(&[1, 2], "{}", 5, 1, 0), &mut |_, _| {}).unwrap_err();
         assert!(e.to_string().contains("c-greedy was built to fail"), "{e}");
         assert_eq!(store.live(), 0);
-        assert_eq!(generate(&good, &mut store, &req(&[1, 2], "{}", 5, 1, 0), &mut |_, _| {}).unwrap()[0].tokens.len(), 5);
+        assert_eq!(
+            generate(&good, &mut store, &req(&[1, 2], "{}", 5, 1, 0), &mut |_, _| {}).unwrap()[0].tokens.len(),
+            5
+        );
     }
     assert!(matches!(reg.get("c-greedy"), Err(PluginError::Quarantined(_))));
 
@@ -147,21 +161,38 @@ fn a_failing_c_plugin_fails_its_own_requests_until_quarantined() {
     let dir2 = inferd_e2e::temp_dir("badhandle-plugins");
     let mut reg = Registry::default();
     reg.load_file(&compile_c(&dir2, "badhandle", &["FAULT_BAD_HANDLE"]), TrustPolicy::User).unwrap();
-    let e = generate(&reg.get("c-greedy").unwrap(), &mut store, &req(&[1, 2], "{}", 5, 1, 0), &mut |_, _| {}).unwrap_err();
+    let e =
+        generate(&reg.get("c-greedy").unwrap(), &mut store, &req(&[1, 2], "{}", 5, 1, 0), &mut |_, _| {}).unwrap_err();
     assert!(e.to_string().contains("not this request's"), "{e}");
     assert_eq!(store.live(), 0);
 }
 
 /// Draws `draws` first tokens from `strategy` with `params` and compares the frequencies with
 /// the reference distribution, within 4.5 standard deviations per token.
-fn check_distribution(reg: &Registry, strategy: &str, params: &str, want: &[(u32, f32)], logits: &[f32], history: &[u32]) {
+fn check_distribution(
+    reg: &Registry,
+    strategy: &str,
+    params: &str,
+    want: &[(u32, f32)],
+    logits: &[f32],
+    history: &[u32],
+) {
     let s = reg.get(strategy).unwrap();
     let fixed = logits.to_vec();
     let mut store = MockStore::new(logits.len(), Box::new(move |_| fixed.clone()));
     let draws = 20_000u64;
     let mut counts = vec![0u64; logits.len()];
     for seed in 0..draws {
-        let r = SessionRequest { logprobs: false, prompt: &[0], generated: history, params, max_tokens: 1, n: 1, seed, eos: &[] };
+        let r = SessionRequest {
+            logprobs: false,
+            prompt: &[0],
+            generated: history,
+            params,
+            max_tokens: 1,
+            n: 1,
+            seed,
+            eos: &[],
+        };
         let out = generate(&s, &mut store, &r, &mut |_, _| {}).unwrap();
         counts[out[0].tokens[0] as usize] += 1;
     }
@@ -186,7 +217,10 @@ fn sampling_plugins_draw_from_the_documented_distribution() {
         ("nucleus", r#"{"top_p": 0.8}"#),
         ("nucleus", r#"{"frequency_penalty": 0.8, "presence_penalty": 0.3}"#),
         ("nucleus", r#"{"logit_bias": {"4": 3.5}}"#),
-        ("nucleus", r#"{"temperature": 1.4, "top_k": 5, "top_p": 0.9, "frequency_penalty": 0.5, "logit_bias": {"0": -1}}"#),
+        (
+            "nucleus",
+            r#"{"temperature": 1.4, "top_k": 5, "top_p": 0.9, "frequency_penalty": 0.5, "logit_bias": {"0": -1}}"#,
+        ),
         ("nucleus", r#"{"temperature": 0}"#),
         ("min-p", r#"{"min_p": 0.2}"#),
         ("min-p", r#"{"min_p": 0.2, "temperature": 1.8, "presence_penalty": 1.0}"#),
@@ -209,7 +243,9 @@ fn seeded_requests_repeat_and_choices_fork_the_prompt() {
     let reg = builtin();
     let nucleus = reg.get("nucleus").unwrap();
     let mut store = hashed_model();
-    let run = |store: &mut MockStore, seed: u64, n: u32| generate(&nucleus, store, &req(&[3, 1], r#"{"temperature": 1.5}"#, 24, n, seed), &mut |_, _| {}).unwrap();
+    let run = |store: &mut MockStore, seed: u64, n: u32| {
+        generate(&nucleus, store, &req(&[3, 1], r#"{"temperature": 1.5}"#, 24, n, seed), &mut |_, _| {}).unwrap()
+    };
     let a = run(&mut store, 42, 1);
     assert_eq!(a, run(&mut store, 42, 1), "the same seed gives the same tokens");
     assert_ne!(a[0].tokens, run(&mut store, 43, 1)[0].tokens, "another seed gives other tokens");
@@ -229,7 +265,16 @@ fn the_greedy_plugin_on_the_real_model_equals_the_engines_argmax_and_frees_its_b
     let reg = builtin();
     let greedy = reg.get("greedy").unwrap();
     let mut store = EngineStore::new(&mut engine);
-    let r = SessionRequest { logprobs: false, prompt: &prompt, generated: &[], params: "{}", max_tokens: 16, n: 3, seed: 0, eos: model.tokenizer.eos() };
+    let r = SessionRequest {
+        logprobs: false,
+        prompt: &prompt,
+        generated: &[],
+        params: "{}",
+        max_tokens: 16,
+        n: 3,
+        seed: 0,
+        eos: model.tokenizer.eos(),
+    };
     let got = generate(&greedy, &mut store, &r, &mut |_, _| {}).unwrap();
     for c in &got {
         assert_eq!(c.tokens, want[0]);
@@ -249,20 +294,32 @@ fn overloaded_model() -> MockStore {
         let rest = (1.0 - top.iter().map(|x| x.1).sum::<f32>()) / (7 - top.len()) as f32;
         (0..7).map(|t| top.iter().find(|x| x.0 == t).map_or(rest, |x| x.1).ln()).collect::<Vec<f32>>()
     };
-    MockStore::new(7, Box::new(move |prefix: &[u32]| match prefix.last() {
-        Some(0) if prefix.len() > 1 => row(&[(2, 0.36)]),
-        Some(1) if prefix.len() > 1 => row(&[(3, 0.92)]),
-        _ if prefix.len() == 1 => row(&[(0, 0.5197), (1, 0.2335)]),
-        _ => row(&[]),
-    }))
+    MockStore::new(
+        7,
+        Box::new(move |prefix: &[u32]| match prefix.last() {
+            Some(0) if prefix.len() > 1 => row(&[(2, 0.36)]),
+            Some(1) if prefix.len() > 1 => row(&[(3, 0.92)]),
+            _ if prefix.len() == 1 => row(&[(0, 0.5197), (1, 0.2335)]),
+            _ => row(&[]),
+        }),
+    )
 }
 
 #[test]
 fn beam_search_finds_the_better_sequence_that_greedy_misses() {
     let reg = builtin();
     let mut store = overloaded_model();
-    let r = |params: &'static str, n: u32| SessionRequest { logprobs: true, prompt: &[5], generated: &[], params, max_tokens: 2, n, seed: 0, eos: &[6] };
-    let prob = |c: &inferd::plugin::Choice| c.logprobs.iter().map(|&l| f64::from(l)).sum::<f64>().exp();
+    let r = |params: &'static str, n: u32| SessionRequest {
+        logprobs: true,
+        prompt: &[5],
+        generated: &[],
+        params,
+        max_tokens: 2,
+        n,
+        seed: 0,
+        eos: &[6],
+    };
+    let prob = |c: &inferd_engine::plugin::Choice| c.logprobs.iter().map(|&l| f64::from(l)).sum::<f64>().exp();
     let greedy = generate(&reg.get("greedy").unwrap(), &mut store, &r("{}", 1), &mut |_, _| {}).unwrap();
     assert_eq!(greedy[0].tokens, vec![0, 2], "overloaded, again");
     assert!((prob(&greedy[0]) - 0.1871).abs() < 1e-4);
@@ -282,19 +339,31 @@ fn beam_search_finds_the_better_sequence_that_greedy_misses() {
 #[test]
 fn beam_search_ends_hypotheses_at_end_of_sequence_and_ranks_by_normalized_score() {
     // Token 6 ends a sequence; after the prompt it is likely, so one hypothesis ends at once.
-    let mut store = MockStore::new(7, Box::new(|prefix: &[u32]| {
-        let mut l = vec![0.0f32; 7];
-        if prefix.len() == 1 {
-            l[6] = 2.0;
-            l[0] = 1.5;
-        } else {
-            l[(prefix.len() % 5) + 1] = 3.0;
-        }
-        l
-    }));
+    let mut store = MockStore::new(
+        7,
+        Box::new(|prefix: &[u32]| {
+            let mut l = vec![0.0f32; 7];
+            if prefix.len() == 1 {
+                l[6] = 2.0;
+                l[0] = 1.5;
+            } else {
+                l[(prefix.len() % 5) + 1] = 3.0;
+            }
+            l
+        }),
+    );
     let reg = builtin();
     let beam = reg.get("beam").unwrap();
-    let r = SessionRequest { logprobs: false, prompt: &[5], generated: &[], params: r#"{"beam_width": 3, "length_penalty": 0}"#, max_tokens: 6, n: 3, seed: 0, eos: &[6] };
+    let r = SessionRequest {
+        logprobs: false,
+        prompt: &[5],
+        generated: &[],
+        params: r#"{"beam_width": 3, "length_penalty": 0}"#,
+        max_tokens: 6,
+        n: 3,
+        seed: 0,
+        eos: &[6],
+    };
     let out = generate(&beam, &mut store, &r, &mut |_, _| {}).unwrap();
     // With length_penalty 0 the score is the total log-probability: the immediate end wins.
     assert_eq!(out[0].tokens, Vec::<u32>::new());
@@ -310,7 +379,7 @@ fn beam_search_ends_hypotheses_at_end_of_sequence_and_ranks_by_normalized_score(
 
 /// A mock model over `vocab` tokens from a hash of the prefix and a salt (another salt is
 /// another model with the same vocabulary), sharpened by `scale`.
-fn salted_model(vocab: usize, salt: u64, scale: f32) -> inferd::decode::store::LogitsFn {
+fn salted_model(vocab: usize, salt: u64, scale: f32) -> inferd_engine::decode::store::LogitsFn {
     Box::new(move |prefix: &[u32]| {
         let mut h: u64 = 1469598103934665603 ^ salt;
         for &t in prefix {
@@ -330,7 +399,13 @@ fn greedy_speculative_decoding_is_token_for_token_greedy_decoding() {
         let mut store = MockStore::new(12, salted_model(12, 7, 8.0)).with_draft(salted_model(12, draft_salt, 8.0));
         let want = generate(&greedy, &mut store, &req(&prompt, "{}", 40, 1, 0), &mut |_, _| {}).unwrap();
         let params = format!(r#"{{"drafter": "{drafter}", "temperature": 0, "k": 4}}"#);
-        let got = inferd::decode::generate_with_stats(&spec, &mut store, &req(&prompt, &params, 40, 1, 0), &mut |_, _| {}).unwrap();
+        let got = inferd_engine::decode::generate_with_stats(
+            &spec,
+            &mut store,
+            &req(&prompt, &params, 40, 1, 0),
+            &mut |_, _| {},
+        )
+        .unwrap();
         assert_eq!(got.choices[0].tokens, want[0].tokens, "{drafter} (draft salt {draft_salt})");
         assert_eq!(got.choices[0].finish, want[0].finish);
         let (drafted, accepted) = (got.stats["draft_tokens"], got.stats["accepted_tokens"]);
@@ -378,10 +453,26 @@ fn sampled_speculative_decoding_keeps_the_targets_distribution() {
         let mut counts = vec![0u64; vocab.pow(3)];
         let mut rejected = 0.0;
         for seed in 0..draws {
-            let g = inferd::decode::generate_with_stats(&spec, &mut store, &SessionRequest { logprobs: false, prompt: &prompt, generated: &[], params, max_tokens: 3, n: 1, seed, eos: &[] }, &mut |_, _| {}).unwrap();
+            let g = inferd_engine::decode::generate_with_stats(
+                &spec,
+                &mut store,
+                &SessionRequest {
+                    logprobs: false,
+                    prompt: &prompt,
+                    generated: &[],
+                    params,
+                    max_tokens: 3,
+                    n: 1,
+                    seed,
+                    eos: &[],
+                },
+                &mut |_, _| {},
+            )
+            .unwrap();
             let t = &g.choices[0].tokens;
             counts[(t[0] as usize * vocab + t[1] as usize) * vocab + t[2] as usize] += 1;
-            rejected += g.stats.get("draft_tokens").copied().unwrap_or(0.0) - g.stats.get("accepted_tokens").copied().unwrap_or(0.0);
+            rejected += g.stats.get("draft_tokens").copied().unwrap_or(0.0)
+                - g.stats.get("accepted_tokens").copied().unwrap_or(0.0);
         }
         assert!(rejected > 100.0, "{params}: the test must exercise rejections ({rejected})");
         for (i, &p) in want.iter().enumerate() {
@@ -404,14 +495,26 @@ fn speculative_decoding_on_the_real_model_matches_greedy_with_either_drafter() {
     let prompt = model.tokenizer.encode(text, false).unwrap();
     let reg = builtin();
     let mut store = EngineStore::with_draft(&mut engine, &mut draft);
-    let r = |params: &'static str| SessionRequest { logprobs: false, prompt: &prompt, generated: &[], params, max_tokens: 24, n: 1, seed: 0, eos: model.tokenizer.eos() };
+    let r = |params: &'static str| SessionRequest {
+        logprobs: false,
+        prompt: &prompt,
+        generated: &[],
+        params,
+        max_tokens: 24,
+        n: 1,
+        seed: 0,
+        eos: model.tokenizer.eos(),
+    };
     let want = generate(&reg.get("greedy").unwrap(), &mut store, &r("{}"), &mut |_, _| {}).unwrap();
     let spec = reg.get("speculative").unwrap();
     for params in [r#"{"temperature": 0}"#, r#"{"temperature": 0, "drafter": "model", "k": 3}"#] {
-        let got = inferd::decode::generate_with_stats(&spec, &mut store, &r(params), &mut |_, _| {}).unwrap();
+        let got = inferd_engine::decode::generate_with_stats(&spec, &mut store, &r(params), &mut |_, _| {}).unwrap();
         assert_eq!(got.choices[0].tokens, want[0].tokens, "{params}");
         if params.contains("model") {
-            assert_eq!(got.stats["accepted_tokens"], got.stats["draft_tokens"], "the same model as draft is always right");
+            assert_eq!(
+                got.stats["accepted_tokens"], got.stats["draft_tokens"],
+                "the same model as draft is always right"
+            );
         }
     }
     assert_eq!(store.engine.kv.sequences(), 0);
@@ -424,34 +527,66 @@ fn sessions_batched_together_decode_as_they_do_alone() {
     // merged into one batch per step on the real model: every one gets exactly the tokens and
     // log-probabilities it gets alone (batch-invariant kernels, per-request seeds), and a
     // failing request in the batch fails alone.
-    use inferd::serve::engine_loop::{channel_sink, engine_loop, Command, Event, LoopConfig, Submission};
+    use inferd_engine::sched::{channel_sink, engine_loop, Command, Event, LoopConfig, Submission};
     use std::sync::mpsc::channel;
     let model = Model::load(&inferd_e2e::default_model()).unwrap();
     let mut engine = Engine::cpu(&model, &EngineOptions { threads: 2, ..EngineOptions::default() });
     let reg = builtin();
-    let prompts: Vec<Vec<u32>> = ["The capital of France is", "Once upon a time, a fox", "List three fruits: apple, pear,", "Repeat: one two three, one two three,"]
-        .iter()
-        .map(|t| model.tokenizer.encode(t, false).unwrap())
-        .collect();
+    let prompts: Vec<Vec<u32>> = [
+        "The capital of France is",
+        "Once upon a time, a fox",
+        "List three fruits: apple, pear,",
+        "Repeat: one two three, one two three,",
+    ]
+    .iter()
+    .map(|t| model.tokenizer.encode(t, false).unwrap())
+    .collect();
     let eos = model.tokenizer.eos().to_vec();
-    let specs = [("greedy", "{}", 1), ("nucleus", r#"{"temperature": 0.9, "top_p": 0.9}"#, 2), ("beam", r#"{"beam_width": 2}"#, 1), ("speculative", r#"{"temperature": 0}"#, 1)];
+    let specs = [
+        ("greedy", "{}", 1),
+        ("nucleus", r#"{"temperature": 0.9, "top_p": 0.9}"#, 2),
+        ("beam", r#"{"beam_width": 2}"#, 1),
+        ("speculative", r#"{"temperature": 0}"#, 1),
+    ];
     let mut store = EngineStore::new(&mut engine);
     let alone: Vec<_> = specs
         .iter()
         .zip(&prompts)
         .enumerate()
         .map(|(i, ((name, params, n), p))| {
-            let r = SessionRequest { logprobs: true, prompt: p, generated: &[], params, max_tokens: 12, n: *n, seed: 40 + i as u64, eos: &eos };
+            let r = SessionRequest {
+                logprobs: true,
+                prompt: p,
+                generated: &[],
+                params,
+                max_tokens: 12,
+                n: *n,
+                seed: 40 + i as u64,
+                eos: &eos,
+            };
             generate(&reg.get(name).unwrap(), &mut store, &r, &mut |_, _| {}).unwrap()
         })
         .collect();
     // Runs (strategy, prompt index, params, n, seed) requests together; each request's events.
-    let run = |store: &mut EngineStore<'_, _>, subs: Vec<(std::sync::Arc<inferd::plugin::LoadedStrategy>, usize, &'static str, u32, u64)>| -> Vec<Vec<Event>> {
+    let run = |store: &mut EngineStore<'_>,
+               subs: Vec<(std::sync::Arc<inferd_engine::plugin::LoadedStrategy>, usize, &'static str, u32, u64)>|
+     -> Vec<Vec<Event>> {
         let (tx, rx) = channel();
         let mut outs = Vec::new();
         for (id, (strategy, p, params, n, seed)) in subs.into_iter().enumerate() {
             let (etx, erx) = channel();
-            let sub = Submission { id: id as u64, strategy, prompt: prompts[p].clone(), params: params.into(), max_tokens: 12, n, seed, logprobs: true, meta: Default::default(), events: channel_sink(etx) };
+            let sub = Submission {
+                id: id as u64,
+                strategy,
+                prompt: prompts[p].clone(),
+                params: params.into(),
+                max_tokens: 12,
+                n,
+                seed,
+                logprobs: true,
+                meta: Default::default(),
+                events: channel_sink(etx),
+            };
             tx.send(Command::Submit(sub)).unwrap();
             outs.push(erx);
         }
@@ -459,7 +594,11 @@ fn sessions_batched_together_decode_as_they_do_alone() {
         engine_loop(store, &rx, &LoopConfig { token_budget: 256, max_running: 64, eos: eos.clone(), monitor: None });
         outs.into_iter().map(|r| r.try_iter().collect()).collect()
     };
-    let subs = specs.iter().enumerate().map(|(i, (name, params, n))| (reg.get(name).unwrap(), i, *params, *n, 40 + i as u64)).collect();
+    let subs = specs
+        .iter()
+        .enumerate()
+        .map(|(i, (name, params, n))| (reg.get(name).unwrap(), i, *params, *n, 40 + i as u64))
+        .collect();
     let events = run(&mut store, subs);
     for (i, ev) in events.iter().enumerate() {
         let Some(Event::Finished(g)) = ev.last() else { panic!("request {i} ({}): {ev:?}", specs[i].0) };
@@ -473,7 +612,10 @@ fn sessions_batched_together_decode_as_they_do_alone() {
     let dir = inferd_e2e::temp_dir("batch-badhandle");
     let mut bad = Registry::default();
     bad.load_file(&compile_c(&dir, "badhandle", &["FAULT_BAD_HANDLE"]), TrustPolicy::User).unwrap();
-    let events = run(&mut store, vec![(bad.get("c-greedy").unwrap(), 0, "{}", 1, 40), (reg.get("greedy").unwrap(), 0, "{}", 1, 40)]);
+    let events = run(
+        &mut store,
+        vec![(bad.get("c-greedy").unwrap(), 0, "{}", 1, 40), (reg.get("greedy").unwrap(), 0, "{}", 1, 40)],
+    );
     assert!(matches!(events[0].last(), Some(Event::Failed(m)) if m.contains("not this request's")), "{:?}", events[0]);
     assert!(matches!(events[1].last(), Some(Event::Finished(g)) if g.choices == alone[0]), "{:?}", events[1]);
     assert_eq!(store.engine.kv.sequences(), 0);

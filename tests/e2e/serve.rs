@@ -2,12 +2,12 @@
 //! gets alone, short requests overtake long ones, a full cache preempts and recomputes without
 //! failing anyone, cancellation and oversized requests are handled, nothing leaks.
 
-use inferd::decode::generate;
-use inferd::decode::store::EngineStore;
-use inferd::engine::{Engine, EngineOptions};
-use inferd::model::Model;
-use inferd::plugin::{Registry, SessionRequest, TrustPolicy};
-use inferd::serve::engine_loop::{channel_sink, engine_loop, Command, Event, LoopConfig, LoopStats, Submission};
+use inferd_engine::decode::generate;
+use inferd_engine::decode::store::EngineStore;
+use inferd_engine::engine::{Engine, EngineOptions};
+use inferd_engine::model::Model;
+use inferd_engine::plugin::{Registry, SessionRequest, TrustPolicy};
+use inferd_engine::sched::{channel_sink, engine_loop, Command, Event, LoopConfig, LoopStats, Submission};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 
@@ -25,13 +25,22 @@ fn start(model: Arc<Model>, blocks: usize) -> (Sender<Command>, std::thread::Joi
     start_with_budget(model, blocks, 256)
 }
 
-fn start_with_budget(model: Arc<Model>, blocks: usize, token_budget: usize) -> (Sender<Command>, std::thread::JoinHandle<(LoopStats, usize)>) {
+fn start_with_budget(
+    model: Arc<Model>,
+    blocks: usize,
+    token_budget: usize,
+) -> (Sender<Command>, std::thread::JoinHandle<(LoopStats, usize)>) {
     let (tx, rx) = channel();
     let h = std::thread::spawn(move || {
-        let bytes = blocks * inferd::backend::cpu::kv_block_bytes(&model.config, 16);
-        let mut engine = Engine::cpu(&model, &EngineOptions { threads: 2, kv_budget_bytes: bytes, ..EngineOptions::default() });
+        let bytes = blocks * inferd_engine::backend::cpu::kv_block_bytes(&model.config, 16);
+        let mut engine =
+            Engine::cpu(&model, &EngineOptions { threads: 2, kv_budget_bytes: bytes, ..EngineOptions::default() });
         let mut store = EngineStore::new(&mut engine);
-        let stats = engine_loop(&mut store, &rx, &LoopConfig { token_budget, max_running: 64, eos: model.tokenizer.eos().to_vec(), monitor: None });
+        let stats = engine_loop(
+            &mut store,
+            &rx,
+            &LoopConfig { token_budget, max_running: 64, eos: model.tokenizer.eos().to_vec(), monitor: None },
+        );
         (stats, engine.kv.sequences())
     });
     (tx, h)
@@ -47,7 +56,18 @@ struct Req {
 
 fn submit(tx: &Sender<Command>, reg: &Registry, r: &Req) -> Receiver<Event> {
     let (etx, erx) = channel();
-    let sub = Submission { id: r.id, strategy: reg.get(r.strategy).unwrap(), prompt: r.prompt.clone(), params: r.params.into(), max_tokens: r.max_tokens, n: 1, seed: r.id, logprobs: false, meta: Default::default(), events: channel_sink(etx) };
+    let sub = Submission {
+        id: r.id,
+        strategy: reg.get(r.strategy).unwrap(),
+        prompt: r.prompt.clone(),
+        params: r.params.into(),
+        max_tokens: r.max_tokens,
+        n: 1,
+        seed: r.id,
+        logprobs: false,
+        meta: Default::default(),
+        events: channel_sink(etx),
+    };
     tx.send(Command::Submit(sub)).unwrap();
     erx
 }
@@ -66,17 +86,40 @@ fn collect(rx: &Receiver<Event>) -> (Vec<u32>, Result<Vec<u32>, String>) {
 
 fn alone(model: &Model, reg: &Registry, r: &Req) -> Vec<u32> {
     let mut engine = Engine::cpu(model, &EngineOptions { threads: 2, ..EngineOptions::default() });
-    let req = SessionRequest { prompt: &r.prompt, generated: &[], params: r.params, max_tokens: r.max_tokens, n: 1, seed: r.id, eos: model.tokenizer.eos(), logprobs: false };
-    generate(&reg.get(r.strategy).unwrap(), &mut EngineStore::new(&mut engine), &req, &mut |_, _| {}).unwrap()[0].tokens.clone()
+    let req = SessionRequest {
+        prompt: &r.prompt,
+        generated: &[],
+        params: r.params,
+        max_tokens: r.max_tokens,
+        n: 1,
+        seed: r.id,
+        eos: model.tokenizer.eos(),
+        logprobs: false,
+    };
+    generate(&reg.get(r.strategy).unwrap(), &mut EngineStore::new(&mut engine), &req, &mut |_, _| {}).unwrap()[0]
+        .tokens
+        .clone()
 }
 
 fn requests(model: &Model) -> Vec<Req> {
     let p = |t: &str| model.tokenizer.encode(t, false).unwrap();
     vec![
         Req { id: 1, strategy: "greedy", params: "{}", prompt: p("A long story about a dragon:"), max_tokens: 48 },
-        Req { id: 2, strategy: "nucleus", params: r#"{"temperature": 0.8}"#, prompt: p("The weather today is"), max_tokens: 40 },
+        Req {
+            id: 2,
+            strategy: "nucleus",
+            params: r#"{"temperature": 0.8}"#,
+            prompt: p("The weather today is"),
+            max_tokens: 40,
+        },
         Req { id: 3, strategy: "greedy", params: "{}", prompt: p("2 + 2 ="), max_tokens: 3 },
-        Req { id: 4, strategy: "min-p", params: r#"{"min_p": 0.1}"#, prompt: p("My favourite colour is"), max_tokens: 36 },
+        Req {
+            id: 4,
+            strategy: "min-p",
+            params: r#"{"min_p": 0.1}"#,
+            prompt: p("My favourite colour is"),
+            max_tokens: 36,
+        },
     ]
 }
 
@@ -88,7 +131,8 @@ fn continuous_batching_matches_each_request_alone_and_short_requests_finish_firs
     let (tx, h) = start(Arc::clone(&model), 2048);
     let rxs: Vec<Receiver<Event>> = reqs.iter().map(|r| submit(&tx, &reg, r)).collect();
     // Each client on its own thread, noting when its request finished.
-    let clients: Vec<_> = rxs.into_iter().map(|rx| std::thread::spawn(move || (collect(&rx), std::time::Instant::now()))).collect();
+    let clients: Vec<_> =
+        rxs.into_iter().map(|rx| std::thread::spawn(move || (collect(&rx), std::time::Instant::now()))).collect();
     let (results, finished_at): (Vec<_>, Vec<_>) = clients.into_iter().map(|c| c.join().unwrap()).unzip();
     // The short request (id 3), submitted after the long one (id 1), finished first.
     assert!(finished_at[2] < finished_at[0], "a short request does not wait for a long one");
@@ -136,8 +180,20 @@ fn cancelled_and_oversized_requests_fail_alone_and_free_their_blocks() {
     let reg = registry();
     let (tx, h) = start(Arc::clone(&model), 6);
     let huge = Req { id: 7, strategy: "greedy", params: "{}", prompt: vec![300; 200], max_tokens: 4 };
-    let long = Req { id: 8, strategy: "greedy", params: "{}", prompt: model.tokenizer.encode("Count: 1, 2, 3,", false).unwrap(), max_tokens: 60 };
-    let short = Req { id: 9, strategy: "greedy", params: "{}", prompt: model.tokenizer.encode("Hello", false).unwrap(), max_tokens: 5 };
+    let long = Req {
+        id: 8,
+        strategy: "greedy",
+        params: "{}",
+        prompt: model.tokenizer.encode("Count: 1, 2, 3,", false).unwrap(),
+        max_tokens: 60,
+    };
+    let short = Req {
+        id: 9,
+        strategy: "greedy",
+        params: "{}",
+        prompt: model.tokenizer.encode("Hello", false).unwrap(),
+        max_tokens: 5,
+    };
     let rx_huge = submit(&tx, &reg, &huge);
     let rx_long = submit(&tx, &reg, &long);
     // Cancel the long request once it has streamed a few tokens.
@@ -163,9 +219,9 @@ fn cancelled_and_oversized_requests_fail_alone_and_free_their_blocks() {
 
 /// The order in which requests got their first token, with `max_running` requests at a time, for
 /// `(uid, priority)` submissions queued before the loop starts.
-fn admission_order(reqs: &[(u32, inferd::serve::engine_loop::Priority)], max_running: usize) -> Vec<usize> {
-    use inferd::decode::store::MockStore;
-    use inferd::serve::engine_loop::RequestMeta;
+fn admission_order(reqs: &[(u32, inferd_engine::sched::Priority)], max_running: usize) -> Vec<usize> {
+    use inferd_engine::decode::store::MockStore;
+    use inferd_engine::sched::RequestMeta;
     let reg = registry();
     let (tx, rx) = channel();
     let (etx, erx) = channel::<(usize, Event)>();
@@ -173,12 +229,26 @@ fn admission_order(reqs: &[(u32, inferd::serve::engine_loop::Priority)], max_run
         let etx = etx.clone();
         let events = Box::new(move |e: Event| etx.send((i, e)).is_ok());
         let meta = RequestMeta { uid, priority, ..RequestMeta::default() };
-        let sub = Submission { id: i as u64, strategy: reg.get("greedy").unwrap(), prompt: vec![1, 2, 3], params: "{}".into(), max_tokens: 3, n: 1, seed: 0, logprobs: false, meta, events };
+        let sub = Submission {
+            id: i as u64,
+            strategy: reg.get("greedy").unwrap(),
+            prompt: vec![1, 2, 3],
+            params: "{}".into(),
+            max_tokens: 3,
+            n: 1,
+            seed: 0,
+            logprobs: false,
+            meta,
+            events,
+        };
         tx.send(Command::Submit(sub)).unwrap();
     }
     drop(tx);
     drop(etx);
-    let mut store = MockStore::new(8, Box::new(|p: &[u32]| (0..8).map(|t| if t == (p.len() % 8) as u32 { 1.0 } else { 0.0 }).collect()));
+    let mut store = MockStore::new(
+        8,
+        Box::new(|p: &[u32]| (0..8).map(|t| if t == (p.len() % 8) as u32 { 1.0 } else { 0.0 }).collect()),
+    );
     engine_loop(&mut store, &rx, &LoopConfig { token_budget: 256, max_running, eos: Vec::new(), monitor: None });
     let mut order = Vec::new();
     for (i, e) in erx.iter() {
@@ -191,15 +261,26 @@ fn admission_order(reqs: &[(u32, inferd::serve::engine_loop::Priority)], max_run
 
 #[test]
 fn users_take_turns_and_interactive_requests_go_before_background_ones() {
-    use inferd::serve::engine_loop::Priority::{Background, Interactive};
+    use inferd_engine::sched::Priority::{Background, Interactive};
     // User 1 queues four requests before user 2's two: they alternate instead of user 2 waiting
     // for all of user 1's; background work waits for every interactive request.
-    let reqs = [(1, Interactive), (1, Interactive), (1, Interactive), (1, Interactive), (3, Background), (2, Interactive), (2, Interactive)];
+    let reqs = [
+        (1, Interactive),
+        (1, Interactive),
+        (1, Interactive),
+        (1, Interactive),
+        (3, Background),
+        (2, Interactive),
+        (2, Interactive),
+    ];
     assert_eq!(admission_order(&reqs, 1), vec![0, 5, 1, 6, 2, 3, 4]);
     // With two slots, each user holds one while both have work.
     assert_eq!(admission_order(&reqs, 2), vec![0, 5, 1, 6, 2, 3, 4]);
     // One user alone is served in order (first come, first served).
-    assert_eq!(admission_order(&[(7, Interactive), (7, Interactive), (7, Background), (7, Interactive)], 1), vec![0, 1, 3, 2]);
+    assert_eq!(
+        admission_order(&[(7, Interactive), (7, Interactive), (7, Background), (7, Interactive)], 1),
+        vec![0, 1, 3, 2]
+    );
 }
 
 #[test]
@@ -208,7 +289,8 @@ fn a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding() {
     let reg = registry();
     let p = |t: &str| model.tokenizer.encode(t, false).unwrap();
     let story = "The old lighthouse keeper climbed the stairs every evening, counting each step. ".repeat(30);
-    let decoding = Req { id: 21, strategy: "greedy", params: "{}", prompt: p("Ten facts about the moon:"), max_tokens: 40 };
+    let decoding =
+        Req { id: 21, strategy: "greedy", params: "{}", prompt: p("Ten facts about the moon:"), max_tokens: 40 };
     let long = Req { id: 22, strategy: "greedy", params: "{}", prompt: p(&story), max_tokens: 4 };
     assert!(long.prompt.len() > 400, "{}", long.prompt.len());
     let (tx, h) = start_with_budget(Arc::clone(&model), 2048, 64);
@@ -217,7 +299,18 @@ fn a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding() {
     for r in [&decoding, &long] {
         let etx = etx.clone();
         let id = r.id;
-        let sub = Submission { id, strategy: reg.get(r.strategy).unwrap(), prompt: r.prompt.clone(), params: r.params.into(), max_tokens: r.max_tokens, n: 1, seed: id, logprobs: false, meta: Default::default(), events: Box::new(move |e| etx.send((id, e)).is_ok()) };
+        let sub = Submission {
+            id,
+            strategy: reg.get(r.strategy).unwrap(),
+            prompt: r.prompt.clone(),
+            params: r.params.into(),
+            max_tokens: r.max_tokens,
+            n: 1,
+            seed: id,
+            logprobs: false,
+            meta: Default::default(),
+            events: Box::new(move |e| etx.send((id, e)).is_ok()),
+        };
         tx.send(Command::Submit(sub)).unwrap();
     }
     drop(etx);
@@ -238,23 +331,42 @@ fn a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding() {
     tx.send(Command::Shutdown).unwrap();
     let (stats, live) = h.join().unwrap();
     assert_eq!(results[&21], alone(&model, &reg, &decoding));
-    assert_eq!(results[&22], alone(&model, &reg, &long), "a prompt prefilled in chunks gives the tokens it gives whole");
+    assert_eq!(
+        results[&22],
+        alone(&model, &reg, &long),
+        "a prompt prefilled in chunks gives the tokens it gives whole"
+    );
     // While the long prompt was prefilled (about 64 tokens a step), the other request went on
     // decoding a token a step: without chunks it would have waited for the whole prompt.
     let before_first_long = order.iter().take_while(|&&id| id != 22).count();
-    assert!(before_first_long >= long.prompt.len() / 64 - 1, "only {before_first_long} decode tokens during the prefill: {order:?}");
+    assert!(
+        before_first_long >= long.prompt.len() / 64 - 1,
+        "only {before_first_long} decode tokens during the prefill: {order:?}"
+    );
     assert_eq!((stats.failed, live), (0, 0));
 }
 
 #[test]
 fn a_shared_prompt_arriving_twice_at_once_is_prefilled_once() {
-    use inferd::serve::monitor::Monitor;
+    use inferd_engine::sched::monitor::Monitor;
     let model = Arc::new(Model::load(&inferd_e2e::default_model()).unwrap());
     let reg = registry();
     let p = |t: &str| model.tokenizer.encode(t, false).unwrap();
     let system = "You answer questions about lighthouses, briefly and politely. ".repeat(40);
-    let a = Req { id: 31, strategy: "greedy", params: "{}", prompt: p(&format!("{system}Question: how tall are they?")), max_tokens: 4 };
-    let b = Req { id: 32, strategy: "greedy", params: "{}", prompt: p(&format!("{system}Question: who keeps them?")), max_tokens: 4 };
+    let a = Req {
+        id: 31,
+        strategy: "greedy",
+        params: "{}",
+        prompt: p(&format!("{system}Question: how tall are they?")),
+        max_tokens: 4,
+    };
+    let b = Req {
+        id: 32,
+        strategy: "greedy",
+        params: "{}",
+        prompt: p(&format!("{system}Question: who keeps them?")),
+        max_tokens: 4,
+    };
     let shared = a.prompt.iter().zip(&b.prompt).take_while(|(x, y)| x == y).count();
     assert!(shared > 300, "{shared}");
     let monitor = Arc::new(Monitor::new("m"));
@@ -262,7 +374,11 @@ fn a_shared_prompt_arriving_twice_at_once_is_prefilled_once() {
     let (m, mon) = (Arc::clone(&model), Arc::clone(&monitor));
     let h = std::thread::spawn(move || {
         let mut engine = Engine::cpu(&m, &EngineOptions { threads: 2, ..EngineOptions::default() });
-        engine_loop(&mut EngineStore::new(&mut engine), &rx, &LoopConfig { token_budget: 64, max_running: 64, eos: m.tokenizer.eos().to_vec(), monitor: Some(mon) })
+        engine_loop(
+            &mut EngineStore::new(&mut engine),
+            &rx,
+            &LoopConfig { token_budget: 64, max_running: 64, eos: m.tokenizer.eos().to_vec(), monitor: Some(mon) },
+        )
     });
     // Both in the queue before the loop takes its first command.
     let rxs: Vec<Receiver<Event>> = [&a, &b].iter().map(|r| submit(&tx, &reg, r)).collect();
@@ -273,19 +389,34 @@ fn a_shared_prompt_arriving_twice_at_once_is_prefilled_once() {
     assert_eq!(results[1].1.as_ref().unwrap(), &alone(&model, &reg, &b));
     // The second found the shared part in the cache: computed once, not twice.
     let s = monitor.snapshot();
-    assert!(s.cached_prompt_tokens as usize >= shared / 16 * 16 - 16, "cached {} of a {shared}-token shared prefix", s.cached_prompt_tokens);
+    assert!(
+        s.cached_prompt_tokens as usize >= shared / 16 * 16 - 16,
+        "cached {} of a {shared}-token shared prefix",
+        s.cached_prompt_tokens
+    );
 }
 
 #[test]
 fn submissions_that_meet_a_shutdown_are_told_so() {
-    use inferd::decode::store::MockStore;
+    use inferd_engine::decode::store::MockStore;
     let reg = registry();
     let (tx, rx) = channel();
     let mut events = Vec::new();
     for id in [1, 2] {
         let (etx, erx) = channel();
         events.push(erx);
-        let sub = Submission { id, strategy: reg.get("greedy").unwrap(), prompt: vec![1, 2], params: "{}".into(), max_tokens: 3, n: 1, seed: 0, logprobs: false, meta: Default::default(), events: channel_sink(etx) };
+        let sub = Submission {
+            id,
+            strategy: reg.get("greedy").unwrap(),
+            prompt: vec![1, 2],
+            params: "{}".into(),
+            max_tokens: 3,
+            n: 1,
+            seed: 0,
+            logprobs: false,
+            meta: Default::default(),
+            events: channel_sink(etx),
+        };
         tx.send(Command::Submit(sub)).unwrap();
         if id == 1 {
             tx.send(Command::Shutdown).unwrap();
@@ -309,13 +440,36 @@ fn a_request_sharing_a_prompt_waits_only_for_the_prefill_not_the_whole_generatio
     let p = |t: &str| model.tokenizer.encode(t, false).unwrap();
     let system = "You answer questions about lighthouses, briefly and politely. ".repeat(40);
     // Beam search emits its tokens only at the end; the greedy request must not wait for that.
-    let beam = Req { id: 41, strategy: "beam", params: r#"{"beam_width": 2}"#, prompt: p(&format!("{system}Question: how tall are they?")), max_tokens: 48 };
-    let greedy = Req { id: 42, strategy: "greedy", params: "{}", prompt: p(&format!("{system}Question: who keeps them?")), max_tokens: 2 };
+    let beam = Req {
+        id: 41,
+        strategy: "beam",
+        params: r#"{"beam_width": 2}"#,
+        prompt: p(&format!("{system}Question: how tall are they?")),
+        max_tokens: 48,
+    };
+    let greedy = Req {
+        id: 42,
+        strategy: "greedy",
+        params: "{}",
+        prompt: p(&format!("{system}Question: who keeps them?")),
+        max_tokens: 2,
+    };
     let (tx, h) = start_with_budget(Arc::clone(&model), 2048, 256);
     let (etx, erx) = channel::<(u64, Event)>();
     for r in [&beam, &greedy] {
         let (etx, id) = (etx.clone(), r.id);
-        let sub = Submission { id, strategy: reg.get(r.strategy).unwrap(), prompt: r.prompt.clone(), params: r.params.into(), max_tokens: r.max_tokens, n: 1, seed: 0, logprobs: false, meta: Default::default(), events: Box::new(move |e| etx.send((id, e)).is_ok()) };
+        let sub = Submission {
+            id,
+            strategy: reg.get(r.strategy).unwrap(),
+            prompt: r.prompt.clone(),
+            params: r.params.into(),
+            max_tokens: r.max_tokens,
+            n: 1,
+            seed: 0,
+            logprobs: false,
+            meta: Default::default(),
+            events: Box::new(move |e| etx.send((id, e)).is_ok()),
+        };
         tx.send(Command::Submit(sub)).unwrap();
     }
     drop(etx);

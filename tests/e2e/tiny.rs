@@ -1,9 +1,10 @@
 //! Tiny random-weight models written by the tests: formats agree, batching and prefix caching
 //! do not change results, KV blocks are never leaked.
 
-use inferd::engine::{argmax, Engine, EngineOptions};
-use inferd::model::Model;
 use inferd_e2e::{temp_dir, write_tiny_gguf, write_tiny_hf, TinySpec};
+use inferd_engine::engine::{argmax, Engine, EngineError, EngineOptions, RunItem};
+use inferd_engine::kv::OutOfBlocks;
+use inferd_engine::model::Model;
 use inferd_kernels::DType;
 
 fn opts() -> EngineOptions {
@@ -54,7 +55,13 @@ fn every_weight_type_loads_and_tracks_the_f32_model() {
     let p = prompt(9, 2);
     let want = last_logits(&reference, &p);
     let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
-    for (dt, emb, tol) in [(DType::F16, DType::F16, 0.01), (DType::BF16, DType::BF16, 0.05), (DType::Q8_0, DType::Q8_0, 0.1), (DType::Q4_1, DType::Q8_0, 0.35), (DType::Q4_0, DType::Q8_0, 0.5)] {
+    for (dt, emb, tol) in [
+        (DType::F16, DType::F16, 0.01),
+        (DType::BF16, DType::BF16, 0.05),
+        (DType::Q8_0, DType::Q8_0, 0.1),
+        (DType::Q4_1, DType::Q8_0, 0.35),
+        (DType::Q4_0, DType::Q8_0, 0.5),
+    ] {
         let m = Model::load(&write_tiny_gguf(&dir.join(format!("{}.gguf", dt.name())), &spec, dt, emb)).unwrap();
         assert_eq!(m.weights.layers[0].wq.dtype, dt);
         let got = last_logits(&m, &p);
@@ -139,7 +146,7 @@ fn bad_batches_are_errors_and_leak_nothing() {
     assert_eq!(e.kv.stats().free, e.kv.stats().total);
     // A pool too small for the prompt is a value, not a panic.
     let mut small = Engine::cpu(&m, &EngineOptions { kv_budget_bytes: 1, ..opts() });
-    assert!(matches!(small.prefill(&[&prompt(40, 1)]), Err(inferd::engine::EngineError::OutOfBlocks(_))));
+    assert!(matches!(small.prefill(&[&prompt(40, 1)]), Err(inferd_engine::engine::EngineError::OutOfBlocks(_))));
     assert_eq!(small.kv.sequences(), 0);
     let _ = argmax(&[0.0]);
 }
@@ -148,7 +155,7 @@ fn bad_batches_are_errors_and_leak_nothing() {
 fn a_decode_step_that_runs_out_of_blocks_leaves_every_sequence_intact() {
     let dir = temp_dir("oob-cow");
     let m = Model::load(&write_tiny_gguf(&dir.join("m.gguf"), &TinySpec::default(), DType::F32, DType::F32)).unwrap();
-    let block_bytes = inferd::backend::cpu::kv_block_bytes(&m.config, 4);
+    let block_bytes = inferd_engine::backend::cpu::kv_block_bytes(&m.config, 4);
     let mut e = Engine::cpu(&m, &EngineOptions { kv_budget_bytes: 4 * block_bytes, ..opts() });
     assert_eq!(e.kv.stats().total, 4);
     let p = prompt(6, 4);
@@ -157,7 +164,7 @@ fn a_decode_step_that_runs_out_of_blocks_leaves_every_sequence_intact() {
     let (c, _) = e.prefill(&[&prompt(4, 9)]).unwrap().remove(0); // one full block
     assert_eq!(e.kv.stats().free, 1);
     // `a` copies its shared block into the last free one, then `c` finds no block for its token.
-    assert!(matches!(e.decode(&[(a, 7), (c, 9)]), Err(inferd::engine::EngineError::OutOfBlocks(_))));
+    assert!(matches!(e.decode(&[(a, 7), (c, 9)]), Err(inferd_engine::engine::EngineError::OutOfBlocks(_))));
     assert_eq!((e.kv.len(a), e.kv.len(c)), (6, 4), "the step was undone");
     e.release(c);
     let got = e.decode(&[(a, 7)]).unwrap().to_vec();
@@ -186,7 +193,12 @@ fn sharded_safetensors_load_through_their_index() {
         shards[i % 2].push((name, view));
     }
     for (i, shard) in shards.into_iter().enumerate() {
-        safetensors::tensor::serialize_to_file(shard, None, &sharded.join(format!("model-0000{}-of-00002.safetensors", i + 1))).unwrap();
+        safetensors::tensor::serialize_to_file(
+            shard,
+            None,
+            &sharded.join(format!("model-0000{}-of-00002.safetensors", i + 1)),
+        )
+        .unwrap();
     }
     std::fs::remove_file(sharded.join("model.safetensors")).unwrap();
     let index = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
@@ -204,18 +216,22 @@ fn sharded_safetensors_load_through_their_index() {
 fn an_exported_hugging_face_directory_is_the_same_model() {
     // GGUF (Q/K interleaved for RoPE, quantized) -> HF directory (rotate-half, F32 / BF16):
     // same logits up to the export precision, same tokenizer, same special tokens.
-    use inferd::model::export::{export_hf, ExportDtype};
+    use inferd_engine::model::export::{export_hf, ExportDtype};
     let dir = temp_dir("export");
     let spec = TinySpec::default();
     // (A quantized GGUF runs with 8-bit activations, its float export without: a looser bound.)
     for (dtype, tol) in [(DType::F32, 1e-3f32), (DType::Q8_0, 0.3)] {
-        let g = Model::load(&write_tiny_gguf(&dir.join(format!("m-{dtype:?}.gguf")), &spec, dtype, DType::F32)).unwrap();
+        let g =
+            Model::load(&write_tiny_gguf(&dir.join(format!("m-{dtype:?}.gguf")), &spec, dtype, DType::F32)).unwrap();
         for (ex, extra) in [(ExportDtype::F32, 0.0f32), (ExportDtype::BF16, 0.15)] {
             let out = dir.join(format!("hf-{dtype:?}-{ex:?}"));
             export_hf(&g, &out, ex).unwrap();
             let h = Model::load(&out).unwrap();
             assert_eq!(h.config.rope_style, inferd_kernels::ops::RopeStyle::Neox);
-            assert_eq!((h.config.n_layers, h.config.vocab, h.tokenizer.eos()), (g.config.n_layers, g.config.vocab, g.tokenizer.eos()));
+            assert_eq!(
+                (h.config.n_layers, h.config.vocab, h.tokenizer.eos()),
+                (g.config.n_layers, g.config.vocab, g.tokenizer.eos())
+            );
             let p = prompt(13, 2);
             let d = max_diff(&last_logits(&g, &p), &last_logits(&h, &p));
             assert!(d < tol + extra, "{dtype:?} -> {ex:?}: logits differ by {d}");
@@ -223,4 +239,58 @@ fn an_exported_hugging_face_directory_is_the_same_model() {
             assert_eq!(g.tokenizer.encode(text, true).unwrap(), h.tokenizer.encode(text, true).unwrap());
         }
     }
+}
+
+#[test]
+fn a_step_that_runs_out_of_blocks_on_a_later_item_changes_nothing() {
+    // a and its fork b share a partial block; c comes later in the same step and does not fit.
+    // The step must be refused before anything moves: no copy-on-write block left to a or b,
+    // nothing published to the prefix cache. Run afterwards in steps that fit, every output
+    // equals the same requests run on an engine with room to spare, bit for bit.
+    let dir = temp_dir("oob-step");
+    let m = Model::load(&write_tiny_gguf(&dir.join("m.gguf"), &TinySpec::default(), DType::F32, DType::F32)).unwrap();
+    let block_bytes = inferd_engine::backend::cpu::kv_block_bytes(&m.config, 4);
+    let (p, q) = (prompt(6, 4), prompt(4, 9));
+    let long = prompt(16, 5);
+    let run = |e: &mut Engine, pressure: bool| -> Vec<Vec<f32>> {
+        let (a, _) = e.prefill(&[&p]).unwrap().remove(0); // two blocks, the last one partial
+        let b = e.kv.fork(a);
+        let (c, _) = e.prefill(&[&q]).unwrap().remove(0); // one full block
+        let step = |a_tok: &'static [u32], b_tok: &'static [u32]| {
+            [RunItem { seq: a, tokens: a_tok, n_logits: 1 }, RunItem { seq: b, tokens: b_tok, n_logits: 1 }]
+        };
+        if pressure {
+            // a copies the shared block (1), c needs four more: 5 of the 4 free.
+            assert_eq!(e.kv.stats().free, 4);
+            let tables: Vec<Vec<u32>> = [a, b, c].iter().map(|&s| e.kv.block_table(s).to_vec()).collect();
+            let stats = e.kv.stats();
+            let [ia, ib] = step(&[7], &[9]);
+            let err = e.step(&[ia, ib, RunItem { seq: c, tokens: &long, n_logits: 1 }]).unwrap_err();
+            assert!(matches!(err, EngineError::OutOfBlocks(OutOfBlocks { needed: 5, free: 4 })), "{err}");
+            assert_eq!(e.kv.stats(), stats, "no block moved");
+            for (s, t) in [a, b, c].into_iter().zip(&tables) {
+                assert_eq!(e.kv.block_table(s), &t[..], "block tables untouched");
+            }
+            assert_eq!((e.kv.len(a), e.kv.len(b), e.kv.len(c)), (6, 6, 4));
+        }
+        let mut out = e.step(&step(&[7], &[9])).unwrap();
+        out.extend(e.step(&step(&[11], &[13])).unwrap());
+        e.release(a);
+        e.release(b);
+        out.extend(e.step(&[RunItem { seq: c, tokens: &long, n_logits: 1 }]).unwrap());
+        e.release(c);
+        // What the prefix cache now holds must be right too.
+        out.extend(e.prefill(&[&[p.clone(), vec![7, 11]].concat()]).unwrap().into_iter().map(|(s, l)| {
+            e.release(s);
+            l
+        }));
+        assert_eq!(e.kv.sequences(), 0);
+        out
+    };
+    let mut tight = Engine::cpu(&m, &EngineOptions { kv_budget_bytes: 7 * block_bytes, ..opts() });
+    let mut roomy = Engine::cpu(&m, &opts());
+    let (got, want) = (run(&mut tight, true), run(&mut roomy, false));
+    assert_eq!(got.len(), 6);
+    assert!(got == want, "outputs under pressure differ from outputs with room");
+    assert_eq!(tight.kv.stats().free, 7);
 }

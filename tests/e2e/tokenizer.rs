@@ -1,8 +1,8 @@
 //! The default model's tokenizer against the independent reference ids (tests/golden), and
 //! streaming detokenization.
 
-use inferd::model::Model;
-use inferd::tokenizer::stream::StreamDecoder;
+use inferd_engine::model::Model;
+use inferd_engine::tokenizer::stream::StreamDecoder;
 use serde_json::Value;
 
 fn model() -> Model {
@@ -55,10 +55,10 @@ fn streaming_never_emits_broken_utf8() {
 
 #[test]
 fn sentencepiece_vocabularies_merge_by_score_and_fall_back_to_bytes() {
-    use inferd::model::gguf::Gguf;
-    use inferd::model::gguf_writer::{GgufWriter, MetaValue};
-    use inferd::model::mmap::Blob;
-    use inferd::tokenizer::Tokenizer;
+    use inferd_engine::model::gguf::Gguf;
+    use inferd_engine::model::gguf_writer::{GgufWriter, MetaValue};
+    use inferd_engine::model::mmap::Blob;
+    use inferd_engine::tokenizer::Tokenizer;
     // A Llama-2-style vocabulary: specials, 256 byte tokens, then scored pieces.
     let mut tokens: Vec<String> = vec!["<unk>".into(), "<s>".into(), "</s>".into()];
     let mut types = vec![2, 3, 3];
@@ -68,7 +68,10 @@ fn sentencepiece_vocabularies_merge_by_score_and_fall_back_to_bytes() {
         types.push(6);
         scores.push(0.0);
     }
-    let pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "ll", "he", "hell", "hello", "▁hello", "or", "wor", "worl", "world", "▁world"];
+    let pieces = [
+        "▁", "h", "e", "l", "o", "w", "r", "d", "ll", "he", "hell", "hello", "▁hello", "or", "wor", "worl", "world",
+        "▁world",
+    ];
     for (i, p) in pieces.iter().enumerate() {
         tokens.push(p.to_string());
         types.push(1);

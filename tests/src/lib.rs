@@ -1,7 +1,7 @@
 //! Support for the end-to-end tests: tiny random-weight Llama models written to disk in both
 //! supported formats, and the location of the real default model.
 
-use inferd::model::gguf_writer::{GgufWriter, MetaValue};
+use inferd_engine::model::gguf_writer::{GgufWriter, MetaValue};
 use inferd_kernels::DType;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -29,7 +29,7 @@ pub const SPECIAL_NAMES: [&str; SPECIALS] = ["<|endoftext|>", "<|im_start|>", "<
 
 /// The tiny byte-level vocabulary: 3 specials, the 256 byte characters, then a few merges.
 pub fn tiny_vocab() -> (Vec<String>, Vec<(String, String)>) {
-    let map = inferd::tokenizer::byte_to_char();
+    let map = inferd_engine::tokenizer::byte_to_char();
     let mut tokens: Vec<String> = SPECIAL_NAMES.iter().map(|s| s.to_string()).collect();
     tokens.extend(map.iter().map(|c| c.to_string()));
     let merges: Vec<(String, String)> = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("e", "r"), ("o", "n")]
@@ -79,7 +79,12 @@ pub fn tiny_tensors(spec: &TinySpec) -> BTreeMap<String, (usize, usize, Vec<f32>
     }
     // Norm weights near 1 (as trained models have them).
     let norms: Vec<String> = (0..spec.layers)
-        .flat_map(|i| [format!("model.layers.{i}.input_layernorm.weight"), format!("model.layers.{i}.post_attention_layernorm.weight")])
+        .flat_map(|i| {
+            [
+                format!("model.layers.{i}.input_layernorm.weight"),
+                format!("model.layers.{i}.post_attention_layernorm.weight"),
+            ]
+        })
         .chain(["model.norm.weight".to_string()])
         .collect();
     for (j, n) in norms.into_iter().enumerate() {
@@ -124,18 +129,17 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec, dtype: DType, emb_dtype: DT
         .meta("tokenizer.ggml.model", MetaValue::Str("gpt2".into()))
         .meta("tokenizer.ggml.pre", MetaValue::Str("smollm".into()))
         .meta("tokenizer.ggml.tokens", MetaValue::StrArray(tokens.clone()))
-        .meta("tokenizer.ggml.token_type", MetaValue::I32Array((0..tokens.len()).map(|i| if i < SPECIALS { 3 } else { 1 }).collect()))
+        .meta(
+            "tokenizer.ggml.token_type",
+            MetaValue::I32Array((0..tokens.len()).map(|i| if i < SPECIALS { 3 } else { 1 }).collect()),
+        )
         .meta("tokenizer.ggml.merges", MetaValue::StrArray(merges.iter().map(|(a, b)| format!("{a} {b}")).collect()))
         .meta("tokenizer.ggml.bos_token_id", MetaValue::U32(1))
         .meta("tokenizer.ggml.eos_token_id", MetaValue::U32(2))
         .meta("tokenizer.ggml.add_bos_token", MetaValue::Bool(false));
     let gguf_name = |hf: &str| -> String {
         let hf = hf.strip_suffix(".weight").unwrap_or(hf);
-        let map = [
-            ("model.embed_tokens", "token_embd"),
-            ("lm_head", "output"),
-            ("model.norm", "output_norm"),
-        ];
+        let map = [("model.embed_tokens", "token_embd"), ("lm_head", "output"), ("model.norm", "output_norm")];
         if let Some((_, g)) = map.iter().find(|(h, _)| *h == hf) {
             return format!("{g}.weight");
         }
@@ -163,7 +167,13 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec, dtype: DType, emb_dtype: DT
         } else {
             v.clone()
         };
-        let dt = if *rows == 1 { DType::F32 } else if name.contains("embed") || name.contains("lm_head") { emb_dtype } else { dtype };
+        let dt = if *rows == 1 {
+            DType::F32
+        } else if name.contains("embed") || name.contains("lm_head") {
+            emb_dtype
+        } else {
+            dtype
+        };
         let dims: Vec<usize> = if *rows == 1 { vec![*cols] } else { vec![*cols, *rows] };
         w.tensor(&gname, dt, &dims, &v);
     }
@@ -201,7 +211,8 @@ pub fn write_tiny_hf(dir: &Path, spec: &TinySpec, dtype: safetensors::Dtype) -> 
         "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": false,
     });
     std::fs::write(dir.join("config.json"), config.to_string()).expect("config.json");
-    let vocab: serde_json::Map<String, serde_json::Value> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), serde_json::json!(i))).collect();
+    let vocab: serde_json::Map<String, serde_json::Value> =
+        tokens.iter().enumerate().map(|(i, t)| (t.clone(), serde_json::json!(i))).collect();
     let added: Vec<serde_json::Value> = SPECIAL_NAMES
         .iter()
         .enumerate()
@@ -239,7 +250,12 @@ pub fn temp_dir(tag: &str) -> PathBuf {
 /// The default model; tests that need it fail with a clear message when it is missing
 /// (`.ci/run` fetches it first).
 pub fn default_model() -> PathBuf {
-    inferd::paths::default_model().unwrap_or_else(|| panic!("the default model is not installed in {:?}: run packaging/fetch-model", inferd::paths::model_dirs()))
+    inferd_engine::paths::default_model().unwrap_or_else(|| {
+        panic!(
+            "the default model is not installed in {:?}: run packaging/fetch-model",
+            inferd_engine::paths::model_dirs()
+        )
+    })
 }
 
 /// The golden reference directory of the repository.

@@ -5,11 +5,11 @@
 //! batching runs them in groups of `batch` that each wait for their longest member; continuous
 //! batching admits a waiting request as soon as one finishes. Same loop, same batch limit.
 
-use super::engine_loop::{engine_loop, Command, Event, LoopConfig, Submission};
-use crate::decode::store::EngineStore;
-use crate::engine::{Engine, EngineOptions};
-use crate::model::Model;
-use crate::plugin::Registry;
+use inferd_engine::decode::store::EngineStore;
+use inferd_engine::engine::{Engine, EngineOptions};
+use inferd_engine::model::Model;
+use inferd_engine::plugin::Registry;
+use inferd_engine::sched::{engine_loop, Command, Event, LoopConfig, Submission};
 use serde_json::{json, Value};
 use std::sync::mpsc::channel;
 use std::time::Instant;
@@ -20,34 +20,15 @@ fn percentile(mut v: Vec<f64>, p: f64) -> f64 {
 }
 
 /// Runs the workload; `groups`: static batching when true.
-fn workload(
-    model: &Model,
-    reg: &Registry,
-    threads: usize,
-    batch: usize,
-    groups: bool,
-) -> anyhow::Result<Value> {
-    let lens: Vec<u32> = (0..32u32)
-        .map(|i| if i % 8 == 3 { 512 } else { 16 + (i * 7) % 49 })
-        .collect();
+fn workload(model: &Model, reg: &Registry, threads: usize, batch: usize, groups: bool) -> anyhow::Result<Value> {
+    let lens: Vec<u32> = (0..32u32).map(|i| if i % 8 == 3 { 512 } else { 16 + (i * 7) % 49 }).collect();
     let vocab = model.config.vocab as u32;
     let greedy = reg.get("greedy")?;
     let (tx, rx) = channel();
     let (done_tx, done_rx) = channel::<(usize, f64, usize)>();
     let start = Instant::now();
-    let cfg = LoopConfig {
-        token_budget: 512,
-        max_running: batch,
-        eos: Vec::new(),
-        monitor: None,
-    };
-    let mut engine = Engine::cpu(
-        model,
-        &EngineOptions {
-            threads,
-            ..EngineOptions::default()
-        },
-    );
+    let cfg = LoopConfig { token_budget: 512, max_running: batch, eos: Vec::new(), monitor: None };
+    let mut engine = Engine::cpu(model, &EngineOptions { threads, ..EngineOptions::default() });
     std::thread::scope(|scope| -> anyhow::Result<Value> {
         scope.spawn(move || {
             let mut store = EngineStore::new(&mut engine);
@@ -59,9 +40,7 @@ fn workload(
             let sub = Submission {
                 id: i as u64,
                 strategy: greedy.clone(),
-                prompt: (0..32)
-                    .map(|k| 300 + ((i as u32 * 131 + k * 17) % (vocab - 300)))
-                    .collect(),
+                prompt: (0..32).map(|k| 300 + ((i as u32 * 131 + k * 17) % (vocab - 300))).collect(),
                 params: "{}".into(),
                 max_tokens: lens[i],
                 n: 1,
@@ -83,11 +62,7 @@ fn workload(
         let mut latency = vec![0.0; lens.len()];
         let mut generated = 0usize;
         let chunks: Vec<Vec<usize>> = if groups {
-            (0..lens.len())
-                .collect::<Vec<_>>()
-                .chunks(batch)
-                .map(<[usize]>::to_vec)
-                .collect()
+            (0..lens.len()).collect::<Vec<_>>().chunks(batch).map(<[usize]>::to_vec).collect()
         } else {
             vec![(0..lens.len()).collect()]
         };
@@ -116,8 +91,7 @@ fn workload(
 pub fn run(model: &Model, reg: &Registry, threads: usize, batch: usize) -> anyhow::Result<Value> {
     let stat = workload(model, reg, threads, batch, true)?;
     let cont = workload(model, reg, threads, batch, false)?;
-    let ratio = cont["throughput_tok_s"].as_f64().unwrap_or(0.0)
-        / stat["throughput_tok_s"].as_f64().unwrap_or(1.0);
+    let ratio = cont["throughput_tok_s"].as_f64().unwrap_or(0.0) / stat["throughput_tok_s"].as_f64().unwrap_or(1.0);
     Ok(json!({
         "workload": "32 requests at once, 32-token prompts, 28 outputs of 16-64 tokens and 4 of 512, greedy",
         "max_batch": batch,

@@ -9,12 +9,12 @@
 //!   (another user question after it) against the same request with a system prompt never seen;
 //!   and four requests with the same new system prompt at once.
 
-use super::engine_loop::{engine_loop, Command, Event, LoopConfig, Submission};
-use crate::client::Client;
-use crate::decode::store::EngineStore;
-use crate::engine::{Engine, EngineOptions};
-use crate::model::Model;
-use crate::plugin::Registry;
+use inferctl::client::Client;
+use inferd_engine::decode::store::EngineStore;
+use inferd_engine::engine::{Engine, EngineOptions};
+use inferd_engine::model::Model;
+use inferd_engine::plugin::Registry;
+use inferd_engine::sched::{engine_loop, Command, Event, LoopConfig, Submission};
 use serde_json::{json, Value};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -23,10 +23,27 @@ const CLIENTS: usize = 16;
 const TOKENS: u32 = 128;
 
 fn prompts() -> Vec<String> {
-    ["dragons", "the sea", "a lighthouse", "bread", "the moon", "a robot", "winter", "a library", "trains", "bees", "a volcano", "chess", "a garden", "the desert", "music", "a bridge"]
-        .iter()
-        .map(|t| format!("Write a long story about {t}. Once upon a time,"))
-        .collect()
+    [
+        "dragons",
+        "the sea",
+        "a lighthouse",
+        "bread",
+        "the moon",
+        "a robot",
+        "winter",
+        "a library",
+        "trains",
+        "bees",
+        "a volcano",
+        "chess",
+        "a garden",
+        "the desert",
+        "music",
+        "a bridge",
+    ]
+    .iter()
+    .map(|t| format!("Write a long story about {t}. Once upon a time,"))
+    .collect()
 }
 
 fn percentile(mut v: Vec<f64>, p: f64) -> f64 {
@@ -44,7 +61,13 @@ fn engine_only(model: &Model, reg: &Registry, threads: usize) -> anyhow::Result<
     let start = Instant::now();
     std::thread::scope(|s| -> anyhow::Result<Value> {
         let engine = &mut engine;
-        s.spawn(move || engine_loop(&mut EngineStore::new(engine), &rx, &LoopConfig { token_budget: 512, max_running: 64, eos, monitor: None }));
+        s.spawn(move || {
+            engine_loop(
+                &mut EngineStore::new(engine),
+                &rx,
+                &LoopConfig { token_budget: 512, max_running: 64, eos, monitor: None },
+            )
+        });
         for (i, p) in prompts().iter().enumerate() {
             let dtx = dtx.clone();
             let (mut n, mut first) = (0usize, None);
@@ -60,7 +83,18 @@ fn engine_only(model: &Model, reg: &Registry, threads: usize) -> anyhow::Result<
                 }
                 true
             });
-            let sub = Submission { id: i as u64, strategy: greedy.clone(), prompt: model.tokenizer.encode(p, false)?, params: "{}".into(), max_tokens: TOKENS, n: 1, seed: 0, logprobs: false, meta: Default::default(), events };
+            let sub = Submission {
+                id: i as u64,
+                strategy: greedy.clone(),
+                prompt: model.tokenizer.encode(p, false)?,
+                params: "{}".into(),
+                max_tokens: TOKENS,
+                n: 1,
+                seed: 0,
+                logprobs: false,
+                meta: Default::default(),
+                events,
+            };
             tx.send(Command::Submit(sub)).map_err(|_| anyhow::anyhow!("the engine loop stopped"))?;
         }
         let mut tokens = 0;
@@ -72,7 +106,9 @@ fn engine_only(model: &Model, reg: &Registry, threads: usize) -> anyhow::Result<
         }
         let wall = start.elapsed().as_secs_f64();
         let _ = tx.send(Command::Shutdown);
-        Ok(json!({ "tokens": tokens, "seconds": wall, "tok_s": tokens as f64 / wall, "ttft_p50_s": percentile(ttft.clone(), 0.5), "ttft_p99_s": percentile(ttft, 0.99) }))
+        Ok(
+            json!({ "tokens": tokens, "seconds": wall, "tok_s": tokens as f64 / wall, "ttft_p50_s": percentile(ttft.clone(), 0.5), "ttft_p99_s": percentile(ttft, 0.99) }),
+        )
     })
 }
 
@@ -147,7 +183,13 @@ fn over_socket(model: &Path, threads: usize) -> anyhow::Result<Value> {
             .into_iter()
             .map(|p| {
                 let client = &d.client;
-                s.spawn(move || ttft(client, "/v1/completions", &json!({ "prompt": p, "max_tokens": TOKENS, "temperature": 0, "stream": true })))
+                s.spawn(move || {
+                    ttft(
+                        client,
+                        "/v1/completions",
+                        &json!({ "prompt": p, "max_tokens": TOKENS, "temperature": 0, "stream": true }),
+                    )
+                })
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a client panicked")))).collect()
@@ -155,7 +197,9 @@ fn over_socket(model: &Path, threads: usize) -> anyhow::Result<Value> {
     let wall = start.elapsed().as_secs_f64();
     let ttfts = results.into_iter().collect::<anyhow::Result<Vec<f64>>>()?;
     let tokens = d.generated()? - before;
-    Ok(json!({ "tokens": tokens, "seconds": wall, "tok_s": tokens as f64 / wall, "ttft_p50_s": percentile(ttfts.clone(), 0.5), "ttft_p99_s": percentile(ttfts, 0.99) }))
+    Ok(
+        json!({ "tokens": tokens, "seconds": wall, "tok_s": tokens as f64 / wall, "ttft_p50_s": percentile(ttfts.clone(), 0.5), "ttft_p99_s": percentile(ttfts, 0.99) }),
+    )
 }
 
 /// TTFT with a cached 1,000-token system prompt against a cold one.
@@ -185,11 +229,16 @@ fn prefix_cache(model_path: &Path, model: &Model, threads: usize) -> anyhow::Res
     // cold request would be.
     let sys = system("kettles");
     let together: Vec<f64> = std::thread::scope(|s| {
-        let hs: Vec<_> = ["Do you ship?", "Are they steel?", "Any in red?", "How much?"].iter().map(|q| {
-            let (client, body) = (&d.client, ask(&sys, q));
-            s.spawn(move || ttft(client, "/v1/chat/completions", &body))
-        }).collect();
-        hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a client panicked")))).collect::<anyhow::Result<Vec<f64>>>()
+        let hs: Vec<_> = ["Do you ship?", "Are they steel?", "Any in red?", "How much?"]
+            .iter()
+            .map(|q| {
+                let (client, body) = (&d.client, ask(&sys, q));
+                s.spawn(move || ttft(client, "/v1/chat/completions", &body))
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a client panicked"))))
+            .collect::<anyhow::Result<Vec<f64>>>()
     })?;
     let s = d.client.json("GET", "/v1/status", None)?;
     let (c, w) = (percentile(cold.clone(), 0.5), percentile(warm.clone(), 0.5));

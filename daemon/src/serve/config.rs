@@ -32,7 +32,9 @@ impl Mode {
         match self {
             Mode::System => PathBuf::from("/etc/inferd/inferd.toml"),
             Mode::User => {
-                let base = std::env::var_os("XDG_CONFIG_HOME").map(PathBuf::from).or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config")));
+                let base = std::env::var_os("XDG_CONFIG_HOME")
+                    .map(PathBuf::from)
+                    .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config")));
                 base.unwrap_or_else(|| PathBuf::from(".config")).join("inferd/inferd.toml")
             }
         }
@@ -42,7 +44,7 @@ impl Mode {
     pub fn default_socket(self) -> PathBuf {
         match self {
             Mode::System => PathBuf::from("/run/inferd/inferd.sock"),
-            Mode::User => crate::paths::default_socket(),
+            Mode::User => inferctl::client::user_socket(),
         }
     }
 }
@@ -88,7 +90,15 @@ pub struct Server {
 
 impl Default for Server {
     fn default() -> Self {
-        Server { socket: None, socket_mode: "0660".into(), socket_group: None, tcp: None, dbus: true, threads: 0, shutdown_grace_secs: 10 }
+        Server {
+            socket: None,
+            socket_mode: "0660".into(),
+            socket_group: None,
+            tcp: None,
+            dbus: true,
+            threads: 0,
+            shutdown_grace_secs: 10,
+        }
     }
 }
 
@@ -166,7 +176,8 @@ impl Config {
     /// Parses the text of `path` (named in errors) and checks the values.
     pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
         // toml's message names the unknown key and shows the line it is on.
-        let cfg: Config = toml::from_str(text).map_err(|e| ConfigError::Parse { path: path.to_owned(), message: e.to_string().trim_end().to_owned() })?;
+        let cfg: Config = toml::from_str(text)
+            .map_err(|e| ConfigError::Parse { path: path.to_owned(), message: e.to_string().trim_end().to_owned() })?;
         let invalid = |message: String| ConfigError::Invalid { path: path.to_owned(), message };
         cfg.socket_mode().map_err(invalid)?;
         if cfg.scheduler.token_budget == 0 || cfg.scheduler.max_running == 0 {
@@ -184,7 +195,12 @@ impl Config {
     /// `server.socket_mode` as permission bits.
     pub fn socket_mode(&self) -> Result<u32, String> {
         let s = self.server.socket_mode.trim_start_matches("0o");
-        u32::from_str_radix(s, 8).ok().filter(|m| *m <= 0o777).ok_or_else(|| format!("server.socket_mode must be octal permission bits such as \"0660\", not {:?}", self.server.socket_mode))
+        u32::from_str_radix(s, 8).ok().filter(|m| *m <= 0o777).ok_or_else(|| {
+            format!(
+                "server.socket_mode must be octal permission bits such as \"0660\", not {:?}",
+                self.server.socket_mode
+            )
+        })
     }
 }
 
@@ -216,8 +232,14 @@ mod tests {
     fn the_man_page_documents_every_key_of_the_default_config() {
         let root = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
         let default = std::fs::read_to_string(root.join("packaging/inferd.toml")).expect("packaging/inferd.toml");
-        let man = std::fs::read_to_string(root.join("packaging/man/inferd.toml.5")).expect("packaging/man/inferd.toml.5");
-        let keys: Vec<&str> = default.lines().map(|l| l.trim_start_matches("# ").trim()).filter_map(|l| l.split_once(" = ").map(|(k, _)| k)).filter(|k| !k.contains(' ')).collect();
+        let man =
+            std::fs::read_to_string(root.join("packaging/man/inferd.toml.5")).expect("packaging/man/inferd.toml.5");
+        let keys: Vec<&str> = default
+            .lines()
+            .map(|l| l.trim_start_matches("# ").trim())
+            .filter_map(|l| l.split_once(" = ").map(|(k, _)| k))
+            .filter(|k| !k.contains(' '))
+            .collect();
         assert!(keys.len() >= 14, "{keys:?}");
         for k in keys {
             assert!(man.contains(&format!(".B {k}\n")), "inferd.toml(5) does not document {k}");
@@ -232,7 +254,8 @@ mod tests {
         assert!(msg.contains("/etc/inferd/inferd.toml") && msg.contains("sockett"), "{msg}");
         let e = Config::parse("colour = 1\n", p).expect_err("unknown top-level key").to_string();
         assert!(e.contains("colour"), "{e}");
-        let e = Config::parse("[[model]]\npath = \"a.gguf\"\nkv_mib = 3\n", p).expect_err("unknown model key").to_string();
+        let e =
+            Config::parse("[[model]]\npath = \"a.gguf\"\nkv_mib = 3\n", p).expect_err("unknown model key").to_string();
         assert!(e.contains("kv_mib"), "{e}");
     }
 

@@ -11,9 +11,9 @@
 //! compares it with what the daemon serves.
 
 use super::config::Mode;
-use super::engine_loop::{Command, RequestId};
 use super::request::{self, ApiError, Output, Piece};
 use super::{ModelHandle, Shared};
+use inferd_engine::sched::{Command, RequestId};
 use serde_json::{Map, Value as Json};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -57,14 +57,30 @@ fn option_json(key: &str, v: &Value<'_>) -> Result<Json, ApiError> {
         Value::I64(x) => Json::from(*x),
         Value::U64(x) => Json::from(*x),
         Value::F64(x) => Json::from(*x),
-        Value::Str(s) if key == "decoder_params" => serde_json::from_str(s).map_err(|e| ApiError::bad(format!("decoder_params is not JSON: {e}"), "decoder_params"))?,
+        Value::Str(s) if key == "decoder_params" => serde_json::from_str(s)
+            .map_err(|e| ApiError::bad(format!("decoder_params is not JSON: {e}"), "decoder_params"))?,
         Value::Str(s) => Json::from(s.as_str()),
         Value::Array(a) => Json::Array(a.iter().map(|x| option_json(key, x)).collect::<Result<_, _>>()?),
         _ => return Err(bad()),
     })
 }
 
-const OPTIONS: [&str; 14] = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "decoder", "decoder_params", "frequency_penalty", "presence_penalty", "priority", "n", "logit_bias"];
+const OPTIONS: [&str; 14] = [
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "decoder",
+    "decoder_params",
+    "frequency_penalty",
+    "presence_penalty",
+    "priority",
+    "n",
+    "logit_bias",
+];
 
 fn options_json(options: &HashMap<String, OwnedValue>) -> Result<Map<String, Json>, ApiError> {
     let mut m = Map::new();
@@ -75,7 +91,8 @@ fn options_json(options: &HashMap<String, OwnedValue>) -> Result<Map<String, Jso
         let j = option_json(k, v)?;
         // logit_bias travels as JSON text, like decoder_params.
         let j = match (k.as_str(), j) {
-            ("logit_bias", Json::String(s)) => serde_json::from_str(&s).map_err(|e| ApiError::bad(format!("logit_bias is not JSON: {e}"), "logit_bias"))?,
+            ("logit_bias", Json::String(s)) => serde_json::from_str(&s)
+                .map_err(|e| ApiError::bad(format!("logit_bias is not JSON: {e}"), "logit_bias"))?,
             (_, j) => j,
         };
         m.insert(k.clone(), j);
@@ -94,7 +111,13 @@ async fn caller_uid(conn: &Connection, sender: &UniqueName<'_>) -> fdo::Result<u
 
 impl Inference {
     /// Checks and submits a request for `sender`; returns it with its output decoder.
-    async fn start(&self, conn: &Connection, hdr: &Header<'_>, ids: Result<(Arc<ModelHandle>, Vec<u32>), ApiError>, options: &HashMap<String, OwnedValue>) -> fdo::Result<(request::Submitted, Output, String)> {
+    async fn start(
+        &self,
+        conn: &Connection,
+        hdr: &Header<'_>,
+        ids: Result<(Arc<ModelHandle>, Vec<u32>), ApiError>,
+        options: &HashMap<String, OwnedValue>,
+    ) -> fdo::Result<(request::Submitted, Output, String)> {
         let sender = hdr.sender().ok_or_else(|| fdo::Error::Failed("a call without a sender".into()))?.to_owned();
         let uid = caller_uid(conn, &sender).await?;
         let m = options_json(options).map_err(failed)?;
@@ -114,7 +137,11 @@ impl Inference {
         Ok((h, ids))
     }
 
-    fn chat_ids(&self, model: &str, messages: &[HashMap<String, String>]) -> Result<(Arc<ModelHandle>, Vec<u32>), ApiError> {
+    fn chat_ids(
+        &self,
+        model: &str,
+        messages: &[HashMap<String, String>],
+    ) -> Result<(Arc<ModelHandle>, Vec<u32>), ApiError> {
         let h = self.sh.model(Some(model))?;
         let msgs: Vec<(String, String)> = messages
             .iter()
@@ -129,9 +156,14 @@ impl Inference {
     }
 
     /// Exports a request object and streams its signals to `sender` from a task.
-    async fn stream(&self, conn: &Connection, started: (request::Submitted, Output, String)) -> fdo::Result<OwnedObjectPath> {
+    async fn stream(
+        &self,
+        conn: &Connection,
+        started: (request::Submitted, Output, String),
+    ) -> fdo::Result<OwnedObjectPath> {
         let (sub, out, sender) = started;
-        let path = OwnedObjectPath::try_from(format!("{PATH}/request/{}", sub.id)).map_err(|e| fdo::Error::Failed(e.to_string()))?;
+        let path = OwnedObjectPath::try_from(format!("{PATH}/request/{}", sub.id))
+            .map_err(|e| fdo::Error::Failed(e.to_string()))?;
         let obj = RequestObject { model: Arc::clone(&sub.model), id: sub.id, owner: sender.clone() };
         conn.object_server().at(&path, obj).await?;
         let (conn, p, owners) = (conn.clone(), path.clone(), Arc::clone(&self.owners));
@@ -159,7 +191,11 @@ fn forget(owners: &Owners, sender: &str, path: &ObjectPath<'_>) {
 
 /// Token counts as the `Finished` signal's `usage`.
 fn usage(prompt: usize, completion: usize) -> HashMap<&'static str, Value<'static>> {
-    HashMap::from([("prompt_tokens", Value::from(prompt as u32)), ("completion_tokens", Value::from(completion as u32)), ("total_tokens", Value::from((prompt + completion) as u32))])
+    HashMap::from([
+        ("prompt_tokens", Value::from(prompt as u32)),
+        ("completion_tokens", Value::from(completion as u32)),
+        ("total_tokens", Value::from((prompt + completion) as u32)),
+    ])
 }
 
 /// The request's pieces as unicast signals to `sender`.
@@ -176,10 +212,15 @@ async fn forward(conn: &Connection, path: &ObjectPath<'_>, mut sub: request::Sub
                 Piece::End { text, reason: r, .. } => {
                     reason = r;
                     // The held-back tail of the text: no single token completed it.
-                    if text.is_empty() { Ok(()) } else { RequestObject::token(&emitter, &text, u32::MAX).await }
+                    if text.is_empty() {
+                        Ok(())
+                    } else {
+                        RequestObject::token(&emitter, &text, u32::MAX).await
+                    }
                 }
                 Piece::Done { completion_tokens, .. } => {
-                    let _ = RequestObject::finished(&emitter, reason, usage(sub.prompt_tokens, completion_tokens)).await;
+                    let _ =
+                        RequestObject::finished(&emitter, reason, usage(sub.prompt_tokens, completion_tokens)).await;
                     return;
                 }
                 Piece::Failed(msg) => {
@@ -209,21 +250,42 @@ async fn forward(conn: &Connection, path: &ObjectPath<'_>, mut sub: request::Sub
 impl Inference {
     /// Starts generating from `prompt`; tokens arrive as signals of the returned request object.
     #[zbus(out_args("request"))]
-    async fn generate(&self, #[zbus(header)] hdr: Header<'_>, #[zbus(connection)] conn: &Connection, model: &str, prompt: &str, options: HashMap<String, OwnedValue>) -> fdo::Result<OwnedObjectPath> {
+    async fn generate(
+        &self,
+        #[zbus(header)] hdr: Header<'_>,
+        #[zbus(connection)] conn: &Connection,
+        model: &str,
+        prompt: &str,
+        options: HashMap<String, OwnedValue>,
+    ) -> fdo::Result<OwnedObjectPath> {
         let started = self.start(conn, &hdr, self.prompt_ids(model, prompt), &options).await?;
         self.stream(conn, started).await
     }
 
     /// Starts a chat answer to `messages` (each with `role` and `content`).
     #[zbus(out_args("request"))]
-    async fn chat(&self, #[zbus(header)] hdr: Header<'_>, #[zbus(connection)] conn: &Connection, model: &str, messages: Vec<HashMap<String, String>>, options: HashMap<String, OwnedValue>) -> fdo::Result<OwnedObjectPath> {
+    async fn chat(
+        &self,
+        #[zbus(header)] hdr: Header<'_>,
+        #[zbus(connection)] conn: &Connection,
+        model: &str,
+        messages: Vec<HashMap<String, String>>,
+        options: HashMap<String, OwnedValue>,
+    ) -> fdo::Result<OwnedObjectPath> {
         let started = self.start(conn, &hdr, self.chat_ids(model, &messages), &options).await?;
         self.stream(conn, started).await
     }
 
     /// Generates from `prompt` and answers with the whole text.
     #[zbus(out_args("text"))]
-    async fn complete(&self, #[zbus(header)] hdr: Header<'_>, #[zbus(connection)] conn: &Connection, model: &str, prompt: &str, options: HashMap<String, OwnedValue>) -> fdo::Result<String> {
+    async fn complete(
+        &self,
+        #[zbus(header)] hdr: Header<'_>,
+        #[zbus(connection)] conn: &Connection,
+        model: &str,
+        prompt: &str,
+        options: HashMap<String, OwnedValue>,
+    ) -> fdo::Result<String> {
         let (mut sub, mut out, sender) = self.start(conn, &hdr, self.prompt_ids(model, prompt), &options).await?;
         let mut text = String::new();
         let result = 'events: loop {
@@ -286,7 +348,10 @@ impl Inference {
             free += s.kv.free as u32;
             cached += s.kv.cached as u32;
         }
-        put("state", Value::from(if self.sh.draining.load(std::sync::atomic::Ordering::Relaxed) { "stopping" } else { "ready" }));
+        put(
+            "state",
+            Value::from(if self.sh.draining.load(std::sync::atomic::Ordering::Relaxed) { "stopping" } else { "ready" }),
+        );
         put("uptime_seconds", Value::from(self.sh.started.elapsed().as_secs_f64()));
         put("running", Value::from(running));
         put("waiting", Value::from(waiting));

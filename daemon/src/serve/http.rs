@@ -4,7 +4,6 @@
 //! parsed here; checking and submitting are the shared [`request`](super::request) path. The
 //! peer's uid comes from SO_PEERCRED on the connection ([`Peer`]).
 
-use super::engine_loop::Command;
 use super::request::{self, ApiError, Output, Piece};
 use super::Shared;
 use axum::extract::connect_info::Connected;
@@ -15,6 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::serve::IncomingStream;
 use axum::{Json, Router};
+use inferd_engine::sched::Command;
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -69,7 +69,11 @@ impl HttpCounters {
 /// An OpenAI error object with its status.
 fn error(e: ApiError) -> Response {
     let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    (status, Json(json!({ "error": { "message": e.message, "type": e.kind(), "param": e.param, "code": Value::Null } }))).into_response()
+    (
+        status,
+        Json(json!({ "error": { "message": e.message, "type": e.kind(), "param": e.param, "code": Value::Null } })),
+    )
+        .into_response()
 }
 
 pub fn router(sh: Arc<Shared>) -> Router {
@@ -89,7 +93,16 @@ pub fn router(sh: Arc<Shared>) -> Router {
 /// Counts every response by route and status.
 async fn count(State(sh): State<Arc<Shared>>, req: axum::extract::Request, next: axum::middleware::Next) -> Response {
     let route = req.uri().path().to_owned();
-    let known = ["/health", "/v1/models", "/v1/status", "/metrics", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"];
+    let known = [
+        "/health",
+        "/v1/models",
+        "/v1/status",
+        "/metrics",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/tokenize",
+        "/detokenize",
+    ];
     let route = if known.contains(&route.as_str()) { route } else { "other".into() };
     let resp = next.run(req).await;
     sh.http.count(&route, resp.status().as_u16());
@@ -112,7 +125,9 @@ async fn models(State(sh): State<Arc<Shared>>) -> Json<Value> {
         }
         data.push(json!({ "id": m.name, "object": "model", "owned_by": "inferd", "roles": roles, "context_length": m.context_len, "draft": m.draft }));
         if let Some(d) = &m.draft {
-            data.push(json!({ "id": d, "object": "model", "owned_by": "inferd", "roles": ["draft"], "draft_for": m.name }));
+            data.push(
+                json!({ "id": d, "object": "model", "owned_by": "inferd", "roles": ["draft"], "draft_for": m.name }),
+            );
         }
     }
     Json(json!({ "object": "list", "data": data }))
@@ -179,7 +194,10 @@ async fn tokenize(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Res
     let run = || -> Result<Value, ApiError> {
         let m = object(&body)?;
         let model = sh.model(model_field(&m)?)?;
-        let text = m.get("content").and_then(Value::as_str).ok_or_else(|| ApiError::bad("content must be a string", "content"))?;
+        let text = m
+            .get("content")
+            .and_then(Value::as_str)
+            .ok_or_else(|| ApiError::bad("content must be a string", "content"))?;
         let special = m.get("add_special").and_then(Value::as_bool).unwrap_or(false);
         let ids = model.model.tokenizer.encode(text, special).map_err(|e| ApiError::bad(e.to_string(), "content"))?;
         Ok(json!({ "tokens": ids }))
@@ -191,20 +209,34 @@ async fn detokenize(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> R
     let run = || -> Result<Value, ApiError> {
         let m = object(&body)?;
         let model = sh.model(model_field(&m)?)?;
-        let ids = m.get("tokens").and_then(Value::as_array).ok_or_else(|| ApiError::bad("tokens must be an array of token ids", "tokens"))?;
+        let ids = m
+            .get("tokens")
+            .and_then(Value::as_array)
+            .ok_or_else(|| ApiError::bad("tokens must be an array of token ids", "tokens"))?;
         let vocab = model.model.config.vocab as u64;
-        let ids: Vec<u32> = ids.iter().map(|v| v.as_u64().filter(|&t| t < vocab).map(|t| t as u32)).collect::<Option<_>>().ok_or_else(|| ApiError::bad(format!("tokens must be ids below {vocab}"), "tokens"))?;
+        let ids: Vec<u32> = ids
+            .iter()
+            .map(|v| v.as_u64().filter(|&t| t < vocab).map(|t| t as u32))
+            .collect::<Option<_>>()
+            .ok_or_else(|| ApiError::bad(format!("tokens must be ids below {vocab}"), "tokens"))?;
         let text = model.model.tokenizer.decode(&ids, false).map_err(|e| ApiError::bad(e.to_string(), "tokens"))?;
         Ok(json!({ "content": text }))
     };
     run().map_or_else(error, |v| Json(v).into_response())
 }
 
-async fn completions(State(sh): State<Arc<Shared>>, ConnectInfo(peer): ConnectInfo<Peer>, body: axum::body::Bytes) -> Response {
+async fn completions(
+    State(sh): State<Arc<Shared>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    body: axum::body::Bytes,
+) -> Response {
     let start = || -> Result<(request::Prepared, Map<String, Value>), ApiError> {
         let m = object(&body)?;
         let model = sh.model(model_field(&m)?)?;
-        let prompt = m.get("prompt").and_then(Value::as_str).ok_or_else(|| ApiError::bad("prompt must be a string", "prompt"))?;
+        let prompt = m
+            .get("prompt")
+            .and_then(Value::as_str)
+            .ok_or_else(|| ApiError::bad("prompt must be a string", "prompt"))?;
         let ids = request::encode_prompt(&model.model, prompt)?;
         Ok((request::prepare(&sh, model, &m, ids)?, m))
     };
@@ -214,7 +246,11 @@ async fn completions(State(sh): State<Arc<Shared>>, ConnectInfo(peer): ConnectIn
     }
 }
 
-async fn chat_completions(State(sh): State<Arc<Shared>>, ConnectInfo(peer): ConnectInfo<Peer>, body: axum::body::Bytes) -> Response {
+async fn chat_completions(
+    State(sh): State<Arc<Shared>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    body: axum::body::Bytes,
+) -> Response {
     let start = || -> Result<(request::Prepared, Map<String, Value>), ApiError> {
         let m = object(&body)?;
         let model = sh.model(model_field(&m)?)?;
@@ -268,7 +304,12 @@ async fn respond(sh: Arc<Shared>, p: request::Prepared, m: &Map<String, Value>, 
                         reasons[choice as usize] = finish(reason);
                     }
                     Piece::Done { completion_tokens, stats } => {
-                        let choices: Vec<Value> = texts.drain(..).zip(reasons.drain(..)).enumerate().map(|(i, (t, r))| choice(i as u32, t, r)).collect();
+                        let choices: Vec<Value> = texts
+                            .drain(..)
+                            .zip(reasons.drain(..))
+                            .enumerate()
+                            .map(|(i, (t, r))| choice(i as u32, t, r))
+                            .collect();
                         return Json(json!({ "id": cid, "object": object, "created": created, "model": model_name, "choices": choices, "usage": usage(completion_tokens), "inferd": { "decoder": decoder, "stats": stats } })).into_response();
                     }
                     Piece::Failed(msg) => return error(ApiError::new(500, msg, None)),
@@ -277,7 +318,12 @@ async fn respond(sh: Arc<Shared>, p: request::Prepared, m: &Map<String, Value>, 
             if out.all_stopped() {
                 stop(&sub);
                 let Piece::Done { completion_tokens, .. } = out.done_by_stop() else { break };
-                let choices: Vec<Value> = texts.drain(..).zip(reasons.drain(..)).enumerate().map(|(i, (t, r))| choice(i as u32, t, r)).collect();
+                let choices: Vec<Value> = texts
+                    .drain(..)
+                    .zip(reasons.drain(..))
+                    .enumerate()
+                    .map(|(i, (t, r))| choice(i as u32, t, r))
+                    .collect();
                 return Json(json!({ "id": cid, "object": object, "created": created, "model": model_name, "choices": choices, "usage": usage(completion_tokens), "inferd": { "decoder": decoder } })).into_response();
             }
         }
@@ -287,13 +333,19 @@ async fn respond(sh: Arc<Shared>, p: request::Prepared, m: &Map<String, Value>, 
     let (tx, rx) = unbounded_channel::<String>();
     tokio::spawn(async move {
         let _slot = &sub.slot; // the user's place is held until the stream ends
-        let chunk = |choices: Value| json!({ "id": cid, "object": object, "created": created, "model": model_name, "choices": choices }).to_string();
+        let chunk = |choices: Value| {
+            json!({ "id": cid, "object": object, "created": created, "model": model_name, "choices": choices })
+                .to_string()
+        };
         let send = |s: String| tx.send(s).is_ok();
         if chat {
             let roles: Vec<Value> = (0..n).map(|i| json!({ "index": i, "delta": { "role": "assistant", "content": "" }, "logprobs": Value::Null, "finish_reason": Value::Null })).collect();
             send(chunk(Value::Array(roles)));
         }
-        let error = |msg: &str| json!({ "error": { "message": msg, "type": "server_error", "param": Value::Null, "code": Value::Null } }).to_string();
+        let error = |msg: &str| {
+            json!({ "error": { "message": msg, "type": "server_error", "param": Value::Null, "code": Value::Null } })
+                .to_string()
+        };
         let mut ended = false;
         'events: while let Some(ev) = sub.events.recv().await {
             for piece in out.on_event(&sub.model.model, ev) {
@@ -327,7 +379,9 @@ async fn respond(sh: Arc<Shared>, p: request::Prepared, m: &Map<String, Value>, 
         }
         send("[DONE]".to_string());
     });
-    let events = tokio_stream::StreamExt::map(tokio_stream::wrappers::UnboundedReceiverStream::new(rx), |s| Ok::<_, std::convert::Infallible>(SseEvent::default().data(s)));
+    let events = tokio_stream::StreamExt::map(tokio_stream::wrappers::UnboundedReceiverStream::new(rx), |s| {
+        Ok::<_, std::convert::Infallible>(SseEvent::default().data(s))
+    });
     Sse::new(events).into_response()
 }
 

@@ -1,8 +1,8 @@
 //! `/metrics` in the Prometheus text format (version 0.0.4): request counts and latencies, TTFT,
 //! tokens, KV blocks used and cached, queue depth, per-strategy counters, HTTP responses.
 
-use super::monitor::{Histogram, BUCKETS};
 use super::Shared;
+use inferd_engine::sched::monitor::{Histogram, BUCKETS};
 use std::fmt::Write;
 
 /// Label values are quoted; backslash, quote and newline are escaped.
@@ -35,17 +35,27 @@ impl Out {
 
 pub fn prometheus(sh: &Shared) -> String {
     let mut o = Out(String::new());
-    let snaps: Vec<(String, super::monitor::Snapshot)> = sh.models.iter().map(|m| (format!("model=\"{}\"", label(&m.name)), m.monitor.snapshot())).collect();
-    type Field = fn(&super::monitor::Snapshot) -> f64;
+    let snaps: Vec<(String, inferd_engine::sched::monitor::Snapshot)> =
+        sh.models.iter().map(|m| (format!("model=\"{}\"", label(&m.name)), m.monitor.snapshot())).collect();
+    type Field = fn(&inferd_engine::sched::monitor::Snapshot) -> f64;
     let gauges: [(&str, &str, &str, Field); 8] = [
         ("inferd_requests_running", "gauge", "Requests decoding now.", |s| s.running as f64),
         ("inferd_requests_waiting", "gauge", "Requests waiting for admission (queue depth).", |s| s.waiting as f64),
         ("inferd_kv_blocks_total", "gauge", "KV cache blocks.", |s| s.kv.total as f64),
-        ("inferd_kv_blocks_used", "gauge", "KV cache blocks held by sequences or waiting in the prefix cache.", |s| (s.kv.total - s.kv.free) as f64),
+        ("inferd_kv_blocks_used", "gauge", "KV cache blocks held by sequences or waiting in the prefix cache.", |s| {
+            (s.kv.total - s.kv.free) as f64
+        }),
         ("inferd_kv_blocks_cached", "gauge", "KV cache blocks registered in the prefix cache.", |s| s.kv.cached as f64),
-        ("inferd_tokens_per_second", "gauge", "Generated tokens per second over the last few seconds.", |s| s.tokens_per_second),
+        ("inferd_tokens_per_second", "gauge", "Generated tokens per second over the last few seconds.", |s| {
+            s.tokens_per_second
+        }),
         ("inferd_engine_steps_total", "counter", "Forward passes run.", |s| s.steps as f64),
-        ("inferd_requests_preempted_total", "counter", "Requests preempted for lack of KV blocks (recomputed later).", |s| s.preempted as f64),
+        (
+            "inferd_requests_preempted_total",
+            "counter",
+            "Requests preempted for lack of KV blocks (recomputed later).",
+            |s| s.preempted as f64,
+        ),
     ];
     for (name, kind, help, f) in gauges {
         o.head(name, kind, help);
@@ -62,7 +72,9 @@ pub fn prometheus(sh: &Shared) -> String {
     let tokens: [(&str, &str, Field); 3] = [
         ("inferd_generated_tokens_total", "Tokens generated and streamed.", |s| s.generated_tokens as f64),
         ("inferd_prompt_tokens_total", "Prompt tokens admitted.", |s| s.prompt_tokens as f64),
-        ("inferd_prompt_tokens_cached_total", "Prompt tokens served from the prefix cache.", |s| s.cached_prompt_tokens as f64),
+        ("inferd_prompt_tokens_cached_total", "Prompt tokens served from the prefix cache.", |s| {
+            s.cached_prompt_tokens as f64
+        }),
     ];
     for (name, help, f) in tokens {
         o.head(name, "counter", help);
@@ -74,7 +86,11 @@ pub fn prometheus(sh: &Shared) -> String {
     for (l, s) in &snaps {
         o.histogram("inferd_time_to_first_token_seconds", l, &s.ttft);
     }
-    o.head("inferd_request_duration_seconds", "histogram", "From accepting a request to its last token (finished requests).");
+    o.head(
+        "inferd_request_duration_seconds",
+        "histogram",
+        "From accepting a request to its last token (finished requests).",
+    );
     for (l, s) in &snaps {
         o.histogram("inferd_request_duration_seconds", l, &s.latency);
     }
@@ -82,7 +98,11 @@ pub fn prometheus(sh: &Shared) -> String {
     for (l, s) in &snaps {
         for (name, c) in &s.strategies {
             for (outcome, v) in [("finished", c.finished), ("failed", c.failed)] {
-                o.sample("inferd_strategy_requests_total", &format!("{l},strategy=\"{}\",outcome=\"{outcome}\"", label(name)), v);
+                o.sample(
+                    "inferd_strategy_requests_total",
+                    &format!("{l},strategy=\"{}\",outcome=\"{outcome}\"", label(name)),
+                    v,
+                );
             }
         }
     }

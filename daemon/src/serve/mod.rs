@@ -1,4 +1,4 @@
-//! The daemon: one engine thread per configured model ([`engine_loop`]), behind two edges that
+//! The daemon: one engine thread per configured model (`inferd_engine::sched`), behind two edges that
 //! share one request path ([`request`]): HTTP on a Unix socket ([`http`]) and D-Bus
 //! ([`dbus`]). [`run`] wires them to systemd ([`notify`]): READY after the models are loaded
 //! and the socket listens, the watchdog fed by the engine loops' heartbeats, SIGHUP reloads,
@@ -8,20 +8,18 @@ pub mod bench;
 pub mod bench_clients;
 pub mod config;
 pub mod dbus;
-pub mod engine_loop;
 pub mod http;
 pub mod metrics;
-pub mod monitor;
 pub mod notify;
 pub mod request;
 
-use crate::decode::store::EngineStore;
-use crate::engine::{Engine, EngineOptions};
-use crate::model::Model;
-use crate::plugin::{Registry, TrustPolicy};
 use config::{Config, Limits, Mode};
-use engine_loop::{engine_loop, Command, LoopConfig};
-use monitor::Monitor;
+use inferd_engine::decode::store::EngineStore;
+use inferd_engine::engine::{Engine, EngineOptions};
+use inferd_engine::model::Model;
+use inferd_engine::plugin::{Registry, TrustPolicy};
+use inferd_engine::sched::monitor::Monitor;
+use inferd_engine::sched::{engine_loop, Command, LoopConfig};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -111,7 +109,13 @@ impl ServeArgs {
         };
         let mut cfg = Config::load(&path, required)?;
         if let Some(m) = &self.model {
-            cfg.models = vec![config::ModelConfig { path: m.clone(), name: None, kv_cache_mib: 512, context_len: 0, draft: None }];
+            cfg.models = vec![config::ModelConfig {
+                path: m.clone(),
+                name: None,
+                kv_cache_mib: 512,
+                context_len: 0,
+                draft: None,
+            }];
         }
         if let Some(s) = &self.socket {
             cfg.server.socket = Some(s.clone());
@@ -131,7 +135,7 @@ fn load_plugins(cfg: &Config, mode: Mode) -> (Registry, Vec<String>) {
         Mode::System => TrustPolicy::System,
         Mode::User => TrustPolicy::User,
     };
-    let (reg, refused) = Registry::load_dirs(&crate::paths::plugin_dirs(&cfg.plugin_dirs), policy);
+    let (reg, refused) = Registry::load_dirs(&inferd_engine::paths::plugin_dirs(&cfg.plugin_dirs), policy);
     for r in &refused {
         eprintln!("inferd: plugin refused: {r}");
     }
@@ -141,7 +145,9 @@ fn load_plugins(cfg: &Config, mode: Mode) -> (Registry, Vec<String>) {
 /// Loads every configured model (the default model when none is) and starts its engine thread.
 fn start_models(cfg: &Config) -> anyhow::Result<Vec<Arc<ModelHandle>>> {
     let list = if cfg.models.is_empty() {
-        let path = crate::paths::default_model().ok_or_else(|| anyhow::anyhow!("no model configured and the default model is not installed (run packaging/fetch-model)"))?;
+        let path = inferd_engine::paths::default_model().ok_or_else(|| {
+            anyhow::anyhow!("no model configured and the default model is not installed (run packaging/fetch-model)")
+        })?;
         vec![config::ModelConfig { path, name: None, kv_cache_mib: 512, context_len: 0, draft: None }]
     } else {
         cfg.models.clone()
@@ -149,27 +155,50 @@ fn start_models(cfg: &Config) -> anyhow::Result<Vec<Arc<ModelHandle>>> {
     let mut out: Vec<Arc<ModelHandle>> = Vec::new();
     for mc in list {
         let model = Arc::new(Model::load(&mc.path).map_err(|e| anyhow::anyhow!("loading {}: {e}", mc.path.display()))?);
-        let draft = mc.draft.as_ref().map(|p| Model::load(p).map(Arc::new).map_err(|e| anyhow::anyhow!("loading draft model {}: {e}", p.display()))).transpose()?;
+        let draft = mc
+            .draft
+            .as_ref()
+            .map(|p| {
+                Model::load(p).map(Arc::new).map_err(|e| anyhow::anyhow!("loading draft model {}: {e}", p.display()))
+            })
+            .transpose()?;
         if let Some(d) = &draft {
             if d.config.vocab != model.config.vocab {
-                anyhow::bail!("draft model {} has a vocabulary of {} tokens, its target {} has {}", d.name, d.config.vocab, model.name, model.config.vocab);
+                anyhow::bail!(
+                    "draft model {} has a vocabulary of {} tokens, its target {} has {}",
+                    d.name,
+                    d.config.vocab,
+                    model.name,
+                    model.config.vocab
+                );
             }
         }
         let name = mc.name.clone().unwrap_or_else(|| model.name.clone());
         if out.iter().any(|m| m.name == name) {
             anyhow::bail!("two models are named {name:?}: give one a `name` in the config");
         }
-        let context_len = if mc.context_len > 0 { mc.context_len.min(model.config.context_len) } else { model.config.context_len };
+        let context_len =
+            if mc.context_len > 0 { mc.context_len.min(model.config.context_len) } else { model.config.context_len };
         let monitor = Arc::new(Monitor::new(name.clone()));
         let (tx, rx) = std::sync::mpsc::channel();
-        let opts = EngineOptions { threads: cfg.server.threads, kv_budget_bytes: mc.kv_cache_mib << 20, ..EngineOptions::default() };
-        let loop_cfg = LoopConfig { token_budget: cfg.scheduler.token_budget, max_running: cfg.scheduler.max_running, eos: model.tokenizer.eos().to_vec(), monitor: Some(Arc::clone(&monitor)) };
+        let opts = EngineOptions {
+            threads: cfg.server.threads,
+            kv_budget_bytes: mc.kv_cache_mib << 20,
+            ..EngineOptions::default()
+        };
+        let loop_cfg = LoopConfig {
+            token_budget: cfg.scheduler.token_budget,
+            max_running: cfg.scheduler.max_running,
+            eos: model.tokenizer.eos().to_vec(),
+            monitor: Some(Arc::clone(&monitor)),
+        };
         let (m, d) = (Arc::clone(&model), draft.clone());
         let thread = std::thread::Builder::new().name(format!("inferd-engine-{name}")).spawn(move || {
             let mut engine = Engine::cpu(&m, &opts);
             match d {
                 Some(d) => {
-                    let mut draft_engine = Engine::cpu(&d, &EngineOptions { kv_budget_bytes: opts.kv_budget_bytes / 2, ..opts });
+                    let mut draft_engine =
+                        Engine::cpu(&d, &EngineOptions { kv_budget_bytes: opts.kv_budget_bytes / 2, ..opts });
                     engine_loop(&mut EngineStore::with_draft(&mut engine, &mut draft_engine), &rx, &loop_cfg);
                 }
                 None => {
@@ -177,8 +206,18 @@ fn start_models(cfg: &Config) -> anyhow::Result<Vec<Arc<ModelHandle>>> {
                 }
             }
         })?;
-        let roles = 1 << inferd_plugin_api::abi::ROLE_TARGET | if draft.is_some() { 1 << inferd_plugin_api::abi::ROLE_DRAFT } else { 0 };
-        out.push(Arc::new(ModelHandle { name, model, draft: draft.map(|d| d.name.clone()), context_len, roles, engine: Mutex::new(tx), monitor, thread: Mutex::new(Some(thread)) }));
+        let roles = 1 << inferd_plugin_api::abi::ROLE_TARGET
+            | if draft.is_some() { 1 << inferd_plugin_api::abi::ROLE_DRAFT } else { 0 };
+        out.push(Arc::new(ModelHandle {
+            name,
+            model,
+            draft: draft.map(|d| d.name.clone()),
+            context_len,
+            roles,
+            engine: Mutex::new(tx),
+            monitor,
+            thread: Mutex::new(Some(thread)),
+        }));
     }
     Ok(out)
 }
@@ -204,7 +243,8 @@ fn listen(cfg: &Config, mode: Mode) -> anyhow::Result<(std::os::unix::net::UnixL
         }
         std::fs::remove_file(&path)?;
     }
-    let l = std::os::unix::net::UnixListener::bind(&path).map_err(|e| anyhow::anyhow!("binding {}: {e}", path.display()))?;
+    let l = std::os::unix::net::UnixListener::bind(&path)
+        .map_err(|e| anyhow::anyhow!("binding {}: {e}", path.display()))?;
     set_permissions(&path, cfg)?;
     Ok((l, Some(path)))
 }
@@ -215,7 +255,8 @@ fn set_permissions(path: &Path, cfg: &Config) -> anyhow::Result<()> {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
     if let Some(g) = &cfg.server.socket_group {
         let gid = config::group_id(g).ok_or_else(|| anyhow::anyhow!("server.socket_group: no group named {g:?}"))?;
-        std::os::unix::fs::chown(path, None, Some(gid)).map_err(|e| anyhow::anyhow!("giving {} to group {g}: {e}", path.display()))?;
+        std::os::unix::fs::chown(path, None, Some(gid))
+            .map_err(|e| anyhow::anyhow!("giving {} to group {g}: {e}", path.display()))?;
     }
     Ok(())
 }
@@ -264,7 +305,9 @@ async fn serve(sh: Arc<Shared>, args: &ServeArgs, cfg: Config) -> anyhow::Result
     let s = Arc::clone(&stop);
     let mut servers = tokio::task::JoinSet::new();
     servers.spawn(async move {
-        axum::serve(listener, router.clone().into_make_service_with_connect_info::<http::Peer>()).with_graceful_shutdown(async move { s.notified().await }).await
+        axum::serve(listener, router.clone().into_make_service_with_connect_info::<http::Peer>())
+            .with_graceful_shutdown(async move { s.notified().await })
+            .await
     });
     if let Some(addr) = &cfg.server.tcp {
         let tcp = tokio::net::TcpListener::bind(addr).await.map_err(|e| anyhow::anyhow!("server.tcp {addr}: {e}"))?;
@@ -273,7 +316,11 @@ async fn serve(sh: Arc<Shared>, args: &ServeArgs, cfg: Config) -> anyhow::Result
             anyhow::bail!("server.tcp must be a loopback address, not {local}");
         }
         let (s, r) = (Arc::clone(&stop), http::router(Arc::clone(&sh)));
-        servers.spawn(async move { axum::serve(tcp, r.into_make_service_with_connect_info::<http::Peer>()).with_graceful_shutdown(async move { s.notified().await }).await });
+        servers.spawn(async move {
+            axum::serve(tcp, r.into_make_service_with_connect_info::<http::Peer>())
+                .with_graceful_shutdown(async move { s.notified().await })
+                .await
+        });
     }
     let bus = if cfg.server.dbus {
         match dbus::serve(Arc::clone(&sh), args.mode).await {
@@ -287,7 +334,10 @@ async fn serve(sh: Arc<Shared>, args: &ServeArgs, cfg: Config) -> anyhow::Result
         None
     };
     let where_ = path.as_ref().map_or_else(|| "the socket systemd passed".to_string(), |p| p.display().to_string());
-    eprintln!("inferd: serving {} on {where_}", sh.models.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", "));
+    eprintln!(
+        "inferd: serving {} on {where_}",
+        sh.models.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", ")
+    );
     notify::ready(&sh.summary());
     let watchdog = notify::watchdog(Arc::clone(&sh));
 

@@ -2,12 +2,11 @@
 //! RELOADING, STOPPING, WATCHDOG) and socket activation (LISTEN_FDS). Outside systemd (no
 //! NOTIFY_SOCKET, no LISTEN_FDS) every call here does nothing.
 
-use super::monitor::Monitor;
 use super::Shared;
+use inferd_engine::sched::monitor::Monitor;
 use sd_notify::NotifyState;
 use std::sync::Arc;
 use std::time::Duration;
-
 
 fn send(states: &[NotifyState<'_>]) {
     if let Err(e) = sd_notify::notify(states) {
@@ -50,7 +49,11 @@ pub fn watchdog(sh: Arc<Shared>) -> tokio::task::JoinHandle<()> {
             if stuck.is_empty() {
                 send(&[NotifyState::Watchdog]);
             } else {
-                eprintln!("inferd: engine loop of {} has not turned for {:?}; not feeding the watchdog", stuck.join(", "), period / 2);
+                eprintln!(
+                    "inferd: engine loop of {} has not turned for {:?}; not feeding the watchdog",
+                    stuck.join(", "),
+                    period / 2
+                );
             }
         }
     })
@@ -72,10 +75,11 @@ pub fn activated_listener() -> anyhow::Result<Option<std::os::unix::net::UnixLis
     // the range the service manager passed (starting at 3); nothing else in the process owns it,
     // and it is taken exactly once, here (the environment is not consulted again).
     let listener = unsafe { std::os::unix::net::UnixListener::from_raw_fd(fd) };
-    listener.local_addr().map_err(|e| anyhow::anyhow!("the socket passed by systemd (fd {fd}) is not a Unix socket: {e}"))?;
+    listener
+        .local_addr()
+        .map_err(|e| anyhow::anyhow!("the socket passed by systemd (fd {fd}) is not a Unix socket: {e}"))?;
     Ok(Some(listener))
 }
-
 
 #[cfg(test)]
 mod tests {

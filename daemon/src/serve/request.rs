@@ -4,11 +4,11 @@
 //! per choice, with stop strings applied. Errors are [`ApiError`]s, which each edge renders in
 //! its own protocol (the OpenAI error object, a D-Bus error).
 
-use super::engine_loop::{Command, Event, Priority, RequestId, RequestMeta, Submission};
 use super::{ModelHandle, Shared};
-use crate::model::Model;
-use crate::plugin::{FinishReason, LoadedStrategy, PluginError, Session, SessionRequest};
-use crate::tokenizer::stream::StreamDecoder;
+use inferd_engine::model::Model;
+use inferd_engine::plugin::{FinishReason, LoadedStrategy, PluginError, Session, SessionRequest};
+use inferd_engine::sched::{Command, Event, Priority, RequestId, RequestMeta, Submission};
+use inferd_engine::tokenizer::stream::StreamDecoder;
 use serde_json::{Map, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
@@ -62,7 +62,9 @@ impl Shared {
     /// The model a request names (`model` field), or the first one configured.
     pub fn model(&self, name: Option<&str>) -> Result<Arc<ModelHandle>, ApiError> {
         match name {
-            None | Some("") => self.models.first().cloned().ok_or_else(|| ApiError::new(503, "no model is loaded", None)),
+            None | Some("") => {
+                self.models.first().cloned().ok_or_else(|| ApiError::new(503, "no model is loaded", None))
+            }
             Some(n) => self.models.iter().find(|m| m.name == n).cloned().ok_or_else(|| {
                 let names: Vec<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
                 ApiError::new(404, format!("unknown model {n:?} (loaded: {})", names.join(", ")), Some("model"))
@@ -81,11 +83,12 @@ pub fn encode_chat(model: &Model, messages: &[(String, String)]) -> Result<Vec<u
     if messages.is_empty() {
         return Err(ApiError::bad("messages is empty", "messages"));
     }
-    let msgs: Vec<crate::chat::ChatMessage> = messages.iter().map(|(r, c)| crate::chat::ChatMessage::new(r, c)).collect();
+    let msgs: Vec<inferd_engine::chat::ChatMessage> =
+        messages.iter().map(|(r, c)| inferd_engine::chat::ChatMessage::new(r, c)).collect();
     let tok = &model.tokenizer;
     let bos = tok.bos().map(|b| tok.token_text(b)).unwrap_or_default();
     let eos = tok.eos().first().map(|&e| tok.token_text(e)).unwrap_or_default();
-    let text = crate::chat::ChatTemplate::new(model.chat_template.as_deref(), bos, eos)
+    let text = inferd_engine::chat::ChatTemplate::new(model.chat_template.as_deref(), bos, eos)
         .and_then(|t| t.render(&msgs, true))
         .map_err(|e| ApiError::bad(format!("the chat template failed: {e}"), "messages"))?;
     tok.encode(&text, true).map_err(|e| ApiError::bad(e.to_string(), "messages"))
@@ -93,7 +96,10 @@ pub fn encode_chat(model: &Model, messages: &[(String, String)]) -> Result<Vec<u
 
 /// The `messages` field of a chat request as (role, content) pairs.
 pub fn chat_messages(m: &Map<String, Value>) -> Result<Vec<(String, String)>, ApiError> {
-    let list = m.get("messages").and_then(Value::as_array).ok_or_else(|| ApiError::bad("messages must be an array", "messages"))?;
+    let list = m
+        .get("messages")
+        .and_then(Value::as_array)
+        .ok_or_else(|| ApiError::bad("messages must be an array", "messages"))?;
     list.iter()
         .enumerate()
         .map(|(i, msg)| match (msg.get("role").and_then(Value::as_str), msg.get("content").and_then(Value::as_str)) {
@@ -130,14 +136,18 @@ fn strategy_of(m: &Map<String, Value>) -> Result<(String, String), ApiError> {
         "min-p" => &["temperature", "min_p", "frequency_penalty", "presence_penalty", "logit_bias"],
         _ => &["temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty", "logit_bias"],
     };
-    let params: Map<String, Value> = keys.iter().filter_map(|k| m.get(*k).filter(|v| !v.is_null()).map(|v| ((*k).to_owned(), v.clone()))).collect();
+    let params: Map<String, Value> =
+        keys.iter().filter_map(|k| m.get(*k).filter(|v| !v.is_null()).map(|v| ((*k).to_owned(), v.clone()))).collect();
     Ok((name.to_owned(), Value::Object(params).to_string()))
 }
 
 fn uint(m: &Map<String, Value>, key: &'static str, default: u64, max: u64) -> Result<u64, ApiError> {
     match m.get(key) {
         None | Some(Value::Null) => Ok(default),
-        Some(v) => v.as_u64().filter(|&x| x <= max).ok_or_else(|| ApiError::bad(format!("{key} must be an integer between 0 and {max}"), key)),
+        Some(v) => v
+            .as_u64()
+            .filter(|&x| x <= max)
+            .ok_or_else(|| ApiError::bad(format!("{key} must be an integer between 0 and {max}"), key)),
     }
 }
 
@@ -146,7 +156,11 @@ fn stops(m: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
     let list = match m.get("stop") {
         None | Some(Value::Null) => return Ok(Vec::new()),
         Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(a)) => a.iter().map(|v| v.as_str().map(str::to_owned)).collect::<Option<Vec<_>>>().ok_or_else(|| ApiError::bad("stop must be a string or an array of strings", "stop"))?,
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| v.as_str().map(str::to_owned))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| ApiError::bad("stop must be a string or an array of strings", "stop"))?,
         Some(_) => return Err(ApiError::bad("stop must be a string or an array of strings", "stop")),
     };
     if list.len() > 4 || list.iter().any(String::is_empty) {
@@ -156,7 +170,12 @@ fn stops(m: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
 }
 
 /// Checks the fields of request `m` whose prompt is `prompt` for `model`.
-pub fn prepare(sh: &Shared, model: Arc<ModelHandle>, m: &Map<String, Value>, prompt: Vec<u32>) -> Result<Prepared, ApiError> {
+pub fn prepare(
+    sh: &Shared,
+    model: Arc<ModelHandle>,
+    m: &Map<String, Value>,
+    prompt: Vec<u32>,
+) -> Result<Prepared, ApiError> {
     let ctx = model.context_len as u64;
     let cap = u64::from(sh.limits().max_tokens).min(ctx);
     let max_tokens = uint(m, "max_tokens", 16.min(cap), cap)? as u32;
@@ -170,7 +189,10 @@ pub fn prepare(sh: &Shared, model: Arc<ModelHandle>, m: &Map<String, Value>, pro
     };
     let priority = match m.get("priority") {
         None | Some(Value::Null) => Priority::Interactive,
-        Some(v) => v.as_str().and_then(Priority::parse).ok_or_else(|| ApiError::bad("priority must be \"interactive\" or \"background\"", "priority"))?,
+        Some(v) => v
+            .as_str()
+            .and_then(Priority::parse)
+            .ok_or_else(|| ApiError::bad("priority must be \"interactive\" or \"background\"", "priority"))?,
     };
     let stop = stops(m)?;
     let (name, params) = strategy_of(m)?;
@@ -183,7 +205,11 @@ pub fn prepare(sh: &Shared, model: Arc<ModelHandle>, m: &Map<String, Value>, pro
         return Err(ApiError::bad("the prompt is empty", "prompt"));
     }
     if prompt.len() as u64 + u64::from(max_tokens) > ctx {
-        return Err(ApiError::new(413, format!("{} prompt tokens + max_tokens {max_tokens} exceed the context length {ctx}", prompt.len()), Some("prompt")));
+        return Err(ApiError::new(
+            413,
+            format!("{} prompt tokens + max_tokens {max_tokens} exceed the context length {ctx}", prompt.len()),
+            Some("prompt"),
+        ));
     }
     // Larger than the whole KV cache: it could never run (each choice grows its own blocks).
     let kv = model.monitor.snapshot().kv;
@@ -194,8 +220,18 @@ pub fn prepare(sh: &Shared, model: Arc<ModelHandle>, m: &Map<String, Value>, pro
         }
     }
     let tok = &model.model.tokenizer;
-    let req = SessionRequest { prompt: &prompt, generated: &[], params: &params, max_tokens, n, seed, eos: tok.eos(), logprobs: false };
-    Session::validate(&strategy, model.model.config.vocab as u32, model.roles, &req).map_err(|e| ApiError::bad(e.to_string(), "decoder_params"))?;
+    let req = SessionRequest {
+        prompt: &prompt,
+        generated: &[],
+        params: &params,
+        max_tokens,
+        n,
+        seed,
+        eos: tok.eos(),
+        logprobs: false,
+    };
+    Session::validate(&strategy, model.model.config.vocab as u32, model.roles, &req)
+        .map_err(|e| ApiError::bad(e.to_string(), "decoder_params"))?;
     Ok(Prepared { model, strategy, prompt, params, max_tokens, n, seed, priority, stop })
 }
 
@@ -251,7 +287,11 @@ pub fn submit(sh: &Arc<Shared>, p: Prepared, uid: u32) -> Result<Submitted, ApiE
         let mut a = sh.users.active.lock().map_err(|_| ApiError::new(500, "internal error: poisoned lock", None))?;
         let c = a.entry(uid).or_default();
         if *c >= max {
-            return Err(ApiError::new(429, format!("user {uid} already has {max} requests in flight (limits.max_requests_per_user)"), None));
+            return Err(ApiError::new(
+                429,
+                format!("user {uid} already has {max} requests in flight (limits.max_requests_per_user)"),
+                None,
+            ));
         }
         *c += 1;
     }
@@ -260,7 +300,18 @@ pub fn submit(sh: &Arc<Shared>, p: Prepared, uid: u32) -> Result<Submitted, ApiE
     let id = sh.next_id.fetch_add(1, Ordering::Relaxed);
     let (tx, events) = tokio::sync::mpsc::unbounded_channel::<Event>();
     let meta = RequestMeta { uid, priority: p.priority, submitted: std::time::Instant::now() };
-    let sub = Submission { id, strategy: p.strategy, prompt: p.prompt, params: p.params, max_tokens: p.max_tokens, n: p.n, seed: p.seed, logprobs: false, meta, events: Box::new(move |e| tx.send(e).is_ok()) };
+    let sub = Submission {
+        id,
+        strategy: p.strategy,
+        prompt: p.prompt,
+        params: p.params,
+        max_tokens: p.max_tokens,
+        n: p.n,
+        seed: p.seed,
+        logprobs: false,
+        meta,
+        events: Box::new(move |e| tx.send(e).is_ok()),
+    };
     let sent = p.model.engine.lock().map(|e| e.send(Command::Submit(sub)).is_ok()).unwrap_or(false);
     if !sent {
         return Err(ApiError::new(503, "the engine is not running", None));
@@ -271,11 +322,22 @@ pub fn submit(sh: &Arc<Shared>, p: Prepared, uid: u32) -> Result<Submitted, ApiE
 /// What a client hears, choice by choice, once tokens are text.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Piece {
-    Text { choice: u32, text: String, token: u32 },
+    Text {
+        choice: u32,
+        text: String,
+        token: u32,
+    },
     /// A choice ended: "stop" (end of sequence or a stop string) or "length".
-    End { choice: u32, reason: &'static str, text: String },
+    End {
+        choice: u32,
+        reason: &'static str,
+        text: String,
+    },
     /// Every choice ended.
-    Done { completion_tokens: usize, stats: BTreeMap<String, f64> },
+    Done {
+        completion_tokens: usize,
+        stats: BTreeMap<String, f64>,
+    },
     Failed(String),
 }
 
@@ -298,7 +360,10 @@ struct ChoiceOut {
 
 impl Output {
     pub fn new(n: u32, stop: Vec<String>) -> Output {
-        Output { stop, choices: (0..n).map(|_| ChoiceOut { dec: StreamDecoder::new(true), ..ChoiceOut::default() }).collect() }
+        Output {
+            stop,
+            choices: (0..n).map(|_| ChoiceOut { dec: StreamDecoder::new(true), ..ChoiceOut::default() }).collect(),
+        }
     }
 
     /// Every choice ended through a stop string: the request can be cancelled.
@@ -338,10 +403,14 @@ impl Output {
                     text.push_str(&c.dec.finish());
                     // (Every token of a choice was emitted, so streamed: the text is complete.)
                     let fin = g.choices.get(i);
-                    let reason = if fin.and_then(|f| f.finish) == Some(FinishReason::Length) { "length" } else { "stop" };
+                    let reason =
+                        if fin.and_then(|f| f.finish) == Some(FinishReason::Length) { "length" } else { "stop" };
                     out.push(Piece::End { choice: i as u32, reason, text });
                 }
-                out.push(Piece::Done { completion_tokens: self.choices.iter().map(|c| c.tokens).sum(), stats: g.stats });
+                out.push(Piece::Done {
+                    completion_tokens: self.choices.iter().map(|c| c.tokens).sum(),
+                    stats: g.stats,
+                });
                 out
             }
             Event::Failed(m) => vec![Piece::Failed(m)],
@@ -358,7 +427,15 @@ impl Output {
 /// The length of the longest proper prefix of `stop` that `text` ends with (on a character
 /// boundary of `text`).
 fn partial_suffix(text: &str, stop: &str) -> usize {
-    (1..stop.len()).rev().find(|&k| text.len() >= k && text.is_char_boundary(text.len() - k) && stop.is_char_boundary(k) && text.ends_with(&stop[..k])).unwrap_or(0)
+    (1..stop.len())
+        .rev()
+        .find(|&k| {
+            text.len() >= k
+                && text.is_char_boundary(text.len() - k)
+                && stop.is_char_boundary(k)
+                && text.ends_with(&stop[..k])
+        })
+        .unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -258,7 +258,13 @@ unsafe fn dot_half_x4<const BF: bool>(w: &[u8], xs: [&[f32]; 4]) -> [f32; 4] {
         }
         i += 8;
     }
-    let tail = |x: &[f32]| if BF { super::scalar::dot_bf16(&w[2 * i..], &x[i..]) } else { super::scalar::dot_f16(&w[2 * i..], &x[i..]) };
+    let tail = |x: &[f32]| {
+        if BF {
+            super::scalar::dot_bf16(&w[2 * i..], &x[i..])
+        } else {
+            super::scalar::dot_f16(&w[2 * i..], &x[i..])
+        }
+    };
     std::array::from_fn(|t| hsum(_mm256_add_ps(c[t][0], c[t][1])) + tail(xs[t]))
 }
 
@@ -313,7 +319,8 @@ unsafe fn dot_half<const BF: bool>(w: &[u8], x: &[f32]) -> f32 {
         i += 8;
     }
     let c = [c0, c1];
-    let tail = if BF { super::scalar::dot_bf16(&w[2 * i..], &x[i..]) } else { super::scalar::dot_f16(&w[2 * i..], &x[i..]) };
+    let tail =
+        if BF { super::scalar::dot_bf16(&w[2 * i..], &x[i..]) } else { super::scalar::dot_f16(&w[2 * i..], &x[i..]) };
     hsum(_mm256_add_ps(c[0], c[1])) + tail
 }
 
@@ -357,7 +364,7 @@ unsafe fn axpy_f16(a: f32, x: &[f16], y: &mut [f32]) {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attn_scores(k: &[f16], q: &[f32], hd: usize, g: usize, scale: f32, out: &mut [f32]) {
     let n = k.len() / hd;
-    if hd % 8 != 0 || hd > 256 {
+    if !hd.is_multiple_of(8) || hd > 256 {
         return super::scalar::attn_scores(k, q, hd, g, scale, out);
     }
     assert!(q.len() >= g * hd && out.len() >= n * g);
@@ -384,7 +391,7 @@ unsafe fn attn_scores(k: &[f16], q: &[f32], hd: usize, g: usize, scale: f32, out
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attn_values(v: &[f16], p: &[f32], hd: usize, g: usize, out: &mut [f32]) {
     let n = v.len() / hd;
-    if hd % 8 != 0 || hd > 256 {
+    if !hd.is_multiple_of(8) || hd > 256 {
         return super::scalar::attn_values(v, p, hd, g, out);
     }
     assert!(p.len() >= n * g && out.len() >= g * hd);
@@ -413,7 +420,10 @@ unsafe fn attn_values(v: &[f16], p: &[f32], hd: usize, g: usize, out: &mut [f32]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn exp8(x: __m256) -> __m256 {
     let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3)), _mm256_set1_ps(88.3));
-    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)));
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+        x,
+        _mm256_set1_ps(std::f32::consts::LOG2_E),
+    ));
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
     let mut p = _mm256_set1_ps(1.987_569_1e-4);

@@ -187,7 +187,13 @@ fn pair_ps(x: f32, y: f32) -> __m512 {
 unsafe fn gemm16_kind<const KIND: u8, const R: usize>(w: [&[u8]; R], p: &Packed16) -> [f32; 16] {
     let (bb, q) = layout(KIND);
     let nb = p.blocks;
-    assert!(w.iter().all(|w| w.len() >= nb * bb) && p.qs.len() >= nb * QK * LANES && p.d.len() >= nb * LANES && p.s.len() >= nb * LANES && p.isum.len() >= nb * LANES);
+    assert!(
+        w.iter().all(|w| w.len() >= nb * bb)
+            && p.qs.len() >= nb * QK * LANES
+            && p.d.len() >= nb * LANES
+            && p.s.len() >= nb * LANES
+            && p.isum.len() >= nb * LANES
+    );
     let mut acc = [_mm512_setzero_ps(); 4];
     let mut off = [_mm512_setzero_ps(); 4];
     // Weight quants of the block, dword j of row r at j * R + r.
@@ -374,14 +380,22 @@ fn reduce16(v: &[__m512i; 16]) -> (__m512i, __m512i) {
 unsafe fn gemv16_kind<const KIND: u8, const N: usize>(w: &[u8], rb: usize, a: [&[BlockQ8]; N]) -> [[f32; 16]; N] {
     let (bb, _) = layout(KIND);
     let nb = a[0].len();
-    assert!(a.iter().all(|t| t.len() == nb) && nb * bb <= rb && w.len() >= 16 * rb && 16 * rb < i32::MAX as usize, "16 rows of {nb} blocks");
-    let row_at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(rb as i32));
+    assert!(
+        a.iter().all(|t| t.len() == nb) && nb * bb <= rb && w.len() >= 16 * rb && 16 * rb < i32::MAX as usize,
+        "16 rows of {nb} blocks"
+    );
+    let row_at = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(rb as i32),
+    );
     let mut acc = [[_mm512_setzero_ps(); 4]; N];
     let mut off = [[_mm512_setzero_ps(); 4]; N];
     // (d, m) of every row's block c: one 32-bit gather (Q4_0/Q8_0: d and 2 quant bytes).
     let gather = |c: usize| {
         // SAFETY: offsets i * rb + c * bb + 4 <= 16 * rb are inside `w` (asserted above).
-        unsafe { _mm512_i32gather_epi32::<1>(_mm512_add_epi32(row_at, _mm512_set1_epi32((c * bb) as i32)), w.as_ptr().cast()) }
+        unsafe {
+            _mm512_i32gather_epi32::<1>(_mm512_add_epi32(row_at, _mm512_set1_epi32((c * bb) as i32)), w.as_ptr().cast())
+        }
     };
     // Block `c`'s float step for the 16 rows and token activations `a`, as one gemm16 lane.
     let step = |a: &[BlockQ8], c: usize, g: __m512i, mut isum: __m512i, acc: &mut __m512, off: &mut __m512| {
@@ -393,7 +407,11 @@ unsafe fn gemv16_kind<const KIND: u8, const N: usize>(w: &[u8], rb: usize, a: [&
         let sc = _mm512_mul_ps(_mm512_set1_ps(a[c].d), d);
         *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, *acc);
         if KIND != Q8_0 {
-            let m = if KIND == Q4_1 { _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(g))) } else { _mm512_mul_ps(_mm512_set1_ps(-8.0), d) };
+            let m = if KIND == Q4_1 {
+                _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(g)))
+            } else {
+                _mm512_mul_ps(_mm512_set1_ps(-8.0), d)
+            };
             *off = _mm512_fmadd_ps(m, _mm512_set1_ps(a[c].s), *off);
         }
     };
@@ -422,8 +440,12 @@ unsafe fn gemv16_kind<const KIND: u8, const N: usize>(w: &[u8], rb: usize, a: [&
             let at = a[t];
             // SAFETY: `qs` is 32 bytes.
             let lo = unsafe { _mm256_loadu_si256(at[b].qs.as_ptr().cast()) };
-            // SAFETY: as above.
-            let hi = if pair { unsafe { _mm256_loadu_si256(at[b + 1].qs.as_ptr().cast()) } } else { _mm256_setzero_si256() };
+            let hi = if pair {
+                // SAFETY: as above (block b + 1 exists when `pair`).
+                unsafe { _mm256_loadu_si256(at[b + 1].qs.as_ptr().cast()) }
+            } else {
+                _mm256_setzero_si256()
+            };
             let act = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
             let v: [__m512i; 16] = std::array::from_fn(|i| _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[i], act));
             let (s0, s1) = reduce16(&v);

@@ -8,11 +8,11 @@
 
 use crate::quant::BlockQ8;
 
-pub mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512;
+pub mod scalar;
 
 /// The instruction set a kernel table was built for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -143,6 +143,44 @@ impl Kernels {
         v
     }
 }
+
+/// The table of `isa`, for a test of it. The test itself is `ignore`d, with the reason, when
+/// the build machine lacks the instruction set (`build.rs`); finding it missing here means the
+/// tests run on another processor than the one they were built on.
+#[cfg(test)]
+pub(crate) fn table(isa: Isa) -> Kernels {
+    Kernels::all()
+        .into_iter()
+        .find(|k| k.isa == isa)
+        .unwrap_or_else(|| panic!("this processor lacks {isa:?}, though the one that built the tests had it"))
+}
+
+/// One `#[test]` per kernel table for each named `fn(&Kernels)`: `NAME::scalar`, `NAME::avx2`
+/// and `NAME::avx512`, the last two ignored (and so counted as skipped, not passed) on a
+/// processor without the instruction set.
+#[cfg(test)]
+macro_rules! test_every_isa {
+    ($($check:ident),* $(,)?) => { $(
+        mod $check {
+            #[test]
+            fn scalar() {
+                super::$check(&$crate::cpu::Kernels::scalar())
+            }
+            #[test]
+            #[cfg_attr(not(host_avx2), ignore = "this processor lacks AVX2, FMA or F16C")]
+            fn avx2() {
+                super::$check(&$crate::cpu::table($crate::cpu::Isa::Avx2))
+            }
+            #[test]
+            #[cfg_attr(not(host_avx512vnni), ignore = "this processor lacks AVX-512 VNNI")]
+            fn avx512() {
+                super::$check(&$crate::cpu::table($crate::cpu::Isa::Avx512Vnni))
+            }
+        }
+    )* };
+}
+#[cfg(test)]
+pub(crate) use test_every_isa;
 
 #[cfg(test)]
 mod tests;

@@ -3,11 +3,7 @@
 use super::{scalar, Kernels};
 use crate::quant::{quantize_row, BlockQ8, DType, QK};
 use proptest::prelude::*;
-
-fn fast() -> Option<Kernels> {
-    let k = Kernels::detect();
-    (k.isa != super::Isa::Scalar).then_some(k)
-}
+use proptest::test_runner::TestCaseError;
 
 fn row(len: usize) -> impl Strategy<Value = Vec<f32>> {
     proptest::collection::vec(-4.0f32..4.0, len)
@@ -23,72 +19,200 @@ fn close(a: f32, b: f32, scale: f32) -> bool {
     (a - b).abs() <= 1e-4 * scale.max(1.0)
 }
 
+// Each check takes the table under test; `fast_table_tests!` runs it for every fast table.
+
+fn quantize_q8_matches(k: &Kernels, x: &[f32]) -> Result<(), TestCaseError> {
+    let r = q8(x);
+    let mut f = vec![BlockQ8::default(); 4];
+    (k.quantize_q8)(x, &mut f);
+    for (a, b) in r.iter().zip(&f) {
+        prop_assert_eq!(a.qs, b.qs);
+        prop_assert_eq!(a.d, b.d);
+        prop_assert!(close(a.s, b.s, a.s.abs()));
+    }
+    Ok(())
+}
+
+/// Single, four-token and (AVX-512) gemm16 dots against the reference.
+fn quantized_dots_match(k: &Kernels, w: &[f32], xs: &[Vec<f32>]) -> Result<(), TestCaseError> {
+    let acts: Vec<Vec<BlockQ8>> = xs.iter().map(|x| q8(x)).collect();
+    let a4 = [&acts[0][..], &acts[1][..], &acts[2][..], &acts[3][..]];
+    let cases: [(DType, super::DotQ8, super::DotQ8, super::DotQ8x4); 3] = [
+        (DType::Q4_0, scalar::dot_q4_0, k.dot_q4_0, k.dot_q4_0_x4),
+        (DType::Q4_1, scalar::dot_q4_1, k.dot_q4_1, k.dot_q4_1_x4),
+        (DType::Q8_0, scalar::dot_q8_0, k.dot_q8_0, k.dot_q8_0_x4),
+    ];
+    for (dt, reference, one, four) in cases {
+        let mut wb = Vec::new();
+        quantize_row(dt, w, &mut wb);
+        let got4 = four(&wb, a4);
+        for r in 0..4 {
+            let want = reference(&wb, &acts[r]);
+            let scale: f32 = w.iter().zip(&xs[r]).map(|(a, b)| (a * b).abs()).sum();
+            prop_assert!(close(want, one(&wb, &acts[r]), scale), "{:?} {:?} single", k.isa, dt);
+            prop_assert!(close(want, got4[r], scale), "{:?} {:?} x4 row {}", k.isa, dt, r);
+        }
+        if let Some(gemm) = k.gemm16 {
+            let rows: Vec<&[BlockQ8]> = acts.iter().map(Vec::as_slice).collect();
+            let got = gemm(dt, &[&wb], &crate::packed::Packed16::pack(&rows));
+            for r in 0..4 {
+                prop_assert_eq!(got[r], one(&wb, &acts[r]), "{:?} {:?} gemm16 lane {} is the single dot", k.isa, dt, r);
+            }
+            // Two weight rows (the second the first reversed), every token packed twice.
+            let mut wrev = Vec::new();
+            quantize_row(dt, &w.iter().rev().copied().collect::<Vec<_>>(), &mut wrev);
+            let twice: Vec<&[BlockQ8]> = rows.iter().flat_map(|&r| [r, r]).collect();
+            let got = gemm(dt, &[&wb, &wrev], &crate::packed::Packed16::pack(&twice));
+            for r in 0..4 {
+                prop_assert_eq!(
+                    got[2 * r],
+                    one(&wb, &acts[r]),
+                    "{:?} {:?} two-row gemm16, row 0 token {}",
+                    k.isa,
+                    dt,
+                    r
+                );
+                prop_assert_eq!(
+                    got[2 * r + 1],
+                    one(&wrev, &acts[r]),
+                    "{:?} {:?} two-row gemm16, row 1 token {}",
+                    k.isa,
+                    dt,
+                    r
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+fn float_dots_match(k: &Kernels, w: &[f32], x: &[f32]) -> Result<(), TestCaseError> {
+    let scale: f32 = w.iter().zip(x).map(|(a, b)| (a * b).abs()).sum();
+    for (dt, reference, got) in [
+        (DType::F32, scalar::dot_f32 as super::DotF, k.dot_f32),
+        (DType::F16, scalar::dot_f16, k.dot_f16),
+        (DType::BF16, scalar::dot_bf16, k.dot_bf16),
+    ] {
+        let mut wb = Vec::new();
+        quantize_row(dt, w, &mut wb);
+        prop_assert!(close(reference(&wb, x), got(&wb, x), scale), "{:?}", dt);
+    }
+    Ok(())
+}
+
+fn f16_attention_kernels_match(k: &Kernels, kv: &[f32], q: &[f32], a: f32) -> Result<(), TestCaseError> {
+    let kh: Vec<half::f16> = kv.iter().map(|v| half::f16::from_f32(*v)).collect();
+    let scale: f32 = kv.iter().zip(q).map(|(a, b)| (a * b).abs()).sum();
+    prop_assert!(close(scalar::dot_f16_f32(&kh, q), (k.dot_f16_f32)(&kh, q), scale));
+    let mut y1 = q.to_vec();
+    let mut y2 = q.to_vec();
+    scalar::axpy_f16(a, &kh, &mut y1);
+    (k.axpy_f16)(a, &kh, &mut y2);
+    for (u, v) in y1.iter().zip(&y2) {
+        prop_assert!(close(*u, *v, u.abs()));
+    }
+    Ok(())
+}
+
+fn grouped_attention_kernels_match(k: &Kernels, kv: &[f32], q: &[f32], p: &[f32]) -> Result<(), TestCaseError> {
+    let kh: Vec<half::f16> = kv.iter().map(|v| half::f16::from_f32(*v)).collect();
+    let (mut s1, mut s2) = (vec![0.0; 15], vec![0.0; 15]);
+    scalar::attn_scores(&kh, q, 64, 3, 0.125, &mut s1);
+    (k.attn_scores)(&kh, q, 64, 3, 0.125, &mut s2);
+    for (a, b) in s1.iter().zip(&s2) {
+        prop_assert!(close(*a, *b, 8.0));
+    }
+    let (mut o1, mut o2) = (q.to_vec(), q.to_vec());
+    scalar::attn_values(&kh, p, 64, 3, &mut o1);
+    (k.attn_values)(&kh, p, 64, 3, &mut o2);
+    for (a, b) in o1.iter().zip(&o2) {
+        prop_assert!(close(*a, *b, 8.0));
+    }
+    Ok(())
+}
+
+fn exp_matches(k: &Kernels, x: &[f32]) -> Result<(), TestCaseError> {
+    let mut y = x.to_vec();
+    (k.exp)(&mut y);
+    for (a, b) in x.iter().zip(&y) {
+        let want = a.exp();
+        prop_assert!((want - b).abs() <= 2e-6 * want, "exp({}) = {} vs {}", a, b, want);
+    }
+    Ok(())
+}
+
+/// The property tests of one fast table, ignored (with the reason) where the processor lacks it.
+macro_rules! fast_table_tests {
+    ($module:ident, $isa:expr, $present:meta, $why:literal) => {
+        mod $module {
+            use super::*;
+
+            fn k() -> Kernels {
+                super::super::table($isa)
+            }
+
+            proptest! {
+                #![proptest_config(ProptestConfig::with_cases(200))]
+
+                #[test]
+                #[cfg_attr(not($present), ignore = $why)]
+                fn quantize_q8_matches_reference(x in row(4 * QK)) {
+                    quantize_q8_matches(&k(), &x)?;
+                }
+
+                #[test]
+                #[cfg_attr(not($present), ignore = $why)]
+                fn quantized_dots_match_reference(w in row(8 * QK), xs in proptest::collection::vec(row(8 * QK), 4)) {
+                    quantized_dots_match(&k(), &w, &xs)?;
+                }
+
+                #[test]
+                #[cfg_attr(not($present), ignore = $why)]
+                fn float_dots_match_reference(w in row(77), x in row(77)) {
+                    float_dots_match(&k(), &w, &x)?;
+                }
+
+                #[test]
+                #[cfg_attr(not($present), ignore = $why)]
+                fn f16_attention_kernels_match_reference(kv in row(67), q in row(67), a in -2.0f32..2.0) {
+                    f16_attention_kernels_match(&k(), &kv, &q, a)?;
+                }
+
+                #[test]
+                #[cfg_attr(not($present), ignore = $why)]
+                fn grouped_attention_kernels_match_reference(
+                    kv in row(5 * 64), q in row(3 * 64), p in proptest::collection::vec(0.0f32..1.0, 15)
+                ) {
+                    grouped_attention_kernels_match(&k(), &kv, &q, &p)?;
+                }
+
+                #[test]
+                #[cfg_attr(not($present), ignore = $why)]
+                fn exp_matches_reference(x in proptest::collection::vec(-80.0f32..80.0, 1..40)) {
+                    exp_matches(&k(), &x)?;
+                }
+            }
+        }
+    };
+}
+
+fast_table_tests!(avx2, crate::cpu::Isa::Avx2, host_avx2, "this processor lacks AVX2, FMA or F16C");
+fast_table_tests!(avx512, crate::cpu::Isa::Avx512Vnni, host_avx512vnni, "this processor lacks AVX-512 VNNI");
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(200))]
 
     #[test]
-    fn quantize_q8_matches_reference(x in row(4 * QK)) {
-        let Some(k) = fast() else { return Ok(()) };
-        let r = q8(&x);
-        let mut f = vec![BlockQ8::default(); 4];
-        (k.quantize_q8)(&x, &mut f);
-        for (a, b) in r.iter().zip(&f) {
-            prop_assert_eq!(a.qs, b.qs);
-            prop_assert_eq!(a.d, b.d);
-            prop_assert!(close(a.s, b.s, a.s.abs()));
-        }
-    }
-
-    #[test]
-    fn quantized_dots_match_reference(w in row(8 * QK), xs in proptest::collection::vec(row(8 * QK), 4)) {
-        // Every fast table: the quantized dots differ between AVX2 and AVX-512.
-        for k in Kernels::all().into_iter().filter(|k| k.isa != super::Isa::Scalar) {
-            let acts: Vec<Vec<BlockQ8>> = xs.iter().map(|x| q8(x)).collect();
-            let a4 = [&acts[0][..], &acts[1][..], &acts[2][..], &acts[3][..]];
-            let cases: [(DType, super::DotQ8, super::DotQ8, super::DotQ8x4); 3] = [
-                (DType::Q4_0, scalar::dot_q4_0, k.dot_q4_0, k.dot_q4_0_x4),
-                (DType::Q4_1, scalar::dot_q4_1, k.dot_q4_1, k.dot_q4_1_x4),
-                (DType::Q8_0, scalar::dot_q8_0, k.dot_q8_0, k.dot_q8_0_x4),
-            ];
-            for (dt, reference, one, four) in cases {
-                let mut wb = Vec::new();
-                quantize_row(dt, &w, &mut wb);
-                let got4 = four(&wb, a4);
-                for r in 0..4 {
-                    let want = reference(&wb, &acts[r]);
-                    let scale: f32 = w.iter().zip(&xs[r]).map(|(a, b)| (a * b).abs()).sum();
-                    prop_assert!(close(want, one(&wb, &acts[r]), scale), "{:?} {:?} single", k.isa, dt);
-                    prop_assert!(close(want, got4[r], scale), "{:?} {:?} x4 row {}", k.isa, dt, r);
-                }
-                if let Some(gemm) = k.gemm16 {
-                    let rows: Vec<&[BlockQ8]> = acts.iter().map(Vec::as_slice).collect();
-                    let got = gemm(dt, &[&wb], &crate::packed::Packed16::pack(&rows));
-                    for r in 0..4 {
-                        prop_assert_eq!(got[r], one(&wb, &acts[r]), "{:?} {:?} gemm16 lane {} is the single dot", k.isa, dt, r);
-                    }
-                    // Two weight rows (the second the first reversed), every token packed twice.
-                    let mut wrev = Vec::new();
-                    quantize_row(dt, &w.iter().rev().copied().collect::<Vec<_>>(), &mut wrev);
-                    let twice: Vec<&[BlockQ8]> = rows.iter().flat_map(|&r| [r, r]).collect();
-                    let got = gemm(dt, &[&wb, &wrev], &crate::packed::Packed16::pack(&twice));
-                    for r in 0..4 {
-                        prop_assert_eq!(got[2 * r], one(&wb, &acts[r]), "{:?} {:?} two-row gemm16, row 0 token {}", k.isa, dt, r);
-                        prop_assert_eq!(got[2 * r + 1], one(&wrev, &acts[r]), "{:?} {:?} two-row gemm16, row 1 token {}", k.isa, dt, r);
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
+    #[cfg_attr(not(host_avx512vnni), ignore = "this processor lacks AVX-512 VNNI")]
     fn gemv16_lanes_are_the_single_dots(ws in proptest::collection::vec(row(7 * QK), 16), xs in proptest::collection::vec(row(7 * QK), 1..=crate::cpu::GEMV_TOKENS), blocks in 1usize..=7) {
         // Sixteen rows against 1 to 4 tokens, an odd or even number of blocks, with padding
         // after each row as in a wider matrix: every lane of every token must equal that row's
         // single-token dot with that token.
         let acts: Vec<Vec<BlockQ8>> = xs.iter().map(|x| q8(&x[..blocks * QK])).collect();
         let act_refs: Vec<&[BlockQ8]> = acts.iter().map(Vec::as_slice).collect();
-        for k in Kernels::all() {
-            let Some(gemv) = k.gemv16 else { continue };
+        let k = super::table(super::Isa::Avx512Vnni);
+        let gemv = k.gemv16.expect("the AVX-512 table has gemv16");
+        {
             for (dt, one) in [(DType::Q4_0, k.dot_q4_0), (DType::Q4_1, k.dot_q4_1), (DType::Q8_0, k.dot_q8_0)] {
                 let rb = dt.bytes_for(7 * QK).unwrap();
                 let mut wb = Vec::new();
@@ -106,71 +230,6 @@ proptest! {
             }
         }
     }
-
-    #[test]
-    fn float_dots_match_reference(w in row(77), x in row(77)) {
-        let Some(k) = fast() else { return Ok(()) };
-        let scale: f32 = w.iter().zip(&x).map(|(a, b)| (a * b).abs()).sum();
-        for (dt, reference, got) in [
-            (DType::F32, scalar::dot_f32 as super::DotF, k.dot_f32),
-            (DType::F16, scalar::dot_f16, k.dot_f16),
-            (DType::BF16, scalar::dot_bf16, k.dot_bf16),
-        ] {
-            let mut wb = Vec::new();
-            quantize_row(dt, &w, &mut wb);
-            prop_assert!(close(reference(&wb, &x), got(&wb, &x), scale), "{:?}", dt);
-        }
-    }
-
-    #[test]
-    fn f16_attention_kernels_match_reference(kv in row(67), q in row(67), a in -2.0f32..2.0) {
-        let Some(k) = fast() else { return Ok(()) };
-        let kh: Vec<half::f16> = kv.iter().map(|v| half::f16::from_f32(*v)).collect();
-        let scale: f32 = kv.iter().zip(&q).map(|(a, b)| (a * b).abs()).sum();
-        prop_assert!(close(scalar::dot_f16_f32(&kh, &q), (k.dot_f16_f32)(&kh, &q), scale));
-        let mut y1 = q.clone();
-        let mut y2 = q.clone();
-        scalar::axpy_f16(a, &kh, &mut y1);
-        (k.axpy_f16)(a, &kh, &mut y2);
-        for (u, v) in y1.iter().zip(&y2) {
-            prop_assert!(close(*u, *v, u.abs()));
-        }
-    }
-}
-
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(100))]
-
-    #[test]
-    fn grouped_attention_kernels_match_reference(kv in row(5 * 64), q in row(3 * 64), p in proptest::collection::vec(0.0f32..1.0, 15)) {
-        let Some(k) = fast() else { return Ok(()) };
-        let kh: Vec<half::f16> = kv.iter().map(|v| half::f16::from_f32(*v)).collect();
-        let (mut s1, mut s2) = (vec![0.0; 15], vec![0.0; 15]);
-        scalar::attn_scores(&kh, &q, 64, 3, 0.125, &mut s1);
-        (k.attn_scores)(&kh, &q, 64, 3, 0.125, &mut s2);
-        for (a, b) in s1.iter().zip(&s2) {
-            prop_assert!(close(*a, *b, 8.0));
-        }
-        let (mut o1, mut o2) = (q.clone(), q.clone());
-        scalar::attn_values(&kh, &p, 64, 3, &mut o1);
-        (k.attn_values)(&kh, &p, 64, 3, &mut o2);
-        for (a, b) in o1.iter().zip(&o2) {
-            prop_assert!(close(*a, *b, 8.0));
-        }
-    }
-}
-
-proptest! {
-    #[test]
-    fn exp_matches_reference(x in proptest::collection::vec(-80.0f32..80.0, 1..40)) {
-        let Some(k) = fast() else { return Ok(()) };
-        let mut y = x.clone();
-        (k.exp)(&mut y);
-        for (a, b) in x.iter().zip(&y) {
-            let want = a.exp();
-            prop_assert!((want - b).abs() <= 2e-6 * want, "exp({}) = {} vs {}", a, b, want);
-        }
-    }
 }
 
 #[test]
@@ -179,7 +238,11 @@ fn quantized_dot_approximates_float_dot() {
     let w: Vec<f32> = (0..256).map(|i| ((i * 7919) % 97) as f32 / 48.0 - 1.0).collect();
     let x: Vec<f32> = (0..256).map(|i| ((i * 104729) % 89) as f32 / 44.0 - 1.0).collect();
     let a = q8(&x);
-    for (dt, dot) in [(DType::Q4_0, scalar::dot_q4_0 as super::DotQ8), (DType::Q4_1, scalar::dot_q4_1), (DType::Q8_0, scalar::dot_q8_0)] {
+    for (dt, dot) in [
+        (DType::Q4_0, scalar::dot_q4_0 as super::DotQ8),
+        (DType::Q4_1, scalar::dot_q4_1),
+        (DType::Q8_0, scalar::dot_q8_0),
+    ] {
         let mut wb = Vec::new();
         quantize_row(dt, &w, &mut wb);
         let mut wd = vec![0.0; 256];

@@ -96,7 +96,12 @@ impl BeamSearch {
                 if rank < k {
                     let p = &parents[c.1];
                     let score = self.score(c.0, p.tokens.len() + 1);
-                    self.finished.push(Hyp { tokens: p.tokens.clone(), logprobs: p.logprobs.clone(), score, ended: true });
+                    self.finished.push(Hyp {
+                        tokens: p.tokens.clone(),
+                        logprobs: p.logprobs.clone(),
+                        score,
+                        ended: true,
+                    });
                 }
             } else {
                 chosen.push(c);
@@ -135,7 +140,8 @@ impl BeamSearch {
                 let mut s: Vec<f64> = self.finished.iter().map(|h| h.score).collect();
                 s.sort_by(|a, b| b.total_cmp(a));
                 let worst_kept = s[k - 1];
-                let best_live = self.beams.iter().map(|b| self.score(b.total, b.tokens.len())).fold(f64::NEG_INFINITY, f64::max);
+                let best_live =
+                    self.beams.iter().map(|b| self.score(b.total, b.tokens.len())).fold(f64::NEG_INFINITY, f64::max);
                 done = best_live <= worst_kept;
             }
         }
@@ -191,7 +197,12 @@ impl Strategy for BeamSearch {
         if !self.started {
             return Ok(Plan::Run(vec![PlanItem { seq: self.root, tokens: Vec::new(), n_logits: 1 }]));
         }
-        Ok(Plan::Run(self.beams.iter().map(|b| PlanItem { seq: b.seq, tokens: b.tokens.last().copied().into_iter().collect(), n_logits: 1 }).collect()))
+        Ok(Plan::Run(
+            self.beams
+                .iter()
+                .map(|b| PlanItem { seq: b.seq, tokens: b.tokens.last().copied().into_iter().collect(), n_logits: 1 })
+                .collect(),
+        ))
     }
 
     fn observe(&mut self, host: &Host, rows: &[&[f32]]) -> Result<(), String> {

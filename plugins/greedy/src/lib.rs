@@ -18,7 +18,14 @@ impl Pick for Greedy {
         Ok(Greedy(init.logprobs))
     }
 
-    fn pick(&self, _host: &Host, logits: &[f32], _history: &[u32], _choice: u32, _position: u32) -> Result<(u32, f32), String> {
+    fn pick(
+        &self,
+        _host: &Host,
+        logits: &[f32],
+        _history: &[u32],
+        _choice: u32,
+        _position: u32,
+    ) -> Result<(u32, f32), String> {
         let t = argmax(logits);
         Ok((t, if self.0 { log_softmax_at(logits, t as usize) } else { f32::NAN }))
     }

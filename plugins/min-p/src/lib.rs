@@ -13,7 +13,8 @@ pub struct MinP(Sampling);
 
 impl Pick for MinP {
     const NAME: &'static CStr = c"min-p";
-    const DESCRIPTION: &'static CStr = c"Min-p sampling: drop tokens below min_p times the top probability, then apply temperature";
+    const DESCRIPTION: &'static CStr =
+        c"Min-p sampling: drop tokens below min_p times the top probability, then apply temperature";
     const PARAMS_DOC: &'static CStr = c"{\"min_p\": \"number 0..1, default 0.05\", \"temperature\": \"number 0..2, default 1; 0 is greedy\", \"frequency_penalty\": \"number -2..2, default 0\", \"presence_penalty\": \"number -2..2, default 0\", \"logit_bias\": \"object token id -> number -100..100\"}";
 
     fn parse(p: &mut Params, init: &SessionInit) -> Result<Self, String> {
@@ -23,7 +24,14 @@ impl Pick for MinP {
         Ok(MinP(s))
     }
 
-    fn pick(&self, host: &Host, logits: &[f32], history: &[u32], choice: u32, position: u32) -> Result<(u32, f32), String> {
+    fn pick(
+        &self,
+        host: &Host,
+        logits: &[f32],
+        history: &[u32],
+        choice: u32,
+        position: u32,
+    ) -> Result<(u32, f32), String> {
         let u = host.uniform(u64::from(choice), u64::from(position))?;
         self.0.sample(logits, history, u).ok_or_else(|| "empty vocabulary".into())
     }

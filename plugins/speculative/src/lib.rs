@@ -191,7 +191,8 @@ impl Speculative {
                 Some(q) => q.iter().find(|e| e.0 == y).map_or(0.0, |e| e.1),
                 None => f32::from(u8::from(y == x)),
             };
-            let mut r: Vec<(u32, f32)> = p.iter().map(|&(y, py)| (y, (py - qy(y)).max(0.0))).filter(|e| e.1 > 0.0).collect();
+            let mut r: Vec<(u32, f32)> =
+                p.iter().map(|&(y, py)| (y, (py - qy(y)).max(0.0))).filter(|e| e.1 > 0.0).collect();
             let total: f32 = r.iter().map(|e| e.1).sum();
             if total <= 0.0 {
                 // p <= q everywhere only when p == q: the draft was right to the last bit.
@@ -252,7 +253,8 @@ impl Speculative {
 
 impl Strategy for Speculative {
     const NAME: &'static CStr = c"speculative";
-    const DESCRIPTION: &'static CStr = c"Speculative decoding with exact rejection sampling: prompt lookup or a draft model";
+    const DESCRIPTION: &'static CStr =
+        c"Speculative decoding with exact rejection sampling: prompt lookup or a draft model";
     const PARAMS_DOC: &'static CStr = c"{\"drafter\": \"prompt-lookup (default) or model\", \"k\": \"integer 1..16, draft tokens per round (default 15 for prompt lookup, 3 for a model)\", \"ngram_max\": \"integer 1..8, default 3\", \"ngram_min\": \"integer 1..8, default 1\", \"temperature\": \"number 0..2, default 1; 0 is greedy\", \"top_k\": \"integer, 0 off\", \"top_p\": \"number 0..1\", \"min_p\": \"number 0..1\", \"frequency_penalty\": \"number -2..2\", \"presence_penalty\": \"number -2..2\", \"logit_bias\": \"object token id -> -100..100\"}";
 
     fn validate(_host: &Host, init: &SessionInit) -> Result<(), String> {

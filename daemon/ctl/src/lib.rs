@@ -1,0 +1,265 @@
+//! `inferctl`: the command-line client of the inferd daemon, over its Unix socket (the binary
+//! `src/main.rs` calls [`main`]); [`client`] is the blocking HTTP client under it.
+//!
+//! ```text
+//! inferctl [--socket PATH] status | models | plugins | tokenize TEXT | generate PROMPT | chat
+//! ```
+//!
+//! `generate` and `chat` stream text to the terminal as it comes; `chat` keeps the conversation
+//! (one user message per input line; `/reset` starts over). Options mirror `inferd run`.
+
+#![forbid(unsafe_code)]
+
+pub mod client;
+
+use clap::{Args, Parser, Subcommand};
+use client::{default_socket, Client, ClientError};
+use serde_json::{json, Value};
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(name = "inferctl", version, about = "Talk to the inferd daemon")]
+pub struct Cli {
+    /// The daemon's socket (default: $INFERD_SOCKET, the user daemon's
+    /// $XDG_RUNTIME_DIR/inferd/inferd.sock when it exists, else /run/inferd/inferd.sock).
+    #[arg(long, global = true)]
+    socket: Option<PathBuf>,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// The daemon's state: models, KV blocks, requests, uptime.
+    Status {
+        /// Print the raw JSON of /v1/status.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The loaded models.
+    Models,
+    /// The loaded decoding strategies and the plugin files that were refused.
+    Plugins,
+    /// Token ids of TEXT as a JSON array.
+    Tokenize {
+        #[arg(long)]
+        model: Option<String>,
+        /// Parse special-token text such as <|im_start|>.
+        #[arg(long)]
+        special: bool,
+        text: String,
+    },
+    /// Generate text from PROMPT, streamed to stdout.
+    Generate {
+        #[command(flatten)]
+        opts: GenOptions,
+        /// Wrap the prompt as a user message in the model's chat template.
+        #[arg(long)]
+        chat: bool,
+        prompt: String,
+    },
+    /// An interactive chat: each input line is a user message; the answer streams back.
+    Chat {
+        #[command(flatten)]
+        opts: GenOptions,
+        /// A system message to start the conversation with.
+        #[arg(long)]
+        system: Option<String>,
+    },
+}
+
+/// The options of `inferd run`, plus the common sampling fields.
+#[derive(Args, Clone)]
+struct GenOptions {
+    /// A loaded model's name (default: the daemon's first model).
+    #[arg(long)]
+    model: Option<String>,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 128)]
+    max_tokens: u32,
+    /// Decoding strategy (a loaded plugin's strategy name; default: greedy).
+    #[arg(long)]
+    decoder: Option<String>,
+    /// The strategy's parameters as a JSON object.
+    #[arg(long)]
+    params: Option<String>,
+    /// Seed of the random draws.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop when this text is generated (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Scheduling class: interactive (default) or background.
+    #[arg(long)]
+    priority: Option<String>,
+}
+
+impl GenOptions {
+    fn body(&self) -> Result<serde_json::Map<String, Value>, String> {
+        let mut m = serde_json::Map::new();
+        m.insert("max_tokens".into(), json!(self.max_tokens));
+        m.insert("stream".into(), json!(true));
+        m.insert("decoder".into(), json!(self.decoder.as_deref().unwrap_or("greedy")));
+        if let Some(p) = &self.params {
+            let v: Value = serde_json::from_str(p).map_err(|e| format!("--params is not JSON: {e}"))?;
+            m.insert("decoder_params".into(), v);
+        }
+        for (k, v) in [
+            ("model", self.model.as_ref().map(|x| json!(x))),
+            ("seed", self.seed.map(|x| json!(x))),
+            ("priority", self.priority.as_ref().map(|x| json!(x))),
+        ] {
+            if let Some(v) = v {
+                m.insert(k.into(), v);
+            }
+        }
+        if !self.stop.is_empty() {
+            m.insert("stop".into(), json!(self.stop));
+        }
+        Ok(m)
+    }
+}
+
+/// `inferctl`'s entry point.
+pub fn main() {
+    let cli = Cli::parse();
+    let socket = cli.socket.clone().unwrap_or_else(default_socket);
+    let client = Client::new(&socket);
+    if let Err(e) = run(&client, cli.cmd) {
+        eprintln!("inferctl: {e}");
+        std::process::exit(1);
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum Error {
+    #[error(transparent)]
+    Client(#[from] ClientError),
+    #[error("{0}")]
+    Usage(String),
+    #[error("writing the output: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+fn run(client: &Client, cmd: Cmd) -> Result<(), Error> {
+    let mut out = std::io::stdout().lock();
+    match cmd {
+        Cmd::Status { json } => {
+            let s = client.json("GET", "/v1/status", None)?;
+            if json {
+                writeln!(out, "{}", serde_json::to_string_pretty(&s).unwrap_or_default())?;
+                return Ok(());
+            }
+            writeln!(
+                out,
+                "inferd: {}, up {:.0} s",
+                s["status"].as_str().unwrap_or("?"),
+                s["uptime_seconds"].as_f64().unwrap_or(0.0)
+            )?;
+            for m in s["models"].as_array().into_iter().flatten() {
+                let (kv, rq, tk) = (&m["kv_blocks"], &m["requests"], &m["tokens"]);
+                writeln!(out, "model {}: {} running, {} waiting; KV blocks {} used of {} ({} cached); {} tokens generated, {:.1} tok/s", m["name"].as_str().unwrap_or("?"), rq["running"], rq["waiting"], kv["used"], kv["total"], kv["cached"], tk["generated"], tk["per_second"].as_f64().unwrap_or(0.0))?;
+            }
+            let names: Vec<&str> =
+                s["strategies"].as_array().into_iter().flatten().filter_map(|x| x["name"].as_str()).collect();
+            writeln!(out, "strategies: {}", names.join(", "))?;
+        }
+        Cmd::Models => {
+            let v = client.json("GET", "/v1/models", None)?;
+            for m in v["data"].as_array().into_iter().flatten() {
+                let roles: Vec<&str> = m["roles"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
+                writeln!(out, "{}\t{}", m["id"].as_str().unwrap_or("?"), roles.join(","))?;
+            }
+        }
+        Cmd::Plugins => {
+            let s = client.json("GET", "/v1/status", None)?;
+            for p in s["strategies"].as_array().into_iter().flatten() {
+                let q = if p["quarantined"].as_bool() == Some(true) { " (quarantined)" } else { "" };
+                writeln!(
+                    out,
+                    "{}\t{} {}\t{}{q}",
+                    p["name"].as_str().unwrap_or("?"),
+                    p["plugin"].as_str().unwrap_or("?"),
+                    p["version"].as_str().unwrap_or("?"),
+                    p["path"].as_str().unwrap_or("?")
+                )?;
+            }
+            for r in s["plugins_refused"].as_array().into_iter().flatten() {
+                writeln!(out, "refused: {}", r.as_str().unwrap_or("?"))?;
+            }
+        }
+        Cmd::Tokenize { model, special, text } => {
+            let v = client.json(
+                "POST",
+                "/tokenize",
+                Some(&json!({ "model": model, "content": text, "add_special": special })),
+            )?;
+            writeln!(out, "{}", v["tokens"])?;
+        }
+        Cmd::Generate { opts, chat, prompt } => {
+            let mut body = opts.body().map_err(Error::Usage)?;
+            let path = if chat {
+                body.insert("messages".into(), json!([{ "role": "user", "content": prompt }]));
+                "/v1/chat/completions"
+            } else {
+                body.insert("prompt".into(), json!(prompt));
+                "/v1/completions"
+            };
+            stream_text(client, path, &Value::Object(body), &mut out)?;
+            writeln!(out)?;
+        }
+        Cmd::Chat { opts, system } => {
+            let body = opts.body().map_err(Error::Usage)?;
+            let mut messages: Vec<Value> = system.iter().map(|s| json!({ "role": "system", "content": s })).collect();
+            let first = messages.clone();
+            let stdin = std::io::stdin();
+            let interactive = std::io::IsTerminal::is_terminal(&stdin);
+            loop {
+                if interactive {
+                    write!(out, "> ")?;
+                    out.flush()?;
+                }
+                let mut line = String::new();
+                if stdin.lock().read_line(&mut line)? == 0 {
+                    break;
+                }
+                let line = line.trim();
+                match line {
+                    "" => continue,
+                    "/reset" => {
+                        messages = first.clone();
+                        continue;
+                    }
+                    "/quit" | "/exit" => break,
+                    _ => {}
+                }
+                messages.push(json!({ "role": "user", "content": line }));
+                let mut b = body.clone();
+                b.insert("messages".into(), Value::Array(messages.clone()));
+                let answer = stream_text(client, "/v1/chat/completions", &Value::Object(b), &mut out)?;
+                writeln!(out)?;
+                messages.push(json!({ "role": "assistant", "content": answer }));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Streams a completion's text (choice 0) to `out` as it arrives; returns the whole text.
+fn stream_text(client: &Client, path: &str, body: &Value, out: &mut impl Write) -> Result<String, Error> {
+    let mut text = String::new();
+    let mut failed = None;
+    client.stream(path, body, &mut |ev| {
+        let c = &ev["choices"][0];
+        let piece = c["text"].as_str().or_else(|| c["delta"]["content"].as_str()).unwrap_or("");
+        text.push_str(piece);
+        if let Err(e) = out.write_all(piece.as_bytes()).and_then(|()| out.flush()) {
+            failed.get_or_insert(e);
+        }
+    })?;
+    match failed {
+        Some(e) => Err(Error::Io(e)),
+        None => Ok(text),
+    }
+}

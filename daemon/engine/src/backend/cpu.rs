@@ -1,0 +1,248 @@
+//! The CPU backend: quantized weights straight from the memory map, f16 K/V blocks in host
+//! memory, kernels from `inferd-kernels` (AVX2 when the processor has it), all cores.
+//!
+//! A forward pass runs the whole batch (every sequence's new tokens, prefill chunks and decode
+//! tokens alike) through each layer together, so each weight matrix is read once per step
+//! whatever the batch size. K/V of the new tokens is written into the paged cache before
+//! attention, which then reads every position (old and new) through the block tables.
+
+use super::{validate_batch, Backend, BackendError, SeqBatch};
+use crate::kv::BlockCopy;
+use crate::model::{LlamaConfig, LlamaWeights, Tensor};
+use half::f16;
+use inferd_kernels::attention::{attend_batch, PagedKv, QueryCtx};
+use inferd_kernels::matmul::{matmul_many, Input};
+use inferd_kernels::ops::{rms_norm, swiglu, Rope};
+use inferd_kernels::pool::ThreadPool;
+use inferd_kernels::quant::QK;
+use inferd_kernels::{BlockQ8, Kernels};
+
+/// Activation buffers, grown to the largest batch seen and reused.
+#[derive(Default)]
+struct Scratch {
+    x: Vec<f32>,  // (tokens, hidden) residual stream
+    xb: Vec<f32>, // (tokens, hidden) normed input
+    q8: Vec<BlockQ8>,
+    q: Vec<f32>,             // (tokens, n_heads * head_dim)
+    k: Vec<f32>,             // (tokens, n_kv_heads * head_dim)
+    v: Vec<f32>,             // (tokens, n_kv_heads * head_dim)
+    att: Vec<f32>,           // (tokens, n_heads * head_dim)
+    gate: Vec<f32>,          // (tokens, ffn)
+    up: Vec<f32>,            // (tokens, ffn)
+    out: Vec<f32>,           // (tokens, hidden) projection output
+    angles: Vec<(f32, f32)>, // (tokens, head_dim / 2) RoPE (sin, cos)
+}
+
+fn resize(v: &mut Vec<f32>, n: usize) {
+    v.resize(n, 0.0);
+}
+
+/// The CPU implementation of [`Backend`].
+pub struct CpuBackend {
+    cfg: LlamaConfig,
+    w: LlamaWeights,
+    kernels: Kernels,
+    pool: ThreadPool,
+    rope: Rope,
+    block_size: usize,
+    kv_blocks: usize,
+    /// Per layer: `(kv_blocks, n_kv_heads, block_size, head_dim)` f16.
+    k_cache: Vec<Vec<f16>>,
+    v_cache: Vec<Vec<f16>>,
+    s: Scratch,
+}
+
+impl std::fmt::Debug for CpuBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CpuBackend({:?}, {} threads, {} KV blocks)", self.kernels.isa, self.pool.threads(), self.kv_blocks)
+    }
+}
+
+/// Bytes of K and V one cache block takes for this model.
+pub fn kv_block_bytes(cfg: &LlamaConfig, block_size: usize) -> usize {
+    cfg.n_layers * 2 * cfg.kv_dim() * block_size * std::mem::size_of::<f16>()
+}
+
+impl CpuBackend {
+    /// A backend for `model` with its KV pool sized from `opts.kv_budget_bytes` (one block at
+    /// least) on `opts.threads()` threads.
+    pub fn for_model(model: &crate::model::Model, opts: &crate::engine::EngineOptions) -> Self {
+        let blocks = (opts.kv_budget_bytes / kv_block_bytes(&model.config, opts.block_size)).max(1);
+        CpuBackend::new(model.config.clone(), model.weights.clone(), blocks, opts.block_size, opts.threads())
+    }
+
+    /// A backend with `kv_blocks` cache blocks of `block_size` positions, on `threads` threads.
+    pub fn new(cfg: LlamaConfig, w: LlamaWeights, kv_blocks: usize, block_size: usize, threads: usize) -> Self {
+        let per_layer = kv_blocks * cfg.kv_dim() * block_size;
+        let rope = Rope::new(cfg.rope_style, cfg.head_dim, cfg.rope_base);
+        CpuBackend {
+            k_cache: (0..cfg.n_layers).map(|_| vec![f16::ZERO; per_layer]).collect(),
+            v_cache: (0..cfg.n_layers).map(|_| vec![f16::ZERO; per_layer]).collect(),
+            cfg,
+            w,
+            kernels: Kernels::detect(),
+            pool: ThreadPool::new(threads.max(1)),
+            rope,
+            block_size,
+            kv_blocks,
+            s: Scratch::default(),
+        }
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.threads()
+    }
+
+    pub fn isa(&self) -> inferd_kernels::Isa {
+        self.kernels.isa
+    }
+
+    /// `outs[m] = x · ws[m]ᵀ` for `tokens` rows of `x`, in one parallel dispatch; quantizes `x`
+    /// to 8-bit blocks first when any of the weights is quantized.
+    fn project(
+        pool: &ThreadPool,
+        k: &Kernels,
+        ws: &[&Tensor],
+        x: &[f32],
+        tokens: usize,
+        q8: &mut Vec<BlockQ8>,
+        outs: &mut [&mut Vec<f32>],
+    ) {
+        if ws.iter().any(|w| w.dtype.is_quantized()) {
+            q8.resize(x.len() / QK, BlockQ8::default());
+            (k.quantize_q8)(x, q8);
+        }
+        let mats: Vec<_> = ws.iter().map(|w| w.matrix()).collect();
+        let mut ys: Vec<&mut [f32]> = Vec::with_capacity(outs.len());
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            resize(out, tokens * w.rows);
+            ys.push(out.as_mut_slice());
+        }
+        matmul_many(pool, k, &mats, &Input { f32: x, q8, tokens }, &mut ys);
+    }
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn device(&self) -> String {
+        format!("{:?}", self.kernels.isa)
+    }
+
+    fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    fn kv_blocks(&self) -> usize {
+        self.kv_blocks
+    }
+
+    fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), BackendError> {
+        let n = self.cfg.kv_dim() * self.block_size;
+        for c in copies {
+            for b in [c.src, c.dst] {
+                if b as usize >= self.kv_blocks {
+                    return Err(BackendError::BadBlock(b));
+                }
+            }
+            let (src, dst) = (c.src as usize * n, c.dst as usize * n);
+            for cache in self.k_cache.iter_mut().chain(self.v_cache.iter_mut()) {
+                cache.copy_within(src..src + n, dst);
+            }
+        }
+        Ok(())
+    }
+
+    fn forward(&mut self, batch: &[SeqBatch<'_>], logits: &mut Vec<f32>) -> Result<(), BackendError> {
+        validate_batch(&self.cfg, self.kv_blocks, self.block_size, batch)?;
+        let cfg = &self.cfg;
+        let (h, hd, nkv, bs) = (cfg.hidden, cfg.head_dim, cfg.n_kv_heads, self.block_size);
+        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        // Flatten: token t of the batch belongs to sequence seq_of[t] at position pos_of[t].
+        let tokens: Vec<u32> = batch.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        let pos_of: Vec<usize> = batch.iter().flat_map(|s| s.start_pos..s.start_pos + s.tokens.len()).collect();
+        let ctx: Vec<QueryCtx<'_>> = batch
+            .iter()
+            .flat_map(|s| {
+                (s.start_pos..s.start_pos + s.tokens.len()).map(|p| QueryCtx { table: s.block_table, ctx_len: p + 1 })
+            })
+            .collect();
+        let n = tokens.len();
+        let s = &mut self.s;
+        let (pool, k) = (&self.pool, &self.kernels);
+
+        resize(&mut s.x, n * h);
+        for (t, &tok) in tokens.iter().enumerate() {
+            self.w.token_embd.row_f32(tok as usize, &mut s.x[t * h..(t + 1) * h]);
+        }
+        resize(&mut s.xb, n * h);
+        resize(&mut s.att, n * qd);
+        // (tokens, head_dim / 2) rotations, shared by every layer.
+        s.angles.resize(n * hd / 2, (0.0, 0.0));
+        for (t, &p) in pos_of.iter().enumerate() {
+            self.rope.angles(p, &mut s.angles[t * hd / 2..(t + 1) * hd / 2]);
+        }
+        for (li, lw) in self.w.layers.iter().enumerate() {
+            // Attention block.
+            for t in 0..n {
+                rms_norm(&s.x[t * h..(t + 1) * h], &lw.attn_norm, cfg.rms_eps, &mut s.xb[t * h..(t + 1) * h]);
+            }
+            Self::project(pool, k, &[&lw.wq, &lw.wk, &lw.wv], &s.xb, n, &mut s.q8, &mut [&mut s.q, &mut s.k, &mut s.v]);
+            for (t, angles) in s.angles.chunks_exact(hd / 2).enumerate() {
+                self.rope.apply_angles(&mut s.q[t * qd..(t + 1) * qd], hd, angles);
+                self.rope.apply_angles(&mut s.k[t * kvd..(t + 1) * kvd], hd, angles);
+            }
+            let (kc, vc) = (&mut self.k_cache[li], &mut self.v_cache[li]);
+            for t in 0..n {
+                let p = pos_of[t];
+                let blk = ctx[t].table[p / bs] as usize;
+                for g in 0..nkv {
+                    let o = PagedKv::offset(bs, nkv, hd, blk, g, p % bs);
+                    let src = t * kvd + g * hd;
+                    for i in 0..hd {
+                        kc[o + i] = f16::from_f32(s.k[src + i]);
+                        vc[o + i] = f16::from_f32(s.v[src + i]);
+                    }
+                }
+            }
+            let kv = PagedKv { k: kc, v: vc, block_size: bs, n_kv_heads: nkv, head_dim: hd };
+            attend_batch(pool, k, &kv, cfg.n_heads, &s.q, &ctx, &mut s.att);
+            Self::project(pool, k, &[&lw.wo], &s.att, n, &mut s.q8, &mut [&mut s.out]);
+            s.x.iter_mut().zip(&s.out).for_each(|(x, o)| *x += o);
+
+            // Feed-forward block (SwiGLU).
+            for t in 0..n {
+                rms_norm(&s.x[t * h..(t + 1) * h], &lw.ffn_norm, cfg.rms_eps, &mut s.xb[t * h..(t + 1) * h]);
+            }
+            Self::project(pool, k, &[&lw.w_gate, &lw.w_up], &s.xb, n, &mut s.q8, &mut [&mut s.gate, &mut s.up]);
+            swiglu(&mut s.gate, &s.up);
+            Self::project(pool, k, &[&lw.w_down], &s.gate, n, &mut s.q8, &mut [&mut s.out]);
+            s.x.iter_mut().zip(&s.out).for_each(|(x, o)| *x += o);
+        }
+
+        // Logits only for the positions asked for.
+        let mut rows = Vec::new();
+        let mut t0 = 0;
+        for sb in batch {
+            let len = sb.tokens.len();
+            rows.extend(t0 + len - sb.logits..t0 + len);
+            t0 += len;
+        }
+        resize(&mut s.xb, rows.len() * h);
+        for (i, &t) in rows.iter().enumerate() {
+            rms_norm(&s.x[t * h..(t + 1) * h], &self.w.output_norm, cfg.rms_eps, &mut s.xb[i * h..(i + 1) * h]);
+        }
+        if rows.is_empty() {
+            logits.clear();
+            return Ok(());
+        }
+        Self::project(pool, k, &[&self.w.output], &s.xb[..rows.len() * h], rows.len(), &mut s.q8, &mut [logits]);
+        Ok(())
+    }
+}

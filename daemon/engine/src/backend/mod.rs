@@ -1,0 +1,112 @@
+//! The forward pass behind one trait, so the engine never knows which device runs it.
+//!
+//! A [`Backend`] owns the device-resident state: the weights in the form its kernels want and the
+//! K/V storage of the paged cache (`kv_blocks` blocks of `block_size` positions). The engine owns
+//! the block tables ([`crate::kv::KvCacheManager`]) and hands them in with every batch. The CPU
+//! backend ([`cpu::CpuBackend`]) is the default and the numerical reference.
+
+pub mod cpu;
+
+use crate::engine::EngineOptions;
+use crate::kv::{BlockCopy, BlockId};
+use crate::model::{LlamaConfig, Model};
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum BackendError {
+    #[error("token id {0} is outside the vocabulary")]
+    BadToken(u32),
+    #[error("position {pos} exceeds the block table ({slots} slots)")]
+    NoSlot { pos: usize, slots: usize },
+    #[error("position {pos} exceeds the model's context length {ctx}")]
+    ContextOverflow { pos: usize, ctx: usize },
+    #[error("block {0} is outside the KV pool")]
+    BadBlock(BlockId),
+    #[error("invalid batch: {0}")]
+    Invalid(String),
+}
+
+/// Which backend to run a model on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BackendKind {
+    /// The best backend this machine has (the CPU until another backend exists).
+    #[default]
+    Auto,
+    Cpu,
+}
+
+impl BackendKind {
+    pub fn parse(s: &str) -> Option<BackendKind> {
+        match s {
+            "auto" => Some(BackendKind::Auto),
+            "cpu" => Some(BackendKind::Cpu),
+            _ => None,
+        }
+    }
+}
+
+/// Builds the backend `kind` names for `model`, its KV pool sized from `opts`. Engines built
+/// this way may differ in backend (a draft model on one, its target on another): the engine
+/// holds a `Box<dyn Backend>`.
+pub fn open(kind: BackendKind, model: &Model, opts: &EngineOptions) -> Result<Box<dyn Backend>, BackendError> {
+    match kind {
+        BackendKind::Auto | BackendKind::Cpu => Ok(Box::new(cpu::CpuBackend::for_model(model, opts))),
+    }
+}
+
+/// One sequence's share of a batch: new tokens at positions `start_pos..start_pos + tokens.len()`.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqBatch<'a> {
+    pub tokens: &'a [u32],
+    pub start_pos: usize,
+    pub block_table: &'a [BlockId],
+    /// How many of the last positions want logits (1 for decode and the last prefill chunk,
+    /// 0 for an earlier prefill chunk, more for speculative verification).
+    pub logits: usize,
+}
+
+/// A compute backend for Llama models over a paged KV cache.
+pub trait Backend: Send {
+    fn name(&self) -> &'static str;
+    /// What it computes on, for reports (the CPU backend: its kernel table, e.g. `Avx512Vnni`).
+    fn device(&self) -> String;
+    fn config(&self) -> &LlamaConfig;
+    /// Blocks in the K/V storage and positions per block.
+    fn kv_blocks(&self) -> usize;
+    fn block_size(&self) -> usize;
+    /// Copies whole blocks (all layers, K and V): copy-on-write for forked sequences.
+    fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), BackendError>;
+    /// Runs the batch: writes every new token's K/V into its slot and returns, in `logits`,
+    /// `vocab` floats for each requested position, sequence by sequence, in position order.
+    fn forward(&mut self, batch: &[SeqBatch<'_>], logits: &mut Vec<f32>) -> Result<(), BackendError>;
+}
+
+/// Checks a batch against the model and the KV pool before any compute touches it.
+pub fn validate_batch(
+    cfg: &LlamaConfig,
+    kv_blocks: usize,
+    block_size: usize,
+    batch: &[SeqBatch<'_>],
+) -> Result<(), BackendError> {
+    for s in batch {
+        if s.tokens.is_empty() {
+            return Err(BackendError::Invalid("a sequence has no new tokens".into()));
+        }
+        if s.logits > s.tokens.len() {
+            return Err(BackendError::Invalid(format!("{} logits asked for {} tokens", s.logits, s.tokens.len())));
+        }
+        if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
+            return Err(BackendError::BadToken(t));
+        }
+        let end = s.start_pos + s.tokens.len();
+        if end > cfg.context_len {
+            return Err(BackendError::ContextOverflow { pos: end - 1, ctx: cfg.context_len });
+        }
+        if end > s.block_table.len() * block_size {
+            return Err(BackendError::NoSlot { pos: end - 1, slots: s.block_table.len() * block_size });
+        }
+        if let Some(&b) = s.block_table.iter().find(|&&b| b as usize >= kv_blocks) {
+            return Err(BackendError::BadBlock(b));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,89 @@
+//! Chat templates: the model's own Jinja template rendered with `minijinja`.
+//!
+//! Templates get what Hugging Face's `apply_chat_template` passes: `messages`,
+//! `add_generation_prompt`, `bos_token`, `eos_token`, and a `raise_exception` function. A model
+//! without a template gets ChatML, the format of the default model.
+
+use serde::Serialize;
+
+/// ChatML, used when a model ships no template.
+pub const CHATML: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+#[derive(Debug, thiserror::Error)]
+#[error("chat template: {0}")]
+pub struct TemplateError(String);
+
+/// One message of a conversation.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: &str, content: &str) -> Self {
+        ChatMessage { role: role.into(), content: content.into() }
+    }
+}
+
+/// A compiled chat template.
+pub struct ChatTemplate {
+    env: minijinja::Environment<'static>,
+    bos: String,
+    eos: String,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ChatTemplate")
+    }
+}
+
+fn raise_exception(msg: String) -> Result<String, minijinja::Error> {
+    Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+}
+
+impl ChatTemplate {
+    /// Compiles `source` (or ChatML when `None`).
+    pub fn new(source: Option<&str>, bos: String, eos: String) -> Result<Self, TemplateError> {
+        let mut env = minijinja::Environment::new();
+        env.add_function("raise_exception", raise_exception);
+        env.add_template_owned("chat", source.unwrap_or(CHATML).to_string())
+            .map_err(|e| TemplateError(e.to_string()))?;
+        Ok(ChatTemplate { env, bos, eos })
+    }
+
+    /// The prompt text for `messages`, ending with the assistant's turn opener when
+    /// `add_generation_prompt`.
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TemplateError> {
+        let tmpl = self.env.get_template("chat").map_err(|e| TemplateError(e.to_string()))?;
+        tmpl.render(minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => &self.bos,
+            eos_token => &self.eos,
+        })
+        .map_err(|e| TemplateError(e.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chatml_renders_with_generation_prompt() {
+        let t = ChatTemplate::new(None, String::new(), String::new()).unwrap();
+        let s = t.render(&[ChatMessage::new("user", "Hi")], true).unwrap();
+        assert_eq!(s, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+    }
+
+    #[test]
+    fn template_errors_are_values() {
+        let t =
+            ChatTemplate::new(Some("{{ raise_exception('no system role') }}"), String::new(), String::new()).unwrap();
+        let e = t.render(&[], false).unwrap_err();
+        assert!(e.to_string().contains("no system role"), "{e}");
+        assert!(ChatTemplate::new(Some("{% for %}"), String::new(), String::new()).is_err());
+    }
+}

@@ -1,0 +1,385 @@
+//! Sequences as decoding strategies see them: token lists that can be created, forked,
+//! truncated and freed, and run in batches that return logits. [`EngineStore`] backs them with
+//! the engine and its paged KV cache; [`MockStore`] with a function from a token prefix to the
+//! next token's logits, for tests and `inferd plugin probe`.
+
+use crate::engine::{Engine, EngineError, RunItem};
+use crate::kv::SeqId;
+use inferd_plugin_api::abi;
+use std::collections::HashMap;
+
+/// A sequence in a [`SeqStore`].
+pub type StoreSeq = u32;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("no draft model is bound to this model")]
+    NoDraftModel,
+    #[error("unknown sequence role {0}")]
+    UnknownRole(u32),
+    #[error("asked for {wanted} logits rows but only {tokens} tokens run")]
+    BadLogitsCount { wanted: usize, tokens: usize },
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+}
+
+impl StoreError {
+    /// The ABI status for a callback that failed with this error.
+    pub fn status(&self) -> i32 {
+        match self {
+            StoreError::Engine(EngineError::OutOfBlocks(_)) => abi::ERR_NO_MEMORY,
+            StoreError::Engine(_) => abi::ERR,
+            _ => abi::ERR_INVALID,
+        }
+    }
+}
+
+/// One sequence's part of a [`SeqStore::run`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoreRun {
+    pub seq: StoreSeq,
+    pub tokens: Vec<u32>,
+    pub n_logits: usize,
+}
+
+pub trait SeqStore {
+    fn vocab(&self) -> usize;
+    /// Bit `1 << abi::ROLE_*` for each role [`SeqStore::create`] accepts.
+    fn roles(&self) -> u32;
+    /// A new sequence of `role` (`abi::ROLE_*`) holding `prompt`, not yet run.
+    fn create(&mut self, role: u32, prompt: &[u32]) -> Result<StoreSeq, StoreError>;
+    /// A copy-on-write copy of `s`.
+    fn fork(&mut self, s: StoreSeq) -> Result<StoreSeq, StoreError>;
+    /// Keeps the first `len` tokens.
+    fn truncate(&mut self, s: StoreSeq, len: usize);
+    fn free(&mut self, s: StoreSeq);
+    fn tokens(&self, s: StoreSeq) -> Vec<u32>;
+    /// Appends each item's tokens, runs everything not run yet and returns the logits of each
+    /// item's last `n_logits` positions. On error nothing changed.
+    fn run(&mut self, items: &[StoreRun]) -> Result<Vec<Vec<f32>>, StoreError>;
+    /// Target-model KV blocks free (evictable cached ones included) and tokens per block, when
+    /// the store has a bounded cache (admission control).
+    fn capacity(&self) -> Option<(usize, usize)> {
+        None
+    }
+    /// Tokens of `s` appended but not run yet (a fresh prompt after its cached prefix).
+    fn pending(&self, _s: StoreSeq) -> usize {
+        0
+    }
+    /// [`SeqStore::run`], and in the same forward pass the first `k` pending tokens of each
+    /// `(seq, k)` in `prefill` (chunked prefill: no logits; the rest stays pending). A store
+    /// without pending tokens runs `items` alone.
+    fn run_with_prefill(
+        &mut self,
+        items: &[StoreRun],
+        prefill: &[(StoreSeq, usize)],
+    ) -> Result<Vec<Vec<f32>>, StoreError> {
+        let _ = prefill;
+        self.run(items)
+    }
+    /// Target-model KV cache occupancy and prefix-cache counters, when the store has a cache.
+    fn cache_stats(&self) -> Option<CacheStats> {
+        None
+    }
+}
+
+/// What [`SeqStore::cache_stats`] reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    pub kv: crate::kv::KvStats,
+    /// Target prompt tokens given to [`SeqStore::create`] so far.
+    pub prompt_tokens: u64,
+    /// Of those, the tokens whose K/V came from the prefix cache.
+    pub cached_prompt_tokens: u64,
+}
+
+/// Sequences in the engine's KV cache, and in a draft model's engine when one is bound
+/// (speculative decoding); draft sequences are numbered with [`DRAFT_BIT`] set. Tokens appended
+/// but not yet run (a fresh prompt after its cached prefix) wait here until the next
+/// [`SeqStore::run`].
+pub struct EngineStore<'e> {
+    pub engine: &'e mut Engine,
+    pub draft: Option<&'e mut Engine>,
+    pending: HashMap<StoreSeq, Vec<u32>>,
+    prompt_tokens: u64,
+    cached_prompt_tokens: u64,
+}
+
+/// Marks a draft-model sequence in a [`StoreSeq`].
+pub const DRAFT_BIT: StoreSeq = 1 << 31;
+
+impl<'e> EngineStore<'e> {
+    pub fn new(engine: &'e mut Engine) -> Self {
+        EngineStore { engine, draft: None, pending: HashMap::new(), prompt_tokens: 0, cached_prompt_tokens: 0 }
+    }
+
+    /// With a draft model (same vocabulary) for `abi::ROLE_DRAFT` sequences.
+    pub fn with_draft(engine: &'e mut Engine, draft: &'e mut Engine) -> Self {
+        EngineStore { engine, draft: Some(draft), pending: HashMap::new(), prompt_tokens: 0, cached_prompt_tokens: 0 }
+    }
+
+    /// The engine holding `s`, and its id there.
+    fn split(&mut self, s: StoreSeq) -> (&mut Engine, SeqId) {
+        match (&mut self.draft, s & DRAFT_BIT != 0) {
+            (Some(d), true) => (&mut **d, SeqId(s & !DRAFT_BIT)),
+            _ => (&mut *self.engine, SeqId(s & !DRAFT_BIT)),
+        }
+    }
+
+    fn engine_of(&self, s: StoreSeq) -> &Engine {
+        match (&self.draft, s & DRAFT_BIT != 0) {
+            (Some(d), true) => d,
+            _ => self.engine,
+        }
+    }
+
+    /// The spans `items` (their pending tokens first) and the `prefill` chunks of pending
+    /// tokens append, as `(sequence in its engine, tokens, logits rows)`.
+    fn spans(&self, items: &[&StoreRun], prefill: &[(StoreSeq, usize)]) -> Vec<(SeqId, Vec<u32>, usize)> {
+        let pending = |s: &StoreSeq| self.pending.get(s).into_iter().flatten();
+        let whole = items
+            .iter()
+            .map(|it| (SeqId(it.seq & !DRAFT_BIT), pending(&it.seq).chain(&it.tokens).copied().collect(), it.n_logits));
+        let chunks = prefill.iter().map(|(s, k)| (SeqId(s & !DRAFT_BIT), pending(s).take(*k).copied().collect(), 0));
+        whole.chain(chunks).collect()
+    }
+}
+
+fn run_items(spans: &[(SeqId, Vec<u32>, usize)]) -> Vec<RunItem<'_>> {
+    spans.iter().map(|(seq, tokens, n_logits)| RunItem { seq: *seq, tokens, n_logits: *n_logits }).collect()
+}
+
+impl SeqStore for EngineStore<'_> {
+    fn vocab(&self) -> usize {
+        self.engine.vocab()
+    }
+
+    fn roles(&self) -> u32 {
+        1 << abi::ROLE_TARGET | if self.draft.is_some() { 1 << abi::ROLE_DRAFT } else { 0 }
+    }
+
+    fn capacity(&self) -> Option<(usize, usize)> {
+        Some((self.engine.kv.stats().free, self.engine.kv.block_size()))
+    }
+
+    fn cache_stats(&self) -> Option<CacheStats> {
+        Some(CacheStats {
+            kv: self.engine.kv.stats(),
+            prompt_tokens: self.prompt_tokens,
+            cached_prompt_tokens: self.cached_prompt_tokens,
+        })
+    }
+
+    fn create(&mut self, role: u32, prompt: &[u32]) -> Result<StoreSeq, StoreError> {
+        let (engine, bit) = match role {
+            abi::ROLE_TARGET => (&mut *self.engine, 0),
+            abi::ROLE_DRAFT => (self.draft.as_deref_mut().ok_or(StoreError::NoDraftModel)?, DRAFT_BIT),
+            r => return Err(StoreError::UnknownRole(r)),
+        };
+        let s = engine.kv.create();
+        let cached = engine.kv.match_prefix(s, prompt);
+        if bit == 0 {
+            self.prompt_tokens += prompt.len() as u64;
+            self.cached_prompt_tokens += cached as u64;
+        }
+        self.pending.insert(s.0 | bit, prompt[cached..].to_vec());
+        Ok(s.0 | bit)
+    }
+
+    fn fork(&mut self, s: StoreSeq) -> Result<StoreSeq, StoreError> {
+        let (engine, id) = self.split(s);
+        let new = engine.kv.fork(id).0 | (s & DRAFT_BIT);
+        let p = self.pending.get(&s).cloned().unwrap_or_default();
+        self.pending.insert(new, p);
+        Ok(new)
+    }
+
+    fn truncate(&mut self, s: StoreSeq, len: usize) {
+        let (engine, id) = self.split(s);
+        let run = engine.kv.len(id);
+        if len <= run {
+            engine.kv.truncate(id, len);
+            self.pending.entry(s).or_default().clear();
+        } else {
+            self.pending.entry(s).or_default().truncate(len - run);
+        }
+    }
+
+    fn free(&mut self, s: StoreSeq) {
+        let (engine, id) = self.split(s);
+        engine.kv.free(id);
+        self.pending.remove(&s);
+    }
+
+    fn tokens(&self, s: StoreSeq) -> Vec<u32> {
+        let mut t = self.engine_of(s).kv.tokens(SeqId(s & !DRAFT_BIT)).to_vec();
+        t.extend(self.pending.get(&s).into_iter().flatten());
+        t
+    }
+
+    fn run(&mut self, items: &[StoreRun]) -> Result<Vec<Vec<f32>>, StoreError> {
+        self.run_with_prefill(items, &[])
+    }
+
+    fn pending(&self, s: StoreSeq) -> usize {
+        self.pending.get(&s).map_or(0, Vec::len)
+    }
+
+    fn run_with_prefill(
+        &mut self,
+        items: &[StoreRun],
+        prefill: &[(StoreSeq, usize)],
+    ) -> Result<Vec<Vec<f32>>, StoreError> {
+        type Indexed<'a> = Vec<(usize, &'a StoreRun)>;
+        // Chunks of target sequences that are not also run whole, at most what is pending.
+        let prefill: Vec<(StoreSeq, usize)> = prefill
+            .iter()
+            .filter(|(s, _)| s & DRAFT_BIT == 0 && !items.iter().any(|it| it.seq == *s))
+            .map(|&(s, k)| (s, k.min(self.pending(s))))
+            .filter(|&(_, k)| k > 0)
+            .collect();
+        let (draft, target): (Indexed<'_>, Indexed<'_>) =
+            items.iter().enumerate().partition(|(_, it)| it.seq & DRAFT_BIT != 0);
+        let t_items: Vec<&StoreRun> = target.iter().map(|x| x.1).collect();
+        let d_items: Vec<&StoreRun> = draft.iter().map(|x| x.1).collect();
+        let t_spans = self.spans(&t_items, &prefill);
+        let d_spans = self.spans(&d_items, &[]);
+        // Both halves are checked before either runs: a step that does not fit changes nothing.
+        if !d_spans.is_empty() && self.draft.is_none() {
+            return Err(StoreError::NoDraftModel);
+        }
+        self.engine.check(&run_items(&t_spans))?;
+        if let Some(d) = self.draft.as_deref() {
+            d.check(&run_items(&d_spans))?;
+        }
+        let before: Vec<usize> = t_spans.iter().map(|(s, _, _)| self.engine.kv.len(*s)).collect();
+        let mut t_out = if t_spans.is_empty() { Vec::new() } else { self.engine.step(&run_items(&t_spans))? };
+        let d_out = match self.draft.as_deref_mut() {
+            Some(d) if !d_spans.is_empty() => match d.step(&run_items(&d_spans)) {
+                Ok(o) => o,
+                Err(e) => {
+                    // Only a backend fault gets here (both halves were checked): undo the target.
+                    for ((s, _, _), &len) in t_spans.iter().zip(&before) {
+                        self.engine.kv.truncate(*s, len);
+                    }
+                    return Err(e.into());
+                }
+            },
+            _ => Vec::new(),
+        };
+        t_out.truncate(t_items.len());
+        for it in items {
+            self.pending.remove(&it.seq);
+        }
+        for &(s, k) in &prefill {
+            if let Some(p) = self.pending.get_mut(&s) {
+                p.drain(..k);
+            }
+        }
+        let mut out = vec![Vec::new(); items.len()];
+        for ((i, _), o) in target.into_iter().zip(t_out).chain(draft.into_iter().zip(d_out)) {
+            out[i] = o;
+        }
+        Ok(out)
+    }
+}
+
+/// The next token's logits after a prefix.
+pub type LogitsFn = Box<dyn Fn(&[u32]) -> Vec<f32>>;
+
+/// Sequences as plain token lists over logits functions: the target's, and optionally a
+/// draft's (for speculative decoding tests).
+pub struct MockStore {
+    vocab: usize,
+    target: LogitsFn,
+    draft: Option<LogitsFn>,
+    seqs: HashMap<StoreSeq, (u32, Vec<u32>)>,
+    next: StoreSeq,
+    /// Positions run so far, target and draft (tests measure work with it).
+    pub positions_run: [usize; 2],
+}
+
+impl MockStore {
+    pub fn new(vocab: usize, target: LogitsFn) -> Self {
+        MockStore { vocab, target, draft: None, seqs: HashMap::new(), next: 1, positions_run: [0; 2] }
+    }
+
+    pub fn with_draft(mut self, draft: LogitsFn) -> Self {
+        self.draft = Some(draft);
+        self
+    }
+
+    /// Sequences still alive (tests check that nothing leaks).
+    pub fn live(&self) -> usize {
+        self.seqs.len()
+    }
+}
+
+impl SeqStore for MockStore {
+    fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    fn roles(&self) -> u32 {
+        1 << abi::ROLE_TARGET | if self.draft.is_some() { 1 << abi::ROLE_DRAFT } else { 0 }
+    }
+
+    fn create(&mut self, role: u32, prompt: &[u32]) -> Result<StoreSeq, StoreError> {
+        match role {
+            abi::ROLE_TARGET => {}
+            abi::ROLE_DRAFT if self.draft.is_some() => {}
+            abi::ROLE_DRAFT => return Err(StoreError::NoDraftModel),
+            r => return Err(StoreError::UnknownRole(r)),
+        }
+        let s = self.next;
+        self.next += 1;
+        self.seqs.insert(s, (role, prompt.to_vec()));
+        Ok(s)
+    }
+
+    fn fork(&mut self, s: StoreSeq) -> Result<StoreSeq, StoreError> {
+        let copy = self.seqs.get(&s).cloned().unwrap_or_default();
+        let n = self.next;
+        self.next += 1;
+        self.seqs.insert(n, copy);
+        Ok(n)
+    }
+
+    fn truncate(&mut self, s: StoreSeq, len: usize) {
+        if let Some((_, t)) = self.seqs.get_mut(&s) {
+            t.truncate(len);
+        }
+    }
+
+    fn free(&mut self, s: StoreSeq) {
+        self.seqs.remove(&s);
+    }
+
+    fn tokens(&self, s: StoreSeq) -> Vec<u32> {
+        self.seqs.get(&s).map(|x| x.1.clone()).unwrap_or_default()
+    }
+
+    fn run(&mut self, items: &[StoreRun]) -> Result<Vec<Vec<f32>>, StoreError> {
+        let mut out = Vec::with_capacity(items.len());
+        for it in items {
+            let (role, mut toks) = self.seqs.get(&it.seq).cloned().unwrap_or_default();
+            toks.extend_from_slice(&it.tokens);
+            if it.n_logits > toks.len() {
+                return Err(StoreError::BadLogitsCount { wanted: it.n_logits, tokens: toks.len() });
+            }
+            let f = if role == abi::ROLE_DRAFT { self.draft.as_ref().unwrap_or(&self.target) } else { &self.target };
+            let mut rows = Vec::with_capacity(it.n_logits * self.vocab);
+            for p in toks.len() - it.n_logits..toks.len() {
+                rows.extend(f(&toks[..=p]));
+            }
+            out.push(rows);
+        }
+        for it in items {
+            if let Some((role, t)) = self.seqs.get_mut(&it.seq) {
+                t.extend_from_slice(&it.tokens);
+                self.positions_run[usize::from(*role == abi::ROLE_DRAFT)] += it.tokens.len();
+            }
+        }
+        Ok(out)
+    }
+}

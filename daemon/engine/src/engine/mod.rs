@@ -1,0 +1,322 @@
+//! The engine step: a batch of sequences, each appending a span of tokens (a prompt, a chunk of
+//! one, a decode token, draft tokens to verify), run through a [`Backend`] over the paged KV
+//! cache, returning logits for the positions that asked.
+//!
+//! One code path serves prefill, decode and everything between ([`Engine::step`]); `prefill`,
+//! `decode` and `generate_greedy` are thin conveniences over it. A step checks before it
+//! mutates, as vLLM's `allocate_slots` does: every item is validated and the blocks the whole
+//! step needs (new blocks and copy-on-write copies) are counted against the free pool first
+//! ([`Engine::check`]). Running out of blocks is therefore an answer that changed nothing, never
+//! a half-applied step to roll back; the scheduler decides what to free and asks again.
+
+pub mod options;
+
+pub use options::EngineOptions;
+
+use crate::backend::{Backend, BackendError, BackendKind, SeqBatch};
+use crate::kv::{KvCacheManager, OutOfBlocks, SeqId};
+use crate::model::Model;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error(transparent)]
+    OutOfBlocks(#[from] OutOfBlocks),
+    #[error("prompt of {len} tokens exceeds the context length {ctx}")]
+    PromptTooLong { len: usize, ctx: usize },
+    #[error("empty prompt")]
+    EmptyPrompt,
+    #[error("sequence {0:?} is not in the KV cache")]
+    UnknownSequence(SeqId),
+    #[error("a step asked for {wanted} logits rows of a span of {tokens} tokens")]
+    BadLogitsCount { wanted: usize, tokens: usize },
+    #[error("sequence {0:?} appears twice in one step")]
+    DuplicateSequence(SeqId),
+    #[error("token id {token} is outside the vocabulary of {vocab}")]
+    BadToken { token: u32, vocab: usize },
+}
+
+/// One sequence's part of a step: append `tokens`, return the logits of the last `n_logits`
+/// of them.
+#[derive(Clone, Copy, Debug)]
+pub struct RunItem<'a> {
+    pub seq: SeqId,
+    pub tokens: &'a [u32],
+    pub n_logits: usize,
+}
+
+/// A backend, its KV cache bookkeeping and reusable logits storage.
+pub struct Engine {
+    pub backend: Box<dyn Backend>,
+    pub kv: KvCacheManager,
+    /// The last step's logits, item-major: `n_logits * vocab` floats per item, in item order.
+    logits: Vec<f32>,
+    /// One forward's logits rows (position order), before they are placed in `logits`.
+    rows: Vec<f32>,
+    prefill_chunk: usize,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Engine({}, {:?})", self.backend.name(), self.kv.stats())
+    }
+}
+
+/// The in-engine greedy choice: the greedy plugin's own argmax (first maximum on ties), so both
+/// paths pick the same token.
+pub use inferd_plugin_api::sampling::argmax;
+
+impl Engine {
+    /// An engine for `model` on the backend `kind` names, its KV pool sized from `opts`.
+    pub fn open(model: &Model, kind: BackendKind, opts: &EngineOptions) -> Result<Self, EngineError> {
+        let backend = crate::backend::open(kind, model, opts)?;
+        Ok(Engine::new(backend, opts.prefill_chunk))
+    }
+
+    /// A CPU engine for `model` (the CPU backend always exists).
+    pub fn cpu(model: &Model, opts: &EngineOptions) -> Self {
+        Engine::new(Box::new(crate::backend::cpu::CpuBackend::for_model(model, opts)), opts.prefill_chunk)
+    }
+
+    pub fn new(backend: Box<dyn Backend>, prefill_chunk: usize) -> Self {
+        let kv = KvCacheManager::new(backend.kv_blocks(), backend.block_size());
+        Engine { backend, kv, logits: Vec::new(), rows: Vec::new(), prefill_chunk: prefill_chunk.max(1) }
+    }
+
+    pub fn vocab(&self) -> usize {
+        self.backend.config().vocab
+    }
+
+    /// Whether [`Engine::step`] would run `items`: every sequence known and named once, every
+    /// token in the vocabulary, every span within the context, and the blocks the whole step
+    /// needs free. Changes nothing.
+    pub fn check(&self, items: &[RunItem<'_>]) -> Result<(), EngineError> {
+        let (ctx, vocab) = (self.backend.config().context_len, self.vocab());
+        for (i, it) in items.iter().enumerate() {
+            if !self.kv.contains(it.seq) {
+                return Err(EngineError::UnknownSequence(it.seq));
+            }
+            if items[..i].iter().any(|o| o.seq == it.seq) {
+                return Err(EngineError::DuplicateSequence(it.seq));
+            }
+            if it.n_logits > it.tokens.len() {
+                return Err(EngineError::BadLogitsCount { wanted: it.n_logits, tokens: it.tokens.len() });
+            }
+            if let Some(&token) = it.tokens.iter().find(|&&t| t as usize >= vocab) {
+                return Err(EngineError::BadToken { token, vocab });
+            }
+            let len = self.kv.len(it.seq) + it.tokens.len();
+            if len > ctx {
+                return Err(EngineError::PromptTooLong { len, ctx });
+            }
+        }
+        let spans: Vec<(SeqId, usize)> = items.iter().map(|it| (it.seq, it.tokens.len())).collect();
+        let needed = self.kv.blocks_needed_for_step(&spans);
+        let free = self.kv.stats().free;
+        if needed > free {
+            return Err(OutOfBlocks { needed, free }.into());
+        }
+        Ok(())
+    }
+
+    /// Runs one step: each item's tokens are appended to its sequence and the logits of its
+    /// last `n_logits` positions returned (`n_logits * vocab` floats per item). Spans longer
+    /// than the prefill chunk run in several forwards of at most `prefill_chunk` tokens across
+    /// the batch. Checked first ([`Engine::check`]): an error there, running out of blocks
+    /// included, leaves everything as it was.
+    pub fn step(&mut self, items: &[RunItem<'_>]) -> Result<Vec<Vec<f32>>, EngineError> {
+        let vocab = self.vocab();
+        self.step_flat(items)?;
+        let mut at = 0;
+        Ok(items
+            .iter()
+            .map(|it| {
+                let rows = self.logits[at..at + it.n_logits * vocab].to_vec();
+                at += it.n_logits * vocab;
+                rows
+            })
+            .collect())
+    }
+
+    /// [`Engine::step`] into the engine's own buffer, item-major.
+    fn step_flat(&mut self, items: &[RunItem<'_>]) -> Result<&[f32], EngineError> {
+        self.check(items)?;
+        let start: Vec<usize> = items.iter().map(|it| self.kv.len(it.seq)).collect();
+        // Every slot of the step is reserved here, copy-on-write included; `check` counted them.
+        let mut copies = Vec::new();
+        for it in items {
+            match self.kv.append(it.seq, it.tokens) {
+                Ok(c) => copies.extend(c),
+                Err(e) => {
+                    // Unreachable while `check` and `append` agree; leave nothing behind.
+                    self.backend.copy_blocks(&copies)?;
+                    self.undo(items, &start);
+                    return Err(e.into());
+                }
+            }
+        }
+        let result =
+            self.backend.copy_blocks(&copies).map_err(EngineError::from).and_then(|()| self.forward_all(items, &start));
+        if result.is_err() {
+            // The backend validates every batch before computing; a failure here is a bug, and
+            // the sequences go back to where they were.
+            self.undo(items, &start);
+        }
+        result?;
+        Ok(&self.logits)
+    }
+
+    fn undo(&mut self, items: &[RunItem<'_>], start: &[usize]) {
+        for (it, &len) in items.iter().zip(start) {
+            self.kv.truncate(it.seq, len);
+        }
+    }
+
+    /// The forwards of a reserved step, in chunks under the prefill budget.
+    fn forward_all(&mut self, items: &[RunItem<'_>], start: &[usize]) -> Result<(), EngineError> {
+        let vocab = self.vocab();
+        // Where each item's rows go in `logits`, and how many it has received.
+        let mut offset = Vec::with_capacity(items.len());
+        let mut total = 0;
+        for it in items {
+            offset.push(total);
+            total += it.n_logits * vocab;
+        }
+        self.logits.clear();
+        self.logits.resize(total, 0.0);
+        let mut done = vec![0usize; items.len()];
+        loop {
+            let mut budget = self.prefill_chunk;
+            let mut chunk: Vec<(usize, usize, usize)> = Vec::new(); // (item, start, end) within its tokens
+            for (i, it) in items.iter().enumerate() {
+                if done[i] < it.tokens.len() && budget > 0 {
+                    let end = it.tokens.len().min(done[i] + budget);
+                    budget -= end - done[i];
+                    chunk.push((i, done[i], end));
+                }
+            }
+            if chunk.is_empty() {
+                return Ok(());
+            }
+            // Rows wanted from this chunk: its part of the last n_logits positions (a suffix).
+            let rows =
+                |i: usize, a: usize, b: usize| b.saturating_sub(a.max(items[i].tokens.len() - items[i].n_logits));
+            let batch: Vec<SeqBatch<'_>> = chunk
+                .iter()
+                .map(|&(i, a, b)| SeqBatch {
+                    tokens: &items[i].tokens[a..b],
+                    start_pos: start[i] + a,
+                    block_table: self.kv.block_table(items[i].seq),
+                    logits: rows(i, a, b),
+                })
+                .collect();
+            self.backend.forward(&batch, &mut self.rows)?;
+            let mut row = 0;
+            for &(i, a, b) in &chunk {
+                self.kv.commit(items[i].seq, start[i] + b);
+                let r = rows(i, a, b);
+                // Rows this item already has: its wanted positions before `a`.
+                let placed = a.saturating_sub(items[i].tokens.len() - items[i].n_logits);
+                let dst = offset[i] + placed * vocab;
+                self.logits[dst..dst + r * vocab].copy_from_slice(&self.rows[row * vocab..(row + r) * vocab]);
+                row += r;
+                done[i] = b;
+            }
+        }
+    }
+
+    /// Prefills every prompt as one step (reusing cached prefix blocks) and returns each new
+    /// sequence with its last-position logits. On error every sequence created here is freed.
+    pub fn prefill(&mut self, prompts: &[&[u32]]) -> Result<Vec<(SeqId, Vec<f32>)>, EngineError> {
+        let ctx = self.backend.config().context_len;
+        for p in prompts {
+            if p.is_empty() {
+                return Err(EngineError::EmptyPrompt);
+            }
+            if p.len() > ctx {
+                return Err(EngineError::PromptTooLong { len: p.len(), ctx });
+            }
+        }
+        let seqs: Vec<SeqId> = prompts.iter().map(|_| self.kv.create()).collect();
+        let cached: Vec<usize> = seqs.iter().zip(prompts).map(|(&s, p)| self.kv.match_prefix(s, p)).collect();
+        let items: Vec<RunItem<'_>> = seqs
+            .iter()
+            .zip(prompts)
+            .zip(&cached)
+            .map(|((&seq, p), &c)| RunItem { seq, tokens: &p[c..], n_logits: 1 })
+            .collect();
+        match self.step(&items) {
+            Ok(logits) => Ok(seqs.into_iter().zip(logits).collect()),
+            Err(e) => {
+                seqs.iter().for_each(|&s| self.kv.free(s));
+                Err(e)
+            }
+        }
+    }
+
+    /// One decode step: appends `token` to each sequence and returns their next-token logits,
+    /// `vocab` floats per sequence in the given order.
+    pub fn decode(&mut self, step: &[(SeqId, u32)]) -> Result<&[f32], EngineError> {
+        let toks: Vec<[u32; 1]> = step.iter().map(|&(_, t)| [t]).collect();
+        let items: Vec<RunItem<'_>> =
+            step.iter().zip(&toks).map(|(&(seq, _), t)| RunItem { seq, tokens: t, n_logits: 1 }).collect();
+        self.step_flat(&items)
+    }
+
+    pub fn release(&mut self, s: SeqId) {
+        self.kv.free(s);
+    }
+
+    /// Greedy generation for a batch of prompts, decoded together; each stops after `max_new`
+    /// tokens or at a `stop` token (included). `on_token(i, id)` sees tokens as they are chosen.
+    pub fn generate_greedy(
+        &mut self,
+        prompts: &[&[u32]],
+        max_new: usize,
+        stop: &[u32],
+        on_token: &mut dyn FnMut(usize, u32),
+    ) -> Result<Vec<Vec<u32>>, EngineError> {
+        let started = self.prefill(prompts)?;
+        let mut out: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+        let mut live: Vec<(usize, SeqId, u32)> = Vec::new();
+        for (i, (s, logits)) in started.into_iter().enumerate() {
+            if max_new == 0 {
+                self.kv.free(s);
+                continue;
+            }
+            let t = argmax(&logits);
+            out[i].push(t);
+            on_token(i, t);
+            if stop.contains(&t) || max_new == 1 {
+                self.kv.free(s);
+            } else {
+                live.push((i, s, t));
+            }
+        }
+        let vocab = self.vocab();
+        let result = (|| {
+            while !live.is_empty() {
+                let step: Vec<(SeqId, u32)> = live.iter().map(|&(_, s, t)| (s, t)).collect();
+                let logits = self.decode(&step)?;
+                let next: Vec<u32> = (0..live.len()).map(|j| argmax(&logits[j * vocab..(j + 1) * vocab])).collect();
+                let mut keep = Vec::with_capacity(live.len());
+                for (&(i, s, _), t) in live.iter().zip(next) {
+                    out[i].push(t);
+                    on_token(i, t);
+                    if stop.contains(&t) || out[i].len() >= max_new {
+                        self.kv.free(s);
+                    } else {
+                        keep.push((i, s, t));
+                    }
+                }
+                live = keep;
+            }
+            Ok(())
+        })();
+        if result.is_err() {
+            live.iter().for_each(|&(_, s, _)| self.kv.free(s));
+        }
+        result.map(|()| out)
+    }
+}

@@ -1,0 +1,140 @@
+//! Block accounting of the KV cache manager: no leak, sharing, copy-on-write, prefix hits.
+
+use super::*;
+
+fn toks(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| i * 7 + salt).collect()
+}
+
+#[test]
+fn append_allocates_blocks_and_free_returns_them() {
+    let mut m = KvCacheManager::new(8, 4);
+    let s = m.create();
+    assert!(m.append(s, &toks(9, 0)).unwrap().is_empty());
+    assert_eq!(m.blocks_used(s), 3);
+    assert_eq!(m.stats().free, 5);
+    m.append(s, &[1, 2, 3]).unwrap();
+    assert_eq!(m.blocks_used(s), 3, "the partial block fills before a new one is taken");
+    m.free(s);
+    assert_eq!(m.stats().free, 8);
+}
+
+#[test]
+fn out_of_blocks_changes_nothing() {
+    let mut m = KvCacheManager::new(2, 4);
+    let s = m.create();
+    m.append(s, &toks(5, 0)).unwrap();
+    let err = m.append(s, &toks(8, 1)).unwrap_err();
+    assert_eq!(err, OutOfBlocks { needed: 2, free: 0 });
+    assert_eq!(m.len(s), 5);
+    assert_eq!(m.blocks_used(s), 2);
+}
+
+#[test]
+fn fork_shares_blocks_and_copies_on_write() {
+    let mut m = KvCacheManager::new(10, 4);
+    let a = m.create();
+    m.append(a, &toks(6, 0)).unwrap();
+    m.commit(a, 6);
+    let b = m.fork(a);
+    assert_eq!(m.stats().free, 8, "a fork takes no block");
+    assert_eq!(m.block_table(a), m.block_table(b));
+    // Writing into the shared partial block copies it, for the writer only.
+    let copies = m.append(b, &[99]).unwrap();
+    assert_eq!(copies.len(), 1);
+    assert_eq!(copies[0].src, m.block_table(a)[1]);
+    assert_eq!(copies[0].dst, m.block_table(b)[1]);
+    assert_eq!(m.block_table(a)[0], m.block_table(b)[0], "full prefix block stays shared");
+    // The other sequence now owns its block alone: no copy.
+    assert!(m.append(a, &[5]).unwrap().is_empty());
+    m.free(a);
+    m.free(b);
+    assert_eq!(m.stats().free, 10);
+}
+
+#[test]
+fn truncate_releases_whole_blocks() {
+    let mut m = KvCacheManager::new(10, 4);
+    let s = m.create();
+    m.append(s, &toks(12, 0)).unwrap();
+    m.commit(s, 12);
+    m.truncate(s, 5);
+    assert_eq!(m.len(s), 5);
+    assert_eq!(m.blocks_used(s), 2);
+    assert_eq!(m.computed(s), 5);
+    assert_eq!(m.stats().free, 8);
+    // Rewriting position 5.. must not corrupt a cached block that others may hit.
+    m.append(s, &[1000, 1001, 1002]).unwrap();
+    m.commit(s, 8);
+    let t = m.create();
+    let mut prompt = toks(5, 0);
+    prompt.extend([1000, 1001, 1002, 7]);
+    assert_eq!(m.match_prefix(t, &prompt), 8);
+}
+
+#[test]
+fn prefix_cache_hits_full_blocks_only_and_survives_free() {
+    let mut m = KvCacheManager::new(16, 4);
+    let prompt = toks(10, 3);
+    let a = m.create();
+    assert_eq!(m.match_prefix(a, &prompt), 0);
+    m.append(a, &prompt).unwrap();
+    m.commit(a, 10);
+    m.free(a);
+    assert_eq!(m.stats().cached, 2);
+    let b = m.create();
+    assert_eq!(m.match_prefix(b, &prompt), 8);
+    assert_eq!(m.len(b), 8);
+    m.append(b, &prompt[8..]).unwrap();
+    // A prompt that is exactly cached still leaves its last block to compute.
+    let c = m.create();
+    assert_eq!(m.match_prefix(c, &prompt[..8]), 4);
+    // A different first block misses everything after it (the hash chains).
+    let d = m.create();
+    let mut other = prompt.clone();
+    other[0] += 1;
+    assert_eq!(m.match_prefix(d, &other), 0);
+    for s in [b, c, d] {
+        m.free(s);
+    }
+    assert_eq!(m.stats().free, 16);
+}
+
+#[test]
+fn cached_blocks_are_evicted_when_needed() {
+    let mut m = KvCacheManager::new(4, 4);
+    let a = m.create();
+    m.append(a, &toks(8, 0)).unwrap();
+    m.commit(a, 8);
+    m.free(a);
+    assert_eq!(m.stats().cached, 2);
+    let b = m.create();
+    m.append(b, &toks(16, 100)).unwrap();
+    assert_eq!(m.stats().free, 0);
+    assert_eq!(m.stats().cached, 0, "all cached blocks evicted for new contents");
+}
+
+#[test]
+fn blocks_needed_for_a_step_is_exactly_what_its_appends_take() {
+    // Three holders of one partial block (a and two forks) and one fresh sequence; every
+    // combination of writers and span lengths: the count made before must equal the blocks
+    // the appends then take, copy-on-write included (the last holder to write keeps it).
+    for writers in 1..=3usize {
+        for span in [1usize, 2, 3, 6] {
+            let mut m = KvCacheManager::new(32, 4);
+            let a = m.create();
+            m.append(a, &toks(6, 0)).unwrap();
+            m.commit(a, 6);
+            let holders = [a, m.fork(a), m.fork(a)];
+            let c = m.create();
+            let mut items: Vec<(SeqId, usize)> = holders[..writers].iter().map(|&s| (s, span)).collect();
+            items.push((c, 5));
+            let counted = m.blocks_needed_for_step(&items);
+            let before = m.stats().free;
+            for &(s, n) in &items {
+                m.append(s, &toks(n, 9)).unwrap();
+            }
+            assert_eq!(counted, before - m.stats().free, "{writers} writers of {span} tokens");
+        }
+    }
+}

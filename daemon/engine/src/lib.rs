@@ -1,0 +1,29 @@
+//! inferd-engine: the inference engine of the inferd daemon, embeddable by any Rust program.
+//!
+//! Nothing here knows HTTP, JSON requests, D-Bus or systemd, and nothing here awaits: the
+//! daemon (crate `inferd`) is one user of this crate, `inferd run` another. See ARCHITECTURE.md
+//! at the repository root for the map; in short:
+//!
+//! - [`model`]: loading GGUF files and Hugging Face directories (memory-mapped weights).
+//! - [`tokenizer`], [`chat`]: text <-> ids, chat templates, streaming detokenization.
+//! - [`kv`]: the paged KV cache bookkeeping (block pool, block tables, prefix cache).
+//! - [`backend`]: the forward pass behind the [`backend::Backend`] trait; the CPU backend.
+//! - [`engine`]: the engine step on top of backend + KV cache.
+//! - [`plugin`]: decoder plugins, host side: loading, registry, sessions over the C ABI.
+//! - [`decode`]: driving one request through a strategy plugin over a sequence store.
+//! - [`sched`]: the engine loop and its scheduler (continuous batching over many requests).
+//! - [`paths`]: where the default model and the plugins are looked for.
+
+#![deny(unsafe_code)]
+#![cfg_attr(test, allow(clippy::unwrap_used))] // unit tests: a failed unwrap is a failed test
+
+pub mod backend;
+pub mod chat;
+pub mod decode;
+pub mod engine;
+pub mod kv;
+pub mod model;
+pub mod paths;
+pub mod plugin;
+pub mod sched;
+pub mod tokenizer;

@@ -1,0 +1,69 @@
+//! The hyperparameters of a Llama-architecture model, from GGUF metadata or a Hugging Face
+//! `config.json`, validated once so the forward pass can trust them.
+
+use inferd_kernels::ops::RopeStyle;
+
+/// Llama hyperparameters (SmolLM2, TinyLlama, Llama 2/3 share this shape).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaConfig {
+    pub n_layers: usize,
+    pub hidden: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub ffn: usize,
+    pub vocab: usize,
+    pub rope_base: f32,
+    pub rope_style: RopeStyle,
+    pub rms_eps: f32,
+    /// The context length the model was trained for.
+    pub context_len: usize,
+}
+
+impl LlamaConfig {
+    /// Checks the relations the forward pass relies on.
+    pub fn validate(&self) -> Result<(), String> {
+        let nonzero = [
+            self.n_layers,
+            self.hidden,
+            self.n_heads,
+            self.n_kv_heads,
+            self.head_dim,
+            self.ffn,
+            self.vocab,
+            self.context_len,
+        ];
+        if nonzero.contains(&0) {
+            return Err(format!("a model dimension is zero: {self:?}"));
+        }
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
+            return Err(format!("{} query heads are not a multiple of {} KV heads", self.n_heads, self.n_kv_heads));
+        }
+        if self.n_heads / self.n_kv_heads > 64 {
+            return Err(format!("{} query heads per KV head (at most 64 supported)", self.n_heads / self.n_kv_heads));
+        }
+        if !self.head_dim.is_multiple_of(2) {
+            return Err(format!("head dimension {} is odd", self.head_dim));
+        }
+        if self.n_layers > 1024
+            || self.hidden > 1 << 16
+            || self.vocab > 1 << 22
+            || self.ffn > 1 << 18
+            || self.n_heads > 1024
+        {
+            return Err(format!("model dimensions out of range: {self:?}"));
+        }
+        if !(self.rope_base.is_finite() && self.rope_base > 0.0 && self.rms_eps.is_finite() && self.rms_eps >= 0.0) {
+            return Err("rope base or RMS epsilon is not a positive finite number".into());
+        }
+        Ok(())
+    }
+
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+}

@@ -1,0 +1,58 @@
+//! Where inferd looks for things when no flag says: the default model and its directories.
+
+use std::path::PathBuf;
+
+/// File name of the default model, as `packaging/fetch-model` installs it.
+pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// Model directories, most specific first: `$INFERD_MODEL_DIR`, the user's data directory
+/// (`$XDG_DATA_HOME/inferd/models`), then the system store `/var/lib/inferd/models`.
+pub fn model_dirs() -> Vec<PathBuf> {
+    let mut dirs = Vec::new();
+    if let Some(d) = std::env::var_os("INFERD_MODEL_DIR") {
+        dirs.push(PathBuf::from(d));
+    }
+    let data = std::env::var_os("XDG_DATA_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share")));
+    if let Some(d) = data {
+        dirs.push(d.join("inferd/models"));
+    }
+    dirs.push(PathBuf::from("/var/lib/inferd/models"));
+    dirs
+}
+
+/// The default model's path, if it is installed in one of [`model_dirs`].
+pub fn default_model() -> Option<PathBuf> {
+    model_dirs().into_iter().map(|d| d.join(DEFAULT_MODEL_FILE)).find(|p| p.exists())
+}
+
+/// Plugin directories: `explicit` when given, else `$INFERD_PLUGIN_DIR`, the directory of the
+/// running executable unless it is a system bin directory (a build tree: `cargo build` puts
+/// the plugins next to `inferd`), the
+/// user's `$XDG_DATA_HOME/inferd/plugins` and the system's `/usr/lib/inferd/plugins`.
+pub fn plugin_dirs(explicit: &[PathBuf]) -> Vec<PathBuf> {
+    if !explicit.is_empty() {
+        return explicit.iter().map(|d| std::path::absolute(d).unwrap_or_else(|_| d.clone())).collect();
+    }
+    let mut dirs = Vec::new();
+    if let Some(d) = std::env::var_os("INFERD_PLUGIN_DIR") {
+        dirs.push(PathBuf::from(d));
+    }
+    // The executable's own directory when it is a build tree, not a system bin directory
+    // (which holds other shared objects, such as ld.so, that are no plugins).
+    if let Some(d) = std::env::current_exe().ok().and_then(|e| e.parent().map(PathBuf::from)) {
+        if !["/usr/bin", "/usr/local/bin", "/bin", "/usr/sbin", "/sbin"].iter().any(|b| d == std::path::Path::new(b)) {
+            dirs.push(d);
+        }
+    }
+    let data = std::env::var_os("XDG_DATA_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share")));
+    if let Some(d) = data {
+        dirs.push(d.join("inferd/plugins"));
+    }
+    dirs.push(PathBuf::from("/usr/lib/inferd/plugins"));
+    dirs.dedup();
+    dirs
+}

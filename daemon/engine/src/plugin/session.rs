@@ -1,0 +1,489 @@
+//! One request's run of a strategy: create, then plan / observe rounds, then destroy.
+//!
+//! The session owns the request's view of the world that callbacks act on: the handles the
+//! plugin holds (each mapped to a store sequence; handles are never reused, so a stale one is
+//! refused), the choices' tokens and finish reasons, and the seed. Every answer from the plugin
+//! is checked: plan items name live handles and in-vocabulary tokens, emits stay within `n` and
+//! `max_tokens`. A failing call fails this request only and counts toward the strategy's
+//! quarantine; the caller then [`Session::close`]s it, which frees every sequence it still holds.
+
+#![allow(unsafe_code)]
+
+use super::host::{CallCtx, HostErr, HostSide};
+use super::{philox, LoadedStrategy, PluginError};
+use crate::decode::store::{SeqStore, StoreRun, StoreSeq};
+use inferd_plugin_api::abi;
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::{c_void, CString};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// Plan items per round and logits rows per item, at most (a runaway plugin's plan is refused
+/// rather than allocated).
+const MAX_ITEMS: u32 = 4096;
+const MAX_LOGITS: u32 = 1024;
+
+/// Handles are unique for the life of the process.
+static NEXT_HANDLE: AtomicU64 = AtomicU64::new(1);
+
+/// What the host knows about a request when it creates (or validates) a session.
+#[derive(Clone, Debug)]
+pub struct SessionRequest<'a> {
+    pub prompt: &'a [u32],
+    /// Tokens already generated for this request (they follow the prompt in the sequence and
+    /// count for penalties, not against `max_tokens`).
+    pub generated: &'a [u32],
+    pub params: &'a str,
+    pub max_tokens: u32,
+    pub n: u32,
+    pub seed: u64,
+    pub eos: &'a [u32],
+    /// The client wants each token's log-probability.
+    pub logprobs: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    Stop,
+    Length,
+}
+
+/// One completion of a request.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Choice {
+    pub tokens: Vec<u32>,
+    pub logprobs: Vec<f32>,
+    pub finish: Option<FinishReason>,
+}
+
+/// A token as it is emitted: `(choice, token)`.
+pub type OnToken<'a> = &'a mut dyn FnMut(u32, u32);
+
+struct State {
+    strategy: String,
+    stats: BTreeMap<String, f64>,
+    handles: HashMap<abi::Seq, StoreSeq>,
+    choices: Vec<Choice>,
+    max_tokens: u32,
+    vocab: u32,
+    seed: u64,
+}
+
+/// The callbacks' view during one call: the session state, and the store (absent in validate).
+struct Side<'a> {
+    st: &'a mut State,
+    store: Option<&'a mut dyn SeqStore>,
+    on_token: OnToken<'a>,
+}
+
+impl Side<'_> {
+    fn store(&mut self) -> Result<&mut dyn SeqStore, HostErr> {
+        match self.store.as_deref_mut() {
+            Some(s) => Ok(s),
+            None => Err(HostErr::invalid("sequences are not available during validate")),
+        }
+    }
+
+    fn seq(&self, h: abi::Seq) -> Result<StoreSeq, HostErr> {
+        self.st
+            .handles
+            .get(&h)
+            .copied()
+            .ok_or_else(|| HostErr::invalid(format!("sequence handle {h} is not one of this request's")))
+    }
+
+    fn adopt(&mut self, s: StoreSeq) -> abi::Seq {
+        let h = NEXT_HANDLE.fetch_add(1, Ordering::Relaxed);
+        self.st.handles.insert(h, s);
+        h
+    }
+
+    fn choice(&mut self, c: u32) -> Result<&mut Choice, HostErr> {
+        let n = self.st.choices.len();
+        let ch = self
+            .st
+            .choices
+            .get_mut(c as usize)
+            .ok_or_else(|| HostErr::invalid(format!("choice {c} out of range (n = {n})")))?;
+        if ch.finish.is_some() {
+            return Err(HostErr::invalid(format!("choice {c} is already finished")));
+        }
+        Ok(ch)
+    }
+}
+
+fn store_err(e: crate::decode::store::StoreError) -> HostErr {
+    HostErr { status: e.status(), message: e.to_string() }
+}
+
+impl HostSide for Side<'_> {
+    fn log(&mut self, level: i32, message: &str) {
+        let lvl = match level {
+            abi::LOG_ERROR => "error",
+            abi::LOG_WARN => "warning",
+            abi::LOG_INFO => "info",
+            _ => "debug",
+        };
+        if level <= abi::LOG_INFO {
+            eprintln!("inferd: {} plugin {lvl}: {message}", self.st.strategy);
+        }
+    }
+
+    fn seq_create(&mut self, role: u32) -> Result<abi::Seq, HostErr> {
+        let s = self.store()?.create(role, &[]).map_err(store_err)?;
+        Ok(self.adopt(s))
+    }
+
+    fn seq_fork(&mut self, seq: abi::Seq) -> Result<abi::Seq, HostErr> {
+        let s = self.seq(seq)?;
+        let f = self.store()?.fork(s).map_err(store_err)?;
+        Ok(self.adopt(f))
+    }
+
+    fn seq_truncate(&mut self, seq: abi::Seq, len: u32) -> Result<(), HostErr> {
+        let s = self.seq(seq)?;
+        self.store()?.truncate(s, len as usize);
+        Ok(())
+    }
+
+    fn seq_free(&mut self, seq: abi::Seq) -> Result<(), HostErr> {
+        let s = self.seq(seq)?;
+        self.store()?.free(s);
+        self.st.handles.remove(&seq);
+        Ok(())
+    }
+
+    fn seq_tokens(&mut self, seq: abi::Seq) -> Result<Vec<u32>, HostErr> {
+        let s = self.seq(seq)?;
+        Ok(self.store()?.tokens(s))
+    }
+
+    fn emit(&mut self, choice: u32, token: i32, logprob: f32) -> Result<(), HostErr> {
+        let (vocab, max) = (self.st.vocab, self.st.max_tokens);
+        if token < 0 || token as u32 >= vocab {
+            return Err(HostErr::invalid(format!("emitted token {token} outside the vocabulary of {vocab}")));
+        }
+        let ch = self.choice(choice)?;
+        if ch.tokens.len() >= max as usize {
+            return Err(HostErr::invalid(format!("emitted more than max_tokens ({max}) tokens for choice {choice}")));
+        }
+        ch.tokens.push(token as u32);
+        ch.logprobs.push(logprob);
+        (self.on_token)(choice, token as u32);
+        Ok(())
+    }
+
+    fn finish(&mut self, choice: u32, reason: u32) -> Result<(), HostErr> {
+        let r = match reason {
+            abi::FINISH_STOP => FinishReason::Stop,
+            abi::FINISH_LENGTH => FinishReason::Length,
+            other => return Err(HostErr::invalid(format!("unknown finish reason {other}"))),
+        };
+        self.choice(choice)?.finish = Some(r);
+        Ok(())
+    }
+
+    fn random(&mut self, stream: u64, counter: u64) -> [u32; 4] {
+        philox::random(self.st.seed, stream, counter)
+    }
+
+    fn report(&mut self, key: &str, value: f64) -> Result<(), HostErr> {
+        let ok = (1..=64).contains(&key.len())
+            && key.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+        if !ok || !value.is_finite() {
+            return Err(HostErr::invalid(format!("bad statistic {key:?} = {value}")));
+        }
+        if !self.st.stats.contains_key(key) && self.st.stats.len() >= 32 {
+            return Err(HostErr::invalid("more than 32 statistics"));
+        }
+        *self.st.stats.entry(key.to_owned()).or_default() += value;
+        Ok(())
+    }
+}
+
+/// A session-init struct and the memory it points to.
+struct Init {
+    _params: CString,
+    _eos: Vec<i32>,
+    raw: abi::SessionInit,
+}
+
+fn init_for(req: &SessionRequest<'_>, vocab: u32, roles: u32, seq: abi::Seq) -> Result<Init, String> {
+    let params = CString::new(req.params).map_err(|_| "parameters contain a NUL byte".to_string())?;
+    let eos: Vec<i32> = req.eos.iter().map(|&t| t as i32).collect();
+    let raw = abi::SessionInit {
+        header: abi::Header::new::<abi::SessionInit>(abi::TYPE_SESSION_INIT),
+        params_json: params.as_ptr(),
+        seq,
+        prompt_len: req.prompt.len() as u32,
+        vocab_size: vocab,
+        max_tokens: req.max_tokens,
+        n: req.n,
+        eos: eos.as_ptr(),
+        n_eos: eos.len() as u32,
+        roles,
+        seed: req.seed,
+        logprobs: u32::from(req.logprobs),
+        reserved: 0,
+    };
+    Ok(Init { _params: params, _eos: eos, raw })
+}
+
+/// A run of sequence work the session asked for, in store terms.
+pub type Work = Vec<StoreRun>;
+
+/// A live session of one strategy for one request.
+pub struct Session {
+    strategy: Arc<LoadedStrategy>,
+    ptr: *mut c_void,
+    st: State,
+    failed: bool,
+}
+
+impl Session {
+    fn fail(&mut self, message: String) -> PluginError {
+        if !self.failed {
+            self.failed = true;
+            self.strategy.failed();
+        }
+        PluginError::Failed { strategy: self.strategy.name().to_owned(), message }
+    }
+
+    /// Admission check: the strategy accepts the parameters and the request (no sequences yet).
+    /// `roles`: bit `1 << abi::ROLE_*` for each sequence role the request can use.
+    pub fn validate(
+        strategy: &LoadedStrategy,
+        vocab: u32,
+        roles: u32,
+        req: &SessionRequest<'_>,
+    ) -> Result<(), PluginError> {
+        let invalid = |message: String| PluginError::Invalid { strategy: strategy.name().to_owned(), message };
+        if req.n == 0 {
+            return Err(invalid("n must be at least 1".into()));
+        }
+        let init = init_for(req, vocab, roles, 0).map_err(invalid)?;
+        let mut st = State {
+            strategy: strategy.name().to_owned(),
+            stats: BTreeMap::new(),
+            handles: HashMap::new(),
+            choices: Vec::new(),
+            max_tokens: req.max_tokens,
+            vocab,
+            seed: req.seed,
+        };
+        let mut nothing = |_: u32, _: u32| {};
+        let mut side = Side { st: &mut st, store: None, on_token: &mut nothing };
+        let mut ctx = CallCtx::new(&mut side);
+        // SAFETY: a validated entry point of a loaded plugin, with a live call context and an
+        // init struct whose pointers outlive the call.
+        let status = unsafe { (strategy.decl.fns.validate)(ctx.as_call(), &init.raw) };
+        if status == abi::OK {
+            Ok(())
+        } else {
+            Err(invalid(ctx.message(status)))
+        }
+    }
+
+    /// Creates the request's target sequence (prompt, prefix-cached) and the plugin session.
+    pub fn create(
+        strategy: Arc<LoadedStrategy>,
+        store: &mut dyn SeqStore,
+        req: &SessionRequest<'_>,
+        on_token: OnToken<'_>,
+    ) -> Result<Session, PluginError> {
+        let (vocab, roles) = (store.vocab() as u32, store.roles());
+        Self::validate(&strategy, vocab, roles, req)?;
+        let mut s = Session {
+            st: State {
+                strategy: strategy.name().to_owned(),
+                stats: BTreeMap::new(),
+                handles: HashMap::new(),
+                choices: vec![Choice::default(); req.n as usize],
+                max_tokens: req.max_tokens,
+                vocab,
+                seed: req.seed,
+            },
+            strategy,
+            ptr: std::ptr::null_mut(),
+            failed: false,
+        };
+        let full: Vec<u32> = req.prompt.iter().chain(req.generated).copied().collect();
+        let seq = match store.create(abi::ROLE_TARGET, &full) {
+            Ok(q) => q,
+            Err(e) => return Err(s.fail(e.to_string())),
+        };
+        let h = NEXT_HANDLE.fetch_add(1, Ordering::Relaxed);
+        s.st.handles.insert(h, seq);
+        let init = match init_for(req, vocab, roles, h) {
+            Ok(i) => i,
+            Err(e) => {
+                store.free(seq);
+                return Err(s.fail(e));
+            }
+        };
+        let mut out: *mut c_void = std::ptr::null_mut();
+        let status = {
+            let mut side = Side { st: &mut s.st, store: Some(&mut *store), on_token };
+            let mut ctx = CallCtx::new(&mut side);
+            // SAFETY: as in `validate`; `out` is a valid pointer for the plugin's session.
+            let status = unsafe { (s.strategy.decl.fns.create)(ctx.as_call(), &init.raw, &mut out) };
+            (status, if status == abi::OK { String::new() } else { ctx.message(status) })
+        };
+        s.ptr = out;
+        if status.0 != abi::OK || out.is_null() {
+            let msg = if status.0 == abi::OK { "create returned no session".to_string() } else { status.1 };
+            s.release(store);
+            return Err(s.fail(msg));
+        }
+        Ok(s)
+    }
+
+    /// The session's next work, or `None` when every choice is done.
+    pub fn plan(&mut self, store: &mut dyn SeqStore, on_token: OnToken<'_>) -> Result<Option<Work>, PluginError> {
+        let mut plan = abi::Plan {
+            header: abi::Header::new::<abi::Plan>(abi::TYPE_PLAN),
+            items: std::ptr::null(),
+            n_items: 0,
+            item_size: 0,
+            done: 0,
+            reserved: 0,
+        };
+        let (status, msg) = {
+            let mut side = Side { st: &mut self.st, store: Some(&mut *store), on_token };
+            let mut ctx = CallCtx::new(&mut side);
+            // SAFETY: `ptr` is this strategy's live session (never used concurrently); `plan`
+            // is a valid struct for the plugin to fill.
+            let status = unsafe { (self.strategy.decl.fns.plan)(ctx.as_call(), self.ptr, &mut plan) };
+            (status, if status == abi::OK { String::new() } else { ctx.message(status) })
+        };
+        if status != abi::OK {
+            return Err(self.fail(msg));
+        }
+        if plan.done != 0 {
+            return Ok(None);
+        }
+        match self.read_plan(&plan) {
+            Ok(w) if w.is_empty() => Err(self.fail("plan asked for nothing but is not done".into())),
+            Ok(w) => Ok(Some(w)),
+            Err(e) => Err(self.fail(e)),
+        }
+    }
+
+    fn read_plan(&self, plan: &abi::Plan) -> Result<Work, String> {
+        if plan.n_items > MAX_ITEMS {
+            return Err(format!("plan has {} items (at most {MAX_ITEMS})", plan.n_items));
+        }
+        if plan.n_items > 0
+            && (plan.items.is_null() || (plan.item_size as usize) < std::mem::size_of::<abi::PlanItem>())
+        {
+            return Err("plan items missing or of the wrong size".into());
+        }
+        let mut work: Work = Vec::with_capacity(plan.n_items as usize);
+        for i in 0..plan.n_items as usize {
+            // SAFETY: the plugin declares `n_items` items of `item_size` bytes at `items`, valid
+            // until the next call into the session; we read the ABI 1.0 prefix of each.
+            let it = unsafe {
+                plan.items.cast::<u8>().add(i * plan.item_size as usize).cast::<abi::PlanItem>().read_unaligned()
+            };
+            let seq =
+                *self.st.handles.get(&it.seq).ok_or_else(|| {
+                    format!("plan item {i} names sequence handle {} which is not this request's", it.seq)
+                })?;
+            if work.iter().any(|w| w.seq == seq) {
+                return Err(format!("plan names sequence handle {} twice", it.seq));
+            }
+            if it.n_logits > MAX_LOGITS {
+                return Err(format!("plan item {i} asks for {} logits rows (at most {MAX_LOGITS})", it.n_logits));
+            }
+            let tokens: Vec<u32> = if it.n_tokens == 0 {
+                Vec::new()
+            } else if it.tokens.is_null() {
+                return Err(format!("plan item {i} has {} tokens at a null pointer", it.n_tokens));
+            } else {
+                // SAFETY: as above, `n_tokens` tokens at `tokens`.
+                unsafe { std::slice::from_raw_parts(it.tokens, it.n_tokens as usize) }
+                    .iter()
+                    .map(|&t| t as u32)
+                    .collect()
+            };
+            if let Some(&bad) = tokens.iter().find(|&&t| t >= self.st.vocab) {
+                return Err(format!("plan item {i} appends token {} outside the vocabulary", bad as i32));
+            }
+            work.push(StoreRun { seq, tokens, n_logits: it.n_logits as usize });
+        }
+        Ok(work)
+    }
+
+    /// Hands the logits of the last plan's work to the plugin (`rows[i]` for item `i`).
+    pub fn observe(
+        &mut self,
+        store: &mut dyn SeqStore,
+        work: &[StoreRun],
+        rows: &[Vec<f32>],
+        on_token: OnToken<'_>,
+    ) -> Result<(), PluginError> {
+        let vocab = store.vocab();
+        let ptrs: Vec<*const f32> = rows.iter().map(|r| r.as_ptr()).collect();
+        let counts: Vec<u32> =
+            work.iter().zip(rows).map(|(w, r)| (w.n_logits.min(r.len() / vocab.max(1))) as u32).collect();
+        let logits = abi::Logits {
+            header: abi::Header::new::<abi::Logits>(abi::TYPE_LOGITS),
+            n_items: rows.len() as u32,
+            vocab_size: vocab as u32,
+            rows: ptrs.as_ptr(),
+            n_logits: counts.as_ptr(),
+        };
+        let (status, msg) = {
+            let mut side = Side { st: &mut self.st, store: Some(&mut *store), on_token };
+            let mut ctx = CallCtx::new(&mut side);
+            // SAFETY: as in `plan`; `logits` and the rows it points to outlive the call.
+            let status = unsafe { (self.strategy.decl.fns.observe)(ctx.as_call(), self.ptr, &logits) };
+            (status, if status == abi::OK { String::new() } else { ctx.message(status) })
+        };
+        if status != abi::OK {
+            return Err(self.fail(msg));
+        }
+        Ok(())
+    }
+
+    /// Destroys the plugin session and frees every sequence it still holds.
+    fn release(&mut self, store: &mut dyn SeqStore) {
+        if !self.ptr.is_null() {
+            // SAFETY: the live session of this strategy, destroyed exactly once.
+            unsafe { (self.strategy.decl.fns.destroy)(self.ptr) };
+            self.ptr = std::ptr::null_mut();
+        }
+        for (_, s) in self.st.handles.drain() {
+            store.free(s);
+        }
+    }
+
+    /// Statistics the strategy reported so far (`report`), by key.
+    pub fn stats(&self) -> &BTreeMap<String, f64> {
+        &self.st.stats
+    }
+
+    /// Ends the session: the choices, unfinished ones marked by why they stopped.
+    pub fn close(mut self, store: &mut dyn SeqStore) -> Vec<Choice> {
+        self.release(store);
+        if !self.failed {
+            self.strategy.succeeded();
+        }
+        let max = self.st.max_tokens as usize;
+        let mut choices = std::mem::take(&mut self.st.choices);
+        for c in &mut choices {
+            c.finish.get_or_insert(if c.tokens.len() >= max { FinishReason::Length } else { FinishReason::Stop });
+        }
+        choices
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        if !self.ptr.is_null() {
+            // SAFETY: as in `release` (a session dropped without `close` still frees the
+            // plugin's state; its sequences belong to a store we no longer see).
+            unsafe { (self.strategy.decl.fns.destroy)(self.ptr) };
+        }
+    }
+}

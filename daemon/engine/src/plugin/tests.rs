@@ -1,0 +1,179 @@
+//! Sessions against strategies built with the Rust SDK and linked into this test binary
+//! (declared through the same entry point a loaded library exports), on a mock model.
+
+#![allow(unsafe_code)] // `export_plugin!` defines the `#[no_mangle]` entry point
+
+use super::*;
+use crate::decode::generate;
+use crate::decode::store::{MockStore, SeqStore};
+use inferd_plugin_api::abi;
+use inferd_plugin_api::params::Params;
+use inferd_plugin_api::sampler::{Pick, Sampler};
+use inferd_plugin_api::sdk::{Host, Plan, PlanItem, SessionInit, Strategy};
+use std::ffi::CStr;
+
+/// Greedy, but panics at the third token.
+struct Panicky;
+impl Pick for Panicky {
+    const NAME: &'static CStr = c"test-panicky";
+    const DESCRIPTION: &'static CStr = c"panics at the third token";
+    fn parse(_: &mut Params, _: &SessionInit) -> Result<Self, String> {
+        Ok(Panicky)
+    }
+    fn pick(&self, _: &Host, logits: &[f32], _: &[u32], _: u32, position: u32) -> Result<(u32, f32), String> {
+        assert!(position < 2, "deliberate panic at position {position}");
+        Ok((inferd_plugin_api::sampling::argmax(logits), 0.0))
+    }
+}
+
+/// Plain greedy through the shared sampler.
+struct Top1;
+impl Pick for Top1 {
+    const NAME: &'static CStr = c"test-top1";
+    const DESCRIPTION: &'static CStr = c"greedy";
+    fn parse(p: &mut Params, _: &SessionInit) -> Result<Self, String> {
+        p.bool("strict", true).map(|_| Top1)
+    }
+    fn pick(&self, _: &Host, logits: &[f32], _: &[u32], _: u32, _: u32) -> Result<(u32, f32), String> {
+        Ok((inferd_plugin_api::sampling::argmax(logits), 0.0))
+    }
+}
+
+/// Forks sequences it never frees, and emits one token more than allowed when asked.
+struct Leaky {
+    root: abi::Seq,
+    steps: u32,
+    overrun: bool,
+}
+impl Strategy for Leaky {
+    const NAME: &'static CStr = c"test-leaky";
+    const DESCRIPTION: &'static CStr = c"leaks forks";
+    fn validate(_: &Host, init: &SessionInit) -> Result<(), String> {
+        inferd_plugin_api::sdk::parse_params(init, |p| p.bool("overrun", false)).map(drop)
+    }
+    fn create(_: &Host, init: &SessionInit) -> Result<Self, String> {
+        let overrun = inferd_plugin_api::sdk::parse_params(init, |p| p.bool("overrun", false))?;
+        Ok(Leaky { root: init.seq, steps: 0, overrun })
+    }
+    fn plan(&mut self, _: &Host) -> Result<Plan, String> {
+        if self.steps == 3 {
+            return Ok(Plan::Done);
+        }
+        Ok(Plan::Run(vec![PlanItem {
+            seq: self.root,
+            tokens: if self.steps == 0 { vec![] } else { vec![1] },
+            n_logits: 1,
+        }]))
+    }
+    fn observe(&mut self, host: &Host, _: &[&[f32]]) -> Result<(), String> {
+        self.steps += 1;
+        host.seq_fork(self.root)?;
+        host.emit(0, 1, 0.0)?;
+        if self.overrun && self.steps == 2 {
+            host.emit(0, 1, 0.0)?;
+        }
+        Ok(())
+    }
+}
+
+inferd_plugin_api::export_plugin!(name: "in-process-tests", version: "0", strategies: [Sampler<Panicky>, Sampler<Top1>, Leaky]);
+
+fn registry() -> Registry {
+    let mut reg = Registry::default();
+    let decl = loader::declare(inferd_plugin_entry_v1).expect("the in-process plugin declares");
+    reg.add(decl, Path::new("/in-process")).expect("added");
+    reg
+}
+
+/// A mock model over 8 tokens whose next token is (last + 1) % 8; token 7 is end-of-sequence.
+fn counting_model() -> MockStore {
+    MockStore::new(
+        8,
+        Box::new(|prefix: &[u32]| {
+            let next = (prefix.last().copied().unwrap_or(0) + 1) % 8;
+            (0..8).map(|t| if t == next { 5.0 } else { 0.0 }).collect()
+        }),
+    )
+}
+
+fn request<'a>(prompt: &'a [u32], params: &'a str, max_tokens: u32, n: u32) -> SessionRequest<'a> {
+    SessionRequest { logprobs: false, prompt, generated: &[], params, max_tokens, n, seed: 1, eos: &[7] }
+}
+
+#[test]
+fn sessions_decode_and_free_every_sequence() {
+    let reg = registry();
+    let top1 = reg.get("test-top1").unwrap();
+    let mut store = counting_model();
+    let mut seen = Vec::new();
+    let out = generate(&top1, &mut store, &request(&[2], "{}", 10, 1), &mut |c, t| seen.push((c, t))).unwrap();
+    // 3, 4, 5, 6, then 7 is end-of-sequence: not emitted, finish reason stop.
+    assert_eq!(out[0].tokens, vec![3, 4, 5, 6]);
+    assert_eq!(out[0].finish, Some(FinishReason::Stop));
+    assert_eq!(seen, vec![(0, 3), (0, 4), (0, 5), (0, 6)]);
+    let out = generate(&top1, &mut store, &request(&[2], "{}", 2, 3), &mut |_, _| {}).unwrap();
+    assert_eq!(out.len(), 3);
+    assert!(out.iter().all(|c| c.tokens == vec![3, 4] && c.finish == Some(FinishReason::Length)));
+    assert_eq!(store.live(), 0, "every sequence is freed");
+}
+
+#[test]
+fn parameters_are_checked_before_anything_runs() {
+    let reg = registry();
+    let top1 = reg.get("test-top1").unwrap();
+    let mut store = counting_model();
+    for (params, why) in [
+        (r#"{"strict": 1}"#, "true or false"),
+        (r#"{"stict": true}"#, "unknown parameter stict"),
+        ("[]", "JSON object"),
+    ] {
+        let e = generate(&top1, &mut store, &request(&[2], params, 4, 1), &mut |_, _| {}).unwrap_err();
+        assert!(e.to_string().contains(why), "{e}");
+        assert_eq!(store.positions_run, [0, 0], "nothing ran");
+    }
+    assert!(!top1.quarantined(), "invalid requests are the client's fault, not the plugin's");
+    let e = reg.get("no-such").unwrap_err();
+    assert!(e.to_string().contains("test-top1"), "the error lists what is available: {e}");
+}
+
+#[test]
+fn a_panicking_plugin_fails_its_request_only_and_is_quarantined_after_repeated_failures() {
+    let reg = registry();
+    let bad = reg.get("test-panicky").unwrap();
+    let good = reg.get("test-top1").unwrap();
+    let mut store = counting_model();
+    for i in 0..QUARANTINE_AFTER {
+        let e = generate(&bad, &mut store, &request(&[0], "{}", 10, 2), &mut |_, _| {}).unwrap_err();
+        assert!(e.to_string().contains("panicked") && e.to_string().contains("deliberate panic"), "{e}");
+        assert_eq!(store.live(), 0, "the failed request's sequences are freed");
+        // Every other request goes on.
+        let ok = generate(&good, &mut store, &request(&[0], "{}", 3, 1), &mut |_, _| {}).unwrap();
+        assert_eq!(ok[0].tokens, vec![1, 2, 3]);
+        assert_eq!(reg.get("test-panicky").is_err(), i + 1 == QUARANTINE_AFTER);
+    }
+    assert!(matches!(reg.get("test-panicky"), Err(PluginError::Quarantined(_))));
+}
+
+#[test]
+fn leaked_sequences_are_freed_and_overruns_refused() {
+    let reg = registry();
+    let leaky = reg.get("test-leaky").unwrap();
+    let mut store = counting_model();
+    let out = generate(&leaky, &mut store, &request(&[0], "{}", 5, 1), &mut |_, _| {}).unwrap();
+    assert_eq!(out[0].tokens, vec![1, 1, 1]);
+    assert_eq!(store.live(), 0, "three leaked forks and the target are freed at the end");
+    let e = generate(&leaky, &mut store, &request(&[0], r#"{"overrun": true}"#, 2, 1), &mut |_, _| {}).unwrap_err();
+    assert!(e.to_string().contains("more than max_tokens"), "{e}");
+    assert_eq!(store.live(), 0);
+}
+
+#[test]
+fn continued_requests_keep_their_history_out_of_max_tokens() {
+    let reg = registry();
+    let top1 = reg.get("test-top1").unwrap();
+    let mut store = counting_model();
+    let req = SessionRequest { generated: &[3, 4], ..request(&[2], "{}", 2, 1) };
+    let out = generate(&top1, &mut store, &req, &mut |_, _| {}).unwrap();
+    assert_eq!(out[0].tokens, vec![5, 6]);
+    assert_eq!(store.tokens(1), Vec::<u32>::new(), "freed");
+}

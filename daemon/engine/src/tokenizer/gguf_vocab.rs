@@ -1,0 +1,156 @@
+//! Builds a [`Tokenizer`] from the vocabulary a GGUF file carries (`tokenizer.ggml.*`).
+//!
+//! - `gpt2` models: byte-level BPE from the token list and merges, with the pre-tokenizer named
+//!   by `tokenizer.ggml.pre` (the same regex cascade the model was trained with).
+//! - `llama` models (SentencePiece): BPE whose merges are derived from the token scores, byte
+//!   fallback through the `<0xNN>` tokens, `▁` for spaces.
+//!
+//! Control and user-defined tokens become special added tokens, parsed only when asked.
+
+use super::{ByteEncoding, Tokenizer, TokenizerError};
+use crate::model::gguf::{Gguf, Value};
+use std::collections::HashMap;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::{AddedToken, DecoderWrapper, PreTokenizerWrapper, SplitDelimiterBehavior};
+
+/// The Llama 3 / cl100k pre-tokenizer pattern.
+const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+fn strings(g: &Gguf, key: &str) -> Result<Vec<String>, TokenizerError> {
+    let arr = g.get(key).and_then(Value::as_array).ok_or_else(|| TokenizerError::Invalid(format!("missing {key}")))?;
+    arr.iter()
+        .map(|v| {
+            v.as_str().map(str::to_string).ok_or_else(|| TokenizerError::Invalid(format!("{key} holds a non-string")))
+        })
+        .collect()
+}
+
+fn id(g: &Gguf, key: &str) -> Option<u32> {
+    g.get(key).and_then(Value::as_u64).and_then(|v| u32::try_from(v).ok())
+}
+
+fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper, TokenizerError> {
+    let byte_level = |regex| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, false, regex));
+    Ok(match pre {
+        "gpt2" | "default" => byte_level(true),
+        "smollm" => PreTokenizerWrapper::Sequence(Sequence::new(vec![
+            PreTokenizerWrapper::Digits(Digits::new(true)),
+            byte_level(true),
+        ])),
+        "llama-bpe" | "llama3" | "llama-v3" => {
+            let split = Split::new(SplitPattern::Regex(LLAMA3_PATTERN.into()), SplitDelimiterBehavior::Isolated, false)
+                .map_err(|e| TokenizerError::Invalid(e.to_string()))?;
+            PreTokenizerWrapper::Sequence(Sequence::new(vec![PreTokenizerWrapper::Split(split), byte_level(false)]))
+        }
+        other => {
+            return Err(TokenizerError::Unsupported(format!(
+                "GGUF pre-tokenizer '{other}' (supported: gpt2, smollm, llama-bpe)"
+            )))
+        }
+    })
+}
+
+/// Merges for a SentencePiece vocabulary: every split of a token into two known tokens, ranked by
+/// the merged token's score (higher first), as SentencePiece's BPE applies them.
+fn spm_merges(tokens: &[String], scores: &[f32], normal: &dyn Fn(usize) -> bool) -> Vec<(String, String)> {
+    let index: HashMap<&str, usize> = tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i)).collect();
+    let mut merges: Vec<(f32, usize, usize, String, String)> = Vec::new();
+    for (i, t) in tokens.iter().enumerate() {
+        if !normal(i) || t.chars().count() < 2 {
+            continue;
+        }
+        for (cut, _) in t.char_indices().skip(1) {
+            let (l, r) = t.split_at(cut);
+            if let (Some(&li), Some(&ri)) = (index.get(l), index.get(r)) {
+                merges.push((scores.get(i).copied().unwrap_or(0.0), li, ri, l.to_string(), r.to_string()));
+            }
+        }
+    }
+    merges.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+    merges.into_iter().map(|m| (m.3, m.4)).collect()
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer described by a GGUF file's `tokenizer.ggml.*` metadata.
+    pub fn from_gguf(g: &Gguf) -> Result<Tokenizer, TokenizerError> {
+        let model = g.get("tokenizer.ggml.model").and_then(Value::as_str).unwrap_or("");
+        let tokens = strings(g, "tokenizer.ggml.tokens")?;
+        let types: Vec<i64> = match g.get("tokenizer.ggml.token_type").and_then(Value::as_array) {
+            Some(a) => {
+                a.iter().map(|v| if let Value::I64(x) = v { *x } else { v.as_u64().unwrap_or(1) as i64 }).collect()
+            }
+            None => vec![1; tokens.len()],
+        };
+        let ty = |i: usize| types.get(i).copied().unwrap_or(1);
+        let vocab: tokenizers::models::bpe::Vocab =
+            tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+        let (bpe, pre, decoder, enc) = match model {
+            "gpt2" => {
+                let merges: Vec<(String, String)> = strings(g, "tokenizer.ggml.merges")?
+                    .into_iter()
+                    .map(|m| {
+                        m.split_once(' ')
+                            .map(|(a, b)| (a.to_string(), b.to_string()))
+                            .ok_or_else(|| TokenizerError::Invalid(format!("merge '{m}' has no space")))
+                    })
+                    .collect::<Result<_, _>>()?;
+                let pre_name = g.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or("default");
+                let ignore_merges = matches!(pre_name, "llama-bpe" | "llama3" | "llama-v3");
+                let bpe = BPE::builder().vocab_and_merges(vocab, merges).ignore_merges(ignore_merges).build();
+                (
+                    bpe,
+                    pre_tokenizer(pre_name)?,
+                    DecoderWrapper::ByteLevel(ByteLevel::default()),
+                    ByteEncoding::ByteLevel,
+                )
+            }
+            "llama" => {
+                let scores: Vec<f32> = match g.get("tokenizer.ggml.scores").and_then(Value::as_array) {
+                    Some(a) => a.iter().map(|v| v.as_f64().unwrap_or(0.0) as f32).collect(),
+                    None => vec![0.0; tokens.len()],
+                };
+                let merges = spm_merges(&tokens, &scores, &|i| ty(i) == 1);
+                let unk = id(g, "tokenizer.ggml.unknown_token_id")
+                    .and_then(|i| tokens.get(i as usize))
+                    .cloned()
+                    .unwrap_or_else(|| "<unk>".into());
+                let bpe = BPE::builder().vocab_and_merges(vocab, merges).byte_fallback(true).unk_token(unk).build();
+                let meta = Metaspace::new('\u{2581}', PrependScheme::First, false);
+                (
+                    bpe,
+                    PreTokenizerWrapper::Metaspace(meta.clone()),
+                    DecoderWrapper::Metaspace(meta),
+                    ByteEncoding::SentencePiece,
+                )
+            }
+            other => {
+                return Err(TokenizerError::Unsupported(format!(
+                    "GGUF tokenizer model '{other}' (supported: gpt2, llama)"
+                )))
+            }
+        };
+        let bpe = bpe.map_err(|e| TokenizerError::Invalid(e.to_string()))?;
+        let mut tk = tokenizers::Tokenizer::new(bpe);
+        tk.with_pre_tokenizer(Some(pre));
+        tk.with_decoder(Some(decoder));
+        // Control (3) and user-defined (4) tokens are matched as whole special tokens.
+        let added: Vec<AddedToken> = tokens
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| matches!(ty(*i), 3 | 4))
+            .map(|(_, t)| AddedToken::from(t.clone(), true))
+            .collect();
+        tk.add_special_tokens(&added);
+        let bos = id(g, "tokenizer.ggml.bos_token_id");
+        let add_bos = g.get("tokenizer.ggml.add_bos_token").and_then(Value::as_bool).unwrap_or(model == "llama");
+        let mut eos: Vec<u32> =
+            ["eos", "eot", "eom"].iter().filter_map(|k| id(g, &format!("tokenizer.ggml.{k}_token_id"))).collect();
+        eos.dedup();
+        Tokenizer::assemble(tk, &tokens, enc, bos, add_bos, eos)
+    }
+}

@@ -1,0 +1,227 @@
+//! Text <-> token ids, with the `tokenizers` crate doing the splitting and merging.
+//!
+//! A [`Tokenizer`] is built from a Hugging Face `tokenizer.json` or from the vocabulary stored in a
+//! GGUF file ([`gguf_vocab`]). Besides encode/decode it keeps the exact byte string of every token
+//! ([`Tokenizer::token_bytes`]), which [`stream::StreamDecoder`] uses to stream text without ever
+//! emitting a broken UTF-8 sequence.
+
+pub mod gguf_vocab;
+pub mod stream;
+
+use std::collections::HashSet;
+use std::path::Path;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("unsupported tokenizer: {0}")]
+    Unsupported(String),
+    #[error("invalid tokenizer data: {0}")]
+    Invalid(String),
+    #[error("tokenizing failed: {0}")]
+    Encode(String),
+    #[error("token id {0} is outside the vocabulary")]
+    BadId(u32),
+}
+
+/// How a vocabulary spells bytes in its token strings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ByteEncoding {
+    /// GPT-2 byte-level BPE: every byte is mapped to a printable character.
+    ByteLevel,
+    /// SentencePiece: `▁` is a space, `<0xNN>` tokens are raw bytes.
+    SentencePiece,
+}
+
+/// A model's tokenizer.
+pub struct Tokenizer {
+    /// Splits special-token text (`<|im_start|>`) into its special ids.
+    special: tokenizers::Tokenizer,
+    /// Treats special-token text as plain text.
+    plain: tokenizers::Tokenizer,
+    bos: Option<u32>,
+    add_bos: bool,
+    eos: Vec<u32>,
+    specials: HashSet<u32>,
+    bytes: Vec<Vec<u8>>,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab", &self.bytes.len())
+            .field("bos", &self.bos)
+            .field("eos", &self.eos)
+            .finish_non_exhaustive()
+    }
+}
+
+/// GPT-2's reversible byte -> printable character map.
+pub fn byte_to_char() -> [char; 256] {
+    let mut map = ['\0'; 256];
+    let mut extra = 0u32;
+    for b in 0..=255u8 {
+        let printable = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        map[b as usize] = if printable {
+            char::from(b)
+        } else {
+            extra += 1;
+            char::from_u32(255 + extra).unwrap_or('\0')
+        };
+    }
+    map
+}
+
+/// The byte string a vocabulary entry stands for.
+fn token_to_bytes(token: &str, enc: ByteEncoding, inverse: &std::collections::HashMap<char, u8>) -> Vec<u8> {
+    match enc {
+        ByteEncoding::ByteLevel => {
+            let mapped: Option<Vec<u8>> = token.chars().map(|c| inverse.get(&c).copied()).collect();
+            mapped.unwrap_or_else(|| token.as_bytes().to_vec())
+        }
+        ByteEncoding::SentencePiece => {
+            if let Some(hex) = token.strip_prefix("<0x").and_then(|s| s.strip_suffix('>')) {
+                if let Ok(b) = u8::from_str_radix(hex, 16) {
+                    return vec![b];
+                }
+            }
+            token.replace('\u{2581}', " ").into_bytes()
+        }
+    }
+}
+
+impl Tokenizer {
+    /// Wraps a built `tokenizers` pipeline. `vocab` lists every token string by id.
+    pub(crate) fn assemble(
+        mut special: tokenizers::Tokenizer,
+        vocab: &[String],
+        enc: ByteEncoding,
+        bos: Option<u32>,
+        add_bos: bool,
+        eos: Vec<u32>,
+    ) -> Result<Tokenizer, TokenizerError> {
+        special.set_encode_special_tokens(false);
+        let mut plain = special.clone();
+        plain.set_encode_special_tokens(true);
+        let inverse: std::collections::HashMap<char, u8> =
+            byte_to_char().iter().enumerate().map(|(b, c)| (*c, b as u8)).collect();
+        let specials: HashSet<u32> =
+            special.get_added_tokens_decoder().iter().filter(|(_, t)| t.special).map(|(id, _)| *id).collect();
+        let bytes =
+            vocab
+                .iter()
+                .enumerate()
+                .map(|(id, t)| {
+                    if specials.contains(&(id as u32)) {
+                        t.as_bytes().to_vec()
+                    } else {
+                        token_to_bytes(t, enc, &inverse)
+                    }
+                })
+                .collect();
+        let n = vocab.len() as u32;
+        if bos.is_some_and(|b| b >= n) || eos.iter().any(|&e| e >= n) {
+            return Err(TokenizerError::Invalid(format!("BOS/EOS ids {bos:?}/{eos:?} outside a vocabulary of {n}")));
+        }
+        Ok(Tokenizer { special, plain, bos, add_bos, eos, specials, bytes })
+    }
+
+    /// Writes the tokenizer as a Hugging Face `tokenizer.json` (with its special tokens).
+    pub fn save_hf(&self, path: &Path) -> Result<(), TokenizerError> {
+        self.special.save(path, false).map_err(|e| TokenizerError::Invalid(format!("writing {}: {e}", path.display())))
+    }
+
+    /// Whether encoding with special tokens starts with BOS.
+    pub fn adds_bos(&self) -> bool {
+        self.add_bos
+    }
+
+    /// Loads a Hugging Face `tokenizer.json`.
+    pub fn from_hf_file(
+        path: &Path,
+        bos: Option<u32>,
+        eos: Vec<u32>,
+        add_bos: bool,
+    ) -> Result<Tokenizer, TokenizerError> {
+        let tk = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| TokenizerError::Invalid(format!("{}: {e}", path.display())))?;
+        let size = tk.get_vocab_size(true);
+        let mut vocab = vec![String::new(); size];
+        for (t, id) in tk.get_vocab(true) {
+            if let Some(slot) = vocab.get_mut(id as usize) {
+                *slot = t;
+            }
+        }
+        let enc = match tk.get_decoder() {
+            Some(tokenizers::DecoderWrapper::ByteLevel(_)) => ByteEncoding::ByteLevel,
+            _ => ByteEncoding::SentencePiece,
+        };
+        Tokenizer::assemble(tk, &vocab, enc, bos, add_bos, eos)
+    }
+
+    /// Token ids for `text`. With `parse_special`, special-token text becomes the special ids;
+    /// without, it is tokenized as ordinary text. The BOS token is prepended when the model wants it.
+    pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, TokenizerError> {
+        let tk = if parse_special { &self.special } else { &self.plain };
+        let enc = tk.encode_fast(text, false).map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        let mut ids = Vec::with_capacity(enc.get_ids().len() + 1);
+        if self.add_bos {
+            ids.extend(self.bos);
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    /// The text of `ids`; special tokens are dropped when `skip_special`.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TokenizerError> {
+        let mut out = Vec::new();
+        for &id in ids {
+            if skip_special && self.specials.contains(&id) {
+                continue;
+            }
+            out.extend_from_slice(self.token_bytes(id)?);
+        }
+        Ok(String::from_utf8_lossy(&out).into_owned())
+    }
+
+    /// The exact bytes token `id` stands for.
+    pub fn token_bytes(&self, id: u32) -> Result<&[u8], TokenizerError> {
+        self.bytes.get(id as usize).map(Vec::as_slice).ok_or(TokenizerError::BadId(id))
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.bytes.len()
+    }
+
+    pub fn is_special(&self, id: u32) -> bool {
+        self.specials.contains(&id)
+    }
+
+    /// Tokens that end generation (EOS and end-of-turn).
+    pub fn eos(&self) -> &[u32] {
+        &self.eos
+    }
+
+    pub fn bos(&self) -> Option<u32> {
+        self.bos
+    }
+
+    /// Text of a special token such as BOS/EOS, for chat templates.
+    pub fn token_text(&self, id: u32) -> String {
+        self.bytes.get(id as usize).map(|b| String::from_utf8_lossy(b).into_owned()).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_map_is_a_bijection_onto_printables() {
+        let m = byte_to_char();
+        let set: HashSet<char> = m.iter().copied().collect();
+        assert_eq!(set.len(), 256);
+        assert_eq!(m[b' ' as usize], '\u{120}'); // 'Ġ'
+        assert_eq!(m[b'\n' as usize], '\u{10a}'); // 'Ċ'
+        assert_eq!(m[b'A' as usize], 'A');
+    }
+}
