@@ -11,7 +11,7 @@ pub mod loader;
 pub mod philox;
 pub mod session;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 pub use loader::{Declaration, StrategyDecl};
 pub use session::{Choice, FinishReason, Session, SessionRequest};

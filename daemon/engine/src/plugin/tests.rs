@@ -39,6 +39,20 @@ impl Pick for Top1 {
     }
 }
 
+/// Draws uniformly among tokens 0..=6 from the request's random stream: seeded, so a
+/// recompute gives the same tokens (the scheduler's replay after a preemption relies on it).
+struct Draw;
+impl Pick for Draw {
+    const NAME: &'static CStr = c"test-draw";
+    const DESCRIPTION: &'static CStr = c"uniform draws from the host's counter-based generator";
+    fn parse(_: &mut Params, _: &SessionInit) -> Result<Self, String> {
+        Ok(Draw)
+    }
+    fn pick(&self, host: &Host, _: &[f32], _: &[u32], choice: u32, position: u32) -> Result<(u32, f32), String> {
+        Ok(((host.uniform(u64::from(choice), u64::from(position))? * 7.0) as u32, 0.0))
+    }
+}
+
 /// Forks sequences it never frees, and emits one token more than allowed when asked.
 struct Leaky {
     root: abi::Seq,
@@ -76,9 +90,10 @@ impl Strategy for Leaky {
     }
 }
 
-inferd_plugin_api::export_plugin!(name: "in-process-tests", version: "0", strategies: [Sampler<Panicky>, Sampler<Top1>, Leaky]);
+inferd_plugin_api::export_plugin!(name: "in-process-tests", version: "0", strategies: [Sampler<Panicky>, Sampler<Top1>, Sampler<Draw>, Leaky]);
 
-fn registry() -> Registry {
+/// The strategies above (`test-top1`, `test-draw`, ...), for every test of this crate.
+pub(crate) fn registry() -> Registry {
     let mut reg = Registry::default();
     let decl = loader::declare(inferd_plugin_entry_v1).expect("the in-process plugin declares");
     reg.add(decl, Path::new("/in-process")).expect("added");

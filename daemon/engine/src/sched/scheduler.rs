@@ -1,0 +1,596 @@
+//! The scheduler: every request from submission to its one way out.
+//!
+//! Each [`Scheduler::step`]
+//! 1. retires requests whose client stopped them or went away,
+//! 2. admits waiting requests while the KV cache has room for their prompts (`queue.rs`),
+//! 3. asks every running session for its plan and decides, under the step's token budget,
+//!    which plans run, which prompts get a chunk and which wait (`budget.rs`),
+//! 4. runs everything in one forward and hands every session its rows,
+//! 5. retires finished and failed requests at once, so a short request never waits for a
+//!    long one, and preempts when the cache ran out.
+//!
+//! Preemption (recompute, as vLLM does): when a step does not fit and nobody left, the newest
+//! running request gives all its blocks back and waits at the front of the queue; nothing is
+//! admitted until a request leaves (otherwise it comes straight back and the cache overflows
+//! again). Its client does not notice but for the pause: a single choice continues from the
+//! tokens it already streamed (they become part of the prompt); several choices, or any
+//! strategy whose state is more than its tokens, are recomputed from the prompt with the same
+//! seed (the engine is batch-invariant and the plugin's randomness counter-based, so the same
+//! tokens come again) and what was already streamed is not sent twice. A request is failed for
+//! want of blocks only when it runs alone and still does not fit: the whole cache is too small
+//! for it.
+//!
+//! Every request leaves through [`Scheduler::retire`]: its session closed (every sequence
+//! freed), counted once, its client told once.
+
+use super::budget::{decide, Decision, PlanSize};
+use super::queue::{Candidate, Turns};
+use super::{Command, Event, LoopConfig, LoopStats, RequestId, Submission};
+use crate::decode::store::{SeqStore, StoreError, StoreRun, StoreSeq};
+use crate::decode::Generation;
+use crate::engine::EngineError;
+use crate::plugin::{Choice, FinishReason, Session, SessionRequest};
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+/// How a request left.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Done, or stopped by its client (a stop string): it got its answer.
+    Finished,
+    Cancelled,
+    Failed(String),
+}
+
+/// What one step did, for tests and reports.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepOutput {
+    pub admitted: Vec<RequestId>,
+    /// Requests that left (this step, or by a command since the last one), and how.
+    pub retired: Vec<(RequestId, Outcome)>,
+    pub preempted: Vec<RequestId>,
+    /// Plans that ran whole, and the tokens they appended (prompts included).
+    pub planned: Vec<(RequestId, usize)>,
+    /// Prompt chunks that ran without their plan.
+    pub chunks: Vec<(RequestId, usize)>,
+    /// Tokens sent to clients.
+    pub emitted: u64,
+}
+
+/// Where a request is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RequestState {
+    Waiting,
+    /// Preempted, waiting to be recomputed.
+    Preempted,
+    /// Running, its prompt not run yet (or still in chunks).
+    Prefilling,
+    Decoding,
+}
+
+/// What the monitor counts, gathered since it last looked.
+#[derive(Debug, Default)]
+pub struct Observations {
+    pub ttft: Vec<f64>,
+    pub latency: Vec<f64>,
+    pub outcomes: Vec<StrategyOutcome>,
+}
+
+/// A request of a strategy left: finished or not, with how many tokens.
+#[derive(Debug)]
+pub struct StrategyOutcome {
+    pub strategy: String,
+    pub ok: bool,
+    pub tokens: u64,
+}
+
+/// A request's progress, kept across preemptions.
+struct Progress {
+    sub: Submission,
+    /// Tokens sent to the client, per choice.
+    streamed: Vec<Vec<u32>>,
+    /// Its first token went out (TTFT recorded).
+    started: bool,
+}
+
+struct Waiting {
+    req: Progress,
+    /// It was preempted: it goes back before anyone else.
+    resumed: bool,
+}
+
+/// How a running session relates to what its client has already been sent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Resume {
+    /// A fresh request, or a single choice continuing after the first `base` tokens (they are
+    /// part of the session's prompt).
+    Continue { base: usize },
+    /// Recomputed from the prompt: each choice's first tokens are already sent.
+    Replay,
+}
+
+struct Running {
+    req: Progress,
+    session: Session,
+    resume: Resume,
+    /// Tokens the session has emitted per choice (replay: compared with what was sent).
+    emitted: Vec<usize>,
+    /// The client went away: close at the start of the next step.
+    gone: bool,
+    /// The client stopped it (a stop string): finish it at the start of the next step.
+    stop: bool,
+    /// A recompute produced other tokens than the client was sent.
+    diverged: bool,
+    /// Its prompt has been run (its first plan was observed).
+    prefilled: bool,
+    /// Its plan waited for a step with room; it goes first next time.
+    deferred: bool,
+}
+
+/// Sends a running request's tokens: records them, suppresses what a replay already sent,
+/// marks a client that is gone.
+struct Emit<'a> {
+    req: &'a mut Progress,
+    resume: Resume,
+    emitted: &'a mut Vec<usize>,
+    gone: &'a mut bool,
+    diverged: &'a mut bool,
+    sent: &'a mut u64,
+    ttft: &'a mut Vec<f64>,
+}
+
+impl Emit<'_> {
+    fn token(&mut self, choice: u32, token: u32) {
+        let c = choice as usize;
+        if self.emitted.len() <= c {
+            self.emitted.resize(c + 1, 0);
+            self.req.streamed.resize(c + 1, Vec::new());
+        }
+        let k = self.emitted[c];
+        self.emitted[c] += 1;
+        if self.resume == Resume::Replay && k < self.req.streamed[c].len() {
+            if self.req.streamed[c][k] != token {
+                *self.diverged = true;
+            }
+            return;
+        }
+        self.req.streamed[c].push(token);
+        if !self.req.started {
+            self.req.started = true;
+            self.ttft.push(self.req.sub.meta.submitted.elapsed().as_secs_f64());
+        }
+        *self.sent += 1;
+        if !(self.req.sub.events)(Event::Token { choice, token }) {
+            *self.gone = true;
+        }
+    }
+}
+
+/// How a request is leaving.
+enum Exit {
+    /// Done (or stopped by its client) with these choices.
+    Finished(Generation),
+    Cancelled,
+    Failed(String),
+}
+
+/// The scheduler of one engine; see the module docs.
+pub struct Scheduler {
+    cfg: LoopConfig,
+    waiting: VecDeque<Waiting>,
+    running: Vec<Running>,
+    /// After a preemption nothing is admitted until a request leaves.
+    hold: bool,
+    turns: Turns,
+    stats: LoopStats,
+    out: StepOutput,
+    seen: Observations,
+}
+
+impl Scheduler {
+    pub fn new(cfg: LoopConfig) -> Self {
+        Scheduler {
+            cfg,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            hold: false,
+            turns: Turns::default(),
+            stats: LoopStats::default(),
+            out: StepOutput::default(),
+            seen: Observations::default(),
+        }
+    }
+
+    pub fn stats(&self) -> &LoopStats {
+        &self.stats
+    }
+
+    pub fn running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Every request and where it is: the queue in order, then the running ones.
+    pub fn requests(&self) -> Vec<(RequestId, RequestState)> {
+        let waiting = self
+            .waiting
+            .iter()
+            .map(|w| (w.req.sub.id, if w.resumed { RequestState::Preempted } else { RequestState::Waiting }));
+        let running = self
+            .running
+            .iter()
+            .map(|r| (r.req.sub.id, if r.prefilled { RequestState::Decoding } else { RequestState::Prefilling }));
+        waiting.chain(running).collect()
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.running.is_empty() && self.waiting.is_empty()
+    }
+
+    /// What the monitor has not seen yet.
+    pub fn take_observations(&mut self) -> Observations {
+        std::mem::take(&mut self.seen)
+    }
+
+    /// Takes one command (not [`Command::Shutdown`], which is [`Scheduler::shutdown`]).
+    pub fn handle(&mut self, cmd: Command, store: &mut dyn SeqStore) {
+        match cmd {
+            Command::Submit(sub) => {
+                let streamed = vec![Vec::new(); sub.n.max(1) as usize];
+                self.waiting.push_back(Waiting { req: Progress { sub, streamed, started: false }, resumed: false });
+            }
+            Command::Cancel(id) => {
+                if let Some(i) = self.waiting.iter().position(|w| w.req.sub.id == id) {
+                    if let Some(w) = self.waiting.remove(i) {
+                        self.retire(w.req, None, Exit::Cancelled, store);
+                    }
+                }
+                if let Some(r) = self.running.iter_mut().find(|r| r.req.sub.id == id) {
+                    r.gone = true;
+                }
+            }
+            Command::Stop(id) => {
+                if let Some(r) = self.running.iter_mut().find(|r| r.req.sub.id == id) {
+                    r.stop = true;
+                }
+                // Preempted and waiting: it ends with what it streamed.
+                if let Some(i) = self.waiting.iter().position(|w| w.req.sub.id == id) {
+                    if let Some(w) = self.waiting.remove(i) {
+                        let choices = w
+                            .req
+                            .streamed
+                            .iter()
+                            .map(|t| Choice {
+                                tokens: t.clone(),
+                                logprobs: Vec::new(),
+                                finish: Some(FinishReason::Stop),
+                            })
+                            .collect();
+                        let g = Generation { choices, stats: Default::default() };
+                        self.retire(w.req, None, Exit::Finished(g), store);
+                    }
+                }
+            }
+            Command::Shutdown => self.shutdown(store, Vec::new()),
+        }
+    }
+
+    /// Fails everything not finished, and the submissions among `late` (commands that came
+    /// with or after the shutdown).
+    pub fn shutdown(&mut self, store: &mut dyn SeqStore, late: Vec<Command>) {
+        const WHY: &str = "the daemon is shutting down";
+        for c in late {
+            if let Command::Submit(mut sub) = c {
+                (sub.events)(Event::Failed(WHY.into()));
+            }
+        }
+        for w in std::mem::take(&mut self.waiting) {
+            self.retire(w.req, None, Exit::Failed(WHY.into()), store);
+        }
+        for r in std::mem::take(&mut self.running) {
+            self.retire(r.req, Some(r.session), Exit::Failed(WHY.into()), store);
+        }
+    }
+
+    /// One step; see the module docs. Returns what it did (and what commands did since).
+    pub fn step(&mut self, store: &mut dyn SeqStore) -> StepOutput {
+        self.retire_requested(store);
+        self.admit(store);
+        if !self.running.is_empty() {
+            self.run(store);
+        }
+        std::mem::take(&mut self.out)
+    }
+
+    /// Requests whose client stopped them (finished) or went away (cancelled).
+    fn retire_requested(&mut self, store: &mut dyn SeqStore) {
+        for r in std::mem::take(&mut self.running) {
+            // A stopped request whose client then left (it got its answer and closed) still
+            // counts as finished.
+            if r.stop {
+                let stats = r.session.stats().clone();
+                let choices = r.session.close(store);
+                let g = Generation { choices: merged(&r.req, r.resume, choices), stats };
+                self.retire(r.req, None, Exit::Finished(g), store);
+            } else if r.gone {
+                self.retire(r.req, Some(r.session), Exit::Cancelled, store);
+            } else {
+                self.running.push(r);
+            }
+        }
+    }
+
+    /// Admits waiting requests while the cache has room for the prompt plus one block of
+    /// growth per running request (and always one request when none runs).
+    fn admit(&mut self, store: &mut dyn SeqStore) {
+        // Without a bounded cache there is no prefix cache to wait for either.
+        let share = store.capacity().is_some();
+        loop {
+            if (self.hold && !self.running.is_empty()) || self.running.len() >= self.cfg.max_running.max(1) {
+                return;
+            }
+            let next = {
+                let cands: Vec<Candidate<'_>> = self
+                    .waiting
+                    .iter()
+                    .map(|w| Candidate { meta: w.req.sub.meta, prompt: &w.req.sub.prompt, resumed: w.resumed })
+                    .collect();
+                let uids: Vec<u32> = self.running.iter().map(|r| r.req.sub.meta.uid).collect();
+                let prefilling: Vec<&[u32]> = if share {
+                    self.running.iter().filter(|r| !r.prefilled).map(|r| r.req.sub.prompt.as_slice()).collect()
+                } else {
+                    Vec::new()
+                };
+                self.turns.next(&cands, &uids, &prefilling)
+            };
+            let Some(i) = next else { return };
+            let w = &self.waiting[i];
+            let resume = resume_for(&w.req);
+            if let Some((free, bs)) = store.capacity() {
+                let base = match resume {
+                    Resume::Continue { base } => base,
+                    Resume::Replay => 0,
+                };
+                let need = (w.req.sub.prompt.len() + base + 1).div_ceil(bs);
+                if need + self.running.len() > free && !self.running.is_empty() {
+                    return;
+                }
+                if need > free {
+                    // Nothing else runs, so everything is free: larger than the cache.
+                    if let Some(w) = self.waiting.remove(i) {
+                        let why =
+                            format!("the request needs {need} KV blocks, more than the cache holds ({free} free)");
+                        self.retire(w.req, None, Exit::Failed(why), store);
+                    }
+                    continue;
+                }
+            }
+            let Some(w) = self.waiting.remove(i) else { return };
+            self.turns.admitted(w.req.sub.meta.uid);
+            let generated: &[u32] = match resume {
+                Resume::Continue { base } => &w.req.streamed[0][..base],
+                Resume::Replay => &[],
+            };
+            let req = SessionRequest {
+                prompt: &w.req.sub.prompt,
+                generated,
+                params: &w.req.sub.params,
+                max_tokens: w.req.sub.max_tokens - generated.len() as u32,
+                n: w.req.sub.n,
+                seed: w.req.sub.seed,
+                eos: &self.cfg.eos,
+                logprobs: w.req.sub.logprobs,
+            };
+            // (Creating a session emits nothing.)
+            match Session::create(Arc::clone(&w.req.sub.strategy), store, &req, &mut |_, _| {}) {
+                Ok(session) => {
+                    self.out.admitted.push(w.req.sub.id);
+                    let emitted = vec![0; w.req.streamed.len()];
+                    self.running.push(Running {
+                        req: w.req,
+                        session,
+                        resume,
+                        emitted,
+                        gone: false,
+                        stop: false,
+                        diverged: false,
+                        prefilled: false,
+                        deferred: false,
+                    });
+                }
+                Err(e) => self.retire(w.req, None, Exit::Failed(e.to_string()), store),
+            }
+        }
+    }
+
+    /// Plans, budget, one forward, observe, retire, preempt.
+    fn run(&mut self, store: &mut dyn SeqStore) {
+        let mut sent = 0u64;
+        // 1. Every session's plan.
+        let mut plans: Vec<(usize, Vec<StoreRun>)> = Vec::new();
+        let mut done: Vec<(usize, Result<(), String>)> = Vec::new();
+        for (i, r) in self.running.iter_mut().enumerate() {
+            let Running { req, session, resume, emitted, gone, diverged, .. } = r;
+            let mut emit =
+                Emit { req, resume: *resume, emitted, gone, diverged, sent: &mut sent, ttft: &mut self.seen.ttft };
+            match session.plan(store, &mut |c, t| emit.token(c, t)) {
+                Ok(Some(work)) => plans.push((i, work)),
+                Ok(None) => done.push((i, Ok(()))),
+                Err(e) => done.push((i, Err(e.to_string()))),
+            }
+        }
+        // 2. The budget decides.
+        let sizes: Vec<PlanSize> = plans
+            .iter()
+            .map(|(i, work)| {
+                let pending: usize = work.iter().map(|w| store.pending(w.seq)).sum();
+                let kept = work.iter().filter(|w| w.tokens.is_empty() && store.pending(w.seq) > 0).count();
+                PlanSize {
+                    tokens: work.iter().map(|w| w.tokens.len().max(1)).sum(),
+                    pending,
+                    chunkable: pending - kept,
+                    deferred: self.running[*i].deferred,
+                }
+            })
+            .collect();
+        let decisions = decide(&sizes, self.cfg.token_budget);
+        let mut batch: Vec<StoreRun> = Vec::new();
+        let mut parts: Vec<(usize, std::ops::Range<usize>)> = Vec::new();
+        let mut chunks: Vec<(StoreSeq, usize)> = Vec::new();
+        for ((i, work), (d, size)) in plans.into_iter().zip(decisions.into_iter().zip(&sizes)) {
+            let id = self.running[i].req.sub.id;
+            self.running[i].deferred = d == Decision::Defer;
+            match d {
+                Decision::Run => {
+                    self.out.planned.push((id, size.tokens + size.pending));
+                    parts.push((i, batch.len()..batch.len() + work.len()));
+                    batch.extend(work);
+                }
+                Decision::Chunk(mut k) => {
+                    self.out.chunks.push((id, k));
+                    for w in &work {
+                        let keep = usize::from(w.tokens.is_empty());
+                        let take = store.pending(w.seq).saturating_sub(keep).min(k);
+                        if take > 0 {
+                            chunks.push((w.seq, take));
+                            k -= take;
+                        }
+                    }
+                }
+                Decision::Defer => {}
+            }
+        }
+        // 3. One forward for everyone.
+        let mut preempt = false;
+        if !batch.is_empty() || !chunks.is_empty() {
+            self.stats.steps += 1;
+            // Each part's rows, from one batch, or (when the batch failed for another reason
+            // than a full cache) from running each part alone, so only the request at fault fails.
+            let results: Vec<Result<Vec<Vec<f32>>, StoreError>> = match store.run_with_prefill(&batch, &chunks) {
+                Ok(mut rows) => parts.iter().map(|(_, r)| Ok(rows.drain(..r.len()).collect())).collect(),
+                Err(StoreError::Engine(EngineError::OutOfBlocks(_))) => {
+                    preempt = true;
+                    Vec::new()
+                }
+                Err(_) => parts.iter().map(|(_, r)| store.run(&batch[r.clone()])).collect(),
+            };
+            for ((i, range), rows) in parts.iter().zip(results) {
+                let Running { req, session, resume, emitted, gone, diverged, prefilled, .. } = &mut self.running[*i];
+                *prefilled = true;
+                let mut emit =
+                    Emit { req, resume: *resume, emitted, gone, diverged, sent: &mut sent, ttft: &mut self.seen.ttft };
+                let outcome = match rows {
+                    Ok(rows) => session
+                        .observe(store, &batch[range.clone()], &rows, &mut |c, t| emit.token(c, t))
+                        .map_err(|e| e.to_string()),
+                    Err(e) => Err(format!("running the model: {e}")),
+                };
+                if let Err(e) = outcome {
+                    done.push((*i, Err(e)));
+                }
+            }
+        }
+        self.out.emitted += sent;
+        // A recompute that diverged from what its client saw cannot go on consistently.
+        for (i, r) in self.running.iter().enumerate() {
+            if r.diverged {
+                let why = "recomputing after a preemption gave other tokens than were sent".to_string();
+                done.push((i, Err(why)));
+            }
+        }
+        // 4. Retire finished and failed requests; preempt when the cache ran out and nobody
+        // left (requests leaving give their blocks back: the step is simply tried again).
+        done.sort_by_key(|d| std::cmp::Reverse(d.0));
+        done.dedup_by_key(|d| d.0);
+        let left = !done.is_empty();
+        for (i, outcome) in done {
+            let r = self.running.remove(i);
+            match outcome {
+                Ok(()) => {
+                    let stats = r.session.stats().clone();
+                    let choices = r.session.close(store);
+                    let g = Generation { choices: merged(&r.req, r.resume, choices), stats };
+                    self.retire(r.req, None, Exit::Finished(g), store);
+                }
+                Err(msg) => self.retire(r.req, Some(r.session), Exit::Failed(msg), store),
+            }
+        }
+        if preempt && !left {
+            self.preempt(store);
+        }
+    }
+
+    /// The newest running request gives its blocks back and waits to be recomputed; alone, it
+    /// can never fit and fails.
+    fn preempt(&mut self, store: &mut dyn SeqStore) {
+        let Some(r) = self.running.pop() else { return };
+        if self.running.is_empty() {
+            let why = "out of KV cache blocks: the request does not fit in the cache".to_string();
+            self.retire(r.req, Some(r.session), Exit::Failed(why), store);
+            return;
+        }
+        self.hold = true;
+        self.stats.preempted += 1;
+        self.out.preempted.push(r.req.sub.id);
+        r.session.close(store);
+        self.waiting.push_front(Waiting { req: r.req, resumed: true });
+    }
+
+    /// The one way out: the session (if any) closed, the request counted once and its client
+    /// told once.
+    fn retire(&mut self, mut req: Progress, session: Option<Session>, exit: Exit, store: &mut dyn SeqStore) {
+        if let Some(s) = session {
+            s.close(store);
+        }
+        self.hold = false;
+        let id = req.sub.id;
+        let strategy = req.sub.strategy.name().to_owned();
+        let (outcome, event) = match exit {
+            Exit::Finished(g) => {
+                self.stats.finished += 1;
+                let tokens = g.choices.iter().map(|c| c.tokens.len() as u64).sum();
+                self.seen.outcomes.push(StrategyOutcome { strategy, ok: true, tokens });
+                self.seen.latency.push(req.sub.meta.submitted.elapsed().as_secs_f64());
+                (Outcome::Finished, Event::Finished(g))
+            }
+            Exit::Cancelled => {
+                self.stats.cancelled += 1;
+                (Outcome::Cancelled, Event::Failed("cancelled".into()))
+            }
+            Exit::Failed(msg) => {
+                self.stats.failed += 1;
+                let tokens = req.streamed.iter().map(|t| t.len() as u64).sum();
+                self.seen.outcomes.push(StrategyOutcome { strategy, ok: false, tokens });
+                (Outcome::Failed(msg.clone()), Event::Failed(msg))
+            }
+        };
+        (req.sub.events)(event);
+        self.out.retired.push((id, outcome));
+    }
+}
+
+/// How a (re)admitted request relates to what its client was sent: one choice continues from
+/// its streamed tokens; several are recomputed from the prompt.
+fn resume_for(req: &Progress) -> Resume {
+    if req.sub.n <= 1 {
+        Resume::Continue { base: req.streamed.first().map_or(0, Vec::len) }
+    } else {
+        Resume::Replay
+    }
+}
+
+/// A session's choices as the client saw them: a continued choice gets back the tokens it had
+/// streamed before the session began.
+fn merged(req: &Progress, resume: Resume, mut choices: Vec<Choice>) -> Vec<Choice> {
+    if let (Resume::Continue { base }, Some(c), Some(s)) = (resume, choices.first_mut(), req.streamed.first()) {
+        if base > 0 {
+            let mut all = s[..base].to_vec();
+            all.append(&mut c.tokens);
+            c.tokens = all;
+        }
+    }
+    choices
+}

@@ -1,0 +1,358 @@
+//! The scheduler on its own, over a mock model with a bounded cache (`MockStore::with_blocks`)
+//! and the in-process test strategies: scenario tables for admission by blocks, fairness and
+//! priorities, chunked prefill, preemption and recompute, the shared-prefix wait and a cancel
+//! or stop arriving in every state.
+
+use super::*;
+use crate::decode::generate;
+use crate::decode::store::MockStore;
+use crate::plugin::{Registry, SessionRequest};
+use std::collections::HashMap;
+use std::sync::mpsc::{channel, Receiver, Sender};
+
+const EOS: u32 = 7;
+
+/// A model over 8 tokens whose next token is `last % 6 + 1`: it never says end-of-sequence.
+fn model() -> MockStore {
+    MockStore::new(
+        8,
+        Box::new(|p: &[u32]| {
+            let next = p.last().map_or(1, |t| t % 6 + 1);
+            (0..8).map(|t| if t == next { 5.0 } else { 0.0 }).collect()
+        }),
+    )
+}
+
+/// A prompt of `len` tokens; different `salt`s (1 to 6) share no prefix.
+fn prompt(salt: u32, len: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| (i * 5 + salt) % 6 + 1).collect()
+}
+
+#[derive(Clone)]
+struct Spec {
+    id: RequestId,
+    strategy: &'static str,
+    prompt: Vec<u32>,
+    max_tokens: u32,
+    n: u32,
+    uid: u32,
+    priority: Priority,
+}
+
+fn spec(id: RequestId, strategy: &'static str, prompt: Vec<u32>, max_tokens: u32, n: u32) -> Spec {
+    Spec { id, strategy, prompt, max_tokens, n, uid: 0, priority: Priority::Interactive }
+}
+
+/// What a request's client heard.
+#[derive(Debug, Default)]
+struct Heard {
+    tokens: Vec<Vec<u32>>,
+    end: Vec<Result<Generation, String>>,
+}
+
+struct Harness {
+    sched: Scheduler,
+    store: MockStore,
+    reg: Registry,
+    tx: Sender<(RequestId, Event)>,
+    rx: Receiver<(RequestId, Event)>,
+    heard: HashMap<RequestId, Heard>,
+    steps: Vec<StepOutput>,
+}
+
+impl Harness {
+    fn new(blocks: usize, block_size: usize, token_budget: usize, max_running: usize) -> Self {
+        let (tx, rx) = channel();
+        Harness {
+            sched: Scheduler::new(LoopConfig { token_budget, max_running, eos: vec![EOS], monitor: None }),
+            store: model().with_blocks(blocks, block_size),
+            reg: crate::plugin::tests::registry(),
+            tx,
+            rx,
+            heard: HashMap::new(),
+            steps: Vec::new(),
+        }
+    }
+
+    fn submit(&mut self, s: &Spec) {
+        let tx = self.tx.clone();
+        let id = s.id;
+        let sub = Submission {
+            id,
+            strategy: self.reg.get(s.strategy).unwrap(),
+            prompt: s.prompt.clone(),
+            params: "{}".into(),
+            max_tokens: s.max_tokens,
+            n: s.n,
+            seed: 1000 + id,
+            logprobs: false,
+            meta: RequestMeta { uid: s.uid, priority: s.priority, ..Default::default() },
+            events: Box::new(move |e| tx.send((id, e)).is_ok()),
+        };
+        self.sched.handle(Command::Submit(sub), &mut self.store);
+    }
+
+    fn command(&mut self, c: Command) {
+        self.sched.handle(c, &mut self.store);
+    }
+
+    fn step(&mut self) -> StepOutput {
+        let out = self.sched.step(&mut self.store);
+        for (id, e) in self.rx.try_iter() {
+            let h = self.heard.entry(id).or_default();
+            match e {
+                Event::Token { choice, token } => {
+                    if h.tokens.len() <= choice as usize {
+                        h.tokens.resize(choice as usize + 1, Vec::new());
+                    }
+                    h.tokens[choice as usize].push(token);
+                }
+                Event::Finished(g) => h.end.push(Ok(g)),
+                Event::Failed(m) => h.end.push(Err(m)),
+            }
+        }
+        self.steps.push(out.clone());
+        out
+    }
+
+    fn run_until_idle(&mut self) {
+        for _ in 0..10_000 {
+            if self.sched.is_idle() {
+                return;
+            }
+            self.step();
+        }
+        panic!("the scheduler did not finish its work");
+    }
+
+    /// The step (index) in which `id` did something `what` says.
+    fn first_step(&self, what: impl Fn(&StepOutput) -> bool) -> Option<usize> {
+        self.steps.iter().position(what)
+    }
+
+    /// Every sequence freed, no block held.
+    fn assert_clean(&self) {
+        assert_eq!(self.store.live(), 0, "sequences leaked");
+        assert_eq!(self.store.blocks_used(), 0, "blocks leaked");
+    }
+}
+
+/// The choices `s` gets alone, with nothing else running and room to spare.
+fn alone(reg: &Registry, s: &Spec) -> Vec<Vec<u32>> {
+    let req = SessionRequest {
+        prompt: &s.prompt,
+        generated: &[],
+        params: "{}",
+        max_tokens: s.max_tokens,
+        n: s.n,
+        seed: 1000 + s.id,
+        eos: &[EOS],
+        logprobs: false,
+    };
+    generate(&reg.get(s.strategy).unwrap(), &mut model(), &req, &mut |_, _| {})
+        .unwrap()
+        .into_iter()
+        .map(|c| c.tokens)
+        .collect()
+}
+
+/// `id` finished once, with the choices it gets alone, and streamed exactly those tokens.
+fn assert_finished_as_alone(h: &Harness, s: &Spec) {
+    let heard = &h.heard[&s.id];
+    assert_eq!(heard.end.len(), 1, "request {} ended {} times", s.id, heard.end.len());
+    let g = heard.end[0].as_ref().unwrap_or_else(|e| panic!("request {} failed: {e}", s.id));
+    let got: Vec<Vec<u32>> = g.choices.iter().map(|c| c.tokens.clone()).collect();
+    assert_eq!(got, alone(&h.reg, s), "request {}: choices differ from the request alone", s.id);
+    assert_eq!(heard.tokens, got, "request {}: the stream is not the answer (a token sent twice or lost)", s.id);
+}
+
+#[test]
+fn admission_by_blocks() {
+    // (cache blocks, prompt lengths, admitted in the first step, failed in it). Blocks of 4
+    // tokens; a prompt needs its tokens plus one, and each running request keeps one block of
+    // growth.
+    type Row = (usize, &'static [usize], &'static [RequestId], &'static [RequestId]);
+    let table: &[Row] = &[
+        (64, &[20, 20, 20], &[1, 2, 3], &[]),
+        (6, &[20, 20], &[1], &[]),
+        (10, &[20, 20], &[1, 2], &[]),
+        // Larger than the whole cache: fails at admission, the next one goes on.
+        (10, &[60, 8], &[2], &[1]),
+    ];
+    for &(blocks, lens, admitted, failed) in table {
+        let mut h = Harness::new(blocks, 4, 512, 64);
+        let specs: Vec<Spec> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| spec(i as u64 + 1, "test-top1", prompt(i as u32 + 1, l), 4, 1))
+            .collect();
+        specs.iter().for_each(|s| h.submit(s));
+        let out = h.step();
+        assert_eq!(out.admitted, admitted, "{blocks} blocks, prompts {lens:?}");
+        let f: Vec<RequestId> =
+            out.retired.iter().filter(|(_, o)| matches!(o, Outcome::Failed(_))).map(|(id, _)| *id).collect();
+        assert_eq!(f, failed, "{blocks} blocks, prompts {lens:?}");
+        h.run_until_idle();
+        for s in specs.iter().filter(|s| !failed.contains(&s.id)) {
+            assert_finished_as_alone(&h, s);
+        }
+        h.assert_clean();
+    }
+}
+
+#[test]
+fn users_take_turns_and_priority_classes_go_in_order() {
+    use Priority::{Background as Bg, Interactive as It};
+    // (uid, priority) in submission order -> the order of first tokens, one request at a time.
+    type Row = (&'static [(u32, Priority)], &'static [RequestId]);
+    let table: &[Row] = &[
+        (&[(1, It), (1, It), (1, It), (1, It), (3, Bg), (2, It), (2, It)], &[1, 6, 2, 7, 3, 4, 5]),
+        (&[(7, It), (7, It), (7, Bg), (7, It)], &[1, 2, 4, 3]),
+        // User 1's interactive request first; then user 2, who has not had a turn yet.
+        (&[(1, Bg), (2, Bg), (1, It)], &[3, 2, 1]),
+    ];
+    for &(reqs, want) in table {
+        let mut h = Harness::new(256, 4, 512, 1);
+        for (i, &(uid, priority)) in reqs.iter().enumerate() {
+            let s = Spec { uid, priority, ..spec(i as u64 + 1, "test-top1", prompt(1, 4), 2, 1) };
+            h.submit(&s);
+        }
+        h.run_until_idle();
+        let order: Vec<RequestId> = h.steps.iter().flat_map(|s| s.admitted.clone()).collect();
+        assert_eq!(order, want, "{reqs:?}");
+        h.assert_clean();
+    }
+}
+
+#[test]
+fn preemption_recomputes_every_strategy_and_n_without_failing_or_repeating() {
+    // Two requests that each fit the cache alone but not together: the newer one is preempted
+    // and recomputed (one choice continues from its streamed tokens; several are replayed
+    // from the prompt with the same seed). Nobody fails, every answer equals the request
+    // alone, and every client's stream is exactly its answer.
+    for (strategy, n, blocks) in [("test-top1", 1, 8), ("test-draw", 1, 8), ("test-top1", 4, 24), ("test-draw", 4, 24)]
+    {
+        let mut h = Harness::new(blocks, 4, 512, 64);
+        let specs = [spec(1, strategy, prompt(1, 8), 12, n), spec(2, strategy, prompt(2, 8), 12, n)];
+        specs.iter().for_each(|s| h.submit(s));
+        h.run_until_idle();
+        let ctx = format!("{strategy}, n = {n}");
+        assert!(h.sched.stats().preempted >= 1, "{ctx}: nothing was preempted");
+        assert_eq!(h.sched.stats().failed, 0, "{ctx}");
+        assert_eq!(h.sched.stats().finished, 2, "{ctx}");
+        specs.iter().for_each(|s| assert_finished_as_alone(&h, s));
+        h.assert_clean();
+    }
+}
+
+#[test]
+fn a_request_that_cannot_fit_even_alone_fails_and_frees_its_blocks() {
+    // The prompt fits, but four choices of 24 tokens do not: alone and still out of blocks.
+    let mut h = Harness::new(12, 4, 512, 64);
+    h.submit(&spec(1, "test-top1", prompt(1, 8), 24, 4));
+    h.run_until_idle();
+    let end = &h.heard[&1].end;
+    assert!(matches!(&end[..], [Err(m)] if m.contains("does not fit")), "{end:?}");
+    h.assert_clean();
+}
+
+#[test]
+fn a_short_request_behind_a_long_prompt_answers_within_a_few_steps() {
+    // Budget 64: the long prompt takes 32 steps alone. The short request arrives after the
+    // first step; it is prefilled whole in the next one, ahead of the long prompt, and while
+    // it decodes the long prompt's chunks shrink to a quarter of the budget.
+    let mut h = Harness::new(4096, 16, 64, 64);
+    let long = spec(1, "test-top1", prompt(1, 2000), 4, 1);
+    let short = spec(2, "test-top1", prompt(2, 8), 4, 1);
+    h.submit(&long);
+    let first = h.step();
+    assert_eq!(first.chunks, vec![(1, 64)], "alone, a long prompt takes the whole budget");
+    h.submit(&short);
+    let arrived = h.steps.len();
+    h.run_until_idle();
+    let token = |id| h.first_step(|s| s.planned.iter().any(|p| p.0 == id)).unwrap();
+    let done = |id| h.first_step(|s| s.retired.iter().any(|r| r.0 == id)).unwrap();
+    assert!(token(2) - arrived <= 1, "the short prompt waited {} steps", token(2) - arrived);
+    assert!(done(2) - arrived <= 5, "the short request took {} steps", done(2) - arrived);
+    assert!(done(2) < token(1), "the short request finished before the long prompt's first token");
+    // (Its own prefill step is not decoding yet: the long prompt may use the rest then.)
+    for s in &h.steps[token(2) + 1..done(2)] {
+        let chunk: usize = s.chunks.iter().map(|c| c.1).sum();
+        assert!(chunk <= 16, "a chunk of {chunk} tokens while another request decoded");
+    }
+    assert_finished_as_alone(&h, &long);
+    assert_finished_as_alone(&h, &short);
+    h.assert_clean();
+}
+
+#[test]
+fn a_prompt_sharing_a_long_prefix_waits_for_its_prefill_only() {
+    // b shares 200 tokens with a, which is prefilled in chunks: b is admitted once a's prompt
+    // has run (then the prefix cache would have it), not before and not after a finishes.
+    let mut h = Harness::new(4096, 16, 64, 64);
+    let shared = prompt(1, 200);
+    let a = spec(1, "test-top1", [shared.clone(), vec![1, 2]].concat(), 8, 1);
+    let b = spec(2, "test-top1", [shared, vec![3, 4]].concat(), 8, 1);
+    h.submit(&a);
+    h.submit(&b);
+    h.run_until_idle();
+    let a_ran = h.first_step(|s| s.planned.iter().any(|p| p.0 == 1)).unwrap();
+    let b_in = h.first_step(|s| s.admitted.contains(&2)).unwrap();
+    let a_done = h.first_step(|s| s.retired.iter().any(|r| r.0 == 1)).unwrap();
+    assert!(b_in > a_ran && b_in < a_done, "a's prompt ran in step {a_ran}, b came in {b_in}, a left in {a_done}");
+    assert_finished_as_alone(&h, &a);
+    assert_finished_as_alone(&h, &b);
+    h.assert_clean();
+}
+
+/// Steps `h` until some request is in `state`; returns it.
+fn reach(h: &mut Harness, state: RequestState) -> RequestId {
+    for _ in 0..200 {
+        if let Some(&(id, _)) = h.sched.requests().iter().find(|r| r.1 == state) {
+            return id;
+        }
+        h.step();
+    }
+    panic!("never reached {state:?}");
+}
+
+#[test]
+fn a_cancel_or_stop_arriving_in_every_state_ends_that_request_alone() {
+    for state in [RequestState::Waiting, RequestState::Prefilling, RequestState::Decoding, RequestState::Preempted] {
+        for stop in [false, true] {
+            // Two long generations that do not fit together (preemption), a long prompt
+            // (chunked prefill) and a third request waiting behind max_running.
+            let mut h = Harness::new(40, 4, 32, 2);
+            let specs = [
+                spec(1, "test-draw", prompt(1, 100), 40, 1),
+                spec(2, "test-top1", prompt(2, 8), 40, 2),
+                spec(3, "test-top1", prompt(3, 8), 6, 1),
+            ];
+            specs.iter().for_each(|s| h.submit(s));
+            let target = reach(&mut h, state);
+            let sent_before = h.heard.get(&target).map(|x| x.tokens.clone()).unwrap_or_default();
+            h.command(if stop { Command::Stop(target) } else { Command::Cancel(target) });
+            h.run_until_idle();
+            let ctx = format!("{} in state {state:?} (request {target})", if stop { "stop" } else { "cancel" });
+            let heard = &h.heard[&target];
+            assert_eq!(heard.end.len(), 1, "{ctx}: told {} times", heard.end.len());
+            match (&heard.end[0], stop) {
+                (Err(m), false) => assert_eq!(m, "cancelled", "{ctx}"),
+                (Ok(g), true) => {
+                    // It ends with what its client had, and nothing is sent after the stop.
+                    let got: Vec<Vec<u32>> = g.choices.iter().map(|c| c.tokens.clone()).collect();
+                    assert_eq!(heard.tokens, sent_before, "{ctx}: tokens after the stop");
+                    let sent: Vec<&Vec<u32>> = heard.tokens.iter().filter(|t| !t.is_empty()).collect();
+                    assert_eq!(got.iter().filter(|t| !t.is_empty()).collect::<Vec<_>>(), sent, "{ctx}");
+                }
+                (end, _) => panic!("{ctx}: ended with {end:?}"),
+            }
+            for s in specs.iter().filter(|s| s.id != target) {
+                assert_finished_as_alone(&h, s);
+            }
+            let st = h.sched.stats();
+            assert_eq!((st.cancelled, st.failed), (u64::from(!stop), 0), "{ctx}");
+            h.assert_clean();
+        }
+    }
+}
