@@ -10,7 +10,7 @@
 use crate::cpu::{Kernels, GEMV_TOKENS};
 use crate::packed::{Packed16, LANES};
 use crate::pool::{SyncPtr, ThreadPool};
-use crate::quant::{BlockQ8, DType, QK};
+use crate::quant::{BlockQ8, DType, FloatType, QuantType, WeightClass, QK};
 
 /// A borrowed weight matrix.
 #[derive(Clone, Copy, Debug)]
@@ -112,29 +112,28 @@ pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<
             // column `r` of output `m`; the outputs outlive `pool.run`.
             unsafe { *out.get().add(tok * n + r) = v };
         };
-        match gemv {
-            Some(gemv) if w.dtype.is_quantized() => rows_times_token(k, gemv, w, x, r0, r1, &store),
-            _ => rows_times_tokens(k, w, x, &packed, r0, r1, &store),
+        match (w.dtype.class(), gemv) {
+            (WeightClass::Quantized(q), Some(gemv)) => rows_times_token(k, gemv, q, w, x, r0, r1, &store),
+            (WeightClass::Quantized(q), None) => quantized_rows(k, q, w, x, &packed, r0, r1, &store),
+            (WeightClass::Float(f), _) => float_rows(k, f, w, x, r0, r1, &store),
         }
     };
     pool.run(tasks, &task);
 }
 
 /// Rows `r0..r1` against every token, one token at a time, 16 rows per kernel call.
+#[allow(clippy::too_many_arguments)]
 fn rows_times_token(
     k: &Kernels,
     gemv: crate::cpu::Gemv16,
+    q: QuantType,
     w: &Matrix<'_>,
     x: &Input<'_>,
     r0: usize,
     r1: usize,
     store: &dyn Fn(usize, usize, f32),
 ) {
-    let one = match w.dtype {
-        DType::Q4_0 => k.dot_q4_0,
-        DType::Q4_1 => k.dot_q4_1,
-        _ => k.dot_q8_0,
-    };
+    let (one, _) = k.quant_dots(q);
     let (nb, rb) = (w.cols / QK, w.row_bytes());
     let acts: Vec<&[BlockQ8]> = x.q8.chunks_exact(nb).collect();
     // Tokens in groups: each 16-row block is unpacked once per group.
@@ -143,7 +142,7 @@ fn rows_times_token(
         let out = &mut out[..group.len()];
         let mut r = r0;
         while r + 16 <= r1 {
-            gemv(w.dtype, &w.data[r * rb..(r + 16) * rb], rb, group, out);
+            gemv(q, &w.data[r * rb..(r + 16) * rb], rb, group, out);
             for (j, v) in out.iter().enumerate() {
                 for (i, &vi) in v.iter().enumerate() {
                     store(g * GEMV_TOKENS + j, r + i, vi);
@@ -159,8 +158,12 @@ fn rows_times_token(
     }
 }
 
-fn rows_times_tokens(
+/// Quantized rows `r0..r1` against every token: 16 tokens per `gemm16` call where `packed`
+/// holds them, else four tokens per weight unpack.
+#[allow(clippy::too_many_arguments)]
+fn quantized_rows(
     k: &Kernels,
+    q: QuantType,
     w: &Matrix<'_>,
     x: &Input<'_>,
     packed: &[Packed16],
@@ -169,14 +172,14 @@ fn rows_times_tokens(
     store: &dyn Fn(usize, usize, f32),
 ) {
     let t = x.tokens;
-    if let (Some(gemm), true, false) = (k.gemm16, w.dtype.is_quantized(), packed.is_empty()) {
+    if let (Some(gemm), false) = (k.gemm16, packed.is_empty()) {
         for (g, p) in packed.iter().enumerate() {
             // Rows per call: 2 when the group holds every token twice (the last row of an odd
             // range is passed twice and stored once).
             let per = if (t - g * LANES).min(LANES) <= LANES / 2 { 2 } else { 1 };
             for r in (r0..r1).step_by(per) {
                 let rows = [w.row(r), w.row((r + 1).min(r1 - 1))];
-                let v = gemm(w.dtype, &rows[..per], p);
+                let v = gemm(q, &rows[..per], p);
                 for (lane, &vl) in v.iter().enumerate().take(p.tokens) {
                     let (tok, rr) = (g * LANES + lane / per, r + lane % per);
                     if rr < r1 {
@@ -185,53 +188,58 @@ fn rows_times_tokens(
                 }
             }
         }
-    } else if w.dtype.is_quantized() {
-        let (one, four) = match w.dtype {
-            DType::Q4_0 => (k.dot_q4_0, k.dot_q4_0_x4),
-            DType::Q4_1 => (k.dot_q4_1, k.dot_q4_1_x4),
-            _ => (k.dot_q8_0, k.dot_q8_0_x4),
-        };
-        let nb = w.cols / QK;
-        let act = |tok: usize| &x.q8[tok * nb..(tok + 1) * nb];
-        let mut tok = 0;
+        return;
+    }
+    let (one, four) = k.quant_dots(q);
+    let nb = w.cols / QK;
+    let act = |tok: usize| &x.q8[tok * nb..(tok + 1) * nb];
+    let mut tok = 0;
+    while tok + 4 <= t {
+        let a = [act(tok), act(tok + 1), act(tok + 2), act(tok + 3)];
+        for r in r0..r1 {
+            let v = four(w.row(r), a);
+            for (j, vj) in v.into_iter().enumerate() {
+                store(tok + j, r, vj);
+            }
+        }
+        tok += 4;
+    }
+    for tok in tok..t {
+        for r in r0..r1 {
+            store(tok, r, one(w.row(r), act(tok)));
+        }
+    }
+}
+
+/// Float rows `r0..r1` against every token, four tokens per weight conversion where the type
+/// has a kernel for it.
+fn float_rows(
+    k: &Kernels,
+    f: FloatType,
+    w: &Matrix<'_>,
+    x: &Input<'_>,
+    r0: usize,
+    r1: usize,
+    store: &dyn Fn(usize, usize, f32),
+) {
+    let t = x.tokens;
+    let (dot, four) = k.float_dots(f);
+    let xr = |tok: usize| &x.f32[tok * w.cols..(tok + 1) * w.cols];
+    let mut tok = 0;
+    if let Some(four) = four {
         while tok + 4 <= t {
-            let a = [act(tok), act(tok + 1), act(tok + 2), act(tok + 3)];
             for r in r0..r1 {
-                let v = four(w.row(r), a);
+                let v = four(w.row(r), [xr(tok), xr(tok + 1), xr(tok + 2), xr(tok + 3)]);
                 for (j, vj) in v.into_iter().enumerate() {
                     store(tok + j, r, vj);
                 }
             }
             tok += 4;
         }
-        for tok in tok..t {
-            for r in r0..r1 {
-                store(tok, r, one(w.row(r), act(tok)));
-            }
-        }
-    } else {
-        let (dot, four) = match w.dtype {
-            DType::F32 => (k.dot_f32, None),
-            DType::F16 => (k.dot_f16, Some(k.dot_f16_x4)),
-            _ => (k.dot_bf16, Some(k.dot_bf16_x4)),
-        };
-        let xr = |tok: usize| &x.f32[tok * w.cols..(tok + 1) * w.cols];
-        let mut tok = 0;
-        if let Some(four) = four {
-            while tok + 4 <= t {
-                for r in r0..r1 {
-                    let v = four(w.row(r), [xr(tok), xr(tok + 1), xr(tok + 2), xr(tok + 3)]);
-                    for (j, vj) in v.into_iter().enumerate() {
-                        store(tok + j, r, vj);
-                    }
-                }
-                tok += 4;
-            }
-        }
-        for tok in tok..t {
-            for r in r0..r1 {
-                store(tok, r, dot(w.row(r), xr(tok)));
-            }
+    }
+    for tok in tok..t {
+        for r in r0..r1 {
+            store(tok, r, dot(w.row(r), xr(tok)));
         }
     }
 }

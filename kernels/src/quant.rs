@@ -1,16 +1,13 @@
 //! Tensor element types and their block layouts, bit-compatible with GGUF/GGML.
 //!
-//! Quantized types store a row of `k` weights as `k / 32` blocks:
-//!
-//! - Q4_0: `{ d: f16, qs: [u8; 16] }`, weight = d * (q - 8)
-//! - Q4_1: `{ d: f16, m: f16, qs: [u8; 16] }`, weight = d * q + m
-//! - Q8_0: `{ d: f16, qs: [i8; 32] }`, weight = d * q
-//!
-//! In the 4-bit formats byte `j` holds element `j` in its low nibble and element `j + 16` in its
-//! high nibble. Activations are quantized per 32-block to [`BlockQ8`] (8-bit, like llama.cpp's
-//! Q8_1: the block sum is kept so the Q4_1 offset term costs one multiply per block).
+//! Quantized types store a row of `k` weights as `k / 32` blocks, each a `#[repr(C)]` struct
+//! whose size and field offsets are asserted at compile time ([`BlockQ8_0`], [`BlockQ4_0`],
+//! [`BlockQ4_1`]); the kernels read those bytes in place from the memory map. Activations are
+//! quantized per 32-block to [`BlockQ8`] (8-bit, like llama.cpp's Q8_1: the block sum is kept
+//! so the Q4_1 offset term costs one multiply per block).
 
 use half::{bf16, f16};
+use std::mem::{offset_of, size_of};
 
 /// Number of elements in one quantization block.
 pub const QK: usize = 32;
@@ -26,23 +23,112 @@ pub enum DType {
     Q4_1,
 }
 
+/// The block-quantized weight types: their products take [`BlockQ8`] activations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum QuantType {
+    Q8_0,
+    Q4_0,
+    Q4_1,
+}
+
+/// The float weight types: their products take f32 activations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FloatType {
+    F32,
+    F16,
+    BF16,
+}
+
+/// What a weight type is to the kernels. Every dispatch from a [`DType`] to a kernel goes
+/// through [`DType::class`] and matches its classes exhaustively: a new type without kernels
+/// does not compile.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WeightClass {
+    Quantized(QuantType),
+    Float(FloatType),
+}
+
+/// GGML's Q8_0 block: 32 weights, `w = d * q`.
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C)]
+pub struct BlockQ8_0 {
+    pub d: f16,
+    pub qs: [i8; QK],
+}
+
+/// GGML's Q4_0 block: 32 weights, `w = d * (q - 8)`; byte `j` holds element `j` in its low
+/// nibble and element `j + 16` in its high nibble.
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C)]
+pub struct BlockQ4_0 {
+    pub d: f16,
+    pub qs: [u8; QK / 2],
+}
+
+/// GGML's Q4_1 block: 32 weights, `w = d * q + m`; nibbles as in [`BlockQ4_0`].
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C)]
+pub struct BlockQ4_1 {
+    pub d: f16,
+    pub m: f16,
+    pub qs: [u8; QK / 2],
+}
+
+// The layouts are GGUF's, byte for byte: a wrong size or offset would misread every file.
+const _: () = {
+    use std::mem::{offset_of, size_of};
+    assert!(size_of::<BlockQ8_0>() == 34 && offset_of!(BlockQ8_0, qs) == 2);
+    assert!(size_of::<BlockQ4_0>() == 18 && offset_of!(BlockQ4_0, qs) == 2);
+    assert!(size_of::<BlockQ4_1>() == 20 && offset_of!(BlockQ4_1, m) == 2 && offset_of!(BlockQ4_1, qs) == 4);
+    assert!(size_of::<BlockQ8>() == 40 && offset_of!(BlockQ8, qs) == 8);
+};
+
+impl QuantType {
+    /// Bytes per block of 32 weights.
+    pub const fn block_bytes(self) -> usize {
+        match self {
+            QuantType::Q8_0 => std::mem::size_of::<BlockQ8_0>(),
+            QuantType::Q4_0 => std::mem::size_of::<BlockQ4_0>(),
+            QuantType::Q4_1 => std::mem::size_of::<BlockQ4_1>(),
+        }
+    }
+
+    pub const fn dtype(self) -> DType {
+        match self {
+            QuantType::Q8_0 => DType::Q8_0,
+            QuantType::Q4_0 => DType::Q4_0,
+            QuantType::Q4_1 => DType::Q4_1,
+        }
+    }
+}
+
 impl DType {
+    /// The kernels' view of the type (see [`WeightClass`]).
+    pub const fn class(self) -> WeightClass {
+        match self {
+            DType::F32 => WeightClass::Float(FloatType::F32),
+            DType::F16 => WeightClass::Float(FloatType::F16),
+            DType::BF16 => WeightClass::Float(FloatType::BF16),
+            DType::Q8_0 => WeightClass::Quantized(QuantType::Q8_0),
+            DType::Q4_0 => WeightClass::Quantized(QuantType::Q4_0),
+            DType::Q4_1 => WeightClass::Quantized(QuantType::Q4_1),
+        }
+    }
+
     /// Elements per block (1 for the float types).
     pub const fn block_len(self) -> usize {
-        match self {
-            DType::F32 | DType::F16 | DType::BF16 => 1,
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => QK,
+        match self.class() {
+            WeightClass::Float(_) => 1,
+            WeightClass::Quantized(_) => QK,
         }
     }
 
     /// Bytes per block.
     pub const fn block_bytes(self) -> usize {
-        match self {
-            DType::F32 => 4,
-            DType::F16 | DType::BF16 => 2,
-            DType::Q8_0 => 34,
-            DType::Q4_0 => 18,
-            DType::Q4_1 => 20,
+        match self.class() {
+            WeightClass::Float(FloatType::F32) => 4,
+            WeightClass::Float(FloatType::F16 | FloatType::BF16) => 2,
+            WeightClass::Quantized(q) => q.block_bytes(),
         }
     }
 
@@ -56,7 +142,7 @@ impl DType {
 
     /// True for the block-quantized types whose products take [`BlockQ8`] activations.
     pub const fn is_quantized(self) -> bool {
-        matches!(self, DType::Q8_0 | DType::Q4_0 | DType::Q4_1)
+        matches!(self.class(), WeightClass::Quantized(_))
     }
 
     pub const fn name(self) -> &'static str {
@@ -106,31 +192,37 @@ pub fn dequantize_row(dtype: DType, src: &[u8], out: &mut [f32]) {
         DType::BF16 => out.iter_mut().enumerate().for_each(|(i, o)| *o = read_bf16(src, 2 * i)),
         DType::Q8_0 => {
             for (b, chunk) in out.chunks_exact_mut(QK).enumerate() {
-                let blk = &src[b * 34..b * 34 + 34];
-                let d = read_f16(blk, 0);
+                const BYTES: usize = size_of::<BlockQ8_0>();
+                const QS: usize = offset_of!(BlockQ8_0, qs);
+                let blk = &src[b * BYTES..(b + 1) * BYTES];
+                let d = read_f16(blk, offset_of!(BlockQ8_0, d));
                 for (j, o) in chunk.iter_mut().enumerate() {
-                    *o = d * f32::from(blk[2 + j] as i8);
+                    *o = d * f32::from(blk[QS + j] as i8);
                 }
             }
         }
         DType::Q4_0 => {
             for (b, chunk) in out.chunks_exact_mut(QK).enumerate() {
-                let blk = &src[b * 18..b * 18 + 18];
-                let d = read_f16(blk, 0);
+                const BYTES: usize = size_of::<BlockQ4_0>();
+                const QS: usize = offset_of!(BlockQ4_0, qs);
+                let blk = &src[b * BYTES..(b + 1) * BYTES];
+                let d = read_f16(blk, offset_of!(BlockQ4_0, d));
                 for j in 0..16 {
-                    chunk[j] = d * (f32::from(blk[2 + j] & 0xf) - 8.0);
-                    chunk[j + 16] = d * (f32::from(blk[2 + j] >> 4) - 8.0);
+                    chunk[j] = d * (f32::from(blk[QS + j] & 0xf) - 8.0);
+                    chunk[j + 16] = d * (f32::from(blk[QS + j] >> 4) - 8.0);
                 }
             }
         }
         DType::Q4_1 => {
             for (b, chunk) in out.chunks_exact_mut(QK).enumerate() {
-                let blk = &src[b * 20..b * 20 + 20];
-                let d = read_f16(blk, 0);
-                let m = read_f16(blk, 2);
+                const BYTES: usize = size_of::<BlockQ4_1>();
+                const QS: usize = offset_of!(BlockQ4_1, qs);
+                let blk = &src[b * BYTES..(b + 1) * BYTES];
+                let d = read_f16(blk, offset_of!(BlockQ4_1, d));
+                let m = read_f16(blk, offset_of!(BlockQ4_1, m));
                 for j in 0..16 {
-                    chunk[j] = d * f32::from(blk[4 + j] & 0xf) + m;
-                    chunk[j + 16] = d * f32::from(blk[4 + j] >> 4) + m;
+                    chunk[j] = d * f32::from(blk[QS + j] & 0xf) + m;
+                    chunk[j + 16] = d * f32::from(blk[QS + j] >> 4) + m;
                 }
             }
         }

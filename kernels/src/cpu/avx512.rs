@@ -15,7 +15,7 @@
 use super::avx2::prefetch;
 use super::{Isa, Kernels};
 use crate::packed::{Packed16, LANES};
-use crate::quant::{BlockQ8, DType, QK};
+use crate::quant::{BlockQ8, QuantType, QK};
 use std::arch::x86_64::*;
 
 const Q4_0: u8 = 0;
@@ -59,12 +59,15 @@ pub fn kernels() -> Option<Kernels> {
     })
 }
 
-/// Bytes per weight block and the offset of its quants.
+/// Bytes per weight block and the offset of its quants (the `#[repr(C)]` block structs').
 const fn layout(kind: u8) -> (usize, usize) {
+    use crate::quant::{BlockQ4_0, BlockQ4_1, BlockQ8_0};
+    use std::mem::{offset_of, size_of};
     match kind {
-        Q4_0 => (18, 2),
-        Q4_1 => (20, 4),
-        _ => (34, 2),
+        Q4_0 => (size_of::<BlockQ4_0>(), offset_of!(BlockQ4_0, qs)),
+        Q4_1 => (size_of::<BlockQ4_1>(), offset_of!(BlockQ4_1, qs)),
+        Q8_0 => (size_of::<BlockQ8_0>(), offset_of!(BlockQ8_0, qs)),
+        _ => panic!("a kernel kind is Q4_0, Q4_1 or Q8_0"),
     }
 }
 
@@ -155,22 +158,22 @@ unsafe fn dot<const KIND: u8>(w: &[u8], a: &[BlockQ8]) -> f32 {
 /// # Safety
 /// The CPU must support the features of [`kernels`].
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn gemm16(dt: DType, rows: &[&[u8]], p: &Packed16) -> [f32; 16] {
+unsafe fn gemm16(dt: QuantType, rows: &[&[u8]], p: &Packed16) -> [f32; 16] {
     // SAFETY (all arms): same features as this function's caller guarantees.
     match (dt, rows) {
         // SAFETY: as above.
-        (DType::Q4_0, &[w]) => unsafe { gemm16_kind::<Q4_0, 1>([w], p) },
+        (QuantType::Q4_0, &[w]) => unsafe { gemm16_kind::<Q4_0, 1>([w], p) },
         // SAFETY: as above.
-        (DType::Q4_1, &[w]) => unsafe { gemm16_kind::<Q4_1, 1>([w], p) },
+        (QuantType::Q4_1, &[w]) => unsafe { gemm16_kind::<Q4_1, 1>([w], p) },
         // SAFETY: as above.
-        (DType::Q8_0, &[w]) => unsafe { gemm16_kind::<Q8_0, 1>([w], p) },
+        (QuantType::Q8_0, &[w]) => unsafe { gemm16_kind::<Q8_0, 1>([w], p) },
         // SAFETY: as above.
-        (DType::Q4_0, &[w0, w1]) => unsafe { gemm16_kind::<Q4_0, 2>([w0, w1], p) },
+        (QuantType::Q4_0, &[w0, w1]) => unsafe { gemm16_kind::<Q4_0, 2>([w0, w1], p) },
         // SAFETY: as above.
-        (DType::Q4_1, &[w0, w1]) => unsafe { gemm16_kind::<Q4_1, 2>([w0, w1], p) },
+        (QuantType::Q4_1, &[w0, w1]) => unsafe { gemm16_kind::<Q4_1, 2>([w0, w1], p) },
         // SAFETY: as above.
-        (DType::Q8_0, &[w0, w1]) => unsafe { gemm16_kind::<Q8_0, 2>([w0, w1], p) },
-        (other, rows) => panic!("gemm16 has no {other:?} kernel for {} rows", rows.len()),
+        (QuantType::Q8_0, &[w0, w1]) => unsafe { gemm16_kind::<Q8_0, 2>([w0, w1], p) },
+        (_, rows) => panic!("gemm16 takes one or two rows, not {}", rows.len()),
     }
 }
 
@@ -289,15 +292,14 @@ unsafe fn gemm16_kind<const KIND: u8, const R: usize>(w: [&[u8]; R], p: &Packed1
 /// # Safety
 /// The CPU must support the features of [`kernels`].
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn gemv16(dt: DType, w: &[u8], rb: usize, a: &[&[BlockQ8]], out: &mut [[f32; 16]]) {
+unsafe fn gemv16(dt: QuantType, w: &[u8], rb: usize, a: &[&[BlockQ8]], out: &mut [[f32; 16]]) {
     match dt {
         // SAFETY: same features as this function's caller guarantees.
-        DType::Q4_0 => unsafe { gemv16_tokens::<Q4_0>(w, rb, a, out) },
+        QuantType::Q4_0 => unsafe { gemv16_tokens::<Q4_0>(w, rb, a, out) },
         // SAFETY: as above.
-        DType::Q4_1 => unsafe { gemv16_tokens::<Q4_1>(w, rb, a, out) },
+        QuantType::Q4_1 => unsafe { gemv16_tokens::<Q4_1>(w, rb, a, out) },
         // SAFETY: as above.
-        DType::Q8_0 => unsafe { gemv16_tokens::<Q8_0>(w, rb, a, out) },
-        other => panic!("gemv16 has no {other:?} kernel"),
+        QuantType::Q8_0 => unsafe { gemv16_tokens::<Q8_0>(w, rb, a, out) },
     }
 }
 

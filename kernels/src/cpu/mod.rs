@@ -6,7 +6,7 @@
 //! `INFERD_ISA=scalar` forces the reference (useful to bisect a numerical difference),
 //! `INFERD_ISA=avx2` the AVX2 table on an AVX-512 machine.
 
-use crate::quant::BlockQ8;
+use crate::quant::{BlockQ8, FloatType, QuantType};
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
@@ -77,10 +77,10 @@ pub struct Kernels {
 }
 
 /// See [`Kernels::gemm16`].
-pub type Gemm16 = fn(crate::quant::DType, &[&[u8]], &crate::packed::Packed16) -> [f32; 16];
+pub type Gemm16 = fn(QuantType, &[&[u8]], &crate::packed::Packed16) -> [f32; 16];
 
-/// See [`Kernels::gemv16`]: `(dtype, rows, rb, tokens' activations, out)`, one output per token.
-pub type Gemv16 = fn(crate::quant::DType, &[u8], usize, &[&[BlockQ8]], &mut [[f32; 16]]);
+/// See [`Kernels::gemv16`]: `(type, rows, rb, tokens' activations, out)`, one output per token.
+pub type Gemv16 = fn(QuantType, &[u8], usize, &[&[BlockQ8]], &mut [[f32; 16]]);
 
 /// The most tokens one [`Kernels::gemv16`] call takes.
 pub const GEMV_TOKENS: usize = 4;
@@ -96,6 +96,25 @@ impl std::fmt::Debug for Kernels {
 }
 
 impl Kernels {
+    /// The products of a quantized weight type: one token, four tokens.
+    pub fn quant_dots(&self, q: QuantType) -> (DotQ8, DotQ8x4) {
+        match q {
+            QuantType::Q4_0 => (self.dot_q4_0, self.dot_q4_0_x4),
+            QuantType::Q4_1 => (self.dot_q4_1, self.dot_q4_1_x4),
+            QuantType::Q8_0 => (self.dot_q8_0, self.dot_q8_0_x4),
+        }
+    }
+
+    /// The products of a float weight type: one token, and four tokens where there is a
+    /// kernel for it.
+    pub fn float_dots(&self, f: FloatType) -> (DotF, Option<DotFx4>) {
+        match f {
+            FloatType::F32 => (self.dot_f32, None),
+            FloatType::F16 => (self.dot_f16, Some(self.dot_f16_x4)),
+            FloatType::BF16 => (self.dot_bf16, Some(self.dot_bf16_x4)),
+        }
+    }
+
     /// The scalar reference table.
     pub fn scalar() -> Self {
         Kernels {

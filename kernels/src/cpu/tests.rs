@@ -1,7 +1,7 @@
 //! Property tests: every fast kernel against the scalar reference on random rows.
 
 use super::{scalar, Kernels};
-use crate::quant::{quantize_row, BlockQ8, DType, QK};
+use crate::quant::{quantize_row, BlockQ8, DType, QuantType, QK};
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 
@@ -37,12 +37,11 @@ fn quantize_q8_matches(k: &Kernels, x: &[f32]) -> Result<(), TestCaseError> {
 fn quantized_dots_match(k: &Kernels, w: &[f32], xs: &[Vec<f32>]) -> Result<(), TestCaseError> {
     let acts: Vec<Vec<BlockQ8>> = xs.iter().map(|x| q8(x)).collect();
     let a4 = [&acts[0][..], &acts[1][..], &acts[2][..], &acts[3][..]];
-    let cases: [(DType, super::DotQ8, super::DotQ8, super::DotQ8x4); 3] = [
-        (DType::Q4_0, scalar::dot_q4_0, k.dot_q4_0, k.dot_q4_0_x4),
-        (DType::Q4_1, scalar::dot_q4_1, k.dot_q4_1, k.dot_q4_1_x4),
-        (DType::Q8_0, scalar::dot_q8_0, k.dot_q8_0, k.dot_q8_0_x4),
-    ];
-    for (dt, reference, one, four) in cases {
+    // The table's dots for each type, reached the way the matmul dispatch reaches them.
+    let cases: [(QuantType, super::DotQ8); 3] =
+        [(QuantType::Q4_0, scalar::dot_q4_0), (QuantType::Q4_1, scalar::dot_q4_1), (QuantType::Q8_0, scalar::dot_q8_0)];
+    for (q, reference) in cases {
+        let (dt, (one, four)) = (q.dtype(), k.quant_dots(q));
         let mut wb = Vec::new();
         quantize_row(dt, w, &mut wb);
         let got4 = four(&wb, a4);
@@ -54,7 +53,7 @@ fn quantized_dots_match(k: &Kernels, w: &[f32], xs: &[Vec<f32>]) -> Result<(), T
         }
         if let Some(gemm) = k.gemm16 {
             let rows: Vec<&[BlockQ8]> = acts.iter().map(Vec::as_slice).collect();
-            let got = gemm(dt, &[&wb], &crate::packed::Packed16::pack(&rows));
+            let got = gemm(q, &[&wb], &crate::packed::Packed16::pack(&rows));
             for r in 0..4 {
                 prop_assert_eq!(got[r], one(&wb, &acts[r]), "{:?} {:?} gemm16 lane {} is the single dot", k.isa, dt, r);
             }
@@ -62,7 +61,7 @@ fn quantized_dots_match(k: &Kernels, w: &[f32], xs: &[Vec<f32>]) -> Result<(), T
             let mut wrev = Vec::new();
             quantize_row(dt, &w.iter().rev().copied().collect::<Vec<_>>(), &mut wrev);
             let twice: Vec<&[BlockQ8]> = rows.iter().flat_map(|&r| [r, r]).collect();
-            let got = gemm(dt, &[&wb, &wrev], &crate::packed::Packed16::pack(&twice));
+            let got = gemm(q, &[&wb, &wrev], &crate::packed::Packed16::pack(&twice));
             for r in 0..4 {
                 prop_assert_eq!(
                     got[2 * r],
@@ -213,14 +212,15 @@ proptest! {
         let k = super::table(super::Isa::Avx512Vnni);
         let gemv = k.gemv16.expect("the AVX-512 table has gemv16");
         {
-            for (dt, one) in [(DType::Q4_0, k.dot_q4_0), (DType::Q4_1, k.dot_q4_1), (DType::Q8_0, k.dot_q8_0)] {
+            for (q, one) in [(QuantType::Q4_0, k.dot_q4_0), (QuantType::Q4_1, k.dot_q4_1), (QuantType::Q8_0, k.dot_q8_0)] {
+                let dt = q.dtype();
                 let rb = dt.bytes_for(7 * QK).unwrap();
                 let mut wb = Vec::new();
                 for w in &ws {
                     quantize_row(dt, w, &mut wb);
                 }
                 let mut got = vec![[0f32; 16]; acts.len()];
-                gemv(dt, &wb, rb, &act_refs, &mut got);
+                gemv(q, &wb, rb, &act_refs, &mut got);
                 for (t, (out, act)) in got.iter().zip(&acts).enumerate() {
                     for (r, &g) in out.iter().enumerate() {
                         let row = &wb[r * rb..r * rb + dt.bytes_for(blocks * QK).unwrap()];
