@@ -1,0 +1,100 @@
+//! Clients nobody here wrote or that users run: the official OpenAI Python client, inferctl.
+
+use super::*;
+
+#[test]
+fn the_official_openai_python_client_works_unchanged() {
+    let dir = scratch("openai");
+    let d = Daemon::start(&dir, "", &[]);
+    let pylib = std::env::var("INFERD_TEST_PYTHONPATH")
+        .unwrap_or_else(|_| format!("{}/.cache/inferd/python", std::env::var("HOME").unwrap_or_default()));
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/openai_client.py");
+    let out = Command::new("python3").arg(script).arg(&d.socket).env("PYTHONPATH", &pylib).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "the openai package is installed by tests/run into {pylib}:\n{stderr}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["models"][0], "SmolLM2-135M-Instruct.Q4_1");
+    assert_eq!(v["completion"], " Paris.\n");
+    assert_eq!(v["completion_stream"], " Paris.\n");
+    assert!(v["chat"].as_str().unwrap().contains("Paris"), "{v}");
+    assert_eq!(v["chat"], v["chat_stream"]);
+    assert_eq!(v["bad_status"], 400);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+fn inferctl(socket: &Path, args: &[&str], stdin: &str) -> (bool, String, String) {
+    // inferctl is another package of the workspace: its binary lies beside inferd's (tests/run
+    // builds the whole workspace first).
+    let mut child = Command::new(Path::new(env!("CARGO_BIN_EXE_inferd")).with_file_name("inferctl"))
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn inferctl_talks_to_the_daemon_and_says_when_it_cannot() {
+    let dir = scratch("inferctl");
+    let d = Daemon::start(&dir, "", &[]);
+    let (ok, out, err) = inferctl(&d.socket, &["status"], "");
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("inferd: ready")
+            && out.contains("model SmolLM2-135M-Instruct.Q4_1")
+            && out.contains("KV blocks 0 used of"),
+        "{out}"
+    );
+    let (_, out, _) = inferctl(&d.socket, &["models"], "");
+    assert_eq!(out, "SmolLM2-135M-Instruct.Q4_1\ttarget\n");
+    let (_, out, _) = inferctl(&d.socket, &["plugins"], "");
+    assert!(out.lines().any(|l| l.starts_with("greedy\tinferd-greedy")), "{out}");
+    let (_, out, _) = inferctl(&d.socket, &["tokenize", "Hello 12 world"], "");
+    assert_eq!(out, "[19556,216,33,34,905]\n");
+    // generate streams what the HTTP API answers.
+    let (ok, out, err) = inferctl(&d.socket, &["generate", "--max-tokens", "3", "The capital of France is"], "");
+    assert!(ok, "{err}");
+    assert_eq!(out, " Paris.\n\n");
+    let (ok, out, _) = inferctl(
+        &d.socket,
+        &["generate", "--chat", "--max-tokens", "40", "What is the capital of France? Answer in one word."],
+        "",
+    );
+    assert!(ok && out.contains("Paris"), "{out}");
+    let (ok, _, err) = inferctl(&d.socket, &["generate", "--decoder", "nope", "hi"], "");
+    assert!(!ok && err.contains("404") && err.contains("unknown decoding strategy"), "{err}");
+    // chat keeps the conversation: the second turn's prompt holds the first turn.
+    let prompt_tokens = || d.status()["models"][0]["tokens"]["prompt"].as_u64().unwrap();
+    let p0 = prompt_tokens();
+    let (ok, out, err) = inferctl(&d.socket, &["chat", "--max-tokens", "8"], "My name is Ana.\n");
+    assert!(ok && out.lines().count() == 1, "{out}{err}");
+    let first_turn = prompt_tokens() - p0;
+    let p1 = prompt_tokens();
+    let (ok, out, _) = inferctl(&d.socket, &["chat", "--max-tokens", "8"], "My name is Ana.\nWhat is my name?\n");
+    assert!(ok && out.lines().count() == 2, "{out}");
+    let both_turns = prompt_tokens() - p1;
+    assert!(
+        both_turns - first_turn > first_turn + 4,
+        "the second turn's prompt ({}) holds the first turn ({first_turn}) and its answer",
+        both_turns - first_turn
+    );
+    // Clear messages when there is no daemon.
+    let (ok, _, err) = inferctl(&dir.join("none.sock"), &["status"], "");
+    assert!(!ok && err.contains("inferd is not running") && err.contains("none.sock"), "{err}");
+    let stale = dir.join("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+    let (ok, _, err) = inferctl(&stale, &["status"], "");
+    assert!(!ok && err.contains("nothing is listening"), "{err}");
+    drop(d);
+    let _ = std::fs::remove_dir_all(dir);
+}

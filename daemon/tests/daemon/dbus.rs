@@ -1,0 +1,322 @@
+//! D-Bus on a private `dbus-daemon`: a zbus client, `gdbus` and `busctl`; unicast signals and
+//! the checked-in introspection XML.
+
+use super::*;
+
+/// A session `dbus-daemon` for one test, stopped when dropped.
+struct Bus {
+    child: Child,
+    address: String,
+}
+
+impl Bus {
+    fn start(dir: &Path) -> Bus {
+        let path = dir.join("bus");
+        let address = format!("unix:path={}", path.display());
+        let child = Command::new("dbus-daemon")
+            .args(["--session", "--nofork", "--nopidfile", &format!("--address={address}")])
+            .spawn()
+            .expect("dbus-daemon (apt-get install dbus)");
+        wait_for("the bus", Duration::from_secs(10), || UnixStream::connect(&path).is_ok());
+        Bus { child, address }
+    }
+}
+
+impl Drop for Bus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The lines of `<interface name="NAME">` … `</interface>` in introspection XML, trimmed.
+fn interface_xml(xml: &str, name: &str) -> Vec<String> {
+    let lines: Vec<String> = xml.lines().map(|l| l.trim().to_owned()).filter(|l| !l.is_empty()).collect();
+    let start = lines
+        .iter()
+        .position(|l| *l == format!("<interface name=\"{name}\">"))
+        .unwrap_or_else(|| panic!("no interface {name} in:\n{xml}"));
+    let len = lines[start..].iter().position(|l| l == "</interface>").unwrap();
+    lines[start..=start + len].to_vec()
+}
+
+#[test]
+fn dbus_generate_complete_properties_unicast_and_introspection() {
+    use zbus::zvariant::{OwnedObjectPath, Value as V};
+    let dir = scratch("dbus");
+    let bus = Bus::start(&dir);
+    let d = Daemon::start(&dir, "", &[("DBUS_SESSION_BUS_ADDRESS", &bus.address)]);
+    let busctl = |args: &[&str]| -> String {
+        let out = Command::new("busctl")
+            .arg(format!("--address={}", bus.address))
+            .args(args)
+            .output()
+            .expect("busctl (apt-get install systemd)");
+        assert!(out.status.success(), "busctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    wait_for("the bus name", Duration::from_secs(20), || {
+        Command::new("busctl")
+            .arg(format!("--address={}", bus.address))
+            .args(["status", "org.inferd.Inference1"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    });
+    // An independent client: gdbus for Complete, busctl for properties and Tokenize.
+    let out = Command::new("gdbus")
+        .args([
+            "call",
+            "--session",
+            "--dest",
+            "org.inferd.Inference1",
+            "--object-path",
+            "/org/inferd/Inference1",
+            "--method",
+            "org.inferd.Inference1.Complete",
+            "",
+            "The capital of France is",
+            "{'max_tokens': <uint32 3>, 'temperature': <0.0>}",
+        ])
+        .env("DBUS_SESSION_BUS_ADDRESS", &bus.address)
+        .output()
+        .expect("gdbus (apt-get install libglib2.0-bin)");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        r"(' Paris.\n',)",
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        busctl(&["get-property", "org.inferd.Inference1", "/org/inferd/Inference1", "org.inferd.Inference1", "Models"])
+            .trim(),
+        r#"as 1 "SmolLM2-135M-Instruct.Q4_1""#
+    );
+    assert!(busctl(&[
+        "get-property",
+        "org.inferd.Inference1",
+        "/org/inferd/Inference1",
+        "org.inferd.Inference1",
+        "Strategies"
+    ])
+    .contains("\"greedy\""));
+    assert!(busctl(&[
+        "get-property",
+        "org.inferd.Inference1",
+        "/org/inferd/Inference1",
+        "org.inferd.Inference1",
+        "Status"
+    ])
+    .contains("\"state\" s \"ready\""));
+    assert_eq!(
+        busctl(&[
+            "call",
+            "org.inferd.Inference1",
+            "/org/inferd/Inference1",
+            "org.inferd.Inference1",
+            "Tokenize",
+            "ss",
+            "",
+            "Hello 12 world"
+        ])
+        .trim(),
+        "au 5 19556 216 33 34 905"
+    );
+    let bad = Command::new("busctl")
+        .arg(format!("--address={}", bus.address))
+        .args([
+            "call",
+            "org.inferd.Inference1",
+            "/org/inferd/Inference1",
+            "org.inferd.Inference1",
+            "Complete",
+            "ssa{sv}",
+            "",
+            "hi",
+            "1",
+            "temperature",
+            "d",
+            "9",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        !bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("temperature must be between 0 and 2"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
+
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        use tokio_stream::StreamExt;
+        let connect =
+            || async { zbus::connection::Builder::address(bus.address.as_str()).unwrap().build().await.unwrap() };
+        let caller = connect().await;
+        let other = connect().await;
+        // Another connection asks for every Request signal: it must get none of the caller's.
+        zbus::fdo::DBusProxy::new(&other)
+            .await
+            .unwrap()
+            .add_match_rule(
+                zbus::MatchRule::try_from("type='signal',interface='org.inferd.Inference1.Request'").unwrap(),
+            )
+            .await
+            .unwrap();
+        let mut snoop = zbus::MessageStream::from(&other);
+        let mut mine = zbus::MessageStream::from(&caller);
+        let opts = std::collections::HashMap::from([("max_tokens", V::U32(8)), ("temperature", V::F64(0.0))]);
+        let reply = caller
+            .call_method(
+                Some("org.inferd.Inference1"),
+                "/org/inferd/Inference1",
+                Some("org.inferd.Inference1"),
+                "Generate",
+                &("", "The capital of France is", &opts),
+            )
+            .await
+            .unwrap();
+        let path: OwnedObjectPath = reply.body().deserialize().unwrap();
+        assert!(path.as_str().starts_with("/org/inferd/Inference1/request/"), "{path}");
+        let (mut text, mut ids, mut reason) = (String::new(), Vec::new(), String::new());
+        let t0 = Instant::now();
+        while reason.is_empty() {
+            assert!(t0.elapsed() < Duration::from_secs(60), "no Finished signal");
+            let Ok(Some(Ok(msg))) = tokio::time::timeout(Duration::from_secs(30), mine.next()).await else { continue };
+            let h = msg.header();
+            if h.message_type() != zbus::message::Type::Signal || h.path().map(|p| p.as_str()) != Some(path.as_str()) {
+                continue;
+            }
+            match h.member().map(|m| m.as_str()) {
+                Some("Token") => {
+                    let (t, id): (String, u32) = msg.body().deserialize().unwrap();
+                    text.push_str(&t);
+                    ids.push(id);
+                }
+                Some("Finished") => {
+                    let (r, usage): (String, std::collections::HashMap<String, zbus::zvariant::OwnedValue>) =
+                        msg.body().deserialize().unwrap();
+                    assert_eq!(u32::try_from(&usage["completion_tokens"]).unwrap(), 8);
+                    reason = r;
+                }
+                Some("Failed") => panic!("failed: {:?}", msg.body().deserialize::<String>()),
+                _ => {}
+            }
+        }
+        let (_, body) = d.http(
+            "POST",
+            "/v1/completions",
+            r#"{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}"#,
+        );
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(text, v["choices"][0]["text"].as_str().unwrap(), "the same text as over HTTP");
+        assert_eq!(reason, "length");
+        assert!(!ids.is_empty());
+        while let Ok(Some(Ok(msg))) = tokio::time::timeout(Duration::from_millis(300), snoop.next()).await {
+            let h = msg.header();
+            assert!(
+                !(h.message_type() == zbus::message::Type::Signal
+                    && h.interface().is_some_and(|i| i.as_str() == "org.inferd.Inference1.Request")),
+                "another connection received the caller's signal {:?}",
+                h.member()
+            );
+        }
+
+        // The introspection data the daemon serves is the checked-in XML, for both interfaces.
+        let long = std::collections::HashMap::from([("max_tokens", V::U32(3000)), ("temperature", V::F64(0.0))]);
+        let reply = caller
+            .call_method(
+                Some("org.inferd.Inference1"),
+                "/org/inferd/Inference1",
+                Some("org.inferd.Inference1"),
+                "Generate",
+                &("", "Once upon a time", &long),
+            )
+            .await
+            .unwrap();
+        let req: OwnedObjectPath = reply.body().deserialize().unwrap();
+        let checked_in =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/dbus/org.inferd.Inference1.xml")).unwrap();
+        let introspect = |p: String| {
+            let c = caller.clone();
+            async move {
+                let r = c
+                    .call_method(
+                        Some("org.inferd.Inference1"),
+                        p.as_str(),
+                        Some("org.freedesktop.DBus.Introspectable"),
+                        "Introspect",
+                        &(),
+                    )
+                    .await
+                    .unwrap();
+                r.body().deserialize::<String>().unwrap()
+            }
+        };
+        let root = introspect("/org/inferd/Inference1".into()).await;
+        let obj = introspect(req.to_string()).await;
+        assert_eq!(
+            interface_xml(&root, "org.inferd.Inference1"),
+            interface_xml(&checked_in, "org.inferd.Inference1"),
+            "served:\n{root}"
+        );
+        assert_eq!(
+            interface_xml(&obj, "org.inferd.Inference1.Request"),
+            interface_xml(&checked_in, "org.inferd.Inference1.Request"),
+            "served:\n{obj}"
+        );
+        // Only the caller may cancel its request; Cancel stops it.
+        let denied = other
+            .call_method(
+                Some("org.inferd.Inference1"),
+                req.as_str(),
+                Some("org.inferd.Inference1.Request"),
+                "Cancel",
+                &(),
+            )
+            .await;
+        assert!(denied.is_err());
+        caller
+            .call_method(
+                Some("org.inferd.Inference1"),
+                req.as_str(),
+                Some("org.inferd.Inference1.Request"),
+                "Cancel",
+                &(),
+            )
+            .await
+            .unwrap();
+        wait_for("the cancelled request", Duration::from_secs(20), || {
+            d.status()["models"][0]["requests"]["running"] == 0
+        });
+
+        // A caller that leaves the bus has its requests cancelled.
+        let leaver = connect().await;
+        leaver
+            .call_method(
+                Some("org.inferd.Inference1"),
+                "/org/inferd/Inference1",
+                Some("org.inferd.Inference1"),
+                "Generate",
+                &("", "Once upon a time", &long),
+            )
+            .await
+            .unwrap();
+        wait_for("the leaver's request to run", Duration::from_secs(20), || {
+            d.status()["models"][0]["requests"]["running"] == 1
+        });
+        let uid = std::fs::metadata("/proc/self").map(|m| std::os::unix::fs::MetadataExt::uid(&m)).unwrap();
+        assert_eq!(
+            d.status()["requests_per_user"][uid.to_string()],
+            1,
+            "a D-Bus caller's uid counts like a socket peer's"
+        );
+        let cancelled = d.status()["models"][0]["requests"]["cancelled"].as_u64().unwrap();
+        drop(leaver);
+        wait_for("the leaver's request to be cancelled", Duration::from_secs(20), || {
+            d.status()["models"][0]["requests"]["cancelled"].as_u64().unwrap() > cancelled
+        });
+        assert_eq!(d.status()["models"][0]["requests"]["running"], 0);
+    });
+    drop(d);
+    drop(bus);
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -1,0 +1,80 @@
+//! Several models in one daemon, each with its engine, and a bound draft model.
+
+use super::*;
+
+#[test]
+fn several_models_each_with_its_engine_and_a_bound_draft_model() {
+    let dir = scratch("models");
+    let m = model();
+    let cfg = format!("[[model]]\npath = \"{m}\"\nname = \"a\"\nkv_cache_mib = 64\ndraft = \"{m}\"\n\n[[model]]\npath = \"{m}\"\nname = \"b\"\nkv_cache_mib = 32\ncontext_len = 512\n");
+    // No --model flag here: the models come from the config.
+    let socket = dir.join("inferd.sock");
+    std::fs::write(dir.join("inferd.toml"), &cfg).unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_inferd"))
+        .args([
+            "serve",
+            "--user",
+            "--config",
+            dir.join("inferd.toml").to_str().unwrap(),
+            "--socket",
+            socket.to_str().unwrap(),
+            "--threads",
+            "2",
+        ])
+        .env("DBUS_SESSION_BUS_ADDRESS", "unix:path=/nonexistent")
+        .spawn()
+        .unwrap();
+    let d = Daemon { child, socket };
+    wait_for("the socket", Duration::from_secs(60), || UnixStream::connect(&d.socket).is_ok());
+    let (_, b) = d.http("GET", "/v1/models", "");
+    let v: Value = serde_json::from_str(&b).unwrap();
+    let ids: Vec<&str> = v["data"].as_array().unwrap().iter().map(|x| x["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["a", "SmolLM2-135M-Instruct.Q4_1", "b"], "{b}");
+    assert_eq!(v["data"][0]["roles"], serde_json::json!(["target", "speculative"]));
+    assert_eq!(v["data"][1]["roles"], serde_json::json!(["draft"]));
+    assert_eq!(v["data"][2]["context_length"], 512);
+    // Each name reaches its own engine, with its own limits.
+    let greedy = |model: &str| {
+        let (st, b) = d.http(
+            "POST",
+            "/v1/completions",
+            &format!(
+                r#"{{"model": "{model}", "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}}"#
+            ),
+        );
+        assert_eq!(st, 200, "{b}");
+        serde_json::from_str::<Value>(&b).unwrap()["choices"][0]["text"].as_str().unwrap().to_owned()
+    };
+    assert_eq!(greedy("a"), greedy("b"));
+    let long = format!(r#"{{"model": "b", "prompt": "{}", "max_tokens": 10}}"#, "hello ".repeat(600));
+    let (st, b) = d.http("POST", "/v1/completions", &long);
+    assert_eq!(st, 413, "{b}");
+    assert_eq!(
+        d.http("POST", "/v1/completions", &long.replace(r#""b""#, r#""a""#)).0,
+        200,
+        "a's context is the model's own"
+    );
+    // Larger than a's whole KV cache (64 MiB): 413 at admission, not a failure later.
+    let (st, b) = d.http("POST", "/v1/completions", r#"{"model": "a", "prompt": "hi", "max_tokens": 4000, "n": 16}"#);
+    assert_eq!(st, 413, "{b}");
+    assert!(b.contains("KV cache blocks"), "{b}");
+    // The draft model bound to "a" drafts for speculative decoding; "b" has none.
+    let spec = |model: &str| {
+        d.http("POST", "/v1/completions", &format!(r#"{{"model": "{model}", "prompt": "The capital of France is", "max_tokens": 6, "decoder": "speculative", "decoder_params": {{"drafter": "model", "temperature": 0}}}}"#))
+    };
+    let (st, b) = spec("a");
+    assert_eq!(st, 200, "{b}");
+    let v: Value = serde_json::from_str(&b).unwrap();
+    assert_eq!(v["choices"][0]["text"].as_str().unwrap(), greedy("b"));
+    assert!(v["inferd"]["stats"]["accepted_tokens"].as_f64().unwrap() > 0.0, "{b}");
+    let (st, b) = spec("b");
+    assert!(st == 400 && b.contains("draft"), "{st} {b}");
+    let s = d.status();
+    assert_eq!(s["models"].as_array().unwrap().len(), 2);
+    assert!(
+        s["models"][0]["kv_blocks"]["total"].as_u64().unwrap() > s["models"][1]["kv_blocks"]["total"].as_u64().unwrap(),
+        "each model has the cache it was given: {s}"
+    );
+    drop(d);
+    let _ = std::fs::remove_dir_all(dir);
+}
