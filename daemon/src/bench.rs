@@ -89,7 +89,7 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
         kv_budget_bytes: kv_tokens * inferd_engine::backend::cpu::kv_block_bytes(&model.config, 16) / 16,
         ..EngineOptions::default()
     };
-    let mut engine = Engine::cpu(model, &opts);
+    let mut engine = Engine::cpu(model, &opts)?;
     let threads = opts.threads();
     let reps = args.repeat.max(1);
     let mut salt = 1u64;

@@ -73,7 +73,7 @@ pub fn run(
     repeat: usize,
 ) -> anyhow::Result<Value> {
     let opts = EngineOptions { threads, ..EngineOptions::default() };
-    let mut engine = Engine::cpu(model, &opts);
+    let mut engine = Engine::cpu(model, &opts)?;
     let vocab = model.config.vocab;
     let eos = model.tokenizer.eos().to_vec();
     let reps = repeat.max(1);
@@ -145,7 +145,7 @@ pub fn run(
     let text = chat.render(&[inferd_engine::chat::ChatMessage::new("user", &format!("Rewrite the following paragraph, changing only the word \"quick\" to \"rough\". Keep everything else exactly the same.\n\n{PARAGRAPH}"))], true)?;
     let prompt = model.tokenizer.encode(&text, true)?;
     let spec = reg.get("speculative")?;
-    let mut draft_engine = draft.map(|d| Engine::cpu(d, &opts));
+    let mut draft_engine = draft.map(|d| Engine::cpu(d, &opts)).transpose()?;
     let measure = |params: &str, engine: &mut Engine, draft: Option<&mut Engine>| -> anyhow::Result<Value> {
         let mut store = match draft {
             Some(d) => EngineStore::with_draft(engine, d),
@@ -189,7 +189,7 @@ pub fn run(
     let mut speculative =
         json!({ "prompt_tokens": prompt.len(), "prompt_lookup": measure(r#"{"temperature": 0}"#, &mut engine, None)? });
     if let Some(d) = draft_engine.as_mut() {
-        let mut target = Engine::cpu(model, &opts);
+        let mut target = Engine::cpu(model, &opts)?;
         speculative["draft_model"] = measure(r#"{"temperature": 0, "drafter": "model"}"#, &mut target, Some(d))?;
         speculative["draft_model"]["draft"] = json!(draft.map(|m| m.path.display().to_string()));
     }

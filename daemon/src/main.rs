@@ -229,8 +229,8 @@ fn run(model: Option<PathBuf>, a: RunArgs, plugins: &PluginDirs, prompt: &str) -
         1 << inferd_plugin_api::abi::ROLE_TARGET | u32::from(draft.is_some()) << inferd_plugin_api::abi::ROLE_DRAFT;
     Session::validate(&strategy, model.config.vocab as u32, roles, &req)?;
     let opts = EngineOptions { threads: a.threads, ..EngineOptions::default() };
-    let mut engine = Engine::cpu(&model, &opts);
-    let mut draft_engine = draft.as_ref().map(|d| Engine::cpu(d, &opts));
+    let mut engine = Engine::cpu(&model, &opts)?;
+    let mut draft_engine = draft.as_ref().map(|d| Engine::cpu(d, &opts)).transpose()?;
     let mut store = match draft_engine.as_mut() {
         Some(d) => EngineStore::with_draft(&mut engine, d),
         None => EngineStore::new(&mut engine),

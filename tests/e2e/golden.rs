@@ -32,7 +32,7 @@ fn ids(v: &Value) -> Vec<u32> {
 }
 
 fn engine() -> Engine {
-    Engine::cpu(model(), &EngineOptions { kv_budget_bytes: 64 << 20, ..EngineOptions::default() })
+    Engine::cpu(model(), &EngineOptions { kv_budget_bytes: 64 << 20, ..EngineOptions::default() }).unwrap()
 }
 
 #[test]

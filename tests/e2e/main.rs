@@ -10,3 +10,4 @@ mod plugins;
 mod serve;
 mod tiny;
 mod tokenizer;
+mod unsupported;

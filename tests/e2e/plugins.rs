@@ -260,7 +260,7 @@ fn seeded_requests_repeat_and_choices_fork_the_prompt() {
 fn the_greedy_plugin_on_the_real_model_equals_the_engines_argmax_and_frees_its_blocks() {
     let model = Model::load(&inferd_e2e::default_model()).unwrap();
     let prompt = model.tokenizer.encode("The three primary colors are", false).unwrap();
-    let mut engine = Engine::cpu(&model, &EngineOptions { threads: 2, ..EngineOptions::default() });
+    let mut engine = Engine::cpu(&model, &EngineOptions { threads: 2, ..EngineOptions::default() }).unwrap();
     let want = engine.generate_greedy(&[&prompt], 16, model.tokenizer.eos(), &mut |_, _| {}).unwrap();
     let reg = builtin();
     let greedy = reg.get("greedy").unwrap();
@@ -489,8 +489,8 @@ fn speculative_decoding_on_the_real_model_matches_greedy_with_either_drafter() {
     let path = inferd_e2e::default_model();
     let (model, draft_model) = (Model::load(&path).unwrap(), Model::load(&path).unwrap());
     let opts = EngineOptions { threads: 2, ..EngineOptions::default() };
-    let mut engine = Engine::cpu(&model, &opts);
-    let mut draft = Engine::cpu(&draft_model, &opts);
+    let mut engine = Engine::cpu(&model, &opts).unwrap();
+    let mut draft = Engine::cpu(&draft_model, &opts).unwrap();
     let text = "Rewrite with one word changed: The quick brown fox jumps over the lazy dog near the river bank.";
     let prompt = model.tokenizer.encode(text, false).unwrap();
     let reg = builtin();
@@ -530,7 +530,7 @@ fn sessions_batched_together_decode_as_they_do_alone() {
     use inferd_engine::sched::{channel_sink, engine_loop, Command, Event, LoopConfig, Submission};
     use std::sync::mpsc::channel;
     let model = Model::load(&inferd_e2e::default_model()).unwrap();
-    let mut engine = Engine::cpu(&model, &EngineOptions { threads: 2, ..EngineOptions::default() });
+    let mut engine = Engine::cpu(&model, &EngineOptions { threads: 2, ..EngineOptions::default() }).unwrap();
     let reg = builtin();
     let prompts: Vec<Vec<u32>> = [
         "The capital of France is",

@@ -34,7 +34,8 @@ fn start_with_budget(
     let h = std::thread::spawn(move || {
         let bytes = blocks * inferd_engine::backend::cpu::kv_block_bytes(&model.config, 16);
         let mut engine =
-            Engine::cpu(&model, &EngineOptions { threads: 2, kv_budget_bytes: bytes, ..EngineOptions::default() });
+            Engine::cpu(&model, &EngineOptions { threads: 2, kv_budget_bytes: bytes, ..EngineOptions::default() })
+                .unwrap();
         let mut store = EngineStore::new(&mut engine);
         let stats = engine_loop(
             &mut store,
@@ -85,7 +86,7 @@ fn collect(rx: &Receiver<Event>) -> (Vec<u32>, Result<Vec<u32>, String>) {
 }
 
 fn alone(model: &Model, reg: &Registry, r: &Req) -> Vec<u32> {
-    let mut engine = Engine::cpu(model, &EngineOptions { threads: 2, ..EngineOptions::default() });
+    let mut engine = Engine::cpu(model, &EngineOptions { threads: 2, ..EngineOptions::default() }).unwrap();
     let req = SessionRequest {
         prompt: &r.prompt,
         generated: &[],
@@ -373,7 +374,7 @@ fn a_shared_prompt_arriving_twice_at_once_is_prefilled_once() {
     let (tx, rx) = channel();
     let (m, mon) = (Arc::clone(&model), Arc::clone(&monitor));
     let h = std::thread::spawn(move || {
-        let mut engine = Engine::cpu(&m, &EngineOptions { threads: 2, ..EngineOptions::default() });
+        let mut engine = Engine::cpu(&m, &EngineOptions { threads: 2, ..EngineOptions::default() }).unwrap();
         engine_loop(
             &mut EngineStore::new(&mut engine),
             &rx,
@@ -488,4 +489,104 @@ fn a_request_sharing_a_prompt_waits_only_for_the_prefill_not_the_whole_generatio
     let (stats, live) = h.join().unwrap();
     assert_eq!(finished, [42, 41], "the greedy request finished while the beam search ran");
     assert_eq!((stats.failed, live), (0, 0));
+}
+
+#[test]
+fn several_choices_and_beams_in_a_small_cache_all_succeed_and_leave_the_cache_clean() {
+    // The stress of issue 10 scaled to this machine: requests with four choices (greedy and
+    // seeded sampling) and beam searches in a cache of 20 blocks, where each fits alone but
+    // only about two fit together. Before, most failed with "preempted", some came back wrong
+    // and the wrong blocks entered the prefix cache. Now every answer equals the request run
+    // alone, and afterwards the same engine answers each request alone as a fresh one does.
+    let model = Arc::new(Model::load(&inferd_e2e::default_model()).unwrap());
+    let reg = registry();
+    let prompts = [
+        "The capital of France is",
+        "Ten facts about the moon:",
+        "A long story about a dragon:",
+        "How to bake bread:",
+        "My favourite colour is",
+        "The weather today is",
+    ];
+    // (id, strategy, params, prompt, n)
+    let mut reqs: Vec<(u64, &str, &str, Vec<u32>, u32)> = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let ids = model.tokenizer.encode(p, false).unwrap();
+        let id = 100 + i as u64;
+        match i % 3 {
+            0 => reqs.push((id, "greedy", "{}", ids, 4)),
+            1 => reqs.push((id, "nucleus", r#"{"temperature": 0.9}"#, ids, 4)),
+            _ => reqs.push((id, "beam", r#"{"beam_width": 4}"#, ids, 1)),
+        }
+    }
+    let max_tokens = 20;
+    let run_alone = |engine: &mut Engine, (id, strategy, params, prompt, n): &(u64, &str, &str, Vec<u32>, u32)| {
+        let req = SessionRequest {
+            prompt,
+            generated: &[],
+            params,
+            max_tokens,
+            n: *n,
+            seed: *id,
+            eos: model.tokenizer.eos(),
+            logprobs: false,
+        };
+        let choices =
+            generate(&reg.get(strategy).unwrap(), &mut EngineStore::new(engine), &req, &mut |_, _| {}).unwrap();
+        choices.into_iter().map(|c| c.tokens).collect::<Vec<_>>()
+    };
+    let mut fresh = Engine::cpu(&model, &EngineOptions { threads: 2, ..EngineOptions::default() }).unwrap();
+    let want: Vec<Vec<Vec<u32>>> = reqs.iter().map(|r| run_alone(&mut fresh, r)).collect();
+
+    let (tx, rx) = channel();
+    let m = Arc::clone(&model);
+    let h = std::thread::spawn(move || {
+        let bytes = 20 * inferd_engine::backend::cpu::kv_block_bytes(&m.config, 16);
+        let mut engine =
+            Engine::cpu(&m, &EngineOptions { threads: 2, kv_budget_bytes: bytes, ..EngineOptions::default() }).unwrap();
+        let cfg = LoopConfig { token_budget: 256, max_running: 64, eos: m.tokenizer.eos().to_vec(), monitor: None };
+        let stats = engine_loop(&mut EngineStore::new(&mut engine), &rx, &cfg);
+        (stats, engine)
+    });
+    let rxs: Vec<Receiver<Event>> = reqs
+        .iter()
+        .map(|(id, strategy, params, prompt, n)| {
+            let (etx, erx) = channel();
+            let sub = Submission {
+                id: *id,
+                strategy: reg.get(strategy).unwrap(),
+                prompt: prompt.clone(),
+                params: (*params).into(),
+                max_tokens,
+                n: *n,
+                seed: *id,
+                logprobs: false,
+                meta: Default::default(),
+                events: channel_sink(etx),
+            };
+            tx.send(Command::Submit(sub)).unwrap();
+            erx
+        })
+        .collect();
+    for ((r, rx), want) in reqs.iter().zip(&rxs).zip(&want) {
+        let mut streamed: Vec<Vec<u32>> = vec![Vec::new(); r.4 as usize];
+        let got = loop {
+            match rx.recv().unwrap() {
+                Event::Token { choice, token } => streamed[choice as usize].push(token),
+                Event::Finished(g) => break g.choices.into_iter().map(|c| c.tokens).collect::<Vec<_>>(),
+                Event::Failed(m) => panic!("request {} ({}) failed: {m}", r.0, r.1),
+            }
+        };
+        assert_eq!(&got, want, "request {} ({}): under pressure vs alone", r.0, r.1);
+        assert_eq!(streamed, got, "request {}: the stream is the answer", r.0);
+    }
+    tx.send(Command::Shutdown).unwrap();
+    let (stats, mut engine) = h.join().unwrap();
+    assert!(stats.preempted > 0, "the cache was too small for all: {stats:?}");
+    assert_eq!((stats.failed, stats.finished), (0, reqs.len() as u64), "{stats:?}");
+    assert_eq!(engine.kv.sequences(), 0);
+    // What the stress left in the prefix cache is right: the same engine answers as a fresh one.
+    for (r, want) in reqs.iter().zip(&want) {
+        assert_eq!(&run_alone(&mut engine, r), want, "request {} alone after the stress", r.0);
+    }
 }

@@ -16,7 +16,7 @@ fn prompt(n: usize, salt: u32) -> Vec<u32> {
 }
 
 fn last_logits(model: &Model, p: &[u32]) -> Vec<f32> {
-    let mut e = Engine::cpu(model, &opts());
+    let mut e = Engine::cpu(model, &opts()).unwrap();
     let (s, l) = e.prefill(&[p]).unwrap().remove(0);
     e.release(s);
     l
@@ -83,10 +83,10 @@ fn batched_decode_equals_unbatched() {
     let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
     let mut alone = Vec::new();
     for p in &refs {
-        let mut e = Engine::cpu(&m, &opts());
+        let mut e = Engine::cpu(&m, &opts()).unwrap();
         alone.push(e.generate_greedy(&[p], 12, &[], &mut |_, _| {}).unwrap().remove(0));
     }
-    let mut e = Engine::cpu(&m, &opts());
+    let mut e = Engine::cpu(&m, &opts()).unwrap();
     let together = e.generate_greedy(&refs, 12, &[], &mut |_, _| {}).unwrap();
     assert_eq!(alone, together);
     assert_eq!(e.kv.sequences(), 0);
@@ -101,7 +101,7 @@ fn prefix_cache_hit_gives_the_cold_logits() {
     let mut a = system.clone();
     a.extend(prompt(6, 8));
     let cold = last_logits(&m, &a);
-    let mut e = Engine::cpu(&m, &opts());
+    let mut e = Engine::cpu(&m, &opts()).unwrap();
     let (s, _) = e.prefill(&[&system]).unwrap().remove(0);
     e.release(s);
     let before = e.kv.prefix_hit_tokens;
@@ -116,7 +116,7 @@ fn forked_sequences_diverge_without_disturbing_each_other() {
     let dir = temp_dir("fork");
     let m = Model::load(&write_tiny_gguf(&dir.join("m.gguf"), &TinySpec::default(), DType::F16, DType::F16)).unwrap();
     let p = prompt(10, 3);
-    let mut e = Engine::cpu(&m, &opts());
+    let mut e = Engine::cpu(&m, &opts()).unwrap();
     let (a, _) = e.prefill(&[&p]).unwrap().remove(0);
     let b = e.kv.fork(a);
     let la = e.decode(&[(a, 7), (b, 9)]).unwrap().to_vec();
@@ -137,7 +137,7 @@ fn forked_sequences_diverge_without_disturbing_each_other() {
 fn bad_batches_are_errors_and_leak_nothing() {
     let dir = temp_dir("bad");
     let m = Model::load(&write_tiny_gguf(&dir.join("m.gguf"), &TinySpec::default(), DType::F32, DType::F32)).unwrap();
-    let mut e = Engine::cpu(&m, &opts());
+    let mut e = Engine::cpu(&m, &opts()).unwrap();
     let vocab = e.vocab() as u32;
     assert!(e.prefill(&[&[]]).is_err());
     assert!(e.prefill(&[&[1, 2], &[vocab + 5]]).is_err(), "out-of-vocabulary id");
@@ -145,7 +145,7 @@ fn bad_batches_are_errors_and_leak_nothing() {
     assert_eq!(e.kv.sequences(), 0);
     assert_eq!(e.kv.stats().free, e.kv.stats().total);
     // A pool too small for the prompt is a value, not a panic.
-    let mut small = Engine::cpu(&m, &EngineOptions { kv_budget_bytes: 1, ..opts() });
+    let mut small = Engine::cpu(&m, &EngineOptions { kv_budget_bytes: 1, ..opts() }).unwrap();
     assert!(matches!(small.prefill(&[&prompt(40, 1)]), Err(inferd_engine::engine::EngineError::OutOfBlocks(_))));
     assert_eq!(small.kv.sequences(), 0);
     let _ = argmax(&[0.0]);
@@ -156,7 +156,7 @@ fn a_decode_step_that_runs_out_of_blocks_leaves_every_sequence_intact() {
     let dir = temp_dir("oob-cow");
     let m = Model::load(&write_tiny_gguf(&dir.join("m.gguf"), &TinySpec::default(), DType::F32, DType::F32)).unwrap();
     let block_bytes = inferd_engine::backend::cpu::kv_block_bytes(&m.config, 4);
-    let mut e = Engine::cpu(&m, &EngineOptions { kv_budget_bytes: 4 * block_bytes, ..opts() });
+    let mut e = Engine::cpu(&m, &EngineOptions { kv_budget_bytes: 4 * block_bytes, ..opts() }).unwrap();
     assert_eq!(e.kv.stats().total, 4);
     let p = prompt(6, 4);
     let (a, _) = e.prefill(&[&p]).unwrap().remove(0); // two blocks, the last one partial
@@ -287,8 +287,8 @@ fn a_step_that_runs_out_of_blocks_on_a_later_item_changes_nothing() {
         assert_eq!(e.kv.sequences(), 0);
         out
     };
-    let mut tight = Engine::cpu(&m, &EngineOptions { kv_budget_bytes: 7 * block_bytes, ..opts() });
-    let mut roomy = Engine::cpu(&m, &opts());
+    let mut tight = Engine::cpu(&m, &EngineOptions { kv_budget_bytes: 7 * block_bytes, ..opts() }).unwrap();
+    let mut roomy = Engine::cpu(&m, &opts()).unwrap();
     let (got, want) = (run(&mut tight, true), run(&mut roomy, false));
     assert_eq!(got.len(), 6);
     assert!(got == want, "outputs under pressure differ from outputs with room");

@@ -114,6 +114,17 @@ fn permute_rows(rows: usize, cols: usize, v: &[f32], heads: usize) -> Vec<f32> {
 
 /// Writes the tiny model as GGUF with matrices in `dtype` (norms F32, embeddings `emb_dtype`).
 pub fn write_tiny_gguf(path: &Path, spec: &TinySpec, dtype: DType, emb_dtype: DType) -> PathBuf {
+    write_tiny_gguf_with(path, spec, dtype, emb_dtype, |_| {})
+}
+
+/// [`write_tiny_gguf`], with `extra` adding metadata or tensors before the file is written.
+pub fn write_tiny_gguf_with(
+    path: &Path,
+    spec: &TinySpec,
+    dtype: DType,
+    emb_dtype: DType,
+    extra: impl FnOnce(&mut GgufWriter),
+) -> PathBuf {
     let (tokens, merges) = tiny_vocab();
     let t = tiny_tensors(spec);
     let mut w = GgufWriter::default();
@@ -177,6 +188,7 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec, dtype: DType, emb_dtype: DT
         let dims: Vec<usize> = if *rows == 1 { vec![*cols] } else { vec![*cols, *rows] };
         w.tensor(&gname, dt, &dims, &v);
     }
+    extra(&mut w);
     std::fs::write(path, w.to_bytes()).expect("writing the tiny GGUF");
     path.to_path_buf()
 }

@@ -11,6 +11,7 @@
 //! - [`engine`]: the engine step on top of backend + KV cache.
 //! - [`plugin`]: decoder plugins, host side: loading, registry, sessions over the C ABI.
 //! - [`decode`]: driving one request through a strategy plugin over a sequence store.
+//! - [`request`]: one typed request, whatever the edge that built it.
 //! - [`sched`]: the engine loop and its scheduler (continuous batching over many requests).
 //! - [`paths`]: where the default model and the plugins are looked for.
 
@@ -25,5 +26,6 @@ pub mod kv;
 pub mod model;
 pub mod paths;
 pub mod plugin;
+pub mod request;
 pub mod sched;
 pub mod tokenizer;

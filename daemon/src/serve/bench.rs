@@ -28,7 +28,7 @@ fn workload(model: &Model, reg: &Registry, threads: usize, batch: usize, groups:
     let (done_tx, done_rx) = channel::<(usize, f64, usize)>();
     let start = Instant::now();
     let cfg = LoopConfig { token_budget: 512, max_running: batch, eos: Vec::new(), monitor: None };
-    let mut engine = Engine::cpu(model, &EngineOptions { threads, ..EngineOptions::default() });
+    let mut engine = Engine::cpu(model, &EngineOptions { threads, ..EngineOptions::default() })?;
     std::thread::scope(|scope| -> anyhow::Result<Value> {
         scope.spawn(move || {
             let mut store = EngineStore::new(&mut engine);

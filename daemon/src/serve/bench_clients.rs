@@ -53,7 +53,7 @@ fn percentile(mut v: Vec<f64>, p: f64) -> f64 {
 
 /// The 16 requests straight into an engine loop: tokens per second.
 fn engine_only(model: &Model, reg: &Registry, threads: usize) -> anyhow::Result<Value> {
-    let mut engine = Engine::cpu(model, &EngineOptions { threads, ..EngineOptions::default() });
+    let mut engine = Engine::cpu(model, &EngineOptions { threads, ..EngineOptions::default() })?;
     let greedy = reg.get("greedy")?;
     let (tx, rx) = std::sync::mpsc::channel();
     let (dtx, drx) = std::sync::mpsc::channel::<(usize, f64)>();

@@ -4,17 +4,19 @@
 //! `Token`, `Finished` and `Failed` signals go to the calling connection only (unicast, so no
 //! other user reads the text); `Complete` answers with the whole text. The caller's uid (bus
 //! credentials) counts against the same per-user limit as a socket peer's, and a caller that
-//! leaves the bus has its requests cancelled. Options (`a{sv}`) carry the HTTP fields and go
-//! through the same checks ([`request`](super::request)).
+//! leaves the bus has its requests cancelled. Options (`a{sv}`) carry the HTTP fields; they
+//! convert straight into the typed request and go through the same checks (`fields.rs`,
+//! [`request`](super::request)).
 //!
 //! The introspection data is checked in (`daemon/dbus/org.inferd.Inference1.xml`); a test
 //! compares it with what the daemon serves.
 
 use super::config::Mode;
+use super::fields::{self, Field};
 use super::request::{self, ApiError, Output, Piece};
 use super::{ModelHandle, Shared};
+use inferd_engine::request::Request;
 use inferd_engine::sched::{Command, RequestId};
-use serde_json::{Map, Value as Json};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use zbus::fdo;
@@ -43,64 +45,53 @@ fn failed(e: ApiError) -> fdo::Error {
     }
 }
 
-/// An `a{sv}` option as the JSON value the HTTP field would have.
-fn option_json(key: &str, v: &Value<'_>) -> Result<Json, ApiError> {
-    let bad = || ApiError::bad(format!("option {key} has an unsupported type {}", v.value_signature()), "options");
+/// An `a{sv}` option as a request [`Field`]: the D-Bus types map straight onto the fields'
+/// (integers, doubles, strings, string arrays); `decoder_params` and `logit_bias` travel as
+/// JSON text, as the interface documents.
+fn option_field(key: &str, v: &Value<'_>) -> Result<Field, ApiError> {
     Ok(match v {
-        Value::Value(inner) => return option_json(key, inner),
-        Value::Bool(b) => Json::from(*b),
-        Value::U8(x) => Json::from(*x),
-        Value::I16(x) => Json::from(*x),
-        Value::U16(x) => Json::from(*x),
-        Value::I32(x) => Json::from(*x),
-        Value::U32(x) => Json::from(*x),
-        Value::I64(x) => Json::from(*x),
-        Value::U64(x) => Json::from(*x),
-        Value::F64(x) => Json::from(*x),
-        Value::Str(s) if key == "decoder_params" => serde_json::from_str(s)
-            .map_err(|e| ApiError::bad(format!("decoder_params is not JSON: {e}"), "decoder_params"))?,
-        Value::Str(s) => Json::from(s.as_str()),
-        Value::Array(a) => Json::Array(a.iter().map(|x| option_json(key, x)).collect::<Result<_, _>>()?),
-        _ => return Err(bad()),
+        Value::Value(inner) => return option_field(key, inner),
+        Value::Bool(b) => Field::Bool(*b),
+        Value::U8(x) => Field::Int((*x).into()),
+        Value::I16(x) => Field::Int((*x).into()),
+        Value::U16(x) => Field::Int((*x).into()),
+        Value::I32(x) => Field::Int((*x).into()),
+        Value::U32(x) => Field::Int((*x).into()),
+        Value::I64(x) => Field::Int((*x).into()),
+        Value::U64(x) => Field::Int((*x).into()),
+        Value::F64(x) => Field::Number(*x),
+        Value::Str(s) if key == "decoder_params" => Field::Object(s.to_string()),
+        Value::Str(s) if key == "logit_bias" => {
+            let bias: HashMap<String, f64> = serde_json::from_str(s)
+                .map_err(|e| ApiError::bad(format!("logit_bias is not a JSON object of numbers: {e}"), "logit_bias"))?;
+            let mut list = bias
+                .into_iter()
+                .map(|(t, b)| t.parse::<u32>().map(|t| (t, b)))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|_| ApiError::bad("logit_bias maps token ids to numbers", "logit_bias"))?;
+            list.sort_by_key(|e| e.0);
+            Field::Bias(list)
+        }
+        Value::Str(s) => Field::Str(s.to_string()),
+        Value::Array(a) => {
+            match a.iter().map(|x| if let Value::Str(s) = x { Some(s.to_string()) } else { None }).collect() {
+                Some(strs) => Field::Strs(strs),
+                None => Field::Other("an array"),
+            }
+        }
+        _ => Field::Other("another type"),
     })
 }
 
-const OPTIONS: [&str; 14] = [
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "decoder",
-    "decoder_params",
-    "frequency_penalty",
-    "presence_penalty",
-    "priority",
-    "n",
-    "logit_bias",
-];
-
-fn options_json(options: &HashMap<String, OwnedValue>) -> Result<Map<String, Json>, ApiError> {
-    let mut m = Map::new();
-    for (k, v) in options {
-        if !OPTIONS.contains(&k.as_str()) {
-            return Err(ApiError::bad(format!("unknown option {k:?} (known: {})", OPTIONS.join(", ")), "options"));
-        }
-        let j = option_json(k, v)?;
-        // logit_bias travels as JSON text, like decoder_params.
-        let j = match (k.as_str(), j) {
-            ("logit_bias", Json::String(s)) => serde_json::from_str(&s)
-                .map_err(|e| ApiError::bad(format!("logit_bias is not JSON: {e}"), "logit_bias"))?,
-            (_, j) => j,
-        };
-        m.insert(k.clone(), j);
-    }
-    if m.get("n").and_then(Json::as_u64).is_some_and(|n| n != 1) {
+/// The `a{sv}` options of a call as a typed request, checked like the HTTP fields.
+fn options_request(options: &HashMap<String, OwnedValue>) -> Result<Request, ApiError> {
+    let fields =
+        options.iter().map(|(k, v)| option_field(k, v).map(|f| (k.clone(), f))).collect::<Result<Vec<_>, _>>()?;
+    let req = fields::build(fields)?;
+    if req.n.is_some_and(|n| n != 1) {
         return Err(ApiError::bad("over D-Bus a request has one choice (n = 1)", "n"));
     }
-    Ok(m)
+    Ok(req)
 }
 
 /// The uid of a bus connection, from the bus.
@@ -120,9 +111,9 @@ impl Inference {
     ) -> fdo::Result<(request::Submitted, Output, String)> {
         let sender = hdr.sender().ok_or_else(|| fdo::Error::Failed("a call without a sender".into()))?.to_owned();
         let uid = caller_uid(conn, &sender).await?;
-        let m = options_json(options).map_err(failed)?;
+        let req = options_request(options).map_err(failed)?;
         let (handle, ids) = ids.map_err(failed)?;
-        let p = request::prepare(&self.sh, handle, &m, ids).map_err(failed)?;
+        let p = request::prepare(&self.sh, handle, req, ids).map_err(failed)?;
         let out = Output::new(1, p.stop.clone());
         let sub = request::submit(&self.sh, p, uid).map_err(failed)?;
         if let Ok(mut o) = self.owners.lock() {

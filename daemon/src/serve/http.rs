@@ -4,6 +4,7 @@
 //! parsed here; checking and submitting are the shared [`request`](super::request) path. The
 //! peer's uid comes from SO_PEERCRED on the connection ([`Peer`]).
 
+use super::fields::{self, Field, FIELDS};
 use super::request::{self, ApiError, Output, Piece};
 use super::Shared;
 use axum::extract::connect_info::Connected;
@@ -14,6 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::serve::IncomingStream;
 use axum::{Json, Router};
+use inferd_engine::request::Request;
 use inferd_engine::sched::Command;
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
@@ -225,6 +227,58 @@ async fn detokenize(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> R
     run().map_or_else(error, |v| Json(v).into_response())
 }
 
+/// The request fields of a completion or chat body, typed (other keys are left to the route:
+/// `model`, `prompt`, `messages`, `stream`; keys OpenAI clients send that inferd does not use
+/// are ignored, as the OpenAI API does for unknown ones).
+fn typed_request(m: &Map<String, Value>) -> Result<Request, ApiError> {
+    let mut fields = Vec::new();
+    for key in FIELDS {
+        let Some(v) = m.get(key).filter(|v| !v.is_null()) else { continue };
+        let f = match v {
+            Value::Number(x) => match (x.as_i64(), x.as_u64()) {
+                (Some(i), _) => Field::Int(i.into()),
+                (None, Some(u)) => Field::Int(u.into()),
+                _ => Field::Number(x.as_f64().unwrap_or(f64::NAN)),
+            },
+            Value::Bool(b) => Field::Bool(*b),
+            // decoder_params may come as the object's JSON text too.
+            Value::String(t) if key == "decoder_params" => Field::Object(t.clone()),
+            Value::String(t) => Field::Str(t.clone()),
+            Value::Array(a) => match a.iter().map(|x| x.as_str().map(str::to_owned)).collect::<Option<Vec<_>>>() {
+                Some(strs) => Field::Strs(strs),
+                None => Field::Other("an array"),
+            },
+            Value::Object(o) if key == "logit_bias" => Field::Bias(
+                o.iter()
+                    .map(|(t, b)| match (t.parse::<u32>(), b.as_f64()) {
+                        (Ok(t), Some(b)) => Ok((t, b)),
+                        _ => Err(ApiError::bad("logit_bias maps token ids to numbers", "logit_bias")),
+                    })
+                    .collect::<Result<_, _>>()?,
+            ),
+            Value::Object(o) => Field::Object(Value::Object(o.clone()).to_string()),
+            Value::Null => continue,
+        };
+        fields.push((key.to_owned(), f));
+    }
+    fields::build(fields)
+}
+
+/// The `messages` field of a chat request as (role, content) pairs.
+fn chat_messages(m: &Map<String, Value>) -> Result<Vec<(String, String)>, ApiError> {
+    let list = m
+        .get("messages")
+        .and_then(Value::as_array)
+        .ok_or_else(|| ApiError::bad("messages must be an array", "messages"))?;
+    list.iter()
+        .enumerate()
+        .map(|(i, msg)| match (msg.get("role").and_then(Value::as_str), msg.get("content").and_then(Value::as_str)) {
+            (Some(r), Some(c)) => Ok((r.to_owned(), c.to_owned())),
+            _ => Err(ApiError::bad(format!("messages[{i}] needs a string role and a string content"), "messages")),
+        })
+        .collect()
+}
+
 async fn completions(
     State(sh): State<Arc<Shared>>,
     ConnectInfo(peer): ConnectInfo<Peer>,
@@ -238,7 +292,7 @@ async fn completions(
             .and_then(Value::as_str)
             .ok_or_else(|| ApiError::bad("prompt must be a string", "prompt"))?;
         let ids = request::encode_prompt(&model.model, prompt)?;
-        Ok((request::prepare(&sh, model, &m, ids)?, m))
+        Ok((request::prepare(&sh, model, typed_request(&m)?, ids)?, m))
     };
     match start() {
         Ok((p, m)) => respond(sh, p, &m, peer, false).await,
@@ -254,8 +308,8 @@ async fn chat_completions(
     let start = || -> Result<(request::Prepared, Map<String, Value>), ApiError> {
         let m = object(&body)?;
         let model = sh.model(model_field(&m)?)?;
-        let ids = request::encode_chat(&model.model, &request::chat_messages(&m)?)?;
-        Ok((request::prepare(&sh, model, &m, ids)?, m))
+        let ids = request::encode_chat(&model.model, &chat_messages(&m)?)?;
+        Ok((request::prepare(&sh, model, typed_request(&m)?, ids)?, m))
     };
     match start() {
         Ok((p, m)) => respond(sh, p, &m, peer, true).await,

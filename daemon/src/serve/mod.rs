@@ -8,6 +8,7 @@ pub mod bench;
 pub mod bench_clients;
 pub mod config;
 pub mod dbus;
+pub mod fields;
 pub mod http;
 pub mod metrics;
 pub mod notify;
@@ -192,20 +193,21 @@ fn start_models(cfg: &Config) -> anyhow::Result<Vec<Arc<ModelHandle>>> {
             eos: model.tokenizer.eos().to_vec(),
             monitor: Some(Arc::clone(&monitor)),
         };
-        let (m, d) = (Arc::clone(&model), draft.clone());
-        let thread = std::thread::Builder::new().name(format!("inferd-engine-{name}")).spawn(move || {
-            let mut engine = Engine::cpu(&m, &opts);
-            match d {
-                Some(d) => {
-                    let mut draft_engine =
-                        Engine::cpu(&d, &EngineOptions { kv_budget_bytes: opts.kv_budget_bytes / 2, ..opts });
+        // The engines are built here, so a model the backend cannot run fails the start.
+        let mut engine = Engine::cpu(&model, &opts)?;
+        let draft_engine = match &draft {
+            Some(d) => Some(Engine::cpu(d, &EngineOptions { kv_budget_bytes: opts.kv_budget_bytes / 2, ..opts })?),
+            None => None,
+        };
+        let thread =
+            std::thread::Builder::new().name(format!("inferd-engine-{name}")).spawn(move || match draft_engine {
+                Some(mut draft_engine) => {
                     engine_loop(&mut EngineStore::with_draft(&mut engine, &mut draft_engine), &rx, &loop_cfg);
                 }
                 None => {
                     engine_loop(&mut EngineStore::new(&mut engine), &rx, &loop_cfg);
                 }
-            }
-        })?;
+            })?;
         let roles = 1 << inferd_plugin_api::abi::ROLE_TARGET
             | if draft.is_some() { 1 << inferd_plugin_api::abi::ROLE_DRAFT } else { 0 };
         out.push(Arc::new(ModelHandle {

@@ -1,5 +1,6 @@
-//! The request path both edges share (HTTP and D-Bus): the OpenAI-style fields of a request,
-//! checked and turned into a [`Submission`] for the right model's engine thread; the per-user
+//! The request path both edges share (HTTP and D-Bus): a typed [`Request`] (each edge builds
+//! it, `fields.rs`), checked and turned into a [`Submission`] for the right model's engine
+//! thread; the per-user
 //! limit; and the way back, [`Output`], which turns the engine's token events into text pieces
 //! per choice, with stop strings applied. Errors are [`ApiError`]s, which each edge renders in
 //! its own protocol (the OpenAI error object, a D-Bus error).
@@ -7,9 +8,9 @@
 use super::{ModelHandle, Shared};
 use inferd_engine::model::Model;
 use inferd_engine::plugin::{FinishReason, LoadedStrategy, PluginError, Session, SessionRequest};
+use inferd_engine::request::Request;
 use inferd_engine::sched::{Command, Event, Priority, RequestId, RequestMeta, Submission};
 use inferd_engine::tokenizer::stream::StreamDecoder;
-use serde_json::{Map, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -94,108 +95,34 @@ pub fn encode_chat(model: &Model, messages: &[(String, String)]) -> Result<Vec<u
     tok.encode(&text, true).map_err(|e| ApiError::bad(e.to_string(), "messages"))
 }
 
-/// The `messages` field of a chat request as (role, content) pairs.
-pub fn chat_messages(m: &Map<String, Value>) -> Result<Vec<(String, String)>, ApiError> {
-    let list = m
-        .get("messages")
-        .and_then(Value::as_array)
-        .ok_or_else(|| ApiError::bad("messages must be an array", "messages"))?;
-    list.iter()
-        .enumerate()
-        .map(|(i, msg)| match (msg.get("role").and_then(Value::as_str), msg.get("content").and_then(Value::as_str)) {
-            (Some(r), Some(c)) => Ok((r.to_owned(), c.to_owned())),
-            _ => Err(ApiError::bad(format!("messages[{i}] needs a string role and a string content"), "messages")),
-        })
-        .collect()
-}
-
-/// The strategy and its parameters for an OpenAI-style request: `decoder` and
-/// `decoder_params` when given; otherwise greedy at temperature 0, min-p when `min_p` is set,
-/// nucleus sampling else, with the request's sampling fields as parameters.
-fn strategy_of(m: &Map<String, Value>) -> Result<(String, String), ApiError> {
-    if let Some(d) = m.get("decoder").filter(|v| !v.is_null()) {
-        let name = d.as_str().ok_or_else(|| ApiError::bad("decoder must be a string", "decoder"))?;
-        let params = match m.get("decoder_params") {
-            None | Some(Value::Null) => "{}".to_string(),
-            Some(Value::Object(o)) => Value::Object(o.clone()).to_string(),
-            Some(Value::String(s)) => s.clone(),
-            Some(_) => return Err(ApiError::bad("decoder_params must be a JSON object", "decoder_params")),
-        };
-        return Ok((name.to_owned(), params));
-    }
-    let temperature = m.get("temperature").and_then(Value::as_f64);
-    let name = if temperature == Some(0.0) {
-        "greedy"
-    } else if m.get("min_p").is_some_and(|v| !v.is_null()) {
-        "min-p"
-    } else {
-        "nucleus"
-    };
-    let keys: &[&str] = match name {
-        "greedy" => &[],
-        "min-p" => &["temperature", "min_p", "frequency_penalty", "presence_penalty", "logit_bias"],
-        _ => &["temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty", "logit_bias"],
-    };
-    let params: Map<String, Value> =
-        keys.iter().filter_map(|k| m.get(*k).filter(|v| !v.is_null()).map(|v| ((*k).to_owned(), v.clone()))).collect();
-    Ok((name.to_owned(), Value::Object(params).to_string()))
-}
-
-fn uint(m: &Map<String, Value>, key: &'static str, default: u64, max: u64) -> Result<u64, ApiError> {
-    match m.get(key) {
-        None | Some(Value::Null) => Ok(default),
-        Some(v) => v
-            .as_u64()
-            .filter(|&x| x <= max)
-            .ok_or_else(|| ApiError::bad(format!("{key} must be an integer between 0 and {max}"), key)),
-    }
-}
-
-/// `stop`: a string or an array of at most 4 non-empty strings.
-fn stops(m: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
-    let list = match m.get("stop") {
-        None | Some(Value::Null) => return Ok(Vec::new()),
-        Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(a)) => a
-            .iter()
-            .map(|v| v.as_str().map(str::to_owned))
-            .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| ApiError::bad("stop must be a string or an array of strings", "stop"))?,
-        Some(_) => return Err(ApiError::bad("stop must be a string or an array of strings", "stop")),
-    };
-    if list.len() > 4 || list.iter().any(String::is_empty) {
-        return Err(ApiError::bad("stop takes at most 4 non-empty strings", "stop"));
-    }
-    Ok(list)
-}
-
-/// Checks the fields of request `m` whose prompt is `prompt` for `model`.
-pub fn prepare(
-    sh: &Shared,
-    model: Arc<ModelHandle>,
-    m: &Map<String, Value>,
-    prompt: Vec<u32>,
-) -> Result<Prepared, ApiError> {
+/// Checks request `req`, whose prompt is `prompt`, for `model`: the same checks and messages
+/// whichever edge built it.
+pub fn prepare(sh: &Shared, model: Arc<ModelHandle>, req: Request, prompt: Vec<u32>) -> Result<Prepared, ApiError> {
     let ctx = model.context_len as u64;
     let cap = u64::from(sh.limits().max_tokens).min(ctx);
-    let max_tokens = uint(m, "max_tokens", 16.min(cap), cap)? as u32;
-    let n = uint(m, "n", 1, 16)? as u32;
-    if n == 0 {
-        return Err(ApiError::bad("n must be at least 1", "n"));
+    let max_tokens = match req.max_tokens {
+        None => 16.min(cap),
+        Some(x) if x <= cap => x,
+        Some(_) => {
+            return Err(ApiError::bad(format!("max_tokens must be an integer between 0 and {cap}"), "max_tokens"))
+        }
+    } as u32;
+    let n = match req.n {
+        None => 1,
+        Some(0) => return Err(ApiError::bad("n must be at least 1", "n")),
+        Some(x) if x <= 16 => x as u32,
+        Some(_) => return Err(ApiError::bad("n must be an integer between 0 and 16", "n")),
+    };
+    let seed =
+        req.seed.unwrap_or_else(|| sh.next_id.load(Ordering::Relaxed).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5eed);
+    if req.stop.len() > 4 || req.stop.iter().any(String::is_empty) {
+        return Err(ApiError::bad("stop takes at most 4 non-empty strings", "stop"));
     }
-    let seed = match m.get("seed") {
-        None | Some(Value::Null) => sh.next_id.load(Ordering::Relaxed).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5eed,
-        _ => uint(m, "seed", 0, u64::MAX)?,
-    };
-    let priority = match m.get("priority") {
-        None | Some(Value::Null) => Priority::Interactive,
-        Some(v) => v
-            .as_str()
-            .and_then(Priority::parse)
-            .ok_or_else(|| ApiError::bad("priority must be \"interactive\" or \"background\"", "priority"))?,
-    };
-    let stop = stops(m)?;
-    let (name, params) = strategy_of(m)?;
+    if let Some(k) = req.sampling.non_finite() {
+        return Err(ApiError::bad(format!("{k} must be a finite number"), k));
+    }
+    let (priority, stop) = (req.priority, req.stop.clone());
+    let (name, params) = req.strategy();
     let strategy = match sh.registry().get(&name) {
         Ok(s) => s,
         Err(e @ PluginError::UnknownStrategy { .. }) => return Err(ApiError::new(404, e.to_string(), Some("decoder"))),

@@ -8,6 +8,7 @@
 
 use super::{validate_batch, Backend, BackendError, SeqBatch};
 use crate::kv::BlockCopy;
+use crate::model::arch::{Activation, Architecture, LayerAttention, NormPlacement, RopeScaling};
 use crate::model::{LlamaConfig, LlamaWeights, Tensor};
 use half::f16;
 use inferd_kernels::attention::{attend_batch, PagedKv, QueryCtx};
@@ -58,6 +59,43 @@ impl std::fmt::Debug for CpuBackend {
     }
 }
 
+/// Checks that this forward pass runs `arch` exactly. Every field is named (no `..`), so a new
+/// one does not compile until the CPU backend says what it does with it.
+pub fn runs(arch: &Architecture) -> Result<(), BackendError> {
+    let Architecture { name, norm, activation, qkv_bias, qk_norm, layers, embedding_scale, tied_output: _ } = arch;
+    let refuse =
+        |what: &str| Err(BackendError::Unsupported(format!("{name}: the CPU backend does not run {what} yet")));
+    match norm {
+        NormPlacement::Pre => {}
+    }
+    match activation {
+        Activation::SiluGated => {}
+    }
+    if *qkv_bias {
+        return refuse("QKV bias");
+    }
+    if *qk_norm {
+        return refuse("QK-norm");
+    }
+    if embedding_scale.is_some() {
+        return refuse("an embedding scale");
+    }
+    let base = layers.first().map(|l| l.rope_base);
+    for l in layers {
+        let LayerAttention { window, rope_base, rope_scaling } = l;
+        match rope_scaling {
+            RopeScaling::None => {}
+        }
+        if window.is_some() {
+            return refuse("sliding-window attention");
+        }
+        if Some(*rope_base) != base {
+            return refuse("a RoPE base per layer");
+        }
+    }
+    Ok(())
+}
+
 /// Bytes of K and V one cache block takes for this model.
 pub fn kv_block_bytes(cfg: &LlamaConfig, block_size: usize) -> usize {
     cfg.n_layers * 2 * cfg.kv_dim() * block_size * std::mem::size_of::<f16>()
@@ -65,10 +103,12 @@ pub fn kv_block_bytes(cfg: &LlamaConfig, block_size: usize) -> usize {
 
 impl CpuBackend {
     /// A backend for `model` with its KV pool sized from `opts.kv_budget_bytes` (one block at
-    /// least) on `opts.threads()` threads.
-    pub fn for_model(model: &crate::model::Model, opts: &crate::engine::EngineOptions) -> Self {
+    /// least) on `opts.threads()` threads; refused when the model's architecture asks for
+    /// something this forward pass does not run ([`runs`]).
+    pub fn for_model(model: &crate::model::Model, opts: &crate::engine::EngineOptions) -> Result<Self, BackendError> {
+        runs(&model.arch)?;
         let blocks = (opts.kv_budget_bytes / kv_block_bytes(&model.config, opts.block_size)).max(1);
-        CpuBackend::new(model.config.clone(), model.weights.clone(), blocks, opts.block_size, opts.threads())
+        Ok(CpuBackend::new(model.config.clone(), model.weights.clone(), blocks, opts.block_size, opts.threads()))
     }
 
     /// A backend with `kv_blocks` cache blocks of `block_size` positions, on `threads` threads.

@@ -23,6 +23,8 @@ pub enum BackendError {
     BadBlock(BlockId),
     #[error("invalid batch: {0}")]
     Invalid(String),
+    #[error("{0}")]
+    Unsupported(String),
 }
 
 /// Which backend to run a model on.
@@ -49,7 +51,7 @@ impl BackendKind {
 /// holds a `Box<dyn Backend>`.
 pub fn open(kind: BackendKind, model: &Model, opts: &EngineOptions) -> Result<Box<dyn Backend>, BackendError> {
     match kind {
-        BackendKind::Auto | BackendKind::Cpu => Ok(Box::new(cpu::CpuBackend::for_model(model, opts))),
+        BackendKind::Auto | BackendKind::Cpu => Ok(Box::new(cpu::CpuBackend::for_model(model, opts)?)),
     }
 }
 

@@ -5,6 +5,7 @@
 //! scheduler (`sched`) drives many, merging every session's plan into
 //! one batch per step.
 
+pub mod mock;
 pub mod store;
 
 use crate::plugin::{Choice, LoadedStrategy, PluginError, Session, SessionRequest};

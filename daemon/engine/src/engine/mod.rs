@@ -74,9 +74,10 @@ impl Engine {
         Ok(Engine::new(backend, opts.prefill_chunk))
     }
 
-    /// A CPU engine for `model` (the CPU backend always exists).
-    pub fn cpu(model: &Model, opts: &EngineOptions) -> Self {
-        Engine::new(Box::new(crate::backend::cpu::CpuBackend::for_model(model, opts)), opts.prefill_chunk)
+    /// A CPU engine for `model` (the CPU backend exists everywhere; it refuses an architecture
+    /// it does not run).
+    pub fn cpu(model: &Model, opts: &EngineOptions) -> Result<Self, EngineError> {
+        Self::open(model, BackendKind::Cpu, opts)
     }
 
     pub fn new(backend: Box<dyn Backend>, prefill_chunk: usize) -> Self {

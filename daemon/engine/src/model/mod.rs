@@ -1,9 +1,12 @@
 //! Loading a model: GGUF files and Hugging Face directories into one [`Model`].
 //!
-//! A model is its [`LlamaConfig`], its [`LlamaWeights`] (memory-mapped), its [`Tokenizer`] and its
-//! chat template. Both formats go through the same shape checks; anything unsupported (another
-//! architecture, a tensor type we have no kernel for) is a [`ModelError`] that names it.
+//! A model is its [`Architecture`] (the transformer as data, `arch/`), its [`LlamaConfig`]
+//! (dimensions), its [`LlamaWeights`] (memory-mapped), its [`Tokenizer`] and its chat template.
+//! Both formats go through the same shape checks; anything unsupported or not understood (an
+//! architecture, a metadata key, a tensor type without a kernel, a tensor nobody reads) is a
+//! [`ModelError`] that names it.
 
+pub mod arch;
 pub mod config;
 pub mod export;
 pub mod gguf;
@@ -12,12 +15,12 @@ mod hf;
 pub mod mmap;
 pub mod weights;
 
+pub use arch::Architecture;
 pub use config::LlamaConfig;
 pub use weights::{LlamaWeights, Tensor};
 
 use crate::tokenizer::{Tokenizer, TokenizerError};
 use gguf::{Gguf, GgufError};
-use inferd_kernels::ops::RopeStyle;
 use mmap::Blob;
 use std::path::{Path, PathBuf};
 
@@ -49,6 +52,8 @@ pub struct Model {
     /// A short name (the file stem), used in listings and the OpenAI `model` field.
     pub name: String,
     pub path: PathBuf,
+    /// The transformer the file holds, as the backends run it.
+    pub arch: Architecture,
     pub config: LlamaConfig,
     pub weights: LlamaWeights,
     pub tokenizer: Tokenizer,
@@ -71,60 +76,19 @@ impl Model {
 }
 
 fn load_gguf(g: &Gguf, path: &Path, name: String) -> Result<Model, ModelError> {
-    let arch = g
-        .get("general.architecture")
-        .and_then(|v| v.as_str())
-        .ok_or_else(|| ModelError::MissingKey("general.architecture".into()))?;
-    if arch != "llama" {
-        return Err(ModelError::Unsupported(format!("architecture '{arch}' (supported: llama)")));
-    }
-    let key = |k: &str| format!("{arch}.{k}");
-    let uint = |k: &str| -> Result<usize, ModelError> {
-        let v = g.get(&key(k)).ok_or_else(|| ModelError::MissingKey(key(k)))?;
-        v.as_u64()
-            .and_then(|x| usize::try_from(x).ok())
-            .ok_or_else(|| ModelError::Config(format!("{} is not an unsigned integer", key(k))))
-    };
-    let float = |k: &str, default: f64| g.get(&key(k)).and_then(|v| v.as_f64()).unwrap_or(default) as f32;
-    let hidden = uint("embedding_length")?;
-    let n_heads = uint("attention.head_count")?;
-    let token_embd =
-        g.tensor("token_embd.weight").ok_or_else(|| ModelError::MissingTensor("token_embd.weight".into()))?;
-    let vocab = match uint("vocab_size") {
-        Ok(v) => v,
-        Err(_) => token_embd.dims.get(1).copied().unwrap_or(0),
-    };
-    if n_heads == 0 {
-        return Err(ModelError::Config("attention.head_count is zero".into()));
-    }
-    let config = LlamaConfig {
-        n_layers: uint("block_count")?,
-        hidden,
-        n_heads,
-        n_kv_heads: uint("attention.head_count_kv").unwrap_or(n_heads),
-        head_dim: uint("rope.dimension_count").unwrap_or(hidden / n_heads),
-        ffn: uint("feed_forward_length")?,
-        vocab,
-        rope_base: float("rope.freq_base", 10000.0),
-        rope_style: RopeStyle::Interleaved,
-        rms_eps: float("attention.layer_norm_rms_epsilon", 1e-5),
-        context_len: uint("context_length").unwrap_or(2048),
-    };
-    config.validate().map_err(ModelError::Config)?;
-    if config.head_dim * config.n_heads != config.hidden {
-        return Err(ModelError::Unsupported(format!(
-            "rope dimension {} differs from head size {}",
-            config.head_dim,
-            config.hidden / config.n_heads
-        )));
-    }
+    let (arch, config) = arch::for_gguf(g)?;
     let get = |name: &str| -> Option<Tensor> {
         let t = g.tensor(name)?;
         let cols = t.dims[0];
         let rows = t.dims[1..].iter().product();
         Tensor::new(name, t.dtype, rows, cols, g.blob.clone(), t.offset).ok()
     };
-    let weights = LlamaWeights::load(&config, weights::Naming::Gguf, &get)?;
+    let used = std::cell::RefCell::new(std::collections::HashSet::new());
+    let weights = LlamaWeights::load(&config, &arch, weights::Naming::Gguf, &|n| {
+        used.borrow_mut().insert(n.to_string());
+        get(n)
+    })?;
+    arch::check_unused(g.tensors.iter().map(|t| t.name.as_str()), &used.borrow(), &|_| false)?;
     let tokenizer = Tokenizer::from_gguf(g)?;
     if tokenizer.vocab_size() > config.vocab {
         return Err(ModelError::Config(format!(
@@ -134,5 +98,5 @@ fn load_gguf(g: &Gguf, path: &Path, name: String) -> Result<Model, ModelError> {
         )));
     }
     let chat_template = g.get("tokenizer.chat_template").and_then(|v| v.as_str()).map(str::to_string);
-    Ok(Model { name, path: path.to_path_buf(), config, weights, tokenizer, chat_template })
+    Ok(Model { name, path: path.to_path_buf(), arch, config, weights, tokenizer, chat_template })
 }

@@ -129,6 +129,7 @@ impl LlamaWeights {
     /// Collects and shape-checks every tensor through `get` (name -> tensor).
     pub fn load(
         cfg: &LlamaConfig,
+        arch: &super::Architecture,
         naming: Naming,
         get: &dyn Fn(&str) -> Option<Tensor>,
     ) -> Result<LlamaWeights, ModelError> {
@@ -166,9 +167,10 @@ impl LlamaWeights {
             });
         }
         let token_embd = fetch(if hf { "embed_tokens" } else { "token_embd" }, None)?.expect(cfg.vocab, h)?;
-        let output = match fetch(if hf { "lm_head" } else { "output" }, None) {
-            Ok(t) => t.expect(cfg.vocab, h)?,
-            Err(_) => token_embd.clone(),
+        let output = if arch.tied_output {
+            token_embd.clone()
+        } else {
+            fetch(if hf { "lm_head" } else { "output" }, None)?.expect(cfg.vocab, h)?
         };
         let output_norm = vector(if hf { "norm" } else { "output_norm" }, None, h)?;
         Ok(LlamaWeights { token_embd, layers, output_norm, output })

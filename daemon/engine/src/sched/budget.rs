@@ -3,10 +3,11 @@
 //! Chunked prefill after Sarathi-Serve (Agrawal et al., 2024) and vLLM's budget: decode work
 //! goes first (each plan whole, oldest first, a plan that waited once runs whatever its
 //! size); prompts share what is left, shortest remaining first, so a short prompt arriving
-//! behind a long one is prefilled in the next step, not after it. While anyone decodes, prompt
-//! chunks take at most a quarter of the budget ([`prefill_room`]), which keeps every decode
-//! step short; the oldest prompt always advances by at least [`MIN_CHUNK`] tokens, so no prompt
-//! starves. A pure function over plan sizes, tested on its own.
+//! behind a long one is prefilled in the next step, not after it. A prompt that does not fit
+//! whole runs in chunks, and while anyone decodes the chunks take at most a quarter of the
+//! budget ([`chunk_cap`]), so a long prompt never makes a decode step long; the oldest prompt
+//! always advances by at least [`MIN_CHUNK`] tokens, so no prompt starves. A pure function over
+//! plan sizes, tested on its own.
 
 /// The smallest prompt chunk the oldest prompt runs, even when the step's budget is spent.
 pub(super) const MIN_CHUNK: usize = 16;
@@ -36,12 +37,13 @@ pub(super) enum Decision {
     Defer,
 }
 
-/// The most prompt tokens a step gives to chunks, of `left` still free, when `decoding`.
-pub(super) fn prefill_room(budget: usize, left: usize, decoding: bool) -> usize {
+/// The most prompt tokens a step gives to chunks of prompts too long to run whole, when
+/// `decoding`: a quarter of the budget, so a long prompt never makes a decode step long.
+pub(super) fn chunk_cap(budget: usize, decoding: bool) -> usize {
     if decoding {
-        left.min((budget / 4).max(MIN_CHUNK))
+        (budget / 4).max(MIN_CHUNK)
     } else {
-        left
+        budget
     }
 }
 
@@ -61,23 +63,25 @@ pub(super) fn decide(plans: &[PlanSize], budget: usize) -> Vec<Decision> {
             any = true;
         }
     }
-    // Prompts: shortest remaining first (ties: oldest), in the room decoding leaves.
-    let mut room = prefill_room(budget, left, any);
+    // Prompts, shortest remaining first (ties: oldest): whole while they fit in what is left,
+    // in chunks of at most `chunk_cap` tokens in all when they do not.
+    let mut room = chunk_cap(budget, any);
     let mut prompts: Vec<usize> = (0..plans.len()).filter(|&i| plans[i].pending > 0).collect();
     let oldest = prompts.first().copied();
     prompts.sort_by_key(|&i| (plans[i].pending + plans[i].tokens, i));
     for i in prompts {
         let p = plans[i];
         let whole = p.pending + p.tokens;
-        if whole <= room || (p.deferred && p.chunkable == 0) {
+        if whole <= left || (p.deferred && p.chunkable == 0) {
             out[i] = Decision::Run;
-            room = room.saturating_sub(whole);
+            left = left.saturating_sub(whole);
             continue;
         }
         let floor = if Some(i) == oldest { MIN_CHUNK } else { 0 };
-        let k = p.chunkable.min(room.max(floor));
+        let k = p.chunkable.min(left.min(room).max(floor));
         if k > 0 {
             out[i] = Decision::Chunk(k);
+            left = left.saturating_sub(k);
             room = room.saturating_sub(k);
         }
     }
@@ -113,7 +117,9 @@ mod tests {
             // While another request decodes, a long prompt takes at most a quarter of it.
             (vec![decode(1), prompt(8000)], 512, vec![Run, Chunk(128)]),
             // A short prompt behind a long one goes first, whole, in the same step.
-            (vec![decode(1), prompt(8000), prompt(8)], 512, vec![Run, Chunk(119), Run]),
+            (vec![decode(1), prompt(8000), prompt(8)], 512, vec![Run, Chunk(128), Run]),
+            // Several short prompts arriving at once all run whole, decoding or not.
+            (vec![decode(1), prompt(100), prompt(100), prompt(100)], 512, vec![Run, Run, Run, Run]),
             (vec![prompt(8000), prompt(8)], 512, vec![Chunk(503), Run]),
             // The oldest prompt advances even when decode work spent the budget.
             (vec![decode(64), prompt(100)], 64, vec![Run, Chunk(MIN_CHUNK)]),

@@ -1,0 +1,165 @@
+//! One typed request, whatever the edge: what a client asks of a model, with no protocol in
+//! it. The HTTP edge builds it from OpenAI-style JSON, the D-Bus edge straight from its `a{sv}`
+//! options, an embedding program by hand; the daemon's request path checks it the same way
+//! for all of them. The engine sees JSON only where the plugin ABI defines it: a strategy's
+//! parameters ([`Request::strategy`]).
+
+use crate::sched::Priority;
+
+/// A request for completions of one prompt.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Request {
+    /// Tokens generated per choice, at most (the model's context and the daemon's limit cap it).
+    pub max_tokens: Option<u64>,
+    /// Choices (completions of the same prompt).
+    pub n: Option<u64>,
+    /// The seed of the strategy's randomness; a random one when absent.
+    pub seed: Option<u64>,
+    /// Text that ends a choice when generated (not included).
+    pub stop: Vec<String>,
+    pub priority: Priority,
+    pub sampling: Sampling,
+    /// A strategy by name, with its own parameters; the sampling fields choose one otherwise.
+    pub decoder: Option<Decoder>,
+    /// The client wants each token's log-probability.
+    pub logprobs: bool,
+}
+
+/// OpenAI's sampling fields and the common extensions, each absent unless the client set it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Sampling {
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<u64>,
+    pub min_p: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub presence_penalty: Option<f64>,
+    /// Added to a token's logit before sampling, by token id.
+    pub logit_bias: Vec<(u32, f64)>,
+}
+
+/// A decoding strategy named by the client.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Decoder {
+    pub name: String,
+    /// Its parameters as a JSON object (the plugin ABI's format), `{}` when absent.
+    pub params: Option<String>,
+}
+
+impl Sampling {
+    /// The numeric fields by name, for checks and for the plugin's parameters.
+    fn numbers(&self) -> [(&'static str, Option<f64>); 6] {
+        [
+            ("temperature", self.temperature),
+            ("top_p", self.top_p),
+            ("top_k", self.top_k.map(|k| k as f64)),
+            ("min_p", self.min_p),
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+        ]
+    }
+
+    /// The first field that is not a finite number (D-Bus doubles can be NaN or infinite).
+    pub fn non_finite(&self) -> Option<&'static str> {
+        self.numbers()
+            .into_iter()
+            .find(|(_, v)| v.is_some_and(|x| !x.is_finite()))
+            .map(|(k, _)| k)
+            .or_else(|| self.logit_bias.iter().any(|(_, b)| !b.is_finite()).then_some("logit_bias"))
+    }
+}
+
+impl Request {
+    /// The strategy and its parameters (a JSON object for the plugin): the decoder and its
+    /// parameters when given; otherwise greedy at temperature 0, min-p when `min_p` is set,
+    /// nucleus sampling else, with the sampling fields that strategy reads. Range checks are
+    /// the plugin's (`validate`), so every strategy states its own.
+    pub fn strategy(&self) -> (String, String) {
+        if let Some(d) = &self.decoder {
+            return (d.name.clone(), d.params.clone().unwrap_or_else(|| "{}".into()));
+        }
+        let s = &self.sampling;
+        let name = if s.temperature == Some(0.0) {
+            "greedy"
+        } else if s.min_p.is_some() {
+            "min-p"
+        } else {
+            "nucleus"
+        };
+        let keys: &[&str] = match name {
+            "greedy" => &[],
+            "min-p" => &["temperature", "min_p", "frequency_penalty", "presence_penalty", "logit_bias"],
+            _ => &["temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty", "logit_bias"],
+        };
+        let mut fields: Vec<String> = s
+            .numbers()
+            .into_iter()
+            .filter(|(k, _)| keys.contains(k))
+            .filter_map(|(k, v)| v.map(|v| format!("\"{k}\": {}", number(v))))
+            .collect();
+        if keys.contains(&"logit_bias") && !s.logit_bias.is_empty() {
+            let bias: Vec<String> = s.logit_bias.iter().map(|(t, b)| format!("\"{t}\": {}", number(*b))).collect();
+            fields.push(format!("\"logit_bias\": {{{}}}", bias.join(", ")));
+        }
+        (name.to_owned(), format!("{{{}}}", fields.join(", ")))
+    }
+}
+
+/// A finite number as JSON (integers without a fraction, as a client would write them).
+fn number(v: f64) -> String {
+    if v.fract() == 0.0 && v.abs() < 1e15 {
+        format!("{}", v as i64)
+    } else {
+        format!("{v}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_sampling_fields_choose_the_strategy_and_its_parameters() {
+        let req = |s: Sampling| Request { sampling: s, ..Request::default() };
+        let table: Vec<(Request, &str, &str)> = vec![
+            (req(Sampling::default()), "nucleus", "{}"),
+            (req(Sampling { temperature: Some(0.0), top_p: Some(0.5), ..Default::default() }), "greedy", "{}"),
+            (
+                req(Sampling { temperature: Some(0.7), top_k: Some(40), min_p: None, ..Default::default() }),
+                "nucleus",
+                r#"{"temperature": 0.7, "top_k": 40}"#,
+            ),
+            (
+                req(Sampling {
+                    min_p: Some(0.1),
+                    top_p: Some(0.9),
+                    logit_bias: vec![(5, -100.0)],
+                    ..Default::default()
+                }),
+                "min-p",
+                r#"{"min_p": 0.1, "logit_bias": {"5": -100}}"#,
+            ),
+            (
+                Request {
+                    decoder: Some(Decoder { name: "beam".into(), params: Some(r#"{"beams": 4}"#.into()) }),
+                    sampling: Sampling { temperature: Some(0.0), ..Default::default() },
+                    ..Request::default()
+                },
+                "beam",
+                r#"{"beams": 4}"#,
+            ),
+        ];
+        for (r, name, params) in table {
+            assert_eq!(r.strategy(), (name.to_string(), params.to_string()), "{r:?}");
+        }
+    }
+
+    #[test]
+    fn non_finite_numbers_are_named() {
+        let s = Sampling { top_p: Some(f64::NAN), ..Default::default() };
+        assert_eq!(s.non_finite(), Some("top_p"));
+        let s = Sampling { logit_bias: vec![(1, f64::INFINITY)], ..Default::default() };
+        assert_eq!(s.non_finite(), Some("logit_bias"));
+        assert_eq!(Sampling::default().non_finite(), None);
+    }
+}

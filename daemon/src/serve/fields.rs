@@ -1,0 +1,150 @@
+//! Request fields from either edge into one typed [`Request`]: each edge turns its own values
+//! (JSON for HTTP, `a{sv}` variants for D-Bus) into [`Field`]s, and [`build`] reads them by
+//! name with the same checks and the same error messages for both.
+
+use super::request::ApiError;
+use inferd_engine::request::{Decoder, Request};
+use inferd_engine::sched::Priority;
+
+/// The request fields both edges take (HTTP ignores other keys, D-Bus refuses them).
+pub const FIELDS: [&str; 14] = [
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "decoder",
+    "decoder_params",
+    "frequency_penalty",
+    "presence_penalty",
+    "priority",
+    "n",
+    "logit_bias",
+];
+
+/// One field's value, as the edge found it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Field {
+    /// A whole number (negative ones too: the check says what is allowed).
+    Int(i128),
+    Number(f64),
+    Bool(bool),
+    Str(String),
+    Strs(Vec<String>),
+    /// A JSON object's text (`decoder_params`).
+    Object(String),
+    /// Token ids and biases (`logit_bias`).
+    Bias(Vec<(u32, f64)>),
+    /// Anything else; named for the error message.
+    Other(&'static str),
+}
+
+fn want(key: &str, what: &str) -> ApiError {
+    ApiError::bad(format!("{key} must be {what}"), param(key))
+}
+
+/// The field's name as a `'static` str for [`ApiError::param`].
+fn param(key: &str) -> &'static str {
+    FIELDS.iter().find(|f| **f == key).copied().unwrap_or("options")
+}
+
+fn uint(key: &str, v: Field) -> Result<u64, ApiError> {
+    match v {
+        Field::Int(x) if (0..=i128::from(u64::MAX)).contains(&x) => Ok(x as u64),
+        _ => Err(want(key, "a non-negative integer")),
+    }
+}
+
+fn number(key: &str, v: Field) -> Result<f64, ApiError> {
+    match v {
+        Field::Int(x) => Ok(x as f64),
+        Field::Number(x) => Ok(x),
+        _ => Err(want(key, "a number")),
+    }
+}
+
+/// Builds the request from `fields` (each at most once; unknown names are errors).
+pub fn build(fields: impl IntoIterator<Item = (String, Field)>) -> Result<Request, ApiError> {
+    let mut r = Request::default();
+    let mut decoder: Option<String> = None;
+    let mut params: Option<String> = None;
+    for (key, v) in fields {
+        let k = key.as_str();
+        let s = &mut r.sampling;
+        match k {
+            "max_tokens" => r.max_tokens = Some(uint(k, v)?),
+            "n" => r.n = Some(uint(k, v)?),
+            "seed" => r.seed = Some(uint(k, v)?),
+            "top_k" => s.top_k = Some(uint(k, v)?),
+            "temperature" => s.temperature = Some(number(k, v)?),
+            "top_p" => s.top_p = Some(number(k, v)?),
+            "min_p" => s.min_p = Some(number(k, v)?),
+            "frequency_penalty" => s.frequency_penalty = Some(number(k, v)?),
+            "presence_penalty" => s.presence_penalty = Some(number(k, v)?),
+            "logit_bias" => match v {
+                Field::Bias(b) => s.logit_bias = b,
+                _ => return Err(want(k, "an object of token ids and numbers")),
+            },
+            "stop" => match v {
+                Field::Str(x) => r.stop = vec![x],
+                Field::Strs(x) => r.stop = x,
+                _ => return Err(want(k, "a string or an array of strings")),
+            },
+            "priority" => match v {
+                Field::Str(x) => {
+                    r.priority = Priority::parse(&x).ok_or_else(|| want(k, "\"interactive\" or \"background\""))?;
+                }
+                _ => return Err(want(k, "\"interactive\" or \"background\"")),
+            },
+            "decoder" => match v {
+                Field::Str(x) => decoder = Some(x),
+                _ => return Err(want(k, "a string")),
+            },
+            "decoder_params" => match v {
+                Field::Object(x) => params = Some(x),
+                _ => return Err(want(k, "a JSON object")),
+            },
+            _ => return Err(ApiError::bad(format!("unknown option {k:?} (known: {})", FIELDS.join(", ")), "options")),
+        }
+    }
+    r.decoder = decoder.map(|name| Decoder { name, params });
+    Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fields_become_a_typed_request_with_one_message_per_mistake() {
+        let f = |k: &str, v: Field| (k.to_string(), v);
+        let r = build([
+            f("max_tokens", Field::Int(8)),
+            f("temperature", Field::Int(1)),
+            f("stop", Field::Str("\n".into())),
+            f("priority", Field::Str("background".into())),
+            f("logit_bias", Field::Bias(vec![(3, -1.5)])),
+        ])
+        .unwrap();
+        assert_eq!(r.max_tokens, Some(8));
+        assert_eq!(r.sampling.temperature, Some(1.0));
+        assert_eq!(r.stop, vec!["\n"]);
+        assert_eq!(r.priority, Priority::Background);
+        assert_eq!(r.sampling.logit_bias, vec![(3, -1.5)]);
+        for (field, message) in [
+            (f("max_tokens", Field::Int(-1)), "max_tokens must be a non-negative integer"),
+            (f("max_tokens", Field::Number(1.5)), "max_tokens must be a non-negative integer"),
+            (f("top_p", Field::Str("high".into())), "top_p must be a number"),
+            (f("stop", Field::Other("an integer")), "stop must be a string or an array of strings"),
+            (f("priority", Field::Str("urgent".into())), "priority must be \"interactive\" or \"background\""),
+            (f("decoder_params", Field::Str("{}".into())), "decoder_params must be a JSON object"),
+            (f("colour", Field::Bool(true)), "unknown option \"colour\""),
+        ] {
+            let e = build([field.clone()]).unwrap_err();
+            assert!(e.message.starts_with(message), "{field:?}: {}", e.message);
+            assert_eq!(e.status, 400);
+        }
+    }
+}
