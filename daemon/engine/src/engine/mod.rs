@@ -52,7 +52,8 @@ pub struct Engine {
     pub kv: KvCacheManager,
     /// The last step's logits, item-major: `n_logits * vocab` floats per item, in item order.
     logits: Vec<f32>,
-    /// One forward's logits rows (position order), before they are placed in `logits`.
+    /// One forward's logits rows (position order) when a step takes several, before they are
+    /// placed in `logits`.
     rows: Vec<f32>,
     prefill_chunk: usize,
 }
@@ -177,6 +178,29 @@ impl Engine {
     /// The forwards of a reserved step, in chunks under the prefill budget.
     fn forward_all(&mut self, items: &[RunItem<'_>], start: &[usize]) -> Result<(), EngineError> {
         let vocab = self.vocab();
+        if items.iter().map(|it| it.tokens.len()).sum::<usize>() <= self.prefill_chunk {
+            // One forward (every decode step): its rows, sequence by sequence, already are the
+            // item-major logits, written in place.
+            let batch: Vec<SeqBatch<'_>> = items
+                .iter()
+                .zip(start)
+                .filter(|(it, _)| !it.tokens.is_empty())
+                .map(|(it, &s)| SeqBatch {
+                    tokens: it.tokens,
+                    start_pos: s,
+                    block_table: self.kv.block_table(it.seq),
+                    logits: it.n_logits,
+                })
+                .collect();
+            self.logits.clear();
+            if !batch.is_empty() {
+                self.backend.forward(&batch, &mut self.logits)?;
+            }
+            for (it, &s) in items.iter().zip(start) {
+                self.kv.commit(it.seq, s + it.tokens.len());
+            }
+            return Ok(());
+        }
         // Where each item's rows go in `logits`, and how many it has received.
         let mut offset = Vec::with_capacity(items.len());
         let mut total = 0;

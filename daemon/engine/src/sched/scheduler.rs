@@ -166,6 +166,15 @@ impl Emit<'_> {
     }
 }
 
+/// What one step runs: the plans run whole (`items`, `parts` giving each request's range by its
+/// index in `running`) and the prompt chunks run without their plans.
+#[derive(Default)]
+struct Batch {
+    items: Vec<StoreRun>,
+    parts: Vec<(usize, std::ops::Range<usize>)>,
+    chunks: Vec<(StoreSeq, usize)>,
+}
+
 /// How a request is leaving.
 enum Exit {
     /// Done (or stopped by its client) with these choices.
@@ -409,20 +418,51 @@ impl Scheduler {
     /// Plans, budget, one forward, observe, retire, preempt.
     fn run(&mut self, store: &mut dyn SeqStore) {
         let mut sent = 0u64;
-        // 1. Every session's plan.
-        let mut plans: Vec<(usize, Vec<StoreRun>)> = Vec::new();
         let mut done: Vec<(usize, Result<(), String>)> = Vec::new();
+        let plans = self.plan(store, &mut sent, &mut done);
+        let batch = self.batch(store, plans);
+        let preempt = self.forward(store, &batch, &mut sent, &mut done);
+        self.out.emitted += sent;
+        // A recompute that diverged from what its client saw cannot go on consistently.
+        for (i, r) in self.running.iter().enumerate() {
+            if r.diverged {
+                let why = "recomputing after a preemption gave other tokens than were sent".to_string();
+                done.push((i, Err(why)));
+            }
+        }
+        // Requests leaving give their blocks back: a step that did not fit is simply tried
+        // again; when nobody left, the newest request makes room.
+        let left = !done.is_empty();
+        self.retire_done(store, done);
+        if preempt && !left {
+            self.preempt(store);
+        }
+    }
+
+    /// Every running session's plan, by its index in `running`; sessions that are done or
+    /// failed go to `done`.
+    fn plan(
+        &mut self,
+        store: &mut dyn SeqStore,
+        sent: &mut u64,
+        done: &mut Vec<(usize, Result<(), String>)>,
+    ) -> Vec<(usize, Vec<StoreRun>)> {
+        let mut plans = Vec::new();
         for (i, r) in self.running.iter_mut().enumerate() {
             let Running { req, session, resume, emitted, gone, diverged, .. } = r;
             let mut emit =
-                Emit { req, resume: *resume, emitted, gone, diverged, sent: &mut sent, ttft: &mut self.seen.ttft };
+                Emit { req, resume: *resume, emitted, gone, diverged, sent: &mut *sent, ttft: &mut self.seen.ttft };
             match session.plan(store, &mut |c, t| emit.token(c, t)) {
                 Ok(Some(work)) => plans.push((i, work)),
                 Ok(None) => done.push((i, Ok(()))),
                 Err(e) => done.push((i, Err(e.to_string()))),
             }
         }
-        // 2. The budget decides.
+        plans
+    }
+
+    /// What runs this step: the budget's decision on every plan (`budget.rs`).
+    fn batch(&mut self, store: &dyn SeqStore, plans: Vec<(usize, Vec<StoreRun>)>) -> Batch {
         let sizes: Vec<PlanSize> = plans
             .iter()
             .map(|(i, work)| {
@@ -437,17 +477,15 @@ impl Scheduler {
             })
             .collect();
         let decisions = decide(&sizes, self.cfg.token_budget);
-        let mut batch: Vec<StoreRun> = Vec::new();
-        let mut parts: Vec<(usize, std::ops::Range<usize>)> = Vec::new();
-        let mut chunks: Vec<(StoreSeq, usize)> = Vec::new();
+        let mut b = Batch::default();
         for ((i, work), (d, size)) in plans.into_iter().zip(decisions.into_iter().zip(&sizes)) {
             let id = self.running[i].req.sub.id;
             self.running[i].deferred = d == Decision::Defer;
             match d {
                 Decision::Run => {
                     self.out.planned.push((id, size.tokens + size.pending));
-                    parts.push((i, batch.len()..batch.len() + work.len()));
-                    batch.extend(work);
+                    b.parts.push((i, b.items.len()..b.items.len() + work.len()));
+                    b.items.extend(work);
                 }
                 Decision::Chunk(mut k) => {
                     self.out.chunks.push((id, k));
@@ -455,7 +493,7 @@ impl Scheduler {
                         let keep = usize::from(w.tokens.is_empty());
                         let take = store.pending(w.seq).saturating_sub(keep).min(k);
                         if take > 0 {
-                            chunks.push((w.seq, take));
+                            b.chunks.push((w.seq, take));
                             k -= take;
                         }
                     }
@@ -463,49 +501,50 @@ impl Scheduler {
                 Decision::Defer => {}
             }
         }
-        // 3. One forward for everyone.
-        let mut preempt = false;
-        if !batch.is_empty() || !chunks.is_empty() {
-            self.stats.steps += 1;
-            // Each part's rows, from one batch, or (when the batch failed for another reason
-            // than a full cache) from running each part alone, so only the request at fault fails.
-            let results: Vec<Result<Vec<Vec<f32>>, StoreError>> = match store.run_with_prefill(&batch, &chunks) {
-                Ok(mut rows) => parts.iter().map(|(_, r)| Ok(rows.drain(..r.len()).collect())).collect(),
-                Err(StoreError::Engine(EngineError::OutOfBlocks(_))) => {
-                    preempt = true;
-                    Vec::new()
-                }
-                Err(_) => parts.iter().map(|(_, r)| store.run(&batch[r.clone()])).collect(),
+        b
+    }
+
+    /// Runs the batch in one forward and hands every session its rows; true when the cache
+    /// ran out (nothing changed then). When the batch fails for another reason each part runs
+    /// alone, so only the request at fault fails.
+    fn forward(
+        &mut self,
+        store: &mut dyn SeqStore,
+        b: &Batch,
+        sent: &mut u64,
+        done: &mut Vec<(usize, Result<(), String>)>,
+    ) -> bool {
+        if b.items.is_empty() && b.chunks.is_empty() {
+            return false;
+        }
+        self.stats.steps += 1;
+        let results: Vec<Result<Vec<Vec<f32>>, StoreError>> = match store.run_with_prefill(&b.items, &b.chunks) {
+            Ok(mut rows) => b.parts.iter().map(|(_, r)| Ok(rows.drain(..r.len()).collect())).collect(),
+            Err(StoreError::Engine(EngineError::OutOfBlocks(_))) => return true,
+            Err(_) => b.parts.iter().map(|(_, r)| store.run(&b.items[r.clone()])).collect(),
+        };
+        for ((i, range), rows) in b.parts.iter().zip(results) {
+            let Running { req, session, resume, emitted, gone, diverged, prefilled, .. } = &mut self.running[*i];
+            *prefilled = true;
+            let mut emit =
+                Emit { req, resume: *resume, emitted, gone, diverged, sent: &mut *sent, ttft: &mut self.seen.ttft };
+            let outcome = match rows {
+                Ok(rows) => session
+                    .observe(store, &b.items[range.clone()], &rows, &mut |c, t| emit.token(c, t))
+                    .map_err(|e| e.to_string()),
+                Err(e) => Err(format!("running the model: {e}")),
             };
-            for ((i, range), rows) in parts.iter().zip(results) {
-                let Running { req, session, resume, emitted, gone, diverged, prefilled, .. } = &mut self.running[*i];
-                *prefilled = true;
-                let mut emit =
-                    Emit { req, resume: *resume, emitted, gone, diverged, sent: &mut sent, ttft: &mut self.seen.ttft };
-                let outcome = match rows {
-                    Ok(rows) => session
-                        .observe(store, &batch[range.clone()], &rows, &mut |c, t| emit.token(c, t))
-                        .map_err(|e| e.to_string()),
-                    Err(e) => Err(format!("running the model: {e}")),
-                };
-                if let Err(e) = outcome {
-                    done.push((*i, Err(e)));
-                }
+            if let Err(e) = outcome {
+                done.push((*i, Err(e)));
             }
         }
-        self.out.emitted += sent;
-        // A recompute that diverged from what its client saw cannot go on consistently.
-        for (i, r) in self.running.iter().enumerate() {
-            if r.diverged {
-                let why = "recomputing after a preemption gave other tokens than were sent".to_string();
-                done.push((i, Err(why)));
-            }
-        }
-        // 4. Retire finished and failed requests; preempt when the cache ran out and nobody
-        // left (requests leaving give their blocks back: the step is simply tried again).
+        false
+    }
+
+    /// Retires the requests in `done` (indices into `running`; the first outcome of each).
+    fn retire_done(&mut self, store: &mut dyn SeqStore, mut done: Vec<(usize, Result<(), String>)>) {
         done.sort_by_key(|d| std::cmp::Reverse(d.0));
         done.dedup_by_key(|d| d.0);
-        let left = !done.is_empty();
         for (i, outcome) in done {
             let r = self.running.remove(i);
             match outcome {
@@ -517,9 +556,6 @@ impl Scheduler {
                 }
                 Err(msg) => self.retire(r.req, Some(r.session), Exit::Failed(msg), store),
             }
-        }
-        if preempt && !left {
-            self.preempt(store);
         }
     }
 
