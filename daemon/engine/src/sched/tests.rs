@@ -3,6 +3,7 @@
 //! priorities, chunked prefill, preemption and recompute, the shared-prefix wait and a cancel
 //! or stop arriving in every state.
 
+use super::budget::MIN_CHUNK;
 use super::*;
 use crate::decode::generate;
 use crate::decode::store::MockStore;
@@ -355,4 +356,42 @@ fn a_cancel_or_stop_arriving_in_every_state_ends_that_request_alone() {
             h.assert_clean();
         }
     }
+}
+
+#[test]
+fn plans_that_wait_for_room_run_within_a_few_steps_and_no_step_overruns_its_budget() {
+    // A budget of 16 tokens against prompts of 5 to 40 tokens and their decodes: plans are
+    // chunked or deferred, none starves, no step runs more than the budget (plus the oldest
+    // prompt's minimum chunk), and every answer is the request's alone.
+    let mut h = Harness::new(1024, 4, 16, 64);
+    let lens = [40, 5, 12, 30, 7, 20];
+    let specs: Vec<Spec> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| spec(i as u64 + 1, "test-top1", prompt(i as u32 % 6 + 1, l), 4, 1))
+        .collect();
+    specs.iter().for_each(|s| h.submit(s));
+    h.run_until_idle();
+    // Requests that were running but got nothing in a step: the budget deferred them.
+    let (mut running, mut deferred) = (std::collections::BTreeSet::new(), 0);
+    for (n, s) in h.steps.iter().enumerate() {
+        let planned: usize = s.planned.iter().map(|p| p.1).sum();
+        let chunked: usize = s.chunks.iter().map(|c| c.1).sum();
+        // A decode plan that waited once runs whatever its size: at most one token each here.
+        assert!(planned + chunked <= 16 + MIN_CHUNK + specs.len(), "step {n} ran {planned} + {chunked} tokens");
+        running.extend(s.admitted.iter().copied());
+        let ran: std::collections::BTreeSet<RequestId> = s.planned.iter().chain(&s.chunks).map(|p| p.0).collect();
+        // (A request that finished this step planned nothing: it is not waiting.)
+        for (id, _) in &s.retired {
+            running.remove(id);
+        }
+        deferred += running.iter().filter(|id| !ran.contains(id)).count();
+    }
+    assert!(deferred > 0, "the budget never made a plan wait: the test does not test deferral");
+    for s in &specs {
+        let first = h.first_step(|o| o.planned.iter().any(|p| p.0 == s.id)).unwrap();
+        assert!(first <= 12, "request {} first ran whole in step {first}", s.id);
+        assert_finished_as_alone(&h, s);
+    }
+    h.assert_clean();
 }
