@@ -332,8 +332,10 @@ impl Scheduler {
         }
     }
 
-    /// Admits waiting requests while the cache has room for the prompt plus one block of
-    /// growth per running request (and always one request when none runs).
+    /// Admits waiting requests while the cache has room for the prompt, a block for each
+    /// further choice (choices diverge at their first token) and one block of growth per
+    /// running choice (and always one request when none runs). Counting choices, not
+    /// requests, keeps requests with several choices from being admitted only to be preempted.
     fn admit(&mut self, store: &mut dyn SeqStore) {
         // Without a bounded cache there is no prefix cache to wait for either.
         let share = store.capacity().is_some();
@@ -363,8 +365,9 @@ impl Scheduler {
                     Resume::Continue { base } => base,
                     Resume::Replay => 0,
                 };
-                let need = (w.req.sub.prompt.len() + base + 1).div_ceil(bs);
-                if need + self.running.len() > free && !self.running.is_empty() {
+                let need = (w.req.sub.prompt.len() + base + 1).div_ceil(bs) + w.req.sub.n.max(1) as usize - 1;
+                let growth: usize = self.running.iter().map(|r| r.req.sub.n.max(1) as usize).sum();
+                if need + growth > free && !self.running.is_empty() {
                     return;
                 }
                 if need > free {

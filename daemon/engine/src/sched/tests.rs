@@ -395,3 +395,23 @@ fn plans_that_wait_for_room_run_within_a_few_steps_and_no_step_overruns_its_budg
     }
     h.assert_clean();
 }
+
+#[test]
+fn admission_counts_choices_not_requests() {
+    // 30 blocks of 4 tokens (the mock's forks copy their blocks: four choices of 22 tokens
+    // hold 24). A 20-token prompt with four choices needs 6 blocks and 3 more for its other
+    // choices' first tokens; then a 104-token prompt needs 27, plus a block of growth for each
+    // of the four running choices: 31 > 30, so it waits for the first to finish. (Counting the
+    // running request as one block of growth would have admitted it, to be preempted.)
+    let mut h = Harness::new(30, 4, 512, 64);
+    let wide = spec(1, "test-top1", prompt(1, 20), 2, 4);
+    let next = spec(2, "test-top1", prompt(2, 104), 2, 1);
+    h.submit(&wide);
+    h.submit(&next);
+    assert_eq!(h.step().admitted, vec![1]);
+    h.run_until_idle();
+    assert_finished_as_alone(&h, &wide);
+    assert_finished_as_alone(&h, &next);
+    assert_eq!(h.sched.stats().preempted, 0);
+    h.assert_clean();
+}
