@@ -247,13 +247,14 @@ impl SeqStore for EngineStore<'_> {
         let d_items: Vec<&StoreRun> = draft.iter().map(|x| x.1).collect();
         let t_spans = self.spans(&t_items, &prefill);
         let d_spans = self.spans(&d_items, &[]);
-        // Both halves are checked before either runs: a step that does not fit changes nothing.
-        if !d_spans.is_empty() && self.draft.is_none() {
-            return Err(StoreError::NoDraftModel);
-        }
-        self.engine.check(&run_items(&t_spans))?;
-        if let Some(d) = self.draft.as_deref() {
-            d.check(&run_items(&d_spans))?;
+        // When both engines run, both halves are checked before either does, so a step that
+        // does not fit changes nothing (`Engine::step` checks its own half in any case).
+        if !d_spans.is_empty() {
+            let d = self.draft.as_deref().ok_or(StoreError::NoDraftModel)?;
+            if !t_spans.is_empty() {
+                self.engine.check(&run_items(&t_spans))?;
+                d.check(&run_items(&d_spans))?;
+            }
         }
         let before: Vec<usize> = t_spans.iter().map(|(s, _, _)| self.engine.kv.len(*s)).collect();
         let mut t_out = if t_spans.is_empty() { Vec::new() } else { self.engine.step(&run_items(&t_spans))? };

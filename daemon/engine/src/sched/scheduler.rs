@@ -244,7 +244,7 @@ impl Scheduler {
         std::mem::take(&mut self.seen)
     }
 
-    /// Takes one command (not [`Command::Shutdown`], which is [`Scheduler::shutdown`]).
+    /// Takes one command (a `Shutdown` here is [`Scheduler::shutdown`] with no late commands).
     pub fn handle(&mut self, cmd: Command, store: &mut dyn SeqStore) {
         match cmd {
             Command::Submit(sub) => {
