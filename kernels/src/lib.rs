@@ -3,8 +3,11 @@
 //! Everything that touches weights or activations element by element lives here, so that `unsafe`
 //! SIMD code stays in one crate. The layout follows candle's `quantized/` and llama.cpp's `ggml-cpu`:
 //!
-//! - [`quant`]: the on-disk block formats (GGUF Q4_0, Q4_1, Q8_0, F16, BF16, F32) and the activation
-//!   format [`quant::BlockQ8`] that quantized matrix products consume.
+//! - [`quant`]: the on-disk block formats (GGUF's F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+//!   the K-quants Q2_K to Q6_K, IQ4_NL and IQ4_XS) and the activation format
+//!   [`quant::BlockQ8`] that quantized matrix products consume.
+//! - [`group`]: any block format read as 32-weight groups of small integers, the common form of
+//!   the dequantizer and the scalar dots.
 //! - [`cpu`]: the kernels proper: a scalar reference (`cpu::scalar`, kept forever and the oracle of
 //!   the property tests) and an AVX2+FMA path (`cpu::avx2`) chosen once at run time.
 //! - [`matmul`]: the multi-threaded matrix product driver over a [`pool::ThreadPool`].
@@ -18,11 +21,13 @@
 
 pub mod attention;
 pub mod cpu;
+pub mod group;
 pub mod matmul;
 pub mod ops;
 pub mod packed;
 pub mod pool;
 pub mod quant;
+pub mod quantize;
 
 pub use cpu::{Isa, Kernels};
 pub use quant::{BlockQ8, DType};

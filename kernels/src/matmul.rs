@@ -62,8 +62,17 @@ pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<
     // Up to 5 tokens go through the 16-row kernel (rows unpacked once per group of up to 4
     // tokens) when the ISA has one. Measured decode tok/s against the 16-lane kernel: 4 tokens
     // 344 vs 266, 5 tokens 325 vs 302, 6 tokens 336 vs 338, 8 tokens 355 vs 390.
-    let gemv = k.gemv16.filter(|_| t < 6 || k.gemm16.is_none());
-    let align = |w: &Matrix<'_>| if gemv.is_some() && w.dtype.is_quantized() { 16 } else { 1 };
+    let small = t < 6 || k.gemm16.is_none();
+    // The 16-lane kernels serve the types they were written for; the others take the dots.
+    let lanes = |w: &Matrix<'_>| match w.dtype.class() {
+        WeightClass::Quantized(q) => q.has_lane_kernels(),
+        WeightClass::Float(_) => false,
+    };
+    let gemv = |w: &Matrix<'_>| match w.dtype.class() {
+        WeightClass::Quantized(q) => k.gemv16_for(q).filter(|_| small),
+        WeightClass::Float(_) => None,
+    };
+    let align = |w: &Matrix<'_>| if gemv(w).is_some() { 16 } else { 1 };
     let mut first_task = Vec::with_capacity(ws.len() + 1);
     let mut tasks = 0;
     for (w, y) in ws.iter().zip(ys.iter()) {
@@ -80,7 +89,7 @@ pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<
     // Larger batches go through the 16-token kernel when the ISA has one (measured: faster
     // than single-token dots from 4 tokens on), unless the 16-row kernel takes them.
     let packed: Vec<Packed16> = match k.gemm16 {
-        Some(_) if t >= 4 && gemv.is_none() && ws.iter().any(|w| w.dtype.is_quantized()) => {
+        Some(_) if t >= 4 && !small && ws.iter().any(lanes) => {
             let nb = x.q8.len() / t;
             let rows: Vec<&[BlockQ8]> = x.q8.chunks_exact(nb).collect();
             // A group of at most 8 tokens fills the lanes with two weight rows per call, every
@@ -112,9 +121,12 @@ pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<
             // column `r` of output `m`; the outputs outlive `pool.run`.
             unsafe { *out.get().add(tok * n + r) = v };
         };
-        match (w.dtype.class(), gemv) {
+        match (w.dtype.class(), gemv(w)) {
             (WeightClass::Quantized(q), Some(gemv)) => rows_times_token(k, gemv, q, w, x, r0, r1, &store),
-            (WeightClass::Quantized(q), None) => quantized_rows(k, q, w, x, &packed, r0, r1, &store),
+            (WeightClass::Quantized(q), None) => {
+                let packed = if q.has_lane_kernels() { &packed[..] } else { &[] };
+                quantized_rows(k, q, w, x, packed, r0, r1, &store)
+            }
             (WeightClass::Float(f), _) => float_rows(k, f, w, x, r0, r1, &store),
         }
     };

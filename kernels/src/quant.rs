@@ -21,6 +21,15 @@ pub enum DType {
     Q8_0,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
+    Q2K,
+    Q3K,
+    Q4K,
+    Q5K,
+    Q6K,
+    IQ4NL,
+    IQ4XS,
 }
 
 /// The block-quantized weight types: their products take [`BlockQ8`] activations.
@@ -29,6 +38,15 @@ pub enum QuantType {
     Q8_0,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
+    Q2K,
+    Q3K,
+    Q4K,
+    Q5K,
+    Q6K,
+    IQ4NL,
+    IQ4XS,
 }
 
 /// The float weight types: their products take f32 activations.
@@ -74,22 +92,175 @@ pub struct BlockQ4_1 {
     pub qs: [u8; QK / 2],
 }
 
+/// GGML's Q5_0 block: 32 weights, `w = d * (q - 16)`; the low four bits as in [`BlockQ4_0`],
+/// bit `j` of the little-endian `qh` the fifth bit of element `j`.
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C)]
+pub struct BlockQ5_0 {
+    pub d: f16,
+    pub qh: [u8; 4],
+    pub qs: [u8; QK / 2],
+}
+
+/// GGML's Q5_1 block: 32 weights, `w = d * q + m`; bits as in [`BlockQ5_0`].
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C)]
+pub struct BlockQ5_1 {
+    pub d: f16,
+    pub m: f16,
+    pub qh: [u8; 4],
+    pub qs: [u8; QK / 2],
+}
+
+/// Weights per K-quant super-block.
+pub const QK_K: usize = 256;
+
+/// GGML's Q2_K super-block: 16 sub-blocks of 16, `w = d * sc * q - dmin * m` with 2-bit `q` and
+/// 4-bit `sc` (low nibble of `scales[j]`) and `m` (high nibble).
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct BlockQ2K {
+    pub scales: [u8; QK_K / 16],
+    pub qs: [u8; QK_K / 4],
+    pub d: f16,
+    pub dmin: f16,
+}
+
+/// GGML's Q3_K super-block: 16 sub-blocks of 16, `w = d * (sc - 32) * (q - 4 * !h)` with 2-bit
+/// `q`, the high bit `h` in `hmask` and 6-bit scales packed in 12 bytes.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct BlockQ3K {
+    pub hmask: [u8; QK_K / 8],
+    pub qs: [u8; QK_K / 4],
+    pub scales: [u8; 12],
+    pub d: f16,
+}
+
+/// GGML's Q4_K super-block: 8 sub-blocks of 32, `w = d * sc * q - dmin * m` with 4-bit `q` and
+/// 6-bit `sc` and `m` packed in 12 bytes.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct BlockQ4K {
+    pub d: f16,
+    pub dmin: f16,
+    pub scales: [u8; 12],
+    pub qs: [u8; QK_K / 2],
+}
+
+/// GGML's Q5_K super-block: [`BlockQ4K`] with a fifth bit per weight in `qh`.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct BlockQ5K {
+    pub d: f16,
+    pub dmin: f16,
+    pub scales: [u8; 12],
+    pub qh: [u8; QK_K / 8],
+    pub qs: [u8; QK_K / 2],
+}
+
+/// GGML's Q6_K super-block: 16 sub-blocks of 16, `w = d * sc * (q - 32)` with 6-bit `q` (low
+/// four bits in `ql`, high two in `qh`) and 8-bit signed `sc`.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct BlockQ6K {
+    pub ql: [u8; QK_K / 2],
+    pub qh: [u8; QK_K / 4],
+    pub scales: [i8; QK_K / 16],
+    pub d: f16,
+}
+
+/// GGML's IQ4_NL block: 32 weights, `w = d * IQ4_VALUES[q]`; nibbles as in [`BlockQ4_0`].
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C)]
+pub struct BlockIQ4NL {
+    pub d: f16,
+    pub qs: [u8; QK / 2],
+}
+
+/// GGML's IQ4_XS super-block: 8 sub-blocks of 32, `w = d * (ls - 32) * IQ4_VALUES[q]` with 6-bit
+/// `ls` (low four bits in `scales_l`, high two in the little-endian `scales_h`).
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct BlockIQ4XS {
+    pub d: f16,
+    pub scales_h: [u8; 2],
+    pub scales_l: [u8; QK_K / 64],
+    pub qs: [u8; QK_K / 2],
+}
+
+/// The non-linear 4-bit code book of IQ4_NL and IQ4_XS.
+pub const IQ4_VALUES: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+
 // The layouts are GGUF's, byte for byte: a wrong size or offset would misread every file.
 const _: () = {
-    use std::mem::{offset_of, size_of};
     assert!(size_of::<BlockQ8_0>() == 34 && offset_of!(BlockQ8_0, qs) == 2);
     assert!(size_of::<BlockQ4_0>() == 18 && offset_of!(BlockQ4_0, qs) == 2);
     assert!(size_of::<BlockQ4_1>() == 20 && offset_of!(BlockQ4_1, m) == 2 && offset_of!(BlockQ4_1, qs) == 4);
+    assert!(size_of::<BlockQ5_0>() == 22 && offset_of!(BlockQ5_0, qh) == 2 && offset_of!(BlockQ5_0, qs) == 6);
+    assert!(size_of::<BlockQ5_1>() == 24 && offset_of!(BlockQ5_1, qh) == 4 && offset_of!(BlockQ5_1, qs) == 8);
+    assert!(size_of::<BlockQ2K>() == 84 && offset_of!(BlockQ2K, qs) == 16 && offset_of!(BlockQ2K, d) == 80);
+    assert!(size_of::<BlockQ3K>() == 110 && offset_of!(BlockQ3K, qs) == 32 && offset_of!(BlockQ3K, scales) == 96);
+    assert!(offset_of!(BlockQ3K, d) == 108);
+    assert!(size_of::<BlockQ4K>() == 144 && offset_of!(BlockQ4K, scales) == 4 && offset_of!(BlockQ4K, qs) == 16);
+    assert!(size_of::<BlockQ5K>() == 176 && offset_of!(BlockQ5K, qh) == 16 && offset_of!(BlockQ5K, qs) == 48);
+    assert!(size_of::<BlockQ6K>() == 210 && offset_of!(BlockQ6K, qh) == 128 && offset_of!(BlockQ6K, scales) == 192);
+    assert!(offset_of!(BlockQ6K, d) == 208);
+    assert!(size_of::<BlockIQ4NL>() == 18 && offset_of!(BlockIQ4NL, qs) == 2);
+    assert!(size_of::<BlockIQ4XS>() == 136 && offset_of!(BlockIQ4XS, scales_l) == 4 && offset_of!(BlockIQ4XS, qs) == 8);
     assert!(size_of::<BlockQ8>() == 40 && offset_of!(BlockQ8, qs) == 8);
 };
 
 impl QuantType {
-    /// Bytes per block of 32 weights.
+    /// Every quantized type, in declaration order: `ALL[q.index()] == q`.
+    pub const ALL: [QuantType; QuantType::COUNT] = [
+        QuantType::Q8_0,
+        QuantType::Q4_0,
+        QuantType::Q4_1,
+        QuantType::Q5_0,
+        QuantType::Q5_1,
+        QuantType::Q2K,
+        QuantType::Q3K,
+        QuantType::Q4K,
+        QuantType::Q5K,
+        QuantType::Q6K,
+        QuantType::IQ4NL,
+        QuantType::IQ4XS,
+    ];
+
+    /// How many quantized types there are.
+    pub const COUNT: usize = 12;
+
+    /// The type's position in [`QuantType::ALL`] (tables of kernels are indexed by it).
+    pub const fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Weights per block: 32, or 256 for the super-block formats.
+    pub const fn block_len(self) -> usize {
+        match self {
+            QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q5_1 => QK,
+            QuantType::IQ4NL => QK,
+            QuantType::Q2K | QuantType::Q3K | QuantType::Q4K | QuantType::Q5K | QuantType::Q6K => QK_K,
+            QuantType::IQ4XS => QK_K,
+        }
+    }
+
+    /// Bytes per block of [`QuantType::block_len`] weights.
     pub const fn block_bytes(self) -> usize {
         match self {
-            QuantType::Q8_0 => std::mem::size_of::<BlockQ8_0>(),
-            QuantType::Q4_0 => std::mem::size_of::<BlockQ4_0>(),
-            QuantType::Q4_1 => std::mem::size_of::<BlockQ4_1>(),
+            QuantType::Q8_0 => size_of::<BlockQ8_0>(),
+            QuantType::Q4_0 => size_of::<BlockQ4_0>(),
+            QuantType::Q4_1 => size_of::<BlockQ4_1>(),
+            QuantType::Q5_0 => size_of::<BlockQ5_0>(),
+            QuantType::Q5_1 => size_of::<BlockQ5_1>(),
+            QuantType::Q2K => size_of::<BlockQ2K>(),
+            QuantType::Q3K => size_of::<BlockQ3K>(),
+            QuantType::Q4K => size_of::<BlockQ4K>(),
+            QuantType::Q5K => size_of::<BlockQ5K>(),
+            QuantType::Q6K => size_of::<BlockQ6K>(),
+            QuantType::IQ4NL => size_of::<BlockIQ4NL>(),
+            QuantType::IQ4XS => size_of::<BlockIQ4XS>(),
         }
     }
 
@@ -98,11 +269,45 @@ impl QuantType {
             QuantType::Q8_0 => DType::Q8_0,
             QuantType::Q4_0 => DType::Q4_0,
             QuantType::Q4_1 => DType::Q4_1,
+            QuantType::Q5_0 => DType::Q5_0,
+            QuantType::Q5_1 => DType::Q5_1,
+            QuantType::Q2K => DType::Q2K,
+            QuantType::Q3K => DType::Q3K,
+            QuantType::Q4K => DType::Q4K,
+            QuantType::Q5K => DType::Q5K,
+            QuantType::Q6K => DType::Q6K,
+            QuantType::IQ4NL => DType::IQ4NL,
+            QuantType::IQ4XS => DType::IQ4XS,
         }
+    }
+
+    /// True for the types the 16-lane AVX-512 kernels (`Kernels::gemm16`, `Kernels::gemv16`)
+    /// take; the others go through the per-token dots.
+    pub const fn has_lane_kernels(self) -> bool {
+        matches!(self, QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1)
     }
 }
 
 impl DType {
+    /// Every type a weight may have.
+    pub const ALL: [DType; 15] = [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q8_0,
+        DType::Q2K,
+        DType::Q3K,
+        DType::Q4K,
+        DType::Q5K,
+        DType::Q6K,
+        DType::IQ4NL,
+        DType::IQ4XS,
+    ];
+
     /// The kernels' view of the type (see [`WeightClass`]).
     pub const fn class(self) -> WeightClass {
         match self {
@@ -112,6 +317,15 @@ impl DType {
             DType::Q8_0 => WeightClass::Quantized(QuantType::Q8_0),
             DType::Q4_0 => WeightClass::Quantized(QuantType::Q4_0),
             DType::Q4_1 => WeightClass::Quantized(QuantType::Q4_1),
+            DType::Q5_0 => WeightClass::Quantized(QuantType::Q5_0),
+            DType::Q5_1 => WeightClass::Quantized(QuantType::Q5_1),
+            DType::Q2K => WeightClass::Quantized(QuantType::Q2K),
+            DType::Q3K => WeightClass::Quantized(QuantType::Q3K),
+            DType::Q4K => WeightClass::Quantized(QuantType::Q4K),
+            DType::Q5K => WeightClass::Quantized(QuantType::Q5K),
+            DType::Q6K => WeightClass::Quantized(QuantType::Q6K),
+            DType::IQ4NL => WeightClass::Quantized(QuantType::IQ4NL),
+            DType::IQ4XS => WeightClass::Quantized(QuantType::IQ4XS),
         }
     }
 
@@ -119,7 +333,7 @@ impl DType {
     pub const fn block_len(self) -> usize {
         match self.class() {
             WeightClass::Float(_) => 1,
-            WeightClass::Quantized(_) => QK,
+            WeightClass::Quantized(q) => q.block_len(),
         }
     }
 
@@ -145,6 +359,7 @@ impl DType {
         matches!(self.class(), WeightClass::Quantized(_))
     }
 
+    /// GGML's name of the type, as GGUF tools print it.
     pub const fn name(self) -> &'static str {
         match self {
             DType::F32 => "F32",
@@ -153,8 +368,69 @@ impl DType {
             DType::Q8_0 => "Q8_0",
             DType::Q4_0 => "Q4_0",
             DType::Q4_1 => "Q4_1",
+            DType::Q5_0 => "Q5_0",
+            DType::Q5_1 => "Q5_1",
+            DType::Q2K => "Q2_K",
+            DType::Q3K => "Q3_K",
+            DType::Q4K => "Q4_K",
+            DType::Q5K => "Q5_K",
+            DType::Q6K => "Q6_K",
+            DType::IQ4NL => "IQ4_NL",
+            DType::IQ4XS => "IQ4_XS",
         }
     }
+
+    /// GGML's number for the type (the `type` field of a GGUF tensor).
+    pub const fn ggml_type(self) -> u32 {
+        match self {
+            DType::F32 => 0,
+            DType::F16 => 1,
+            DType::Q4_0 => 2,
+            DType::Q4_1 => 3,
+            DType::Q5_0 => 6,
+            DType::Q5_1 => 7,
+            DType::Q8_0 => 8,
+            DType::Q2K => 10,
+            DType::Q3K => 11,
+            DType::Q4K => 12,
+            DType::Q5K => 13,
+            DType::Q6K => 14,
+            DType::IQ4NL => 20,
+            DType::IQ4XS => 23,
+            DType::BF16 => 30,
+        }
+    }
+
+    /// The type of GGML's number `ty`, if it is one of [`DType::ALL`].
+    pub fn from_ggml(ty: u32) -> Option<DType> {
+        DType::ALL.into_iter().find(|d| d.ggml_type() == ty)
+    }
+}
+
+/// GGML's name of a type number, for the types that are not a [`DType`] (refused by name).
+pub fn ggml_type_name(ty: u32) -> Option<&'static str> {
+    const OTHERS: [(u32, &str); 19] = [
+        (4, "Q4_2"),
+        (5, "Q4_3"),
+        (9, "Q8_1"),
+        (15, "Q8_K"),
+        (16, "IQ2_XXS"),
+        (17, "IQ2_XS"),
+        (18, "IQ3_XXS"),
+        (19, "IQ1_S"),
+        (21, "IQ3_S"),
+        (22, "IQ2_S"),
+        (24, "I8"),
+        (25, "I16"),
+        (26, "I32"),
+        (27, "I64"),
+        (28, "F64"),
+        (29, "IQ1_M"),
+        (34, "TQ1_0"),
+        (35, "TQ2_0"),
+        (39, "MXFP4"),
+    ];
+    DType::from_ggml(ty).map(DType::name).or_else(|| OTHERS.iter().find(|(t, _)| *t == ty).map(|(_, n)| *n))
 }
 
 /// One block of 32 quantized activations: `x[i] ≈ d * qs[i]`, `s = d * Σ qs[i]`.
@@ -182,93 +458,25 @@ pub(crate) fn read_f32(b: &[u8], at: usize) -> f32 {
 }
 
 /// Dequantizes one row of `out.len()` elements stored as `dtype` in `src` (scalar; used for
-/// embedding lookups and as the reference of the tests).
+/// embedding lookups and as the reference of the tests). Quantized types go through
+/// [`crate::group::decode`], whose `(d * sc) * q + dmin * m` rounds exactly as the `gguf` Python
+/// package's dequantizers do.
 pub fn dequantize_row(dtype: DType, src: &[u8], out: &mut [f32]) {
     let n = out.len();
     assert!(src.len() >= dtype.bytes_for(n).unwrap_or(usize::MAX), "row too short");
-    match dtype {
-        DType::F32 => out.iter_mut().enumerate().for_each(|(i, o)| *o = read_f32(src, 4 * i)),
-        DType::F16 => out.iter_mut().enumerate().for_each(|(i, o)| *o = read_f16(src, 2 * i)),
-        DType::BF16 => out.iter_mut().enumerate().for_each(|(i, o)| *o = read_bf16(src, 2 * i)),
-        DType::Q8_0 => {
-            for (b, chunk) in out.chunks_exact_mut(QK).enumerate() {
-                const BYTES: usize = size_of::<BlockQ8_0>();
-                const QS: usize = offset_of!(BlockQ8_0, qs);
-                let blk = &src[b * BYTES..(b + 1) * BYTES];
-                let d = read_f16(blk, offset_of!(BlockQ8_0, d));
-                for (j, o) in chunk.iter_mut().enumerate() {
-                    *o = d * f32::from(blk[QS + j] as i8);
-                }
-            }
-        }
-        DType::Q4_0 => {
-            for (b, chunk) in out.chunks_exact_mut(QK).enumerate() {
-                const BYTES: usize = size_of::<BlockQ4_0>();
-                const QS: usize = offset_of!(BlockQ4_0, qs);
-                let blk = &src[b * BYTES..(b + 1) * BYTES];
-                let d = read_f16(blk, offset_of!(BlockQ4_0, d));
-                for j in 0..16 {
-                    chunk[j] = d * (f32::from(blk[QS + j] & 0xf) - 8.0);
-                    chunk[j + 16] = d * (f32::from(blk[QS + j] >> 4) - 8.0);
-                }
-            }
-        }
-        DType::Q4_1 => {
-            for (b, chunk) in out.chunks_exact_mut(QK).enumerate() {
-                const BYTES: usize = size_of::<BlockQ4_1>();
-                const QS: usize = offset_of!(BlockQ4_1, qs);
-                let blk = &src[b * BYTES..(b + 1) * BYTES];
-                let d = read_f16(blk, offset_of!(BlockQ4_1, d));
-                let m = read_f16(blk, offset_of!(BlockQ4_1, m));
-                for j in 0..16 {
-                    chunk[j] = d * f32::from(blk[QS + j] & 0xf) + m;
-                    chunk[j + 16] = d * f32::from(blk[QS + j] >> 4) + m;
-                }
+    match dtype.class() {
+        WeightClass::Float(FloatType::F32) => out.iter_mut().enumerate().for_each(|(i, o)| *o = read_f32(src, 4 * i)),
+        WeightClass::Float(FloatType::F16) => out.iter_mut().enumerate().for_each(|(i, o)| *o = read_f16(src, 2 * i)),
+        WeightClass::Float(FloatType::BF16) => out.iter_mut().enumerate().for_each(|(i, o)| *o = read_bf16(src, 2 * i)),
+        WeightClass::Quantized(q) => {
+            for (g, chunk) in out.chunks_exact_mut(QK).enumerate() {
+                crate::group::decode(q, src, g).dequantize(chunk);
             }
         }
     }
 }
 
-/// Quantizes a row of floats into `dtype` (used to write test models; the nearest-value rounding
-/// of llama.cpp's reference quantizers).
-pub fn quantize_row(dtype: DType, src: &[f32], out: &mut Vec<u8>) {
-    match dtype {
-        DType::F32 => src.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
-        DType::F16 => src.iter().for_each(|v| out.extend_from_slice(&f16::from_f32(*v).to_le_bytes())),
-        DType::BF16 => src.iter().for_each(|v| out.extend_from_slice(&bf16::from_f32(*v).to_le_bytes())),
-        DType::Q8_0 => {
-            for chunk in src.chunks(QK) {
-                let amax = chunk.iter().fold(0f32, |a, v| a.max(v.abs()));
-                let d = amax / 127.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
-                out.extend(chunk.iter().map(|v| (v * id).round() as i8 as u8));
-            }
-        }
-        DType::Q4_0 => {
-            for chunk in src.chunks(QK) {
-                let max = chunk.iter().fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
-                let d = max / -8.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
-                let q = |v: f32| ((v * id + 8.5) as i32).clamp(0, 15) as u8;
-                out.extend((0..16).map(|j| q(chunk[j]) | (q(chunk[j + 16]) << 4)));
-            }
-        }
-        DType::Q4_1 => {
-            for chunk in src.chunks(QK) {
-                let min = chunk.iter().copied().fold(f32::INFINITY, f32::min);
-                let max = chunk.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let d = (max - min) / 15.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
-                out.extend_from_slice(&f16::from_f32(min).to_le_bytes());
-                let q = |v: f32| (((v - min) * id + 0.5) as i32).clamp(0, 15) as u8;
-                out.extend((0..16).map(|j| q(chunk[j]) | (q(chunk[j + 16]) << 4)));
-            }
-        }
-    }
-}
+pub use crate::quantize::quantize_row;
 
 #[cfg(test)]
 mod tests {
@@ -276,17 +484,46 @@ mod tests {
 
     #[test]
     fn quantize_dequantize_round_trip_is_close() {
-        let x: Vec<f32> = (0..64).map(|i| ((i * 37 % 64) as f32 - 32.0) / 7.0).collect();
-        for (dt, tol) in [(DType::Q8_0, 0.03), (DType::Q4_0, 0.6), (DType::Q4_1, 0.3), (DType::F16, 0.01)] {
+        // Values in [-4.6, 4.4]; the tolerances are about a step of each format.
+        let x: Vec<f32> = (0..512).map(|i| ((i * 37 % 64) as f32 - 32.0) / 7.0).collect();
+        for (dt, tol) in [
+            (DType::Q8_0, 0.03),
+            (DType::Q4_0, 0.6),
+            (DType::Q4_1, 0.3),
+            (DType::Q5_0, 0.3),
+            (DType::Q5_1, 0.15),
+            (DType::Q2K, 2.0),
+            (DType::Q3K, 1.3),
+            (DType::Q4K, 0.35),
+            (DType::Q5K, 0.2),
+            (DType::Q6K, 0.1),
+            (DType::IQ4NL, 0.5),
+            (DType::IQ4XS, 0.5),
+            (DType::F16, 0.01),
+        ] {
             let mut bytes = Vec::new();
             quantize_row(dt, &x, &mut bytes);
-            assert_eq!(bytes.len(), dt.bytes_for(64).unwrap());
-            let mut y = vec![0.0; 64];
+            assert_eq!(bytes.len(), dt.bytes_for(512).unwrap());
+            let mut y = vec![0.0; 512];
             dequantize_row(dt, &bytes, &mut y);
             for (a, b) in x.iter().zip(&y) {
                 assert!((a - b).abs() <= tol, "{dt:?}: {a} vs {b}");
             }
         }
+    }
+
+    #[test]
+    fn type_tables_agree() {
+        for (i, q) in QuantType::ALL.into_iter().enumerate() {
+            assert_eq!(q.index(), i);
+            assert_eq!(q.dtype().class(), WeightClass::Quantized(q));
+            assert_eq!(DType::from_ggml(q.dtype().ggml_type()), Some(q.dtype()));
+        }
+        for d in DType::ALL {
+            assert_eq!(ggml_type_name(d.ggml_type()), Some(d.name()));
+        }
+        assert_eq!(ggml_type_name(16), Some("IQ2_XXS"));
+        assert_eq!(DType::from_ggml(16), None);
     }
 
     #[test]

@@ -8,7 +8,7 @@ fn the_official_openai_python_client_works_unchanged() {
     let d = Daemon::start(&dir, "", &[]);
     let pylib = std::env::var("INFERD_TEST_PYTHONPATH")
         .unwrap_or_else(|_| format!("{}/.cache/inferd/python", std::env::var("HOME").unwrap_or_default()));
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/openai_client.py");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/python/openai_client.py");
     let out = Command::new("python3").arg(script).arg(&d.socket).env("PYTHONPATH", &pylib).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "the openai package is installed by tests/run into {pylib}:\n{stderr}");

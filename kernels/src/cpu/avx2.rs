@@ -8,8 +8,8 @@
 //! Every function here is `#[target_feature(enable = "avx2,fma,f16c")]`; the safe wrappers in the
 //! table returned by [`kernels`] are only reachable after [`kernels`] has checked those features.
 
-use super::{Isa, Kernels};
-use crate::quant::{BlockQ8, QK};
+use super::{Isa, Kernels, QuantDots};
+use crate::quant::{BlockQ8, QuantType, QK};
 use half::f16;
 use std::arch::x86_64::*;
 
@@ -24,18 +24,7 @@ pub fn kernels() -> Option<Kernels> {
         isa: Isa::Avx2,
         // SAFETY: AVX2/FMA/F16C were detected above.
         quantize_q8: |x, out| unsafe { quantize_q8(x, out) },
-        // SAFETY: as above.
-        dot_q4_0: |w, a| unsafe { dot_q4_x4::<false, 1>(w, [a, a, a, a])[0] },
-        // SAFETY: as above.
-        dot_q4_1: |w, a| unsafe { dot_q4_x4::<true, 1>(w, [a, a, a, a])[0] },
-        // SAFETY: as above.
-        dot_q8_0: |w, a| unsafe { dot_q8_0_x4::<1>(w, [a, a, a, a])[0] },
-        // SAFETY: as above.
-        dot_q4_0_x4: |w, a| unsafe { dot_q4_x4::<false, 4>(w, a) },
-        // SAFETY: as above.
-        dot_q4_1_x4: |w, a| unsafe { dot_q4_x4::<true, 4>(w, a) },
-        // SAFETY: as above.
-        dot_q8_0_x4: |w, a| unsafe { dot_q8_0_x4::<4>(w, a) },
+        quant: QuantType::ALL.map(quant_dots),
         // SAFETY: as above.
         dot_f32: |w, x| unsafe { dot_f32(w, x) },
         // SAFETY: as above.
@@ -59,6 +48,40 @@ pub fn kernels() -> Option<Kernels> {
         gemm16: None,
         gemv16: None,
     })
+}
+
+/// The products of `q`: Q4_0, Q4_1 and Q8_0 here, the other types in `avx2_group`.
+fn quant_dots(q: QuantType) -> QuantDots {
+    use super::avx2_group::dots;
+    match q {
+        QuantType::Q4_0 => QuantDots {
+            // SAFETY: the table that holds these exists only where AVX2/FMA/F16C were detected.
+            one: |w, a| unsafe { dot_q4_x4::<false, 1>(w, [a, a, a, a])[0] },
+            // SAFETY: as above.
+            four: |w, a| unsafe { dot_q4_x4::<false, 4>(w, a) },
+        },
+        QuantType::Q4_1 => QuantDots {
+            // SAFETY: as above.
+            one: |w, a| unsafe { dot_q4_x4::<true, 1>(w, [a, a, a, a])[0] },
+            // SAFETY: as above.
+            four: |w, a| unsafe { dot_q4_x4::<true, 4>(w, a) },
+        },
+        QuantType::Q8_0 => QuantDots {
+            // SAFETY: as above.
+            one: |w, a| unsafe { dot_q8_0_x4::<1>(w, [a, a, a, a])[0] },
+            // SAFETY: as above.
+            four: |w, a| unsafe { dot_q8_0_x4::<4>(w, a) },
+        },
+        QuantType::Q5_0 => dots::<{ QuantType::Q5_0 as u8 }>(),
+        QuantType::Q5_1 => dots::<{ QuantType::Q5_1 as u8 }>(),
+        QuantType::Q2K => dots::<{ QuantType::Q2K as u8 }>(),
+        QuantType::Q3K => dots::<{ QuantType::Q3K as u8 }>(),
+        QuantType::Q4K => dots::<{ QuantType::Q4K as u8 }>(),
+        QuantType::Q5K => dots::<{ QuantType::Q5K as u8 }>(),
+        QuantType::Q6K => dots::<{ QuantType::Q6K as u8 }>(),
+        QuantType::IQ4NL => dots::<{ QuantType::IQ4NL as u8 }>(),
+        QuantType::IQ4XS => dots::<{ QuantType::IQ4XS as u8 }>(),
+    }
 }
 
 #[inline]

@@ -39,23 +39,42 @@ pub fn kernels() -> Option<Kernels> {
     Some(Kernels {
         isa: Isa::Avx512Vnni,
         // SAFETY: features detected above.
-        dot_q4_0: |w, a| unsafe { dot::<Q4_0>(w, a) },
-        // SAFETY: as above.
-        dot_q4_1: |w, a| unsafe { dot::<Q4_1>(w, a) },
-        // SAFETY: as above.
-        dot_q8_0: |w, a| unsafe { dot::<Q8_0>(w, a) },
-        // Four tokens go through `gemm16` (see `matmul`); these only serve other callers.
-        // SAFETY: as above.
-        dot_q4_0_x4: |w, a| a.map(|a| unsafe { dot::<Q4_0>(w, a) }),
-        // SAFETY: as above.
-        dot_q4_1_x4: |w, a| a.map(|a| unsafe { dot::<Q4_1>(w, a) }),
-        // SAFETY: as above.
-        dot_q8_0_x4: |w, a| a.map(|a| unsafe { dot::<Q8_0>(w, a) }),
+        quant: QuantType::ALL.map(|q| quant_dots(q).unwrap_or(base.quant[q.index()])),
         // SAFETY: as above.
         gemm16: Some(|dt, rows, p| unsafe { gemm16(dt, rows, p) }),
         // SAFETY: as above.
         gemv16: Some(|dt, w, rb, a, out| unsafe { gemv16(dt, w, rb, a, out) }),
         ..base
+    })
+}
+
+/// The products of the types with 16-lane kernels, in those kernels' arithmetic (module docs);
+/// the other types keep the AVX2 table's.
+fn quant_dots(q: QuantType) -> Option<super::QuantDots> {
+    // Four tokens go through `gemm16` (see `matmul`); `four` only serves other callers.
+    Some(match q {
+        QuantType::Q4_0 => super::QuantDots {
+            // SAFETY: the table that holds these exists only where the features were detected.
+            one: |w, a| unsafe { dot::<Q4_0>(w, a) },
+            // SAFETY: as above.
+            four: |w, a| a.map(|a| unsafe { dot::<Q4_0>(w, a) }),
+        },
+        QuantType::Q4_1 => super::QuantDots {
+            // SAFETY: as above.
+            one: |w, a| unsafe { dot::<Q4_1>(w, a) },
+            // SAFETY: as above.
+            four: |w, a| a.map(|a| unsafe { dot::<Q4_1>(w, a) }),
+        },
+        QuantType::Q8_0 => super::QuantDots {
+            // SAFETY: as above.
+            one: |w, a| unsafe { dot::<Q8_0>(w, a) },
+            // SAFETY: as above.
+            four: |w, a| a.map(|a| unsafe { dot::<Q8_0>(w, a) }),
+        },
+        QuantType::Q5_0 | QuantType::Q5_1 | QuantType::IQ4NL => return None,
+        QuantType::Q2K | QuantType::Q3K | QuantType::Q4K | QuantType::Q5K | QuantType::Q6K | QuantType::IQ4XS => {
+            return None
+        }
     })
 }
 
@@ -173,7 +192,7 @@ unsafe fn gemm16(dt: QuantType, rows: &[&[u8]], p: &Packed16) -> [f32; 16] {
         (QuantType::Q4_1, &[w0, w1]) => unsafe { gemm16_kind::<Q4_1, 2>([w0, w1], p) },
         // SAFETY: as above.
         (QuantType::Q8_0, &[w0, w1]) => unsafe { gemm16_kind::<Q8_0, 2>([w0, w1], p) },
-        (_, rows) => panic!("gemm16 takes one or two rows, not {}", rows.len()),
+        (q, rows) => panic!("gemm16 takes one or two rows of Q4_0, Q4_1 or Q8_0, not {} of {q:?}", rows.len()),
     }
 }
 
@@ -300,6 +319,7 @@ unsafe fn gemv16(dt: QuantType, w: &[u8], rb: usize, a: &[&[BlockQ8]], out: &mut
         QuantType::Q4_1 => unsafe { gemv16_tokens::<Q4_1>(w, rb, a, out) },
         // SAFETY: as above.
         QuantType::Q8_0 => unsafe { gemv16_tokens::<Q8_0>(w, rb, a, out) },
+        q => panic!("gemv16 takes Q4_0, Q4_1 or Q8_0, not {q:?} (see QuantType::has_lane_kernels)"),
     }
 }
 

@@ -11,6 +11,8 @@ use crate::quant::{BlockQ8, FloatType, QuantType};
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
 #[cfg(target_arch = "x86_64")]
+mod avx2_group;
+#[cfg(target_arch = "x86_64")]
 pub mod avx512;
 pub mod scalar;
 
@@ -32,18 +34,23 @@ pub type DotF = fn(&[u8], &[f32]) -> f32;
 /// The same against four activation rows.
 pub type DotFx4 = fn(&[u8], [&[f32]; 4]) -> [f32; 4];
 
+/// The products of one quantized weight type.
+#[derive(Clone, Copy)]
+pub struct QuantDots {
+    /// One weight row against one token.
+    pub one: DotQ8,
+    /// One weight row against four tokens, each result equal to [`QuantDots::one`]'s bit for bit.
+    pub four: DotQ8x4,
+}
+
 /// The kernel table for one instruction set.
 #[derive(Clone, Copy)]
 pub struct Kernels {
     pub isa: Isa,
     /// Quantizes f32 activations (`x.len() == 32 * out.len()`) to 8-bit blocks.
     pub quantize_q8: fn(&[f32], &mut [BlockQ8]),
-    pub dot_q4_0: DotQ8,
-    pub dot_q4_1: DotQ8,
-    pub dot_q8_0: DotQ8,
-    pub dot_q4_0_x4: DotQ8x4,
-    pub dot_q4_1_x4: DotQ8x4,
-    pub dot_q8_0_x4: DotQ8x4,
+    /// The products of each quantized type, indexed by [`QuantType::index`].
+    pub quant: [QuantDots; QuantType::COUNT],
     pub dot_f32: DotF,
     pub dot_f16: DotF,
     pub dot_bf16: DotF,
@@ -98,11 +105,13 @@ impl std::fmt::Debug for Kernels {
 impl Kernels {
     /// The products of a quantized weight type: one token, four tokens.
     pub fn quant_dots(&self, q: QuantType) -> (DotQ8, DotQ8x4) {
-        match q {
-            QuantType::Q4_0 => (self.dot_q4_0, self.dot_q4_0_x4),
-            QuantType::Q4_1 => (self.dot_q4_1, self.dot_q4_1_x4),
-            QuantType::Q8_0 => (self.dot_q8_0, self.dot_q8_0_x4),
-        }
+        let d = self.quant[q.index()];
+        (d.one, d.four)
+    }
+
+    /// The 16-row kernel for `q`, where the table has one for it.
+    pub fn gemv16_for(&self, q: QuantType) -> Option<Gemv16> {
+        self.gemv16.filter(|_| q.has_lane_kernels())
     }
 
     /// The products of a float weight type: one token, and four tokens where there is a
@@ -120,12 +129,7 @@ impl Kernels {
         Kernels {
             isa: Isa::Scalar,
             quantize_q8: scalar::quantize_q8,
-            dot_q4_0: scalar::dot_q4_0,
-            dot_q4_1: scalar::dot_q4_1,
-            dot_q8_0: scalar::dot_q8_0,
-            dot_q4_0_x4: |w, a| a.map(|a| scalar::dot_q4_0(w, a)),
-            dot_q4_1_x4: |w, a| a.map(|a| scalar::dot_q4_1(w, a)),
-            dot_q8_0_x4: |w, a| a.map(|a| scalar::dot_q8_0(w, a)),
+            quant: QuantType::ALL.map(scalar::quant_dots),
             dot_f32: scalar::dot_f32,
             dot_f16: scalar::dot_f16,
             dot_bf16: scalar::dot_bf16,

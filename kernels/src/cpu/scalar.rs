@@ -1,7 +1,8 @@
 //! Scalar reference kernels: the numerical definition every fast path is tested against.
 //! Written for clarity, not speed; integer sums are exact so SIMD versions can match them closely.
 
-use crate::quant::{read_bf16, read_f16, read_f32, BlockQ8, QK};
+use crate::group;
+use crate::quant::{read_bf16, read_f16, read_f32, BlockQ8, QuantType, QK};
 use half::f16;
 
 pub fn quantize_q8(x: &[f32], out: &mut [BlockQ8]) {
@@ -62,6 +63,51 @@ pub fn dot_q8_0(w: &[u8], a: &[BlockQ8]) -> f32 {
         acc += d * (ab.d * s as f32);
     }
     acc
+}
+
+/// Any quantized type through its decoded groups ([`group::decode`]): per group the exact
+/// integer sums `Σ sc q a` and `Σ m a`, then `(d_a d) Σ sc q a + (d_a dmin) Σ m a`.
+pub fn dot_group(q: QuantType, w: &[u8], a: &[BlockQ8]) -> f32 {
+    let mut acc = 0f32;
+    for (g, ab) in a.iter().enumerate() {
+        let gr = group::decode(q, w, g);
+        let (mut isum, mut msum) = (0i32, 0i32);
+        for h in 0..2 {
+            let range = 16 * h..16 * h + 16;
+            let qa: i32 = range.clone().map(|i| i32::from(gr.q[i]) * i32::from(ab.qs[i])).sum();
+            let sa: i32 = range.map(|i| i32::from(ab.qs[i])).sum();
+            isum += gr.sc[h] * qa;
+            msum += gr.m[h] * sa;
+        }
+        acc += (ab.d * gr.d) * isum as f32;
+        if gr.has_min {
+            acc += (ab.d * gr.dmin) * msum as f32;
+        }
+    }
+    acc
+}
+
+/// The scalar products of `q`: the legacy formats' own, every other through [`dot_group`].
+pub fn quant_dots(q: QuantType) -> super::QuantDots {
+    macro_rules! grouped {
+        ($q:expr) => {
+            super::QuantDots { one: |w, a| dot_group($q, w, a), four: |w, a| a.map(|a| dot_group($q, w, a)) }
+        };
+    }
+    match q {
+        QuantType::Q4_0 => super::QuantDots { one: dot_q4_0, four: |w, a| a.map(|a| dot_q4_0(w, a)) },
+        QuantType::Q4_1 => super::QuantDots { one: dot_q4_1, four: |w, a| a.map(|a| dot_q4_1(w, a)) },
+        QuantType::Q8_0 => super::QuantDots { one: dot_q8_0, four: |w, a| a.map(|a| dot_q8_0(w, a)) },
+        QuantType::Q5_0 => grouped!(QuantType::Q5_0),
+        QuantType::Q5_1 => grouped!(QuantType::Q5_1),
+        QuantType::Q2K => grouped!(QuantType::Q2K),
+        QuantType::Q3K => grouped!(QuantType::Q3K),
+        QuantType::Q4K => grouped!(QuantType::Q4K),
+        QuantType::Q5K => grouped!(QuantType::Q5K),
+        QuantType::Q6K => grouped!(QuantType::Q6K),
+        QuantType::IQ4NL => grouped!(QuantType::IQ4NL),
+        QuantType::IQ4XS => grouped!(QuantType::IQ4XS),
+    }
 }
 
 pub fn dot_f32(w: &[u8], x: &[f32]) -> f32 {

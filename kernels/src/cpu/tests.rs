@@ -38,9 +38,8 @@ fn quantized_dots_match(k: &Kernels, w: &[f32], xs: &[Vec<f32>]) -> Result<(), T
     let acts: Vec<Vec<BlockQ8>> = xs.iter().map(|x| q8(x)).collect();
     let a4 = [&acts[0][..], &acts[1][..], &acts[2][..], &acts[3][..]];
     // The table's dots for each type, reached the way the matmul dispatch reaches them.
-    let cases: [(QuantType, super::DotQ8); 3] =
-        [(QuantType::Q4_0, scalar::dot_q4_0), (QuantType::Q4_1, scalar::dot_q4_1), (QuantType::Q8_0, scalar::dot_q8_0)];
-    for (q, reference) in cases {
+    for q in QuantType::ALL {
+        let reference = scalar::quant_dots(q).one;
         let (dt, (one, four)) = (q.dtype(), k.quant_dots(q));
         let mut wb = Vec::new();
         quantize_row(dt, w, &mut wb);
@@ -51,7 +50,7 @@ fn quantized_dots_match(k: &Kernels, w: &[f32], xs: &[Vec<f32>]) -> Result<(), T
             prop_assert!(close(want, one(&wb, &acts[r]), scale), "{:?} {:?} single", k.isa, dt);
             prop_assert!(close(want, got4[r], scale), "{:?} {:?} x4 row {}", k.isa, dt, r);
         }
-        if let Some(gemm) = k.gemm16 {
+        if let Some(gemm) = k.gemm16.filter(|_| q.has_lane_kernels()) {
             let rows: Vec<&[BlockQ8]> = acts.iter().map(Vec::as_slice).collect();
             let got = gemm(q, &[&wb], &crate::packed::Packed16::pack(&rows));
             for r in 0..4 {
@@ -212,7 +211,8 @@ proptest! {
         let k = super::table(super::Isa::Avx512Vnni);
         let gemv = k.gemv16.expect("the AVX-512 table has gemv16");
         {
-            for (q, one) in [(QuantType::Q4_0, k.dot_q4_0), (QuantType::Q4_1, k.dot_q4_1), (QuantType::Q8_0, k.dot_q8_0)] {
+            for q in QuantType::ALL.into_iter().filter(|q| q.has_lane_kernels()) {
+                let (one, _) = k.quant_dots(q);
                 let dt = q.dtype();
                 let rb = dt.bytes_for(7 * QK).unwrap();
                 let mut wb = Vec::new();
@@ -234,21 +234,49 @@ proptest! {
 
 #[test]
 fn quantized_dot_approximates_float_dot() {
-    // The reference itself must be right: compare against a float dot of the dequantized weights.
-    let w: Vec<f32> = (0..256).map(|i| ((i * 7919) % 97) as f32 / 48.0 - 1.0).collect();
-    let x: Vec<f32> = (0..256).map(|i| ((i * 104729) % 89) as f32 / 44.0 - 1.0).collect();
+    // The reference itself must be right: compare against a float dot of the dequantized
+    // weights, for rows a quantizer wrote and for random bits. The only difference left is the
+    // activations' 8-bit rounding.
+    let w: Vec<f32> = (0..512).map(|i| ((i * 7919) % 97) as f32 / 48.0 - 1.0).collect();
+    let x: Vec<f32> = (0..512).map(|i| ((i * 104729) % 89) as f32 / 44.0 - 1.0).collect();
     let a = q8(&x);
-    for (dt, dot) in [
-        (DType::Q4_0, scalar::dot_q4_0 as super::DotQ8),
-        (DType::Q4_1, scalar::dot_q4_1),
-        (DType::Q8_0, scalar::dot_q8_0),
-    ] {
-        let mut wb = Vec::new();
-        quantize_row(dt, &w, &mut wb);
-        let mut wd = vec![0.0; 256];
-        crate::quant::dequantize_row(dt, &wb, &mut wd);
-        let exact: f32 = wd.iter().zip(&x).map(|(a, b)| a * b).sum();
-        let got = dot(&wb, &a);
-        assert!((exact - got).abs() < 0.05 * exact.abs().max(1.0), "{dt:?}: {exact} vs {got}");
+    for q in QuantType::ALL {
+        let dot = scalar::quant_dots(q).one;
+        let mut quantized = Vec::new();
+        quantize_row(q.dtype(), &w, &mut quantized);
+        let random = crate::quantize::random_blocks(q, 512 / q.block_len(), 7);
+        for wb in [quantized, random] {
+            let mut wd = vec![0.0; 512];
+            crate::quant::dequantize_row(q.dtype(), &wb, &mut wd);
+            let exact: f32 = wd.iter().zip(&x).map(|(a, b)| a * b).sum();
+            let scale: f32 = wd.iter().zip(&x).map(|(a, b)| (a * b).abs()).sum();
+            let got = dot(&wb, &a);
+            assert!((exact - got).abs() < 0.02 * scale.max(1.0), "{q:?}: {exact} vs {got}");
+        }
+    }
+}
+
+#[test]
+fn random_bits_take_the_same_products_on_every_table() {
+    // Quantizers write a narrow set of bit patterns; every fast table must agree with the
+    // reference on arbitrary blocks too.
+    let xs: Vec<Vec<f32>> =
+        (0..4).map(|t| (0..512).map(|i| (((i + 31 * t) * 104729) % 89) as f32 / 44.0 - 1.0).collect()).collect();
+    let acts: Vec<Vec<BlockQ8>> = xs.iter().map(|x| q8(x)).collect();
+    let a4 = [&acts[0][..], &acts[1][..], &acts[2][..], &acts[3][..]];
+    for k in Kernels::all() {
+        for q in QuantType::ALL {
+            let wb = crate::quantize::random_blocks(q, 512 / q.block_len(), 11);
+            let mut wd = vec![0.0; 512];
+            crate::quant::dequantize_row(q.dtype(), &wb, &mut wd);
+            let (one, four) = k.quant_dots(q);
+            let got4 = four(&wb, a4);
+            for r in 0..4 {
+                let want = (scalar::quant_dots(q).one)(&wb, &acts[r]);
+                let scale: f32 = wd.iter().zip(&xs[r]).map(|(a, b)| (a * b).abs()).sum();
+                assert!(close(want, one(&wb, &acts[r]), scale), "{:?} {q:?} single", k.isa);
+                assert_eq!(got4[r].to_bits(), one(&wb, &acts[r]).to_bits(), "{:?} {q:?} x4 is the single dot", k.isa);
+            }
+        }
     }
 }

@@ -16,8 +16,13 @@ pub enum GgufError {
     Version(u32),
     #[error("GGUF file is truncated or corrupt: {0}")]
     Corrupt(String),
-    #[error("tensor '{name}' has unsupported type {ty} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)")]
+    #[error("tensor '{name}' has unsupported type {ty} (supported: {})", supported_types())]
     UnsupportedType { name: String, ty: String },
+}
+
+/// The names of the weight types that load, for the refusal of the others.
+fn supported_types() -> String {
+    DType::ALL.iter().map(|d| d.name()).collect::<Vec<_>>().join(", ")
 }
 
 /// A metadata value.
@@ -170,19 +175,10 @@ impl<'a> Cursor<'a> {
     }
 }
 
+/// The weight type of GGML's type number `ty`, or the name to refuse it by.
 fn ggml_type(ty: u32) -> Result<DType, String> {
-    Ok(match ty {
-        0 => DType::F32,
-        1 => DType::F16,
-        2 => DType::Q4_0,
-        3 => DType::Q4_1,
-        8 => DType::Q8_0,
-        30 => DType::BF16,
-        6 => return Err("Q5_0".into()),
-        7 => return Err("Q5_1".into()),
-        10..=15 => return Err(format!("K-quant (ggml type {ty})")),
-        t => return Err(format!("ggml type {t}")),
-    })
+    DType::from_ggml(ty)
+        .ok_or_else(|| inferd_kernels::quant::ggml_type_name(ty).map_or(format!("ggml type {ty}"), str::to_string))
 }
 
 impl Gguf {

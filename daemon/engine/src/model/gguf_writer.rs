@@ -28,17 +28,6 @@ fn put_str(out: &mut Vec<u8>, s: &str) {
     out.extend_from_slice(s.as_bytes());
 }
 
-fn ggml_id(dt: DType) -> u32 {
-    match dt {
-        DType::F32 => 0,
-        DType::F16 => 1,
-        DType::Q4_0 => 2,
-        DType::Q4_1 => 3,
-        DType::Q8_0 => 8,
-        DType::BF16 => 30,
-    }
-}
-
 impl GgufWriter {
     pub fn meta(&mut self, key: &str, v: MetaValue) -> &mut Self {
         self.metadata.push((key.to_string(), v));
@@ -109,7 +98,7 @@ impl GgufWriter {
             put_str(&mut out, name);
             out.extend_from_slice(&(dims.len() as u32).to_le_bytes());
             dims.iter().for_each(|d| out.extend_from_slice(&(*d as u64).to_le_bytes()));
-            out.extend_from_slice(&ggml_id(*dt).to_le_bytes());
+            out.extend_from_slice(&DType::ggml_type(*dt).to_le_bytes());
             out.extend_from_slice(&(rel as u64).to_le_bytes());
             rel = (rel + bytes.len()).div_ceil(ALIGN) * ALIGN;
         }

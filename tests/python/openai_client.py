@@ -1,7 +1,7 @@
 """The official OpenAI Python client against inferd, unchanged: only its HTTP transport is pointed
 at the daemon's Unix socket. Prints what it got as JSON for the Rust test to check.
 
-    python3 tests/openai_client.py SOCKET
+    python3 tests/python/openai_client.py SOCKET
 """
 import json
 import sys
