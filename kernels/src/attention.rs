@@ -36,15 +36,16 @@ impl PagedKv<'_> {
 }
 
 /// Causal attention of the `g` query heads that share KV head `kv_head` (GQA), over positions
-/// `0..ctx_len` of the sequence whose blocks are `table`. `q` holds the `g` rotated query vectors
-/// back to back (`g × head_dim`); the results go to `out` in the same layout. `scores` is
-/// scratch of at least `ctx_len * g`. Each key and value is converted from f16 once per group.
+/// `start..ctx_len` of the sequence whose blocks are `table` (`start > 0` for a sliding
+/// window). `q` holds the `g` rotated query vectors back to back (`g × head_dim`); the results go
+/// to `out` in the same layout. `scores` is scratch of at least `(ctx_len - start) * g`. Each key
+/// and value is converted from f16 once per group.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_group(
     k: &Kernels,
     kv: &PagedKv<'_>,
     table: &[u32],
-    ctx_len: usize,
+    (start, ctx_len): (usize, usize),
     kv_head: usize,
     q: &[f32],
     g: usize,
@@ -54,19 +55,19 @@ pub fn attend_group(
 ) {
     let (bs, hd) = (kv.block_size, kv.head_dim);
     assert!((1..=64).contains(&g), "at most 64 query heads per KV head");
-    let scores = &mut scores[..ctx_len * g];
-    let blocks = ctx_len.div_ceil(bs);
+    assert!(start < ctx_len, "a query sees at least its own position");
+    let scores = &mut scores[..(ctx_len - start) * g];
+    // Block b's positions in the range: (pool offset, index in `scores`, count).
     let span = |b: usize| {
-        let n = bs.min(ctx_len - b * bs);
-        let o = PagedKv::offset(bs, kv.n_kv_heads, hd, table[b] as usize, kv_head, 0);
-        (o, n)
+        let (lo, hi) = ((b * bs).max(start), ((b + 1) * bs).min(ctx_len));
+        let o = PagedKv::offset(bs, kv.n_kv_heads, hd, table[b] as usize, kv_head, lo - b * bs);
+        (o, lo - start, hi - lo)
     };
-    for b in 0..blocks {
-        let (o, n) = span(b);
-        (k.attn_scores)(&kv.k[o..o + n * hd], q, hd, g, scale, &mut scores[b * bs * g..(b * bs + n) * g]);
+    let blocks = start / bs..ctx_len.div_ceil(bs);
+    for b in blocks.clone() {
+        let (o, at, n) = span(b);
+        (k.attn_scores)(&kv.k[o..o + n * hd], q, hd, g, scale, &mut scores[at * g..(at + n) * g]);
     }
-    // Softmax of each head's column (stride g): shift by the column max, one vector exp over
-    // everything, normalize.
     let mut max = [f32::NEG_INFINITY; 64];
     let g_max = &mut max[..g];
     for row in scores.chunks_exact(g) {
@@ -84,18 +85,19 @@ pub fn attend_group(
         row.iter_mut().zip(&sum[..g]).for_each(|(v, s)| *v /= s);
     }
     out.fill(0.0);
-    for b in 0..blocks {
-        let (o, n) = span(b);
-        (k.attn_values)(&kv.v[o..o + n * hd], &scores[b * bs * g..(b * bs + n) * g], hd, g, out);
+    for b in blocks {
+        let (o, at, n) = span(b);
+        (k.attn_values)(&kv.v[o..o + n * hd], &scores[at * g..(at + n) * g], hd, g, out);
     }
 }
 
-/// Where one query token attends: its sequence's block table and how many positions it sees
-/// (its own position + 1: causal).
 #[derive(Clone, Copy, Debug)]
 pub struct QueryCtx<'a> {
     pub table: &'a [u32],
+    /// The query's position plus one: it sees positions `start..ctx_len`.
     pub ctx_len: usize,
+    /// The first position it sees: 0, or where a sliding window begins.
+    pub start: usize,
 }
 
 thread_local! {
@@ -103,12 +105,15 @@ thread_local! {
 }
 
 /// Attention for a whole batch: `q` is `[tokens][n_heads * head_dim]`, `ctx[t]` says what token
-/// `t` sees, `out` has the shape of `q`. Parallel over (token, KV head) pairs.
+/// `t` sees, `out` has the shape of `q`; scores are `scale * q · k`. Parallel over (token,
+/// KV head) pairs.
+#[allow(clippy::too_many_arguments)]
 pub fn attend_batch(
     pool: &ThreadPool,
     k: &Kernels,
     kv: &PagedKv<'_>,
     n_heads: usize,
+    scale: f32,
     q: &[f32],
     ctx: &[QueryCtx<'_>],
     out: &mut [f32],
@@ -120,7 +125,7 @@ pub fn attend_batch(
     assert_eq!(q.len(), ctx.len() * qdim, "query shape");
     assert_eq!(out.len(), q.len(), "output shape");
     for c in ctx {
-        assert!(c.ctx_len > 0 && c.ctx_len <= c.table.len() * kv.block_size, "context exceeds block table");
+        assert!(c.start < c.ctx_len && c.ctx_len <= c.table.len() * kv.block_size, "context exceeds block table");
         assert!(
             c.table
                 .iter()
@@ -128,7 +133,6 @@ pub fn attend_batch(
             "block id outside the pool"
         );
     }
-    let scale = 1.0 / (hd as f32).sqrt();
     let dst = SyncPtr(out.as_mut_ptr());
     let nkv = kv.n_kv_heads;
     let task = |i: usize| {
@@ -140,10 +144,10 @@ pub fn attend_batch(
         // head g for token t), which lies inside `out` (asserted shape); `out` outlives `pool.run`.
         let o = unsafe { std::slice::from_raw_parts_mut(dst.get().add(off), len) };
         SCORES.with_borrow_mut(|scores| {
-            if scores.len() < c.ctx_len * group {
-                scores.resize(c.ctx_len * group, 0.0);
+            if scores.len() < (c.ctx_len - c.start) * group {
+                scores.resize((c.ctx_len - c.start) * group, 0.0);
             }
-            attend_group(k, kv, c.table, c.ctx_len, g, &q[off..off + len], group, scale, scores, o);
+            attend_group(k, kv, c.table, (c.start, c.ctx_len), g, &q[off..off + len], group, scale, scores, o);
         });
     };
     pool.run(ctx.len() * nkv, &task);
@@ -173,20 +177,25 @@ mod tests {
         let g = 2;
         let q: Vec<f32> = (0..g * hd).map(|i| (i % 11) as f32 / 4.0 - 1.0).collect();
         let kv = PagedKv { k: &kp, v: &vp, block_size: bs, n_kv_heads: nkv, head_dim: hd };
-        for kern in [Kernels::scalar(), Kernels::detect()] {
+        // Whole context, and sliding windows starting inside the first block, at a block
+        // boundary and at the last position.
+        for (start, kern) in [0, 1, 3, 4, 5].into_iter().flat_map(|s| [(s, Kernels::scalar()), (s, Kernels::detect())])
+        {
             let mut scores = vec![0.0; ctx * g];
             let mut out = vec![0.0; g * hd];
-            attend_group(&kern, &kv, &table, ctx, 0, &q, g, 0.5, &mut scores, &mut out);
+            attend_group(&kern, &kv, &table, (start, ctx), 0, &q, g, 0.5, &mut scores, &mut out);
             // Contiguous reference with the same f16-rounded values, one head at a time.
             let r = |x: f32| f16::from_f32(x).to_f32();
             for j in 0..g {
                 let qj = &q[j * hd..(j + 1) * hd];
-                let mut w: Vec<f32> =
-                    keys.iter().map(|kk| kk.iter().zip(qj).map(|(a, b)| r(*a) * b).sum::<f32>() * 0.5).collect();
+                let mut w: Vec<f32> = keys[start..]
+                    .iter()
+                    .map(|kk| kk.iter().zip(qj).map(|(a, b)| r(*a) * b).sum::<f32>() * 0.5)
+                    .collect();
                 crate::ops::softmax(&mut w);
                 for i in 0..hd {
-                    let want: f32 = (0..ctx).map(|p| w[p] * r(vals[p][i])).sum();
-                    assert!((want - out[j * hd + i]).abs() < 1e-4, "{want} vs {}", out[j * hd + i]);
+                    let want: f32 = (start..ctx).map(|p| w[p - start] * r(vals[p][i])).sum();
+                    assert!((want - out[j * hd + i]).abs() < 1e-4, "start {start}: {want} vs {}", out[j * hd + i]);
                 }
             }
         }

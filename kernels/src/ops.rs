@@ -1,4 +1,5 @@
-//! The per-row operations of a Llama block: RMSNorm, rotary embeddings, SwiGLU, softmax.
+//! The per-row operations of a transformer block: RMSNorm, rotary embeddings, the gated MLP
+//! activations (SwiGLU, GeGLU), softmax.
 //! These are a small share of a step's time; they are written plainly so the compiler vectorizes.
 
 /// `out = x / rms(x) * w`, with `rms(x) = sqrt(mean(x²) + eps)`.
@@ -7,6 +8,17 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let inv = 1.0 / (ss + eps).sqrt();
     for ((o, xi), wi) in out.iter_mut().zip(x).zip(w) {
         *o = xi * inv * wi;
+    }
+}
+
+/// [`rms_norm`] in place, for each `w.len()`-long piece of `x` (per-head QK-norm, post-norms).
+pub fn rms_norm_each(x: &mut [f32], w: &[f32], eps: f32) {
+    for piece in x.chunks_exact_mut(w.len()) {
+        let ss: f32 = piece.iter().map(|v| v * v).sum::<f32>() / piece.len() as f32;
+        let inv = 1.0 / (ss + eps).sqrt();
+        for (xi, wi) in piece.iter_mut().zip(w) {
+            *xi = *xi * inv * wi;
+        }
     }
 }
 
@@ -28,11 +40,25 @@ pub struct Rope {
 
 impl Rope {
     pub fn new(style: RopeStyle, head_dim: usize, base: f32) -> Self {
-        let inv_freq = (0..head_dim / 2).map(|i| base.powf(-2.0 * i as f32 / head_dim as f32)).collect();
+        Rope { style, inv_freq: Self::frequencies(head_dim, base) }
+    }
+
+    /// The unscaled inverse frequencies `base^(-2i/d)`, `head_dim / 2` of them.
+    pub fn frequencies(head_dim: usize, base: f32) -> Vec<f32> {
+        (0..head_dim / 2).map(|i| base.powf(-2.0 * i as f32 / head_dim as f32)).collect()
+    }
+
+    /// A rotation with the given inverse frequencies (scaled ones: linear, Llama 3's).
+    pub fn with_frequencies(style: RopeStyle, inv_freq: Vec<f32>) -> Self {
         Rope { style, inv_freq }
     }
 
-    /// The rotation of position `pos`: `(sin, cos)` of each frequency, `head_dim / 2` pairs.
+    /// How many frequencies: half the rotated dimensions.
+    pub fn pairs(&self) -> usize {
+        self.inv_freq.len()
+    }
+
+    /// The rotation of position `pos`: `(sin, cos)` of each frequency, [`Rope::pairs`] of them.
     /// Computed once per token and reused for every head of every layer.
     pub fn angles(&self, pos: usize, out: &mut [(f32, f32)]) {
         for (o, f) in out.iter_mut().zip(&self.inv_freq) {
@@ -42,14 +68,16 @@ impl Rope {
 
     /// Rotates every head in `x` (`heads * head_dim` floats) to position `pos`.
     pub fn apply(&self, x: &mut [f32], head_dim: usize, pos: usize) {
-        let mut angles = vec![(0.0, 0.0); head_dim / 2];
+        let mut angles = vec![(0.0, 0.0); self.inv_freq.len()];
         self.angles(pos, &mut angles);
         self.apply_angles(x, head_dim, &angles);
     }
 
-    /// Rotates every head in `x` by precomputed [`Rope::angles`].
+    /// Rotates every head in `x` by precomputed [`Rope::angles`]. A rotation with fewer
+    /// frequencies than `head_dim / 2` turns only the first `2 * angles.len()` dimensions of
+    /// each head (partial rotary embeddings, as Phi-4-mini's).
     pub fn apply_angles(&self, x: &mut [f32], head_dim: usize, angles: &[(f32, f32)]) {
-        let half = head_dim / 2;
+        let half = angles.len().min(head_dim / 2);
         for head in x.chunks_exact_mut(head_dim) {
             for (i, &(sin, cos)) in angles.iter().enumerate().take(half) {
                 let (a, b) = match self.style {
@@ -70,6 +98,16 @@ impl Rope {
 pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     for (g, u) in gate.iter_mut().zip(up) {
         *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
+/// `gate = gelu(gate) * up`, in place, with GELU's tanh approximation (Gemma's
+/// `gelu_pytorch_tanh`): `0.5 x (1 + tanh(sqrt(2 / π) (x + 0.044715 x³)))`.
+pub fn geglu(gate: &mut [f32], up: &[f32]) {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    for (g, u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        *g = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh()) * u;
     }
 }
 
@@ -110,6 +148,17 @@ mod tests {
         assert_eq!(c, x);
         let n = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>();
         assert!((n(&a) - n(&x)).abs() < 1e-3);
+    }
+
+    #[test]
+    fn geglu_is_the_tanh_gelu() {
+        // Values of PyTorch's gelu(approximate="tanh") at a few points.
+        let mut g = vec![-3.0, -1.0, 0.0, 0.5, 2.0];
+        geglu(&mut g, &[1.0, 1.0, 1.0, 1.0, 2.0]);
+        let want = [-0.003_637_392, -0.158_808, 0.0, 0.345_714, 2.0 * 1.954_597_7];
+        for (a, b) in g.iter().zip(want) {
+            assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+        }
     }
 
     #[test]

@@ -70,14 +70,17 @@ fn hostile_counts_and_unsupported_content_are_named() {
     let e = load_bytes(&dir, "arch.gguf", &other).unwrap_err();
     assert!(e.contains("gemma"), "{e}");
 
-    // An unsupported tensor type (Q5_0 = 6) is named with its tensor.
+    // A tensor type without kernels (IQ2_XXS = 16) is named, with its tensor; so is a number
+    // GGML has no type for.
     let name = b"blk.0.attn_q.weight";
     let at = good.windows(name.len()).position(|w| w == name).unwrap() + name.len();
-    let mut q5 = good.clone();
     let ty = at + 4 + 2 * 8; // n_dims, two dims, then the type
-    q5[ty..ty + 4].copy_from_slice(&6u32.to_le_bytes());
-    let e = load_bytes(&dir, "q5.gguf", &q5).unwrap_err();
-    assert!(e.contains("Q5_0") && e.contains("blk.0.attn_q.weight"), "{e}");
+    for (number, named) in [(16u32, "IQ2_XXS"), (77, "ggml type 77")] {
+        let mut bad = good.clone();
+        bad[ty..ty + 4].copy_from_slice(&number.to_le_bytes());
+        let e = load_bytes(&dir, "type.gguf", &bad).unwrap_err();
+        assert!(e.contains(named) && e.contains("blk.0.attn_q.weight") && e.contains("Q4_K"), "{e}");
+    }
 
     // A missing directory and a directory without config.json are I/O errors naming the path.
     assert!(Model::load(&dir.join("nope")).unwrap_err().to_string().contains("nope"));

@@ -8,6 +8,7 @@ mod corrupt;
 mod dequant;
 mod golden;
 mod plugins;
+mod reference;
 mod serve;
 mod tiny;
 mod tokenizer;

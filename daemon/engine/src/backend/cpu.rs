@@ -13,6 +13,7 @@ use crate::model::{LlamaConfig, LlamaWeights, Tensor};
 use half::f16;
 use inferd_kernels::attention::{attend_batch, PagedKv, QueryCtx};
 use inferd_kernels::matmul::{matmul_many, Input};
+use inferd_kernels::ops::{geglu, rms_norm_each};
 use inferd_kernels::ops::{rms_norm, swiglu, Rope};
 use inferd_kernels::pool::ThreadPool;
 use inferd_kernels::quant::QK;
@@ -24,14 +25,14 @@ struct Scratch {
     x: Vec<f32>,  // (tokens, hidden) residual stream
     xb: Vec<f32>, // (tokens, hidden) normed input
     q8: Vec<BlockQ8>,
-    q: Vec<f32>,             // (tokens, n_heads * head_dim)
-    k: Vec<f32>,             // (tokens, n_kv_heads * head_dim)
-    v: Vec<f32>,             // (tokens, n_kv_heads * head_dim)
-    att: Vec<f32>,           // (tokens, n_heads * head_dim)
-    gate: Vec<f32>,          // (tokens, ffn)
-    up: Vec<f32>,            // (tokens, ffn)
-    out: Vec<f32>,           // (tokens, hidden) projection output
-    angles: Vec<(f32, f32)>, // (tokens, head_dim / 2) RoPE (sin, cos)
+    q: Vec<f32>,                  // (tokens, n_heads * head_dim)
+    k: Vec<f32>,                  // (tokens, n_kv_heads * head_dim)
+    v: Vec<f32>,                  // (tokens, n_kv_heads * head_dim)
+    att: Vec<f32>,                // (tokens, n_heads * head_dim)
+    gate: Vec<f32>,               // (tokens, ffn)
+    up: Vec<f32>,                 // (tokens, ffn)
+    out: Vec<f32>,                // (tokens, hidden) projection output
+    angles: Vec<Vec<(f32, f32)>>, // per rotation: (tokens, rope_dim / 2) RoPE (sin, cos)
 }
 
 fn resize(v: &mut Vec<f32>, n: usize) {
@@ -41,10 +42,14 @@ fn resize(v: &mut Vec<f32>, n: usize) {
 /// The CPU implementation of [`Backend`].
 pub struct CpuBackend {
     cfg: LlamaConfig,
+    arch: Architecture,
     w: LlamaWeights,
     kernels: Kernels,
     pool: ThreadPool,
-    rope: Rope,
+    /// The distinct rotations of the layers (one, or a local and a global one) and which one
+    /// each layer uses.
+    ropes: Vec<Rope>,
+    rope_of: Vec<usize>,
     block_size: usize,
     kv_blocks: usize,
     /// Per layer: `(kv_blocks, n_kv_heads, block_size, head_dim)` f16.
@@ -62,35 +67,31 @@ impl std::fmt::Debug for CpuBackend {
 /// Checks that this forward pass runs `arch` exactly. Every field is named (no `..`), so a new
 /// one does not compile until the CPU backend says what it does with it.
 pub fn runs(arch: &Architecture) -> Result<(), BackendError> {
-    let Architecture { name, norm, activation, qkv_bias, qk_norm, layers, embedding_scale, tied_output: _ } = arch;
-    let refuse =
-        |what: &str| Err(BackendError::Unsupported(format!("{name}: the CPU backend does not run {what} yet")));
+    let Architecture {
+        name: _,
+        norm,
+        activation,
+        qkv_bias: _,
+        qk_norm: _,
+        layers,
+        embedding_scale: _,
+        attention_scale: _,
+        tied_output: _,
+        layout: _,
+    } = arch;
     match norm {
-        NormPlacement::Pre => {}
+        NormPlacement::Pre | NormPlacement::PreAndPost => {}
     }
     match activation {
-        Activation::SiluGated => {}
+        Activation::SiluGated | Activation::GeluTanhGated => {}
     }
-    if *qkv_bias {
-        return refuse("QKV bias");
-    }
-    if *qk_norm {
-        return refuse("QK-norm");
-    }
-    if embedding_scale.is_some() {
-        return refuse("an embedding scale");
-    }
-    let base = layers.first().map(|l| l.rope_base);
     for l in layers {
-        let LayerAttention { window, rope_base, rope_scaling } = l;
+        let LayerAttention { window, rope_base: _, rope_scaling } = l;
         match rope_scaling {
-            RopeScaling::None => {}
+            RopeScaling::None | RopeScaling::Linear(_) | RopeScaling::Factors(_) => {}
         }
-        if window.is_some() {
-            return refuse("sliding-window attention");
-        }
-        if Some(*rope_base) != base {
-            return refuse("a RoPE base per layer");
+        if *window == Some(0) {
+            return Err(BackendError::Unsupported(format!("{}: a sliding window of zero positions", arch.name)));
         }
     }
     Ok(())
@@ -108,21 +109,52 @@ impl CpuBackend {
     pub fn for_model(model: &crate::model::Model, opts: &crate::engine::EngineOptions) -> Result<Self, BackendError> {
         runs(&model.arch)?;
         let blocks = (opts.kv_budget_bytes / kv_block_bytes(&model.config, opts.block_size)).max(1);
-        Ok(CpuBackend::new(model.config.clone(), model.weights.clone(), blocks, opts.block_size, opts.threads()))
+        Ok(CpuBackend::new(
+            model.config.clone(),
+            model.arch.clone(),
+            model.weights.clone(),
+            blocks,
+            opts.block_size,
+            opts.threads(),
+        ))
     }
 
     /// A backend with `kv_blocks` cache blocks of `block_size` positions, on `threads` threads.
-    pub fn new(cfg: LlamaConfig, w: LlamaWeights, kv_blocks: usize, block_size: usize, threads: usize) -> Self {
+    pub fn new(
+        cfg: LlamaConfig,
+        arch: Architecture,
+        w: LlamaWeights,
+        kv_blocks: usize,
+        block_size: usize,
+        threads: usize,
+    ) -> Self {
         let per_layer = kv_blocks * cfg.kv_dim() * block_size;
-        let rope = Rope::new(cfg.rope_style, cfg.head_dim, cfg.rope_base);
+        let mut kinds: Vec<(f32, RopeScaling)> = Vec::new();
+        let rope_of = arch
+            .layers
+            .iter()
+            .map(|l| {
+                let kind = (l.rope_base, l.rope_scaling.clone());
+                kinds.iter().position(|k| *k == kind).unwrap_or_else(|| {
+                    kinds.push(kind);
+                    kinds.len() - 1
+                })
+            })
+            .collect();
+        let ropes = kinds
+            .iter()
+            .map(|(base, scaling)| Rope::with_frequencies(cfg.rope_style, scaling.frequencies(cfg.rope_dim, *base)))
+            .collect();
         CpuBackend {
             k_cache: (0..cfg.n_layers).map(|_| vec![f16::ZERO; per_layer]).collect(),
             v_cache: (0..cfg.n_layers).map(|_| vec![f16::ZERO; per_layer]).collect(),
             cfg,
+            arch,
             w,
             kernels: Kernels::detect(),
             pool: ThreadPool::new(threads.max(1)),
-            rope,
+            ropes,
+            rope_of,
             block_size,
             kv_blocks,
             s: Scratch::default(),
@@ -210,33 +242,57 @@ impl Backend for CpuBackend {
         let ctx: Vec<QueryCtx<'_>> = batch
             .iter()
             .flat_map(|s| {
-                (s.start_pos..s.start_pos + s.tokens.len()).map(|p| QueryCtx { table: s.block_table, ctx_len: p + 1 })
+                (s.start_pos..s.start_pos + s.tokens.len()).map(|p| QueryCtx {
+                    table: s.block_table,
+                    ctx_len: p + 1,
+                    start: 0,
+                })
             })
             .collect();
         let n = tokens.len();
         let s = &mut self.s;
-        let (pool, k) = (&self.pool, &self.kernels);
+        let (pool, k, arch) = (&self.pool, &self.kernels, &self.arch);
+        let eps = cfg.rms_eps;
 
         resize(&mut s.x, n * h);
         for (t, &tok) in tokens.iter().enumerate() {
             self.w.token_embd.row_f32(tok as usize, &mut s.x[t * h..(t + 1) * h]);
         }
+        if let Some(scale) = arch.embedding_scale {
+            s.x.iter_mut().for_each(|v| *v *= scale);
+        }
         resize(&mut s.xb, n * h);
         resize(&mut s.att, n * qd);
-        // (tokens, head_dim / 2) rotations, shared by every layer.
-        s.angles.resize(n * hd / 2, (0.0, 0.0));
-        for (t, &p) in pos_of.iter().enumerate() {
-            self.rope.angles(p, &mut s.angles[t * hd / 2..(t + 1) * hd / 2]);
+        // (tokens, rope_dim / 2) rotations of each kind, shared by the layers of that kind.
+        s.angles.resize_with(self.ropes.len(), Vec::new);
+        for (rope, angles) in self.ropes.iter().zip(s.angles.iter_mut()) {
+            let pairs = rope.pairs();
+            angles.resize(n * pairs, (0.0, 0.0));
+            for (t, &p) in pos_of.iter().enumerate() {
+                rope.angles(p, &mut angles[t * pairs..(t + 1) * pairs]);
+            }
         }
+        let mut window_ctx = ctx.clone();
         for (li, lw) in self.w.layers.iter().enumerate() {
+            let la = &arch.layers[li];
             // Attention block.
             for t in 0..n {
-                rms_norm(&s.x[t * h..(t + 1) * h], &lw.attn_norm, cfg.rms_eps, &mut s.xb[t * h..(t + 1) * h]);
+                rms_norm(&s.x[t * h..(t + 1) * h], &lw.attn_norm, eps, &mut s.xb[t * h..(t + 1) * h]);
             }
             Self::project(pool, k, &[&lw.wq, &lw.wk, &lw.wv], &s.xb, n, &mut s.q8, &mut [&mut s.q, &mut s.k, &mut s.v]);
-            for (t, angles) in s.angles.chunks_exact(hd / 2).enumerate() {
-                self.rope.apply_angles(&mut s.q[t * qd..(t + 1) * qd], hd, angles);
-                self.rope.apply_angles(&mut s.k[t * kvd..(t + 1) * kvd], hd, angles);
+            if let Some([bq, bk, bv]) = &lw.qkv_bias {
+                for (out, b) in [(&mut s.q, bq), (&mut s.k, bk), (&mut s.v, bv)] {
+                    out.chunks_exact_mut(b.len()).for_each(|row| row.iter_mut().zip(b).for_each(|(x, b)| *x += b));
+                }
+            }
+            if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
+                rms_norm_each(&mut s.q, qn, eps);
+                rms_norm_each(&mut s.k, kn, eps);
+            }
+            let (rope, angles) = (&self.ropes[self.rope_of[li]], &s.angles[self.rope_of[li]]);
+            for (t, angles) in angles.chunks_exact(rope.pairs()).enumerate() {
+                rope.apply_angles(&mut s.q[t * qd..(t + 1) * qd], hd, angles);
+                rope.apply_angles(&mut s.k[t * kvd..(t + 1) * kvd], hd, angles);
             }
             let (kc, vc) = (&mut self.k_cache[li], &mut self.v_cache[li]);
             for t in 0..n {
@@ -252,17 +308,35 @@ impl Backend for CpuBackend {
                 }
             }
             let kv = PagedKv { k: kc, v: vc, block_size: bs, n_kv_heads: nkv, head_dim: hd };
-            attend_batch(pool, k, &kv, cfg.n_heads, &s.q, &ctx, &mut s.att);
+            let layer_ctx = match la.window {
+                None => &ctx,
+                Some(w) => {
+                    for (c, full) in window_ctx.iter_mut().zip(&ctx) {
+                        c.start = full.ctx_len.saturating_sub(w);
+                    }
+                    &window_ctx
+                }
+            };
+            attend_batch(pool, k, &kv, cfg.n_heads, arch.attention_scale, &s.q, layer_ctx, &mut s.att);
             Self::project(pool, k, &[&lw.wo], &s.att, n, &mut s.q8, &mut [&mut s.out]);
+            if let Some(post) = &lw.attn_post_norm {
+                rms_norm_each(&mut s.out, post, eps);
+            }
             s.x.iter_mut().zip(&s.out).for_each(|(x, o)| *x += o);
 
-            // Feed-forward block (SwiGLU).
+            // Feed-forward block (gated).
             for t in 0..n {
-                rms_norm(&s.x[t * h..(t + 1) * h], &lw.ffn_norm, cfg.rms_eps, &mut s.xb[t * h..(t + 1) * h]);
+                rms_norm(&s.x[t * h..(t + 1) * h], &lw.ffn_norm, eps, &mut s.xb[t * h..(t + 1) * h]);
             }
             Self::project(pool, k, &[&lw.w_gate, &lw.w_up], &s.xb, n, &mut s.q8, &mut [&mut s.gate, &mut s.up]);
-            swiglu(&mut s.gate, &s.up);
+            match arch.activation {
+                Activation::SiluGated => swiglu(&mut s.gate, &s.up),
+                Activation::GeluTanhGated => geglu(&mut s.gate, &s.up),
+            }
             Self::project(pool, k, &[&lw.w_down], &s.gate, n, &mut s.q8, &mut [&mut s.out]);
+            if let Some(post) = &lw.ffn_post_norm {
+                rms_norm_each(&mut s.out, post, eps);
+            }
             s.x.iter_mut().zip(&s.out).for_each(|(x, o)| *x += o);
         }
 

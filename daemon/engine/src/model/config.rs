@@ -1,9 +1,10 @@
-//! The hyperparameters of a Llama-architecture model, from GGUF metadata or a Hugging Face
+//! The hyperparameters of a transformer (every family here shares them), from GGUF metadata or a Hugging Face
 //! `config.json`, validated once so the forward pass can trust them.
 
 use inferd_kernels::ops::RopeStyle;
 
-/// Llama hyperparameters (SmolLM2, TinyLlama, Llama 2/3 share this shape).
+/// A transformer's hyperparameters; the per-layer and per-family differences are the
+/// [`crate::model::Architecture`]'s.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {
     pub n_layers: usize,
@@ -11,6 +12,9 @@ pub struct LlamaConfig {
     pub n_heads: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
+    /// Dimensions of each head that RoPE rotates (all of them but for partial rotary
+    /// embeddings).
+    pub rope_dim: usize,
     pub ffn: usize,
     pub vocab: usize,
     pub rope_base: f32,
@@ -29,6 +33,7 @@ impl LlamaConfig {
             self.n_heads,
             self.n_kv_heads,
             self.head_dim,
+            self.rope_dim,
             self.ffn,
             self.vocab,
             self.context_len,
@@ -44,6 +49,9 @@ impl LlamaConfig {
         }
         if !self.head_dim.is_multiple_of(2) {
             return Err(format!("head dimension {} is odd", self.head_dim));
+        }
+        if !self.rope_dim.is_multiple_of(2) || self.rope_dim == 0 || self.rope_dim > self.head_dim {
+            return Err(format!("RoPE dimension {} does not fit head dimension {}", self.rope_dim, self.head_dim));
         }
         if self.n_layers > 1024
             || self.hidden > 1 << 16

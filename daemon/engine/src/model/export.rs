@@ -7,6 +7,7 @@
 //! the directory loads as the same model (`RopeStyle::Neox`).
 
 use super::{Model, ModelError};
+use crate::model::arch::RopeScaling;
 use half::{bf16, f16};
 use inferd_kernels::ops::RopeStyle;
 use std::path::Path;
@@ -48,6 +49,21 @@ pub fn export_hf(model: &Model, dir: &Path, dtype: ExportDtype) -> Result<(), Mo
         let path = path.to_path_buf();
         move |source| ModelError::Io { path, source }
     };
+    // The writer below speaks Llama's config.json; the other families' extra tensors and
+    // fields would be lost.
+    let plain = model.arch
+        == crate::model::Architecture::llama_like(
+            model.arch.name,
+            &model.config,
+            model.arch.layers[0].rope_scaling.clone(),
+            model.arch.tied_output,
+        );
+    if model.arch.name != "llama" || !plain || model.arch.layers[0].rope_scaling != RopeScaling::None {
+        return Err(ModelError::Unsupported(format!(
+            "exporting {} (only plain Llama models without RoPE scaling are exported)",
+            model.arch.name
+        )));
+    }
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let cfg = &model.config;
     let w = &model.weights;

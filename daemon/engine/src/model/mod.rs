@@ -88,7 +88,10 @@ fn load_gguf(g: &Gguf, path: &Path, name: String) -> Result<Model, ModelError> {
         used.borrow_mut().insert(n.to_string());
         get(n)
     })?;
-    arch::check_unused(g.tensors.iter().map(|t| t.name.as_str()), &used.borrow(), &|_| false)?;
+    // Llama 3.1's frequency factors are read into the architecture itself.
+    let factors = arch.layers.iter().any(|l| matches!(l.rope_scaling, arch::RopeScaling::Factors(_)));
+    let read_by_arch = |n: &str| factors && n == "rope_freqs.weight";
+    arch::check_unused(g.tensors.iter().map(|t| t.name.as_str()), &used.borrow(), &read_by_arch)?;
     let tokenizer = Tokenizer::from_gguf(g)?;
     if tokenizer.vocab_size() > config.vocab {
         return Err(ModelError::Config(format!(

@@ -1,4 +1,5 @@
-//! Weight tensors of a Llama model, borrowed from the file they were loaded from.
+//! Weight tensors of a model, borrowed from the file they were loaded from, found by the names of
+//! their file format and split where the file fuses them.
 //!
 //! A [`Tensor`] is a dtype, a 2-D shape and a window into a [`Blob`] (usually the memory map):
 //! quantized weights stay quantized and in place. Only the small norm vectors are copied to f32.
@@ -65,6 +66,20 @@ impl Tensor {
         v
     }
 
+    /// Rows `r0..r1` of this tensor (one part of a fused matrix), still in place.
+    pub fn rows_of(&self, r0: usize, r1: usize) -> Tensor {
+        let rb = self.dtype.bytes_for(self.cols).unwrap_or(0);
+        let (r0, r1) = (r0.min(self.rows), r1.min(self.rows).max(r0.min(self.rows)));
+        Tensor {
+            name: format!("{}[{r0}..{r1}]", self.name),
+            dtype: self.dtype,
+            rows: r1 - r0,
+            cols: self.cols,
+            blob: self.blob.clone(),
+            offset: self.offset + r0 * rb,
+        }
+    }
+
     fn expect(self, rows: usize, cols: usize) -> Result<Tensor, ModelError> {
         if (self.rows, self.cols) != (rows, cols) {
             return Err(ModelError::Shape(format!(
@@ -72,7 +87,7 @@ impl Tensor {
                 self.name, self.rows, self.cols
             )));
         }
-        if self.dtype.is_quantized() && !cols.is_multiple_of(inferd_kernels::quant::QK) {
+        if !cols.is_multiple_of(self.dtype.block_len()) {
             return Err(ModelError::Shape(format!(
                 "tensor '{}' rows of {cols} are not whole quantization blocks",
                 self.name
@@ -82,7 +97,8 @@ impl Tensor {
     }
 }
 
-/// The weights of one transformer block.
+/// The weights of one transformer block; the optional ones are there exactly when the
+/// architecture asks for them (QKV bias, QK-norm, post-norms).
 #[derive(Clone, Debug)]
 pub struct LayerWeights {
     pub attn_norm: Vec<f32>,
@@ -90,13 +106,22 @@ pub struct LayerWeights {
     pub wk: Tensor,
     pub wv: Tensor,
     pub wo: Tensor,
+    /// Biases of Q, K and V (Qwen 2).
+    pub qkv_bias: Option<[Vec<f32>; 3]>,
+    /// Per-head RMSNorm weights of Q and K (`head_dim` each).
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+    /// RMSNorm of the attention output before the residual add (Gemma).
+    pub attn_post_norm: Option<Vec<f32>>,
     pub ffn_norm: Vec<f32>,
     pub w_gate: Tensor,
     pub w_up: Tensor,
     pub w_down: Tensor,
+    /// RMSNorm of the MLP output before the residual add (Gemma).
+    pub ffn_post_norm: Option<Vec<f32>>,
 }
 
-/// All weights of a Llama model.
+/// All weights of a model.
 #[derive(Clone, Debug)]
 pub struct LlamaWeights {
     pub token_embd: Tensor,
@@ -113,20 +138,80 @@ pub enum Naming {
     HuggingFace,
 }
 
+/// What a tensor is to the block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    AttnNorm,
+    Q,
+    K,
+    V,
+    Qkv,
+    O,
+    QNorm,
+    KNorm,
+    AttnPostNorm,
+    FfnNorm,
+    FfnPostNorm,
+    Gate,
+    Up,
+    GateUp,
+    Down,
+}
+
 impl Naming {
-    fn name(self, what: &str, layer: Option<usize>) -> String {
-        match (self, layer) {
-            (Naming::Gguf, Some(i)) => format!("blk.{i}.{what}.weight"),
-            (Naming::Gguf, None) => format!("{what}.weight"),
-            (Naming::HuggingFace, Some(i)) => format!("model.layers.{i}.{what}.weight"),
-            (Naming::HuggingFace, None) if what == "lm_head" => "lm_head.weight".into(),
-            (Naming::HuggingFace, None) => format!("model.{what}.weight"),
+    /// The name of a layer's tensor: GGUF's (llama.cpp's names, the same for every family) or
+    /// Hugging Face's (where Gemma names its norms apart from Llama).
+    fn layer(self, role: Role, i: usize, gemma: bool, suffix: &str) -> String {
+        let what = match (self, role) {
+            (Naming::Gguf, Role::AttnNorm) => "attn_norm",
+            (Naming::Gguf, Role::Q) => "attn_q",
+            (Naming::Gguf, Role::K) => "attn_k",
+            (Naming::Gguf, Role::V) => "attn_v",
+            (Naming::Gguf, Role::Qkv) => "attn_qkv",
+            (Naming::Gguf, Role::O) => "attn_output",
+            (Naming::Gguf, Role::QNorm) => "attn_q_norm",
+            (Naming::Gguf, Role::KNorm) => "attn_k_norm",
+            (Naming::Gguf, Role::AttnPostNorm) => "post_attention_norm",
+            (Naming::Gguf, Role::FfnNorm) => "ffn_norm",
+            (Naming::Gguf, Role::FfnPostNorm) => "post_ffw_norm",
+            (Naming::Gguf, Role::Gate) => "ffn_gate",
+            (Naming::Gguf, Role::Up | Role::GateUp) => "ffn_up",
+            (Naming::Gguf, Role::Down) => "ffn_down",
+            (Naming::HuggingFace, Role::AttnNorm) => "input_layernorm",
+            (Naming::HuggingFace, Role::Q) => "self_attn.q_proj",
+            (Naming::HuggingFace, Role::K) => "self_attn.k_proj",
+            (Naming::HuggingFace, Role::V) => "self_attn.v_proj",
+            (Naming::HuggingFace, Role::Qkv) => "self_attn.qkv_proj",
+            (Naming::HuggingFace, Role::O) => "self_attn.o_proj",
+            (Naming::HuggingFace, Role::QNorm) => "self_attn.q_norm",
+            (Naming::HuggingFace, Role::KNorm) => "self_attn.k_norm",
+            (Naming::HuggingFace, Role::AttnPostNorm) => "post_attention_layernorm",
+            (Naming::HuggingFace, Role::FfnNorm) if gemma => "pre_feedforward_layernorm",
+            (Naming::HuggingFace, Role::FfnNorm) => "post_attention_layernorm",
+            (Naming::HuggingFace, Role::FfnPostNorm) => "post_feedforward_layernorm",
+            (Naming::HuggingFace, Role::Gate) => "mlp.gate_proj",
+            (Naming::HuggingFace, Role::Up) => "mlp.up_proj",
+            (Naming::HuggingFace, Role::GateUp) => "mlp.gate_up_proj",
+            (Naming::HuggingFace, Role::Down) => "mlp.down_proj",
+        };
+        match self {
+            Naming::Gguf => format!("blk.{i}.{what}.{suffix}"),
+            Naming::HuggingFace => format!("model.layers.{i}.{what}.{suffix}"),
+        }
+    }
+
+    fn global(self, what: &str) -> String {
+        match (self, what) {
+            (Naming::Gguf, _) => format!("{what}.weight"),
+            (Naming::HuggingFace, "lm_head") => "lm_head.weight".into(),
+            (Naming::HuggingFace, _) => format!("model.{what}.weight"),
         }
     }
 }
 
 impl LlamaWeights {
-    /// Collects and shape-checks every tensor through `get` (name -> tensor).
+    /// Collects and shape-checks every tensor the architecture reads through `get`
+    /// (name -> tensor), splitting fused matrices by rows.
     pub fn load(
         cfg: &LlamaConfig,
         arch: &super::Architecture,
@@ -134,12 +219,10 @@ impl LlamaWeights {
         get: &dyn Fn(&str) -> Option<Tensor>,
     ) -> Result<LlamaWeights, ModelError> {
         let hf = matches!(naming, Naming::HuggingFace);
-        let fetch = |what: &str, layer: Option<usize>| {
-            let name = naming.name(what, layer);
-            get(&name).ok_or(ModelError::MissingTensor(name))
-        };
-        let vector = |what: &str, layer: Option<usize>, n: usize| -> Result<Vec<f32>, ModelError> {
-            let t = fetch(what, layer)?;
+        let layout = arch.layout;
+        let fetch = |name: String| get(&name).ok_or(ModelError::MissingTensor(name));
+        let vector = |name: String, n: usize| -> Result<Vec<f32>, ModelError> {
+            let t = fetch(name)?;
             if t.rows * t.cols != n {
                 return Err(ModelError::Shape(format!(
                     "tensor '{}' has {} elements, expected {n}",
@@ -149,30 +232,61 @@ impl LlamaWeights {
             }
             Ok(t.to_f32())
         };
-        let (h, q, kv, f) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.ffn);
+        let norm = |name: String, n: usize| -> Result<Vec<f32>, ModelError> {
+            let mut w = vector(name, n)?;
+            w.iter_mut().for_each(|x| *x += layout.norm_offset);
+            Ok(w)
+        };
+        let (h, q, kv, f, hd) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.ffn, cfg.head_dim);
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {
-            let l = Some(i);
-            let n = |g: &str, hf_name: &str| if hf { hf_name.to_string() } else { g.to_string() };
+            let name = |role: Role| naming.layer(role, i, layout.gemma_names, "weight");
+            let (wq, wk, wv) = if layout.fused_qkv {
+                let qkv = fetch(name(Role::Qkv))?.expect(q + 2 * kv, h)?;
+                (qkv.rows_of(0, q), qkv.rows_of(q, q + kv), qkv.rows_of(q + kv, q + 2 * kv))
+            } else {
+                (
+                    fetch(name(Role::Q))?.expect(q, h)?,
+                    fetch(name(Role::K))?.expect(kv, h)?,
+                    fetch(name(Role::V))?.expect(kv, h)?,
+                )
+            };
+            let (w_gate, w_up) = if layout.fused_gate_up {
+                let gu = fetch(name(Role::GateUp))?.expect(2 * f, h)?;
+                (gu.rows_of(0, f), gu.rows_of(f, 2 * f))
+            } else {
+                (fetch(name(Role::Gate))?.expect(f, h)?, fetch(name(Role::Up))?.expect(f, h)?)
+            };
+            let bias = |role: Role, n: usize| vector(naming.layer(role, i, layout.gemma_names, "bias"), n);
+            let post = arch.norm == super::arch::NormPlacement::PreAndPost;
             layers.push(LayerWeights {
-                attn_norm: vector(&n("attn_norm", "input_layernorm"), l, h)?,
-                wq: fetch(&n("attn_q", "self_attn.q_proj"), l)?.expect(q, h)?,
-                wk: fetch(&n("attn_k", "self_attn.k_proj"), l)?.expect(kv, h)?,
-                wv: fetch(&n("attn_v", "self_attn.v_proj"), l)?.expect(kv, h)?,
-                wo: fetch(&n("attn_output", "self_attn.o_proj"), l)?.expect(h, q)?,
-                ffn_norm: vector(&n("ffn_norm", "post_attention_layernorm"), l, h)?,
-                w_gate: fetch(&n("ffn_gate", "mlp.gate_proj"), l)?.expect(f, h)?,
-                w_up: fetch(&n("ffn_up", "mlp.up_proj"), l)?.expect(f, h)?,
-                w_down: fetch(&n("ffn_down", "mlp.down_proj"), l)?.expect(h, f)?,
+                attn_norm: norm(name(Role::AttnNorm), h)?,
+                wq,
+                wk,
+                wv,
+                wo: fetch(name(Role::O))?.expect(h, q)?,
+                qkv_bias: if arch.qkv_bias {
+                    Some([bias(Role::Q, q)?, bias(Role::K, kv)?, bias(Role::V, kv)?])
+                } else {
+                    None
+                },
+                q_norm: arch.qk_norm.then(|| norm(name(Role::QNorm), hd)).transpose()?,
+                k_norm: arch.qk_norm.then(|| norm(name(Role::KNorm), hd)).transpose()?,
+                attn_post_norm: post.then(|| norm(name(Role::AttnPostNorm), h)).transpose()?,
+                ffn_norm: norm(name(Role::FfnNorm), h)?,
+                w_gate,
+                w_up,
+                w_down: fetch(name(Role::Down))?.expect(h, f)?,
+                ffn_post_norm: post.then(|| norm(name(Role::FfnPostNorm), h)).transpose()?,
             });
         }
-        let token_embd = fetch(if hf { "embed_tokens" } else { "token_embd" }, None)?.expect(cfg.vocab, h)?;
+        let token_embd = fetch(naming.global(if hf { "embed_tokens" } else { "token_embd" }))?.expect(cfg.vocab, h)?;
         let output = if arch.tied_output {
             token_embd.clone()
         } else {
-            fetch(if hf { "lm_head" } else { "output" }, None)?.expect(cfg.vocab, h)?
+            fetch(naming.global(if hf { "lm_head" } else { "output" }))?.expect(cfg.vocab, h)?
         };
-        let output_norm = vector(if hf { "norm" } else { "output_norm" }, None, h)?;
+        let output_norm = norm(naming.global(if hf { "norm" } else { "output_norm" }), h)?;
         Ok(LlamaWeights { token_embd, layers, output_norm, output })
     }
 }

@@ -5,7 +5,8 @@
 //! - `llama` models (SentencePiece): BPE whose merges are derived from the token scores, byte
 //!   fallback through the `<0xNN>` tokens, `▁` for spaces.
 //!
-//! Control and user-defined tokens become special added tokens, parsed only when asked.
+//! Control tokens become special added tokens, parsed only when asked; user-defined ones are
+//! always matched in the raw text (as llama.cpp does).
 
 use super::{ByteEncoding, Tokenizer, TokenizerError};
 use crate::model::gguf::{Gguf, Value};
@@ -120,7 +121,10 @@ impl Tokenizer {
                     .cloned()
                     .unwrap_or_else(|| "<unk>".into());
                 let bpe = BPE::builder().vocab_and_merges(vocab, merges).byte_fallback(true).unk_token(unk).build();
-                let meta = Metaspace::new('\u{2581}', PrependScheme::First, false);
+                // SentencePiece's dummy prefix: Llama's models add "▁" before the text, Gemma's not.
+                let prefix = g.get("tokenizer.ggml.add_space_prefix").and_then(Value::as_bool).unwrap_or(true);
+                let scheme = if prefix { PrependScheme::First } else { PrependScheme::Never };
+                let meta = Metaspace::new('\u{2581}', scheme, false);
                 (
                     bpe,
                     PreTokenizerWrapper::Metaspace(meta.clone()),
@@ -138,14 +142,19 @@ impl Tokenizer {
         let mut tk = tokenizers::Tokenizer::new(bpe);
         tk.with_pre_tokenizer(Some(pre));
         tk.with_decoder(Some(decoder));
-        // Control (3) and user-defined (4) tokens are matched as whole special tokens.
-        let added: Vec<AddedToken> = tokens
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| matches!(ty(*i), 3 | 4))
-            .map(|(_, t)| AddedToken::from(t.clone(), true))
-            .collect();
-        tk.add_special_tokens(&added);
+        // Control tokens (3) are special: matched whole, and only when special tokens are
+        // parsed. User-defined tokens (4: Gemma's runs of spaces and newlines, HTML tags) are
+        // matched in the raw text always, before the model splits it, as llama.cpp does.
+        let added = |kind: i64, special: bool| -> Vec<AddedToken> {
+            tokens
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| ty(*i) == kind)
+                .map(|(_, t)| AddedToken::from(t.clone(), special).normalized(false))
+                .collect()
+        };
+        tk.add_special_tokens(&added(3, true));
+        tk.add_tokens(&added(4, false));
         let bos = id(g, "tokenizer.ggml.bos_token_id");
         let add_bos = g.get("tokenizer.ggml.add_bos_token").and_then(Value::as_bool).unwrap_or(model == "llama");
         let mut eos: Vec<u32> =

@@ -2,23 +2,33 @@
 //! placement, activation, QKV bias, QK-norm, attention window and RoPE per layer, embedding
 //! scale, tied output), and the backends run that description instead of a code path per
 //! family. One small file per architecture maps a GGUF's metadata or a `config.json` onto it
-//! (`llama.rs`; [`for_gguf`] and [`for_hf`] pick the file by name).
+//! (`llama.rs` for Llama and Mistral, `qwen.rs`, `gemma3.rs`, `phi3.rs`; [`for_gguf`] and
+//! [`for_hf`] pick the file by name; `keys.rs` reads metadata and remembers what was read).
 //!
 //! Whatever a file says that its architecture's file does not understand is an error that
 //! names it: an unknown metadata key or config field, a RoPE scaling type, a bias or a tensor
 //! nobody reads. A model inferd cannot run exactly is refused, never run differently.
 
+pub mod gemma3;
+mod keys;
 pub mod llama;
+pub mod phi3;
+pub mod qwen;
+
+pub use keys::{GgufKeys, HfKeys};
 
 use super::config::LlamaConfig;
 use super::gguf::Gguf;
 use super::ModelError;
+use std::sync::Arc;
 
-/// Where each block normalizes its input.
+/// Where each block normalizes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NormPlacement {
     /// RMSNorm before attention and before the MLP, residual added after each (Llama).
     Pre,
+    /// RMSNorm before each sublayer and on its output before the residual add (Gemma 2/3).
+    PreAndPost,
 }
 
 /// The MLP's gated activation.
@@ -26,27 +36,82 @@ pub enum NormPlacement {
 pub enum Activation {
     /// `down(silu(gate(x)) * up(x))` (SwiGLU).
     SiluGated,
+    /// `down(gelu_tanh(gate(x)) * up(x))` (GeGLU with GELU's tanh approximation).
+    GeluTanhGated,
 }
 
 /// How RoPE frequencies are scaled past the trained context.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum RopeScaling {
     None,
+    /// Every frequency divided by the factor (position interpolation).
+    Linear(f32),
+    /// Frequency `i` divided by `factors[i]` (Llama 3.1's scaling, as GGUF's `rope_freqs`
+    /// tensor stores it).
+    Factors(Arc<[f32]>),
+}
+
+impl RopeScaling {
+    /// The inverse frequencies of `base` for `dims` rotated dimensions, scaled.
+    pub fn frequencies(&self, dims: usize, base: f32) -> Vec<f32> {
+        let f = inferd_kernels::ops::Rope::frequencies(dims, base);
+        match self {
+            RopeScaling::None => f,
+            RopeScaling::Linear(s) => f.into_iter().map(|x| x / s).collect(),
+            RopeScaling::Factors(d) => f.into_iter().zip(d.iter()).map(|(x, d)| x / d).collect(),
+        }
+    }
+}
+
+/// Llama 3's frequency divisors (`rope_scaling.rope_type = "llama3"`): wavelengths shorter than
+/// `original / high` keep their frequency, longer than `original / low` are divided by
+/// `factor`, and those between are interpolated.
+pub fn llama3_factors(dims: usize, base: f32, factor: f32, low: f32, high: f32, original: f32) -> Vec<f32> {
+    let (low_wavelen, high_wavelen) = (original / low, original / high);
+    inferd_kernels::ops::Rope::frequencies(dims, base)
+        .into_iter()
+        .map(|f| {
+            let wavelen = 2.0 * std::f32::consts::PI / f;
+            if wavelen < high_wavelen {
+                1.0
+            } else if wavelen > low_wavelen {
+                factor
+            } else {
+                let smooth = (original / wavelen - low) / (high - low);
+                f / ((1.0 - smooth) * f / factor + smooth * f)
+            }
+        })
+        .collect()
 }
 
 /// One layer's attention.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct LayerAttention {
-    /// Sliding window in positions; `None` attends to the whole context.
+    /// Sliding window in positions (a query at `p` sees `p - window + 1 ..= p`); `None`
+    /// attends to the whole context.
     pub window: Option<usize>,
     pub rope_base: f32,
     pub rope_scaling: RopeScaling,
 }
 
+/// How a file stores the tensors: the loader's concern, not the backends'.
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub struct TensorLayout {
+    /// Q, K and V are one matrix (`attn_qkv` / `qkv_proj`), rows in that order.
+    pub fused_qkv: bool,
+    /// Gate and up are one matrix (`ffn_up` of twice the width / `gate_up_proj`), gate first.
+    pub fused_gate_up: bool,
+    /// Added to every RMSNorm weight on load (Gemma's checkpoints store `w - 1`; its GGUF
+    /// conversion has already added it).
+    pub norm_offset: f32,
+    /// Hugging Face names the norms as Gemma does (`pre_feedforward_layernorm`, ...).
+    pub gemma_names: bool,
+}
+
 /// A transformer as the backends run it; see the module docs.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Architecture {
-    /// The family's name as files spell it (`llama`).
+    /// The family's name as files spell it (`llama`, `qwen2`, `gemma3`, ...).
     pub name: &'static str,
     pub norm: NormPlacement,
     pub activation: Activation,
@@ -57,9 +122,37 @@ pub struct Architecture {
     pub layers: Vec<LayerAttention>,
     /// The token embeddings are multiplied by this before the first layer.
     pub embedding_scale: Option<f32>,
+    /// Attention scores are `scale * q · k` (usually `1 / sqrt(head_dim)`).
+    pub attention_scale: f32,
     /// The output projection is the embedding matrix.
     pub tied_output: bool,
+    pub layout: TensorLayout,
 }
+
+impl Architecture {
+    /// A Llama-shaped transformer (pre-norm, SwiGLU, global attention, no biases), the
+    /// starting point of every family's description.
+    pub fn llama_like(name: &'static str, cfg: &LlamaConfig, scaling: RopeScaling, tied_output: bool) -> Architecture {
+        Architecture {
+            name,
+            norm: NormPlacement::Pre,
+            activation: Activation::SiluGated,
+            qkv_bias: false,
+            qk_norm: false,
+            layers: vec![
+                LayerAttention { window: None, rope_base: cfg.rope_base, rope_scaling: scaling };
+                cfg.n_layers
+            ],
+            embedding_scale: None,
+            attention_scale: 1.0 / (cfg.head_dim as f32).sqrt(),
+            tied_output,
+            layout: TensorLayout::default(),
+        }
+    }
+}
+
+/// The families [`for_gguf`] and [`for_hf`] know, for their refusals.
+const KNOWN: &str = "llama, mistral, qwen2, qwen3, gemma3, phi3";
 
 /// The architecture and hyperparameters of a GGUF file, by its `general.architecture`.
 pub fn for_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
@@ -68,8 +161,13 @@ pub fn for_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
         .and_then(|v| v.as_str())
         .ok_or_else(|| ModelError::MissingKey("general.architecture".into()))?;
     match arch {
-        "llama" => llama::from_gguf(g),
-        other => Err(ModelError::Unsupported(format!("architecture '{other}' (supported: llama)"))),
+        "llama" => llama::from_gguf(g, "llama"),
+        "mistral" => llama::from_gguf(g, "mistral"),
+        "qwen2" => qwen::from_gguf(g, qwen::Qwen::Two),
+        "qwen3" => qwen::from_gguf(g, qwen::Qwen::Three),
+        "gemma3" => gemma3::from_gguf(g),
+        "phi3" => phi3::from_gguf(g),
+        other => Err(ModelError::Unsupported(format!("architecture '{other}' (supported: {KNOWN})"))),
     }
 }
 
@@ -78,11 +176,27 @@ pub fn for_hf(cfg: &serde_json::Map<String, serde_json::Value>) -> Result<(Archi
     let model_type = cfg.get("model_type").and_then(|v| v.as_str());
     let architectures: Vec<&str> =
         cfg.get("architectures").and_then(|v| v.as_array()).into_iter().flatten().filter_map(|v| v.as_str()).collect();
-    if model_type == Some("llama") || (model_type.is_none() && architectures.contains(&"LlamaForCausalLM")) {
-        return llama::from_hf(cfg);
+    let is = |t: &str, class: &str| model_type == Some(t) || (model_type.is_none() && architectures.contains(&class));
+    if is("llama", "LlamaForCausalLM") {
+        return llama::from_hf(cfg, "llama");
+    }
+    if is("mistral", "MistralForCausalLM") {
+        return llama::from_hf(cfg, "mistral");
+    }
+    if is("qwen2", "Qwen2ForCausalLM") {
+        return qwen::from_hf(cfg, qwen::Qwen::Two);
+    }
+    if is("qwen3", "Qwen3ForCausalLM") {
+        return qwen::from_hf(cfg, qwen::Qwen::Three);
+    }
+    if is("gemma3_text", "Gemma3ForCausalLM") {
+        return gemma3::from_hf(cfg);
+    }
+    if is("phi3", "Phi3ForCausalLM") {
+        return phi3::from_hf(cfg);
     }
     Err(ModelError::Unsupported(format!(
-        "architecture {architectures:?} / model_type {model_type:?} (supported: llama)"
+        "architecture {architectures:?} / model_type {model_type:?} (supported: {KNOWN})"
     )))
 }
 

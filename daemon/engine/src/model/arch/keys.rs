@@ -1,0 +1,227 @@
+//! Reading an architecture's metadata (GGUF keys under `{arch}.`, or `config.json` fields) while
+//! remembering what was read, so that [`GgufKeys::finish`] and [`HfKeys::finish`] can refuse
+//! by name whatever no one understood. The hyperparameters every family shares are read here.
+
+use crate::model::config::LlamaConfig;
+use crate::model::gguf::{Gguf, Value};
+use crate::model::ModelError;
+use inferd_kernels::ops::RopeStyle;
+use serde_json::{Map, Value as Json};
+use std::cell::RefCell;
+use std::collections::BTreeSet;
+
+fn unsupported(what: String) -> ModelError {
+    ModelError::Unsupported(what)
+}
+
+/// The `{arch}.*` keys of a GGUF file.
+pub struct GgufKeys<'a> {
+    g: &'a Gguf,
+    arch: &'a str,
+    read: RefCell<BTreeSet<String>>,
+}
+
+impl<'a> GgufKeys<'a> {
+    pub fn new(g: &'a Gguf, arch: &'a str) -> Self {
+        GgufKeys { g, arch, read: RefCell::default() }
+    }
+
+    fn full(&self, k: &str) -> String {
+        format!("{}.{k}", self.arch)
+    }
+
+    /// The value of `{arch}.{k}`, now counted as understood.
+    pub fn get(&self, k: &str) -> Option<&'a Value> {
+        self.read.borrow_mut().insert(k.to_string());
+        self.g.get(&self.full(k))
+    }
+
+    pub fn opt_uint(&self, k: &str) -> Result<Option<usize>, ModelError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .and_then(|x| usize::try_from(x).ok())
+                .map(Some)
+                .ok_or_else(|| ModelError::Config(format!("{} is not an unsigned integer", self.full(k)))),
+        }
+    }
+
+    pub fn uint(&self, k: &str) -> Result<usize, ModelError> {
+        self.opt_uint(k)?.ok_or_else(|| ModelError::MissingKey(self.full(k)))
+    }
+
+    pub fn opt_float(&self, k: &str) -> Result<Option<f32>, ModelError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(|x| Some(x as f32))
+                .ok_or_else(|| ModelError::Config(format!("{} is not a number", self.full(k)))),
+        }
+    }
+
+    /// The hyperparameters every family writes the same way.
+    pub fn config(&self, rope_style: RopeStyle) -> Result<LlamaConfig, ModelError> {
+        let hidden = self.uint("embedding_length")?;
+        let n_heads = self.uint("attention.head_count")?;
+        if n_heads == 0 {
+            return Err(ModelError::Config(format!("{} is zero", self.full("attention.head_count"))));
+        }
+        let head_dim = self.opt_uint("attention.key_length")?.unwrap_or(hidden / n_heads);
+        if let Some(v) = self.opt_uint("attention.value_length")?.filter(|&v| v != head_dim) {
+            return Err(unsupported(format!("value head size {v} apart from key head size {head_dim}")));
+        }
+        let vocab = match self.opt_uint("vocab_size")? {
+            Some(v) => v,
+            None => self.g.tensor("token_embd.weight").and_then(|t| t.dims.get(1).copied()).unwrap_or(0),
+        };
+        let config = LlamaConfig {
+            n_layers: self.uint("block_count")?,
+            hidden,
+            n_heads,
+            n_kv_heads: self.opt_uint("attention.head_count_kv")?.unwrap_or(n_heads),
+            head_dim,
+            rope_dim: self.opt_uint("rope.dimension_count")?.unwrap_or(head_dim),
+            ffn: self.uint("feed_forward_length")?,
+            vocab,
+            rope_base: self.opt_float("rope.freq_base")?.unwrap_or(10000.0),
+            rope_style,
+            rms_eps: self.opt_float("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-5),
+            context_len: self.opt_uint("context_length")?.unwrap_or(2048),
+        };
+        config.validate().map_err(ModelError::Config)?;
+        Ok(config)
+    }
+
+    /// Refuses every `{arch}.*` key that was not read, unless `harmless` says it changes
+    /// nothing (a default value, a count of experts that is zero).
+    pub fn finish(&self, harmless: &dyn Fn(&str, &Value) -> bool) -> Result<(), ModelError> {
+        let prefix = format!("{}.", self.arch);
+        let read = self.read.borrow();
+        for (k, v) in self.g.metadata.iter().filter_map(|(k, v)| k.strip_prefix(&prefix).map(|s| (s, v))) {
+            if !read.contains(k) && !harmless(k, v) {
+                return Err(unsupported(format!("GGUF key '{prefix}{k}' = {v:?} (not understood for {})", self.arch)));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `config.json` fields that never change the computation at inference.
+const HF_HARMLESS: [&str; 15] = [
+    "architectures",
+    "model_type",
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "use_cache",
+    "initializer_range",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "_name_or_path",
+    "attention_dropout",
+    "pretraining_tp",
+    "is_llama_config",
+    "embd_pdrop",
+];
+
+/// The fields of a `config.json`.
+pub struct HfKeys<'a> {
+    cfg: &'a Map<String, Json>,
+    read: RefCell<BTreeSet<String>>,
+}
+
+impl<'a> HfKeys<'a> {
+    pub fn new(cfg: &'a Map<String, Json>) -> Self {
+        HfKeys { cfg, read: RefCell::default() }
+    }
+
+    /// The field `k`, now counted as understood; JSON `null` reads as absent.
+    pub fn get(&self, k: &str) -> Option<&'a Json> {
+        self.read.borrow_mut().insert(k.to_string());
+        self.cfg.get(k).filter(|v| !v.is_null())
+    }
+
+    fn bad(k: &str, want: &str) -> ModelError {
+        ModelError::Config(format!("config.json: {k} must be {want}"))
+    }
+
+    pub fn opt_uint(&self, k: &str) -> Result<Option<usize>, ModelError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => {
+                v.as_u64().and_then(|x| usize::try_from(x).ok()).map(Some).ok_or_else(|| Self::bad(k, "an integer"))
+            }
+        }
+    }
+
+    pub fn uint(&self, k: &str) -> Result<usize, ModelError> {
+        self.opt_uint(k)?.ok_or_else(|| ModelError::MissingKey(format!("config.json: {k}")))
+    }
+
+    pub fn opt_float(&self, k: &str) -> Result<Option<f32>, ModelError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => v.as_f64().map(|x| Some(x as f32)).ok_or_else(|| Self::bad(k, "a number")),
+        }
+    }
+
+    pub fn opt_bool(&self, k: &str) -> Result<Option<bool>, ModelError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => v.as_bool().map(Some).ok_or_else(|| Self::bad(k, "true or false")),
+        }
+    }
+
+    pub fn opt_str(&self, k: &str) -> Result<Option<&'a str>, ModelError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => v.as_str().map(Some).ok_or_else(|| Self::bad(k, "a string")),
+        }
+    }
+
+    /// The hyperparameters every family names the same way (Hugging Face checkpoints rotate
+    /// halves: [`RopeStyle::Neox`]).
+    pub fn config(&self) -> Result<LlamaConfig, ModelError> {
+        let (hidden, n_heads) = (self.uint("hidden_size")?, self.uint("num_attention_heads")?);
+        if n_heads == 0 {
+            return Err(ModelError::Config("num_attention_heads is zero".into()));
+        }
+        let head_dim = self.opt_uint("head_dim")?.unwrap_or(hidden / n_heads);
+        let rotary = self.opt_float("partial_rotary_factor")?.unwrap_or(1.0);
+        let config = LlamaConfig {
+            n_layers: self.uint("num_hidden_layers")?,
+            hidden,
+            n_heads,
+            n_kv_heads: self.opt_uint("num_key_value_heads")?.unwrap_or(n_heads),
+            head_dim,
+            rope_dim: (head_dim as f32 * rotary) as usize,
+            ffn: self.uint("intermediate_size")?,
+            vocab: self.uint("vocab_size")?,
+            rope_base: self.opt_float("rope_theta")?.unwrap_or(10000.0),
+            rope_style: RopeStyle::Neox,
+            rms_eps: self.opt_float("rms_norm_eps")?.unwrap_or(1e-6),
+            context_len: self.opt_uint("max_position_embeddings")?.unwrap_or(2048),
+        };
+        config.validate().map_err(ModelError::Config)?;
+        Ok(config)
+    }
+
+    /// Refuses every field that was not read and is not harmless (the common ones, or what
+    /// `harmless` of the family allows), naming it.
+    pub fn finish(&self, family: &str, harmless: &dyn Fn(&str, &Json) -> bool) -> Result<(), ModelError> {
+        let read = self.read.borrow();
+        for (k, v) in self.cfg {
+            // Newer transformers write the attention kind of every layer; all global is the
+            // default of every family without a window.
+            let all_global = k == "layer_types"
+                && v.as_array().is_some_and(|a| a.iter().all(|t| t.as_str() == Some("full_attention")));
+            if !read.contains(k) && !HF_HARMLESS.contains(&k.as_str()) && !all_global && !harmless(k, v) {
+                return Err(unsupported(format!("config.json: {k} = {v} (not understood for {family})")));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,151 @@
+//! inferd against llama.cpp on the same files: tiny random-weight models of every architecture
+//! (written by tests/reference/tiny_models.py with the gguf package) and google/gemma-3-270m
+//! Q4_K_M (a real K-quant file: Q4_K, Q6_K, Q5_0 and Q8_0 tensors, SentencePiece vocabulary,
+//! sliding-window layers). The reference data, tests/reference/llama-cpp.json, comes from
+//! llama.cpp by tests/reference/regen; CI only reads it.
+//!
+//! Checked per case: the prompt's tokens (text prompts), the logits at llama.cpp's top ids at
+//! several positions within a stated tolerance of llama.cpp's, and the greedy continuation
+//! token for token up to the first step where llama.cpp's own top two logits are within
+//! `NEAR_TIE`.
+//! Both engines quantize activations to 8 bits before the quantized products, but differently
+//! (llama.cpp's block scales are f16, inferd's f32), so logits differ by a few hundredths.
+
+use inferd_engine::engine::{argmax, Engine, EngineOptions, RunItem};
+use inferd_engine::model::Model;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+/// Largest difference allowed between a logit of inferd and of llama.cpp on the tiny models
+/// (measured: at most 0.13, on tiny Gemma 3).
+const TINY_LOGIT_TOL: f64 = 0.25;
+/// The same on the real Gemma 3 file, whose activations carry outliers that make its logits
+/// sensitive to how each engine rounds activations to 8 bits. Measured: at most 1.3 at every
+/// recorded position but one, where llama.cpp's top logit is 22.68, inferd's 26.90 and a
+/// float64 forward pass over the same weights 23.52, or 26.45 with inferd's 8-bit activation
+/// rounding emulated in float64 (so inferd computes what its rounding implies there). With
+/// only the BOS token, inferd is within 0.11 of float64 and llama.cpp within 0.30.
+const GEMMA_LOGIT_TOL: f64 = 5.0;
+/// A greedy step whose top two llama.cpp logits are closer than this is a near-tie: the
+/// continuation is compared up to it.
+const NEAR_TIE: f64 = 0.3;
+
+fn reference() -> &'static Value {
+    static R: OnceLock<Value> = OnceLock::new();
+    R.get_or_init(|| {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("reference/llama-cpp.json");
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    })
+}
+
+fn entry(name: &str) -> &'static Value {
+    reference()["models"].as_array().unwrap().iter().find(|m| m["name"] == name).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+fn sha256(path: &Path) -> String {
+    let out = Command::new("sha256sum").arg(path).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).split_whitespace().next().unwrap_or_default().to_string()
+}
+
+/// The tiny models, written once per test run by the same script that wrote llama.cpp's.
+fn tiny_dir() -> &'static PathBuf {
+    static D: OnceLock<PathBuf> = OnceLock::new();
+    D.get_or_init(|| {
+        let dir = inferd_e2e::temp_dir("reference-tiny");
+        let pylib = std::env::var("INFERD_TEST_PYTHONPATH")
+            .unwrap_or_else(|_| format!("{}/.cache/inferd/python", std::env::var("HOME").unwrap_or_default()));
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/reference/tiny_models.py");
+        let out = Command::new("python3").arg(script).arg(&dir).env("PYTHONPATH", &pylib).output().unwrap();
+        assert!(
+            out.status.success(),
+            "the gguf package is installed by tests/run into {pylib}:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        dir
+    })
+}
+
+/// Runs every case of `entry` on `model` and checks it; returns the largest logit difference.
+fn check_cases(model: &Model, entry: &Value, tol: f64) -> f64 {
+    let name = entry["name"].as_str().unwrap();
+    let mut e = Engine::cpu(model, &EngineOptions { kv_budget_bytes: 256 << 20, ..EngineOptions::default() }).unwrap();
+    let mut worst = 0f64;
+    for (c, case) in entry["cases"].as_array().unwrap().iter().enumerate() {
+        let tokens = ids(&case["tokens"]);
+        if let Some(prompt) = case["prompt"].as_str() {
+            assert_eq!(model.tokenizer.encode(prompt, false).unwrap(), tokens, "{name} case {c}: tokens");
+        }
+        // Logits at the recorded positions: prefill to the first, then extend the sequence.
+        let mut seq = None;
+        let mut done = 0;
+        let mut last = Vec::new();
+        for at in case["logits"].as_array().unwrap() {
+            let p = at["pos"].as_u64().unwrap() as usize;
+            let logits = match seq {
+                None => {
+                    let (s, l) = e.prefill(&[&tokens[..=p]]).unwrap().remove(0);
+                    seq = Some(s);
+                    l
+                }
+                Some(s) => e.step(&[RunItem { seq: s, tokens: &tokens[done..=p], n_logits: 1 }]).unwrap().remove(0),
+            };
+            done = p + 1;
+            last.clone_from(&logits);
+            for (id, want) in ids(&at["ids"]).iter().zip(at["values"].as_array().unwrap()) {
+                let (got, want) = (f64::from(logits[*id as usize]), want.as_f64().unwrap());
+                worst = worst.max((got - want).abs());
+                assert!((got - want).abs() <= tol, "{name} case {c} position {p} id {id}: {got} vs llama.cpp {want}");
+            }
+        }
+        let seq = seq.unwrap();
+        assert_eq!(done, tokens.len(), "{name}: the last position is recorded");
+        // Greedy continuation up to llama.cpp's first near-tie.
+        let (greedy, margins) = (ids(&case["greedy"]), case["margins"].as_array().unwrap());
+        for (step, (&want, margin)) in greedy.iter().zip(margins).enumerate() {
+            if margin.as_f64().unwrap() < NEAR_TIE {
+                break;
+            }
+            let got = argmax(&last);
+            assert_eq!(got, want, "{name} case {c}: greedy step {step}");
+            last = e.decode(&[(seq, got)]).unwrap().to_vec();
+        }
+        e.release(seq);
+    }
+    worst
+}
+
+#[test]
+fn tiny_models_of_every_architecture_match_llama_cpp() {
+    for arch in ["llama", "qwen2", "qwen3", "gemma3", "phi3"] {
+        let entry = entry(&format!("tiny-{arch}"));
+        let path = tiny_dir().join(entry["file"].as_str().unwrap());
+        assert_eq!(sha256(&path), entry["sha256"].as_str().unwrap(), "{arch}: tiny_models.py wrote other bytes");
+        let model = Model::load(&path).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        assert_eq!(model.arch.name, arch);
+        let worst = check_cases(&model, entry, TINY_LOGIT_TOL);
+        eprintln!("tiny-{arch}: largest logit difference from llama.cpp {worst:.4}");
+    }
+}
+
+#[test]
+fn gemma3_270m_q4_k_m_matches_llama_cpp() {
+    let entry = entry("gemma-3-270m-Q4_K_M");
+    let path = inferd_engine::paths::model_dirs()
+        .into_iter()
+        .map(|d| d.join(entry["file"].as_str().unwrap()))
+        .find(|p| p.exists())
+        .unwrap_or_else(|| panic!("run packaging/fetch-model --model gemma3 (tests/run does)"));
+    assert_eq!(sha256(&path), entry["sha256"].as_str().unwrap());
+    let model = Model::load(&path).unwrap();
+    for t in entry["tokenizations"].as_array().unwrap() {
+        assert_eq!(model.tokenizer.encode(t["text"].as_str().unwrap(), false).unwrap(), ids(&t["tokens"]), "{t}");
+    }
+    let worst = check_cases(&model, entry, GEMMA_LOGIT_TOL);
+    eprintln!("gemma-3-270m Q4_K_M: largest logit difference from llama.cpp {worst:.4}");
+}

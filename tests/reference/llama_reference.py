@@ -1,0 +1,110 @@
+"""Reference data from llama.cpp (its Python bindings over the shared library that
+tests/bench/build-llama-cpp builds), for tests/e2e/reference.rs. Run by tests/reference/regen.
+
+    python3 llama_reference.py OUT.json TINY_DIR GEMMA3_GGUF
+
+For every model: the sha256 of the file, and per case the prompt's tokens, the top logits at a
+few positions, and a greedy continuation with the margin between llama.cpp's top two logits at
+each step (the comparison stops at a near-tie). For the Gemma 3 file also tokenizations."""
+import hashlib
+import json
+import sys
+
+import numpy as np
+from llama_cpp import Llama
+
+TOP = 16
+
+
+def sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def run(llm, tokens, positions, steps):
+    llm.reset()
+    llm.eval(tokens)
+    scores = np.array(llm.scores[: len(tokens)])
+    logits = []
+    for p in positions:
+        row = scores[p]
+        top = np.argsort(-row, kind="stable")[:TOP]
+        logits.append({"pos": p, "ids": [int(i) for i in top], "values": [float(row[i]) for i in top]})
+    greedy, margins = [], []
+    row = scores[-1]
+    for _ in range(steps):
+        top = np.argsort(-row, kind="stable")[:2]
+        greedy.append(int(top[0]))
+        margins.append(float(row[top[0]] - row[top[1]]))
+        llm.eval([int(top[0])])
+        row = np.array(llm.scores[llm.n_tokens - 1])
+    return {"tokens": tokens, "logits": logits, "greedy": greedy, "margins": margins}
+
+
+def positions(n):
+    return sorted(set(list(range(0, n, max(1, n // 6))) + [n - 1]))
+
+
+# Long enough to pass Gemma 3's 512-token window.
+LONG = " ".join(
+    f"Paragraph {i}: the river keeps its own counsel, and the mill counts {i * 7} turns before the bell."
+    for i in range(40)
+)
+GEMMA_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    LONG + " What does the mill count before the bell?",
+]
+TOKENIZE = [
+    "Hello world",
+    " leading space and  double  spaces",
+    "Tabs\tand\nnewlines\n\n  indented",
+    "Numbers 1234567 and 3.14159, dates 2026-11-30.",
+    "Ünïcödé: 日本語のテキスト, emoji 🎉🚀, Ελληνικά",
+    "<start_of_turn>user\nnot parsed as special<end_of_turn>",
+    "",
+]
+
+
+def main():
+    out, tiny_dir, gemma = sys.argv[1], sys.argv[2], sys.argv[3]
+    models = []
+    for arch in ["llama", "qwen2", "qwen3", "gemma3", "phi3"]:
+        path = f"{tiny_dir}/tiny-{arch}.gguf"
+        llm = Llama(path, n_ctx=256, logits_all=True, verbose=False, n_threads=2, seed=0)
+        rng = np.random.default_rng(100)
+        cases = []
+        for n in (5, 40):
+            tokens = [0] + [int(x) for x in rng.integers(3, 259, n - 1)]
+            cases.append(run(llm, tokens, positions(n), 12))
+        models.append({"name": f"tiny-{arch}", "file": f"tiny-{arch}.gguf", "sha256": sha256(path), "cases": cases})
+        del llm
+    llm = Llama(gemma, n_ctx=2048, logits_all=True, verbose=False, n_threads=2, seed=0)
+    cases = []
+    for prompt in GEMMA_PROMPTS:
+        tokens = llm.tokenize(prompt.encode(), add_bos=True, special=False)
+        case = run(llm, tokens, positions(len(tokens)), 24)
+        case["prompt"] = prompt
+        cases.append(case)
+    tokenizations = [
+        {"text": t, "tokens": llm.tokenize(t.encode(), add_bos=True, special=False)} for t in TOKENIZE
+    ]
+    models.append(
+        {
+            "name": "gemma-3-270m-Q4_K_M",
+            "file": "gemma-3-270m-Q4_K_M.gguf",
+            "sha256": sha256(gemma),
+            "cases": cases,
+            "tokenizations": tokenizations,
+        }
+    )
+    with open(out, "w") as f:
+        json.dump({"generator": "llama.cpp via llama-cpp-python " + __import__("llama_cpp").__version__, "models": models}, f, indent=1)
+        f.write("\n")
+
+
+main()
