@@ -65,7 +65,7 @@ pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<
     let small = t < 6 || k.gemm16.is_none();
     // The 16-lane kernels serve the types they were written for; the others take the dots.
     let lanes = |w: &Matrix<'_>| match w.dtype.class() {
-        WeightClass::Quantized(q) => q.has_lane_kernels(),
+        WeightClass::Quantized(q) => q.has_gemm16(),
         WeightClass::Float(_) => false,
     };
     let gemv = |w: &Matrix<'_>| match w.dtype.class() {
@@ -124,7 +124,7 @@ pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<
         match (w.dtype.class(), gemv(w)) {
             (WeightClass::Quantized(q), Some(gemv)) => rows_times_token(k, gemv, q, w, x, r0, r1, &store),
             (WeightClass::Quantized(q), None) => {
-                let packed = if q.has_lane_kernels() { &packed[..] } else { &[] };
+                let packed = if q.has_gemm16() && !small { &packed[..] } else { &[] };
                 quantized_rows(k, q, w, x, packed, r0, r1, &store)
             }
             (WeightClass::Float(f), _) => float_rows(k, f, w, x, r0, r1, &store),
@@ -270,11 +270,13 @@ mod tests {
         // to 8, 16 tokens per call above, a padded last group (21), a group of at most 8 after
         // a full one (24), and rows past the last 16 (19 rows).
         let pool = ThreadPool::new(2);
-        let (rows, cols) = (19, 96);
-        let wf: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 113) as f32 / 56.0 - 1.0).collect();
-        let x: Vec<f32> = (0..24 * cols).map(|i| ((i * 104729) % 97) as f32 / 48.0 - 1.0).collect();
-        {
-            for dt in [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::F16, DType::BF16, DType::F32] {
+        let rows = 19;
+        // Every type; rows of 96 weights, or 256 for the super-block formats.
+        for dt in DType::ALL {
+            let cols = if dt.block_len() > 96 { 256 } else { 96 };
+            let wf: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 113) as f32 / 56.0 - 1.0).collect();
+            let x: Vec<f32> = (0..24 * cols).map(|i| ((i * 104729) % 97) as f32 / 48.0 - 1.0).collect();
+            {
                 let mut data = Vec::new();
                 for r in 0..rows {
                     quantize_row(dt, &wf[r * cols..(r + 1) * cols], &mut data);
@@ -315,11 +317,12 @@ mod tests {
 
     fn matmul_matches_dequantized_float_product(kern: &Kernels) {
         let pool = ThreadPool::new(2);
-        let (rows, cols, tokens) = (37, 64, 6);
-        let wf: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 113) as f32 / 56.0 - 1.0).collect();
-        let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 104729) % 97) as f32 / 48.0 - 1.0).collect();
-        {
-            for dt in [DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+        let (rows, tokens) = (37, 6);
+        for dt in DType::ALL {
+            let cols = if dt.block_len() > 64 { 256 } else { 64 };
+            let wf: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 113) as f32 / 56.0 - 1.0).collect();
+            let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 104729) % 97) as f32 / 48.0 - 1.0).collect();
+            {
                 let mut data = Vec::new();
                 for r in 0..rows {
                     quantize_row(dt, &wf[r * cols..(r + 1) * cols], &mut data);

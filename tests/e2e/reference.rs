@@ -149,3 +149,43 @@ fn gemma3_270m_q4_k_m_matches_llama_cpp() {
     let worst = check_cases(&model, entry, GEMMA_LOGIT_TOL);
     eprintln!("gemma-3-270m Q4_K_M: largest logit difference from llama.cpp {worst:.4}");
 }
+
+/// Logits of `model` at the recorded positions of the cases of `entry`, one vector each.
+fn logits_at(model: &Model, entry: &Value) -> Vec<Vec<f32>> {
+    let mut e = Engine::cpu(model, &EngineOptions { kv_budget_bytes: 64 << 20, ..EngineOptions::default() }).unwrap();
+    let mut out = Vec::new();
+    for case in entry["cases"].as_array().unwrap() {
+        let tokens = ids(&case["tokens"]);
+        for at in case["logits"].as_array().unwrap() {
+            let p = at["pos"].as_u64().unwrap() as usize;
+            let (s, l) = e.prefill(&[&tokens[..=p]]).unwrap().remove(0);
+            e.release(s);
+            out.push(l);
+        }
+    }
+    out
+}
+
+#[test]
+fn hugging_face_directories_give_the_logits_of_their_gguf_files() {
+    // The same weights in transformers' names and layouts (fused Phi-3 matrices, Gemma's
+    // `w - 1` norms and layer types, Qwen's biases and QK-norms): loaded from config.json and
+    // safetensors they must compute what the GGUF file computes, which matches llama.cpp. The
+    // directory's weights are f32 (the GGUF's Q8_0 dequantized), so only the 8-bit rounding of
+    // activations before the GGUF's quantized products differs.
+    for arch in ["qwen2", "qwen3", "gemma3", "phi3"] {
+        let entry = entry(&format!("tiny-{arch}"));
+        let gguf = Model::load(&tiny_dir().join(format!("tiny-{arch}.gguf"))).unwrap();
+        let hf = Model::load(&tiny_dir().join(format!("tiny-{arch}-hf"))).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        assert_eq!(hf.arch.layers, gguf.arch.layers, "{arch}: layers");
+        assert_eq!((hf.arch.name, hf.arch.attention_scale), (gguf.arch.name, gguf.arch.attention_scale), "{arch}");
+        let mut worst = 0f32;
+        for (a, b) in logits_at(&gguf, entry).iter().zip(logits_at(&hf, entry)) {
+            for (x, y) in a.iter().zip(&b) {
+                worst = worst.max((x - y).abs());
+            }
+        }
+        eprintln!("tiny-{arch}: Hugging Face directory against GGUF file, largest logit difference {worst:.4}");
+        assert!(worst <= TINY_LOGIT_TOL as f32, "{arch}: {worst}");
+    }
+}

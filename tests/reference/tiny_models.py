@@ -3,8 +3,13 @@ package (deterministic: the same bytes on every machine with the pinned numpy an
 
     python3 tiny_models.py OUT_DIR
 
-writes OUT_DIR/tiny-{llama,qwen2,qwen3,gemma3,phi3}.gguf. tests/reference/regen runs llama.cpp
-on them; tests/e2e/reference.rs runs inferd on the same files and compares."""
+writes OUT_DIR/tiny-{llama,qwen2,qwen3,gemma3,phi3}.gguf, and the same models but Llama (whose
+Hugging Face form the engine's own tests write) as Hugging Face directories tiny-ARCH-hf/
+(config.json, model.safetensors, tokenizer.json, in transformers' names and layouts).
+tests/reference/regen runs llama.cpp on the GGUF files; tests/e2e/reference.rs runs inferd on
+them and compares, and checks that each directory gives the logits of its GGUF file."""
+import json
+import os
 import sys
 
 import numpy as np
@@ -118,6 +123,109 @@ def model(arch, path, seed):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return t, head, layers
+
+
+def write_safetensors(path, tensors):
+    header, blobs, at = {}, [], 0
+    for name, value in tensors.items():
+        data = np.ascontiguousarray(value, dtype="<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(value.shape), "data_offsets": [at, at + len(data)]}
+        blobs.append(data)
+        at += len(data)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw + b"".join(blobs))
+
+
+def tokenizer_json():
+    return {
+        "version": "1.0",
+        "added_tokens": [
+            {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+             "special": True}
+            for i, t in enumerate(SPECIALS)
+        ],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+            "vocab": {tok: i for i, tok in enumerate(TOKENS)},
+            "merges": [f"{a} {b}" for a, b in MERGES],
+        },
+    }
+
+
+def hf_model(arch, out, t, head, layers):
+    """The same model as a Hugging Face directory, tensors as the GGUF holds them after
+    dequantization (so both loaders see the same numbers), in transformers' names and layouts."""
+    from gguf.quants import dequantize
+
+    def deq(name):
+        v = t[name]
+        if v.ndim == 2 and name != "token_embd.weight":
+            return dequantize(quantize(v, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0).reshape(v.shape)
+        return v
+
+    q, kv = HEADS * head, KV_HEADS * head
+    gemma = arch == "gemma3"
+    norm = (lambda v: v - 1.0) if gemma else (lambda v: v)
+    st = {"model.embed_tokens.weight": deq("token_embd.weight"), "model.norm.weight": norm(deq("output_norm.weight"))}
+    if not gemma:
+        st["lm_head.weight"] = deq("output.weight")
+    for i in range(layers):
+        p, g = f"model.layers.{i}.", f"blk.{i}."
+        st[p + "input_layernorm.weight"] = norm(deq(g + "attn_norm.weight"))
+        if arch == "phi3":
+            st[p + "self_attn.qkv_proj.weight"] = deq(g + "attn_qkv.weight")
+            st[p + "mlp.gate_up_proj.weight"] = deq(g + "ffn_up.weight")
+        else:
+            for n in "qkv":
+                st[p + f"self_attn.{n}_proj.weight"] = deq(g + f"attn_{n}.weight")
+            st[p + "mlp.gate_proj.weight"] = deq(g + "ffn_gate.weight")
+            st[p + "mlp.up_proj.weight"] = deq(g + "ffn_up.weight")
+        st[p + "self_attn.o_proj.weight"] = deq(g + "attn_output.weight")
+        st[p + "mlp.down_proj.weight"] = deq(g + "ffn_down.weight")
+        if arch == "qwen2":
+            for n in "qkv":
+                st[p + f"self_attn.{n}_proj.bias"] = deq(g + f"attn_{n}.bias")
+        if arch in ("qwen3", "gemma3"):
+            st[p + "self_attn.q_norm.weight"] = norm(deq(g + "attn_q_norm.weight"))
+            st[p + "self_attn.k_norm.weight"] = norm(deq(g + "attn_k_norm.weight"))
+        if gemma:
+            st[p + "post_attention_layernorm.weight"] = norm(deq(g + "post_attention_norm.weight"))
+            st[p + "pre_feedforward_layernorm.weight"] = norm(deq(g + "ffn_norm.weight"))
+            st[p + "post_feedforward_layernorm.weight"] = norm(deq(g + "post_ffw_norm.weight"))
+        else:
+            st[p + "post_attention_layernorm.weight"] = deq(g + "ffn_norm.weight")
+    config = {
+        "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                           "phi3": "Phi3ForCausalLM"}[arch]],
+        "model_type": "gemma3_text" if gemma else arch,
+        "hidden_size": HIDDEN, "intermediate_size": FFN, "num_hidden_layers": layers,
+        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": head,
+        "vocab_size": VOCAB, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0 if gemma else 10000.0, "tie_word_embeddings": gemma,
+        "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "float32",
+    }
+    if gemma:
+        config.update({"sliding_window": 8, "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": head,
+                       "hidden_activation": "gelu_pytorch_tanh",
+                       "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]})
+    else:
+        config["hidden_act"] = "silu"
+    if arch == "phi3":
+        config["partial_rotary_factor"] = 12 / head
+    os.makedirs(out, exist_ok=True)
+    write_safetensors(f"{out}/model.safetensors", st)
+    with open(f"{out}/config.json", "w") as f:
+        json.dump(config, f, indent=1)
+    with open(f"{out}/tokenizer.json", "w") as f:
+        json.dump(tokenizer_json(), f)
 
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "phi3"]
@@ -125,4 +233,6 @@ ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "phi3"]
 if __name__ == "__main__":
     out = sys.argv[1]
     for seed, arch in enumerate(ARCHS):
-        model(arch, f"{out}/tiny-{arch}.gguf", seed)
+        t, head, layers = model(arch, f"{out}/tiny-{arch}.gguf", seed)
+        if arch != "llama":
+            hf_model(arch, f"{out}/tiny-{arch}-hf", t, head, layers)

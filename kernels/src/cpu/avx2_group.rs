@@ -72,7 +72,7 @@ fn bits(v: __m256i, shift: usize, mask: i8) -> __m256i {
 /// Bit `i` of `h` as byte `i`: 0x10 where set, 0 where clear (the fifth bit of Q5_0/Q5_1).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn fifth_bits(h: u32) -> __m256i {
+pub(super) fn fifth_bits(h: u32) -> __m256i {
     let spread = _mm256_shuffle_epi8(
         _mm256_set1_epi32(h as i32),
         _mm256_setr_epi64x(0, 0x0101_0101_0101_0101, 0x0202_0202_0202_0202, 0x0303_0303_0303_0303),

@@ -21,6 +21,9 @@ use std::arch::x86_64::*;
 const Q4_0: u8 = 0;
 const Q4_1: u8 = 1;
 const Q8_0: u8 = 2;
+const Q5_0: u8 = 3;
+const Q4K: u8 = 4;
+const Q5K: u8 = 5;
 
 /// The AVX-512 VNNI table, or `None` when the processor lacks any of the features.
 pub fn kernels() -> Option<Kernels> {
@@ -48,8 +51,8 @@ pub fn kernels() -> Option<Kernels> {
     })
 }
 
-/// The products of the types with 16-lane kernels, in those kernels' arithmetic (module docs);
-/// the other types keep the AVX2 table's.
+/// The products of the types with `gemm16` kernels, in those kernels' lane arithmetic (module
+/// docs); the other types keep the AVX2 table's.
 fn quant_dots(q: QuantType) -> Option<super::QuantDots> {
     // Four tokens go through `gemm16` (see `matmul`); `four` only serves other callers.
     Some(match q {
@@ -71,10 +74,26 @@ fn quant_dots(q: QuantType) -> Option<super::QuantDots> {
             // SAFETY: as above.
             four: |w, a| a.map(|a| unsafe { dot::<Q8_0>(w, a) }),
         },
-        QuantType::Q5_0 | QuantType::Q5_1 | QuantType::IQ4NL => return None,
-        QuantType::Q2K | QuantType::Q3K | QuantType::Q4K | QuantType::Q5K | QuantType::Q6K | QuantType::IQ4XS => {
-            return None
-        }
+        QuantType::Q5_0 => super::QuantDots {
+            // SAFETY: as above.
+            one: |w, a| unsafe { dot::<Q5_0>(w, a) },
+            // SAFETY: as above.
+            four: |w, a| a.map(|a| unsafe { dot::<Q5_0>(w, a) }),
+        },
+        QuantType::Q4K => super::QuantDots {
+            // SAFETY: as above.
+            one: |w, a| unsafe { dot::<Q4K>(w, a) },
+            // SAFETY: as above.
+            four: |w, a| a.map(|a| unsafe { dot::<Q4K>(w, a) }),
+        },
+        QuantType::Q5K => super::QuantDots {
+            // SAFETY: as above.
+            one: |w, a| unsafe { dot::<Q5K>(w, a) },
+            // SAFETY: as above.
+            four: |w, a| a.map(|a| unsafe { dot::<Q5K>(w, a) }),
+        },
+        QuantType::Q5_1 | QuantType::IQ4NL => return None,
+        QuantType::Q2K | QuantType::Q3K | QuantType::Q6K | QuantType::IQ4XS => return None,
     })
 }
 
@@ -86,12 +105,87 @@ const fn layout(kind: u8) -> (usize, usize) {
         Q4_0 => (size_of::<BlockQ4_0>(), offset_of!(BlockQ4_0, qs)),
         Q4_1 => (size_of::<BlockQ4_1>(), offset_of!(BlockQ4_1, qs)),
         Q8_0 => (size_of::<BlockQ8_0>(), offset_of!(BlockQ8_0, qs)),
-        _ => panic!("a kernel kind is Q4_0, Q4_1 or Q8_0"),
+        Q5_0 => (size_of::<crate::quant::BlockQ5_0>(), offset_of!(crate::quant::BlockQ5_0, qs)),
+        Q4K => (size_of::<crate::quant::BlockQ4K>(), offset_of!(crate::quant::BlockQ4K, qs)),
+        Q5K => (size_of::<crate::quant::BlockQ5K>(), offset_of!(crate::quant::BlockQ5K, qs)),
+        _ => panic!("a kernel kind is Q4_0, Q4_1, Q8_0, Q5_0, Q4_K or Q5_K"),
     }
 }
 
-/// `(d, m)` of a weight block: the scale and the per-weight offset (Q4_0 stores quants 0..15
-/// for values -8..7, so its offset is `-8 d`; Q8_0 has none).
+/// 32-weight groups per block: 8 for the K-quants' super-blocks, else 1.
+const fn groups(kind: u8) -> usize {
+    if matches!(kind, Q4K | Q5K) {
+        8
+    } else {
+        1
+    }
+}
+
+/// Bytes of a row of `nb` groups, and the offset of group `b`'s block.
+const fn row_bytes(kind: u8, nb: usize) -> usize {
+    nb.div_ceil(groups(kind)) * layout(kind).0
+}
+
+const fn block_at(kind: u8, b: usize) -> usize {
+    b / groups(kind) * layout(kind).0
+}
+
+/// Group `b` (weights `32 b .. 32 b + 32`) of the row `w`: `(d, m, quants)`, the weights being
+/// `d * q + m` with `q` the unsigned bytes of `quants` in element order (Q8_0: its signed
+/// bytes as stored, `m = 0`). The K-quants' `d` and `m` are the super-block's factors times the
+/// group's integer scale and min, products exact in f32 (as in `group::decode`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn group<const KIND: u8>(w: &[u8], b: usize) -> (f32, f32, __m256i) {
+    let (bb, q) = layout(KIND);
+    let at = block_at(KIND, b);
+    let blk = &w[at..at + bb];
+    let load32 = |x: &[u8]| {
+        assert!(x.len() >= 32);
+        // SAFETY: 32 bytes are there (asserted).
+        unsafe { _mm256_loadu_si256(x.as_ptr().cast()) }
+    };
+    match KIND {
+        Q4K | Q5K => {
+            let j = b % 8;
+            let (sc, mn) = crate::group::k_scale_min(&blk[4..16], j);
+            let d = crate::quant::read_f16(blk, 0) * f32::from(sc);
+            let m = -crate::quant::read_f16(blk, 2) * f32::from(mn);
+            let shift = _mm_cvtsi32_si128(4 * (j % 2) as i32);
+            let low =
+                _mm256_and_si256(_mm256_srl_epi16(load32(&blk[q + 32 * (j / 2)..]), shift), _mm256_set1_epi8(0x0f));
+            let quants = if KIND == Q5K {
+                // The fifth bit of weight l is bit j of qh[l].
+                let qh = load32(&blk[offset_of_qh()..]);
+                let bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j as i32)), _mm256_set1_epi8(1));
+                _mm256_or_si256(low, _mm256_slli_epi16::<4>(bit))
+            } else {
+                low
+            };
+            (d, m, quants)
+        }
+        _ => {
+            let (d, m) = scales::<KIND>(blk);
+            let quants = match KIND {
+                Q8_0 => load32(&blk[q..]),
+                Q5_0 => {
+                    let high = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+                    _mm256_or_si256(nibbles(&blk[q..]), super::avx2_group::fifth_bits(high))
+                }
+                _ => nibbles(&blk[q..]),
+            };
+            (d, m, quants)
+        }
+    }
+}
+
+const fn offset_of_qh() -> usize {
+    std::mem::offset_of!(crate::quant::BlockQ5K, qh)
+}
+
+/// `(d, m)` of a Q4_0, Q4_1, Q5_0 or Q8_0 block: the scale and the per-weight offset (Q4_0
+/// stores quants 0..15 for values -8..7, so its offset is `-8 d`, Q5_0's `-16 d`; Q8_0 has
+/// none).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 fn scales<const KIND: u8>(blk: &[u8]) -> (f32, f32) {
@@ -100,6 +194,7 @@ fn scales<const KIND: u8>(blk: &[u8]) -> (f32, f32) {
     let d = _mm_cvtss_f32(dm);
     match KIND {
         Q4_0 => (d, -8.0 * d),
+        Q5_0 => (d, -16.0 * d),
         Q4_1 => (d, _mm_cvtss_f32(_mm_movehdup_ps(dm))),
         _ => (d, 0.0),
     }
@@ -122,9 +217,8 @@ fn nibbles(qs: &[u8]) -> __m256i {
 /// The CPU must support the features of [`kernels`].
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn dot<const KIND: u8>(w: &[u8], a: &[BlockQ8]) -> f32 {
-    let (bb, q) = layout(KIND);
     let nb = a.len();
-    assert!(w.len() >= nb * bb);
+    assert!(w.len() >= row_bytes(KIND, nb));
     let mut acc = _mm_setzero_ps();
     let mut off = _mm_setzero_ps();
     let zero = _mm256_setzero_si256();
@@ -137,18 +231,15 @@ unsafe fn dot<const KIND: u8>(w: &[u8], a: &[BlockQ8]) -> f32 {
                 return (zero, 0.0, 0.0, 0.0);
             }
             let b = b0 + i;
-            prefetch(w, b * bb);
-            let blk = &w[b * bb..(b + 1) * bb];
-            let (d, m) = scales::<KIND>(blk);
+            prefetch(w, block_at(KIND, b));
+            let (d, m, wq) = group::<KIND>(w, b);
             // SAFETY: `qs` is 32 bytes.
             let aq = unsafe { _mm256_loadu_si256(a[b].qs.as_ptr().cast()) };
             let isum = if KIND == Q8_0 {
-                // SAFETY: 32 quant bytes follow the scale.
-                let wq = unsafe { _mm256_loadu_si256(blk[2..].as_ptr().cast()) };
                 // |w| as the unsigned operand, w's sign moved onto the activations.
                 _mm256_dpbusd_epi32(zero, _mm256_sign_epi8(wq, wq), _mm256_sign_epi8(aq, wq))
             } else {
-                _mm256_dpbusd_epi32(zero, nibbles(&blk[q..]), aq)
+                _mm256_dpbusd_epi32(zero, wq, aq)
             };
             (isum, a[b].d * d, m, a[b].s)
         };
@@ -192,7 +283,19 @@ unsafe fn gemm16(dt: QuantType, rows: &[&[u8]], p: &Packed16) -> [f32; 16] {
         (QuantType::Q4_1, &[w0, w1]) => unsafe { gemm16_kind::<Q4_1, 2>([w0, w1], p) },
         // SAFETY: as above.
         (QuantType::Q8_0, &[w0, w1]) => unsafe { gemm16_kind::<Q8_0, 2>([w0, w1], p) },
-        (q, rows) => panic!("gemm16 takes one or two rows of Q4_0, Q4_1 or Q8_0, not {} of {q:?}", rows.len()),
+        // SAFETY: as above.
+        (QuantType::Q5_0, &[w]) => unsafe { gemm16_kind::<Q5_0, 1>([w], p) },
+        // SAFETY: as above.
+        (QuantType::Q4K, &[w]) => unsafe { gemm16_kind::<Q4K, 1>([w], p) },
+        // SAFETY: as above.
+        (QuantType::Q5K, &[w]) => unsafe { gemm16_kind::<Q5K, 1>([w], p) },
+        // SAFETY: as above.
+        (QuantType::Q5_0, &[w0, w1]) => unsafe { gemm16_kind::<Q5_0, 2>([w0, w1], p) },
+        // SAFETY: as above.
+        (QuantType::Q4K, &[w0, w1]) => unsafe { gemm16_kind::<Q4K, 2>([w0, w1], p) },
+        // SAFETY: as above.
+        (QuantType::Q5K, &[w0, w1]) => unsafe { gemm16_kind::<Q5K, 2>([w0, w1], p) },
+        (q, rows) => panic!("gemm16 takes one or two rows of {q:?}, not {} (QuantType::has_gemm16)", rows.len()),
     }
 }
 
@@ -207,10 +310,9 @@ fn pair_ps(x: f32, y: f32) -> __m512 {
 /// The CPU must support the features of [`kernels`].
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn gemm16_kind<const KIND: u8, const R: usize>(w: [&[u8]; R], p: &Packed16) -> [f32; 16] {
-    let (bb, q) = layout(KIND);
     let nb = p.blocks;
     assert!(
-        w.iter().all(|w| w.len() >= nb * bb)
+        w.iter().all(|w| w.len() >= row_bytes(KIND, nb))
             && p.qs.len() >= nb * QK * LANES
             && p.d.len() >= nb * LANES
             && p.s.len() >= nb * LANES
@@ -222,16 +324,11 @@ unsafe fn gemm16_kind<const KIND: u8, const R: usize>(w: [&[u8]; R], p: &Packed1
     let mut wb = [0i32; 16];
     let mut step = |b: usize, acc: &mut __m512, off: &mut __m512| {
         let unpack = |w: &[u8]| {
-            prefetch(w, b * bb);
-            let blk = &w[b * bb..(b + 1) * bb];
-            let wq = if KIND == Q8_0 {
-                // SAFETY: 32 quant bytes follow the scale.
-                // Signed quants + 128 are unsigned bytes; 128 * Σa is subtracted below.
-                unsafe { _mm256_xor_si256(_mm256_loadu_si256(blk[2..].as_ptr().cast()), _mm256_set1_epi8(-128)) }
-            } else {
-                nibbles(&blk[q..])
-            };
-            (scales::<KIND>(blk), wq)
+            prefetch(w, block_at(KIND, b));
+            let (d, m, wq) = group::<KIND>(w, b);
+            // Signed quants + 128 are unsigned bytes; 128 * Σa is subtracted below.
+            let wq = if KIND == Q8_0 { _mm256_xor_si256(wq, _mm256_set1_epi8(-128)) } else { wq };
+            ((d, m), wq)
         };
         let ((d0, m0), wq0) = unpack(w[0]);
         let (d, m) = if R == 1 {
@@ -319,7 +416,7 @@ unsafe fn gemv16(dt: QuantType, w: &[u8], rb: usize, a: &[&[BlockQ8]], out: &mut
         QuantType::Q4_1 => unsafe { gemv16_tokens::<Q4_1>(w, rb, a, out) },
         // SAFETY: as above.
         QuantType::Q8_0 => unsafe { gemv16_tokens::<Q8_0>(w, rb, a, out) },
-        q => panic!("gemv16 takes Q4_0, Q4_1 or Q8_0, not {q:?} (see QuantType::has_lane_kernels)"),
+        q => panic!("gemv16 takes Q4_0, Q4_1 or Q8_0, not {q:?} (see QuantType::has_gemv16)"),
     }
 }
 

@@ -111,7 +111,7 @@ impl Kernels {
 
     /// The 16-row kernel for `q`, where the table has one for it.
     pub fn gemv16_for(&self, q: QuantType) -> Option<Gemv16> {
-        self.gemv16.filter(|_| q.has_lane_kernels())
+        self.gemv16.filter(|_| q.has_gemv16())
     }
 
     /// The products of a float weight type: one token, and four tokens where there is a

@@ -50,7 +50,7 @@ fn quantized_dots_match(k: &Kernels, w: &[f32], xs: &[Vec<f32>]) -> Result<(), T
             prop_assert!(close(want, one(&wb, &acts[r]), scale), "{:?} {:?} single", k.isa, dt);
             prop_assert!(close(want, got4[r], scale), "{:?} {:?} x4 row {}", k.isa, dt, r);
         }
-        if let Some(gemm) = k.gemm16.filter(|_| q.has_lane_kernels()) {
+        if let Some(gemm) = k.gemm16.filter(|_| q.has_gemm16()) {
             let rows: Vec<&[BlockQ8]> = acts.iter().map(Vec::as_slice).collect();
             let got = gemm(q, &[&wb], &crate::packed::Packed16::pack(&rows));
             for r in 0..4 {
@@ -211,7 +211,7 @@ proptest! {
         let k = super::table(super::Isa::Avx512Vnni);
         let gemv = k.gemv16.expect("the AVX-512 table has gemv16");
         {
-            for q in QuantType::ALL.into_iter().filter(|q| q.has_lane_kernels()) {
+            for q in QuantType::ALL.into_iter().filter(|q| q.has_gemv16()) {
                 let (one, _) = k.quant_dots(q);
                 let dt = q.dtype();
                 let rb = dt.bytes_for(7 * QK).unwrap();
