@@ -95,3 +95,34 @@ fn sentencepiece_vocabularies_merge_by_score_and_fall_back_to_bytes() {
     assert_eq!(tok.decode(&crab, true).unwrap(), " hello 🦀");
     assert_eq!(tok.eos(), &[2]);
 }
+
+#[test]
+fn qwen2_splits_digits_one_by_one_where_llama3_takes_three() {
+    use inferd_engine::model::gguf::Gguf;
+    use inferd_engine::model::gguf_writer::{GgufWriter, MetaValue};
+    use inferd_engine::model::mmap::Blob;
+    use inferd_engine::tokenizer::Tokenizer;
+    let (mut tokens, mut merges) = inferd_e2e::tiny_vocab();
+    tokens.push("12".into());
+    merges.push(("1".into(), "2".into()));
+    let twelve = (tokens.len() - 1) as u32;
+    let tokenizer = |pre: &str| {
+        let mut w = GgufWriter::default();
+        w.meta("tokenizer.ggml.model", MetaValue::Str("gpt2".into()))
+            .meta("tokenizer.ggml.pre", MetaValue::Str(pre.into()))
+            .meta("tokenizer.ggml.tokens", MetaValue::StrArray(tokens.clone()))
+            .meta(
+                "tokenizer.ggml.merges",
+                MetaValue::StrArray(merges.iter().map(|(a, b)| format!("{a} {b}")).collect()),
+            )
+            .meta("tokenizer.ggml.add_bos_token", MetaValue::Bool(false));
+        Tokenizer::from_gguf(&Gguf::parse(Blob::from_vec(w.to_bytes())).unwrap()).unwrap()
+    };
+    let (qwen, llama) = (tokenizer("qwen2"), tokenizer("llama-bpe"));
+    let q = qwen.encode("x123", false).unwrap();
+    let l = llama.encode("x123", false).unwrap();
+    assert!(!q.contains(&twelve), "qwen2 pre-tokenizes each digit alone: {q:?}");
+    assert!(l.contains(&twelve), "llama-bpe keeps up to three digits together: {l:?}");
+    assert_eq!(qwen.decode(&q, false).unwrap(), "x123");
+    assert_eq!(llama.decode(&l, false).unwrap(), "x123");
+}

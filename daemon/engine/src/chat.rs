@@ -48,6 +48,9 @@ impl ChatTemplate {
     pub fn new(source: Option<&str>, bos: String, eos: String) -> Result<Self, TemplateError> {
         let mut env = minijinja::Environment::new();
         env.add_function("raise_exception", raise_exception);
+        // Python's str and dict methods (`startswith`, `split`, `strip`, `items`, ...), which
+        // templates written for transformers' Jinja call (Qwen 3's and Llama 3.1's among them).
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_template_owned("chat", source.unwrap_or(CHATML).to_string())
             .map_err(|e| TemplateError(e.to_string()))?;
         Ok(ChatTemplate { env, bos, eos })
@@ -76,6 +79,22 @@ mod tests {
         let t = ChatTemplate::new(None, String::new(), String::new()).unwrap();
         let s = t.render(&[ChatMessage::new("user", "Hi")], true).unwrap();
         assert_eq!(s, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+    }
+
+    #[test]
+    fn python_string_methods_render() {
+        // The methods stock templates call on message contents, as transformers renders them.
+        let src = "{% for m in messages %}{% if m.content.startswith('<think>') %}{{ \
+                   m.content.split('</think>')[-1].lstrip('\\n') }}{% else %}{{ m.content.strip() | upper }}{% endif %}\
+                   |{{ m.role.endswith('er') }}|{{ m.content.rstrip('!').replace('a', 'A') }};{% endfor %}";
+        let t = ChatTemplate::new(Some(src), String::new(), String::new()).unwrap();
+        let s = t
+            .render(
+                &[ChatMessage::new("user", "  hi there! "), ChatMessage::new("assistant", "<think>x</think>\nanswer!")],
+                false,
+            )
+            .unwrap();
+        assert_eq!(s, "HI THERE!|True|  hi there! ;answer!|False|<think>x</think>\nAnswer;");
     }
 
     #[test]
