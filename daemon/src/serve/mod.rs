@@ -362,8 +362,10 @@ async fn serve(sh: Arc<Shared>, args: &ServeArgs, cfg: Config) -> anyhow::Result
     }
     // Drain: refuse new requests, let running ones finish within the grace time, then cancel
     // the rest (their clients get an error) and close the listeners.
+    // Refuse new requests before telling anyone we stop: a client that saw STOPPING=1 (or
+    // systemd's "deactivating") must get 503, not a request that slipped in between.
+    sh.draining.store(true, Ordering::SeqCst);
     notify::stopping();
-    sh.draining.store(true, Ordering::Relaxed);
     let grace = Duration::from_secs(cfg.server.shutdown_grace_secs);
     let t0 = Instant::now();
     while sh.in_flight() > 0 && t0.elapsed() < grace {
