@@ -1,6 +1,6 @@
-//! Phi-3 / Phi-3.5 / Phi-4-mini: Llama's block with Q, K and V stored as one matrix and gate
-//! and up as one, rotating halves of each head (only the first part of each head where the
-//! model has partial rotary embeddings, as Phi-4-mini).
+//! Phi-3 / Phi-3.5 (the `phi3` family): Llama's block with Q, K and V stored as one matrix and
+//! gate and up as one, rotating halves of each head (only the first part of each head where the
+//! model has partial rotary embeddings, as Phi-4-mini, whose LongRoPE is still refused).
 //!
 //! Phi-3's sliding window is ignored, as llama.cpp ignores it (its configuration is known to be
 //! wrong in the published files); LongRoPE (the 128k variants' `rope_factors_long/short`) is
