@@ -68,6 +68,8 @@ pub fn attend_group(
         let (o, at, n) = span(b);
         (k.attn_scores)(&kv.k[o..o + n * hd], q, hd, g, scale, &mut scores[at * g..(at + n) * g]);
     }
+    // Softmax of each head's column (stride g): shift by the column max, one vector exp over
+    // everything, normalize.
     let mut max = [f32::NEG_INFINITY; 64];
     let g_max = &mut max[..g];
     for row in scores.chunks_exact(g) {
@@ -91,6 +93,8 @@ pub fn attend_group(
     }
 }
 
+/// Where one query token attends: its sequence's block table and the causal range of positions
+/// it sees.
 #[derive(Clone, Copy, Debug)]
 pub struct QueryCtx<'a> {
     pub table: &'a [u32],

@@ -124,7 +124,7 @@ pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<
         match (w.dtype.class(), gemv(w)) {
             (WeightClass::Quantized(q), Some(gemv)) => rows_times_token(k, gemv, q, w, x, r0, r1, &store),
             (WeightClass::Quantized(q), None) => {
-                let packed = if q.has_gemm16() && !small { &packed[..] } else { &[] };
+                let packed = if q.has_gemm16() { &packed[..] } else { &[] };
                 quantized_rows(k, q, w, x, packed, r0, r1, &store)
             }
             (WeightClass::Float(f), _) => float_rows(k, f, w, x, r0, r1, &store),

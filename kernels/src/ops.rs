@@ -2,10 +2,15 @@
 //! activations (SwiGLU, GeGLU), softmax.
 //! These are a small share of a step's time; they are written plainly so the compiler vectorizes.
 
-/// `out = x / rms(x) * w`, with `rms(x) = sqrt(mean(x²) + eps)`.
-pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+/// `1 / rms(x)`, with `rms(x) = sqrt(mean(x²) + eps)`.
+fn inv_rms(x: &[f32], eps: f32) -> f32 {
     let ss: f32 = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
-    let inv = 1.0 / (ss + eps).sqrt();
+    1.0 / (ss + eps).sqrt()
+}
+
+/// `out = x / rms(x) * w`.
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let inv = inv_rms(x, eps);
     for ((o, xi), wi) in out.iter_mut().zip(x).zip(w) {
         *o = xi * inv * wi;
     }
@@ -14,11 +19,8 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 /// [`rms_norm`] in place, for each `w.len()`-long piece of `x` (per-head QK-norm, post-norms).
 pub fn rms_norm_each(x: &mut [f32], w: &[f32], eps: f32) {
     for piece in x.chunks_exact_mut(w.len()) {
-        let ss: f32 = piece.iter().map(|v| v * v).sum::<f32>() / piece.len() as f32;
-        let inv = 1.0 / (ss + eps).sqrt();
-        for (xi, wi) in piece.iter_mut().zip(w) {
-            *xi = *xi * inv * wi;
-        }
+        let inv = inv_rms(piece, eps);
+        piece.iter_mut().zip(w).for_each(|(xi, wi)| *xi = *xi * inv * wi);
     }
 }
 

@@ -4,18 +4,22 @@
 //! per-32 scales `sc` and mins `m`, block factors `d` and `dmin`), then packed into the format's
 //! bytes, the inverse of [`crate::group::decode`].
 
-use crate::quant::{DType, QuantType, WeightClass, IQ4_VALUES, QK, QK_K};
+use crate::quant::{DType, FloatType, QuantType, WeightClass, IQ4_VALUES, QK, QK_K};
 use half::{bf16, f16};
 
 /// Quantizes a row of floats into `dtype` (used to write test models): the legacy formats with
 /// the nearest-value rounding of llama.cpp's reference quantizers, the others with [`block`]'s
 /// plain max-based scales (a simpler search than llama.cpp's, so not its bytes).
 pub fn quantize_row(dtype: DType, src: &[f32], out: &mut Vec<u8>) {
-    match dtype {
-        DType::F32 => src.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
-        DType::F16 => src.iter().for_each(|v| out.extend_from_slice(&f16::from_f32(*v).to_le_bytes())),
-        DType::BF16 => src.iter().for_each(|v| out.extend_from_slice(&bf16::from_f32(*v).to_le_bytes())),
-        DType::Q8_0 => {
+    match dtype.class() {
+        WeightClass::Float(FloatType::F32) => src.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+        WeightClass::Float(FloatType::F16) => {
+            src.iter().for_each(|v| out.extend_from_slice(&f16::from_f32(*v).to_le_bytes()))
+        }
+        WeightClass::Float(FloatType::BF16) => {
+            src.iter().for_each(|v| out.extend_from_slice(&bf16::from_f32(*v).to_le_bytes()))
+        }
+        WeightClass::Quantized(QuantType::Q8_0) => {
             for chunk in src.chunks(QK) {
                 let amax = chunk.iter().fold(0f32, |a, v| a.max(v.abs()));
                 let d = amax / 127.0;
@@ -24,7 +28,7 @@ pub fn quantize_row(dtype: DType, src: &[f32], out: &mut Vec<u8>) {
                 out.extend(chunk.iter().map(|v| (v * id).round() as i8 as u8));
             }
         }
-        DType::Q4_0 => {
+        WeightClass::Quantized(QuantType::Q4_0) => {
             for chunk in src.chunks(QK) {
                 let max = chunk.iter().fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
                 let d = max / -8.0;
@@ -34,7 +38,7 @@ pub fn quantize_row(dtype: DType, src: &[f32], out: &mut Vec<u8>) {
                 out.extend((0..16).map(|j| q(chunk[j]) | (q(chunk[j + 16]) << 4)));
             }
         }
-        DType::Q4_1 => {
+        WeightClass::Quantized(QuantType::Q4_1) => {
             for chunk in src.chunks(QK) {
                 let min = chunk.iter().copied().fold(f32::INFINITY, f32::min);
                 let max = chunk.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -46,17 +50,9 @@ pub fn quantize_row(dtype: DType, src: &[f32], out: &mut Vec<u8>) {
                 out.extend((0..16).map(|j| q(chunk[j]) | (q(chunk[j + 16]) << 4)));
             }
         }
-        DType::Q5_0 | DType::Q5_1 | DType::Q2K | DType::Q3K | DType::Q4K | DType::Q5K | DType::Q6K => {
-            grouped(dtype, src, out)
+        WeightClass::Quantized(q) => {
+            src.chunks(q.block_len()).for_each(|chunk| out.extend_from_slice(&block(q, chunk)))
         }
-        DType::IQ4NL | DType::IQ4XS => grouped(dtype, src, out),
-    }
-}
-
-fn grouped(dtype: DType, src: &[f32], out: &mut Vec<u8>) {
-    let WeightClass::Quantized(q) = dtype.class() else { unreachable!("grouped takes quantized types") };
-    for chunk in src.chunks(q.block_len()) {
-        out.extend_from_slice(&block(q, chunk));
     }
 }
 

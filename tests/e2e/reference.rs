@@ -58,15 +58,7 @@ fn tiny_dir() -> &'static PathBuf {
     static D: OnceLock<PathBuf> = OnceLock::new();
     D.get_or_init(|| {
         let dir = inferd_e2e::temp_dir("reference-tiny");
-        let pylib = std::env::var("INFERD_TEST_PYTHONPATH")
-            .unwrap_or_else(|_| format!("{}/.cache/inferd/python", std::env::var("HOME").unwrap_or_default()));
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/reference/tiny_models.py");
-        let out = Command::new("python3").arg(script).arg(&dir).env("PYTHONPATH", &pylib).output().unwrap();
-        assert!(
-            out.status.success(),
-            "the gguf package is installed by tests/run into {pylib}:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        inferd_e2e::run_python("reference/tiny_models.py", &[dir.as_os_str()]);
         dir
     })
 }
@@ -96,12 +88,12 @@ fn check_cases(model: &Model, entry: &Value, tol: f64) -> f64 {
                 Some(s) => e.step(&[RunItem { seq: s, tokens: &tokens[done..=p], n_logits: 1 }]).unwrap().remove(0),
             };
             done = p + 1;
-            last.clone_from(&logits);
             for (id, want) in ids(&at["ids"]).iter().zip(at["values"].as_array().unwrap()) {
                 let (got, want) = (f64::from(logits[*id as usize]), want.as_f64().unwrap());
                 worst = worst.max((got - want).abs());
                 assert!((got - want).abs() <= tol, "{name} case {c} position {p} id {id}: {got} vs llama.cpp {want}");
             }
+            last = logits;
         }
         let seq = seq.unwrap();
         assert_eq!(done, tokens.len(), "{name}: the last position is recorded");

@@ -270,6 +270,26 @@ pub fn default_model() -> PathBuf {
     })
 }
 
+/// Runs `script` (a path under `tests/`) with python3 over the packages tests/run installs (the
+/// gguf package and numpy, in `$INFERD_TEST_PYTHONPATH`); panics with its stderr if it fails.
+pub fn run_python(script: &str, args: &[&std::ffi::OsStr]) {
+    let pylib = std::env::var("INFERD_TEST_PYTHONPATH")
+        .unwrap_or_else(|_| format!("{}/.cache/inferd/python", std::env::var("HOME").unwrap_or_default()));
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join(script);
+    let out = std::process::Command::new("python3")
+        .arg(&script)
+        .args(args)
+        .env("PYTHONPATH", &pylib)
+        .output()
+        .unwrap_or_else(|e| panic!("running python3 {}: {e}", script.display()));
+    assert!(
+        out.status.success(),
+        "{} failed (tests/run installs its packages into {pylib}):\n{}",
+        script.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// The golden reference directory of the repository.
 pub fn golden_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("golden")

@@ -44,7 +44,7 @@ const fn signed(q: QuantType) -> bool {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn load32(b: &[u8]) -> __m256i {
+pub(super) fn load32(b: &[u8]) -> __m256i {
     assert!(b.len() >= 32);
     // SAFETY: 32 bytes are there (asserted).
     unsafe { _mm256_loadu_si256(b.as_ptr().cast()) }
@@ -53,7 +53,7 @@ fn load32(b: &[u8]) -> __m256i {
 /// Sixteen bytes holding weights `k` (low nibble) and `k + 16` (high) as 32 bytes in order.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn nibbles(b: &[u8]) -> __m256i {
+pub(super) fn nibbles(b: &[u8]) -> __m256i {
     assert!(b.len() >= 16);
     // SAFETY: 16 bytes are there (asserted).
     let q = unsafe { _mm_loadu_si128(b.as_ptr().cast()) };
@@ -97,6 +97,23 @@ fn halves(lo: i32, hi: i32) -> __m256i {
     _mm256_set_m128i(_mm_set1_epi16(hi as i16), _mm_set1_epi16(lo as i16))
 }
 
+/// The quants of group `j` of a Q4_K (`five` false) or Q5_K super-block `blk`, as unsigned bytes
+/// in element order: weight `64 c + 32 h + l` in nibble `h` of byte `32 c + l`, Q5_K's fifth bit
+/// in bit `j` of `qh[l]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn k_quants(blk: &[u8], j: usize, five: bool) -> __m256i {
+    use crate::quant::{BlockQ4K, BlockQ5K};
+    use std::mem::offset_of;
+    let qs = if five { offset_of!(BlockQ5K, qs) } else { offset_of!(BlockQ4K, qs) };
+    let low = bits(load32(&blk[qs + 32 * (j / 2)..]), 4 * (j % 2), 0x0f);
+    if five {
+        _mm256_or_si256(low, _mm256_slli_epi16::<4>(bits(load32(&blk[offset_of!(BlockQ5K, qh)..]), j, 1)))
+    } else {
+        low
+    }
+}
+
 /// Group `g` of the row `w` stored as `Q` (the bit layouts of [`crate::group::decode`]).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -135,13 +152,8 @@ fn decode<const Q: u8>(w: &[u8], g: usize) -> GroupV {
             GroupV { q, sc, d: read_f16(blk, 108), min: Min::None }
         }
         QuantType::Q4K | QuantType::Q5K => {
-            let (c, half) = (j / 2, j % 2);
             let (sc, m) = k_scale_min(&blk[4..16], j);
-            let qs = if qt == QuantType::Q4K { 16 } else { 48 };
-            let mut q = bits(load32(&blk[qs + 32 * c..]), 4 * half, 0x0f);
-            if qt == QuantType::Q5K {
-                q = _mm256_or_si256(q, _mm256_slli_epi16::<4>(bits(load32(&blk[16..]), j, 1)));
-            }
+            let q = k_quants(blk, j, qt == QuantType::Q5K);
             let d = read_f16(blk, 0);
             let sc = _mm256_set1_epi16(i16::from(sc));
             GroupV { q, sc, d, min: Min::Sum(-read_f16(blk, 2) * f32::from(m)) }

@@ -13,6 +13,7 @@
 //! order on the same values.
 
 use super::avx2::prefetch;
+use super::avx2_group::{fifth_bits, k_quants, load32, nibbles};
 use super::{Isa, Kernels};
 use crate::packed::{Packed16, LANES};
 use crate::quant::{BlockQ8, QuantType, QK};
@@ -54,47 +55,27 @@ pub fn kernels() -> Option<Kernels> {
 /// The products of the types with `gemm16` kernels, in those kernels' lane arithmetic (module
 /// docs); the other types keep the AVX2 table's.
 fn quant_dots(q: QuantType) -> Option<super::QuantDots> {
-    // Four tokens go through `gemm16` (see `matmul`); `four` only serves other callers.
     Some(match q {
-        QuantType::Q4_0 => super::QuantDots {
-            // SAFETY: the table that holds these exists only where the features were detected.
-            one: |w, a| unsafe { dot::<Q4_0>(w, a) },
-            // SAFETY: as above.
-            four: |w, a| a.map(|a| unsafe { dot::<Q4_0>(w, a) }),
-        },
-        QuantType::Q4_1 => super::QuantDots {
-            // SAFETY: as above.
-            one: |w, a| unsafe { dot::<Q4_1>(w, a) },
-            // SAFETY: as above.
-            four: |w, a| a.map(|a| unsafe { dot::<Q4_1>(w, a) }),
-        },
-        QuantType::Q8_0 => super::QuantDots {
-            // SAFETY: as above.
-            one: |w, a| unsafe { dot::<Q8_0>(w, a) },
-            // SAFETY: as above.
-            four: |w, a| a.map(|a| unsafe { dot::<Q8_0>(w, a) }),
-        },
-        QuantType::Q5_0 => super::QuantDots {
-            // SAFETY: as above.
-            one: |w, a| unsafe { dot::<Q5_0>(w, a) },
-            // SAFETY: as above.
-            four: |w, a| a.map(|a| unsafe { dot::<Q5_0>(w, a) }),
-        },
-        QuantType::Q4K => super::QuantDots {
-            // SAFETY: as above.
-            one: |w, a| unsafe { dot::<Q4K>(w, a) },
-            // SAFETY: as above.
-            four: |w, a| a.map(|a| unsafe { dot::<Q4K>(w, a) }),
-        },
-        QuantType::Q5K => super::QuantDots {
-            // SAFETY: as above.
-            one: |w, a| unsafe { dot::<Q5K>(w, a) },
-            // SAFETY: as above.
-            four: |w, a| a.map(|a| unsafe { dot::<Q5K>(w, a) }),
-        },
+        QuantType::Q4_0 => lane_dots::<Q4_0>(),
+        QuantType::Q4_1 => lane_dots::<Q4_1>(),
+        QuantType::Q8_0 => lane_dots::<Q8_0>(),
+        QuantType::Q5_0 => lane_dots::<Q5_0>(),
+        QuantType::Q4K => lane_dots::<Q4K>(),
+        QuantType::Q5K => lane_dots::<Q5K>(),
         QuantType::Q5_1 | QuantType::IQ4NL => return None,
         QuantType::Q2K | QuantType::Q3K | QuantType::Q6K | QuantType::IQ4XS => return None,
     })
+}
+
+/// [`dot`] of `KIND` for one token and for four (four tokens go through `gemm16`, see
+/// `matmul`; `four` only serves other callers).
+fn lane_dots<const KIND: u8>() -> super::QuantDots {
+    super::QuantDots {
+        // SAFETY: the table that holds these exists only where the features were detected.
+        one: |w, a| unsafe { dot::<KIND>(w, a) },
+        // SAFETY: as above.
+        four: |w, a| a.map(|a| unsafe { dot::<KIND>(w, a) }),
+    }
 }
 
 /// Bytes per weight block and the offset of its quants (the `#[repr(C)]` block structs').
@@ -140,29 +121,13 @@ fn group<const KIND: u8>(w: &[u8], b: usize) -> (f32, f32, __m256i) {
     let (bb, q) = layout(KIND);
     let at = block_at(KIND, b);
     let blk = &w[at..at + bb];
-    let load32 = |x: &[u8]| {
-        assert!(x.len() >= 32);
-        // SAFETY: 32 bytes are there (asserted).
-        unsafe { _mm256_loadu_si256(x.as_ptr().cast()) }
-    };
     match KIND {
         Q4K | Q5K => {
             let j = b % 8;
             let (sc, mn) = crate::group::k_scale_min(&blk[4..16], j);
             let d = crate::quant::read_f16(blk, 0) * f32::from(sc);
             let m = -crate::quant::read_f16(blk, 2) * f32::from(mn);
-            let shift = _mm_cvtsi32_si128(4 * (j % 2) as i32);
-            let low =
-                _mm256_and_si256(_mm256_srl_epi16(load32(&blk[q + 32 * (j / 2)..]), shift), _mm256_set1_epi8(0x0f));
-            let quants = if KIND == Q5K {
-                // The fifth bit of weight l is bit j of qh[l].
-                let qh = load32(&blk[offset_of_qh()..]);
-                let bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j as i32)), _mm256_set1_epi8(1));
-                _mm256_or_si256(low, _mm256_slli_epi16::<4>(bit))
-            } else {
-                low
-            };
-            (d, m, quants)
+            (d, m, k_quants(blk, j, KIND == Q5K))
         }
         _ => {
             let (d, m) = scales::<KIND>(blk);
@@ -170,17 +135,13 @@ fn group<const KIND: u8>(w: &[u8], b: usize) -> (f32, f32, __m256i) {
                 Q8_0 => load32(&blk[q..]),
                 Q5_0 => {
                     let high = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
-                    _mm256_or_si256(nibbles(&blk[q..]), super::avx2_group::fifth_bits(high))
+                    _mm256_or_si256(nibbles(&blk[q..]), fifth_bits(high))
                 }
                 _ => nibbles(&blk[q..]),
             };
             (d, m, quants)
         }
     }
-}
-
-const fn offset_of_qh() -> usize {
-    std::mem::offset_of!(crate::quant::BlockQ5K, qh)
 }
 
 /// `(d, m)` of a Q4_0, Q4_1, Q5_0 or Q8_0 block: the scale and the per-weight offset (Q4_0
@@ -198,17 +159,6 @@ fn scales<const KIND: u8>(blk: &[u8]) -> (f32, f32) {
         Q4_1 => (d, _mm_cvtss_f32(_mm_movehdup_ps(dm))),
         _ => (d, 0.0),
     }
-}
-
-/// The 32 quants of a 4-bit block as unsigned bytes, in element order.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-fn nibbles(qs: &[u8]) -> __m256i {
-    assert!(qs.len() >= 16);
-    // SAFETY: 16 bytes are there (asserted).
-    let q = unsafe { _mm_loadu_si128(qs.as_ptr().cast()) };
-    let low = _mm_set1_epi8(0x0f);
-    _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16::<4>(q), low), _mm_and_si128(q, low))
 }
 
 /// One weight row against one token, in the lane arithmetic of [`gemm16`] (module docs).

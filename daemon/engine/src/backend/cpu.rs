@@ -272,7 +272,8 @@ impl Backend for CpuBackend {
                 rope.angles(p, &mut angles[t * pairs..(t + 1) * pairs]);
             }
         }
-        let mut window_ctx = ctx.clone();
+        // The contexts of the sliding-window layers, rebuilt only when the window changes.
+        let (mut window_ctx, mut window_of) = (Vec::new(), None);
         for (li, lw) in self.w.layers.iter().enumerate() {
             let la = &arch.layers[li];
             // Attention block.
@@ -311,8 +312,10 @@ impl Backend for CpuBackend {
             let layer_ctx = match la.window {
                 None => &ctx,
                 Some(w) => {
-                    for (c, full) in window_ctx.iter_mut().zip(&ctx) {
-                        c.start = full.ctx_len.saturating_sub(w);
+                    if window_of != Some(w) {
+                        window_ctx.clear();
+                        window_ctx.extend(ctx.iter().map(|c| QueryCtx { start: c.ctx_len.saturating_sub(w), ..*c }));
+                        window_of = Some(w);
                     }
                     &window_ctx
                 }

@@ -49,16 +49,11 @@ pub fn export_hf(model: &Model, dir: &Path, dtype: ExportDtype) -> Result<(), Mo
         let path = path.to_path_buf();
         move |source| ModelError::Io { path, source }
     };
-    // The writer below speaks Llama's config.json; the other families' extra tensors and
-    // fields would be lost.
-    let plain = model.arch
-        == crate::model::Architecture::llama_like(
-            model.arch.name,
-            &model.config,
-            model.arch.layers[0].rope_scaling.clone(),
-            model.arch.tied_output,
-        );
-    if model.arch.name != "llama" || !plain || model.arch.layers[0].rope_scaling != RopeScaling::None {
+    // The writer below speaks plain Llama's config.json; anything else (another family, RoPE
+    // scaling, windows) would be lost.
+    let plain =
+        crate::model::Architecture::llama_like("llama", &model.config, RopeScaling::None, model.arch.tied_output);
+    if model.arch != plain {
         return Err(ModelError::Unsupported(format!(
             "exporting {} (only plain Llama models without RoPE scaling are exported)",
             model.arch.name

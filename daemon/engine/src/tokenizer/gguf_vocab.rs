@@ -19,10 +19,6 @@ use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, DecoderWrapper, PreTokenizerWrapper, SplitDelimiterBehavior};
 
-/// Qwen 2's pre-tokenizer pattern: Llama 3's, but every digit alone.
-const QWEN2_PATTERN: &str =
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-
 /// The Llama 3 / cl100k pre-tokenizer pattern.
 const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
@@ -48,8 +44,10 @@ fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper, TokenizerError> {
             byte_level(true),
         ])),
         "llama-bpe" | "llama3" | "llama-v3" | "qwen2" => {
-            let pattern = if pre == "qwen2" { QWEN2_PATTERN } else { LLAMA3_PATTERN };
-            let split = Split::new(SplitPattern::Regex(pattern.into()), SplitDelimiterBehavior::Isolated, false)
+            // Qwen 2 splits as Llama 3 does, but every digit alone.
+            let pattern =
+                if pre == "qwen2" { LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}") } else { LLAMA3_PATTERN.into() };
+            let split = Split::new(SplitPattern::Regex(pattern), SplitDelimiterBehavior::Isolated, false)
                 .map_err(|e| TokenizerError::Invalid(e.to_string()))?;
             PreTokenizerWrapper::Sequence(Sequence::new(vec![PreTokenizerWrapper::Split(split), byte_level(false)]))
         }

@@ -19,10 +19,6 @@ const PATTERN: usize = 6;
 /// The default RoPE base of the sliding-window layers.
 const LOCAL_BASE: f32 = 10000.0;
 
-fn unsupported(what: String) -> ModelError {
-    ModelError::Unsupported(what)
-}
-
 /// The description, given which layers slide.
 fn describe(
     cfg: &LlamaConfig,
@@ -76,19 +72,14 @@ pub fn from_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
         },
     };
     let local_base = keys.opt_float("rope.freq_base_swa")?.unwrap_or(LOCAL_BASE);
-    let kind = keys.get("rope.scaling.type").map(|v| v.as_str().unwrap_or("?"));
-    let scaling = match (kind, keys.opt_float("rope.scaling.factor")?) {
-        (None | Some("none"), _) | (Some("linear"), None | Some(1.0)) => RopeScaling::None,
-        (Some("linear"), Some(f)) if f > 0.0 => RopeScaling::Linear(f),
-        (kind, f) => return Err(unsupported(format!("RoPE scaling {kind:?} factor {f:?} (supported: linear)"))),
-    };
+    let scaling = keys.rope_scaling()?;
     if keys.opt_float("final_logit_softcapping")?.is_some_and(|c| c != 0.0) {
-        return Err(unsupported("final logit soft-capping (Gemma 2's, not Gemma 3's)".into()));
+        return Err(ModelError::Unsupported("final logit soft-capping (Gemma 2's, not Gemma 3's)".into()));
     }
     // llama.cpp's reading: the 27B model scales by its hidden size per head, the others by
     // their head size.
     let scale = if config.n_layers == 62 { config.hidden / config.n_heads } else { config.head_dim };
-    keys.finish(&|k, _| k == "rope.scaling.original_context_length")?;
+    keys.finish(&|_, _| false)?;
     let tied = g.tensor("output.weight").is_none();
     let arch = describe(
         &config,
@@ -105,10 +96,7 @@ pub fn from_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
 pub fn from_hf(cfg: &Map<String, Value>) -> Result<(Architecture, LlamaConfig), ModelError> {
     let keys = HfKeys::new(cfg);
     let config = keys.config()?;
-    let act = keys.opt_str("hidden_activation")?.or(keys.opt_str("hidden_act")?).unwrap_or("gelu_pytorch_tanh");
-    if act != "gelu_pytorch_tanh" {
-        return Err(unsupported(format!("config.json: hidden_activation = {act} (gemma3 uses gelu_pytorch_tanh)")));
-    }
+    keys.expect_activation("gemma3", "gelu_pytorch_tanh")?;
     let window = keys.opt_uint("sliding_window")?;
     let sliding = match keys.get("layer_types").and_then(Value::as_array) {
         Some(types) if types.len() == config.n_layers => types
@@ -129,16 +117,16 @@ pub fn from_hf(cfg: &Map<String, Value>) -> Result<(Architecture, LlamaConfig), 
     keys.get("sliding_window_pattern");
     keys.get("_sliding_window_pattern");
     let local_base = keys.opt_float("rope_local_base_freq")?.unwrap_or(LOCAL_BASE);
-    let scaling = super::llama::hf_rope_scaling(&keys, &config)?;
+    let scaling = keys.rope_scaling(&config)?;
     let scalar = keys.opt_float("query_pre_attn_scalar")?.unwrap_or(config.head_dim as f32);
     for k in ["final_logit_softcapping", "attn_logit_softcapping"] {
         if keys.opt_float(k)?.is_some() {
-            return Err(unsupported(format!("config.json: {k} (soft-capping is Gemma 2's)")));
+            return Err(ModelError::Unsupported(format!("config.json: {k} (soft-capping is Gemma 2's)")));
         }
     }
     for k in ["attention_bias", "use_bidirectional_attention"] {
         if keys.opt_bool(k)? == Some(true) {
-            return Err(unsupported(format!("config.json: {k} = true (not supported for gemma3)")));
+            return Err(ModelError::Unsupported(format!("config.json: {k} = true (not supported for gemma3)")));
         }
     }
     let tied = keys.opt_bool("tie_word_embeddings")?.unwrap_or(true);

@@ -2,6 +2,7 @@
 //! remembering what was read, so that [`GgufKeys::finish`] and [`HfKeys::finish`] can refuse
 //! by name whatever no one understood. The hyperparameters every family shares are read here.
 
+use super::{llama3_factors, RopeScaling};
 use crate::model::config::LlamaConfig;
 use crate::model::gguf::{Gguf, Value};
 use crate::model::ModelError;
@@ -9,10 +10,7 @@ use inferd_kernels::ops::RopeStyle;
 use serde_json::{Map, Value as Json};
 use std::cell::RefCell;
 use std::collections::BTreeSet;
-
-fn unsupported(what: String) -> ModelError {
-    ModelError::Unsupported(what)
-}
+use std::sync::Arc;
 
 /// The `{arch}.*` keys of a GGUF file.
 pub struct GgufKeys<'a> {
@@ -70,7 +68,7 @@ impl<'a> GgufKeys<'a> {
         }
         let head_dim = self.opt_uint("attention.key_length")?.unwrap_or(hidden / n_heads);
         if let Some(v) = self.opt_uint("attention.value_length")?.filter(|&v| v != head_dim) {
-            return Err(unsupported(format!("value head size {v} apart from key head size {head_dim}")));
+            return Err(ModelError::Unsupported(format!("value head size {v} apart from key head size {head_dim}")));
         }
         let vocab = match self.opt_uint("vocab_size")? {
             Some(v) => v,
@@ -94,6 +92,23 @@ impl<'a> GgufKeys<'a> {
         Ok(config)
     }
 
+    /// `{arch}.rope.scaling.type` with its factor: none, or linear. The original context
+    /// length that comes with them is only YaRN's, so it is read here too.
+    pub fn rope_scaling(&self) -> Result<RopeScaling, ModelError> {
+        let kind = self.get("rope.scaling.type").map(|v| v.as_str().unwrap_or("?"));
+        let factor = self.opt_float("rope.scaling.factor")?;
+        self.get("rope.scaling.original_context_length");
+        match (kind, factor) {
+            (None | Some("none"), _) | (Some("linear"), None | Some(1.0)) => Ok(RopeScaling::None),
+            (Some("linear"), Some(f)) if f > 0.0 => Ok(RopeScaling::Linear(f)),
+            (kind, factor) => Err(ModelError::Unsupported(format!(
+                "GGUF key '{}' = {} with factor {factor:?} (supported: none, linear)",
+                self.full("rope.scaling.type"),
+                kind.unwrap_or("?")
+            ))),
+        }
+    }
+
     /// Refuses every `{arch}.*` key that was not read, unless `harmless` says it changes
     /// nothing (a default value, a count of experts that is zero).
     pub fn finish(&self, harmless: &dyn Fn(&str, &Value) -> bool) -> Result<(), ModelError> {
@@ -101,7 +116,10 @@ impl<'a> GgufKeys<'a> {
         let read = self.read.borrow();
         for (k, v) in self.g.metadata.iter().filter_map(|(k, v)| k.strip_prefix(&prefix).map(|s| (s, v))) {
             if !read.contains(k) && !harmless(k, v) {
-                return Err(unsupported(format!("GGUF key '{prefix}{k}' = {v:?} (not understood for {})", self.arch)));
+                return Err(ModelError::Unsupported(format!(
+                    "GGUF key '{prefix}{k}' = {v:?} (not understood for {})",
+                    self.arch
+                )));
             }
         }
         Ok(())
@@ -209,6 +227,40 @@ impl<'a> HfKeys<'a> {
         Ok(config)
     }
 
+    /// `rope_scaling`: absent, `default`, `linear` or Llama 3's (turned into per-frequency
+    /// factors for `cfg`'s rotation).
+    pub fn rope_scaling(&self, cfg: &LlamaConfig) -> Result<RopeScaling, ModelError> {
+        let Some(v) = self.get("rope_scaling") else { return Ok(RopeScaling::None) };
+        let obj = v.as_object().ok_or_else(|| Self::bad("rope_scaling", "an object"))?;
+        let num = |k: &str| obj.get(k).and_then(Json::as_f64).map(|x| x as f32);
+        let kind = obj.get("rope_type").or_else(|| obj.get("type")).and_then(Json::as_str);
+        match (kind, num("factor")) {
+            (Some("default"), _) => Ok(RopeScaling::None),
+            (Some("linear"), Some(f)) if f > 0.0 => Ok(RopeScaling::Linear(f)),
+            (Some("llama3"), Some(f)) => {
+                let (low, high) = (num("low_freq_factor").unwrap_or(1.0), num("high_freq_factor").unwrap_or(4.0));
+                let original = num("original_max_position_embeddings").unwrap_or(8192.0);
+                if !(f > 0.0 && low > 0.0 && high > low && original > 0.0) {
+                    return Err(ModelError::Config(format!("config.json: rope_scaling {v} is out of range")));
+                }
+                let factors = llama3_factors(cfg.rope_dim, cfg.rope_base, f, low, high, original);
+                Ok(RopeScaling::Factors(Arc::from(factors)))
+            }
+            _ => Err(ModelError::Unsupported(format!("config.json: rope_scaling = {v} (supported: linear, llama3)"))),
+        }
+    }
+
+    /// Refuses an MLP activation other than `want` (read from `hidden_act`, or Gemma's
+    /// `hidden_activation`), absent meaning `want`.
+    pub fn expect_activation(&self, family: &str, want: &str) -> Result<(), ModelError> {
+        for k in ["hidden_act", "hidden_activation"] {
+            if let Some(act) = self.opt_str(k)?.filter(|a| *a != want) {
+                return Err(ModelError::Unsupported(format!("config.json: {k} = {act} ({family} uses {want})")));
+            }
+        }
+        Ok(())
+    }
+
     /// Refuses every field that was not read and is not harmless (the common ones, or what
     /// `harmless` of the family allows), naming it.
     pub fn finish(&self, family: &str, harmless: &dyn Fn(&str, &Json) -> bool) -> Result<(), ModelError> {
@@ -219,7 +271,7 @@ impl<'a> HfKeys<'a> {
             let all_global = k == "layer_types"
                 && v.as_array().is_some_and(|a| a.iter().all(|t| t.as_str() == Some("full_attention")));
             if !read.contains(k) && !HF_HARMLESS.contains(&k.as_str()) && !all_global && !harmless(k, v) {
-                return Err(unsupported(format!("config.json: {k} = {v} (not understood for {family})")));
+                return Err(ModelError::Unsupported(format!("config.json: {k} = {v} (not understood for {family})")));
             }
         }
         Ok(())

@@ -77,8 +77,9 @@ pub fn llama3_factors(dims: usize, base: f32, factor: f32, low: f32, high: f32, 
             } else if wavelen > low_wavelen {
                 factor
             } else {
+                // The frequency becomes (1 - smooth) f / factor + smooth f.
                 let smooth = (original / wavelen - low) / (high - low);
-                f / ((1.0 - smooth) * f / factor + smooth * f)
+                1.0 / ((1.0 - smooth) / factor + smooth)
             }
         })
         .collect()

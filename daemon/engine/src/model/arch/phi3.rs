@@ -13,8 +13,8 @@ use crate::model::ModelError;
 use inferd_kernels::ops::RopeStyle;
 use serde_json::{Map, Value};
 
-fn describe(cfg: &LlamaConfig, tied: bool) -> Architecture {
-    let mut arch = Architecture::llama_like("phi3", cfg, RopeScaling::None, tied);
+fn describe(cfg: &LlamaConfig, scaling: RopeScaling, tied: bool) -> Architecture {
+    let mut arch = Architecture::llama_like("phi3", cfg, scaling, tied);
     arch.layout = TensorLayout { fused_qkv: true, fused_gate_up: true, ..TensorLayout::default() };
     arch
 }
@@ -26,9 +26,11 @@ pub fn from_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
         return Err(ModelError::Unsupported("LongRoPE (rope_factors_long/short: the 128k Phi-3 models)".into()));
     }
     keys.opt_uint("attention.sliding_window")?;
-    keys.finish(&|k, _| matches!(k, "rope.scaling.original_context_length" | "rope.scaling.attn_factor"))?;
+    let scaling = keys.rope_scaling()?;
+    // LongRoPE's attention factor; without its factor tensors (refused above) it is unused.
+    keys.finish(&|k, _| k == "rope.scaling.attn_factor")?;
     let tied = g.tensor("output.weight").is_none();
-    Ok((describe(&config, tied), config))
+    Ok((describe(&config, scaling, tied), config))
 }
 
 pub fn from_hf(cfg: &Map<String, Value>) -> Result<(Architecture, LlamaConfig), ModelError> {
@@ -37,14 +39,12 @@ pub fn from_hf(cfg: &Map<String, Value>) -> Result<(Architecture, LlamaConfig), 
     if let Some(v) = keys.get("rope_scaling") {
         return Err(ModelError::Unsupported(format!("config.json: rope_scaling = {v} (LongRoPE is not supported)")));
     }
-    if let Some(act) = keys.opt_str("hidden_act")?.filter(|a| *a != "silu") {
-        return Err(ModelError::Unsupported(format!("config.json: hidden_act = {act} (phi3 uses silu)")));
-    }
+    keys.expect_activation("phi3", "silu")?;
     keys.opt_uint("sliding_window")?;
     keys.opt_uint("original_max_position_embeddings")?;
     let tied = keys.opt_bool("tie_word_embeddings")?.unwrap_or(false);
     keys.finish("phi3", &|k, v| {
         matches!(k, "resid_pdrop" | "embd_pdrop") || (k == "attention_bias" && v.as_bool() == Some(false))
     })?;
-    Ok((describe(&config, tied), config))
+    Ok((describe(&config, RopeScaling::None, tied), config))
 }

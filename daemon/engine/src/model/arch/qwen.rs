@@ -35,14 +35,8 @@ impl Qwen {
 pub fn from_gguf(g: &Gguf, q: Qwen) -> Result<(Architecture, LlamaConfig), ModelError> {
     let keys = GgufKeys::new(g, q.name());
     let config = keys.config(RopeStyle::Neox)?;
-    let scaling = match keys.get("rope.scaling.type").map(|v| v.as_str()) {
-        None | Some(Some("none")) => RopeScaling::None,
-        Some(kind) => return Err(ModelError::Unsupported(format!("RoPE scaling {kind:?} (supported: none)"))),
-    };
-    keys.finish(&|k, v| {
-        matches!((k, v.as_u64()), ("expert_count" | "expert_used_count", Some(0)))
-            || (k == "rope.scaling.factor" && v.as_f64() == Some(1.0))
-    })?;
+    let scaling = keys.rope_scaling()?;
+    keys.finish(&|k, v| matches!((k, v.as_u64()), ("expert_count" | "expert_used_count", Some(0))))?;
     let tied = g.tensor("output.weight").is_none();
     Ok((q.describe(&config, scaling, tied), config))
 }
@@ -50,11 +44,9 @@ pub fn from_gguf(g: &Gguf, q: Qwen) -> Result<(Architecture, LlamaConfig), Model
 pub fn from_hf(cfg: &Map<String, Value>, q: Qwen) -> Result<(Architecture, LlamaConfig), ModelError> {
     let keys = HfKeys::new(cfg);
     let config = keys.config()?;
-    let scaling = super::llama::hf_rope_scaling(&keys, &config)?;
+    let scaling = keys.rope_scaling(&config)?;
     let tied = keys.opt_bool("tie_word_embeddings")?.unwrap_or(false);
-    if let Some(act) = keys.opt_str("hidden_act")?.filter(|a| *a != "silu") {
-        return Err(ModelError::Unsupported(format!("config.json: hidden_act = {act} ({} uses silu)", q.name())));
-    }
+    keys.expect_activation(q.name(), "silu")?;
     if keys.opt_bool("use_sliding_window")? == Some(true) {
         return Err(ModelError::Unsupported("config.json: use_sliding_window = true".into()));
     }
