@@ -104,12 +104,13 @@ pub fn swiglu(gate: &mut [f32], up: &[f32]) {
 }
 
 /// `gate = gelu(gate) * up`, in place, with GELU's tanh approximation (Gemma's
-/// `gelu_pytorch_tanh`): `0.5 x (1 + tanh(sqrt(2 / π) (x + 0.044715 x³)))`.
+/// `gelu_pytorch_tanh`): `0.5 x (1 + tanh y)`, `y = sqrt(2 / π) (x + 0.044715 x³)`, computed
+/// as the equal `x / (1 + e^(-2y))`, which has no cancellation where `tanh y` nears -1.
 pub fn geglu(gate: &mut [f32], up: &[f32]) {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
     for (g, u) in gate.iter_mut().zip(up) {
         let x = *g;
-        *g = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh()) * u;
+        *g = x / (1.0 + (-2.0 * SQRT_2_OVER_PI * x * (1.0 + 0.044_715 * x * x)).exp()) * u;
     }
 }
 

@@ -4,8 +4,9 @@
 //! lanes tokens (the weight bytes broadcast, the activation bytes of 16 tokens in the lanes)
 //! computes one weight row against 16 tokens with 8 instructions per 32-weight block. The layout
 //! per block `b`: `qs[((b * 8 + j) * 16 + lane) * 4 + e]` holds element `4j + e` of token `lane`;
-//! `d`, `s` and `isum` hold the block's scale, scaled sum and integer sum per lane. Lanes past
-//! the group's tokens are zero.
+//! `d`, `s` and `isum` hold the block's scale, scaled sum and integer sum per lane, `isum_lo`
+//! the integer sum of its first 16 elements (for formats with a scale per 16 weights). Lanes
+//! past the group's tokens are zero.
 
 use crate::quant::{BlockQ8, QK};
 
@@ -21,6 +22,7 @@ pub struct Packed16 {
     pub d: Vec<f32>,
     pub s: Vec<f32>,
     pub isum: Vec<i32>,
+    pub isum_lo: Vec<i32>,
 }
 
 impl Packed16 {
@@ -35,6 +37,7 @@ impl Packed16 {
             d: vec![0.0; blocks * LANES],
             s: vec![0.0; blocks * LANES],
             isum: vec![0; blocks * LANES],
+            isum_lo: vec![0; blocks * LANES],
         };
         for (lane, row) in rows.iter().enumerate() {
             assert_eq!(row.len(), blocks, "every row has the same length");
@@ -46,6 +49,7 @@ impl Packed16 {
                 p.d[b * LANES + lane] = blk.d;
                 p.s[b * LANES + lane] = blk.s;
                 p.isum[b * LANES + lane] = blk.qs.iter().map(|&q| i32::from(q)).sum();
+                p.isum_lo[b * LANES + lane] = blk.qs[..QK / 2].iter().map(|&q| i32::from(q)).sum();
             }
         }
         p

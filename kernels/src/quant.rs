@@ -286,7 +286,13 @@ impl QuantType {
     pub const fn has_gemm16(self) -> bool {
         matches!(
             self,
-            QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q4K | QuantType::Q5K
+            QuantType::Q8_0
+                | QuantType::Q4_0
+                | QuantType::Q4_1
+                | QuantType::Q5_0
+                | QuantType::Q4K
+                | QuantType::Q5K
+                | QuantType::Q6K
         )
     }
 

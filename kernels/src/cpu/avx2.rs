@@ -45,6 +45,8 @@ pub fn kernels() -> Option<Kernels> {
         attn_values: |v, p, hd, g, out| unsafe { attn_values(v, p, hd, g, out) },
         // SAFETY: as above.
         exp: |x| unsafe { exp(x) },
+        // SAFETY: as above.
+        geglu: |g, u| unsafe { geglu(g, u) },
         gemm16: None,
         gemv16: None,
     })
@@ -456,6 +458,29 @@ fn exp8(x: __m256) -> __m256 {
     let y = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0)));
     let scale = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)));
     _mm256_mul_ps(y, _mm256_castsi256_ps(scale))
+}
+
+/// `gate = gelu(gate) * up`: `0.5 x (1 + tanh y)` is `x / (1 + e^(-2y))` with
+/// `y = sqrt(2 / π) (x + 0.044715 x³)`; [`exp8`]'s clamp keeps both tails finite (`x` or 0).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn geglu(gate: &mut [f32], up: &[f32]) {
+    assert_eq!(gate.len(), up.len(), "gate and up have one shape");
+    let n8 = gate.len() / 8 * 8;
+    for i in (0..n8).step_by(8) {
+        // SAFETY: 8 f32s at i < n8 <= len in both slices.
+        unsafe {
+            let x = _mm256_loadu_ps(gate.as_ptr().add(i));
+            let x2 = _mm256_mul_ps(x, x);
+            let inner = _mm256_fmadd_ps(x2, _mm256_set1_ps(0.044_715), _mm256_set1_ps(1.0));
+            let minus_2y = _mm256_mul_ps(_mm256_mul_ps(x, inner), _mm256_set1_ps(-2.0 * 0.797_884_6));
+            let gelu = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0), exp8(minus_2y)));
+            _mm256_storeu_ps(gate.as_mut_ptr().add(i), _mm256_mul_ps(gelu, _mm256_loadu_ps(up.as_ptr().add(i))));
+        }
+    }
+    crate::ops::geglu(&mut gate[n8..], &up[n8..]);
 }
 
 /// # Safety

@@ -114,6 +114,24 @@ pub(super) fn k_quants(blk: &[u8], j: usize, five: bool) -> __m256i {
     }
 }
 
+/// The quants of group `j` of a Q6_K super-block `blk` as unsigned bytes 0..64 in element order
+/// (the stored value, 32 above the signed weight): weight `128 h + 32 s + l` has its low four
+/// bits in nibble `s / 2` of `ql[64 h + 32 (s % 2) + l]`, its high two in bits `2 s` of
+/// `qh[32 h + l]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn q6k_quants(blk: &[u8], j: usize) -> __m256i {
+    let (h, s) = (j / 4, j % 4);
+    let low = bits(load32(&blk[64 * h + 32 * (s % 2)..]), 4 * (s / 2), 0x0f);
+    _mm256_or_si256(low, _mm256_slli_epi16::<4>(bits(load32(&blk[128 + 32 * h..]), 2 * s, 3)))
+}
+
+/// The signed 8-bit scales of the two 16-weight halves of group `j` of a Q6_K super-block.
+#[inline]
+pub(super) fn q6k_scales(blk: &[u8], j: usize) -> (i32, i32) {
+    (i32::from(blk[192 + 2 * j] as i8), i32::from(blk[193 + 2 * j] as i8))
+}
+
 /// Group `g` of the row `w` stored as `Q` (the bit layouts of [`crate::group::decode`]).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -159,10 +177,9 @@ fn decode<const Q: u8>(w: &[u8], g: usize) -> GroupV {
             GroupV { q, sc, d, min: Min::Sum(-read_f16(blk, 2) * f32::from(m)) }
         }
         QuantType::Q6K => {
-            let low = bits(load32(&blk[64 * h + 32 * (s % 2)..]), 4 * (s / 2), 0x0f);
-            let high = _mm256_slli_epi16::<4>(bits(load32(&blk[128 + 32 * h..]), 2 * s, 3));
-            let q = _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
-            let sc = halves(i32::from(blk[192 + 2 * j] as i8), i32::from(blk[193 + 2 * j] as i8));
+            let q = _mm256_sub_epi8(q6k_quants(blk, j), _mm256_set1_epi8(32));
+            let (sc0, sc1) = q6k_scales(blk, j);
+            let sc = halves(sc0, sc1);
             GroupV { q, sc, d: read_f16(blk, 208), min: Min::None }
         }
         QuantType::IQ4XS => {

@@ -13,7 +13,7 @@
 //! order on the same values.
 
 use super::avx2::prefetch;
-use super::avx2_group::{fifth_bits, k_quants, load32, nibbles};
+use super::avx2_group::{fifth_bits, k_quants, load32, nibbles, q6k_quants, q6k_scales};
 use super::{Isa, Kernels};
 use crate::packed::{Packed16, LANES};
 use crate::quant::{BlockQ8, QuantType, QK};
@@ -25,6 +25,7 @@ const Q8_0: u8 = 2;
 const Q5_0: u8 = 3;
 const Q4K: u8 = 4;
 const Q5K: u8 = 5;
+const Q6K: u8 = 6;
 
 /// The AVX-512 VNNI table, or `None` when the processor lacks any of the features.
 pub fn kernels() -> Option<Kernels> {
@@ -62,8 +63,9 @@ fn quant_dots(q: QuantType) -> Option<super::QuantDots> {
         QuantType::Q5_0 => lane_dots::<Q5_0>(),
         QuantType::Q4K => lane_dots::<Q4K>(),
         QuantType::Q5K => lane_dots::<Q5K>(),
+        QuantType::Q6K => lane_dots::<Q6K>(),
         QuantType::Q5_1 | QuantType::IQ4NL => return None,
-        QuantType::Q2K | QuantType::Q3K | QuantType::Q6K | QuantType::IQ4XS => return None,
+        QuantType::Q2K | QuantType::Q3K | QuantType::IQ4XS => return None,
     })
 }
 
@@ -89,17 +91,23 @@ const fn layout(kind: u8) -> (usize, usize) {
         Q5_0 => (size_of::<crate::quant::BlockQ5_0>(), offset_of!(crate::quant::BlockQ5_0, qs)),
         Q4K => (size_of::<crate::quant::BlockQ4K>(), offset_of!(crate::quant::BlockQ4K, qs)),
         Q5K => (size_of::<crate::quant::BlockQ5K>(), offset_of!(crate::quant::BlockQ5K, qs)),
-        _ => panic!("a kernel kind is Q4_0, Q4_1, Q8_0, Q5_0, Q4_K or Q5_K"),
+        Q6K => (size_of::<crate::quant::BlockQ6K>(), offset_of!(crate::quant::BlockQ6K, ql)),
+        _ => panic!("a kernel kind is Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q5_K or Q6_K"),
     }
 }
 
 /// 32-weight groups per block: 8 for the K-quants' super-blocks, else 1.
 const fn groups(kind: u8) -> usize {
-    if matches!(kind, Q4K | Q5K) {
+    if matches!(kind, Q4K | Q5K | Q6K) {
         8
     } else {
         1
     }
+}
+
+/// True for the kinds with an offset term `m` (not Q8_0 and Q6_K, whose quants are signed).
+const fn has_offset(kind: u8) -> bool {
+    !matches!(kind, Q8_0 | Q6K)
 }
 
 /// Bytes of a row of `nb` groups, and the offset of group `b`'s block.
@@ -111,13 +119,24 @@ const fn block_at(kind: u8, b: usize) -> usize {
     b / groups(kind) * layout(kind).0
 }
 
-/// Group `b` (weights `32 b .. 32 b + 32`) of the row `w`: `(d, m, quants)`, the weights being
-/// `d * q + m` with `q` the unsigned bytes of `quants` in element order (Q8_0: its signed
-/// bytes as stored, `m = 0`). The K-quants' `d` and `m` are the super-block's factors times the
-/// group's integer scale and min, products exact in f32 (as in `group::decode`).
+/// Group `b` (weights `32 b .. 32 b + 32`) of a row, unpacked: the weights are
+/// `d * sc[i / 16] * (q[i] - 32 [Q6_K]) + m` with `q` the unsigned bytes of `q` in element order
+/// (Q8_0: its signed bytes as stored, `m = 0`). `sc` is Q6_K's pair of per-16 integer scales
+/// (the stored quants being 32 above the signed weights), `(1, 1)` for every other kind. The
+/// K-quants' `d` and `m` are the super-block's factors times the group's integer scale and min,
+/// products exact in f32 (as in `group::decode`).
+#[derive(Clone, Copy)]
+struct Grp {
+    d: f32,
+    m: f32,
+    sc: (i32, i32),
+    q: __m256i,
+}
+
+/// Group `b` of the row `w` as a [`Grp`].
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-fn group<const KIND: u8>(w: &[u8], b: usize) -> (f32, f32, __m256i) {
+fn group<const KIND: u8>(w: &[u8], b: usize) -> Grp {
     let (bb, q) = layout(KIND);
     let at = block_at(KIND, b);
     let blk = &w[at..at + bb];
@@ -127,7 +146,12 @@ fn group<const KIND: u8>(w: &[u8], b: usize) -> (f32, f32, __m256i) {
             let (sc, mn) = crate::group::k_scale_min(&blk[4..16], j);
             let d = crate::quant::read_f16(blk, 0) * f32::from(sc);
             let m = -crate::quant::read_f16(blk, 2) * f32::from(mn);
-            (d, m, k_quants(blk, j, KIND == Q5K))
+            Grp { d, m, sc: (1, 1), q: k_quants(blk, j, KIND == Q5K) }
+        }
+        Q6K => {
+            let j = b % 8;
+            let d = crate::quant::read_f16(blk, std::mem::offset_of!(crate::quant::BlockQ6K, d));
+            Grp { d, m: 0.0, sc: q6k_scales(blk, j), q: q6k_quants(blk, j) }
         }
         _ => {
             let (d, m) = scales::<KIND>(blk);
@@ -139,7 +163,7 @@ fn group<const KIND: u8>(w: &[u8], b: usize) -> (f32, f32, __m256i) {
                 }
                 _ => nibbles(&blk[q..]),
             };
-            (d, m, quants)
+            Grp { d, m, sc: (1, 1), q: quants }
         }
     }
 }
@@ -182,14 +206,20 @@ unsafe fn dot<const KIND: u8>(w: &[u8], a: &[BlockQ8]) -> f32 {
             }
             let b = b0 + i;
             prefetch(w, block_at(KIND, b));
-            let (d, m, wq) = group::<KIND>(w, b);
+            let Grp { d, m, sc, q: wq } = group::<KIND>(w, b);
             // SAFETY: `qs` is 32 bytes.
             let aq = unsafe { _mm256_loadu_si256(a[b].qs.as_ptr().cast()) };
-            let isum = if KIND == Q8_0 {
+            let isum = match KIND {
                 // |w| as the unsigned operand, w's sign moved onto the activations.
-                _mm256_dpbusd_epi32(zero, _mm256_sign_epi8(wq, wq), _mm256_sign_epi8(aq, wq))
-            } else {
-                _mm256_dpbusd_epi32(zero, wq, aq)
+                Q8_0 => _mm256_dpbusd_epi32(zero, _mm256_sign_epi8(wq, wq), _mm256_sign_epi8(aq, wq)),
+                // Per dword: (Σ q a - 32 Σ a) times its half's scale, exact in 32 bits.
+                Q6K => {
+                    let dp = _mm256_dpbusd_epi32(zero, wq, aq);
+                    let asum = _mm256_dpbusd_epi32(zero, _mm256_set1_epi8(1), aq);
+                    let scv = _mm256_set_m128i(_mm_set1_epi32(sc.1), _mm_set1_epi32(sc.0));
+                    _mm256_mullo_epi32(_mm256_sub_epi32(dp, _mm256_slli_epi32::<5>(asum)), scv)
+                }
+                _ => _mm256_dpbusd_epi32(zero, wq, aq),
             };
             (isum, a[b].d * d, m, a[b].s)
         };
@@ -198,7 +228,7 @@ unsafe fn dot<const KIND: u8>(w: &[u8], a: &[BlockQ8]) -> f32 {
         let h = _mm256_hadd_epi32(_mm256_hadd_epi32(l0.0, l1.0), _mm256_hadd_epi32(l2.0, l3.0));
         let isum = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
         acc = _mm_fmadd_ps(_mm_cvtepi32_ps(isum), _mm_set_ps(l3.1, l2.1, l1.1, l0.1), acc);
-        if KIND != Q8_0 {
+        if has_offset(KIND) {
             off = _mm_fmadd_ps(_mm_set_ps(l3.2, l2.2, l1.2, l0.2), _mm_set_ps(l3.3, l2.3, l1.3, l0.3), off);
         }
         b0 += 4;
@@ -245,8 +275,19 @@ unsafe fn gemm16(dt: QuantType, rows: &[&[u8]], p: &Packed16) -> [f32; 16] {
         (QuantType::Q4K, &[w0, w1]) => unsafe { gemm16_kind::<Q4K, 2>([w0, w1], p) },
         // SAFETY: as above.
         (QuantType::Q5K, &[w0, w1]) => unsafe { gemm16_kind::<Q5K, 2>([w0, w1], p) },
+        // SAFETY: as above.
+        (QuantType::Q6K, &[w]) => unsafe { gemm16_kind::<Q6K, 1>([w], p) },
+        // SAFETY: as above.
+        (QuantType::Q6K, &[w0, w1]) => unsafe { gemm16_kind::<Q6K, 2>([w0, w1], p) },
         (q, rows) => panic!("gemm16 takes one or two rows of {q:?}, not {} (QuantType::has_gemm16)", rows.len()),
     }
+}
+
+/// Two i32s as one 64-bit pattern broadcast to all lanes: `[x, y, x, y, ...]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn pair_epi32(x: i32, y: i32) -> __m512i {
+    _mm512_set1_epi64(i64::from(x as u32) | (i64::from(y as u32) << 32))
 }
 
 /// Two f32s as one 64-bit pattern broadcast to all lanes: `[x, y, x, y, ...]`.
@@ -267,6 +308,7 @@ unsafe fn gemm16_kind<const KIND: u8, const R: usize>(w: [&[u8]; R], p: &Packed1
             && p.d.len() >= nb * LANES
             && p.s.len() >= nb * LANES
             && p.isum.len() >= nb * LANES
+            && p.isum_lo.len() >= nb * LANES
     );
     let mut acc = [_mm512_setzero_ps(); 4];
     let mut off = [_mm512_setzero_ps(); 4];
@@ -275,30 +317,31 @@ unsafe fn gemm16_kind<const KIND: u8, const R: usize>(w: [&[u8]; R], p: &Packed1
     let mut step = |b: usize, acc: &mut __m512, off: &mut __m512| {
         let unpack = |w: &[u8]| {
             prefetch(w, block_at(KIND, b));
-            let (d, m, wq) = group::<KIND>(w, b);
+            let g = group::<KIND>(w, b);
             // Signed quants + 128 are unsigned bytes; 128 * Σa is subtracted below.
-            let wq = if KIND == Q8_0 { _mm256_xor_si256(wq, _mm256_set1_epi8(-128)) } else { wq };
-            ((d, m), wq)
+            let wq = if KIND == Q8_0 { _mm256_xor_si256(g.q, _mm256_set1_epi8(-128)) } else { g.q };
+            ((g.d, g.m, g.sc), wq)
         };
-        let ((d0, m0), wq0) = unpack(w[0]);
-        let (d, m) = if R == 1 {
+        let ((d0, m0, sc0), wq0) = unpack(w[0]);
+        let (d, m, sc) = if R == 1 {
             // SAFETY: `wb` is 16 i32s.
             unsafe { _mm256_storeu_si256(wb.as_mut_ptr().cast(), wq0) };
-            (_mm512_set1_ps(d0), _mm512_set1_ps(m0))
+            (_mm512_set1_ps(d0), _mm512_set1_ps(m0), (_mm512_set1_epi32(sc0.0), _mm512_set1_epi32(sc0.1)))
         } else {
-            let ((d1, m1), wq1) = unpack(w[R - 1]);
+            let ((d1, m1, sc1), wq1) = unpack(w[R - 1]);
             let (x, y) = (_mm256_unpacklo_epi32(wq0, wq1), _mm256_unpackhi_epi32(wq0, wq1));
             // SAFETY: `wb` is 16 i32s = 64 bytes.
             unsafe {
                 _mm256_storeu_si256(wb.as_mut_ptr().cast(), _mm256_permute2x128_si256::<0x20>(x, y));
                 _mm256_storeu_si256(wb.as_mut_ptr().add(8).cast(), _mm256_permute2x128_si256::<0x31>(x, y));
             }
-            (pair_ps(d0, d1), pair_ps(m0, m1))
+            (pair_ps(d0, d1), pair_ps(m0, m1), (pair_epi32(sc0.0, sc1.0), pair_epi32(sc0.1, sc1.1)))
         };
         // The broadcasts below must be loads from memory (load ports) rather than register
         // shuffles (the one shuffle port), so the compiler may not see through the store.
         let wb = std::hint::black_box(&mut wb);
-        // Two chains of four: the products of a block are not one long dependency chain.
+        // Two chains of four: the products of a block are not one long dependency chain. Q6_K's
+        // are its two halves, each with its own scale.
         let mut isum = [_mm512_setzero_si512(); 2];
         for j in 0..8 {
             // SAFETY: 64 bytes at ((b * 8 + j) * 16) * 4 lie inside `qs` (asserted length).
@@ -309,9 +352,11 @@ unsafe fn gemm16_kind<const KIND: u8, const R: usize>(w: [&[u8]; R], p: &Packed1
                 // SAFETY: dwords 2j and 2j + 1 of `wb`.
                 _mm512_set1_epi64(unsafe { wb.as_ptr().add(2 * j).cast::<i64>().read_unaligned() })
             };
-            isum[j % 2] = _mm512_dpbusd_epi32(isum[j % 2], four, act);
+            let chain = if KIND == Q6K { j / 4 } else { j % 2 };
+            isum[chain] = _mm512_dpbusd_epi32(isum[chain], four, act);
         }
-        let mut isum = _mm512_add_epi32(isum[0], isum[1]);
+        let [isum0, isum1] = isum;
+        let mut isum = _mm512_add_epi32(isum0, isum1);
         // SAFETY: 16 values at b * 16 in each per-lane array (asserted lengths).
         let (da, sa, asum) = unsafe {
             (
@@ -323,9 +368,18 @@ unsafe fn gemm16_kind<const KIND: u8, const R: usize>(w: [&[u8]; R], p: &Packed1
         if KIND == Q8_0 {
             isum = _mm512_sub_epi32(isum, _mm512_slli_epi32::<7>(asum));
         }
+        if KIND == Q6K {
+            // sc0 (Σ₀ q a - 32 Σ₀ a) + sc1 (Σ₁ q a - 32 Σ₁ a), as the single-token dot's dwords.
+            // SAFETY: 16 values at b * 16 (asserted length).
+            let lo = unsafe { _mm512_loadu_si512(p.isum_lo.as_ptr().add(b * LANES).cast()) };
+            let hi = _mm512_sub_epi32(asum, lo);
+            let h0 = _mm512_mullo_epi32(_mm512_sub_epi32(isum0, _mm512_slli_epi32::<5>(lo)), sc.0);
+            let h1 = _mm512_mullo_epi32(_mm512_sub_epi32(isum1, _mm512_slli_epi32::<5>(hi)), sc.1);
+            isum = _mm512_add_epi32(h0, h1);
+        }
         let sc = _mm512_mul_ps(da, d);
         *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, *acc);
-        if KIND != Q8_0 {
+        if has_offset(KIND) {
             *off = _mm512_fmadd_ps(m, sa, *off);
         }
     };

@@ -71,6 +71,10 @@ pub struct Kernels {
     /// `x[i] = exp(x[i])` (softmax and SiLU; the AVX2 version is a polynomial within 2e-7
     /// relative error of `f32::exp`).
     pub exp: fn(&mut [f32]),
+    /// `gate = gelu(gate) * up` with GELU's tanh approximation, in place (Gemma's feed-forward;
+    /// the reference is [`crate::ops::geglu`], the AVX2 version `x · σ(2y)` through the vector
+    /// `exp`).
+    pub geglu: fn(&mut [f32], &[f32]),
     /// One quantized weight row against a group of 16 packed tokens, or two rows against 8
     /// tokens packed twice each (lane `l`: token `l / R`, row `l % R`), when the ISA has a
     /// kernel for it. Its per-lane arithmetic is exactly that of the single-token dots of the
@@ -140,6 +144,7 @@ impl Kernels {
             attn_scores: scalar::attn_scores,
             attn_values: scalar::attn_values,
             exp: scalar::exp,
+            geglu: crate::ops::geglu,
             gemm16: None,
             gemv16: None,
         }

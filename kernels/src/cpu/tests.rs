@@ -139,6 +139,22 @@ fn exp_matches(k: &Kernels, x: &[f32]) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+fn geglu_matches(k: &Kernels, x: &[f32]) -> Result<(), TestCaseError> {
+    let up: Vec<f32> = x.iter().map(|v| 1.5 - v / 7.0).collect();
+    let mut got = x.to_vec();
+    (k.geglu)(&mut got, &up);
+    for ((&xi, &ui), g) in x.iter().zip(&up).zip(&got) {
+        // Against f64 (in the form `x σ(2y)`: the f64 `1 + tanh y` still cancels to 0 far out).
+        let (x, u) = (f64::from(xi), f64::from(ui));
+        let y = (2.0 / std::f64::consts::PI).sqrt() * (x + 0.044_715 * x.powi(3));
+        let want = x / (1.0 + (-2.0 * y).exp()) * u;
+        // f32's rounding of y grows e^(-2y)'s relative error by |2y|.
+        let tol = 5e-7 * (4.0 + 2.0 * y.abs()) * want.abs() + 1e-30;
+        prop_assert!((want - f64::from(*g)).abs() <= tol, "geglu({}) = {} vs {}", xi, g, want);
+    }
+    Ok(())
+}
+
 /// The property tests of one fast table, ignored (with the reason) where the processor lacks it.
 macro_rules! fast_table_tests {
     ($module:ident, $isa:expr, $present:meta, $why:literal) => {
@@ -188,6 +204,12 @@ macro_rules! fast_table_tests {
                 #[cfg_attr(not($present), ignore = $why)]
                 fn exp_matches_reference(x in proptest::collection::vec(-80.0f32..80.0, 1..40)) {
                     exp_matches(&k(), &x)?;
+                }
+
+                #[test]
+                #[cfg_attr(not($present), ignore = $why)]
+                fn geglu_matches_reference(x in proptest::collection::vec(-60.0f32..60.0, 1..40)) {
+                    geglu_matches(&k(), &x)?;
                 }
             }
         }

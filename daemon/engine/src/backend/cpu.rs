@@ -13,7 +13,7 @@ use crate::model::{LlamaConfig, LlamaWeights, Tensor};
 use half::f16;
 use inferd_kernels::attention::{attend_batch, PagedKv, QueryCtx};
 use inferd_kernels::matmul::{matmul_many, Input};
-use inferd_kernels::ops::{geglu, rms_norm_each};
+use inferd_kernels::ops::rms_norm_each;
 use inferd_kernels::ops::{rms_norm, swiglu, Rope};
 use inferd_kernels::pool::ThreadPool;
 use inferd_kernels::quant::QK;
@@ -334,7 +334,7 @@ impl Backend for CpuBackend {
             Self::project(pool, k, &[&lw.w_gate, &lw.w_up], &s.xb, n, &mut s.q8, &mut [&mut s.gate, &mut s.up]);
             match arch.activation {
                 Activation::SiluGated => swiglu(&mut s.gate, &s.up),
-                Activation::GeluTanhGated => geglu(&mut s.gate, &s.up),
+                Activation::GeluTanhGated => (k.geglu)(&mut s.gate, &s.up),
             }
             Self::project(pool, k, &[&lw.w_down], &s.gate, n, &mut s.q8, &mut [&mut s.out]);
             if let Some(post) = &lw.ffn_post_norm {
