@@ -38,7 +38,7 @@ impl SeqStore for Peak<'_> {
     fn fork(&mut self, s: StoreSeq) -> Result<StoreSeq, StoreError> {
         self.inner.fork(s)
     }
-    fn truncate(&mut self, s: StoreSeq, len: usize) {
+    fn truncate(&mut self, s: StoreSeq, len: usize) -> Result<(), StoreError> {
         self.inner.truncate(s, len)
     }
     fn free(&mut self, s: StoreSeq) {

@@ -130,10 +130,13 @@ pub fn attend_batch(
     assert_eq!(out.len(), q.len(), "output shape");
     for c in ctx {
         assert!(c.start < c.ctx_len && c.ctx_len <= c.table.len() * kv.block_size, "context exceeds block table");
+        // The blocks the query reads (a window's earlier entries may be released).
         assert!(
-            c.table
-                .iter()
-                .all(|&b| (b as usize + 1) * kv.n_kv_heads * kv.block_size * hd <= kv.k.len().min(kv.v.len())),
+            c.table[c.start / kv.block_size..c.ctx_len.div_ceil(kv.block_size)].iter().all(|&b| (b as usize + 1)
+                * kv.n_kv_heads
+                * kv.block_size
+                * hd
+                <= kv.k.len().min(kv.v.len())),
             "block id outside the pool"
         );
     }

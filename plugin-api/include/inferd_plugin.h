@@ -109,7 +109,10 @@ struct inferd_host_api {
     int32_t (*seq_create)(inferd_call *call, uint32_t role, inferd_seq *out);
     /* A copy-on-write fork of `seq`: same tokens, shared KV blocks. */
     int32_t (*seq_fork)(inferd_call *call, inferd_seq seq, inferd_seq *out);
-    /* Keeps the first `len` tokens. */
+    /* Keeps the first `len` tokens. INFERD_ERR_INVALID, changing nothing, on a model with
+     * sliding-window layers when the next token would attend to positions they have already
+     * released: a sequence can always be rolled back by up to 32 tokens (a speculative step's
+     * rejected drafts), further only within its window. */
     int32_t (*seq_truncate)(inferd_call *call, inferd_seq seq, uint32_t len);
     int32_t (*seq_free)(inferd_call *call, inferd_seq seq);
     /* Number of tokens in the sequence (run or waiting to run). */

@@ -142,6 +142,67 @@ fn gemma3_270m_q4_k_m_matches_llama_cpp() {
     eprintln!("gemma-3-270m Q4_K_M: largest logit difference from llama.cpp {worst:.4}");
 }
 
+#[test]
+fn tiny_gemma3_window_layers_give_back_their_blocks_and_keep_their_logits() {
+    // Tiny Gemma 3: 6 layers, sliding windows of 8 positions in all but the global ones,
+    // context 256. A 200-token sequence decoded one token at a time runs in a pool too small
+    // for it unless the window groups give blocks back (and the pool reuses them), and its
+    // last logits equal those of one cold prefill of the same tokens, bit for bit (a released
+    // block that was still read, or reused while read, would change them).
+    use inferd_engine::kv::{NO_BLOCK, ROLLBACK};
+    let model = Model::load(&tiny_dir().join("tiny-gemma3.gguf")).unwrap();
+    let groups = inferd_engine::backend::cpu::kv_groups(&model.arch);
+    let bs: usize = 16;
+    let (n_window, n_full) =
+        (groups.windows.iter().filter(|w| w.is_some()).count(), groups.windows.iter().filter(|w| w.is_none()).count());
+    assert!(n_window > 0 && n_full > 0, "{groups:?}");
+    let len: usize = 200;
+    let tokens: Vec<u32> = (0..len as u32).map(|i| (i * 37 + 11) % model.config.vocab as u32).collect();
+    let page = inferd_engine::backend::cpu::kv_page_bytes(&model.config, &model.arch, bs);
+    let per_window = (8 + ROLLBACK).div_ceil(bs) + 2;
+    let pages = len.div_ceil(bs) * n_full + per_window * n_window;
+    assert!(pages < len.div_ceil(bs) * groups.len(), "the pool would not hold the sequence without releases");
+    let opts = EngineOptions { kv_budget_bytes: pages * page, block_size: bs, ..EngineOptions::default() };
+    let mut small = Engine::cpu(&model, &opts).unwrap();
+    assert_eq!(small.kv.stats().total, pages);
+    let (seq, _) = small.prefill(&[&tokens[..1]]).unwrap().remove(0);
+    let mut last = Vec::new();
+    for (i, &t) in tokens.iter().enumerate().skip(1) {
+        last = small.decode(&[(seq, t)]).unwrap().to_vec();
+        let held: Vec<usize> = (0..groups.len())
+            .filter(|&g| groups.windows[g].is_some())
+            .map(|g| small.kv.block_tables(seq)[g].iter().filter(|&&b| b != NO_BLOCK).count())
+            .collect();
+        assert!(held.iter().all(|&h| h <= per_window), "position {i}: window blocks held {held:?}");
+    }
+    let mut cold =
+        Engine::cpu(&model, &EngineOptions { kv_budget_bytes: 64 << 20, block_size: bs, ..EngineOptions::default() })
+            .unwrap();
+    let (c, want) = cold.prefill(&[&tokens]).unwrap().remove(0);
+    assert_eq!(last, want, "decoded through released blocks = one cold prefill");
+    // A rollback within the margin recomputes the same logits; one below it is refused.
+    assert!(small.kv.truncate(seq, 20).is_err());
+    small.kv.truncate(seq, len - 10).unwrap();
+    let again = small.step(&[RunItem { seq, tokens: &tokens[len - 10..], n_logits: 1 }]).unwrap().remove(0);
+    assert_eq!(again, want, "after a rollback");
+    // The prefix cache serves a windowed model too: the full groups' blocks and the window
+    // groups' last ones, with the cold logits.
+    cold.release(c);
+    let mut longer = tokens.clone();
+    longer.push(5);
+    let (hit, l_hit) = cold.prefill(&[&longer]).unwrap().remove(0);
+    assert!(
+        cold.kv.computed(hit) > 0
+            && cold.kv.stats().total - cold.kv.stats().free < longer.len().div_ceil(bs) * groups.len()
+    );
+    let mut fresh =
+        Engine::cpu(&model, &EngineOptions { kv_budget_bytes: 64 << 20, block_size: bs, ..EngineOptions::default() })
+            .unwrap();
+    assert_eq!(l_hit, fresh.prefill(&[&longer]).unwrap().remove(0).1, "prefix hit = cold prefill");
+    small.release(seq);
+    assert_eq!(small.kv.stats().free, pages, "nothing leaked");
+}
+
 /// Logits of `model` at the recorded positions of the cases of `entry`, one vector each.
 fn logits_at(model: &Model, entry: &Value) -> Vec<Vec<f32>> {
     let mut e = Engine::cpu(model, &EngineOptions { kv_budget_bytes: 64 << 20, ..EngineOptions::default() }).unwrap();

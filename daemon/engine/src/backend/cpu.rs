@@ -7,7 +7,7 @@
 //! attention, which then reads every position (old and new) through the block tables.
 
 use super::{validate_batch, Backend, BackendError, SeqBatch};
-use crate::kv::BlockCopy;
+use crate::kv::{BlockCopy, KvGroups};
 use crate::model::arch::{Activation, Architecture, LayerAttention, NormPlacement, RopeScaling};
 use crate::model::{LlamaConfig, LlamaWeights, Tensor};
 use half::f16;
@@ -52,7 +52,10 @@ pub struct CpuBackend {
     rope_of: Vec<usize>,
     block_size: usize,
     kv_blocks: usize,
-    /// Per layer: `(kv_blocks, n_kv_heads, block_size, head_dim)` f16.
+    /// The layers' KV groups: layer `l` keeps its K/V in slot `groups.layer_slot[l].1` of the
+    /// blocks of its group's table.
+    groups: KvGroups,
+    /// Per slot: `(kv_blocks, n_kv_heads, block_size, head_dim)` f16.
     k_cache: Vec<Vec<f16>>,
     v_cache: Vec<Vec<f16>>,
     s: Scratch,
@@ -97,9 +100,20 @@ pub fn runs(arch: &Architecture) -> Result<(), BackendError> {
     Ok(())
 }
 
-/// Bytes of K and V one cache block takes for this model.
+/// Bytes of K and V that `block_size` positions take in every layer of this model.
 pub fn kv_block_bytes(cfg: &LlamaConfig, block_size: usize) -> usize {
     cfg.n_layers * 2 * cfg.kv_dim() * block_size * std::mem::size_of::<f16>()
+}
+
+/// The KV groups of `arch`'s layers (one group when no layer has a window).
+pub fn kv_groups(arch: &Architecture) -> KvGroups {
+    KvGroups::for_layers(&arch.layers.iter().map(|l| l.window).collect::<Vec<_>>())
+}
+
+/// Bytes of one page of the pool: K and V of `block_size` positions for the layers of one
+/// group.
+pub fn kv_page_bytes(cfg: &LlamaConfig, arch: &Architecture, block_size: usize) -> usize {
+    kv_block_bytes(cfg, block_size) / cfg.n_layers * kv_groups(arch).slots
 }
 
 impl CpuBackend {
@@ -108,7 +122,7 @@ impl CpuBackend {
     /// something this forward pass does not run ([`runs`]).
     pub fn for_model(model: &crate::model::Model, opts: &crate::engine::EngineOptions) -> Result<Self, BackendError> {
         runs(&model.arch)?;
-        let blocks = (opts.kv_budget_bytes / kv_block_bytes(&model.config, opts.block_size)).max(1);
+        let blocks = (opts.kv_budget_bytes / kv_page_bytes(&model.config, &model.arch, opts.block_size)).max(1);
         Ok(CpuBackend::new(
             model.config.clone(),
             model.arch.clone(),
@@ -128,7 +142,8 @@ impl CpuBackend {
         block_size: usize,
         threads: usize,
     ) -> Self {
-        let per_layer = kv_blocks * cfg.kv_dim() * block_size;
+        let per_slot = kv_blocks * cfg.kv_dim() * block_size;
+        let groups = kv_groups(&arch);
         let mut kinds: Vec<(f32, RopeScaling)> = Vec::new();
         let rope_of = arch
             .layers
@@ -146,8 +161,9 @@ impl CpuBackend {
             .map(|(base, scaling)| Rope::with_frequencies(cfg.rope_style, scaling.frequencies(cfg.rope_dim, *base)))
             .collect();
         CpuBackend {
-            k_cache: (0..cfg.n_layers).map(|_| vec![f16::ZERO; per_layer]).collect(),
-            v_cache: (0..cfg.n_layers).map(|_| vec![f16::ZERO; per_layer]).collect(),
+            k_cache: (0..groups.slots).map(|_| vec![f16::ZERO; per_slot]).collect(),
+            v_cache: (0..groups.slots).map(|_| vec![f16::ZERO; per_slot]).collect(),
+            groups,
             cfg,
             arch,
             w,
@@ -215,6 +231,10 @@ impl Backend for CpuBackend {
         self.block_size
     }
 
+    fn kv_groups(&self) -> &KvGroups {
+        &self.groups
+    }
+
     fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), BackendError> {
         let n = self.cfg.kv_dim() * self.block_size;
         for c in copies {
@@ -232,21 +252,26 @@ impl Backend for CpuBackend {
     }
 
     fn forward(&mut self, batch: &[SeqBatch<'_>], logits: &mut Vec<f32>) -> Result<(), BackendError> {
-        validate_batch(&self.cfg, self.kv_blocks, self.block_size, batch)?;
+        validate_batch(&self.cfg, &self.groups, self.kv_blocks, self.block_size, batch)?;
         let cfg = &self.cfg;
         let (h, hd, nkv, bs) = (cfg.hidden, cfg.head_dim, cfg.n_kv_heads, self.block_size);
         let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
         // Flatten: token t of the batch belongs to sequence seq_of[t] at position pos_of[t].
         let tokens: Vec<u32> = batch.iter().flat_map(|s| s.tokens.iter().copied()).collect();
         let pos_of: Vec<usize> = batch.iter().flat_map(|s| s.start_pos..s.start_pos + s.tokens.len()).collect();
-        let ctx: Vec<QueryCtx<'_>> = batch
-            .iter()
-            .flat_map(|s| {
-                (s.start_pos..s.start_pos + s.tokens.len()).map(|p| QueryCtx {
-                    table: s.block_table,
-                    ctx_len: p + 1,
-                    start: 0,
-                })
+        // What each token sees in each KV group: that group's table, from its window's start.
+        let ctxs: Vec<Vec<QueryCtx<'_>>> = (self.groups.windows.iter().enumerate())
+            .map(|(g, window)| {
+                batch
+                    .iter()
+                    .flat_map(|s| {
+                        (s.start_pos..s.start_pos + s.tokens.len()).map(move |p| QueryCtx {
+                            table: &s.block_tables[g],
+                            ctx_len: p + 1,
+                            start: window.map_or(0, |w| (p + 1).saturating_sub(w)),
+                        })
+                    })
+                    .collect()
             })
             .collect();
         let n = tokens.len();
@@ -272,8 +297,6 @@ impl Backend for CpuBackend {
                 rope.angles(p, &mut angles[t * pairs..(t + 1) * pairs]);
             }
         }
-        // The contexts of the sliding-window layers, rebuilt only when the window changes.
-        let (mut window_ctx, mut window_of) = (Vec::new(), None);
         for (li, lw) in self.w.layers.iter().enumerate() {
             let la = &arch.layers[li];
             // Attention block.
@@ -295,7 +318,9 @@ impl Backend for CpuBackend {
                 rope.apply_angles(&mut s.q[t * qd..(t + 1) * qd], hd, angles);
                 rope.apply_angles(&mut s.k[t * kvd..(t + 1) * kvd], hd, angles);
             }
-            let (kc, vc) = (&mut self.k_cache[li], &mut self.v_cache[li]);
+            let (group, slot) = self.groups.layer_slot[li];
+            let ctx = &ctxs[group];
+            let (kc, vc) = (&mut self.k_cache[slot], &mut self.v_cache[slot]);
             for t in 0..n {
                 let p = pos_of[t];
                 let blk = ctx[t].table[p / bs] as usize;
@@ -309,18 +334,8 @@ impl Backend for CpuBackend {
                 }
             }
             let kv = PagedKv { k: kc, v: vc, block_size: bs, n_kv_heads: nkv, head_dim: hd };
-            let layer_ctx = match la.window {
-                None => &ctx,
-                Some(w) => {
-                    if window_of != Some(w) {
-                        window_ctx.clear();
-                        window_ctx.extend(ctx.iter().map(|c| QueryCtx { start: c.ctx_len.saturating_sub(w), ..*c }));
-                        window_of = Some(w);
-                    }
-                    &window_ctx
-                }
-            };
-            attend_batch(pool, k, &kv, cfg.n_heads, arch.attention_scale, &s.q, layer_ctx, &mut s.att);
+            debug_assert_eq!(la.window, self.groups.windows[group], "a layer's group has its window");
+            attend_batch(pool, k, &kv, cfg.n_heads, arch.attention_scale, &s.q, ctx, &mut s.att);
             Self::project(pool, k, &[&lw.wo], &s.att, n, &mut s.q8, &mut [&mut s.out]);
             if let Some(post) = &lw.attn_post_norm {
                 rms_norm_each(&mut s.out, post, eps);

@@ -8,7 +8,7 @@
 pub mod cpu;
 
 use crate::engine::EngineOptions;
-use crate::kv::{BlockCopy, BlockId};
+use crate::kv::{BlockCopy, BlockId, KvGroups, NO_BLOCK};
 use crate::model::{LlamaConfig, Model};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -60,7 +60,9 @@ pub fn open(kind: BackendKind, model: &Model, opts: &EngineOptions) -> Result<Bo
 pub struct SeqBatch<'a> {
     pub tokens: &'a [u32],
     pub start_pos: usize,
-    pub block_table: &'a [BlockId],
+    /// One block table per KV group ([`Backend::kv_groups`]); a window group's entries
+    /// before its window are [`NO_BLOCK`].
+    pub block_tables: &'a [Vec<BlockId>],
     /// How many of the last positions want logits (1 for decode and the last prefill chunk,
     /// 0 for an earlier prefill chunk, more for speculative verification).
     pub logits: usize,
@@ -72,8 +74,11 @@ pub trait Backend: Send {
     /// What it computes on, for reports (the CPU backend: its kernel table, e.g. `Avx512Vnni`).
     fn device(&self) -> String;
     fn config(&self) -> &LlamaConfig;
-    /// Blocks in the K/V storage and positions per block.
+    /// Blocks in the K/V storage and positions per block. A block (a page) holds
+    /// [`KvGroups::slots`] layers' K/V, for whichever group's table it is in.
     fn kv_blocks(&self) -> usize;
+    /// How the layers are grouped into block tables.
+    fn kv_groups(&self) -> &KvGroups;
     fn block_size(&self) -> usize;
     /// Copies whole blocks (all layers, K and V): copy-on-write for forked sequences.
     fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), BackendError>;
@@ -85,6 +90,7 @@ pub trait Backend: Send {
 /// Checks a batch against the model and the KV pool before any compute touches it.
 pub fn validate_batch(
     cfg: &LlamaConfig,
+    groups: &KvGroups,
     kv_blocks: usize,
     block_size: usize,
     batch: &[SeqBatch<'_>],
@@ -103,11 +109,26 @@ pub fn validate_batch(
         if end > cfg.context_len {
             return Err(BackendError::ContextOverflow { pos: end - 1, ctx: cfg.context_len });
         }
-        if end > s.block_table.len() * block_size {
-            return Err(BackendError::NoSlot { pos: end - 1, slots: s.block_table.len() * block_size });
+        if s.block_tables.len() != groups.len() {
+            return Err(BackendError::Invalid(format!(
+                "{} block tables for {} KV groups",
+                s.block_tables.len(),
+                groups.len()
+            )));
         }
-        if let Some(&b) = s.block_table.iter().find(|&&b| b as usize >= kv_blocks) {
-            return Err(BackendError::BadBlock(b));
+        for (table, window) in s.block_tables.iter().zip(&groups.windows) {
+            if end > table.len() * block_size {
+                return Err(BackendError::NoSlot { pos: end - 1, slots: table.len() * block_size });
+            }
+            // The blocks the new tokens read: from the first one's window on.
+            let first = window.map_or(0, |w| (s.start_pos + 1).saturating_sub(w) / block_size);
+            if let Some(&b) = table[first..end.div_ceil(block_size)].iter().find(|&&b| b as usize >= kv_blocks) {
+                return Err(if b == NO_BLOCK {
+                    BackendError::Invalid(format!("position {} reads a released block", first * block_size))
+                } else {
+                    BackendError::BadBlock(b)
+                });
+            }
         }
     }
     Ok(())

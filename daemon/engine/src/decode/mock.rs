@@ -148,12 +148,13 @@ impl SeqStore for MockStore {
         Ok(n)
     }
 
-    fn truncate(&mut self, s: StoreSeq, len: usize) {
+    fn truncate(&mut self, s: StoreSeq, len: usize) -> Result<(), StoreError> {
         if let Some((_, t, p)) = self.seqs.get_mut(&s) {
             let run = t.len() - *p;
             t.truncate(len);
             *p = t.len().saturating_sub(run);
         }
+        Ok(())
     }
 
     fn free(&mut self, s: StoreSeq) {

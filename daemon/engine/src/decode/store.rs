@@ -23,6 +23,8 @@ pub enum StoreError {
     #[error("asked for {wanted} logits rows but only {tokens} tokens run")]
     BadLogitsCount { wanted: usize, tokens: usize },
     #[error(transparent)]
+    Rollback(#[from] crate::kv::WindowReleased),
+    #[error(transparent)]
     Engine(#[from] EngineError),
 }
 
@@ -53,8 +55,9 @@ pub trait SeqStore {
     fn create(&mut self, role: u32, prompt: &[u32]) -> Result<StoreSeq, StoreError>;
     /// A copy-on-write copy of `s`.
     fn fork(&mut self, s: StoreSeq) -> Result<StoreSeq, StoreError>;
-    /// Keeps the first `len` tokens.
-    fn truncate(&mut self, s: StoreSeq, len: usize);
+    /// Keeps the first `len` tokens; refused, changing nothing, where a sliding-window model
+    /// has already released what the next token would attend to.
+    fn truncate(&mut self, s: StoreSeq, len: usize) -> Result<(), StoreError>;
     fn free(&mut self, s: StoreSeq);
     fn tokens(&self, s: StoreSeq) -> Vec<u32>;
     /// Appends each item's tokens, runs everything not run yet and returns the logits of each
@@ -197,15 +200,16 @@ impl SeqStore for EngineStore<'_> {
         Ok(new)
     }
 
-    fn truncate(&mut self, s: StoreSeq, len: usize) {
+    fn truncate(&mut self, s: StoreSeq, len: usize) -> Result<(), StoreError> {
         let (engine, id) = self.split(s);
         let run = engine.kv.len(id);
         if len <= run {
-            engine.kv.truncate(id, len);
+            engine.kv.truncate(id, len)?;
             self.pending.entry(s).or_default().clear();
         } else {
             self.pending.entry(s).or_default().truncate(len - run);
         }
+        Ok(())
     }
 
     fn free(&mut self, s: StoreSeq) {
@@ -264,7 +268,9 @@ impl SeqStore for EngineStore<'_> {
                 Err(e) => {
                     // Only a backend fault gets here (both halves were checked): undo the target.
                     for ((s, _, _), &len) in t_spans.iter().zip(&before) {
-                        self.engine.kv.truncate(*s, len);
+                        // Refused only where the target's step moved its window past `len`;
+                        // the sequence then stays run, and the error below still says why.
+                        let _ = self.engine.kv.truncate(*s, len);
                     }
                     return Err(e.into());
                 }

@@ -82,7 +82,8 @@ impl Engine {
     }
 
     pub fn new(backend: Box<dyn Backend>, prefill_chunk: usize) -> Self {
-        let kv = KvCacheManager::new(backend.kv_blocks(), backend.block_size());
+        let kv =
+            KvCacheManager::with_groups(backend.kv_blocks(), backend.block_size(), backend.kv_groups().windows.clone());
         Engine { backend, kv, logits: Vec::new(), rows: Vec::new(), prefill_chunk: prefill_chunk.max(1) }
     }
 
@@ -166,12 +167,19 @@ impl Engine {
             self.undo(items, &start);
         }
         result?;
+        // Only now may the window groups let go of what the step moved past: an undo above
+        // goes back to where the step started, which must still be there.
+        for it in items {
+            self.kv.slide(it.seq);
+        }
         Ok(&self.logits)
     }
 
     fn undo(&mut self, items: &[RunItem<'_>], start: &[usize]) {
         for (it, &len) in items.iter().zip(start) {
-            self.kv.truncate(it.seq, len);
+            // Back to the step's start: nothing before it was released during the step
+            // (`slide` runs after a step succeeds), so this is never refused.
+            let _ = self.kv.truncate(it.seq, len);
         }
     }
 
@@ -188,7 +196,7 @@ impl Engine {
                 .map(|(it, &s)| SeqBatch {
                     tokens: it.tokens,
                     start_pos: s,
-                    block_table: self.kv.block_table(it.seq),
+                    block_tables: self.kv.block_tables(it.seq),
                     logits: it.n_logits,
                 })
                 .collect();
@@ -232,7 +240,7 @@ impl Engine {
                 .map(|&(i, a, b)| SeqBatch {
                     tokens: &items[i].tokens[a..b],
                     start_pos: start[i] + a,
-                    block_table: self.kv.block_table(items[i].seq),
+                    block_tables: self.kv.block_tables(items[i].seq),
                     logits: rows(i, a, b),
                 })
                 .collect();

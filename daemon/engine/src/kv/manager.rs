@@ -6,6 +6,12 @@
 //! the backend must do first), and [`KvCacheManager::commit`] after it, which publishes newly
 //! filled blocks to the prefix cache. Running out of blocks is a value ([`OutOfBlocks`]) the
 //! scheduler handles, not an error.
+//!
+//! A sequence has one block table per KV group ([`super::groups`]): a model without sliding
+//! windows has one, Gemma 3 one per group of its window and global layers. Every table covers
+//! every position; in a window group's table, the blocks wholly behind the window (and
+//! [`ROLLBACK`] positions more) are released by [`KvCacheManager::slide`] after each step and
+//! their entries set to [`NO_BLOCK`].
 
 use super::block_pool::{BlockHash, BlockId, BlockPool};
 use std::collections::HashMap;
@@ -14,6 +20,22 @@ use std::hash::{BuildHasher, Hash, Hasher, RandomState};
 /// Handle of a sequence in the cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SeqId(pub u32);
+
+/// The table entry of a block a window group released (no position there is read again).
+pub const NO_BLOCK: BlockId = BlockId::MAX;
+
+/// Positions a window group keeps beyond its window, so a sequence can be rolled back that far
+/// (a speculative step's rejected tokens) after its window has moved on.
+pub const ROLLBACK: usize = 32;
+
+/// A truncation to a length whose next query would read window positions already released;
+/// nothing was changed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("cannot roll back to {len} tokens: the sliding-window layers have released positions before {kept} (at most {ROLLBACK} positions behind the window can be rolled back)")]
+pub struct WindowReleased {
+    pub len: usize,
+    pub kept: usize,
+}
 
 /// Not enough free blocks for the request; nothing was changed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -43,7 +65,10 @@ pub struct KvStats {
 #[derive(Clone, Debug, Default)]
 struct Sequence {
     tokens: Vec<u32>,
-    blocks: Vec<BlockId>,
+    /// Per group: the block of every `block_size` positions ([`NO_BLOCK`] once released).
+    tables: Vec<Vec<BlockId>>,
+    /// Per group: the blocks before this index are released (0 for full-attention groups).
+    floor: Vec<usize>,
     /// Positions whose K/V has been written by a forward pass.
     computed: usize,
     /// Chain hashes of the full blocks registered so far (`hashes[i]` covers block `i`).
@@ -55,6 +80,8 @@ struct Sequence {
 pub struct KvCacheManager {
     pool: BlockPool,
     block_size: usize,
+    /// Per group: its sliding window, `None` for full attention.
+    windows: Vec<Option<usize>>,
     seqs: HashMap<SeqId, Sequence>,
     next_id: u32,
     hasher: RandomState,
@@ -63,11 +90,20 @@ pub struct KvCacheManager {
 }
 
 impl KvCacheManager {
+    /// A cache of one full-attention group.
     pub fn new(n_blocks: usize, block_size: usize) -> Self {
-        assert!(block_size > 0);
+        Self::with_groups(n_blocks, block_size, vec![None])
+    }
+
+    /// A cache whose sequences have one block table per group, `windows` giving each group's
+    /// sliding window (`None`: full attention).
+    pub fn with_groups(n_blocks: usize, block_size: usize, windows: Vec<Option<usize>>) -> Self {
+        assert!(block_size > 0 && !windows.is_empty());
+        assert!(windows.iter().all(|w| *w != Some(0)), "a window sees its own position");
         KvCacheManager {
             pool: BlockPool::new(n_blocks),
             block_size,
+            windows,
             seqs: HashMap::new(),
             next_id: 0,
             hasher: RandomState::new(),
@@ -92,8 +128,15 @@ impl KvCacheManager {
     pub fn create(&mut self) -> SeqId {
         let id = SeqId(self.next_id);
         self.next_id = self.next_id.wrapping_add(1);
-        self.seqs.insert(id, Sequence::default());
+        let groups = self.windows.len();
+        self.seqs
+            .insert(id, Sequence { tables: vec![Vec::new(); groups], floor: vec![0; groups], ..Sequence::default() });
         id
+    }
+
+    /// Groups of the cache (one block table each per sequence).
+    pub fn groups(&self) -> usize {
+        self.windows.len()
     }
 
     fn seq(&self, id: SeqId) -> &Sequence {
@@ -122,13 +165,32 @@ impl KvCacheManager {
         &self.seq(id).tokens
     }
 
+    /// The block table of the first group (the only one of a model without windows).
     pub fn block_table(&self, id: SeqId) -> &[BlockId] {
-        &self.seq(id).blocks
+        &self.seq(id).tables[0]
     }
 
-    /// Blocks held by the sequence.
+    /// Every group's block table.
+    pub fn block_tables(&self, id: SeqId) -> &[Vec<BlockId>] {
+        &self.seq(id).tables
+    }
+
+    /// Blocks held by the sequence, over every group.
     pub fn blocks_used(&self, id: SeqId) -> usize {
-        self.seq(id).blocks.len()
+        self.seq(id).tables.iter().flatten().filter(|&&b| b != NO_BLOCK).count()
+    }
+
+    /// The key of block content `h` in group `g`'s part of the prefix cache.
+    fn group_key(&self, h: BlockHash, g: usize) -> BlockHash {
+        if g == 0 {
+            return h;
+        }
+        self.hasher.hash_one((h, g))
+    }
+
+    /// The first block a query at position `pos` reads in group `g`.
+    fn first_read(&self, g: usize, pos: usize) -> usize {
+        self.windows[g].map_or(0, |w| (pos + 1).saturating_sub(w) / self.block_size)
     }
 
     fn chain_hash(&self, parent: Option<BlockHash>, tokens: &[u32]) -> BlockHash {
@@ -147,46 +209,57 @@ impl KvCacheManager {
             return 0;
         }
         let max_blocks = prompt.len().saturating_sub(1) / bs;
+        let chunks: Vec<&[u32]> = prompt.chunks_exact(bs).take(max_blocks).collect();
+        let mut hashes = Vec::with_capacity(chunks.len());
         let mut parent = None;
-        let mut hits = Vec::new();
-        for chunk in prompt.chunks_exact(bs).take(max_blocks) {
+        for chunk in &chunks {
             let h = self.chain_hash(parent, chunk);
-            match self.pool.lookup(h, chunk) {
-                Some(b) => hits.push((b, h)),
-                None => break,
-            }
+            hashes.push(h);
             parent = Some(h);
         }
-        let n = hits.len() * bs;
-        for &(b, _) in &hits {
+        let find = |g: usize, i: usize| self.pool.lookup(self.group_key(hashes[i], g), chunks[i]);
+        // The longest run of blocks every full-attention group has; then, for windowed models,
+        // the longest prefix of that whose window blocks every window group still has.
+        let groups = self.windows.len();
+        let mut n = (0..hashes.len())
+            .take_while(|&i| (0..groups).all(|g| self.windows[g].is_some() || find(g, i).is_some()))
+            .count();
+        while n > 0 && !(0..groups).all(|g| (self.first_read(g, n * bs)..n).all(|i| find(g, i).is_some())) {
+            n -= 1;
+        }
+        let mut tables = vec![Vec::new(); groups];
+        let mut floor = vec![0; groups];
+        for (g, table) in tables.iter_mut().enumerate() {
+            floor[g] = self.first_read(g, n * bs).min(n);
+            for i in 0..n {
+                table.push(if i < floor[g] { NO_BLOCK } else { find(g, i).expect("checked above") });
+            }
+        }
+        for &b in tables.iter().flatten().filter(|&&b| b != NO_BLOCK) {
             self.pool.retain(b);
         }
         let s = self.seqs.get_mut(&id).expect("sequence exists");
-        s.blocks = hits.iter().map(|h| h.0).collect();
-        s.hashes = hits.iter().map(|h| h.1).collect();
-        s.tokens = prompt[..n].to_vec();
-        s.computed = n;
-        self.prefix_hit_tokens += n as u64;
-        n
+        s.tables = tables;
+        s.floor = floor;
+        s.hashes = hashes[..n].to_vec();
+        s.tokens = prompt[..n * bs].to_vec();
+        s.computed = n * bs;
+        self.prefix_hit_tokens += (n * bs) as u64;
+        n * bs
     }
 
     /// Blocks that appending `n` tokens to the sequence would take from the pool.
     pub fn blocks_needed(&self, id: SeqId, n: usize) -> usize {
-        let s = self.seq(id);
-        let have = s.blocks.len();
-        let need = (s.tokens.len() + n).div_ceil(self.block_size);
-        let cow = usize::from(
-            n > 0 && !s.tokens.len().is_multiple_of(self.block_size) && self.pool.refs(s.blocks[have - 1]) > 1,
-        );
-        need.saturating_sub(have) + cow
+        self.blocks_needed_for_step(&[(id, n)])
     }
 
     /// Blocks a whole step would take from the pool: `(sequence, tokens appended)` for every
     /// sequence the step writes to (each at most once). Exact, not an upper bound: it counts
-    /// the new blocks each sequence grows into and the copy-on-write copies of shared partial
-    /// last blocks, where the last of a block's holders to write in one step writes in place
-    /// (the others have copied away by then). Changes nothing; [`KvCacheManager::append`] for
-    /// every item then cannot fail when this is at most [`KvStats::free`].
+    /// the new blocks each sequence grows into in every group and the copy-on-write copies of
+    /// shared partial last blocks, where the last of a block's holders to write in one step
+    /// writes in place (the others have copied away by then). Changes nothing;
+    /// [`KvCacheManager::append`] for every item then cannot fail when this is at most
+    /// [`KvStats::free`].
     pub fn blocks_needed_for_step(&self, items: &[(SeqId, usize)]) -> usize {
         let bs = self.block_size;
         let mut needed = 0;
@@ -194,10 +267,12 @@ impl KvCacheManager {
         let mut writers: HashMap<BlockId, u32> = HashMap::new();
         for &(id, n) in items {
             let Some(s) = self.seqs.get(&id) else { continue };
-            needed += (s.tokens.len() + n).div_ceil(bs).saturating_sub(s.blocks.len());
-            if n > 0 && !s.tokens.len().is_multiple_of(bs) {
-                if let Some(&last) = s.blocks.last() {
-                    *writers.entry(last).or_default() += 1;
+            for table in &s.tables {
+                needed += (s.tokens.len() + n).div_ceil(bs).saturating_sub(table.len());
+                if n > 0 && !s.tokens.len().is_multiple_of(bs) {
+                    if let Some(&last) = table.last().filter(|&&b| b != NO_BLOCK) {
+                        *writers.entry(last).or_default() += 1;
+                    }
                 }
             }
         }
@@ -210,8 +285,9 @@ impl KvCacheManager {
         needed
     }
 
-    /// Reserves cache slots for `new` tokens at the end of the sequence. Returns the block copies
-    /// the backend must perform before the forward pass (copy-on-write of a shared last block).
+    /// Reserves cache slots for `new` tokens at the end of the sequence, in every group.
+    /// Returns the block copies the backend must perform before the forward pass
+    /// (copy-on-write of a shared last block).
     pub fn append(&mut self, id: SeqId, new: &[u32]) -> Result<Vec<BlockCopy>, OutOfBlocks> {
         let needed = self.blocks_needed(id, new.len());
         if needed > self.pool.free() {
@@ -221,28 +297,31 @@ impl KvCacheManager {
         let mut copies = Vec::new();
         let s = self.seqs.get_mut(&id).expect("sequence exists");
         let pool = &mut self.pool;
-        if !new.is_empty() && !s.tokens.len().is_multiple_of(bs) {
-            let last = s.blocks.len() - 1;
-            let old = s.blocks[last];
-            if pool.refs(old) > 1 {
-                let fresh = pool.allocate().expect("counted above");
-                copies.push(BlockCopy { src: old, dst: fresh });
-                pool.release(old);
-                s.blocks[last] = fresh;
-            } else {
-                // About to write into it: a partial block must not stay in the prefix cache.
-                pool.uncache(old);
+        let len = s.tokens.len() + new.len();
+        for table in &mut s.tables {
+            if !new.is_empty() && !s.tokens.len().is_multiple_of(bs) {
+                let last = table.len() - 1;
+                let old = table[last];
+                if pool.refs(old) > 1 {
+                    let fresh = pool.allocate().expect("counted above");
+                    copies.push(BlockCopy { src: old, dst: fresh });
+                    pool.release(old);
+                    table[last] = fresh;
+                } else {
+                    // About to write into it: a partial block must not stay in the prefix cache.
+                    pool.uncache(old);
+                }
+            }
+            while table.len() * bs < len {
+                table.push(pool.allocate().expect("counted above"));
             }
         }
         s.tokens.extend_from_slice(new);
-        while s.blocks.len() * bs < s.tokens.len() {
-            s.blocks.push(pool.allocate().expect("counted above"));
-        }
         Ok(copies)
     }
 
     /// Marks the first `upto` positions computed (after a forward pass wrote them) and registers
-    /// every newly completed block in the prefix cache.
+    /// every newly completed block of every group in the prefix cache.
     pub fn commit(&mut self, id: SeqId, upto: usize) {
         let bs = self.block_size;
         let (full, start) = {
@@ -254,10 +333,35 @@ impl KvCacheManager {
             let s = &self.seqs[&id];
             let parent = i.checked_sub(1).map(|p| s.hashes[p]);
             let chunk = s.tokens[i * bs..(i + 1) * bs].to_vec();
-            let b = s.blocks[i];
             let h = self.chain_hash(parent, &chunk);
-            self.pool.cache(b, h, &chunk);
+            let blocks: Vec<(usize, BlockId)> = s.tables.iter().map(|t| t[i]).enumerate().collect();
+            for (g, b) in blocks {
+                if b != NO_BLOCK {
+                    let key = self.group_key(h, g);
+                    self.pool.cache(b, key, &chunk);
+                }
+            }
             self.seqs.get_mut(&id).expect("sequence exists").hashes.push(h);
+        }
+    }
+
+    /// Releases the blocks of the window groups that no query at or after the sequence's
+    /// length reads, less [`ROLLBACK`] positions (the engine calls it after every step). Their
+    /// table entries become [`NO_BLOCK`]; full blocks stay in the prefix cache until evicted.
+    pub fn slide(&mut self, id: SeqId) {
+        let Some(s) = self.seqs.get(&id) else { return };
+        let pos = s.tokens.len().saturating_sub(ROLLBACK);
+        let limits: Vec<usize> = (0..self.windows.len()).map(|g| self.first_read(g, pos)).collect();
+        let s = self.seqs.get_mut(&id).expect("sequence exists");
+        for ((table, floor), limit) in s.tables.iter_mut().zip(&mut s.floor).zip(limits) {
+            let limit = limit.min(table.len());
+            for b in table.iter_mut().take(limit).skip(*floor) {
+                if *b != NO_BLOCK {
+                    self.pool.release(*b);
+                    *b = NO_BLOCK;
+                }
+            }
+            *floor = (*floor).max(limit);
         }
     }
 
@@ -265,7 +369,7 @@ impl KvCacheManager {
     /// them writes into a shared partial block).
     pub fn fork(&mut self, id: SeqId) -> SeqId {
         let copy = self.seq(id).clone();
-        for &b in &copy.blocks {
+        for &b in copy.tables.iter().flatten().filter(|&&b| b != NO_BLOCK) {
             self.pool.retain(b);
         }
         let new = SeqId(self.next_id);
@@ -274,26 +378,37 @@ impl KvCacheManager {
         new
     }
 
-    /// Shortens the sequence to `len` tokens (speculative rollback), releasing whole blocks past it.
-    pub fn truncate(&mut self, id: SeqId, len: usize) {
+    /// Shortens the sequence to `len` tokens (speculative rollback), releasing whole blocks past
+    /// it. Refused, changing nothing, when a window group has already released positions the
+    /// next query would read ([`KvCacheManager::slide`] keeps [`ROLLBACK`] of them).
+    pub fn truncate(&mut self, id: SeqId, len: usize) -> Result<(), WindowReleased> {
         let bs = self.block_size;
-        let s = self.seqs.get_mut(&id).expect("sequence exists");
+        let s = self.seq(id);
         if len >= s.tokens.len() {
-            return;
+            return Ok(());
         }
+        if let Some(g) = (0..self.windows.len()).find(|&g| self.first_read(g, len) < s.floor[g]) {
+            return Err(WindowReleased { len, kept: s.floor[g] * bs });
+        }
+        let s = self.seqs.get_mut(&id).expect("sequence exists");
         s.tokens.truncate(len);
         s.computed = s.computed.min(len);
         s.hashes.truncate(len / bs);
         let keep = len.div_ceil(bs);
-        for b in s.blocks.drain(keep..) {
-            self.pool.release(b);
+        for table in &mut s.tables {
+            for b in table.drain(keep.min(table.len())..) {
+                if b != NO_BLOCK {
+                    self.pool.release(b);
+                }
+            }
         }
+        Ok(())
     }
 
     /// Frees the sequence; its full blocks stay in the prefix cache until evicted.
     pub fn free(&mut self, id: SeqId) {
         if let Some(s) = self.seqs.remove(&id) {
-            for b in s.blocks {
+            for b in s.tables.into_iter().flatten().filter(|&b| b != NO_BLOCK) {
                 self.pool.release(b);
             }
         }

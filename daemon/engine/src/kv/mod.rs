@@ -7,9 +7,13 @@
 //!   order, and the prefix-cache index from block-content hash to block.
 //! - [`manager::KvCacheManager`]: sequences and their block tables; append, copy-on-write fork,
 //!   truncate, free, and automatic prefix caching of full blocks.
+//! - [`groups::KvGroups`]: layers grouped by sliding window, one block table per group, so
+//!   window layers give their blocks back while full-attention layers keep theirs.
 
 pub mod block_pool;
+pub mod groups;
 pub mod manager;
 
 pub use block_pool::BlockId;
-pub use manager::{BlockCopy, KvCacheManager, KvStats, OutOfBlocks, SeqId};
+pub use groups::KvGroups;
+pub use manager::{BlockCopy, KvCacheManager, KvStats, OutOfBlocks, SeqId, WindowReleased, NO_BLOCK, ROLLBACK};

@@ -142,8 +142,7 @@ impl HostSide for Side<'_> {
 
     fn seq_truncate(&mut self, seq: abi::Seq, len: u32) -> Result<(), HostErr> {
         let s = self.seq(seq)?;
-        self.store()?.truncate(s, len as usize);
-        Ok(())
+        self.store()?.truncate(s, len as usize).map_err(store_err)
     }
 
     fn seq_free(&mut self, seq: abi::Seq) -> Result<(), HostErr> {

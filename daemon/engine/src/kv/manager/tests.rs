@@ -58,7 +58,7 @@ fn truncate_releases_whole_blocks() {
     let s = m.create();
     m.append(s, &toks(12, 0)).unwrap();
     m.commit(s, 12);
-    m.truncate(s, 5);
+    m.truncate(s, 5).unwrap();
     assert_eq!(m.len(s), 5);
     assert_eq!(m.blocks_used(s), 2);
     assert_eq!(m.computed(s), 5);
@@ -122,6 +122,107 @@ fn blocks_needed_for_a_step_is_exactly_what_its_appends_take() {
     for writers in 1..=3usize {
         for span in [1usize, 2, 3, 6] {
             let mut m = KvCacheManager::new(32, 4);
+            let a = m.create();
+            m.append(a, &toks(6, 0)).unwrap();
+            m.commit(a, 6);
+            let holders = [a, m.fork(a), m.fork(a)];
+            let c = m.create();
+            let mut items: Vec<(SeqId, usize)> = holders[..writers].iter().map(|&s| (s, span)).collect();
+            items.push((c, 5));
+            let counted = m.blocks_needed_for_step(&items);
+            let before = m.stats().free;
+            for &(s, n) in &items {
+                m.append(s, &toks(n, 9)).unwrap();
+            }
+            assert_eq!(counted, before - m.stats().free, "{writers} writers of {span} tokens");
+        }
+    }
+}
+
+/// Window blocks one group of a sequence holds after `slide`, at most: the window and the
+/// rollback margin, plus a partial block at each end.
+fn window_bound(window: usize, bs: usize) -> usize {
+    (window + ROLLBACK).div_ceil(bs) + 2
+}
+
+#[test]
+fn window_groups_release_what_their_window_passed_and_the_pool_reuses_it() {
+    // One window group (8 positions) and one full group, blocks of 4: a sequence of 200
+    // tokens needs 50 full blocks; without releases the window group would need 50 more,
+    // which a pool of 70 does not have.
+    let (bs, window) = (4, 8);
+    let mut m = KvCacheManager::with_groups(70, bs, vec![Some(window), None]);
+    let s = m.create();
+    m.append(s, &toks(1, 0)).unwrap();
+    m.commit(s, 1);
+    for i in 1..200u32 {
+        m.append(s, &[i]).unwrap();
+        m.commit(s, i as usize + 1);
+        m.slide(s);
+        let held = m.block_tables(s)[0].iter().filter(|&&b| b != NO_BLOCK).count();
+        assert!(held <= window_bound(window, bs), "step {i}: {held} window blocks held");
+        // Released entries are exactly a prefix of the table, and what the next query reads
+        // is there.
+        let t = &m.block_tables(s)[0];
+        let first = (i as usize + 2).saturating_sub(window) / bs;
+        assert!(t[first..].iter().all(|&b| b != NO_BLOCK), "step {i}");
+    }
+    assert_eq!(m.block_tables(s)[1].len(), 50);
+    assert!(m.block_tables(s)[1].iter().all(|&b| b != NO_BLOCK), "the full group keeps everything");
+    assert_eq!(m.stats().free, 70 - m.blocks_used(s));
+    m.free(s);
+    assert_eq!(m.stats().free, 70, "nothing leaked");
+}
+
+#[test]
+fn rollback_within_the_margin_works_and_below_it_changes_nothing() {
+    let (bs, window) = (4, 8);
+    let mut m = KvCacheManager::with_groups(200, bs, vec![Some(window), None]);
+    let s = m.create();
+    m.append(s, &toks(100, 0)).unwrap();
+    m.commit(s, 100);
+    m.slide(s);
+    let (tables, used) = (m.block_tables(s).to_vec(), m.blocks_used(s));
+    let err = m.truncate(s, 20).unwrap_err();
+    assert_eq!(err.len, 20);
+    assert_eq!((m.len(s), m.block_tables(s), m.blocks_used(s)), (100, &tables[..], used), "refused: unchanged");
+    m.truncate(s, 100 - ROLLBACK).unwrap();
+    assert_eq!(m.len(s), 100 - ROLLBACK);
+    m.free(s);
+    assert_eq!(m.stats().free, 200);
+}
+
+#[test]
+fn a_prefix_hit_on_a_windowed_model_takes_only_the_window_blocks() {
+    let (bs, window) = (4, 8);
+    let mut m = KvCacheManager::with_groups(200, bs, vec![Some(window), None]);
+    let prompt = toks(100, 5);
+    let a = m.create();
+    m.append(a, &prompt).unwrap();
+    m.commit(a, 100);
+    m.slide(a);
+    m.free(a);
+    // The full group's blocks and the window group's last ones stayed cached.
+    let b = m.create();
+    let mut longer = prompt.clone();
+    longer.push(1);
+    assert_eq!(m.match_prefix(b, &longer), 100);
+    let t = m.block_tables(b);
+    let first = (100 + 1 - window) / bs;
+    assert!(t[0][..first].iter().all(|&b| b == NO_BLOCK) && t[0][first..].iter().all(|&b| b != NO_BLOCK));
+    assert!(t[1].iter().all(|&b| b != NO_BLOCK));
+    assert_eq!(m.blocks_used(b), 25 + (25 - first));
+    m.free(b);
+    assert_eq!(m.stats().free, 200);
+}
+
+#[test]
+fn blocks_needed_for_a_step_is_exact_in_every_group() {
+    // The accounting test above with a window group beside the full one: forks share blocks
+    // in both tables, and copy-on-write happens in each.
+    for writers in 1..=3usize {
+        for span in [1usize, 2, 3, 6] {
+            let mut m = KvCacheManager::with_groups(64, 4, vec![Some(6), None]);
             let a = m.create();
             m.append(a, &toks(6, 0)).unwrap();
             m.commit(a, 6);
