@@ -387,7 +387,7 @@ unsafe fn axpy_f16(a: f32, x: &[f16], y: &mut [f32]) {
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn attn_scores(k: &[f16], q: &[f32], hd: usize, g: usize, scale: f32, out: &mut [f32]) {
+pub(super) unsafe fn attn_scores(k: &[f16], q: &[f32], hd: usize, g: usize, scale: f32, out: &mut [f32]) {
     let n = k.len() / hd;
     if !hd.is_multiple_of(8) || hd > 256 {
         return super::scalar::attn_scores(k, q, hd, g, scale, out);
@@ -414,7 +414,7 @@ unsafe fn attn_scores(k: &[f16], q: &[f32], hd: usize, g: usize, scale: f32, out
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn attn_values(v: &[f16], p: &[f32], hd: usize, g: usize, out: &mut [f32]) {
+pub(super) unsafe fn attn_values(v: &[f16], p: &[f32], hd: usize, g: usize, out: &mut [f32]) {
     let n = v.len() / hd;
     if !hd.is_multiple_of(8) || hd > 256 {
         return super::scalar::attn_values(v, p, hd, g, out);

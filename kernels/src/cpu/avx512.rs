@@ -49,6 +49,10 @@ pub fn kernels() -> Option<Kernels> {
         gemm16: Some(|dt, rows, p| unsafe { gemm16(dt, rows, p) }),
         // SAFETY: as above.
         gemv16: Some(|dt, w, rb, a, out| unsafe { gemv16(dt, w, rb, a, out) }),
+        // SAFETY: as above.
+        attn_scores: |k, q, hd, g, scale, out| unsafe { super::avx512_attn::attn_scores(k, q, hd, g, scale, out) },
+        // SAFETY: as above.
+        attn_values: |v, p, hd, g, out| unsafe { super::avx512_attn::attn_values(v, p, hd, g, out) },
         ..base
     })
 }

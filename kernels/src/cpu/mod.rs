@@ -14,6 +14,8 @@ pub mod avx2;
 mod avx2_group;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod avx512_attn;
 pub mod scalar;
 
 /// The instruction set a kernel table was built for.

@@ -112,19 +112,26 @@ fn f16_attention_kernels_match(k: &Kernels, kv: &[f32], q: &[f32], a: f32) -> Re
     Ok(())
 }
 
+/// Scores and weighted values of `g` heads of size `hd` against `n` keys, for the head sizes
+/// with kernels of their own (64, 128, 256) and one without (80), fewer and more than 16
+/// (key, head) pairs, and head groups that do and do not fill the value kernel's tiles of 4.
 fn grouped_attention_kernels_match(k: &Kernels, kv: &[f32], q: &[f32], p: &[f32]) -> Result<(), TestCaseError> {
-    let kh: Vec<half::f16> = kv.iter().map(|v| half::f16::from_f32(*v)).collect();
-    let (mut s1, mut s2) = (vec![0.0; 15], vec![0.0; 15]);
-    scalar::attn_scores(&kh, q, 64, 3, 0.125, &mut s1);
-    (k.attn_scores)(&kh, q, 64, 3, 0.125, &mut s2);
-    for (a, b) in s1.iter().zip(&s2) {
-        prop_assert!(close(*a, *b, 8.0));
-    }
-    let (mut o1, mut o2) = (q.to_vec(), q.to_vec());
-    scalar::attn_values(&kh, p, 64, 3, &mut o1);
-    (k.attn_values)(&kh, p, 64, 3, &mut o2);
-    for (a, b) in o1.iter().zip(&o2) {
-        prop_assert!(close(*a, *b, 8.0));
+    for (hd, g, n) in [(64, 3, 5), (64, 3, 37), (128, 7, 9), (256, 4, 20), (256, 1, 3), (80, 2, 11)] {
+        let take = |v: &[f32], len: usize| -> Vec<f32> { (0..len).map(|i| v[i % v.len()] * (1.0 + (i / v.len()) as f32 * 0.1)).collect() };
+        let kh: Vec<half::f16> = take(kv, n * hd).iter().map(|v| half::f16::from_f32(*v)).collect();
+        let (qs, ps) = (take(q, g * hd), take(p, n * g));
+        let (mut s1, mut s2) = (vec![0.0; n * g], vec![0.0; n * g]);
+        scalar::attn_scores(&kh, &qs, hd, g, 0.125, &mut s1);
+        (k.attn_scores)(&kh, &qs, hd, g, 0.125, &mut s2);
+        for (a, b) in s1.iter().zip(&s2) {
+            prop_assert!(close(*a, *b, hd as f32 / 8.0), "{:?} scores hd {} g {} n {}: {} vs {}", k.isa, hd, g, n, a, b);
+        }
+        let (mut o1, mut o2) = (qs.clone(), qs.clone());
+        scalar::attn_values(&kh, &ps, hd, g, &mut o1);
+        (k.attn_values)(&kh, &ps, hd, g, &mut o2);
+        for (a, b) in o1.iter().zip(&o2) {
+            prop_assert!(close(*a, *b, n as f32), "{:?} values hd {} g {} n {}: {} vs {}", k.isa, hd, g, n, a, b);
+        }
     }
     Ok(())
 }
