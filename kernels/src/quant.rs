@@ -298,7 +298,10 @@ impl QuantType {
 
     /// True for the types the 16-row AVX-512 kernel (`Kernels::gemv16`) takes.
     pub const fn has_gemv16(self) -> bool {
-        matches!(self, QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1)
+        matches!(
+            self,
+            QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q4K | QuantType::Q5K
+        )
     }
 }
 

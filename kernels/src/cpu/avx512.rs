@@ -424,7 +424,13 @@ unsafe fn gemv16(dt: QuantType, w: &[u8], rb: usize, a: &[&[BlockQ8]], out: &mut
         QuantType::Q4_1 => unsafe { gemv16_tokens::<Q4_1>(w, rb, a, out) },
         // SAFETY: as above.
         QuantType::Q8_0 => unsafe { gemv16_tokens::<Q8_0>(w, rb, a, out) },
-        q => panic!("gemv16 takes Q4_0, Q4_1 or Q8_0, not {q:?} (see QuantType::has_gemv16)"),
+        // SAFETY: as above.
+        QuantType::Q5_0 => unsafe { gemv16_tokens::<Q5_0>(w, rb, a, out) },
+        // SAFETY: as above.
+        QuantType::Q4K => unsafe { gemv16_tokens::<Q4K>(w, rb, a, out) },
+        // SAFETY: as above.
+        QuantType::Q5K => unsafe { gemv16_tokens::<Q5K>(w, rb, a, out) },
+        q => panic!("gemv16 takes Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q5_K, not {q:?} (see QuantType::has_gemv16)"),
     }
 }
 
@@ -450,11 +456,30 @@ unsafe fn gemv16_tokens<const KIND: u8>(w: &[u8], rb: usize, a: &[&[BlockQ8]], o
 
 /// The quants of blocks `b` (lanes 0..8) and `b + 1` (lanes 8..16, zeros when `pair` is false)
 /// of the row starting at `row`, as bytes in element order (`vpdpbusd`'s unsigned operand;
-/// Q8_0 biased by +128).
+/// Q8_0 biased by +128; Q5_0's fifth bits from its 32-bit `qh`, byte `e` of the pair taking
+/// bit `e` of `qh_b | qh_(b+1) << 32`).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn weight_pair<const KIND: u8>(row: *const u8, b: usize, pair: bool) -> __m512i {
     let (bb, q) = layout(KIND);
+    if matches!(KIND, Q4K | Q5K) {
+        // Groups j and j + 1 (j even) of a super-block are the low and high nibbles of the
+        // same 32 bytes; Q5_K's fifth bits are bits j and j + 1 of its 32 qh bytes.
+        let (blk, j) = (row.wrapping_add(b / 8 * bb), b % 8);
+        // SAFETY: the caller guarantees the super-block lies inside the row.
+        let v = unsafe { _mm256_loadu_si256(blk.wrapping_add(q + 32 * (j / 2)).cast()) };
+        let nib = _mm256_set1_epi8(0x0f);
+        let low = _mm256_and_si256(v, nib);
+        let high = _mm256_and_si256(_mm256_srli_epi16::<4>(v), nib);
+        let x = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(low), high);
+        if KIND == Q4K {
+            return x;
+        }
+        // SAFETY: as above; qh is the 32 bytes at 16.
+        let qh = _mm512_broadcast_i64x4(unsafe { _mm256_loadu_si256(blk.wrapping_add(16).cast()) });
+        let bit = _mm512_inserti64x4::<1>(_mm512_set1_epi8(1 << j), _mm256_set1_epi8(1 << (j + 1)));
+        return _mm512_or_si512(x, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, bit), _mm512_set1_epi8(0x10)));
+    }
     let p0 = row.wrapping_add(b * bb + q);
     let p1 = p0.wrapping_add(bb);
     if KIND == Q8_0 {
@@ -470,7 +495,18 @@ unsafe fn weight_pair<const KIND: u8>(row: *const u8, b: usize, pair: bool) -> _
         let v = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(p0.cast()) });
         // SAFETY: and at p1 when `pair`.
         let v = if pair { _mm512_mask_broadcast_i32x4(v, 0xff00, unsafe { _mm_loadu_si128(p1.cast()) }) } else { v };
-        _mm512_and_si512(_mm512_mask_srli_epi16::<4>(v, 0xff00_ff00, v), _mm512_set1_epi8(0x0f))
+        let low = _mm512_and_si512(_mm512_mask_srli_epi16::<4>(v, 0xff00_ff00, v), _mm512_set1_epi8(0x0f));
+        if KIND == Q5_0 {
+            let qh = |p: *const u8| {
+                // SAFETY: Q5_0's qh is the 4 bytes 2..6 of the block, which the caller
+                // guarantees (the block lies inside the row).
+                u64::from(unsafe { p.wrapping_sub(q).wrapping_add(2).cast::<u32>().read_unaligned() })
+            };
+            let high = if pair { qh(p0) | (qh(p1) << 32) } else { qh(p0) };
+            _mm512_or_si512(low, _mm512_maskz_mov_epi8(high, _mm512_set1_epi8(0x10)))
+        } else {
+            low
+        }
     }
 }
 
@@ -508,7 +544,11 @@ unsafe fn gemv16_kind<const KIND: u8, const N: usize>(w: &[u8], rb: usize, a: [&
     let (bb, _) = layout(KIND);
     let nb = a[0].len();
     assert!(
-        a.iter().all(|t| t.len() == nb) && nb * bb <= rb && w.len() >= 16 * rb && 16 * rb < i32::MAX as usize,
+        a.iter().all(|t| t.len() == nb)
+            && nb.is_multiple_of(groups(KIND))
+            && row_bytes(KIND, nb) <= rb
+            && w.len() >= 16 * rb
+            && 16 * rb < i32::MAX as usize,
         "16 rows of {nb} blocks"
     );
     let row_at = _mm512_mullo_epi32(
@@ -517,31 +557,67 @@ unsafe fn gemv16_kind<const KIND: u8, const N: usize>(w: &[u8], rb: usize, a: [&
     );
     let mut acc = [[_mm512_setzero_ps(); 4]; N];
     let mut off = [[_mm512_setzero_ps(); 4]; N];
-    // (d, m) of every row's block c: one 32-bit gather (Q4_0/Q8_0: d and 2 quant bytes).
-    let gather = |c: usize| {
-        // SAFETY: offsets i * rb + c * bb + 4 <= 16 * rb are inside `w` (asserted above).
+    // The dword at byte `at` of every row: one 32-bit gather.
+    let gather = |at: usize| {
+        // SAFETY: offsets i * rb + at + 4 <= 16 * rb are inside `w` (`at` is inside a block of
+        // the row, asserted above).
         unsafe {
-            _mm512_i32gather_epi32::<1>(_mm512_add_epi32(row_at, _mm512_set1_epi32((c * bb) as i32)), w.as_ptr().cast())
+            _mm512_i32gather_epi32::<1>(_mm512_add_epi32(row_at, _mm512_set1_epi32(at as i32)), w.as_ptr().cast())
         }
+    };
+    // K-quants: the current super-block's d|dmin and 12 scale bytes, gathered once per 8 groups.
+    let mut sbd = [_mm512_setzero_si512(); 4];
+    // (d, m) of every row's group c, the values `group` computes for it.
+    let scales16 = |c: usize, sbd: &[__m512i; 4]| -> (__m512, __m512) {
+        let f16_at = |x: __m512i| _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x));
+        if matches!(KIND, Q4K | Q5K) {
+            let j = c % 8;
+            let byte = |x: __m512i, k: usize| {
+                _mm512_and_si512(_mm512_srl_epi32(x, _mm_cvtsi32_si128(8 * k as i32)), _mm512_set1_epi32(0xff))
+            };
+            let low6 = _mm512_set1_epi32(63);
+            let top2 = |x: __m512i| _mm512_slli_epi32::<4>(_mm512_srli_epi32::<6>(x));
+            let (sc, mn) = if j < 4 {
+                (_mm512_and_si512(byte(sbd[1], j), low6), _mm512_and_si512(byte(sbd[2], j), low6))
+            } else {
+                let hi = byte(sbd[3], j - 4);
+                (
+                    _mm512_or_si512(_mm512_and_si512(hi, _mm512_set1_epi32(0xf)), top2(byte(sbd[1], j - 4))),
+                    _mm512_or_si512(_mm512_srli_epi32::<4>(hi), top2(byte(sbd[2], j - 4))),
+                )
+            };
+            let d = _mm512_mul_ps(f16_at(sbd[0]), _mm512_cvtepi32_ps(sc));
+            let neg_dmin = _mm512_castsi512_ps(_mm512_xor_si512(
+                _mm512_castps_si512(f16_at(_mm512_srli_epi32::<16>(sbd[0]))),
+                _mm512_set1_epi32(i32::MIN),
+            ));
+            return (d, _mm512_mul_ps(neg_dmin, _mm512_cvtepi32_ps(mn)));
+        }
+        // Q4_0/Q8_0: d and 2 quant bytes; Q4_1: d and m; Q5_0: d and half of qh.
+        let g = gather(c * bb);
+        let d = f16_at(g);
+        let m = match KIND {
+            Q4_1 => f16_at(_mm512_srli_epi32::<16>(g)),
+            // As `scales`: the quants' offset times d.
+            Q5_0 => _mm512_mul_ps(_mm512_set1_ps(-16.0), d),
+            Q8_0 => _mm512_setzero_ps(),
+            _ => _mm512_mul_ps(_mm512_set1_ps(-8.0), d),
+        };
+        (d, m)
     };
     // Block `c`'s float step for the 16 rows and token activations `a`, as one gemm16 lane.
-    let step = |a: &[BlockQ8], c: usize, g: __m512i, mut isum: __m512i, acc: &mut __m512, off: &mut __m512| {
-        let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
-        if KIND == Q8_0 {
-            let asum: i32 = a[c].qs.iter().map(|&q| i32::from(q)).sum();
-            isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(asum << 7));
-        }
-        let sc = _mm512_mul_ps(_mm512_set1_ps(a[c].d), d);
-        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, *acc);
-        if KIND != Q8_0 {
-            let m = if KIND == Q4_1 {
-                _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(g)))
-            } else {
-                _mm512_mul_ps(_mm512_set1_ps(-8.0), d)
-            };
-            *off = _mm512_fmadd_ps(m, _mm512_set1_ps(a[c].s), *off);
-        }
-    };
+    let step =
+        |a: &[BlockQ8], c: usize, (d, m): (__m512, __m512), mut isum: __m512i, acc: &mut __m512, off: &mut __m512| {
+            if KIND == Q8_0 {
+                let asum: i32 = a[c].qs.iter().map(|&q| i32::from(q)).sum();
+                isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(asum << 7));
+            }
+            let sc = _mm512_mul_ps(_mm512_set1_ps(a[c].d), d);
+            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, *acc);
+            if KIND != Q8_0 {
+                *off = _mm512_fmadd_ps(m, _mm512_set1_ps(a[c].s), *off);
+            }
+        };
     // The next 16 rows are fetched while these are computed, a share per block pair.
     let (lines, steps) = (16 * rb / 64, nb.div_ceil(2));
     let next = w.as_ptr().wrapping_add(16 * rb);
@@ -554,8 +630,11 @@ unsafe fn gemv16_kind<const KIND: u8, const N: usize>(w: &[u8], rb: usize, a: [&
             _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(l * 64).cast());
         }
         // Scales first: the gathers' latency hides behind the integer work.
-        let g0 = gather(b);
-        let g1 = if pair { gather(b + 1) } else { _mm512_setzero_si512() };
+        if matches!(KIND, Q4K | Q5K) && b % 8 == 0 {
+            sbd = std::array::from_fn(|i| gather(b / 8 * bb + 4 * i));
+        }
+        let g0 = scales16(b, &sbd);
+        let g1 = if pair { scales16(b + 1, &sbd) } else { (_mm512_setzero_ps(), _mm512_setzero_ps()) };
         let wq: [__m512i; 16] = std::array::from_fn(|i| {
             // SAFETY: row i's blocks b (and b + 1 when `pair`) lie inside `w`: b + 1 < nb,
             // nb * bb <= rb and 16 rows of rb bytes (asserted above).

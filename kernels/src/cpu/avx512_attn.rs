@@ -62,7 +62,7 @@ unsafe fn load_f16(p: *const f16) -> __m512 {
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
 pub(super) unsafe fn attn_scores(k: &[f16], q: &[f32], hd: usize, g: usize, scale: f32, out: &mut [f32]) {
     match hd {
-        // SAFETY (all arms): the caller guarantees the features.
+        // SAFETY: the caller guarantees the features.
         64 => unsafe { scores::<4>(k, q, g, scale, out) },
         // SAFETY: as above.
         128 => unsafe { scores::<8>(k, q, g, scale, out) },
@@ -129,10 +129,12 @@ pub(super) unsafe fn attn_values(v: &[f16], p: &[f32], hd: usize, g: usize, out:
     assert!(p.len() >= n * g && out.len() >= g * hd, "values: shapes");
     for j0 in (0..g).step_by(4) {
         for c0 in (0..hd).step_by(64) {
-            // SAFETY (all arms): the caller guarantees the features; shapes asserted above.
             match g - j0 {
+                // SAFETY: the caller guarantees the features; shapes asserted above.
                 1 => unsafe { values_tile::<1>(v, p, n, hd, g, (j0, c0), out) },
+                // SAFETY: as above.
                 2 => unsafe { values_tile::<2>(v, p, n, hd, g, (j0, c0), out) },
+                // SAFETY: as above.
                 3 => unsafe { values_tile::<3>(v, p, n, hd, g, (j0, c0), out) },
                 // SAFETY: as above.
                 _ => unsafe { values_tile::<4>(v, p, n, hd, g, (j0, c0), out) },
@@ -157,9 +159,12 @@ unsafe fn values_tile<const J: usize>(
     out: &mut [f32],
 ) {
     let o = out.as_mut_ptr();
-    // SAFETY: (j0 + j) * hd + c0 + 16 c + 16 <= g * hd <= out.len() (the caller's bounds).
-    let mut acc: [[__m512; 4]; J] =
-        std::array::from_fn(|j| std::array::from_fn(|c| unsafe { _mm512_loadu_ps(o.add((j0 + j) * hd + c0 + 16 * c)) }));
+    let mut acc: [[__m512; 4]; J] = std::array::from_fn(|j| {
+        std::array::from_fn(|c| {
+            // SAFETY: (j0 + j) * hd + c0 + 16 c + 16 <= g * hd <= out.len() (the caller's bounds).
+            unsafe { _mm512_loadu_ps(o.add((j0 + j) * hd + c0 + 16 * c)) }
+        })
+    });
     for i in 0..n {
         // SAFETY: row i's dimensions c0..c0 + 64 lie inside `v` (n * hd <= v.len()).
         let vv: [__m512; 4] = std::array::from_fn(|c| unsafe { load_f16(v.as_ptr().add(i * hd + c0 + 16 * c)) });

@@ -117,14 +117,25 @@ fn f16_attention_kernels_match(k: &Kernels, kv: &[f32], q: &[f32], a: f32) -> Re
 /// (key, head) pairs, and head groups that do and do not fill the value kernel's tiles of 4.
 fn grouped_attention_kernels_match(k: &Kernels, kv: &[f32], q: &[f32], p: &[f32]) -> Result<(), TestCaseError> {
     for (hd, g, n) in [(64, 3, 5), (64, 3, 37), (128, 7, 9), (256, 4, 20), (256, 1, 3), (80, 2, 11)] {
-        let take = |v: &[f32], len: usize| -> Vec<f32> { (0..len).map(|i| v[i % v.len()] * (1.0 + (i / v.len()) as f32 * 0.1)).collect() };
+        let take = |v: &[f32], len: usize| -> Vec<f32> {
+            (0..len).map(|i| v[i % v.len()] * (1.0 + (i / v.len()) as f32 * 0.1)).collect()
+        };
         let kh: Vec<half::f16> = take(kv, n * hd).iter().map(|v| half::f16::from_f32(*v)).collect();
         let (qs, ps) = (take(q, g * hd), take(p, n * g));
         let (mut s1, mut s2) = (vec![0.0; n * g], vec![0.0; n * g]);
         scalar::attn_scores(&kh, &qs, hd, g, 0.125, &mut s1);
         (k.attn_scores)(&kh, &qs, hd, g, 0.125, &mut s2);
         for (a, b) in s1.iter().zip(&s2) {
-            prop_assert!(close(*a, *b, hd as f32 / 8.0), "{:?} scores hd {} g {} n {}: {} vs {}", k.isa, hd, g, n, a, b);
+            prop_assert!(
+                close(*a, *b, hd as f32 / 8.0),
+                "{:?} scores hd {} g {} n {}: {} vs {}",
+                k.isa,
+                hd,
+                g,
+                n,
+                a,
+                b
+            );
         }
         let (mut o1, mut o2) = (qs.clone(), qs.clone());
         scalar::attn_values(&kh, &ps, hd, g, &mut o1);
@@ -231,29 +242,33 @@ proptest! {
 
     #[test]
     #[cfg_attr(not(host_avx512vnni), ignore = "this processor lacks AVX-512 VNNI")]
-    fn gemv16_lanes_are_the_single_dots(ws in proptest::collection::vec(row(7 * QK), 16), xs in proptest::collection::vec(row(7 * QK), 1..=crate::cpu::GEMV_TOKENS), blocks in 1usize..=7) {
-        // Sixteen rows against 1 to 4 tokens, an odd or even number of blocks, with padding
-        // after each row as in a wider matrix: every lane of every token must equal that row's
+    fn gemv16_lanes_are_the_single_dots(ws in proptest::collection::vec(row(16 * QK), 16), xs in proptest::collection::vec(row(16 * QK), 1..=crate::cpu::GEMV_TOKENS), blocks in 1usize..=7) {
+        // Sixteen rows against 1 to 4 tokens, an odd or even number of blocks (K-quants: one
+        // or two super-blocks), with padding after each row as in a wider matrix, from the
+        // quantizer and as random bits: every lane of every token must equal that row's
         // single-token dot with that token.
-        let acts: Vec<Vec<BlockQ8>> = xs.iter().map(|x| q8(&x[..blocks * QK])).collect();
-        let act_refs: Vec<&[BlockQ8]> = acts.iter().map(Vec::as_slice).collect();
         let k = super::table(super::Isa::Avx512Vnni);
         let gemv = k.gemv16.expect("the AVX-512 table has gemv16");
-        {
-            for q in QuantType::ALL.into_iter().filter(|q| q.has_gemv16()) {
-                let (one, _) = k.quant_dots(q);
-                let dt = q.dtype();
-                let rb = dt.bytes_for(7 * QK).unwrap();
-                let mut wb = Vec::new();
-                for w in &ws {
-                    quantize_row(dt, w, &mut wb);
-                }
+        for q in QuantType::ALL.into_iter().filter(|q| q.has_gemv16()) {
+            let per = q.block_len() / QK;
+            let (len, n) = if per > 1 { (16 * QK, per * (1 + blocks % 2)) } else { (7 * QK, blocks) };
+            let acts: Vec<Vec<BlockQ8>> = xs.iter().map(|x| q8(&x[..n * QK])).collect();
+            let act_refs: Vec<&[BlockQ8]> = acts.iter().map(Vec::as_slice).collect();
+            let (one, _) = k.quant_dots(q);
+            let dt = q.dtype();
+            let rb = dt.bytes_for(len).unwrap();
+            let mut quantized = Vec::new();
+            for w in &ws {
+                quantize_row(dt, &w[..len], &mut quantized);
+            }
+            let random: Vec<u8> = (0..16).flat_map(|r| crate::quantize::random_blocks(q, len / q.block_len(), 100 + r)).collect();
+            for wb in [quantized, random] {
                 let mut got = vec![[0f32; 16]; acts.len()];
                 gemv(q, &wb, rb, &act_refs, &mut got);
                 for (t, (out, act)) in got.iter().zip(&acts).enumerate() {
                     for (r, &g) in out.iter().enumerate() {
-                        let row = &wb[r * rb..r * rb + dt.bytes_for(blocks * QK).unwrap()];
-                        prop_assert_eq!(g, one(row, act), "{:?} {:?} token {} lane {} of {} blocks", k.isa, dt, t, r, blocks);
+                        let row = &wb[r * rb..r * rb + dt.bytes_for(n * QK).unwrap()];
+                        prop_assert_eq!(g, one(row, act), "{:?} {:?} token {} lane {} of {} blocks", k.isa, dt, t, r, n);
                     }
                 }
             }
