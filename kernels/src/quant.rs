@@ -300,7 +300,13 @@ impl QuantType {
     pub const fn has_gemv16(self) -> bool {
         matches!(
             self,
-            QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q4K | QuantType::Q5K
+            QuantType::Q8_0
+                | QuantType::Q4_0
+                | QuantType::Q4_1
+                | QuantType::Q5_0
+                | QuantType::Q4K
+                | QuantType::Q5K
+                | QuantType::Q6K
         )
     }
 }

@@ -430,7 +430,9 @@ unsafe fn gemv16(dt: QuantType, w: &[u8], rb: usize, a: &[&[BlockQ8]], out: &mut
         QuantType::Q4K => unsafe { gemv16_tokens::<Q4K>(w, rb, a, out) },
         // SAFETY: as above.
         QuantType::Q5K => unsafe { gemv16_tokens::<Q5K>(w, rb, a, out) },
-        q => panic!("gemv16 takes Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q5_K, not {q:?} (see QuantType::has_gemv16)"),
+        // SAFETY: as above.
+        QuantType::Q6K => unsafe { gemv16_tokens::<Q6K>(w, rb, a, out) },
+        q => panic!("gemv16 takes Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K, not {q:?} (see QuantType::has_gemv16)"),
     }
 }
 
@@ -462,6 +464,12 @@ unsafe fn gemv16_tokens<const KIND: u8>(w: &[u8], rb: usize, a: &[&[BlockQ8]], o
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn weight_pair<const KIND: u8>(row: *const u8, b: usize, pair: bool) -> __m512i {
     let (bb, q) = layout(KIND);
+    if KIND == Q6K {
+        let (blk, j) = (row.wrapping_add(b / 8 * bb), b % 8);
+        // SAFETY: the caller guarantees the super-block (bb bytes) lies inside the row.
+        let blk = unsafe { std::slice::from_raw_parts(blk, bb) };
+        return _mm512_inserti64x4::<1>(_mm512_castsi256_si512(q6k_quants(blk, j)), q6k_quants(blk, j + 1));
+    }
     if matches!(KIND, Q4K | Q5K) {
         // Groups j and j + 1 (j even) of a super-block are the low and high nibbles of the
         // same 32 bytes; Q5_K's fifth bits are bits j and j + 1 of its 32 qh bytes.
@@ -570,6 +578,10 @@ unsafe fn gemv16_kind<const KIND: u8, const N: usize>(w: &[u8], rb: usize, a: [&
     // (d, m) of every row's group c, the values `group` computes for it.
     let scales16 = |c: usize, sbd: &[__m512i; 4]| -> (__m512, __m512) {
         let f16_at = |x: __m512i| _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x));
+        if KIND == Q6K {
+            // d is the high half of the dword at 206 (the block's last 4 bytes).
+            return (f16_at(_mm512_srli_epi32::<16>(sbd[0])), _mm512_setzero_ps());
+        }
         if matches!(KIND, Q4K | Q5K) {
             let j = c % 8;
             let byte = |x: __m512i, k: usize| {
@@ -614,7 +626,7 @@ unsafe fn gemv16_kind<const KIND: u8, const N: usize>(w: &[u8], rb: usize, a: [&
             }
             let sc = _mm512_mul_ps(_mm512_set1_ps(a[c].d), d);
             *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, *acc);
-            if KIND != Q8_0 {
+            if has_offset(KIND) {
                 *off = _mm512_fmadd_ps(m, _mm512_set1_ps(a[c].s), *off);
             }
         };
@@ -633,6 +645,9 @@ unsafe fn gemv16_kind<const KIND: u8, const N: usize>(w: &[u8], rb: usize, a: [&
         if matches!(KIND, Q4K | Q5K) && b % 8 == 0 {
             sbd = std::array::from_fn(|i| gather(b / 8 * bb + 4 * i));
         }
+        if KIND == Q6K && b % 8 == 0 {
+            sbd[0] = gather(b / 8 * bb + 206);
+        }
         let g0 = scales16(b, &sbd);
         let g1 = if pair { scales16(b + 1, &sbd) } else { (_mm512_setzero_ps(), _mm512_setzero_ps()) };
         let wq: [__m512i; 16] = std::array::from_fn(|i| {
@@ -640,6 +655,20 @@ unsafe fn gemv16_kind<const KIND: u8, const N: usize>(w: &[u8], rb: usize, a: [&
             // nb * bb <= rb and 16 rows of rb bytes (asserted above).
             unsafe { weight_pair::<KIND>(w.as_ptr().add(i * rb), b, pair) }
         });
+        // Q6_K: per row, the scales of the four halves of the pair in its dword lanes
+        // ([sc0 x4, sc1 x4] of group b, then of b + 1), to scale each dword's sum exactly.
+        let q6_scales: [__m512i; 16] = if KIND == Q6K {
+            let spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+            std::array::from_fn(|i| {
+                let at = i * rb + b / 8 * bb + 192 + 2 * (b % 8);
+                // SAFETY: the 4 scale bytes at `at` lie in row i's super-block, inside `w`
+                // (as the weight pair above).
+                let four = unsafe { w.as_ptr().add(at).cast::<i32>().read_unaligned() };
+                _mm512_permutexvar_epi32(spread, _mm512_castsi128_si512(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(four))))
+            })
+        } else {
+            [_mm512_setzero_si512(); 16]
+        };
         // b is even: its accumulator is 0 or 2, b + 1's the next one.
         let k = b % 4;
         for t in 0..N {
@@ -653,7 +682,15 @@ unsafe fn gemv16_kind<const KIND: u8, const N: usize>(w: &[u8], rb: usize, a: [&
                 _mm256_setzero_si256()
             };
             let act = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
-            let v: [__m512i; 16] = std::array::from_fn(|i| _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[i], act));
+            let mut v: [__m512i; 16] = std::array::from_fn(|i| _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[i], act));
+            if KIND == Q6K {
+                // Per dword: (Σ q a - 32 Σ a) times its half's scale, as the single-token dot.
+                let ones = _mm512_set1_epi8(1);
+                let asum32 = _mm512_slli_epi32::<5>(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, act));
+                for (x, sc) in v.iter_mut().zip(&q6_scales) {
+                    *x = _mm512_mullo_epi32(_mm512_sub_epi32(*x, asum32), *sc);
+                }
+            }
             let (s0, s1) = reduce16(&v);
             let ((a0, a1), (o0, o1)) = (acc[t].split_at_mut(k + 1), off[t].split_at_mut(k + 1));
             step(at, b, g0, s0, &mut a0[k], &mut o0[k]);
