@@ -65,7 +65,7 @@ pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<
     let small = t < 6 || k.gemm16.is_none();
     // The 16-lane kernels serve the types they were written for; the others take the dots.
     let lanes = |w: &Matrix<'_>| match w.dtype.class() {
-        WeightClass::Quantized(q) => q.has_gemm16(),
+        WeightClass::Quantized(_) => true,
         WeightClass::Float(_) => false,
     };
     let gemv = |w: &Matrix<'_>| match w.dtype.class() {
@@ -123,10 +123,7 @@ pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<
         };
         match (w.dtype.class(), gemv(w)) {
             (WeightClass::Quantized(q), Some(gemv)) => rows_times_token(k, gemv, q, w, x, r0, r1, &store),
-            (WeightClass::Quantized(q), None) => {
-                let packed = if q.has_gemm16() { &packed[..] } else { &[] };
-                quantized_rows(k, q, w, x, packed, r0, r1, &store)
-            }
+            (WeightClass::Quantized(q), None) => quantized_rows(k, q, w, x, &packed, r0, r1, &store),
             (WeightClass::Float(f), _) => float_rows(k, f, w, x, r0, r1, &store),
         }
     };

@@ -281,21 +281,6 @@ impl QuantType {
         }
     }
 
-    /// True for the types the 16-token AVX-512 kernel (`Kernels::gemm16`) takes; the others go
-    /// through the per-token dots at every batch size.
-    pub const fn has_gemm16(self) -> bool {
-        matches!(
-            self,
-            QuantType::Q8_0
-                | QuantType::Q4_0
-                | QuantType::Q4_1
-                | QuantType::Q5_0
-                | QuantType::Q4K
-                | QuantType::Q5K
-                | QuantType::Q6K
-        )
-    }
-
     /// True for the types the 16-row AVX-512 kernel (`Kernels::gemv16`) takes.
     pub const fn has_gemv16(self) -> bool {
         matches!(

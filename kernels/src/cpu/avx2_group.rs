@@ -64,7 +64,7 @@ pub(super) fn nibbles(b: &[u8]) -> __m256i {
 /// Bits `shift .. shift + width` of each of 32 bytes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn bits(v: __m256i, shift: usize, mask: i8) -> __m256i {
+pub(super) fn bits(v: __m256i, shift: usize, mask: i8) -> __m256i {
     let s = _mm_cvtsi32_si128(shift as i32);
     _mm256_and_si256(_mm256_srl_epi16(v, s), _mm256_set1_epi8(mask))
 }
@@ -84,7 +84,7 @@ pub(super) fn fifth_bits(h: u32) -> __m256i {
 /// The IQ4 code book applied to 32 nibbles.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn iq4(n: __m256i) -> __m256i {
+pub(super) fn iq4(n: __m256i) -> __m256i {
     // SAFETY: IQ4_VALUES is 16 bytes.
     let book = unsafe { _mm_loadu_si128(IQ4_VALUES.as_ptr().cast()) };
     _mm256_shuffle_epi8(_mm256_set_m128i(book, book), n)

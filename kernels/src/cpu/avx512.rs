@@ -13,7 +13,7 @@
 //! order on the same values.
 
 use super::avx2::prefetch;
-use super::avx2_group::{fifth_bits, k_quants, load32, nibbles, q6k_quants, q6k_scales};
+use super::avx2_group::{bits, fifth_bits, iq4, k_quants, load32, nibbles, q6k_quants, q6k_scales};
 use super::{Isa, Kernels};
 use crate::packed::{Packed16, LANES};
 use crate::quant::{BlockQ8, QuantType, QK};
@@ -26,6 +26,11 @@ const Q5_0: u8 = 3;
 const Q4K: u8 = 4;
 const Q5K: u8 = 5;
 const Q6K: u8 = 6;
+const Q5_1: u8 = 7;
+const IQ4NL: u8 = 8;
+const IQ4XS: u8 = 9;
+const Q3K: u8 = 10;
+const Q2K: u8 = 11;
 
 /// The AVX-512 VNNI table, or `None` when the processor lacks any of the features.
 pub fn kernels() -> Option<Kernels> {
@@ -44,7 +49,7 @@ pub fn kernels() -> Option<Kernels> {
     Some(Kernels {
         isa: Isa::Avx512Vnni,
         // SAFETY: features detected above.
-        quant: QuantType::ALL.map(|q| quant_dots(q).unwrap_or(base.quant[q.index()])),
+        quant: QuantType::ALL.map(quant_dots),
         // SAFETY: as above.
         gemm16: Some(|dt, rows, p| unsafe { gemm16(dt, rows, p) }),
         // SAFETY: as above.
@@ -57,10 +62,9 @@ pub fn kernels() -> Option<Kernels> {
     })
 }
 
-/// The products of the types with `gemm16` kernels, in those kernels' lane arithmetic (module
-/// docs); the other types keep the AVX2 table's.
-fn quant_dots(q: QuantType) -> Option<super::QuantDots> {
-    Some(match q {
+/// The products of every quantized type, in the lane arithmetic of `gemm16` (module docs).
+fn quant_dots(q: QuantType) -> super::QuantDots {
+    match q {
         QuantType::Q4_0 => lane_dots::<Q4_0>(),
         QuantType::Q4_1 => lane_dots::<Q4_1>(),
         QuantType::Q8_0 => lane_dots::<Q8_0>(),
@@ -68,9 +72,12 @@ fn quant_dots(q: QuantType) -> Option<super::QuantDots> {
         QuantType::Q4K => lane_dots::<Q4K>(),
         QuantType::Q5K => lane_dots::<Q5K>(),
         QuantType::Q6K => lane_dots::<Q6K>(),
-        QuantType::Q5_1 | QuantType::IQ4NL => return None,
-        QuantType::Q2K | QuantType::Q3K | QuantType::IQ4XS => return None,
-    })
+        QuantType::Q5_1 => lane_dots::<Q5_1>(),
+        QuantType::IQ4NL => lane_dots::<IQ4NL>(),
+        QuantType::IQ4XS => lane_dots::<IQ4XS>(),
+        QuantType::Q3K => lane_dots::<Q3K>(),
+        QuantType::Q2K => lane_dots::<Q2K>(),
+    }
 }
 
 /// [`dot`] of `KIND` for one token and for four (four tokens go through `gemm16`, see
@@ -96,22 +103,46 @@ const fn layout(kind: u8) -> (usize, usize) {
         Q4K => (size_of::<crate::quant::BlockQ4K>(), offset_of!(crate::quant::BlockQ4K, qs)),
         Q5K => (size_of::<crate::quant::BlockQ5K>(), offset_of!(crate::quant::BlockQ5K, qs)),
         Q6K => (size_of::<crate::quant::BlockQ6K>(), offset_of!(crate::quant::BlockQ6K, ql)),
-        _ => panic!("a kernel kind is Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q5_K or Q6_K"),
+        Q5_1 => (size_of::<crate::quant::BlockQ5_1>(), offset_of!(crate::quant::BlockQ5_1, qs)),
+        IQ4NL => (size_of::<crate::quant::BlockIQ4NL>(), offset_of!(crate::quant::BlockIQ4NL, qs)),
+        IQ4XS => (size_of::<crate::quant::BlockIQ4XS>(), offset_of!(crate::quant::BlockIQ4XS, qs)),
+        Q3K => (size_of::<crate::quant::BlockQ3K>(), offset_of!(crate::quant::BlockQ3K, qs)),
+        Q2K => (size_of::<crate::quant::BlockQ2K>(), offset_of!(crate::quant::BlockQ2K, qs)),
+        _ => panic!("not a kernel kind"),
     }
 }
 
 /// 32-weight groups per block: 8 for the K-quants' super-blocks, else 1.
 const fn groups(kind: u8) -> usize {
-    if matches!(kind, Q4K | Q5K | Q6K) {
+    if matches!(kind, Q4K | Q5K | Q6K | IQ4XS | Q3K | Q2K) {
         8
     } else {
         1
     }
 }
 
-/// True for the kinds with an offset term `m` (not Q8_0 and Q6_K, whose quants are signed).
+/// True for the kinds with a float offset term `m` per 32 weights times the activations' sum
+/// (Q4_0, Q5_0 as `-8 d`, `-16 d`; Q4_1, Q5_1, Q4_K, Q5_K). Q2_K's per-16 mins are an integer
+/// sum of their own; the other kinds have none.
 const fn has_offset(kind: u8) -> bool {
-    !matches!(kind, Q8_0 | Q6K)
+    matches!(kind, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q4K | Q5K)
+}
+
+/// True for the kinds whose quants are signed bytes (the products take `q + 128` and subtract
+/// `128 Σa`, or move the sign onto the activations).
+const fn signed(kind: u8) -> bool {
+    matches!(kind, Q8_0 | IQ4NL | IQ4XS)
+}
+
+/// The kinds with a scale per 16 weights: their stored quants are this much above the signed
+/// weights (Q2_K's are not signed: 0; its mins are a separate term).
+const fn half_offset(kind: u8) -> Option<i32> {
+    match kind {
+        Q6K => Some(32),
+        Q3K => Some(4),
+        Q2K => Some(0),
+        _ => None,
+    }
 }
 
 /// Bytes of a row of `nb` groups, and the offset of group `b`'s block.
@@ -134,6 +165,8 @@ struct Grp {
     d: f32,
     m: f32,
     sc: (i32, i32),
+    /// Q2_K's per-16 integer mins (the weights are `d sc q + m mins`), else 0.
+    mins: (i32, i32),
     q: __m256i,
 }
 
@@ -150,24 +183,61 @@ fn group<const KIND: u8>(w: &[u8], b: usize) -> Grp {
             let (sc, mn) = crate::group::k_scale_min(&blk[4..16], j);
             let d = crate::quant::read_f16(blk, 0) * f32::from(sc);
             let m = -crate::quant::read_f16(blk, 2) * f32::from(mn);
-            Grp { d, m, sc: (1, 1), q: k_quants(blk, j, KIND == Q5K) }
+            Grp { d, m, sc: (1, 1), mins: (0, 0), q: k_quants(blk, j, KIND == Q5K) }
         }
         Q6K => {
             let j = b % 8;
             let d = crate::quant::read_f16(blk, std::mem::offset_of!(crate::quant::BlockQ6K, d));
-            Grp { d, m: 0.0, sc: q6k_scales(blk, j), q: q6k_quants(blk, j) }
+            Grp { d, m: 0.0, sc: q6k_scales(blk, j), mins: (0, 0), q: q6k_quants(blk, j) }
+        }
+        IQ4XS => {
+            let j = b % 8;
+            let low = (blk[4 + j / 2] >> (4 * (j % 2))) & 0xf;
+            let high = (u16::from_le_bytes([blk[2], blk[3]]) >> (2 * j)) & 3;
+            let ls = i32::from(low | ((high as u8) << 4)) - 32;
+            let d = crate::quant::read_f16(blk, 0) * ls as f32;
+            Grp { d, m: 0.0, sc: (1, 1), mins: (0, 0), q: iq4(nibbles(&blk[q + 16 * j..])) }
+        }
+        Q3K => {
+            // Unsigned 0..8: the 2 low bits plus 4 where the high bit is set (4 above the weight).
+            let (j, h, s) = (b % 8, b % 8 / 4, b % 4);
+            let low = bits(load32(&blk[q + 32 * h..]), 2 * s, 3);
+            let high = _mm256_slli_epi16::<2>(bits(load32(blk), j, 1));
+            let sc = &blk[96..108];
+            let d = crate::quant::read_f16(blk, 108);
+            Grp {
+                d,
+                m: 0.0,
+                sc: (crate::group::q3k_scale(sc, 2 * j), crate::group::q3k_scale(sc, 2 * j + 1)),
+                mins: (0, 0),
+                q: _mm256_add_epi8(low, high),
+            }
+        }
+        Q2K => {
+            // `m` is -dmin, `mins` the per-16 mins from the scale bytes' high nibbles.
+            let (j, h, s) = (b % 8, b % 8 / 4, b % 4);
+            let (a, c) = (blk[2 * j], blk[2 * j + 1]);
+            Grp {
+                d: crate::quant::read_f16(blk, 80),
+                m: -crate::quant::read_f16(blk, 82),
+                sc: (i32::from(a & 0xf), i32::from(c & 0xf)),
+                mins: (i32::from(a >> 4), i32::from(c >> 4)),
+                q: bits(load32(&blk[q + 32 * h..]), 2 * s, 3),
+            }
         }
         _ => {
             let (d, m) = scales::<KIND>(blk);
             let quants = match KIND {
                 Q8_0 => load32(&blk[q..]),
-                Q5_0 => {
-                    let high = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+                Q5_0 | Q5_1 => {
+                    let at = q - 4;
+                    let high = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
                     _mm256_or_si256(nibbles(&blk[q..]), fifth_bits(high))
                 }
+                IQ4NL => iq4(nibbles(&blk[q..])),
                 _ => nibbles(&blk[q..]),
             };
-            Grp { d, m, sc: (1, 1), q: quants }
+            Grp { d, m, sc: (1, 1), mins: (0, 0), q: quants }
         }
     }
 }
@@ -184,7 +254,7 @@ fn scales<const KIND: u8>(blk: &[u8]) -> (f32, f32) {
     match KIND {
         Q4_0 => (d, -8.0 * d),
         Q5_0 => (d, -16.0 * d),
-        Q4_1 => (d, _mm_cvtss_f32(_mm_movehdup_ps(dm))),
+        Q4_1 | Q5_1 => (d, _mm_cvtss_f32(_mm_movehdup_ps(dm))),
         _ => (d, 0.0),
     }
 }
@@ -210,21 +280,31 @@ unsafe fn dot<const KIND: u8>(w: &[u8], a: &[BlockQ8]) -> f32 {
             }
             let b = b0 + i;
             prefetch(w, block_at(KIND, b));
-            let Grp { d, m, sc, q: wq } = group::<KIND>(w, b);
+            let Grp { d, m, sc, mins, q: wq } = group::<KIND>(w, b);
             // SAFETY: `qs` is 32 bytes.
             let aq = unsafe { _mm256_loadu_si256(a[b].qs.as_ptr().cast()) };
-            let isum = match KIND {
+            let halves = |lo: i32, hi: i32| _mm256_set_m128i(_mm_set1_epi32(hi), _mm_set1_epi32(lo));
+            let asum = || _mm256_dpbusd_epi32(zero, _mm256_set1_epi8(1), aq);
+            let isum = if signed(KIND) {
                 // |w| as the unsigned operand, w's sign moved onto the activations.
-                Q8_0 => _mm256_dpbusd_epi32(zero, _mm256_sign_epi8(wq, wq), _mm256_sign_epi8(aq, wq)),
-                // Per dword: (Σ q a - 32 Σ a) times its half's scale, exact in 32 bits.
-                Q6K => {
-                    let dp = _mm256_dpbusd_epi32(zero, wq, aq);
-                    let asum = _mm256_dpbusd_epi32(zero, _mm256_set1_epi8(1), aq);
-                    let scv = _mm256_set_m128i(_mm_set1_epi32(sc.1), _mm_set1_epi32(sc.0));
-                    _mm256_mullo_epi32(_mm256_sub_epi32(dp, _mm256_slli_epi32::<5>(asum)), scv)
-                }
-                _ => _mm256_dpbusd_epi32(zero, wq, aq),
+                _mm256_dpbusd_epi32(zero, _mm256_sign_epi8(wq, wq), _mm256_sign_epi8(aq, wq))
+            } else if let Some(o) = half_offset(KIND) {
+                // Per dword: (Σ q a - o Σ a) times its half's scale, exact in 32 bits.
+                let dp = _mm256_dpbusd_epi32(zero, wq, aq);
+                let dp =
+                    if o == 0 { dp } else { _mm256_sub_epi32(dp, _mm256_mullo_epi32(asum(), _mm256_set1_epi32(o))) };
+                _mm256_mullo_epi32(dp, halves(sc.0, sc.1))
+            } else {
+                _mm256_dpbusd_epi32(zero, wq, aq)
             };
+            if KIND == Q2K {
+                // The mins' integer sum Σ_h mins_h Σ_h a, scaled by d_act * -dmin.
+                let v = _mm256_mullo_epi32(asum(), halves(mins.0, mins.1));
+                let h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+                let h = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
+                let h = _mm_add_epi32(h, _mm_shuffle_epi32::<1>(h));
+                return (isum, a[b].d * d, a[b].d * m, _mm_cvtsi128_si32(h) as f32);
+            }
             (isum, a[b].d * d, m, a[b].s)
         };
         let (l0, l1, l2, l3) = (lane(0), lane(1), lane(2), lane(3));
@@ -232,7 +312,7 @@ unsafe fn dot<const KIND: u8>(w: &[u8], a: &[BlockQ8]) -> f32 {
         let h = _mm256_hadd_epi32(_mm256_hadd_epi32(l0.0, l1.0), _mm256_hadd_epi32(l2.0, l3.0));
         let isum = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
         acc = _mm_fmadd_ps(_mm_cvtepi32_ps(isum), _mm_set_ps(l3.1, l2.1, l1.1, l0.1), acc);
-        if has_offset(KIND) {
+        if has_offset(KIND) || KIND == Q2K {
             off = _mm_fmadd_ps(_mm_set_ps(l3.2, l2.2, l1.2, l0.2), _mm_set_ps(l3.3, l2.3, l1.3, l0.3), off);
         }
         b0 += 4;
@@ -283,7 +363,27 @@ unsafe fn gemm16(dt: QuantType, rows: &[&[u8]], p: &Packed16) -> [f32; 16] {
         (QuantType::Q6K, &[w]) => unsafe { gemm16_kind::<Q6K, 1>([w], p) },
         // SAFETY: as above.
         (QuantType::Q6K, &[w0, w1]) => unsafe { gemm16_kind::<Q6K, 2>([w0, w1], p) },
-        (q, rows) => panic!("gemm16 takes one or two rows of {q:?}, not {} (QuantType::has_gemm16)", rows.len()),
+        // SAFETY: as above.
+        (QuantType::Q5_1, &[w]) => unsafe { gemm16_kind::<Q5_1, 1>([w], p) },
+        // SAFETY: as above.
+        (QuantType::Q5_1, &[w0, w1]) => unsafe { gemm16_kind::<Q5_1, 2>([w0, w1], p) },
+        // SAFETY: as above.
+        (QuantType::IQ4NL, &[w]) => unsafe { gemm16_kind::<IQ4NL, 1>([w], p) },
+        // SAFETY: as above.
+        (QuantType::IQ4NL, &[w0, w1]) => unsafe { gemm16_kind::<IQ4NL, 2>([w0, w1], p) },
+        // SAFETY: as above.
+        (QuantType::IQ4XS, &[w]) => unsafe { gemm16_kind::<IQ4XS, 1>([w], p) },
+        // SAFETY: as above.
+        (QuantType::IQ4XS, &[w0, w1]) => unsafe { gemm16_kind::<IQ4XS, 2>([w0, w1], p) },
+        // SAFETY: as above.
+        (QuantType::Q3K, &[w]) => unsafe { gemm16_kind::<Q3K, 1>([w], p) },
+        // SAFETY: as above.
+        (QuantType::Q3K, &[w0, w1]) => unsafe { gemm16_kind::<Q3K, 2>([w0, w1], p) },
+        // SAFETY: as above.
+        (QuantType::Q2K, &[w]) => unsafe { gemm16_kind::<Q2K, 1>([w], p) },
+        // SAFETY: as above.
+        (QuantType::Q2K, &[w0, w1]) => unsafe { gemm16_kind::<Q2K, 2>([w0, w1], p) },
+        (q, rows) => panic!("gemm16 takes one or two rows of {q:?}, not {}", rows.len()),
     }
 }
 
@@ -323,23 +423,33 @@ unsafe fn gemm16_kind<const KIND: u8, const R: usize>(w: [&[u8]; R], p: &Packed1
             prefetch(w, block_at(KIND, b));
             let g = group::<KIND>(w, b);
             // Signed quants + 128 are unsigned bytes; 128 * Σa is subtracted below.
-            let wq = if KIND == Q8_0 { _mm256_xor_si256(g.q, _mm256_set1_epi8(-128)) } else { g.q };
-            ((g.d, g.m, g.sc), wq)
+            let wq = if signed(KIND) { _mm256_xor_si256(g.q, _mm256_set1_epi8(-128)) } else { g.q };
+            ((g.d, g.m, g.sc, g.mins), wq)
         };
-        let ((d0, m0, sc0), wq0) = unpack(w[0]);
-        let (d, m, sc) = if R == 1 {
+        let ((d0, m0, sc0, mn0), wq0) = unpack(w[0]);
+        let (d, m, sc, mins) = if R == 1 {
             // SAFETY: `wb` is 16 i32s.
             unsafe { _mm256_storeu_si256(wb.as_mut_ptr().cast(), wq0) };
-            (_mm512_set1_ps(d0), _mm512_set1_ps(m0), (_mm512_set1_epi32(sc0.0), _mm512_set1_epi32(sc0.1)))
+            (
+                _mm512_set1_ps(d0),
+                _mm512_set1_ps(m0),
+                (_mm512_set1_epi32(sc0.0), _mm512_set1_epi32(sc0.1)),
+                (_mm512_set1_epi32(mn0.0), _mm512_set1_epi32(mn0.1)),
+            )
         } else {
-            let ((d1, m1, sc1), wq1) = unpack(w[R - 1]);
+            let ((d1, m1, sc1, mn1), wq1) = unpack(w[R - 1]);
             let (x, y) = (_mm256_unpacklo_epi32(wq0, wq1), _mm256_unpackhi_epi32(wq0, wq1));
             // SAFETY: `wb` is 16 i32s = 64 bytes.
             unsafe {
                 _mm256_storeu_si256(wb.as_mut_ptr().cast(), _mm256_permute2x128_si256::<0x20>(x, y));
                 _mm256_storeu_si256(wb.as_mut_ptr().add(8).cast(), _mm256_permute2x128_si256::<0x31>(x, y));
             }
-            (pair_ps(d0, d1), pair_ps(m0, m1), (pair_epi32(sc0.0, sc1.0), pair_epi32(sc0.1, sc1.1)))
+            (
+                pair_ps(d0, d1),
+                pair_ps(m0, m1),
+                (pair_epi32(sc0.0, sc1.0), pair_epi32(sc0.1, sc1.1)),
+                (pair_epi32(mn0.0, mn1.0), pair_epi32(mn0.1, mn1.1)),
+            )
         };
         // The broadcasts below must be loads from memory (load ports) rather than register
         // shuffles (the one shuffle port), so the compiler may not see through the store.
@@ -356,7 +466,7 @@ unsafe fn gemm16_kind<const KIND: u8, const R: usize>(w: [&[u8]; R], p: &Packed1
                 // SAFETY: dwords 2j and 2j + 1 of `wb`.
                 _mm512_set1_epi64(unsafe { wb.as_ptr().add(2 * j).cast::<i64>().read_unaligned() })
             };
-            let chain = if KIND == Q6K { j / 4 } else { j % 2 };
+            let chain = if half_offset(KIND).is_some() { j / 4 } else { j % 2 };
             isum[chain] = _mm512_dpbusd_epi32(isum[chain], four, act);
         }
         let [isum0, isum1] = isum;
@@ -369,22 +479,28 @@ unsafe fn gemm16_kind<const KIND: u8, const R: usize>(w: [&[u8]; R], p: &Packed1
                 _mm512_loadu_si512(p.isum.as_ptr().add(b * LANES).cast()),
             )
         };
-        if KIND == Q8_0 {
+        if signed(KIND) {
             isum = _mm512_sub_epi32(isum, _mm512_slli_epi32::<7>(asum));
         }
-        if KIND == Q6K {
-            // sc0 (Σ₀ q a - 32 Σ₀ a) + sc1 (Σ₁ q a - 32 Σ₁ a), as the single-token dot's dwords.
-            // SAFETY: 16 values at b * 16 (asserted length).
-            let lo = unsafe { _mm512_loadu_si512(p.isum_lo.as_ptr().add(b * LANES).cast()) };
-            let hi = _mm512_sub_epi32(asum, lo);
-            let h0 = _mm512_mullo_epi32(_mm512_sub_epi32(isum0, _mm512_slli_epi32::<5>(lo)), sc.0);
-            let h1 = _mm512_mullo_epi32(_mm512_sub_epi32(isum1, _mm512_slli_epi32::<5>(hi)), sc.1);
+        // The activations' sums of the block's two halves (per-16 kinds).
+        // SAFETY: 16 values at b * 16 (asserted length).
+        let lo = unsafe { _mm512_loadu_si512(p.isum_lo.as_ptr().add(b * LANES).cast()) };
+        let hi = _mm512_sub_epi32(asum, lo);
+        if let Some(o) = half_offset(KIND) {
+            // sc0 (Σ₀ q a - o Σ₀ a) + sc1 (Σ₁ q a - o Σ₁ a), as the single-token dot's dwords.
+            let ov = _mm512_set1_epi32(o);
+            let h0 = _mm512_mullo_epi32(_mm512_sub_epi32(isum0, _mm512_mullo_epi32(lo, ov)), sc.0);
+            let h1 = _mm512_mullo_epi32(_mm512_sub_epi32(isum1, _mm512_mullo_epi32(hi, ov)), sc.1);
             isum = _mm512_add_epi32(h0, h1);
         }
         let sc = _mm512_mul_ps(da, d);
         *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, *acc);
         if has_offset(KIND) {
             *off = _mm512_fmadd_ps(m, sa, *off);
+        }
+        if KIND == Q2K {
+            let msum = _mm512_add_epi32(_mm512_mullo_epi32(lo, mins.0), _mm512_mullo_epi32(hi, mins.1));
+            *off = _mm512_fmadd_ps(_mm512_mul_ps(da, m), _mm512_cvtepi32_ps(msum), *off);
         }
     };
     // Blocks in fours, so each accumulator index is a constant (registers, not the stack).

@@ -50,7 +50,7 @@ fn quantized_dots_match(k: &Kernels, w: &[f32], xs: &[Vec<f32>]) -> Result<(), T
             prop_assert!(close(want, one(&wb, &acts[r]), scale), "{:?} {:?} single", k.isa, dt);
             prop_assert!(close(want, got4[r], scale), "{:?} {:?} x4 row {}", k.isa, dt, r);
         }
-        if let Some(gemm) = k.gemm16.filter(|_| q.has_gemm16()) {
+        if let Some(gemm) = k.gemm16 {
             let rows: Vec<&[BlockQ8]> = acts.iter().map(Vec::as_slice).collect();
             let got = gemm(q, &[&wb], &crate::packed::Packed16::pack(&rows));
             for r in 0..4 {
