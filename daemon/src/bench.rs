@@ -150,6 +150,14 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
         "decode_tok_s": { "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "by_batch": decode },
         "peak_rss_mib": peak_rss_mib(),
     });
+    // Batch-1 decode reads every weight once per token: the share of the machine's read
+    // bandwidth that reaches.
+    let bytes = crate::bandwidth::weight_bytes_per_token(&model.weights);
+    let gbs = crate::bandwidth::read_gb_s(threads);
+    report["memory"] = json!({ "read_gb_s": gbs, "weights_read_per_token_mb": bytes as f64 / 1e6 });
+    if let Some(b1) = report["decode_tok_s"]["by_batch"]["1"].as_f64() {
+        report["memory"]["decode_batch1_share_of_read_bandwidth"] = json!(b1 * bytes as f64 / 1e9 / gbs);
+    }
     if let Some(dir) = &args.llama_cpp {
         report["llama_cpp"] = compare(dir, model, args, threads, &report)?;
     }

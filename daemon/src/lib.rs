@@ -11,6 +11,7 @@
 #![deny(unsafe_code)]
 #![cfg_attr(test, allow(clippy::unwrap_used))] // unit tests: a failed unwrap is a failed test
 
+pub mod bandwidth;
 pub mod bench;
 pub mod bench_decoders;
 pub mod serve;
