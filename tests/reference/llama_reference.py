@@ -1,13 +1,15 @@
 """Reference data from llama.cpp (its Python bindings over the shared library that
 tests/bench/build-llama-cpp builds), for tests/e2e/reference.rs. Run by tests/reference/regen.
 
-    python3 llama_reference.py OUT.json TINY_DIR GEMMA3_GGUF
+    python3 llama_reference.py OUT.json TINY_DIR GEMMA3_GGUF REQUANTIZED_DIR
 
 For every model: the sha256 of the file, and per case the prompt's tokens, the top logits at a
 few positions, and a greedy continuation with the margin between llama.cpp's top two logits at
-each step (the comparison stops at a near-tie). For the Gemma 3 file also tokenizations."""
+each step (the comparison stops at a near-tie). For the Gemma 3 file also tokenizations.
+REQUANTIZED_DIR holds the default model requantized by requantize.py (Q4_K_M, Q5_K_M, Q6_K)."""
 import hashlib
 import json
+import os
 import sys
 
 import numpy as np
@@ -70,8 +72,18 @@ TOKENIZE = [
 ]
 
 
+def text_cases(llm, prompts):
+    cases = []
+    for prompt in prompts:
+        tokens = llm.tokenize(prompt.encode(), add_bos=True, special=False)
+        case = run(llm, tokens, positions(len(tokens)), 24)
+        case["prompt"] = prompt
+        cases.append(case)
+    return cases
+
+
 def main():
-    out, tiny_dir, gemma = sys.argv[1], sys.argv[2], sys.argv[3]
+    out, tiny_dir, gemma, requantized = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
     models = []
     for arch in ["llama", "qwen2", "qwen3", "gemma3", "phi3"]:
         path = f"{tiny_dir}/tiny-{arch}.gguf"
@@ -84,12 +96,7 @@ def main():
         models.append({"name": f"tiny-{arch}", "file": f"tiny-{arch}.gguf", "sha256": sha256(path), "cases": cases})
         del llm
     llm = Llama(gemma, n_ctx=2048, logits_all=True, verbose=False, n_threads=2, seed=0)
-    cases = []
-    for prompt in GEMMA_PROMPTS:
-        tokens = llm.tokenize(prompt.encode(), add_bos=True, special=False)
-        case = run(llm, tokens, positions(len(tokens)), 24)
-        case["prompt"] = prompt
-        cases.append(case)
+    cases = text_cases(llm, GEMMA_PROMPTS)
     tokenizations = [
         {"text": t, "tokens": llm.tokenize(t.encode(), add_bos=True, special=False)} for t in TOKENIZE
     ]
@@ -102,6 +109,19 @@ def main():
             "tokenizations": tokenizations,
         }
     )
+    del llm
+    for t in ["Q4_K_M", "Q5_K_M", "Q6_K"]:
+        path = os.path.join(requantized, f"SmolLM2-135M-Instruct.{t}.gguf")
+        llm = Llama(path, n_ctx=2048, logits_all=True, verbose=False, n_threads=2, seed=0)
+        models.append(
+            {
+                "name": f"SmolLM2-135M-Instruct.{t}",
+                "file": os.path.basename(path),
+                "sha256": sha256(path),
+                "cases": text_cases(llm, GEMMA_PROMPTS),
+            }
+        )
+        del llm
     with open(out, "w") as f:
         json.dump({"generator": "llama.cpp via llama-cpp-python " + __import__("llama_cpp").__version__, "models": models}, f, indent=1)
         f.write("\n")
