@@ -289,6 +289,7 @@ impl QuantType {
                 | QuantType::Q4_0
                 | QuantType::Q4_1
                 | QuantType::Q5_0
+                | QuantType::Q5_1
                 | QuantType::Q4K
                 | QuantType::Q5K
                 | QuantType::Q6K

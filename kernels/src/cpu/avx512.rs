@@ -548,7 +548,11 @@ unsafe fn gemv16(dt: QuantType, w: &[u8], rb: usize, a: &[&[BlockQ8]], out: &mut
         QuantType::Q5K => unsafe { gemv16_tokens::<Q5K>(w, rb, a, out) },
         // SAFETY: as above.
         QuantType::Q6K => unsafe { gemv16_tokens::<Q6K>(w, rb, a, out) },
-        q => panic!("gemv16 takes Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K, not {q:?} (see QuantType::has_gemv16)"),
+        // SAFETY: as above.
+        QuantType::Q5_1 => unsafe { gemv16_tokens::<Q5_1>(w, rb, a, out) },
+        q => panic!(
+            "gemv16 takes Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K, not {q:?} (see QuantType::has_gemv16)"
+        ),
     }
 }
 
@@ -620,11 +624,11 @@ unsafe fn weight_pair<const KIND: u8>(row: *const u8, b: usize, pair: bool) -> _
         // SAFETY: and at p1 when `pair`.
         let v = if pair { _mm512_mask_broadcast_i32x4(v, 0xff00, unsafe { _mm_loadu_si128(p1.cast()) }) } else { v };
         let low = _mm512_and_si512(_mm512_mask_srli_epi16::<4>(v, 0xff00_ff00, v), _mm512_set1_epi8(0x0f));
-        if KIND == Q5_0 {
+        if matches!(KIND, Q5_0 | Q5_1) {
             let qh = |p: *const u8| {
-                // SAFETY: Q5_0's qh is the 4 bytes 2..6 of the block, which the caller
-                // guarantees (the block lies inside the row).
-                u64::from(unsafe { p.wrapping_sub(q).wrapping_add(2).cast::<u32>().read_unaligned() })
+                // SAFETY: qh is the 4 bytes before the quants (Q5_0: 2..6 of the block, Q5_1:
+                // 4..8), which the caller guarantees (the block lies inside the row).
+                u64::from(unsafe { p.wrapping_sub(4).cast::<u32>().read_unaligned() })
             };
             let high = if pair { qh(p0) | (qh(p1) << 32) } else { qh(p0) };
             _mm512_or_si512(low, _mm512_maskz_mov_epi8(high, _mm512_set1_epi8(0x10)))
@@ -725,7 +729,7 @@ unsafe fn gemv16_kind<const KIND: u8, const N: usize>(w: &[u8], rb: usize, a: [&
         let g = gather(c * bb);
         let d = f16_at(g);
         let m = match KIND {
-            Q4_1 => f16_at(_mm512_srli_epi32::<16>(g)),
+            Q4_1 | Q5_1 => f16_at(_mm512_srli_epi32::<16>(g)),
             // As `scales`: the quants' offset times d.
             Q5_0 => _mm512_mul_ps(_mm512_set1_ps(-16.0), d),
             Q8_0 => _mm512_setzero_ps(),
