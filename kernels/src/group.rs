@@ -58,6 +58,13 @@ pub fn q3k_scale(s: &[u8], j: usize) -> i32 {
     i32::from(low | (high << 4)) - 32
 }
 
+/// The 6-bit signed scale of sub-block `j` (of 8) of an IQ4_XS super-block `blk`.
+pub fn iq4xs_scale(blk: &[u8], j: usize) -> i32 {
+    let low = (blk[offset_of!(BlockIQ4XS, scales_l) + j / 2] >> (4 * (j % 2))) & 0xf;
+    let high = (u16::from_le_bytes([blk[2], blk[3]]) >> (2 * j)) & 3;
+    i32::from(low | ((high as u8) << 4)) - 32
+}
+
 /// Group `g` (weights `32 g .. 32 g + 32`) of the row `row` stored as `q`.
 pub fn decode(q: QuantType, row: &[u8], g: usize) -> Group {
     let per = q.block_len() / QK;
@@ -163,11 +170,8 @@ pub fn decode(q: QuantType, row: &[u8], g: usize) -> Group {
             });
         }
         QuantType::IQ4XS => {
-            let at = offset_of!(BlockIQ4XS, scales_l);
-            let low = (blk[at + j / 2] >> (4 * (j % 2))) & 0xf;
-            let high = (u16::from_le_bytes([blk[2], blk[3]]) >> (2 * j)) & 3;
             out.d = read_f16(blk, 0);
-            out.sc = [i32::from(low | ((high as u8) << 4)) - 32; 2];
+            out.sc = [iq4xs_scale(blk, j); 2];
             let qs = &blk[offset_of!(BlockIQ4XS, qs) + 16 * j..];
             out.q = std::array::from_fn(|i| IQ4_VALUES[usize::from(nib(qs, i))]);
         }

@@ -14,7 +14,7 @@
 
 use super::avx2::{hsum, prefetch};
 use super::QuantDots;
-use crate::group::{k_scale_min, q3k_scale};
+use crate::group::{iq4xs_scale, k_scale_min, q3k_scale};
 use crate::quant::{read_f16, BlockQ8, QuantType, IQ4_VALUES, QK};
 use std::arch::x86_64::*;
 
@@ -126,6 +126,16 @@ pub(super) fn q6k_quants(blk: &[u8], j: usize) -> __m256i {
     _mm256_or_si256(low, _mm256_slli_epi16::<4>(bits(load32(&blk[128 + 32 * h..]), 2 * s, 3)))
 }
 
+/// The quants of group `j` of a Q3_K super-block `blk` as unsigned bytes 0..8 in element order,
+/// 4 above the signed weights: the 2 low bits (bits `2 s` of `qs[32 h + l]`, `j = 4 h + s`)
+/// plus 4 where the high bit (bit `j` of `hmask[l]`) is set.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn q3k_quants(blk: &[u8], j: usize) -> __m256i {
+    let low = bits(load32(&blk[32 + 32 * (j / 4)..]), 2 * (j % 4), 3);
+    _mm256_add_epi8(low, _mm256_slli_epi16::<2>(bits(load32(blk), j, 1)))
+}
+
 /// The signed 8-bit scales of the two 16-weight halves of group `j` of a Q6_K super-block.
 #[inline]
 pub(super) fn q6k_scales(blk: &[u8], j: usize) -> (i32, i32) {
@@ -162,10 +172,8 @@ fn decode<const Q: u8>(w: &[u8], g: usize) -> GroupV {
             GroupV { q, sc, d: read_f16(blk, 80), min: Min::Halves(m, -read_f16(blk, 82)) }
         }
         QuantType::Q3K => {
-            let low = bits(load32(&blk[32 + 32 * h..]), 2 * s, 3);
             // A set high bit keeps the value; a clear one subtracts 4.
-            let high = _mm256_slli_epi16::<2>(bits(load32(blk), j, 1));
-            let q = _mm256_sub_epi8(_mm256_add_epi8(low, high), _mm256_set1_epi8(4));
+            let q = _mm256_sub_epi8(q3k_quants(blk, j), _mm256_set1_epi8(4));
             let sc = halves(q3k_scale(&blk[96..108], 2 * j), q3k_scale(&blk[96..108], 2 * j + 1));
             GroupV { q, sc, d: read_f16(blk, 108), min: Min::None }
         }
@@ -182,17 +190,12 @@ fn decode<const Q: u8>(w: &[u8], g: usize) -> GroupV {
             let sc = halves(sc0, sc1);
             GroupV { q, sc, d: read_f16(blk, 208), min: Min::None }
         }
-        QuantType::IQ4XS => {
-            let low = (blk[4 + j / 2] >> (4 * (j % 2))) & 0xf;
-            let high = (u16::from_le_bytes([blk[2], blk[3]]) >> (2 * j)) & 3;
-            let ls = i16::from(low | ((high as u8) << 4)) - 32;
-            GroupV {
-                q: iq4(nibbles(&blk[8 + 16 * j..])),
-                sc: _mm256_set1_epi16(ls),
-                d: read_f16(blk, 0),
-                min: Min::None,
-            }
-        }
+        QuantType::IQ4XS => GroupV {
+            q: iq4(nibbles(&blk[8 + 16 * j..])),
+            sc: _mm256_set1_epi16(iq4xs_scale(blk, j) as i16),
+            d: read_f16(blk, 0),
+            min: Min::None,
+        },
         QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 => {
             unreachable!("Q4_0, Q4_1 and Q8_0 have kernels of their own")
         }

@@ -16,6 +16,8 @@ mod avx2_group;
 pub mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod avx512_attn;
+#[cfg(target_arch = "x86_64")]
+mod avx512_gemv;
 pub mod scalar;
 
 /// The instruction set a kernel table was built for.

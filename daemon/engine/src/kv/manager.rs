@@ -134,11 +134,6 @@ impl KvCacheManager {
         id
     }
 
-    /// Groups of the cache (one block table each per sequence).
-    pub fn groups(&self) -> usize {
-        self.windows.len()
-    }
-
     fn seq(&self, id: SeqId) -> &Sequence {
         &self.seqs[&id]
     }

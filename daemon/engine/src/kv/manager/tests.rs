@@ -118,23 +118,27 @@ fn cached_blocks_are_evicted_when_needed() {
 fn blocks_needed_for_a_step_is_exactly_what_its_appends_take() {
     // Three holders of one partial block (a and two forks) and one fresh sequence; every
     // combination of writers and span lengths: the count made before must equal the blocks
-    // the appends then take, copy-on-write included (the last holder to write keeps it).
-    for writers in 1..=3usize {
-        for span in [1usize, 2, 3, 6] {
-            let mut m = KvCacheManager::new(32, 4);
-            let a = m.create();
-            m.append(a, &toks(6, 0)).unwrap();
-            m.commit(a, 6);
-            let holders = [a, m.fork(a), m.fork(a)];
-            let c = m.create();
-            let mut items: Vec<(SeqId, usize)> = holders[..writers].iter().map(|&s| (s, span)).collect();
-            items.push((c, 5));
-            let counted = m.blocks_needed_for_step(&items);
-            let before = m.stats().free;
-            for &(s, n) in &items {
-                m.append(s, &toks(n, 9)).unwrap();
+    // the appends then take, copy-on-write included (the last holder to write keeps it). With
+    // one full group, and with a window group beside it (forks share blocks in both tables,
+    // and copy-on-write happens in each).
+    for groups in [vec![None], vec![Some(6), None]] {
+        for writers in 1..=3usize {
+            for span in [1usize, 2, 3, 6] {
+                let mut m = KvCacheManager::with_groups(64, 4, groups.clone());
+                let a = m.create();
+                m.append(a, &toks(6, 0)).unwrap();
+                m.commit(a, 6);
+                let holders = [a, m.fork(a), m.fork(a)];
+                let c = m.create();
+                let mut items: Vec<(SeqId, usize)> = holders[..writers].iter().map(|&s| (s, span)).collect();
+                items.push((c, 5));
+                let counted = m.blocks_needed_for_step(&items);
+                let before = m.stats().free;
+                for &(s, n) in &items {
+                    m.append(s, &toks(n, 9)).unwrap();
+                }
+                assert_eq!(counted, before - m.stats().free, "{groups:?}: {writers} writers of {span} tokens");
             }
-            assert_eq!(counted, before - m.stats().free, "{writers} writers of {span} tokens");
         }
     }
 }
@@ -214,28 +218,4 @@ fn a_prefix_hit_on_a_windowed_model_takes_only_the_window_blocks() {
     assert_eq!(m.blocks_used(b), 25 + (25 - first));
     m.free(b);
     assert_eq!(m.stats().free, 200);
-}
-
-#[test]
-fn blocks_needed_for_a_step_is_exact_in_every_group() {
-    // The accounting test above with a window group beside the full one: forks share blocks
-    // in both tables, and copy-on-write happens in each.
-    for writers in 1..=3usize {
-        for span in [1usize, 2, 3, 6] {
-            let mut m = KvCacheManager::with_groups(64, 4, vec![Some(6), None]);
-            let a = m.create();
-            m.append(a, &toks(6, 0)).unwrap();
-            m.commit(a, 6);
-            let holders = [a, m.fork(a), m.fork(a)];
-            let c = m.create();
-            let mut items: Vec<(SeqId, usize)> = holders[..writers].iter().map(|&s| (s, span)).collect();
-            items.push((c, 5));
-            let counted = m.blocks_needed_for_step(&items);
-            let before = m.stats().free;
-            for &(s, n) in &items {
-                m.append(s, &toks(n, 9)).unwrap();
-            }
-            assert_eq!(counted, before - m.stats().free, "{writers} writers of {span} tokens");
-        }
-    }
 }
