@@ -33,16 +33,18 @@ pub enum RopeStyle {
     Neox,
 }
 
-/// Precomputed inverse frequencies `base^(-2i/d)` for one head dimension.
+/// Precomputed inverse frequencies `base^(-2i/d)` for one head dimension, and the factor the
+/// rotated dimensions are multiplied by (1 but for LongRoPE's and YaRN's magnitude scaling).
 #[derive(Clone, Debug)]
 pub struct Rope {
     pub style: RopeStyle,
     inv_freq: Vec<f32>,
+    scale: f32,
 }
 
 impl Rope {
     pub fn new(style: RopeStyle, head_dim: usize, base: f32) -> Self {
-        Rope { style, inv_freq: Self::frequencies(head_dim, base) }
+        Rope { style, inv_freq: Self::frequencies(head_dim, base), scale: 1.0 }
     }
 
     /// The unscaled inverse frequencies `base^(-2i/d)`, `head_dim / 2` of them.
@@ -52,7 +54,13 @@ impl Rope {
 
     /// A rotation with the given inverse frequencies (scaled ones: linear, Llama 3's).
     pub fn with_frequencies(style: RopeStyle, inv_freq: Vec<f32>) -> Self {
-        Rope { style, inv_freq }
+        Rope { style, inv_freq, scale: 1.0 }
+    }
+
+    /// The same rotation with the rotated dimensions multiplied by `scale` (as llama.cpp
+    /// multiplies its sines and cosines; dimensions past a partial rotation keep their value).
+    pub fn scaled(self, scale: f32) -> Self {
+        Rope { scale, ..self }
     }
 
     /// How many frequencies: half the rotated dimensions.
@@ -60,11 +68,12 @@ impl Rope {
         self.inv_freq.len()
     }
 
-    /// The rotation of position `pos`: `(sin, cos)` of each frequency, [`Rope::pairs`] of them.
-    /// Computed once per token and reused for every head of every layer.
+    /// The rotation of position `pos`: `(sin, cos)` of each frequency times the scale,
+    /// [`Rope::pairs`] of them. Computed once per token and reused for every head of every layer.
     pub fn angles(&self, pos: usize, out: &mut [(f32, f32)]) {
         for (o, f) in out.iter_mut().zip(&self.inv_freq) {
-            *o = (pos as f32 * f).sin_cos();
+            let (sin, cos) = (pos as f32 * f).sin_cos();
+            *o = (sin * self.scale, cos * self.scale);
         }
     }
 

@@ -24,10 +24,22 @@ fn gguf_content_the_loader_does_not_understand_is_named() {
         w.meta("llama.expert_count", MetaValue::U32(0));
     });
     Model::load(&ok).unwrap();
-    let e = gguf_error("rope-yarn", |w| {
+    // YaRN loads (tests/e2e/reference.rs); its DeepSeek variant and unknown types do not.
+    let yarn = |w: &mut inferd_engine::model::gguf_writer::GgufWriter| {
         w.meta("llama.rope.scaling.type", MetaValue::Str("yarn".into()));
+        w.meta("llama.rope.scaling.factor", MetaValue::F32(4.0));
+    };
+    Model::load(&write_tiny_gguf_with(&dir.join("yarn.gguf"), &TinySpec::default(), DType::F32, DType::F32, yarn))
+        .unwrap();
+    let e = gguf_error("rope-yarn-log", |w| {
+        yarn(w);
+        w.meta("llama.rope.scaling.yarn_log_multiplier", MetaValue::F32(0.1));
     });
-    assert!(e.contains("llama.rope.scaling.type") && e.contains("yarn"), "{e}");
+    assert!(e.contains("llama.rope.scaling.yarn_log_multiplier"), "{e}");
+    let e = gguf_error("rope-dynamic", |w| {
+        w.meta("llama.rope.scaling.type", MetaValue::Str("dynamic".into()));
+    });
+    assert!(e.contains("llama.rope.scaling.type") && e.contains("dynamic"), "{e}");
     let e = gguf_error("moe", |w| {
         w.meta("llama.expert_count", MetaValue::U32(8));
     });
@@ -65,7 +77,10 @@ fn config_json_fields_the_loader_does_not_understand_are_named() {
     with("rope_scaling", serde_json::Value::Null).unwrap();
     with("attention_bias", false.into()).unwrap();
     for (key, value) in [
-        ("rope_scaling", serde_json::json!({"rope_type": "yarn", "factor": 4.0})),
+        ("rope_scaling", serde_json::json!({"rope_type": "dynamic", "factor": 2.0})),
+        // DeepSeek's YaRN magnitude terms.
+        ("rope_scaling", serde_json::json!({"rope_type": "yarn", "factor": 4.0, "mscale_all_dim": 1.0})),
+        ("rope_scaling", serde_json::json!({"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]})),
         ("attention_bias", true.into()),
         ("hidden_act", "gelu".into()),
         ("sliding_window", 4096.into()),

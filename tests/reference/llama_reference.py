@@ -5,7 +5,8 @@ tests/bench/build-llama-cpp builds), for tests/e2e/reference.rs. Run by tests/re
 
 For every model: the sha256 of the file, and per case the prompt's tokens, the top logits at a
 few positions, and a greedy continuation with the margin between llama.cpp's top two logits at
-each step (the comparison stops at a near-tie). For the Gemma 3 file also tokenizations.
+each step (the comparison stops at a near-tie); for the long-context variants the context
+llama.cpp ran with. For the Gemma 3 file and the pre-tokenizer files, tokenizations.
 REQUANTIZED_DIR holds the default model requantized by requantize.py (Q4_K_M, Q5_K_M, Q6_K)."""
 import hashlib
 import json
@@ -94,6 +95,33 @@ def main():
             tokens = [0] + [int(x) for x in rng.integers(3, 259, n - 1)]
             cases.append(run(llm, tokens, positions(n), 12))
         models.append({"name": f"tiny-{arch}", "file": f"tiny-{arch}.gguf", "sha256": sha256(path), "cases": cases})
+        del llm
+    # The long-context variants: LongRoPE's long factors (a context past the trained 256) and
+    # its short ones (a context of 256), YaRN's scaling at any context.
+    for name, n_ctx, suffix, lengths in [
+        ("tiny-phi3-longrope", 512, "", (5, 40, 150)),
+        ("tiny-phi3-longrope", 256, "-short", (5, 40)),
+        ("tiny-qwen2-yarn", 512, "", (5, 40, 150)),
+    ]:
+        path = f"{tiny_dir}/{name}.gguf"
+        llm = Llama(path, n_ctx=n_ctx, logits_all=True, verbose=False, n_threads=2, seed=0)
+        rng = np.random.default_rng(101)
+        cases = []
+        for n in lengths:
+            tokens = [0] + [int(x) for x in rng.integers(3, 259, n - 1)]
+            cases.append(run(llm, tokens, positions(n), 12))
+        models.append({"name": name + suffix, "file": f"{name}.gguf", "sha256": sha256(path), "context": n_ctx, "cases": cases})
+        del llm
+    # Every GGUF pre-tokenizer inferd knows, on texts whose splits differ between them.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from tiny_models import PRE_TEXTS, PRE_TYPES
+
+    for pre in PRE_TYPES:
+        path = f"{tiny_dir}/tiny-pre-{pre}.gguf"
+        llm = Llama(path, vocab_only=True, verbose=False)
+        tokenizations = [{"text": t, "tokens": llm.tokenize(t.encode(), add_bos=True, special=False)} for t in PRE_TEXTS]
+        models.append({"name": f"tiny-pre-{pre}", "file": f"tiny-pre-{pre}.gguf", "sha256": sha256(path), "cases": [],
+                       "tokenizations": tokenizations})
         del llm
     llm = Llama(gemma, n_ctx=2048, logits_all=True, verbose=False, n_threads=2, seed=0)
     cases = text_cases(llm, GEMMA_PROMPTS)

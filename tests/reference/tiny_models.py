@@ -5,15 +5,21 @@ package (deterministic: the same bytes on every machine with the pinned numpy an
 
 writes OUT_DIR/tiny-{llama,qwen2,qwen3,gemma3,phi3}.gguf, and the same models but Llama (whose
 Hugging Face form the engine's own tests write) as Hugging Face directories tiny-ARCH-hf/
-(config.json, model.safetensors, tokenizer.json, in transformers' names and layouts).
+(config.json, model.safetensors, tokenizer.json, in transformers' names and layouts); the
+long-context variants tiny-phi3-longrope (LongRoPE, partial rotation) and tiny-qwen2-yarn
+(YaRN), trained on 256 positions and stretched to 1024, also as directories; and
+tiny-pre-NAME.gguf, Llama models whose vocabularies name each GGUF pre-tokenizer inferd
+knows, with merges learned across word boundaries (so a text split differently tokenizes
+differently).
 tests/reference/regen runs llama.cpp on the GGUF files; tests/e2e/reference.rs runs inferd on
 them and compares, and checks that each directory gives the logits of its GGUF file."""
 import json
+import math
 import os
 import sys
 
 import numpy as np
-from gguf import GGUFWriter, GGMLQuantizationType
+from gguf import GGUFWriter, GGMLQuantizationType, RopeScalingType
 from gguf.quants import quantize
 
 # A byte-level vocabulary: three specials, the 256 byte characters of GPT-2's mapping, a few merges.
@@ -37,21 +43,88 @@ VOCAB = len(TOKENS)
 
 # Shapes: hidden 64 (so 32-blocks divide everything), 4 query heads of 16, 2 KV heads.
 HIDDEN, HEADS, KV_HEADS, FFN = 64, 4, 2, 128
+# The trained context of the long-context variants, stretched 4 times. llama.cpp rounds its
+# context up to a multiple of 256 and picks LongRoPE's factors by it, so the short ones need a
+# trained context of 256 at least.
+ORIGINAL = 256
 
 
-def add_vocab(w):
+def add_vocab(w, pre="default", tokens=TOKENS, merges=MERGES):
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(TOKENS)
-    w.add_token_types([3, 3, 2] + [1] * (VOCAB - 3))
-    w.add_token_merges([f"{a} {b}" for a, b in MERGES])
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 2] + [1] * (len(tokens) - 3))
+    w.add_token_merges([f"{a} {b}" for a, b in merges])
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
     w.add_add_bos_token(True)
 
 
-def model(arch, path, seed):
+# Texts whose splits differ between the pre-tokenizers: contractions, capitals inside words,
+# digit runs, punctuation before slashes and line breaks, runs of spaces, other scripts.
+PRE_TEXTS = [
+    "Hello world",
+    " leading space and  double  spaces",
+    "Tabs\tand\nnewlines\n\n  indented",
+    "Numbers 1234567 and 3.14159, dates 2026-11-30.",
+    "HelloWorld and camelCaseWords, XMLHttpRequest, iPhone, MyClass::new()",
+    "I'm sure they'll say it's 'fine' - don't they? WE'RE HERE, AREN'T WE",
+    "path/to/file.txt\n/usr/bin/env --flag=1\n\nend.\r\nnext",
+    "École ÉCOLE école naïve façade Straße ΑΒΓ αβγ Ünïcödé",
+    "    four spaces\n\tand a tab\r\n crlf   \n",
+    "日本語のテキストと中文，한국어 text",
+    "emoji 🎉🚀 mixed👍text!!! ...?",
+    "x=1;y=22;z=333;w=4444 (a+b)*c/d",
+    "HelloWorld camelCase DON'T WE'RE IT'S path/\nmore",
+]
+PRE_TYPES = ["default", "smollm", "llama-bpe", "qwen2", "gpt-4o", "tekken"]
+
+
+def learn_merges(text, n):
+    """Byte-level BPE merges learned on `text` as one sequence (no pre-tokenization, so merges
+    cross word boundaries), most frequent pair first, ties to the larger pair."""
+    chars = byte_chars()
+    seq = [chars[b] for b in text.encode()]
+    merges = []
+    for _ in range(n):
+        counts = {}
+        for pair in zip(seq, seq[1:]):
+            counts[pair] = counts.get(pair, 0) + 1
+        if not counts:
+            break
+        pair = max(counts, key=lambda p: (counts[p], p))
+        if counts[pair] < 2:
+            break
+        merges.append(pair)
+        out, i = [], 0
+        while i < len(seq):
+            if i + 1 < len(seq) and (seq[i], seq[i + 1]) == pair:
+                out.append(seq[i] + seq[i + 1])
+                i += 2
+            else:
+                out.append(seq[i])
+                i += 1
+        seq = out
+    return merges
+
+
+def pre_vocab():
+    # Capitals inside words and contractions in capitals, often enough to be merged across
+    # the boundaries that only some patterns keep.
+    extra = "HelloWorld camelCase DON'T WE'RE IT'S path/\n" * 4
+    merges = learn_merges("\n".join(PRE_TEXTS * 2) + extra, 400)
+    tokens = SPECIALS + byte_chars()
+    seen = set(tokens)
+    for a, b in merges:
+        if a + b not in seen:
+            seen.add(a + b)
+            tokens.append(a + b)
+    return tokens, merges
+
+
+def model(arch, path, seed, scaling=None, vocab=None):
     rng = np.random.default_rng(seed)
+    tokens, merges, pre = vocab or (TOKENS, MERGES, "default")
     head = 32 if arch in ("qwen3", "gemma3") else HIDDEN // HEADS  # qwen3/gemma3: head size apart from hidden
     q, kv = HEADS * head, KV_HEADS * head
     layers = 6 if arch == "gemma3" else 2
@@ -63,7 +136,7 @@ def model(arch, path, seed):
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
     w = GGUFWriter(path, arch)
-    w.add_context_length(256)
+    w.add_context_length(4 * ORIGINAL if scaling else 256)
     w.add_embedding_length(HIDDEN)
     w.add_block_count(layers)
     w.add_feed_forward_length(FFN)
@@ -78,15 +151,26 @@ def model(arch, path, seed):
         w.add_sliding_window(8)
     if arch == "phi3":
         w.add_rope_dimension_count(12)  # partial rotary, as Phi-4-mini
-    add_vocab(w)
+    if scaling:
+        w.add_rope_scaling_orig_ctx_len(ORIGINAL)
+    if scaling == "yarn":
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(4.0)
+    if scaling == "longrope":
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(4) / math.log(ORIGINAL)))
+    add_vocab(w, pre, tokens, merges)
     t = {}
-    t["token_embd.weight"] = mat(VOCAB, HIDDEN, 1.0)
+    t["token_embd.weight"] = mat(len(tokens), HIDDEN, 1.0)
     t["output_norm.weight"] = norm(HIDDEN)
     if arch != "gemma3":
-        t["output.weight"] = mat(VOCAB, HIDDEN)
+        t["output.weight"] = mat(len(tokens), HIDDEN)
     if arch == "llama":
         # Llama 3.1-style frequency divisors.
         t["rope_freqs.weight"] = np.linspace(1.0, 8.0, head // 2).astype(np.float32)
+    if scaling == "longrope":
+        # Phi-3's factor tables: near 1 for the short context, growing for the long one.
+        t["rope_factors_short.weight"] = (1.0 + 0.2 * rng.random(6)).astype(np.float32)
+        t["rope_factors_long.weight"] = np.geomspace(1.0, 16.0, 6).astype(np.float32) * (1.0 + 0.1 * rng.random(6)).astype(np.float32)
     for i in range(layers):
         p = f"blk.{i}."
         t[p + "attn_norm.weight"] = norm(HIDDEN)
@@ -113,6 +197,16 @@ def model(arch, path, seed):
             t[p + "ffn_gate.weight"] = mat(FFN, HIDDEN)
             t[p + "ffn_up.weight"] = mat(FFN, HIDDEN)
         t[p + "ffn_down.weight"] = mat(HIDDEN, FFN)
+    if scaling:
+        # Sharper attention (scores 16 times larger), so that the position encoding, and
+        # which of LongRoPE's tables it uses, shows in the logits.
+        for i in range(layers):
+            p = f"blk.{i}."
+            if arch == "phi3":
+                t[p + "attn_qkv.weight"][: q + kv] *= 4.0
+            else:
+                t[p + "attn_q.weight"] *= 4.0
+                t[p + "attn_k.weight"] *= 4.0
     for name, value in t.items():
         if value.ndim == 2 and name != "token_embd.weight":
             # Q8_0 matrices: quantized products on both sides, as real files have.
@@ -123,7 +217,7 @@ def model(arch, path, seed):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return t, head, layers
+    return t, head, layers, scaling
 
 
 def write_safetensors(path, tensors):
@@ -160,7 +254,7 @@ def tokenizer_json():
     }
 
 
-def hf_model(arch, out, t, head, layers):
+def hf_model(arch, out, t, head, layers, scaling):
     """The same model as a Hugging Face directory, tensors as the GGUF holds them after
     dequantization (so both loaders see the same numbers), in transformers' names and layouts."""
     from gguf.quants import dequantize
@@ -220,6 +314,14 @@ def hf_model(arch, out, t, head, layers):
         config["hidden_act"] = "silu"
     if arch == "phi3":
         config["partial_rotary_factor"] = 12 / head
+    if scaling:
+        config["original_max_position_embeddings"] = ORIGINAL
+        config["max_position_embeddings"] = 4 * ORIGINAL
+    if scaling == "yarn":
+        config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL}
+    if scaling == "longrope":
+        config["rope_scaling"] = {"type": "longrope", "short_factor": [float(x) for x in t["rope_factors_short.weight"]],
+                                  "long_factor": [float(x) for x in t["rope_factors_long.weight"]]}
     os.makedirs(out, exist_ok=True)
     write_safetensors(f"{out}/model.safetensors", st)
     with open(f"{out}/config.json", "w") as f:
@@ -230,9 +332,17 @@ def hf_model(arch, out, t, head, layers):
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "phi3"]
 
+# The long-context variants: (name, architecture, scaling).
+SCALED = [("tiny-phi3-longrope", "phi3", "longrope"), ("tiny-qwen2-yarn", "qwen2", "yarn")]
+
 if __name__ == "__main__":
     out = sys.argv[1]
     for seed, arch in enumerate(ARCHS):
-        t, head, layers = model(arch, f"{out}/tiny-{arch}.gguf", seed)
+        t, head, layers, _ = model(arch, f"{out}/tiny-{arch}.gguf", seed)
         if arch != "llama":
-            hf_model(arch, f"{out}/tiny-{arch}-hf", t, head, layers)
+            hf_model(arch, f"{out}/tiny-{arch}-hf", t, head, layers, None)
+    for seed, (name, arch, scaling) in enumerate(SCALED, start=len(ARCHS)):
+        hf_model(arch, f"{out}/{name}-hf", *model(arch, f"{out}/{name}.gguf", seed, scaling))
+    tokens, merges = pre_vocab()
+    for seed, pre in enumerate(PRE_TYPES, start=len(ARCHS) + len(SCALED)):
+        model("llama", f"{out}/tiny-pre-{pre}.gguf", seed, vocab=(tokens, merges, pre))

@@ -142,7 +142,7 @@ pub struct ModelConfig {
     /// Memory for this model's KV cache, in MiB.
     #[serde(default = "default_kv_mib")]
     pub kv_cache_mib: usize,
-    /// Caps the model's context length (0: the model's own).
+    /// Caps the model's context length (0: the model's own); see `Model::limit_context`.
     #[serde(default)]
     pub context_len: usize,
     /// A draft model (same vocabulary) bound to this one for speculative decoding.

@@ -155,12 +155,16 @@ fn start_models(cfg: &Config) -> anyhow::Result<Vec<Arc<ModelHandle>>> {
     };
     let mut out: Vec<Arc<ModelHandle>> = Vec::new();
     for mc in list {
-        let model = Arc::new(Model::load(&mc.path).map_err(|e| anyhow::anyhow!("loading {}: {e}", mc.path.display()))?);
+        let mut model = Model::load(&mc.path).map_err(|e| anyhow::anyhow!("loading {}: {e}", mc.path.display()))?;
+        model.limit_context(mc.context_len);
+        let model = Arc::new(model);
         let draft = mc
             .draft
             .as_ref()
             .map(|p| {
-                Model::load(p).map(Arc::new).map_err(|e| anyhow::anyhow!("loading draft model {}: {e}", p.display()))
+                let mut d = Model::load(p).map_err(|e| anyhow::anyhow!("loading draft model {}: {e}", p.display()))?;
+                d.limit_context(mc.context_len);
+                Ok::<_, anyhow::Error>(Arc::new(d))
             })
             .transpose()?;
         if let Some(d) = &draft {
@@ -178,8 +182,7 @@ fn start_models(cfg: &Config) -> anyhow::Result<Vec<Arc<ModelHandle>>> {
         if out.iter().any(|m| m.name == name) {
             anyhow::bail!("two models are named {name:?}: give one a `name` in the config");
         }
-        let context_len =
-            if mc.context_len > 0 { mc.context_len.min(model.config.context_len) } else { model.config.context_len };
+        let context_len = model.config.context_len;
         let monitor = Arc::new(Monitor::new(name.clone()));
         let (tx, rx) = std::sync::mpsc::channel();
         let opts = EngineOptions {

@@ -91,7 +91,11 @@ pub fn runs(arch: &Architecture) -> Result<(), BackendError> {
     for l in layers {
         let LayerAttention { window, rope_base: _, rope_scaling } = l;
         match rope_scaling {
-            RopeScaling::None | RopeScaling::Linear(_) | RopeScaling::Factors(_) => {}
+            RopeScaling::None
+            | RopeScaling::Linear(_)
+            | RopeScaling::Factors(_)
+            | RopeScaling::LongRope { .. }
+            | RopeScaling::Yarn { .. } => {}
         }
         if *window == Some(0) {
             return Err(BackendError::Unsupported(format!("{}: a sliding window of zero positions", arch.name)));
@@ -158,7 +162,10 @@ impl CpuBackend {
             .collect();
         let ropes = kinds
             .iter()
-            .map(|(base, scaling)| Rope::with_frequencies(cfg.rope_style, scaling.frequencies(cfg.rope_dim, *base)))
+            .map(|(base, scaling)| {
+                let freq = scaling.frequencies(cfg.rope_dim, *base, cfg.context_len);
+                Rope::with_frequencies(cfg.rope_style, freq).scaled(scaling.attention_factor())
+            })
             .collect();
         CpuBackend {
             k_cache: (0..groups.slots).map(|_| vec![f16::ZERO; per_slot]).collect(),

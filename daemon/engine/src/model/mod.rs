@@ -62,6 +62,15 @@ pub struct Model {
 }
 
 impl Model {
+    /// Serves at most `n` positions (a configured context length; 0 or more than the model's
+    /// own changes nothing): the engine refuses longer sequences, and a LongRoPE model takes
+    /// the factors of this context (its short ones when `n` is within the trained context).
+    pub fn limit_context(&mut self, n: usize) {
+        if n > 0 {
+            self.config.context_len = self.config.context_len.min(n);
+        }
+    }
+
     /// Loads a GGUF file or a Hugging Face directory (config.json, *.safetensors, tokenizer.json).
     pub fn load(path: &Path) -> Result<Model, ModelError> {
         let io = |source| ModelError::Io { path: path.to_path_buf(), source };
@@ -88,9 +97,14 @@ fn load_gguf(g: &Gguf, path: &Path, name: String) -> Result<Model, ModelError> {
         used.borrow_mut().insert(n.to_string());
         get(n)
     })?;
-    // Llama 3.1's frequency factors are read into the architecture itself.
-    let factors = arch.layers.iter().any(|l| matches!(l.rope_scaling, arch::RopeScaling::Factors(_)));
-    let read_by_arch = |n: &str| factors && n == "rope_freqs.weight";
+    // Llama 3.1's frequency factors and LongRoPE's are read into the architecture itself.
+    let scaled = |f: fn(&arch::RopeScaling) -> bool| arch.layers.iter().any(|l| f(&l.rope_scaling));
+    let factors = scaled(|s| matches!(s, arch::RopeScaling::Factors(_)));
+    let longrope = scaled(|s| matches!(s, arch::RopeScaling::LongRope { .. }));
+    let read_by_arch = |n: &str| {
+        (factors && n == "rope_freqs.weight")
+            || (longrope && matches!(n, "rope_factors_long.weight" | "rope_factors_short.weight"))
+    };
     arch::check_unused(g.tensors.iter().map(|t| t.name.as_str()), &used.borrow(), &read_by_arch)?;
     let tokenizer = Tokenizer::from_gguf(g)?;
     if tokenizer.vocab_size() > config.vocab {

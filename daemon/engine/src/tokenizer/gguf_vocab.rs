@@ -22,6 +22,17 @@ use tokenizers::{AddedToken, DecoderWrapper, PreTokenizerWrapper, SplitDelimiter
 /// The Llama 3 / cl100k pre-tokenizer pattern.
 const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// GPT-2's pattern.
+const GPT2_PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+
+/// The o200k (`gpt-4o`: Phi-4-mini, Llama 4) pattern: words split before capitals, each taking
+/// its contraction, digits in threes, punctuation taking a following slash or line breaks.
+const GPT4O_PATTERN: &str = concat!(
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+);
+
 fn strings(g: &Gguf, key: &str) -> Result<Vec<String>, TokenizerError> {
     let arr = g.get(key).and_then(Value::as_array).ok_or_else(|| TokenizerError::Invalid(format!("missing {key}")))?;
     arr.iter()
@@ -38,22 +49,42 @@ fn id(g: &Gguf, key: &str) -> Option<u32> {
 fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper, TokenizerError> {
     let byte_level = |regex| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, false, regex));
     Ok(match pre {
-        "gpt2" | "default" => byte_level(true),
+        "gpt2" => byte_level(true),
+        // llama.cpp's fallback for a tokenizer its converter did not recognize: runs of
+        // punctuation apart, then GPT-2's pattern, digit runs, and digits in threes.
+        "default" => {
+            let mut steps = Vec::new();
+            for pattern in [r"[\p{P}\$\+<=>\^~\|]+", GPT2_PATTERN, r"\p{N}+", "[0-9][0-9][0-9]"] {
+                let split = Split::new(SplitPattern::Regex(pattern.into()), SplitDelimiterBehavior::Isolated, false)
+                    .map_err(|e| TokenizerError::Invalid(e.to_string()))?;
+                steps.push(PreTokenizerWrapper::Split(split));
+            }
+            steps.push(byte_level(false));
+            PreTokenizerWrapper::Sequence(Sequence::new(steps))
+        }
         "smollm" => PreTokenizerWrapper::Sequence(Sequence::new(vec![
             PreTokenizerWrapper::Digits(Digits::new(true)),
             byte_level(true),
         ])),
-        "llama-bpe" | "llama3" | "llama-v3" | "qwen2" => {
-            // Qwen 2 splits as Llama 3 does, but every digit alone.
-            let pattern =
-                if pre == "qwen2" { LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}") } else { LLAMA3_PATTERN.into() };
+        "llama-bpe" | "llama3" | "llama-v3" | "qwen2" | "gpt-4o" | "tekken" => {
+            let pattern = match pre {
+                // Qwen 2 splits as Llama 3 does, but every digit alone.
+                "qwen2" => LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}"),
+                "gpt-4o" => GPT4O_PATTERN.into(),
+                // Mistral's Tekken (Mistral Nemo, Small 3): o200k's words without the
+                // contractions, and every digit alone.
+                "tekken" => {
+                    GPT4O_PATTERN.replace(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?", "").replace(r"\p{N}{1,3}", r"\p{N}")
+                }
+                _ => LLAMA3_PATTERN.into(),
+            };
             let split = Split::new(SplitPattern::Regex(pattern), SplitDelimiterBehavior::Isolated, false)
                 .map_err(|e| TokenizerError::Invalid(e.to_string()))?;
             PreTokenizerWrapper::Sequence(Sequence::new(vec![PreTokenizerWrapper::Split(split), byte_level(false)]))
         }
         other => {
             return Err(TokenizerError::Unsupported(format!(
-                "GGUF pre-tokenizer '{other}' (supported: default, gpt2, smollm, llama-bpe, qwen2)"
+                "GGUF pre-tokenizer '{other}' (supported: default, gpt2, smollm, llama-bpe, qwen2, gpt-4o, tekken)"
             )))
         }
     })
@@ -104,7 +135,8 @@ impl Tokenizer {
                     })
                     .collect::<Result<_, _>>()?;
                 let pre_name = g.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or("default");
-                let ignore_merges = matches!(pre_name, "llama-bpe" | "llama3" | "llama-v3");
+                // As llama.cpp: these take a word that is a token whole, whatever the merges say.
+                let ignore_merges = matches!(pre_name, "llama-bpe" | "llama3" | "llama-v3" | "tekken");
                 let bpe = BPE::builder().vocab_and_merges(vocab, merges).ignore_merges(ignore_merges).build();
                 (
                     bpe,

@@ -72,7 +72,7 @@ pub fn from_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
         },
     };
     let local_base = keys.opt_float("rope.freq_base_swa")?.unwrap_or(LOCAL_BASE);
-    let scaling = keys.rope_scaling()?;
+    let scaling = keys.rope_scaling(&config)?;
     if keys.opt_float("final_logit_softcapping")?.is_some_and(|c| c != 0.0) {
         return Err(ModelError::Unsupported("final logit soft-capping (Gemma 2's, not Gemma 3's)".into()));
     }

@@ -2,7 +2,8 @@
 //! remembering what was read, so that [`GgufKeys::finish`] and [`HfKeys::finish`] can refuse
 //! by name whatever no one understood. The hyperparameters every family shares are read here.
 
-use super::{llama3_factors, RopeScaling};
+use super::rope::{llama3_factors, longrope_attention_factor, yarn_attention_factor};
+use super::RopeScaling;
 use crate::model::config::LlamaConfig;
 use crate::model::gguf::{Gguf, Value};
 use crate::model::ModelError;
@@ -92,21 +93,52 @@ impl<'a> GgufKeys<'a> {
         Ok(config)
     }
 
-    /// `{arch}.rope.scaling.type` with its factor: none, or linear. The original context
-    /// length that comes with them is only YaRN's, so it is read here too.
-    pub fn rope_scaling(&self) -> Result<RopeScaling, ModelError> {
+    /// `{arch}.rope.scaling.type` with its factor: none, linear or YaRN (with its original
+    /// context length, `yarn_beta_fast` / `yarn_beta_slow` and `attn_factor`, as llama.cpp reads
+    /// them; its other YaRN variants are refused by name).
+    pub fn rope_scaling(&self, cfg: &LlamaConfig) -> Result<RopeScaling, ModelError> {
         let kind = self.get("rope.scaling.type").map(|v| v.as_str().unwrap_or("?"));
         let factor = self.opt_float("rope.scaling.factor")?;
-        self.get("rope.scaling.original_context_length");
+        let original = self.opt_uint("rope.scaling.original_context_length")?;
         match (kind, factor) {
             (None | Some("none"), _) | (Some("linear"), None | Some(1.0)) => Ok(RopeScaling::None),
             (Some("linear"), Some(f)) if f > 0.0 => Ok(RopeScaling::Linear(f)),
+            (Some("yarn"), Some(f)) if f >= 1.0 => {
+                for (k, neutral) in [("rope.scaling.yarn_log_multiplier", 0.0), ("rope.scaling.yarn_ext_factor", 1.0)] {
+                    if let Some(v) = self.opt_float(k)?.filter(|&v| v != neutral) {
+                        return Err(ModelError::Unsupported(format!("GGUF key '{}' = {v}", self.full(k))));
+                    }
+                }
+                let beta_fast = self.opt_float("rope.scaling.yarn_beta_fast")?.unwrap_or(32.0);
+                let beta_slow = self.opt_float("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0);
+                let attn = self.opt_float("rope.scaling.attn_factor")?.unwrap_or(1.0);
+                let original = original.unwrap_or(cfg.context_len);
+                if !(beta_fast > beta_slow && beta_slow > 0.0 && attn > 0.0 && original > 0) {
+                    return Err(ModelError::Config(format!("{}: YaRN parameters out of range", self.arch)));
+                }
+                let attn_factor = yarn_attention_factor(f) * attn;
+                Ok(RopeScaling::Yarn { factor: f, original, beta_fast, beta_slow, attn_factor })
+            }
             (kind, factor) => Err(ModelError::Unsupported(format!(
-                "GGUF key '{}' = {} with factor {factor:?} (supported: none, linear)",
+                "GGUF key '{}' = {} with factor {factor:?} (supported: none, linear, yarn)",
                 self.full("rope.scaling.type"),
                 kind.unwrap_or("?")
             ))),
         }
+    }
+
+    /// The f32 values of a small GGUF tensor (`rope_freqs.weight`, LongRoPE's factors).
+    pub fn f32_tensor(&self, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
+        let g = self.g;
+        let t = g.tensor(name).ok_or_else(|| ModelError::MissingTensor(name.into()))?;
+        let bytes = t.dtype.bytes_for(len).filter(|_| t.dims.iter().product::<usize>() == len);
+        let bytes = bytes.and_then(|n| g.blob.bytes().get(t.offset..t.offset + n));
+        let Some(bytes) = bytes else {
+            return Err(ModelError::Shape(format!("tensor '{name}' is not {len} values")));
+        };
+        let mut out = vec![0.0; len];
+        inferd_kernels::quant::dequantize_row(t.dtype, bytes, &mut out);
+        Ok(out)
     }
 
     /// Refuses every `{arch}.*` key that was not read, unless `harmless` says it changes
@@ -227,13 +259,24 @@ impl<'a> HfKeys<'a> {
         Ok(config)
     }
 
-    /// `rope_scaling`: absent, `default`, `linear` or Llama 3's (turned into per-frequency
-    /// factors for `cfg`'s rotation).
+    /// `rope_scaling`: absent, `default`, `linear`, Llama 3's (turned into per-frequency
+    /// factors for `cfg`'s rotation), YaRN, or LongRoPE (`longrope`, Phi-3's older `su`).
+    /// A field of it that would change the computation and is not read here is refused.
     pub fn rope_scaling(&self, cfg: &LlamaConfig) -> Result<RopeScaling, ModelError> {
         let Some(v) = self.get("rope_scaling") else { return Ok(RopeScaling::None) };
         let obj = v.as_object().ok_or_else(|| Self::bad("rope_scaling", "an object"))?;
         let num = |k: &str| obj.get(k).and_then(Json::as_f64).map(|x| x as f32);
         let kind = obj.get("rope_type").or_else(|| obj.get("type")).and_then(Json::as_str);
+        let only = |known: &[&str]| match obj.keys().find(|k| !known.contains(&k.as_str())) {
+            Some(k) => Err(ModelError::Unsupported(format!("config.json: rope_scaling.{k} (in {v})"))),
+            None => Ok(()),
+        };
+        let out_of_range = || ModelError::Config(format!("config.json: rope_scaling {v} is out of range"));
+        // The trained context: in `rope_scaling` or, as Phi-3 has it, beside it.
+        let original = num("original_max_position_embeddings")
+            .map(|x| x as usize)
+            .or(self.opt_uint("original_max_position_embeddings")?)
+            .unwrap_or(cfg.context_len);
         match (kind, num("factor")) {
             (Some("default"), _) => Ok(RopeScaling::None),
             (Some("linear"), Some(f)) if f > 0.0 => Ok(RopeScaling::Linear(f)),
@@ -241,12 +284,69 @@ impl<'a> HfKeys<'a> {
                 let (low, high) = (num("low_freq_factor").unwrap_or(1.0), num("high_freq_factor").unwrap_or(4.0));
                 let original = num("original_max_position_embeddings").unwrap_or(8192.0);
                 if !(f > 0.0 && low > 0.0 && high > low && original > 0.0) {
-                    return Err(ModelError::Config(format!("config.json: rope_scaling {v} is out of range")));
+                    return Err(out_of_range());
                 }
                 let factors = llama3_factors(cfg.rope_dim, cfg.rope_base, f, low, high, original);
                 Ok(RopeScaling::Factors(Arc::from(factors)))
             }
-            _ => Err(ModelError::Unsupported(format!("config.json: rope_scaling = {v} (supported: linear, llama3)"))),
+            (Some("yarn"), Some(f)) if f >= 1.0 => {
+                only(&[
+                    "rope_type",
+                    "type",
+                    "factor",
+                    "original_max_position_embeddings",
+                    "beta_fast",
+                    "beta_slow",
+                    "attention_factor",
+                ])?;
+                let (beta_fast, beta_slow) = (num("beta_fast").unwrap_or(32.0), num("beta_slow").unwrap_or(1.0));
+                let attn_factor = num("attention_factor").unwrap_or_else(|| yarn_attention_factor(f));
+                if !(beta_fast > beta_slow && beta_slow > 0.0 && attn_factor > 0.0 && original > 0) {
+                    return Err(out_of_range());
+                }
+                Ok(RopeScaling::Yarn { factor: f, original, beta_fast, beta_slow, attn_factor })
+            }
+            (Some("longrope" | "su"), _) => {
+                only(&[
+                    "rope_type",
+                    "type",
+                    "long_factor",
+                    "short_factor",
+                    "original_max_position_embeddings",
+                    "attention_factor",
+                    "factor",
+                ])?;
+                let factors = |k: &str| -> Result<Arc<[f32]>, ModelError> {
+                    let a = obj
+                        .get(k)
+                        .and_then(Json::as_array)
+                        .ok_or_else(|| Self::bad(&format!("rope_scaling.{k}"), "a list"))?;
+                    let f: Option<Vec<f32>> = a.iter().map(|x| x.as_f64().map(|x| x as f32)).collect();
+                    match f {
+                        Some(f) if f.len() == cfg.rope_dim / 2 && f.iter().all(|&x| x > 0.0) => Ok(Arc::from(f)),
+                        _ => Err(ModelError::Config(format!(
+                            "config.json: rope_scaling.{k} must be {} positive numbers",
+                            cfg.rope_dim / 2
+                        ))),
+                    }
+                };
+                // Stretched by `factor`, or by the context over the trained one.
+                let stretch = num("factor").unwrap_or(cfg.context_len as f32 / original.max(1) as f32);
+                let attn_factor =
+                    num("attention_factor").unwrap_or_else(|| longrope_attention_factor(stretch, original.max(1)));
+                if !(attn_factor > 0.0 && original > 0) {
+                    return Err(out_of_range());
+                }
+                Ok(RopeScaling::LongRope {
+                    short: factors("short_factor")?,
+                    long: factors("long_factor")?,
+                    original,
+                    attn_factor,
+                })
+            }
+            _ => Err(ModelError::Unsupported(format!(
+                "config.json: rope_scaling = {v} (supported: linear, llama3, yarn, longrope)"
+            ))),
         }
     }
 

@@ -1,10 +1,10 @@
 //! Llama and Mistral (and the families that are Llama in all but name: SmolLM2, TinyLlama,
 //! Llama 2/3): pre-norm RMSNorm blocks, SwiGLU MLP, no biases, RoPE on every layer, tied or
 //! separate output projection; Llama 3.1's RoPE scaling (GGUF's `rope_freqs` tensor, or
-//! `rope_scaling.rope_type = "llama3"`), linear scaling, and Mistral's sliding window.
+//! `rope_scaling.rope_type = "llama3"`), linear and YaRN scaling, and Mistral's sliding window.
 //!
 //! Every GGUF key under `llama.` / `mistral.` and every `config.json` field is either
-//! understood or refused by name: YaRN scaling, biases and mixture-of-experts layers are.
+//! understood or refused by name: biases and mixture-of-experts layers are.
 
 use super::{Architecture, GgufKeys, HfKeys, RopeScaling};
 use crate::model::config::LlamaConfig;
@@ -14,29 +14,16 @@ use inferd_kernels::ops::RopeStyle;
 use serde_json::{Map, Value};
 use std::sync::Arc;
 
-/// The f32 values of a small GGUF tensor (`rope_freqs.weight`).
-fn f32_tensor(g: &Gguf, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
-    let t = g.tensor(name).ok_or_else(|| ModelError::MissingTensor(name.into()))?;
-    let bytes = t.dtype.bytes_for(len).filter(|_| t.dims.iter().product::<usize>() == len);
-    let bytes = bytes.and_then(|n| g.blob.bytes().get(t.offset..t.offset + n));
-    let Some(bytes) = bytes else {
-        return Err(ModelError::Shape(format!("tensor '{name}' is not {len} values")));
-    };
-    let mut out = vec![0.0; len];
-    inferd_kernels::quant::dequantize_row(t.dtype, bytes, &mut out);
-    Ok(out)
-}
-
 pub fn from_gguf(g: &Gguf, name: &'static str) -> Result<(Architecture, LlamaConfig), ModelError> {
     let keys = GgufKeys::new(g, name);
     // GGUF's Llama converter permutes the Q/K rows for adjacent-pair rotation.
     let config = keys.config(RopeStyle::Interleaved)?;
-    let mut scaling = keys.rope_scaling()?;
+    let mut scaling = keys.rope_scaling(&config)?;
     if g.tensor("rope_freqs.weight").is_some() {
         if scaling != RopeScaling::None {
             return Err(ModelError::Unsupported("both rope_freqs and a RoPE scaling type".into()));
         }
-        scaling = RopeScaling::Factors(Arc::from(f32_tensor(g, "rope_freqs.weight", config.rope_dim / 2)?));
+        scaling = RopeScaling::Factors(Arc::from(keys.f32_tensor("rope_freqs.weight", config.rope_dim / 2)?));
     }
     if keys.opt_uint("expert_count")?.unwrap_or(0) != 0 {
         return Err(ModelError::Unsupported(format!("mixture-of-experts layers ({name}.expert_count)")));

@@ -14,13 +14,14 @@ mod keys;
 pub mod llama;
 pub mod phi3;
 pub mod qwen;
+mod rope;
 
 pub use keys::{GgufKeys, HfKeys};
+pub use rope::{llama3_factors, RopeScaling};
 
 use super::config::LlamaConfig;
 use super::gguf::Gguf;
 use super::ModelError;
-use std::sync::Arc;
 
 /// Where each block normalizes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -38,51 +39,6 @@ pub enum Activation {
     SiluGated,
     /// `down(gelu_tanh(gate(x)) * up(x))` (GeGLU with GELU's tanh approximation).
     GeluTanhGated,
-}
-
-/// How RoPE frequencies are scaled past the trained context.
-#[derive(Clone, Debug, PartialEq)]
-pub enum RopeScaling {
-    None,
-    /// Every frequency divided by the factor (position interpolation).
-    Linear(f32),
-    /// Frequency `i` divided by `factors[i]` (Llama 3.1's scaling, as GGUF's `rope_freqs`
-    /// tensor stores it).
-    Factors(Arc<[f32]>),
-}
-
-impl RopeScaling {
-    /// The inverse frequencies of `base` for `dims` rotated dimensions, scaled.
-    pub fn frequencies(&self, dims: usize, base: f32) -> Vec<f32> {
-        let f = inferd_kernels::ops::Rope::frequencies(dims, base);
-        match self {
-            RopeScaling::None => f,
-            RopeScaling::Linear(s) => f.into_iter().map(|x| x / s).collect(),
-            RopeScaling::Factors(d) => f.into_iter().zip(d.iter()).map(|(x, d)| x / d).collect(),
-        }
-    }
-}
-
-/// Llama 3's frequency divisors (`rope_scaling.rope_type = "llama3"`): wavelengths shorter than
-/// `original / high` keep their frequency, longer than `original / low` are divided by
-/// `factor`, and those between are interpolated.
-pub fn llama3_factors(dims: usize, base: f32, factor: f32, low: f32, high: f32, original: f32) -> Vec<f32> {
-    let (low_wavelen, high_wavelen) = (original / low, original / high);
-    inferd_kernels::ops::Rope::frequencies(dims, base)
-        .into_iter()
-        .map(|f| {
-            let wavelen = 2.0 * std::f32::consts::PI / f;
-            if wavelen < high_wavelen {
-                1.0
-            } else if wavelen > low_wavelen {
-                factor
-            } else {
-                // The frequency becomes (1 - smooth) f / factor + smooth f.
-                let smooth = (original / wavelen - low) / (high - low);
-                1.0 / ((1.0 - smooth) / factor + smooth)
-            }
-        })
-        .collect()
 }
 
 /// One layer's attention.

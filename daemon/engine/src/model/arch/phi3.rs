@@ -1,10 +1,12 @@
-//! Phi-3 / Phi-3.5 (the `phi3` family): Llama's block with Q, K and V stored as one matrix and
-//! gate and up as one, rotating halves of each head (only the first part of each head where the
-//! model has partial rotary embeddings, as Phi-4-mini, whose LongRoPE is still refused).
+//! Phi-3 / Phi-3.5 / Phi-4-mini (the `phi3` family): Llama's block with Q, K and V stored as
+//! one matrix and gate and up as one, rotating halves of each head (only the first part of each
+//! head where the model has partial rotary embeddings, as Phi-4-mini).
 //!
-//! Phi-3's sliding window is ignored, as llama.cpp ignores it (its configuration is known to be
-//! wrong in the published files); LongRoPE (the 128k variants' `rope_factors_long/short`) is
-//! refused.
+//! The 128k models stretch their rotation with LongRoPE: GGUF files carry the two factor
+//! tables as `rope_factors_short` / `rope_factors_long` tensors and the magnitude factor as
+//! `rope.scaling.attn_factor`; `config.json` has them in `rope_scaling`. Phi-3's sliding window
+//! is ignored, as llama.cpp ignores it (its configuration is known to be wrong in the published
+//! files).
 
 use super::{Architecture, GgufKeys, HfKeys, RopeScaling, TensorLayout};
 use crate::model::config::LlamaConfig;
@@ -12,6 +14,7 @@ use crate::model::gguf::Gguf;
 use crate::model::ModelError;
 use inferd_kernels::ops::RopeStyle;
 use serde_json::{Map, Value};
+use std::sync::Arc;
 
 fn describe(cfg: &LlamaConfig, scaling: RopeScaling, tied: bool) -> Architecture {
     let mut arch = Architecture::llama_like("phi3", cfg, scaling, tied);
@@ -22,13 +25,30 @@ fn describe(cfg: &LlamaConfig, scaling: RopeScaling, tied: bool) -> Architecture
 pub fn from_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
     let keys = GgufKeys::new(g, "phi3");
     let config = keys.config(RopeStyle::Neox)?;
-    if g.tensor("rope_factors_long.weight").is_some() || g.tensor("blk.0.rope_factors_long.weight").is_some() {
-        return Err(ModelError::Unsupported("LongRoPE (rope_factors_long/short: the 128k Phi-3 models)".into()));
+    if g.tensor("blk.0.rope_factors_long.weight").is_some() {
+        return Err(ModelError::Unsupported("LongRoPE factors per layer (blk.N.rope_factors_long)".into()));
     }
     keys.opt_uint("attention.sliding_window")?;
-    let scaling = keys.rope_scaling()?;
-    // LongRoPE's attention factor; without its factor tensors (refused above) it is unused.
-    keys.finish(&|k, _| k == "rope.scaling.attn_factor")?;
+    let mut scaling = keys.rope_scaling(&config)?;
+    if g.tensor("rope_factors_long.weight").is_some() || g.tensor("rope_factors_short.weight").is_some() {
+        if scaling != RopeScaling::None {
+            return Err(ModelError::Unsupported("both LongRoPE factors and a RoPE scaling type".into()));
+        }
+        let n = config.rope_dim / 2;
+        scaling = RopeScaling::LongRope {
+            short: Arc::from(keys.f32_tensor("rope_factors_short.weight", n)?),
+            long: Arc::from(keys.f32_tensor("rope_factors_long.weight", n)?),
+            // As llama.cpp: the trained context defaults to the context length.
+            original: keys.opt_uint("rope.scaling.original_context_length")?.unwrap_or(config.context_len),
+            attn_factor: keys.opt_float("rope.scaling.attn_factor")?.unwrap_or(1.0),
+        };
+    } else if keys.opt_float("rope.scaling.attn_factor")?.is_some_and(|a| a != 1.0)
+        && !matches!(scaling, RopeScaling::Yarn { .. })
+    {
+        // llama.cpp would scale the rotation by it whatever the scaling type.
+        return Err(ModelError::Unsupported("phi3.rope.scaling.attn_factor without LongRoPE or YaRN".into()));
+    }
+    keys.finish(&|_, _| false)?;
     let tied = g.tensor("output.weight").is_none();
     Ok((describe(&config, scaling, tied), config))
 }
@@ -36,9 +56,7 @@ pub fn from_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
 pub fn from_hf(cfg: &Map<String, Value>) -> Result<(Architecture, LlamaConfig), ModelError> {
     let keys = HfKeys::new(cfg);
     let config = keys.config()?;
-    if let Some(v) = keys.get("rope_scaling") {
-        return Err(ModelError::Unsupported(format!("config.json: rope_scaling = {v} (LongRoPE is not supported)")));
-    }
+    let scaling = keys.rope_scaling(&config)?;
     keys.expect_activation("phi3", "silu")?;
     keys.opt_uint("sliding_window")?;
     keys.opt_uint("original_max_position_embeddings")?;
@@ -46,5 +64,5 @@ pub fn from_hf(cfg: &Map<String, Value>) -> Result<(Architecture, LlamaConfig), 
     keys.finish("phi3", &|k, v| {
         matches!(k, "resid_pdrop" | "embd_pdrop") || (k == "attention_bias" && v.as_bool() == Some(false))
     })?;
-    Ok((describe(&config, RopeScaling::None, tied), config))
+    Ok((describe(&config, scaling, tied), config))
 }

@@ -35,7 +35,7 @@ impl Qwen {
 pub fn from_gguf(g: &Gguf, q: Qwen) -> Result<(Architecture, LlamaConfig), ModelError> {
     let keys = GgufKeys::new(g, q.name());
     let config = keys.config(RopeStyle::Neox)?;
-    let scaling = keys.rope_scaling()?;
+    let scaling = keys.rope_scaling(&config)?;
     keys.finish(&|k, v| matches!((k, v.as_u64()), ("expert_count" | "expert_used_count", Some(0))))?;
     let tied = g.tensor("output.weight").is_none();
     Ok((q.describe(&config, scaling, tied), config))
