@@ -50,7 +50,7 @@ fn bad_model_paths_fail_with_a_message() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("/nonexistent/model.gguf"), "{err}");
-    let junk = std::env::temp_dir().join(format!("inferd-cli-junk-{}.gguf", std::process::id()));
+    let junk = inferd_e2e::temp_dir("cli-junk-model").join("junk.gguf");
     std::fs::write(&junk, b"this is not a model").unwrap();
     let out = inferd(&["tokenize", "--model", junk.to_str().unwrap(), "hi"]);
     assert!(!out.status.success());
@@ -72,8 +72,7 @@ fn plugin_check_reports_declarations_and_refusals() {
     assert_eq!(v["strategies"][0]["name"], "nucleus");
     assert!(v["strategies"][0]["params"]["top_p"].is_string());
     // (Not directly in /tmp: a directory everyone may write to is refused.)
-    let dir = std::env::temp_dir().join(format!("inferd-cli-junk-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = inferd_e2e::temp_dir("cli-junk-plugin");
     let junk = dir.join("libjunk.so");
     std::fs::write(&junk, b"junk").unwrap();
     let out = inferd(&["plugin", "check", junk.to_str().unwrap()]);
@@ -180,7 +179,7 @@ fn run_uses_any_strategy_and_seeds_repeat() {
 
 #[test]
 fn the_packaged_man_pages_match_the_command_line() {
-    let dir = std::env::temp_dir().join(format!("inferd-man-{}", std::process::id()));
+    let dir = inferd_e2e::temp_dir("man");
     let out = inferd(&["man", dir.to_str().unwrap()]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     // Every page but the two written by hand.

@@ -253,10 +253,32 @@ fn half_bits(x: f32, bf: bool) -> [u8; 2] {
 
 /// A fresh temporary directory for one test.
 pub fn temp_dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("inferd-test-{tag}-{}", std::process::id()));
+    static ROOT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    let root = ROOT.get_or_init(|| {
+        sweep_temp_dirs();
+        std::env::temp_dir().join(format!("inferd-test-{}", std::process::id()))
+    });
+    let d = root.join(tag);
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).expect("creating a temp dir");
     d
+}
+
+/// Removes the temporary directories of test processes that no longer run: every test
+/// process keeps its own under `inferd-test-<pid>` (the older `inferd-test-<tag>-<pid>` too),
+/// and tests have no hook to remove them when the process ends.
+fn sweep_temp_dirs() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let pid =
+            name.strip_prefix("inferd-test-").and_then(|s| s.rsplit('-').next()).and_then(|p| p.parse::<u32>().ok());
+        if let Some(pid) = pid {
+            if !Path::new(&format!("/proc/{pid}")).exists() {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
 }
 
 /// The default model; tests that need it fail with a clear message when it is missing

@@ -23,12 +23,9 @@ fn model() -> String {
     p.display().to_string()
 }
 
-/// A fresh directory for one test.
+/// A fresh directory for one test (removed by a later run once this process has ended).
 fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("inferd-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    inferd_e2e::temp_dir(name)
 }
 
 fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
