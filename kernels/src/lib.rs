@@ -21,6 +21,7 @@
 
 pub mod attention;
 pub mod cpu;
+pub mod cuda;
 pub mod group;
 pub mod matmul;
 pub mod ops;

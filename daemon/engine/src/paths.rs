@@ -1,4 +1,5 @@
-//! Where inferd looks for things when no flag says: the default model and its directories.
+//! Where inferd looks for things when no flag says: the default model and its directories, the
+//! plugin directories, the cache of compiled GPU kernels.
 
 use std::path::PathBuf;
 
@@ -55,4 +56,20 @@ pub fn plugin_dirs(explicit: &[PathBuf]) -> Vec<PathBuf> {
     dirs.push(PathBuf::from("/usr/lib/inferd/plugins"));
     dirs.dedup();
     dirs
+}
+
+/// Where compiled GPU kernels are kept: the system service's cache directory
+/// (`$CACHE_DIRECTORY`, systemd's `CacheDirectory=inferd`: /var/cache/inferd), else the user's
+/// `$XDG_CACHE_HOME/inferd` (`~/.cache/inferd`), else /var/cache/inferd.
+pub fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("CACHE_DIRECTORY").filter(|d| !d.is_empty()) {
+        // systemd may list several, colon-separated; the unit names one.
+        let first = std::env::split_paths(&d).next().unwrap_or_default();
+        return first;
+    }
+    std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .map(|d| d.join("inferd"))
+        .unwrap_or_else(|| PathBuf::from("/var/cache/inferd"))
 }

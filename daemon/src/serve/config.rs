@@ -6,6 +6,7 @@
 //! and the file. Command-line flags override the file. The commented default is
 //! `packaging/inferd.toml`; a test keeps it parsing to exactly [`Config::default`].
 
+use inferd_engine::backend::BackendKind;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
@@ -147,10 +148,24 @@ pub struct ModelConfig {
     pub context_len: usize,
     /// A draft model (same vocabulary) bound to this one for speculative decoding.
     pub draft: Option<PathBuf>,
+    /// Where the model (and its draft) runs: "auto", "cpu" or "cuda".
+    #[serde(default = "default_backend")]
+    pub backend: String,
 }
 
 fn default_kv_mib() -> usize {
     512
+}
+
+fn default_backend() -> String {
+    "auto".into()
+}
+
+impl ModelConfig {
+    /// The backend this model asks for (checked when the config is read).
+    pub fn backend_kind(&self) -> BackendKind {
+        BackendKind::parse(&self.backend).unwrap_or_default()
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -188,6 +203,13 @@ impl Config {
         }
         if let Some(m) = cfg.models.iter().find(|m| m.kv_cache_mib == 0) {
             return Err(invalid(format!("model {}: kv_cache_mib must be at least 1", m.path.display())));
+        }
+        if let Some(m) = cfg.models.iter().find(|m| BackendKind::parse(&m.backend).is_none()) {
+            return Err(invalid(format!(
+                "model {}: backend must be \"auto\", \"cpu\" or \"cuda\", not {:?}",
+                m.path.display(),
+                m.backend
+            )));
         }
         Ok(cfg)
     }

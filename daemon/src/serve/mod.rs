@@ -116,6 +116,7 @@ impl ServeArgs {
                 kv_cache_mib: 512,
                 context_len: 0,
                 draft: None,
+                backend: "auto".into(),
             }];
         }
         if let Some(s) = &self.socket {
@@ -149,7 +150,14 @@ fn start_models(cfg: &Config) -> anyhow::Result<Vec<Arc<ModelHandle>>> {
         let path = inferd_engine::paths::default_model().ok_or_else(|| {
             anyhow::anyhow!("no model configured and the default model is not installed (run packaging/fetch-model)")
         })?;
-        vec![config::ModelConfig { path, name: None, kv_cache_mib: 512, context_len: 0, draft: None }]
+        vec![config::ModelConfig {
+            path,
+            name: None,
+            kv_cache_mib: 512,
+            context_len: 0,
+            draft: None,
+            backend: "auto".into(),
+        }]
     } else {
         cfg.models.clone()
     };
@@ -197,9 +205,12 @@ fn start_models(cfg: &Config) -> anyhow::Result<Vec<Arc<ModelHandle>>> {
             monitor: Some(Arc::clone(&monitor)),
         };
         // The engines are built here, so a model the backend cannot run fails the start.
-        let mut engine = Engine::cpu(&model, &opts)?;
+        let kind = mc.backend_kind();
+        let mut engine = Engine::open(&model, kind, &opts)?;
         let draft_engine = match &draft {
-            Some(d) => Some(Engine::cpu(d, &EngineOptions { kv_budget_bytes: opts.kv_budget_bytes / 2, ..opts })?),
+            Some(d) => {
+                Some(Engine::open(d, kind, &EngineOptions { kv_budget_bytes: opts.kv_budget_bytes / 2, ..opts })?)
+            }
             None => None,
         };
         let thread =

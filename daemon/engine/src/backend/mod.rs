@@ -3,9 +3,11 @@
 //! A [`Backend`] owns the device-resident state: the weights in the form its kernels want and the
 //! K/V storage of the paged cache (`kv_blocks` blocks of `block_size` positions). The engine owns
 //! the block tables ([`crate::kv::KvCacheManager`]) and hands them in with every batch. The CPU
-//! backend ([`cpu::CpuBackend`]) is the default and the numerical reference.
+//! backend ([`cpu::CpuBackend`]) is the default and the numerical reference; the CUDA backend
+//! ([`cuda`]) is being built.
 
 pub mod cpu;
+pub mod cuda;
 
 use crate::engine::EngineOptions;
 use crate::kv::{BlockCopy, BlockId, KvGroups, NO_BLOCK};
@@ -30,10 +32,13 @@ pub enum BackendError {
 /// Which backend to run a model on.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum BackendKind {
-    /// The best backend this machine has (the CPU until another backend exists).
+    /// The best backend this machine runs: the CPU until the CUDA backend's forward pass
+    /// exists ([`cuda`]).
     #[default]
     Auto,
     Cpu,
+    /// An NVIDIA GPU; an error that says why where there is none.
+    Cuda,
 }
 
 impl BackendKind {
@@ -41,6 +46,7 @@ impl BackendKind {
         match s {
             "auto" => Some(BackendKind::Auto),
             "cpu" => Some(BackendKind::Cpu),
+            "cuda" => Some(BackendKind::Cuda),
             _ => None,
         }
     }
@@ -52,6 +58,7 @@ impl BackendKind {
 pub fn open(kind: BackendKind, model: &Model, opts: &EngineOptions) -> Result<Box<dyn Backend>, BackendError> {
     match kind {
         BackendKind::Auto | BackendKind::Cpu => Ok(Box::new(cpu::CpuBackend::for_model(model, opts)?)),
+        BackendKind::Cuda => cuda::open(model, opts),
     }
 }
 

@@ -1,0 +1,248 @@
+// inferd CUDA kernels: what every kernel shares. The weight decoding below is also compiled as
+// plain C++ on the host by the kernel crate's tests, which check it against the CPU backend's
+// dequantizer on random blocks of every type (so no GPU is needed to test a block layout).
+//
+// Weight types are GGML's type ids. A weight is decoded exactly as the CPU reference decodes
+// it (kernels/src/group.rs): w = (d * sc) * q + dmin * m, every product rounded on its own
+// (MUL/ADD never contract into a fused multiply-add).
+#pragma once
+
+#if defined(__CUDACC_RTC__)
+typedef unsigned char uint8_t;
+typedef signed char int8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef int int32_t;
+typedef unsigned long long uint64_t;
+#define INFERD_DEVICE __device__ __forceinline__
+#define MUL(a, b) __fmul_rn((a), (b))
+#define ADD(a, b) __fadd_rn((a), (b))
+#else
+#include <stdint.h>
+#define INFERD_DEVICE static inline
+#define MUL(a, b) ((a) * (b))
+#define ADD(a, b) ((a) + (b))
+#endif
+
+enum WeightType {
+    W_F32 = 0,
+    W_F16 = 1,
+    W_Q4_0 = 2,
+    W_Q4_1 = 3,
+    W_Q5_0 = 6,
+    W_Q5_1 = 7,
+    W_Q8_0 = 8,
+    W_Q2_K = 10,
+    W_Q3_K = 11,
+    W_Q4_K = 12,
+    W_Q5_K = 13,
+    W_Q6_K = 14,
+    W_IQ4_NL = 20,
+    W_IQ4_XS = 23,
+    W_BF16 = 30,
+};
+
+// IEEE half to float, exact.
+INFERD_DEVICE float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f;
+    uint32_t man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        // Infinity, or a NaN made quiet (as the hardware conversions do).
+        bits = sign | 0x7f800000u | (man << 13) | (man != 0 ? 0x400000u : 0u);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else {
+        // Subnormal: normalize.
+        exp = 113;
+        while ((man & 0x400) == 0) {
+            man <<= 1;
+            exp--;
+        }
+        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+    union {
+        uint32_t u;
+        float f;
+    } v;
+    v.u = bits;
+    return v.f;
+}
+
+INFERD_DEVICE float bf16_to_f32(uint16_t h) {
+    union {
+        uint32_t u;
+        float f;
+    } v;
+    v.u = (uint32_t)h << 16;
+    // A NaN made quiet, as the CPU's conversion does.
+    if ((h & 0x7f80) == 0x7f80 && (h & 0x7f) != 0) v.u |= 0x400000u;
+    return v.f;
+}
+
+INFERD_DEVICE uint16_t read_u16(const uint8_t* p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+INFERD_DEVICE uint32_t read_u32(const uint8_t* p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+INFERD_DEVICE float read_f16(const uint8_t* p) { return f16_to_f32(read_u16(p)); }
+
+// Weights per block and bytes per block of a type (0 for an unknown type).
+INFERD_DEVICE int block_len(int type) {
+    switch (type) {
+        case W_F32: case W_F16: case W_BF16: return 1;
+        case W_Q2_K: case W_Q3_K: case W_Q4_K: case W_Q5_K: case W_Q6_K: case W_IQ4_XS: return 256;
+        default: return 32;
+    }
+}
+
+INFERD_DEVICE int block_bytes(int type) {
+    switch (type) {
+        case W_F32: return 4;
+        case W_F16: case W_BF16: return 2;
+        case W_Q4_0: return 18;
+        case W_Q4_1: return 20;
+        case W_Q5_0: return 22;
+        case W_Q5_1: return 24;
+        case W_Q8_0: return 34;
+        case W_IQ4_NL: return 18;
+        case W_Q2_K: return 84;
+        case W_Q3_K: return 110;
+        case W_Q4_K: return 144;
+        case W_Q5_K: return 176;
+        case W_Q6_K: return 210;
+        case W_IQ4_XS: return 136;
+        default: return 0;
+    }
+}
+
+INFERD_DEVICE int iq4_value(int q) {
+    const int8_t values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+    return values[q & 15];
+}
+
+// Nibble i (0..32) of a 16-byte run where byte k holds weights k and k + 16.
+INFERD_DEVICE int nibble(const uint8_t* qs, int i) { return i < 16 ? (qs[i] & 15) : (qs[i - 16] >> 4); }
+
+// The 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block (12 packed bytes).
+INFERD_DEVICE void k_scale_min(const uint8_t* s, int j, int* sc, int* m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+INFERD_DEVICE int q3k_scale(const uint8_t* s, int j) {
+    int low = j < 8 ? (s[j] & 15) : (s[j - 8] >> 4);
+    int high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+    return (low | (high << 4)) - 32;
+}
+
+// Weight e (0 .. block_len) of the block at blk.
+INFERD_DEVICE float weight(int type, const uint8_t* blk, int e) {
+    float d = 0.0f, dmin = 0.0f;
+    int q = 0, sc = 1, m = 0;
+    bool has_min = false;
+    switch (type) {
+        case W_F32: {
+            union {
+                uint32_t u;
+                float f;
+            } v;
+            v.u = read_u32(blk);
+            return v.f;
+        }
+        case W_F16: return read_f16(blk);
+        case W_BF16: return bf16_to_f32(read_u16(blk));
+        case W_Q8_0: d = read_f16(blk); q = (int8_t)blk[2 + e]; break;
+        case W_Q4_0: d = read_f16(blk); q = nibble(blk + 2, e) - 8; break;
+        case W_Q4_1:
+            d = read_f16(blk);
+            dmin = read_f16(blk + 2);
+            m = 1;
+            has_min = true;
+            q = nibble(blk + 4, e);
+            break;
+        case W_Q5_0: case W_Q5_1: {
+            bool one = type == W_Q5_1;
+            uint32_t qh = read_u32(blk + (one ? 4 : 2));
+            q = nibble(blk + (one ? 8 : 6), e) | (((qh >> e) & 1) << 4);
+            d = read_f16(blk);
+            if (one) {
+                dmin = read_f16(blk + 2);
+                m = 1;
+                has_min = true;
+            } else {
+                q -= 16;
+            }
+            break;
+        }
+        case W_IQ4_NL: d = read_f16(blk); q = iq4_value(nibble(blk + 2, e)); break;
+        case W_Q2_K: {
+            int j = e / 32, l = e % 32, h = j / 4, s = j % 4;
+            int k = blk[2 * j + l / 16];
+            d = read_f16(blk + 80);
+            dmin = -read_f16(blk + 82);
+            has_min = true;
+            sc = k & 15;
+            m = k >> 4;
+            q = (blk[16 + 32 * h + l] >> (2 * s)) & 3;
+            break;
+        }
+        case W_Q3_K: {
+            int j = e / 32, l = e % 32, h = j / 4, s = j % 4;
+            d = read_f16(blk + 108);
+            sc = q3k_scale(blk + 96, 2 * j + l / 16);
+            int low = (blk[32 + 32 * h + l] >> (2 * s)) & 3;
+            q = ((blk[l] >> j) & 1) ? low : low - 4;
+            break;
+        }
+        case W_Q4_K: case W_Q5_K: {
+            int j = e / 32, l = e % 32, c = j / 2, h = j % 2;
+            k_scale_min(blk + 4, j, &sc, &m);
+            d = read_f16(blk);
+            dmin = -read_f16(blk + 2);
+            has_min = true;
+            if (type == W_Q4_K) {
+                q = (blk[16 + 32 * c + l] >> (4 * h)) & 15;
+            } else {
+                q = ((blk[48 + 32 * c + l] >> (4 * h)) & 15) | (((blk[16 + l] >> j) & 1) << 4);
+            }
+            break;
+        }
+        case W_Q6_K: {
+            int j = e / 32, l = e % 32, h = j / 4, s = j % 4;
+            d = read_f16(blk + 208);
+            sc = (int8_t)blk[192 + 2 * j + l / 16];
+            int low = (blk[64 * h + 32 * (s % 2) + l] >> (4 * (s / 2))) & 15;
+            int high = (blk[128 + 32 * h + l] >> (2 * s)) & 3;
+            q = (low | (high << 4)) - 32;
+            break;
+        }
+        case W_IQ4_XS: {
+            int j = e / 32, i = e % 32;
+            int low = (blk[4 + j / 2] >> (4 * (j % 2))) & 15;
+            int high = (read_u16(blk + 2) >> (2 * j)) & 3;
+            sc = (low | (high << 4)) - 32;
+            d = read_f16(blk);
+            q = iq4_value(nibble(blk + 8 + 16 * j, i));
+            break;
+        }
+        default: return 0.0f;
+    }
+    float w = MUL(MUL(d, (float)sc), (float)q);
+    return has_min ? ADD(w, MUL(dmin, (float)m)) : w;
+}
+
+// Weight k of a row of `type` starting at `row`.
+INFERD_DEVICE float row_weight(int type, const uint8_t* row, int k) {
+    int n = block_len(type);
+    return weight(type, row + (k / n) * block_bytes(type), k % n);
+}

@@ -1,0 +1,89 @@
+// inferd CUDA kernels: the elementwise and per-row operations of a transformer block
+// (embedding lookup, RMSNorm, RoPE, gated activations, residual add). Compiled after
+// common.cuh as one translation unit (kernels/src/cuda/mod.rs). Activations are f32,
+// row-major, one row per token.
+
+// out[t][k] = scale * weight k of embedding row ids[t].
+extern "C" __global__ void embed(const uint8_t* table, int type, long long row_bytes, const int* ids, int cols,
+                                 float scale, float* out) {
+    int t = blockIdx.x;
+    const uint8_t* row = table + (long long)ids[t] * row_bytes;
+    for (int k = threadIdx.x; k < cols; k += blockDim.x) {
+        out[(long long)t * cols + k] = MUL(row_weight(type, row, k), scale);
+    }
+}
+
+// Sum over the block's threads (blockDim.x a multiple of 32, at most 1024).
+__device__ float block_sum(float v) {
+    __shared__ float warp_sums[32];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) warp_sums[warp] = v;
+    __syncthreads();
+    int warps = blockDim.x / 32;
+    v = lane < warps ? warp_sums[lane] : 0.0f;
+    if (warp == 0) {
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0) warp_sums[0] = v;
+    }
+    __syncthreads();
+    float s = warp_sums[0];
+    __syncthreads();
+    return s;
+}
+
+// y = x * w / rms(x) per piece of `n` floats (one block per piece: a token's hidden state, or a
+// head for QK-norm); y may be x.
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, int n, float eps) {
+    const float* xr = x + (long long)blockIdx.x * n;
+    float* yr = y + (long long)blockIdx.x * n;
+    float ss = 0.0f;
+    for (int k = threadIdx.x; k < n; k += blockDim.x) ss += xr[k] * xr[k];
+    ss = block_sum(ss);
+    float inv = rsqrtf(ss / n + eps);
+    for (int k = threadIdx.x; k < n; k += blockDim.x) yr[k] = xr[k] * inv * w[k];
+}
+
+// Rotates the first 2 * pairs dimensions of every head of every token: token t at position
+// pos[t], frequency i's angle pos * inv_freq[i], both rotated values multiplied by `scale`
+// (LongRoPE's and YaRN's magnitude factor). neox: pairs (i, i + pairs), else (2i, 2i + 1).
+extern "C" __global__ void rope(float* x, const int* pos, const float* inv_freq, int heads, int head_dim,
+                                int pairs, int neox, float scale) {
+    int t = blockIdx.x;
+    int total = heads * pairs;
+    for (int idx = threadIdx.x; idx < total; idx += blockDim.x) {
+        int h = idx / pairs, i = idx % pairs;
+        float s, c;
+        sincosf((float)pos[t] * inv_freq[i], &s, &c);
+        s *= scale;
+        c *= scale;
+        float* head = x + ((long long)t * heads + h) * head_dim;
+        int a = neox ? i : 2 * i, b = neox ? i + pairs : 2 * i + 1;
+        float x0 = head[a], x1 = head[b];
+        head[a] = x0 * c - x1 * s;
+        head[b] = x0 * s + x1 * c;
+    }
+}
+
+// gate = act(gate) * up over n values: SwiGLU (gelu = 0) or GeGLU with GELU's tanh form,
+// computed as x * sigmoid(2 y) (the CPU backend's form, without tanh's cancellation).
+extern "C" __global__ void gated_act(float* gate, const float* up, long long n, int gelu) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        float x = gate[i];
+        float a;
+        if (gelu) {
+            float y = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+            a = x / (1.0f + expf(-2.0f * y));
+        } else {
+            a = x / (1.0f + expf(-x));
+        }
+        gate[i] = a * up[i];
+    }
+}
+
+// x += y over n values.
+extern "C" __global__ void add_in_place(float* x, const float* y, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        x[i] += y[i];
+    }
+}

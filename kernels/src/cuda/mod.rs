@@ -1,0 +1,45 @@
+//! The CUDA kernels' sources (`kernels/cuda/*.cu`) and their compilation by NVRTC, which is
+//! loaded at run time: nothing here needs a GPU or a CUDA toolkit to build, and compiling needs
+//! only `libnvrtc.so.12` (NVIDIA's `nvidia-cuda-nvrtc-cu12` wheel carries it), not a GPU. The
+//! compiled code (a cubin per GPU architecture) is cached on disk, keyed by the sources, the
+//! architecture and the NVRTC version.
+//!
+//! The kernels are one translation unit: `common.cuh` (weight decoding, shared by every kernel
+//! and tested on the host against the CPU dequantizer), then each `.cu` file.
+
+pub mod device;
+pub mod nvrtc;
+
+/// The kernel sources, in the order they are compiled.
+pub const SOURCES: [(&str, &str); 4] = [
+    ("common.cuh", include_str!("../../cuda/common.cuh")),
+    ("ops.cu", include_str!("../../cuda/ops.cu")),
+    ("matvec.cu", include_str!("../../cuda/matvec.cu")),
+    ("attention.cu", include_str!("../../cuda/attention.cu")),
+];
+
+/// Every kernel the sources define (`extern "C" __global__`), for the loader to look up.
+pub const KERNELS: [&str; 10] = [
+    "embed",
+    "rms_norm",
+    "rope",
+    "gated_act",
+    "add_in_place",
+    "matvec",
+    "add_bias",
+    "kv_store",
+    "kv_copy_blocks",
+    "attention",
+];
+
+/// The GPU architectures the kernels are checked to compile for: Ampere (A100), Ada (RTX 40,
+/// L40) and Hopper (H100, H200).
+pub const CHECKED_ARCHES: [&str; 3] = ["sm_80", "sm_89", "sm_90"];
+
+/// The whole translation unit.
+pub fn translation_unit() -> String {
+    SOURCES.iter().map(|(name, src)| format!("// ---- {name}\n{src}\n")).collect()
+}
+
+#[cfg(test)]
+mod tests;

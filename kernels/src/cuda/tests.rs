@@ -1,0 +1,135 @@
+//! The CUDA sources without a GPU: their weight decoding compiled as C++ on the host against
+//! the CPU dequantizer, and the whole set compiled by NVRTC to device code for every checked
+//! architecture (`tests/run` installs NVRTC and sets `INFERD_REQUIRE_NVRTC`, so there this
+//! cannot be skipped).
+
+use super::{nvrtc, translation_unit, CHECKED_ARCHES, KERNELS, SOURCES};
+use crate::quant::{dequantize_row, DType, QuantType};
+use crate::quantize::random_blocks;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+fn scratch(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("inferd-test-{}", std::process::id())).join(tag);
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// `common.cuh`'s `row_weight` over a row of `n` weights of `dtype`, run on the host.
+fn host_decode(exe: &std::path::Path, dtype: DType, bytes: &[u8], n: usize) -> Vec<f32> {
+    use std::io::Write;
+    let mut child = Command::new(exe)
+        .args([dtype.ggml_type().to_string(), n.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(bytes).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    out.stdout.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+#[test]
+fn the_kernels_decode_every_weight_type_as_the_cpu_does() {
+    let dir = scratch("cuda-host-decode");
+    std::fs::write(dir.join("common.cuh"), SOURCES[0].1).unwrap();
+    let harness = r#"
+#include "common.cuh"
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+int main(int argc, char** argv) {
+    int type = atoi(argv[1]);
+    long n = atol(argv[2]);
+    std::vector<uint8_t> bytes(n / block_len(type) * block_bytes(type));
+    if (fread(bytes.data(), 1, bytes.size(), stdin) != bytes.size()) return 1;
+    for (long k = 0; k < n; k++) {
+        float w = row_weight(type, bytes.data(), (int)k);
+        fwrite(&w, 4, 1, stdout);
+    }
+    return 0;
+}
+"#;
+    std::fs::write(dir.join("decode.cpp"), harness).unwrap();
+    let exe = dir.join("decode");
+    let cc = Command::new("c++")
+        .args(["-O1", "-ffp-contract=off", "-o"])
+        .arg(&exe)
+        .arg(dir.join("decode.cpp"))
+        .output()
+        .expect("a C++ compiler (c++) for the host test of the CUDA sources");
+    assert!(cc.status.success(), "{}", String::from_utf8_lossy(&cc.stderr));
+    for q in QuantType::ALL {
+        let blocks = 8;
+        let bytes = random_blocks(q, blocks, 7 + q.dtype().ggml_type() as u64);
+        let n = blocks * q.block_len();
+        let mut want = vec![0f32; n];
+        dequantize_row(q.dtype(), &bytes, &mut want);
+        let got = host_decode(&exe, q.dtype(), &bytes, n);
+        assert_eq!(got.len(), n);
+        for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.to_bits(), w.to_bits(), "{q:?} weight {k}: {g} vs the CPU's {w}");
+        }
+    }
+    // Float types from random bits (subnormal, infinite and NaN halves included).
+    let bits: Vec<u8> = (0..4096u32).flat_map(|i| (i.wrapping_mul(2_654_435_761) >> 7).to_le_bytes()).collect();
+    for (dtype, size) in [(DType::F16, 2), (DType::BF16, 2), (DType::F32, 4)] {
+        let n = bits.len() / size;
+        let mut want = vec![0f32; n];
+        dequantize_row(dtype, &bits, &mut want);
+        let got = host_decode(&exe, dtype, &bits, n);
+        for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.to_bits(), w.to_bits(), "{dtype:?} value {k}: {g} vs the CPU's {w}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn every_kernel_compiles_to_device_code_for_the_checked_architectures() {
+    if !nvrtc::available() {
+        assert!(
+            std::env::var_os("INFERD_REQUIRE_NVRTC").is_none(),
+            "INFERD_REQUIRE_NVRTC is set but {}",
+            nvrtc::CompileError::Missing
+        );
+        eprintln!("skipped: {}", nvrtc::CompileError::Missing);
+        return;
+    }
+    let src = translation_unit();
+    for arch in CHECKED_ARCHES {
+        let cubin = nvrtc::compile_cubin(&src, arch).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(&cubin[..4], b"\x7fELF", "{arch}: a cubin is an ELF image");
+        for k in KERNELS {
+            assert!(
+                cubin.windows(k.len() + 1).any(|w| &w[..k.len()] == k.as_bytes() && w[k.len()] == 0),
+                "{arch}: {k}"
+            );
+        }
+    }
+    // A source error is an error that carries NVRTC's log.
+    let e = nvrtc::compile_cubin("extern \"C\" __global__ void k() { undeclared(); }", "sm_90").unwrap_err();
+    assert!(e.to_string().contains("undeclared"), "{e}");
+    assert!(matches!(nvrtc::compile_cubin("", "compute_90"), Err(nvrtc::CompileError::BadArch(_))));
+    // The cache: compiled once, then read back.
+    let dir = scratch("cuda-cache");
+    let first = nvrtc::cached_cubin("sm_90", &dir).unwrap();
+    let files: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().map(|e| e.path()).collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    std::fs::write(&files[0], b"\x7fELFcached").unwrap();
+    assert_eq!(nvrtc::cached_cubin("sm_90", &dir).unwrap(), b"\x7fELFcached", "read from the cache");
+    assert_ne!(first, b"\x7fELFcached");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn without_the_driver_the_probe_says_so_instead_of_panicking() {
+    use super::device::{driver_present, probe, CudaUnavailable};
+    match probe() {
+        Err(CudaUnavailable::NoDriver) => assert!(!driver_present()),
+        Ok(d) => assert!(d.arch.starts_with("sm_") && d.memory_bytes > 0 && !d.name.is_empty(), "{d:?}"),
+        Err(e) => assert!(driver_present(), "{e}"),
+    }
+}
