@@ -72,6 +72,33 @@ INFERD_DEVICE float f16_to_f32(uint16_t h) {
     return v.f;
 }
 
+#if !defined(__CUDACC_RTC__)
+// Float to IEEE half, rounding to nearest even (the device uses its conversion instruction).
+static inline uint16_t f32_to_f16_rne(float f) {
+    union {
+        float f;
+        uint32_t u;
+    } v;
+    v.f = f;
+    uint32_t x = v.u, sign = (x >> 16) & 0x8000;
+    int32_t exp = (int32_t)((x >> 23) & 0xff) - 127 + 15;
+    uint32_t man = x & 0x7fffff;
+    if (((x >> 23) & 0xff) == 0xff) return (uint16_t)(sign | 0x7c00 | (man ? 0x200 | (man >> 13) : 0));
+    if (exp >= 31) return (uint16_t)(sign | 0x7c00);
+    if (exp <= 0) {
+        if (exp < -10) return (uint16_t)sign;
+        man |= 0x800000;
+        uint32_t shift = (uint32_t)(14 - exp);
+        uint32_t h = man >> shift, rem = man & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (h & 1))) h++;
+        return (uint16_t)(sign | h);
+    }
+    uint32_t h = ((uint32_t)exp << 10) | (man >> 13), rem = man & 0x1fff;
+    if (rem > 0x1000 || (rem == 0x1000 && (h & 1))) h++;
+    return (uint16_t)(sign | h);
+}
+#endif
+
 INFERD_DEVICE float bf16_to_f32(uint16_t h) {
     union {
         uint32_t u;

@@ -42,4 +42,6 @@ pub fn translation_unit() -> String {
 }
 
 #[cfg(test)]
+mod host_tests;
+#[cfg(test)]
 mod tests;

@@ -9,7 +9,7 @@ use crate::quantize::random_blocks;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
-fn scratch(tag: &str) -> PathBuf {
+pub(super) fn scratch(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("inferd-test-{}", std::process::id())).join(tag);
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
