@@ -1,15 +1,31 @@
 //! Tells the kernel tests which instruction sets the build machine has (`host_avx2`,
-//! `host_avx512vnni`), so a test of a kernel this processor cannot run is reported as ignored
-//! with the reason, not as passed. Only for native builds: when cross-compiling (TARGET differs
+//! `host_avx512vnni`), whether it has NVIDIA's runtime compiler (`host_nvrtc`: libnvrtc.so.12
+//! on LD_LIBRARY_PATH or in the system's library directories) and an NVIDIA GPU with its driver
+//! (`host_cuda`), so a test this machine cannot run is reported as ignored with the reason, not
+//! as passed. Only for native builds: when cross-compiling (TARGET differs
 //! from HOST) neither is set and those tests are ignored. Nothing outside `#[cfg(test)]` reads
 //! them: the kernels themselves choose their instruction set at run time.
 
 fn main() {
     println!("cargo::rustc-check-cfg=cfg(host_avx2)");
     println!("cargo::rustc-check-cfg=cfg(host_avx512vnni)");
+    println!("cargo::rustc-check-cfg=cfg(host_nvrtc)");
+    println!("cargo::rustc-check-cfg=cfg(host_cuda)");
     println!("cargo::rerun-if-changed=build.rs");
+    println!("cargo::rerun-if-env-changed=LD_LIBRARY_PATH");
+    println!("cargo::rerun-if-changed=/proc/driver/nvidia/version");
     if std::env::var("TARGET").ok() != std::env::var("HOST").ok() {
         return;
+    }
+    let ld = std::env::var_os("LD_LIBRARY_PATH").unwrap_or_default();
+    let dirs = std::env::split_paths(&ld).chain(
+        ["/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/local/cuda/lib64", "/usr/lib"].map(std::path::PathBuf::from),
+    );
+    if dirs.into_iter().any(|d| d.join("libnvrtc.so.12").exists() || d.join("libnvrtc.so").exists()) {
+        println!("cargo::rustc-cfg=host_nvrtc");
+    }
+    if std::path::Path::new("/proc/driver/nvidia/version").exists() {
+        println!("cargo::rustc-cfg=host_cuda");
     }
     #[cfg(target_arch = "x86_64")]
     {

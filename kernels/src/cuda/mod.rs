@@ -8,6 +8,7 @@
 //! and tested on the host against the CPU dequantizer), then each `.cu` file.
 
 pub mod device;
+pub mod launch;
 pub mod nvrtc;
 
 /// The kernel sources, in the order they are compiled.
@@ -42,6 +43,6 @@ pub fn translation_unit() -> String {
 }
 
 #[cfg(test)]
-mod host_tests;
+mod kernel_tests;
 #[cfg(test)]
 mod tests;

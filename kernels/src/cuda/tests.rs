@@ -1,7 +1,7 @@
 //! The CUDA sources without a GPU: their weight decoding compiled as C++ on the host against
 //! the CPU dequantizer, and the whole set compiled by NVRTC to device code for every checked
-//! architecture (`tests/run` installs NVRTC and sets `INFERD_REQUIRE_NVRTC`, so there this
-//! cannot be skipped).
+//! architecture (`tests/run` installs NVRTC; where the build found none, that test is ignored
+//! with the reason).
 
 use super::{nvrtc, translation_unit, CHECKED_ARCHES, KERNELS, SOURCES};
 use crate::quant::{dequantize_row, DType, QuantType};
@@ -88,16 +88,9 @@ int main(int argc, char** argv) {
 }
 
 #[test]
+#[cfg_attr(not(host_nvrtc), ignore = "no libnvrtc.so.12 at build time (tests/run installs NVIDIA's wheel)")]
 fn every_kernel_compiles_to_device_code_for_the_checked_architectures() {
-    if !nvrtc::available() {
-        assert!(
-            std::env::var_os("INFERD_REQUIRE_NVRTC").is_none(),
-            "INFERD_REQUIRE_NVRTC is set but {}",
-            nvrtc::CompileError::Missing
-        );
-        eprintln!("skipped: {}", nvrtc::CompileError::Missing);
-        return;
-    }
+    assert!(nvrtc::available(), "{}", nvrtc::CompileError::Missing);
     let src = translation_unit();
     for arch in CHECKED_ARCHES {
         let cubin = nvrtc::compile_cubin(&src, arch).unwrap_or_else(|e| panic!("{e}"));

@@ -1,7 +1,9 @@
-//! The CUDA kernels' logic on the host: `host_shim.h` runs each kernel's blocks with real
-//! threads (barriers for `__syncthreads` and the warp shuffles), and every kernel's output is
-//! compared with the CPU backend's operation or a float64 reference. What this cannot show
-//! (memory coalescing, occupancy, the device's own math functions) is `tests/gpu/run`'s.
+//! Every CUDA kernel against the CPU backend's operation or a float64 reference, through a
+//! `Runner`: on the host everywhere (`host_shim.h` runs each kernel's blocks with real threads,
+//! barriers for `__syncthreads` and the warp shuffles), and on the GPU through the launch layer
+//! (`super::launch::Gpu`) where there is one (elsewhere that test is ignored with the reason;
+//! `tests/gpu/run` runs it). The host run checks the kernels' logic; the GPU run adds the
+//! device's own math, memory and launch geometry.
 
 use super::SOURCES;
 use crate::ops::{Rope, RopeStyle};
@@ -56,6 +58,139 @@ fn run<T: Copy + Default>(op: &str, params: &[f64], inputs: &[(&str, Vec<u8>)]) 
     v
 }
 
+/// The kernels as the checks call them: inputs in, output out.
+trait Runner {
+    fn rms_norm(&self, x: &[f32], w: &[f32], eps: f32) -> Vec<f32>;
+    #[allow(clippy::too_many_arguments)]
+    fn rope(&self, x: &[f32], pos: &[i32], freq: &[f32], heads: usize, hd: usize, neox: bool, scale: f32) -> Vec<f32>;
+    fn gated_act(&self, gate: &[f32], up: &[f32], gelu: bool) -> Vec<f32>;
+    fn matvec(&self, dtype: DType, w: &[u8], rows: usize, cols: usize, x: &[f32]) -> Vec<f32>;
+    fn embed(&self, dtype: DType, table: &[u8], ids: &[i32], cols: usize, scale: f32) -> Vec<f32>;
+    fn kv_attention(&self, a: &AttentionCase) -> Vec<f32>;
+}
+
+/// Tokens' K/V stored into a pool of `blocks` blocks, then queries attending over their
+/// sequences' block tables (`table_len` entries each).
+struct AttentionCase {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    slots: Vec<i32>,
+    q: Vec<f32>,
+    tables: Vec<i32>,
+    table_len: usize,
+    table_of: Vec<i32>,
+    q_pos: Vec<i32>,
+    heads: (usize, usize),
+    hd: usize,
+    bs: usize,
+    blocks: usize,
+    window: usize,
+    scale: f32,
+}
+
+/// The kernels compiled for the host with `host_shim.h`.
+struct Host;
+
+impl Runner for Host {
+    fn rms_norm(&self, x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+        let n = w.len();
+        run("rms_norm", &[(x.len() / n) as f64, n as f64, f64::from(eps)], &[("x", f32s(x)), ("w", f32s(w))])
+    }
+    fn rope(&self, x: &[f32], pos: &[i32], freq: &[f32], heads: usize, hd: usize, neox: bool, scale: f32) -> Vec<f32> {
+        let params =
+            [pos.len() as f64, heads as f64, hd as f64, freq.len() as f64, f64::from(u8::from(neox)), f64::from(scale)];
+        run("rope", &params, &[("x", f32s(x)), ("pos", i32s(pos)), ("inv_freq", f32s(freq))])
+    }
+    fn gated_act(&self, gate: &[f32], up: &[f32], gelu: bool) -> Vec<f32> {
+        run("gated_act", &[gate.len() as f64, f64::from(u8::from(gelu))], &[("gate", f32s(gate)), ("up", f32s(up))])
+    }
+    fn matvec(&self, dtype: DType, w: &[u8], rows: usize, cols: usize, x: &[f32]) -> Vec<f32> {
+        let rb = dtype.bytes_for(cols).unwrap();
+        let params = [f64::from(dtype.ggml_type()), rows as f64, cols as f64, (x.len() / cols) as f64, rb as f64];
+        run("matvec", &params, &[("w", w.to_vec()), ("x", f32s(x))])
+    }
+    fn embed(&self, dtype: DType, table: &[u8], ids: &[i32], cols: usize, scale: f32) -> Vec<f32> {
+        let rb = dtype.bytes_for(cols).unwrap();
+        let params = [f64::from(dtype.ggml_type()), rb as f64, ids.len() as f64, cols as f64, f64::from(scale)];
+        run("embed", &params, &[("table", table.to_vec()), ("ids", i32s(ids))])
+    }
+    fn kv_attention(&self, a: &AttentionCase) -> Vec<f32> {
+        let params = [
+            a.q_pos.len() as f64,
+            a.heads.0 as f64,
+            a.heads.1 as f64,
+            a.hd as f64,
+            a.bs as f64,
+            a.window as f64,
+            f64::from(a.scale),
+            a.table_len as f64,
+            a.blocks as f64,
+        ];
+        let inputs = [
+            ("k", f32s(&a.k)),
+            ("v", f32s(&a.v)),
+            ("slot", i32s(&a.slots)),
+            ("q", f32s(&a.q)),
+            ("tables", i32s(&a.tables)),
+            ("table_of", i32s(&a.table_of)),
+            ("q_pos", i32s(&a.q_pos)),
+        ];
+        run("kv_attention", &params, &inputs)
+    }
+}
+
+/// The kernels on the GPU through the launch layer.
+struct Device(super::launch::Gpu);
+
+impl Runner for Device {
+    fn rms_norm(&self, x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+        let g = &self.0;
+        let (dx, dw, mut dy) = (g.upload(x).unwrap(), g.upload(w).unwrap(), g.zeros::<f32>(x.len()).unwrap());
+        g.rms_norm(&dx, &dw, &mut dy, w.len(), eps).unwrap();
+        g.download(&dy).unwrap()
+    }
+    fn rope(&self, x: &[f32], pos: &[i32], freq: &[f32], heads: usize, hd: usize, neox: bool, scale: f32) -> Vec<f32> {
+        let g = &self.0;
+        let mut dx = g.upload(x).unwrap();
+        g.rope(&mut dx, &g.upload(pos).unwrap(), &g.upload(freq).unwrap(), heads, hd, neox, scale).unwrap();
+        g.download(&dx).unwrap()
+    }
+    fn gated_act(&self, gate: &[f32], up: &[f32], gelu: bool) -> Vec<f32> {
+        let g = &self.0;
+        let mut dg = g.upload(gate).unwrap();
+        g.gated_act(&mut dg, &g.upload(up).unwrap(), gelu).unwrap();
+        g.download(&dg).unwrap()
+    }
+    fn matvec(&self, dtype: DType, w: &[u8], rows: usize, cols: usize, x: &[f32]) -> Vec<f32> {
+        let g = &self.0;
+        let mut dy = g.zeros::<f32>(rows * (x.len() / cols)).unwrap();
+        let (dw, dx) = (g.upload(w).unwrap(), g.upload(x).unwrap());
+        g.matvec(&dw, dtype.ggml_type(), dtype.bytes_for(cols).unwrap(), rows, cols, &dx, &mut dy).unwrap();
+        g.download(&dy).unwrap()
+    }
+    fn embed(&self, dtype: DType, table: &[u8], ids: &[i32], cols: usize, scale: f32) -> Vec<f32> {
+        let g = &self.0;
+        let mut dy = g.zeros::<f32>(ids.len() * cols).unwrap();
+        let (dt, di) = (g.upload(table).unwrap(), g.upload(ids).unwrap());
+        g.embed(&dt, dtype.ggml_type(), dtype.bytes_for(cols).unwrap(), &di, cols, scale, &mut dy).unwrap();
+        g.download(&dy).unwrap()
+    }
+    fn kv_attention(&self, a: &AttentionCase) -> Vec<f32> {
+        let g = &self.0;
+        let pool = a.blocks * a.bs * a.heads.1 * a.hd;
+        let (mut kc, mut vc) = (g.zeros::<u16>(pool).unwrap(), g.zeros::<u16>(pool).unwrap());
+        let (dk, dv, ds) = (g.upload(&a.k).unwrap(), g.upload(&a.v).unwrap(), g.upload(&a.slots).unwrap());
+        g.kv_store(&dk, &dv, &mut kc, &mut vc, &ds, a.heads.1 * a.hd).unwrap();
+        let mut out = g.zeros::<f32>(a.q.len()).unwrap();
+        let (dq, tables) = (g.upload(&a.q).unwrap(), g.upload(&a.tables).unwrap());
+        let (table_of, q_pos) = (g.upload(&a.table_of).unwrap(), g.upload(&a.q_pos).unwrap());
+        let window = (a.window > 0).then_some(a.window);
+        let geometry = (a.heads, a.hd, a.bs, window, a.scale);
+        g.attention(&dq, (&kc, &vc), &tables, &table_of, a.table_len, &q_pos, geometry, &mut out).unwrap();
+        g.download(&out).unwrap()
+    }
+}
+
 fn f32s(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
@@ -84,11 +219,10 @@ fn close(got: &[f32], want: &[f32], tol: f32, what: &str) {
     }
 }
 
-#[test]
-fn rms_norm_rope_and_the_activations_compute_what_the_cpu_does() {
+fn check_norm_rope_activations(on: &dyn Runner) {
     let (rows, n) = (3, 96);
     let (x, w) = (values(rows * n, 1), values(n, 2));
-    let got: Vec<f32> = run("rms_norm", &[rows as f64, n as f64, 1e-6], &[("x", f32s(&x)), ("w", f32s(&w))]);
+    let got = on.rms_norm(&x, &w, 1e-6);
     let mut want = vec![0f32; rows * n];
     for r in 0..rows {
         crate::ops::rms_norm(&x[r * n..(r + 1) * n], &w, 1e-6, &mut want[r * n..(r + 1) * n]);
@@ -99,11 +233,9 @@ fn rms_norm_rope_and_the_activations_compute_what_the_cpu_does() {
     let (tokens, heads, hd, pairs, scale) = (3, 4, 16, 6, 1.118f32);
     let freq = Rope::frequencies(2 * pairs, 10000.0);
     let pos = [0, 7, 300];
-    for (style, neox) in [(RopeStyle::Neox, 1.0), (RopeStyle::Interleaved, 0.0)] {
+    for (style, neox) in [(RopeStyle::Neox, true), (RopeStyle::Interleaved, false)] {
         let x = values(tokens * heads * hd, 3);
-        let params = [tokens as f64, heads as f64, hd as f64, pairs as f64, neox, f64::from(scale)];
-        let inputs = [("x", f32s(&x)), ("pos", i32s(&pos)), ("inv_freq", f32s(&freq))];
-        let got: Vec<f32> = run("rope", &params, &inputs);
+        let got = on.rope(&x, &pos, &freq, heads, hd, neox, scale);
         let rope = Rope::with_frequencies(style, freq.clone()).scaled(scale);
         let mut want = x.clone();
         for (t, &p) in pos.iter().enumerate() {
@@ -114,20 +246,19 @@ fn rms_norm_rope_and_the_activations_compute_what_the_cpu_does() {
 
     let n = 200;
     let (g, u) = (values(n, 4).iter().map(|v| v * 6.0).collect::<Vec<_>>(), values(n, 5));
-    for gelu in [0.0, 1.0] {
-        let got: Vec<f32> = run("gated_act", &[n as f64, gelu], &[("gate", f32s(&g)), ("up", f32s(&u))]);
+    for gelu in [false, true] {
+        let got = on.gated_act(&g, &u, gelu);
         let mut want = g.clone();
-        if gelu == 0.0 {
-            crate::ops::swiglu(&mut want, &u);
-        } else {
+        if gelu {
             crate::ops::geglu(&mut want, &u);
+        } else {
+            crate::ops::swiglu(&mut want, &u);
         }
-        close(&got, &want, 1e-5, if gelu == 0.0 { "swiglu" } else { "geglu" });
+        close(&got, &want, 1e-5, if gelu { "geglu" } else { "swiglu" });
     }
 }
 
-#[test]
-fn matvec_and_embed_compute_every_weight_type_as_the_dequantized_product() {
+fn check_matvec_embed(on: &dyn Runner) {
     let (rows, cols) = (37, 512);
     let types: Vec<DType> =
         QuantType::ALL.iter().map(|q| q.dtype()).chain([DType::F16, DType::BF16, DType::F32]).collect();
@@ -152,8 +283,7 @@ fn matvec_and_embed_compute_every_weight_type_as_the_dequantized_product() {
         }
         for tokens in [1usize, 3, 8] {
             let x = values(tokens * cols, 13 + tokens as u64);
-            let params = [f64::from(dtype.ggml_type()), rows as f64, cols as f64, tokens as f64, row_bytes as f64];
-            let got: Vec<f32> = run("matvec", &params, &[("w", w.clone()), ("x", f32s(&x))]);
+            let got = on.matvec(dtype, &w, rows, cols, &x);
             assert_eq!(got.len(), rows * tokens);
             for t in 0..tokens {
                 for r in 0..rows {
@@ -167,8 +297,7 @@ fn matvec_and_embed_compute_every_weight_type_as_the_dequantized_product() {
         }
         // The embedding lookup of the same table: the dequantized rows, scaled.
         let ids = [3, 0, 36];
-        let params = [f64::from(dtype.ggml_type()), row_bytes as f64, 3.0, cols as f64, 2.5];
-        let got: Vec<f32> = run("embed", &params, &[("table", w.clone()), ("ids", i32s(&ids))]);
+        let got = on.embed(dtype, &w, &ids, cols, 2.5);
         let want: Vec<f32> = ids
             .iter()
             .flat_map(|&i| dense[i as usize * cols..(i as usize + 1) * cols].iter().map(|v| v * 2.5))
@@ -177,8 +306,7 @@ fn matvec_and_embed_compute_every_weight_type_as_the_dequantized_product() {
     }
 }
 
-#[test]
-fn paged_attention_over_scattered_blocks_matches_a_float64_reference() {
+fn check_attention(on: &dyn Runner) {
     // Two sequences in a pool of 9 blocks of 4 positions, their blocks scattered: sequence 0
     // has 11 positions and queries its last 3 (a prefill chunk), sequence 1 has 6 and queries
     // its last (decode). 4 query heads share 2 KV heads.
@@ -200,27 +328,23 @@ fn paged_attention_over_scattered_blocks_matches_a_float64_reference() {
         let queries: Vec<(usize, usize)> = vec![(0, 8), (0, 9), (0, 10), (1, 5)];
         let q = values(queries.len() * qh * hd, 23);
         let scale = 1.0 / (hd as f32).sqrt();
-        let params = [
-            queries.len() as f64,
-            qh as f64,
-            kvh as f64,
-            hd as f64,
-            bs as f64,
-            window as f64,
-            f64::from(scale),
-            3.0,
-            blocks as f64,
-        ];
-        let inputs = [
-            ("k", f32s(&k)),
-            ("v", f32s(&v)),
-            ("slot", i32s(&slots)),
-            ("q", f32s(&q)),
-            ("tables", i32s(&tables.concat())),
-            ("table_of", i32s(&queries.iter().map(|&(s, _)| s as i32).collect::<Vec<_>>())),
-            ("q_pos", i32s(&queries.iter().map(|&(_, p)| p as i32).collect::<Vec<_>>())),
-        ];
-        let got: Vec<f32> = run("kv_attention", &params, &inputs);
+        let case = AttentionCase {
+            k: k.clone(),
+            v: v.clone(),
+            slots: slots.clone(),
+            q: q.clone(),
+            tables: tables.concat(),
+            table_len: 3,
+            table_of: queries.iter().map(|&(s, _)| s as i32).collect(),
+            q_pos: queries.iter().map(|&(_, p)| p as i32).collect(),
+            heads: (qh, kvh),
+            hd,
+            bs,
+            blocks,
+            window,
+            scale,
+        };
+        let got = on.kv_attention(&case);
         let round = |x: f32| f64::from(half::f16::from_f32(x).to_f32());
         for (i, &(s, p)) in queries.iter().enumerate() {
             let first = if window > 0 { (p + 1).saturating_sub(window) } else { 0 };
@@ -251,4 +375,30 @@ fn paged_attention_over_scattered_blocks_matches_a_float64_reference() {
             }
         }
     }
+}
+
+#[test]
+fn on_the_host_rms_norm_rope_and_the_activations_compute_what_the_cpu_does() {
+    check_norm_rope_activations(&Host);
+}
+
+#[test]
+fn on_the_host_matvec_and_embed_compute_every_weight_type_as_the_dequantized_product() {
+    check_matvec_embed(&Host);
+}
+
+#[test]
+fn on_the_host_paged_attention_over_scattered_blocks_matches_a_float64_reference() {
+    check_attention(&Host);
+}
+
+#[test]
+#[cfg_attr(not(host_cuda), ignore = "no NVIDIA GPU on this machine (tests/gpu/run runs it where there is one)")]
+fn on_the_gpu_every_kernel_computes_what_the_cpu_does() {
+    let gpu = super::launch::Gpu::open(&super::tests::scratch("cuda-gpu-cache")).unwrap_or_else(|e| panic!("{e}"));
+    eprintln!("GPU: {:?}", gpu.device);
+    let d = Device(gpu);
+    check_norm_rope_activations(&d);
+    check_matvec_embed(&d);
+    check_attention(&d);
 }
