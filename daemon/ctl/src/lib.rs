@@ -160,6 +160,9 @@ fn run(client: &Client, cmd: Cmd) -> Result<(), Error> {
             for m in s["models"].as_array().into_iter().flatten() {
                 let (kv, rq, tk) = (&m["kv_blocks"], &m["requests"], &m["tokens"]);
                 writeln!(out, "model {}: {} running, {} waiting; KV blocks {} used of {} ({} cached); {} tokens generated, {:.1} tok/s", m["name"].as_str().unwrap_or("?"), rq["running"], rq["waiting"], kv["used"], kv["total"], kv["cached"], tk["generated"], tk["per_second"].as_f64().unwrap_or(0.0))?;
+                if let Some(b) = m["backend"].as_str() {
+                    writeln!(out, "  on {b}")?;
+                }
             }
             let names: Vec<&str> =
                 s["strategies"].as_array().into_iter().flatten().filter_map(|x| x["name"].as_str()).collect();

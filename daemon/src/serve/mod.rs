@@ -33,6 +33,8 @@ pub struct ModelHandle {
     pub model: Arc<Model>,
     /// The bound draft model's name, if any.
     pub draft: Option<String>,
+    /// Where it runs and why that backend: `cpu (Avx512Vnni; auto: no usable GPU (...))`.
+    pub backend: String,
     /// Prompt plus generated tokens, at most.
     pub context_len: usize,
     /// `1 << abi::ROLE_*` for each sequence role its store offers.
@@ -205,8 +207,10 @@ fn start_models(cfg: &Config) -> anyhow::Result<Vec<Arc<ModelHandle>>> {
             monitor: Some(Arc::clone(&monitor)),
         };
         // The engines are built here, so a model the backend cannot run fails the start.
-        let kind = mc.backend_kind();
+        let (kind, why) = inferd_engine::backend::choose(mc.backend_kind());
         let mut engine = Engine::open(&model, kind, &opts)?;
+        let backend = format!("{} ({}; {why})", engine.backend.name(), engine.backend.device());
+        eprintln!("inferd: {name} runs on {backend}");
         let draft_engine = match &draft {
             Some(d) => {
                 Some(Engine::open(d, kind, &EngineOptions { kv_budget_bytes: opts.kv_budget_bytes / 2, ..opts })?)
@@ -228,6 +232,7 @@ fn start_models(cfg: &Config) -> anyhow::Result<Vec<Arc<ModelHandle>>> {
             name,
             model,
             draft: draft.map(|d| d.name.clone()),
+            backend,
             context_len,
             roles,
             engine: Mutex::new(tx),

@@ -52,7 +52,8 @@ fn inferctl_talks_to_the_daemon_and_says_when_it_cannot() {
     assert!(
         out.contains("inferd: ready")
             && out.contains("model SmolLM2-135M-Instruct.Q4_1")
-            && out.contains("KV blocks 0 used of"),
+            && out.contains("KV blocks 0 used of")
+            && out.contains("  on cpu ("),
         "{out}"
     );
     let (_, out, _) = inferctl(&d.socket, &["models"], "");

@@ -7,7 +7,7 @@ use super::*;
 fn several_models_each_with_its_engine_and_a_bound_draft_model() {
     let dir = scratch("models");
     let m = model();
-    let cfg = format!("[[model]]\npath = \"{m}\"\nname = \"a\"\nkv_cache_mib = 64\ndraft = \"{m}\"\n\n[[model]]\npath = \"{m}\"\nname = \"b\"\nkv_cache_mib = 32\ncontext_len = 512\n");
+    let cfg = format!("[[model]]\npath = \"{m}\"\nname = \"a\"\nkv_cache_mib = 64\ndraft = \"{m}\"\n\n[[model]]\npath = \"{m}\"\nname = \"b\"\nkv_cache_mib = 32\ncontext_len = 512\nbackend = \"cpu\"\n");
     // No --model flag here: the models come from the config.
     let socket = dir.join("inferd.sock");
     std::fs::write(dir.join("inferd.toml"), &cfg).unwrap();
@@ -76,6 +76,10 @@ fn several_models_each_with_its_engine_and_a_bound_draft_model() {
         s["models"][0]["kv_blocks"]["total"].as_u64().unwrap() > s["models"][1]["kv_blocks"]["total"].as_u64().unwrap(),
         "each model has the cache it was given: {s}"
     );
+    // Where each runs and why: "a" left the choice to auto, "b" asked for the CPU.
+    let backend = |i: usize| s["models"][i]["backend"].as_str().unwrap().to_string();
+    assert!(backend(0).starts_with("cpu (") && backend(0).contains("auto: "), "{s}");
+    assert!(backend(1).starts_with("cpu (") && backend(1).contains("configured"), "{s}");
     drop(d);
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -52,6 +52,20 @@ impl BackendKind {
     }
 }
 
+/// The backend `kind` resolves to on this machine, and why: `auto` takes the CPU until the
+/// CUDA backend runs models, saying whether a GPU was found.
+pub fn choose(kind: BackendKind) -> (BackendKind, String) {
+    match kind {
+        BackendKind::Auto => match inferd_kernels::cuda::device::probe() {
+            Err(e) => (BackendKind::Cpu, format!("auto: no usable GPU ({e})")),
+            Ok(d) => {
+                (BackendKind::Cpu, format!("auto: {} found, but the CUDA backend does not run models yet", d.name))
+            }
+        },
+        BackendKind::Cpu | BackendKind::Cuda => (kind, "configured".into()),
+    }
+}
+
 /// Builds the backend `kind` names for `model`, its KV pool sized from `opts`. Engines built
 /// this way may differ in backend (a draft model on one, its target on another): the engine
 /// holds a `Box<dyn Backend>`.
