@@ -62,14 +62,38 @@ pub fn plugin_dirs(explicit: &[PathBuf]) -> Vec<PathBuf> {
 /// (`$CACHE_DIRECTORY`, systemd's `CacheDirectory=inferd`: /var/cache/inferd), else the user's
 /// `$XDG_CACHE_HOME/inferd` (`~/.cache/inferd`), else /var/cache/inferd.
 pub fn cache_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("CACHE_DIRECTORY").filter(|d| !d.is_empty()) {
+    cache_dir_in(&|k| std::env::var_os(k))
+}
+
+/// [`cache_dir`] for the environment `env`.
+fn cache_dir_in(env: &dyn Fn(&str) -> Option<std::ffi::OsString>) -> PathBuf {
+    if let Some(d) = env("CACHE_DIRECTORY").filter(|d| !d.is_empty()) {
         // systemd may list several, colon-separated; the unit names one.
-        let first = std::env::split_paths(&d).next().unwrap_or_default();
-        return first;
+        return std::env::split_paths(&d).next().unwrap_or_default();
     }
-    std::env::var_os("XDG_CACHE_HOME")
+    env("XDG_CACHE_HOME")
+        .filter(|d| !d.is_empty())
         .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .or_else(|| env("HOME").map(|h| PathBuf::from(h).join(".cache")))
         .map(|d| d.join("inferd"))
         .unwrap_or_else(|| PathBuf::from("/var/cache/inferd"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cache_dir_in;
+    use std::path::PathBuf;
+
+    #[test]
+    fn the_kernel_cache_is_the_services_then_the_users() {
+        fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<std::ffi::OsString> + 'a {
+            move |k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.into())
+        }
+        let service = [("CACHE_DIRECTORY", "/var/cache/inferd:/x"), ("HOME", "/home/a")];
+        assert_eq!(cache_dir_in(&env(&service)), PathBuf::from("/var/cache/inferd"));
+        let user = [("XDG_CACHE_HOME", "/c"), ("HOME", "/home/a")];
+        assert_eq!(cache_dir_in(&env(&user)), PathBuf::from("/c/inferd"));
+        assert_eq!(cache_dir_in(&env(&[("HOME", "/home/a")])), PathBuf::from("/home/a/.cache/inferd"));
+        assert_eq!(cache_dir_in(&env(&[])), PathBuf::from("/var/cache/inferd"));
+    }
 }
