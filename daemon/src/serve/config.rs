@@ -148,9 +148,11 @@ pub struct ModelConfig {
     pub context_len: usize,
     /// A draft model (same vocabulary) bound to this one for speculative decoding.
     pub draft: Option<PathBuf>,
-    /// Where the model (and its draft) runs: "auto", "cpu" or "cuda".
+    /// Where the model runs: "auto", "cpu" or "cuda".
     #[serde(default = "default_backend")]
     pub backend: String,
+    /// Where its draft model runs (default: as `backend`).
+    pub draft_backend: Option<String>,
 }
 
 fn default_kv_mib() -> usize {
@@ -165,6 +167,11 @@ impl ModelConfig {
     /// The backend this model asks for (checked when the config is read).
     pub fn backend_kind(&self) -> BackendKind {
         BackendKind::parse(&self.backend).unwrap_or_default()
+    }
+
+    /// The backend its draft model asks for (checked when the config is read).
+    pub fn draft_backend_kind(&self) -> BackendKind {
+        self.draft_backend.as_deref().and_then(BackendKind::parse).unwrap_or_else(|| self.backend_kind())
     }
 }
 
@@ -204,12 +211,15 @@ impl Config {
         if let Some(m) = cfg.models.iter().find(|m| m.kv_cache_mib == 0) {
             return Err(invalid(format!("model {}: kv_cache_mib must be at least 1", m.path.display())));
         }
-        if let Some(m) = cfg.models.iter().find(|m| BackendKind::parse(&m.backend).is_none()) {
-            return Err(invalid(format!(
-                "model {}: backend must be \"auto\", \"cpu\" or \"cuda\", not {:?}",
-                m.path.display(),
-                m.backend
-            )));
+        for m in &cfg.models {
+            for (key, value) in [("backend", Some(&m.backend)), ("draft_backend", m.draft_backend.as_ref())] {
+                if let Some(v) = value.filter(|v| BackendKind::parse(v).is_none()) {
+                    return Err(invalid(format!(
+                        "model {}: {key} must be \"auto\", \"cpu\" or \"cuda\", not {v:?}",
+                        m.path.display()
+                    )));
+                }
+            }
         }
         Ok(cfg)
     }

@@ -119,6 +119,7 @@ impl ServeArgs {
                 context_len: 0,
                 draft: None,
                 backend: "auto".into(),
+                draft_backend: None,
             }];
         }
         if let Some(s) = &self.socket {
@@ -159,6 +160,7 @@ fn start_models(cfg: &Config) -> anyhow::Result<Vec<Arc<ModelHandle>>> {
             context_len: 0,
             draft: None,
             backend: "auto".into(),
+            draft_backend: None,
         }]
     } else {
         cfg.models.clone()
@@ -213,6 +215,7 @@ fn start_models(cfg: &Config) -> anyhow::Result<Vec<Arc<ModelHandle>>> {
         eprintln!("inferd: {name} runs on {backend}");
         let draft_engine = match &draft {
             Some(d) => {
+                let (kind, _) = inferd_engine::backend::choose(mc.draft_backend_kind());
                 Some(Engine::open(d, kind, &EngineOptions { kv_budget_bytes: opts.kv_budget_bytes / 2, ..opts })?)
             }
             None => None,
