@@ -164,6 +164,19 @@ fn default_backend() -> String {
 }
 
 impl ModelConfig {
+    /// `path` with every other key at its default (`--model`, or no model configured).
+    pub fn for_path(path: PathBuf) -> ModelConfig {
+        ModelConfig {
+            path,
+            name: None,
+            kv_cache_mib: default_kv_mib(),
+            context_len: 0,
+            draft: None,
+            backend: default_backend(),
+            draft_backend: None,
+        }
+    }
+
     /// The backend this model asks for (checked when the config is read).
     pub fn backend_kind(&self) -> BackendKind {
         BackendKind::parse(&self.backend).unwrap_or_default()

@@ -125,7 +125,7 @@ async fn models(State(sh): State<Arc<Shared>>) -> Json<Value> {
         if m.draft.is_some() {
             roles.push("speculative");
         }
-        data.push(json!({ "id": m.name, "object": "model", "owned_by": "inferd", "roles": roles, "context_length": m.context_len, "draft": m.draft }));
+        data.push(json!({ "id": m.name, "object": "model", "owned_by": "inferd", "roles": roles, "context_length": m.context_len(), "draft": m.draft }));
         if let Some(d) = &m.draft {
             data.push(
                 json!({ "id": d, "object": "model", "owned_by": "inferd", "roles": ["draft"], "draft_for": m.name }),
@@ -143,7 +143,7 @@ pub fn status_json(sh: &Shared) -> Value {
         .map(|m| {
             let s = m.monitor.snapshot();
             json!({
-                "name": m.name, "draft": m.draft, "context_length": m.context_len, "backend": m.backend,
+                "name": m.name, "draft": m.draft, "context_length": m.context_len(), "backend": m.backend,
                 "kv_blocks": { "total": s.kv.total, "free": s.kv.free, "used": s.kv.total - s.kv.free, "cached": s.kv.cached, "block_size": s.kv.block_size },
                 "requests": { "running": s.running, "waiting": s.waiting, "finished": s.finished, "failed": s.failed, "cancelled": s.cancelled, "preempted": s.preempted },
                 "tokens": { "generated": s.generated_tokens, "prompt": s.prompt_tokens, "prompt_cached": s.cached_prompt_tokens, "per_second": s.tokens_per_second },

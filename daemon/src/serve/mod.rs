@@ -35,13 +35,19 @@ pub struct ModelHandle {
     pub draft: Option<String>,
     /// Where it runs and why that backend: `cpu (Avx512Vnni; auto: no usable GPU (...))`.
     pub backend: String,
-    /// Prompt plus generated tokens, at most.
-    pub context_len: usize,
     /// `1 << abi::ROLE_*` for each sequence role its store offers.
     pub roles: u32,
     pub engine: Mutex<std::sync::mpsc::Sender<Command>>,
     pub monitor: Arc<Monitor>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl ModelHandle {
+    /// Prompt plus generated tokens, at most: the model's context, capped by the config
+    /// (`Model::limit_context`).
+    pub fn context_len(&self) -> usize {
+        self.model.config.context_len
+    }
 }
 
 impl std::fmt::Debug for ModelHandle {
@@ -112,15 +118,7 @@ impl ServeArgs {
         };
         let mut cfg = Config::load(&path, required)?;
         if let Some(m) = &self.model {
-            cfg.models = vec![config::ModelConfig {
-                path: m.clone(),
-                name: None,
-                kv_cache_mib: 512,
-                context_len: 0,
-                draft: None,
-                backend: "auto".into(),
-                draft_backend: None,
-            }];
+            cfg.models = vec![config::ModelConfig::for_path(m.clone())];
         }
         if let Some(s) = &self.socket {
             cfg.server.socket = Some(s.clone());
@@ -153,15 +151,7 @@ fn start_models(cfg: &Config) -> anyhow::Result<Vec<Arc<ModelHandle>>> {
         let path = inferd_engine::paths::default_model().ok_or_else(|| {
             anyhow::anyhow!("no model configured and the default model is not installed (run packaging/fetch-model)")
         })?;
-        vec![config::ModelConfig {
-            path,
-            name: None,
-            kv_cache_mib: 512,
-            context_len: 0,
-            draft: None,
-            backend: "auto".into(),
-            draft_backend: None,
-        }]
+        vec![config::ModelConfig::for_path(path)]
     } else {
         cfg.models.clone()
     };
@@ -194,7 +184,6 @@ fn start_models(cfg: &Config) -> anyhow::Result<Vec<Arc<ModelHandle>>> {
         if out.iter().any(|m| m.name == name) {
             anyhow::bail!("two models are named {name:?}: give one a `name` in the config");
         }
-        let context_len = model.config.context_len;
         let monitor = Arc::new(Monitor::new(name.clone()));
         let (tx, rx) = std::sync::mpsc::channel();
         let opts = EngineOptions {
@@ -236,7 +225,6 @@ fn start_models(cfg: &Config) -> anyhow::Result<Vec<Arc<ModelHandle>>> {
             model,
             draft: draft.map(|d| d.name.clone()),
             backend,
-            context_len,
             roles,
             engine: Mutex::new(tx),
             monitor,

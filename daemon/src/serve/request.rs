@@ -98,7 +98,7 @@ pub fn encode_chat(model: &Model, messages: &[(String, String)]) -> Result<Vec<u
 /// Checks request `req`, whose prompt is `prompt`, for `model`: the same checks and messages
 /// whichever edge built it.
 pub fn prepare(sh: &Shared, model: Arc<ModelHandle>, req: Request, prompt: Vec<u32>) -> Result<Prepared, ApiError> {
-    let ctx = model.context_len as u64;
+    let ctx = model.context_len() as u64;
     let cap = u64::from(sh.limits().max_tokens).min(ctx);
     let max_tokens = match req.max_tokens {
         None => 16.min(cap),

@@ -37,7 +37,7 @@ fn harness() -> &'static Path {
 }
 
 /// Runs kernel `op` on the host with `params` and the named inputs; returns its output.
-fn run<T: Copy + Default>(op: &str, params: &[f64], inputs: &[(&str, Vec<u8>)]) -> Vec<T> {
+fn run(op: &str, params: &[f64], inputs: &[(&str, Vec<u8>)]) -> Vec<f32> {
     static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let dir =
         super::tests::scratch(&format!("cuda-host-{op}-{}", N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
@@ -50,12 +50,7 @@ fn run<T: Copy + Default>(op: &str, params: &[f64], inputs: &[(&str, Vec<u8>)]) 
     assert!(out.status.success(), "{op}: {}", String::from_utf8_lossy(&out.stderr));
     let raw = std::fs::read(dir.join("out")).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
-    let n = raw.len() / std::mem::size_of::<T>();
-    let mut v = vec![T::default(); n];
-    // SAFETY: `v` holds n values of a plain-old-data T (f32 here), n * size_of::<T>() bytes
-    // are copied from `raw`, which has at least that many.
-    unsafe { std::ptr::copy_nonoverlapping(raw.as_ptr(), v.as_mut_ptr().cast::<u8>(), n * std::mem::size_of::<T>()) };
-    v
+    raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
 }
 
 /// The kernels as the checks call them: inputs in, output out.

@@ -272,11 +272,12 @@ impl<'a> HfKeys<'a> {
             None => Ok(()),
         };
         let out_of_range = || ModelError::Config(format!("config.json: rope_scaling {v} is out of range"));
-        // The trained context: in `rope_scaling` or, as Phi-3 has it, beside it.
-        let original = num("original_max_position_embeddings")
-            .map(|x| x as usize)
-            .or(self.opt_uint("original_max_position_embeddings")?)
-            .unwrap_or(cfg.context_len);
+        // The trained context of YaRN and LongRoPE: in `rope_scaling` or, as Phi-3 has it,
+        // beside it.
+        let original = || -> Result<usize, ModelError> {
+            let beside = self.opt_uint("original_max_position_embeddings")?;
+            Ok(num("original_max_position_embeddings").map(|x| x as usize).or(beside).unwrap_or(cfg.context_len))
+        };
         match (kind, num("factor")) {
             (Some("default"), _) => Ok(RopeScaling::None),
             (Some("linear"), Some(f)) if f > 0.0 => Ok(RopeScaling::Linear(f)),
@@ -299,6 +300,7 @@ impl<'a> HfKeys<'a> {
                     "beta_slow",
                     "attention_factor",
                 ])?;
+                let original = original()?;
                 let (beta_fast, beta_slow) = (num("beta_fast").unwrap_or(32.0), num("beta_slow").unwrap_or(1.0));
                 let attn_factor = num("attention_factor").unwrap_or_else(|| yarn_attention_factor(f));
                 if !(beta_fast > beta_slow && beta_slow > 0.0 && attn_factor > 0.0 && original > 0) {
@@ -330,6 +332,7 @@ impl<'a> HfKeys<'a> {
                         ))),
                     }
                 };
+                let original = original()?;
                 // Stretched by `factor`, or by the context over the trained one.
                 let stretch = num("factor").unwrap_or(cfg.context_len as f32 / original.max(1) as f32);
                 let attn_factor =

@@ -42,12 +42,9 @@ pub fn from_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
             original: keys.opt_uint("rope.scaling.original_context_length")?.unwrap_or(config.context_len),
             attn_factor: keys.opt_float("rope.scaling.attn_factor")?.unwrap_or(1.0),
         };
-    } else if keys.opt_float("rope.scaling.attn_factor")?.is_some_and(|a| a != 1.0)
-        && !matches!(scaling, RopeScaling::Yarn { .. })
-    {
-        // llama.cpp would scale the rotation by it whatever the scaling type.
-        return Err(ModelError::Unsupported("phi3.rope.scaling.attn_factor without LongRoPE or YaRN".into()));
     }
+    // Without LongRoPE's tables (or YaRN, which reads it), `rope.scaling.attn_factor` is left
+    // unread, so `finish` refuses it: llama.cpp would scale the rotation by it.
     keys.finish(&|_, _| false)?;
     let tied = g.tensor("output.weight").is_none();
     Ok((describe(&config, scaling, tied), config))
