@@ -1,6 +1,10 @@
-// inferd CUDA kernels run on the host (host_shim.h), for kernels/src/cuda/tests.rs: one kernel
-// per invocation, `host_harness OP DIR`, its inputs read from DIR (raw little-endian arrays and
-// a `params` file of numbers), its output written to DIR/out.
+// inferd CUDA kernels run on the host (host_shim.h), for kernels/src/cuda/host.rs: a server
+// that runs one launch per request read from stdin and answers on stdout, until stdin ends.
+// All numbers little-endian. Request: u32 name length, the kernel's name, u32 grid x, grid y,
+// block x, block y, u32 argument count, then per argument (in the kernel's parameter order)
+// u8 written-back flag, u64 byte length, the bytes (a buffer's elements, or a scalar).
+// Answer: u32 status (0: ran; else u32 length and a message follow), then for each flagged
+// argument u64 length and its bytes after the launch.
 #include "host_shim.h"
 #include "common.cuh"
 #include "ops.cu"
@@ -8,98 +12,96 @@
 #include "attention.cu"
 
 #include <cstdio>
-#include <fstream>
-#include <iterator>
 #include <string>
 
-static std::string dir;
+static std::vector<std::vector<char>> args;
 
+static bool read_exact(void* p, size_t n) { return fread(p, 1, n, stdin) == n; }
 template <class T>
-static std::vector<T> input(const char* name) {
-    std::ifstream f(dir + "/" + name, std::ios::binary);
-    std::vector<char> raw((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    std::vector<T> v(raw.size() / sizeof(T));
-    std::memcpy(v.data(), raw.data(), v.size() * sizeof(T));
+static bool read_num(T& v) {
+    return read_exact(&v, sizeof(T));
+}
+static void write_exact(const void* p, size_t n) { fwrite(p, 1, n, stdout); }
+
+// Argument i as a buffer of T, or as a scalar T.
+template <class T>
+static T* P(size_t i) {
+    return reinterpret_cast<T*>(args[i].data());
+}
+template <class T>
+static T V(size_t i) {
+    T v;
+    std::memcpy(&v, args[i].data(), sizeof(T));
     return v;
 }
 
-template <class T>
-static void output(const std::vector<T>& v) {
-    std::ofstream f(dir + "/out", std::ios::binary);
-    f.write((const char*)v.data(), (std::streamsize)(v.size() * sizeof(T)));
+// Runs kernel `k`; false if there is none of that name.
+static bool launch(const std::string& k, dim3 grid, dim3 block) {
+    auto run = [&](auto body) { host_launch(grid, block, body); };
+    if (k == "embed") {
+        run([] { embed(P<uint8_t>(0), V<int>(1), V<long long>(2), P<int>(3), V<int>(4), V<float>(5), P<float>(6)); });
+    } else if (k == "rms_norm") {
+        run([] { rms_norm(P<float>(0), P<float>(1), P<float>(2), V<int>(3), V<float>(4)); });
+    } else if (k == "rope") {
+        run([] { rope(P<float>(0), P<int>(1), P<float>(2), V<int>(3), V<int>(4), V<int>(5), V<int>(6), V<float>(7)); });
+    } else if (k == "gated_act") {
+        run([] { gated_act(P<float>(0), P<float>(1), V<long long>(2), V<int>(3)); });
+    } else if (k == "add_in_place") {
+        run([] { add_in_place(P<float>(0), P<float>(1), V<long long>(2)); });
+    } else if (k == "matvec") {
+        run([] {
+            matvec(P<uint8_t>(0), V<int>(1), V<long long>(2), V<int>(3), V<int>(4), P<float>(5), V<int>(6), P<float>(7));
+        });
+    } else if (k == "add_bias") {
+        run([] { add_bias(P<float>(0), P<float>(1), V<int>(2), V<int>(3)); });
+    } else if (k == "gather_rows") {
+        run([] { gather_rows(P<float>(0), P<int>(1), V<int>(2), P<float>(3)); });
+    } else if (k == "kv_store") {
+        run([] { kv_store(P<float>(0), P<float>(1), P<uint16_t>(2), P<uint16_t>(3), P<int>(4), V<int>(5)); });
+    } else if (k == "kv_copy_blocks") {
+        run([] { kv_copy_blocks(P<uint16_t>(0), P<uint16_t>(1), P<int>(2), V<long long>(3)); });
+    } else if (k == "attention") {
+        run([] {
+            attention(P<float>(0), P<uint16_t>(1), P<uint16_t>(2), P<int>(3), P<int>(4), V<int>(5), P<int>(6), V<int>(7),
+                      V<int>(8), V<int>(9), V<int>(10), V<int>(11), V<float>(12), P<float>(13));
+        });
+    } else {
+        return false;
+    }
+    return true;
 }
 
-int main(int argc, char** argv) {
-    if (argc != 3) return 2;
-    std::string op = argv[1];
-    dir = argv[2];
-    std::vector<double> p = input<double>("params");
-    if (op == "rms_norm") {
-        // params: rows, n, eps
-        auto x = input<float>("x");
-        auto w = input<float>("w");
-        int rows = (int)p[0], n = (int)p[1];
-        std::vector<float> y(x.size());
-        host_launch({(unsigned)rows, 1, 1}, {64, 1, 1}, [&] { rms_norm(x.data(), w.data(), y.data(), n, (float)p[2]); });
-        output(y);
-    } else if (op == "rope") {
-        // params: tokens, heads, head_dim, pairs, neox, scale
-        auto x = input<float>("x");
-        auto pos = input<int>("pos");
-        auto f = input<float>("inv_freq");
-        host_launch({(unsigned)p[0], 1, 1}, {32, 1, 1}, [&] {
-            rope(x.data(), pos.data(), f.data(), (int)p[1], (int)p[2], (int)p[3], (int)p[4], (float)p[5]);
-        });
-        output(x);
-    } else if (op == "gated_act") {
-        // params: n, gelu
-        auto g = input<float>("gate");
-        auto u = input<float>("up");
-        host_launch({2, 1, 1}, {32, 1, 1}, [&] { gated_act(g.data(), u.data(), (long long)p[0], (int)p[1]); });
-        output(g);
-    } else if (op == "matvec") {
-        // params: type, rows, cols, tokens, row_bytes
-        auto w = input<uint8_t>("w");
-        auto x = input<float>("x");
-        int rows = (int)p[1], tokens = (int)p[3];
-        std::vector<float> y((size_t)rows * tokens);
-        host_launch({(unsigned)((rows + 3) / 4), 1, 1}, {32, 4, 1}, [&] {
-            matvec(w.data(), (int)p[0], (long long)p[4], rows, (int)p[2], x.data(), tokens, y.data());
-        });
-        output(y);
-    } else if (op == "embed") {
-        // params: type, row_bytes, tokens, cols, scale
-        auto table = input<uint8_t>("table");
-        auto ids = input<int>("ids");
-        int tokens = (int)p[2], cols = (int)p[3];
-        std::vector<float> y((size_t)tokens * cols);
-        host_launch({(unsigned)tokens, 1, 1}, {32, 1, 1}, [&] {
-            embed(table.data(), (int)p[0], (long long)p[1], ids.data(), cols, (float)p[4], y.data());
-        });
-        output(y);
-    } else if (op == "kv_attention") {
-        // params: tokens, q_heads, kv_heads, head_dim, block_size, window, scale, table_len, blocks
-        int tokens = (int)p[0], qh = (int)p[1], kvh = (int)p[2], hd = (int)p[3], bs = (int)p[4];
-        int kv_dim = kvh * hd;
-        auto k = input<float>("k");
-        auto v = input<float>("v");
-        auto slot = input<int>("slot");
-        auto q = input<float>("q");
-        auto tables = input<int>("tables");
-        auto table_of = input<int>("table_of");
-        auto q_pos = input<int>("q_pos");
-        std::vector<uint16_t> kc((size_t)p[8] * bs * kv_dim), vc(kc.size());
-        int stored = (int)slot.size();
-        host_launch({(unsigned)stored, 1, 1}, {32, 1, 1},
-                    [&] { kv_store(k.data(), v.data(), kc.data(), vc.data(), slot.data(), kv_dim); });
-        std::vector<float> out((size_t)tokens * qh * hd);
-        host_launch({(unsigned)tokens, (unsigned)qh, 1}, {32, 1, 1}, [&] {
-            attention(q.data(), kc.data(), vc.data(), tables.data(), table_of.data(), (int)p[7], q_pos.data(), qh, kvh,
-                      hd, bs, (int)p[5], (float)p[6], out.data());
-        });
-        output(out);
-    } else {
-        return 2;
+int main() {
+    for (;;) {
+        uint32_t len, g[4], n;
+        if (!read_num(len)) return 0;  // stdin ended: done
+        std::string k(len, '\0');
+        if (!read_exact(k.data(), len) || !read_exact(g, sizeof g) || !read_num(n)) return 1;
+        args.assign(n, {});
+        std::vector<uint8_t> back(n);
+        for (uint32_t i = 0; i < n; i++) {
+            uint64_t bytes;
+            if (!read_num(back[i]) || !read_num(bytes)) return 1;
+            args[i].resize(bytes + 8);  // an address even when empty, and room for a scalar
+            if (!read_exact(args[i].data(), bytes)) return 1;
+            args[i].resize(bytes);
+        }
+        if (!launch(k, dim3{g[0], g[1], 1}, dim3{g[2], g[3], 1})) {
+            std::string m = "no kernel named " + k;
+            uint32_t status = 1, mlen = (uint32_t)m.size();
+            write_exact(&status, 4);
+            write_exact(&mlen, 4);
+            write_exact(m.data(), mlen);
+        } else {
+            uint32_t status = 0;
+            write_exact(&status, 4);
+            for (uint32_t i = 0; i < n; i++) {
+                if (!back[i]) continue;
+                uint64_t bytes = args[i].size();
+                write_exact(&bytes, 8);
+                write_exact(args[i].data(), bytes);
+            }
+        }
+        fflush(stdout);
     }
-    return 0;
 }

@@ -9,11 +9,16 @@
 
 #define MV_TOKENS 8
 
-// y[t * rows + r] = sum_k W[r][k] * x[t * cols + k] for t < tokens (<= MV_TOKENS), r < rows.
+// y[t * rows + r] = sum_k W[r][k] * x[t * cols + k] for t < tokens, r < rows: grid row
+// blockIdx.y takes tokens MV_TOKENS * blockIdx.y onwards, at most MV_TOKENS of them.
 extern "C" __global__ void matvec(const uint8_t* w, int type, long long row_bytes, int rows, int cols,
                                   const float* x, int tokens, float* y) {
     int r = blockIdx.x * blockDim.y + threadIdx.y;
     if (r >= rows) return;
+    int t0 = blockIdx.y * MV_TOKENS;
+    x += (long long)t0 * cols;
+    y += (long long)t0 * rows;
+    tokens = tokens - t0 < MV_TOKENS ? tokens - t0 : MV_TOKENS;
     int lane = threadIdx.x;
     const uint8_t* row = w + (long long)r * row_bytes;
     float acc[MV_TOKENS];

@@ -87,3 +87,9 @@ extern "C" __global__ void add_in_place(float* x, const float* y, long long n) {
         x[i] += y[i];
     }
 }
+
+// dst[i] = src[rows[i]], rows of n floats: the tokens whose logits are wanted.
+extern "C" __global__ void gather_rows(const float* src, const int* rows, int n, float* dst) {
+    int i = blockIdx.x;
+    for (int k = threadIdx.x; k < n; k += blockDim.x) dst[(long long)i * n + k] = src[(long long)rows[i] * n + k];
+}

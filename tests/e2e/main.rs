@@ -5,6 +5,7 @@
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
 mod corrupt;
+mod cuda_host;
 mod dequant;
 mod golden;
 mod plugins;

@@ -23,7 +23,7 @@ use std::sync::OnceLock;
 /// Largest difference allowed between a logit of inferd and of llama.cpp on the tiny models
 /// (measured: at most 0.13 on tiny Gemma 3, 0.20 on the long-context variants, whose attention
 /// is 16 times sharper).
-const TINY_LOGIT_TOL: f64 = 0.25;
+pub(crate) const TINY_LOGIT_TOL: f64 = 0.25;
 /// Hugging Face directory against GGUF file on the tiny long-context variants, whose sharper
 /// attention amplifies the GGUF side's 8-bit activation rounding (measured: 0.44 LongRoPE,
 /// 0.31 YaRN; the same files are within 0.05 of llama.cpp).
@@ -55,7 +55,7 @@ fn reference() -> &'static Value {
     })
 }
 
-fn entry(name: &str) -> &'static Value {
+pub(crate) fn entry(name: &str) -> &'static Value {
     reference()["models"].as_array().unwrap().iter().find(|m| m["name"] == name).unwrap()
 }
 
@@ -69,7 +69,7 @@ fn sha256(path: &Path) -> String {
 }
 
 /// The tiny models, written once per test run by the same script that wrote llama.cpp's.
-fn tiny_dir() -> &'static PathBuf {
+pub(crate) fn tiny_dir() -> &'static PathBuf {
     static D: OnceLock<PathBuf> = OnceLock::new();
     D.get_or_init(|| {
         let dir = inferd_e2e::temp_dir("reference-tiny");
@@ -80,8 +80,13 @@ fn tiny_dir() -> &'static PathBuf {
 
 /// Runs every case of `entry` on `model` and checks it; returns the largest logit difference.
 fn check_cases(model: &Model, entry: &Value, tol: f64) -> f64 {
+    let opts = EngineOptions { kv_budget_bytes: 256 << 20, ..EngineOptions::default() };
+    check_cases_on(&mut Engine::cpu(model, &opts).unwrap(), model, entry, tol)
+}
+
+/// [`check_cases`] on engine `e`, which runs `model` on any backend.
+pub(crate) fn check_cases_on(e: &mut Engine, model: &Model, entry: &Value, tol: f64) -> f64 {
     let name = entry["name"].as_str().unwrap();
-    let mut e = Engine::cpu(model, &EngineOptions { kv_budget_bytes: 256 << 20, ..EngineOptions::default() }).unwrap();
     let mut worst = 0f64;
     for (c, case) in entry["cases"].as_array().unwrap().iter().enumerate() {
         let tokens = ids(&case["tokens"]);

@@ -100,19 +100,18 @@ fn a_model_on_the_cuda_backend_does_not_start_where_it_cannot_run_and_says_why()
             .unwrap();
         (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
     };
-    let (ok, err) = serve("backend = \"cuda\"\n");
-    assert!(!ok && err.contains("backend \"cuda\""), "{err}");
-    // Without NVIDIA's driver (this test's machines) the message names it; with one it names
-    // what else is missing, or that the CUDA forward pass is not written yet.
+    // Without NVIDIA's driver (this test's machines) `cuda` is refused with a message that names
+    // it, for a model and for a draft model; with one the daemon would start on the GPU.
     let driver = std::path::Path::new("/proc/driver/nvidia").exists();
-    assert!(driver || err.contains("libcuda.so.1"), "{err}");
-    assert!(!driver || err.contains("GPU") || err.contains("NVRTC") || err.contains("not written yet"), "{err}");
+    if !driver {
+        let (ok, err) = serve("backend = \"cuda\"\n");
+        assert!(!ok && err.contains("backend \"cuda\"") && err.contains("libcuda.so.1"), "{err}");
+        let draft = format!("draft = \"{}\"\nbackend = \"cpu\"\ndraft_backend = \"cuda\"\n", model());
+        let (ok, err) = serve(&draft);
+        assert!(!ok && err.contains("backend \"cuda\""), "{err}");
+    }
     let (ok, err) = serve("backend = \"gpu\"\n");
     assert!(!ok && err.contains("backend must be \"auto\", \"cpu\" or \"cuda\""), "{err}");
-    // A draft model may sit on another backend than its target, and is refused the same way.
-    let draft = format!("draft = \"{}\"\nbackend = \"cpu\"\ndraft_backend = \"cuda\"\n", model());
-    let (ok, err) = serve(&draft);
-    assert!(!ok && err.contains("backend \"cuda\""), "{err}");
     let (ok, err) = serve("draft_backend = \"tpu\"\n");
     assert!(!ok && err.contains("draft_backend must be"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);

@@ -1,56 +1,22 @@
 //! Every CUDA kernel against the CPU backend's operation or a float64 reference, through a
-//! `Runner`: on the host everywhere (`host_shim.h` runs each kernel's blocks with real threads,
-//! barriers for `__syncthreads` and the warp shuffles), and on the GPU through the launch layer
-//! (`super::launch::Gpu`) where there is one (elsewhere that test is ignored with the reason;
+//! `Runner`: on the host everywhere (`host_shim.h` runs each kernel's blocks as fibers that wait
+//! for each other at `__syncthreads` and the warp shuffles), and on the GPU through the same typed calls
+//! (`super::gpu::Gpu`) where there is one (elsewhere that test is ignored with the reason;
 //! `tests/gpu/run` runs it). The host run checks the kernels' logic; the GPU run adds the
 //! device's own math, memory and launch geometry.
 
-use super::SOURCES;
+use super::calls::{AttentionShape, KernelCalls, WeightShape};
+use super::host::Host;
+use super::stream::Stream;
 use crate::ops::{Rope, RopeStyle};
 use crate::quant::{dequantize_row, DType, QuantType};
 use crate::quantize::random_blocks;
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 
-const SHIM: &str = include_str!("../../cuda/host_shim.h");
-const HARNESS: &str = include_str!("../../cuda/host_harness.cpp");
-
-/// The harness, compiled once per test process.
-fn harness() -> &'static Path {
-    static EXE: OnceLock<PathBuf> = OnceLock::new();
-    EXE.get_or_init(|| {
-        let dir = super::tests::scratch("cuda-host-harness");
-        for (name, src) in SOURCES.iter().chain(&[("host_shim.h", SHIM), ("host_harness.cpp", HARNESS)]) {
-            std::fs::write(dir.join(name), src).unwrap();
-        }
-        let exe = dir.join("harness");
-        let out = Command::new("c++")
-            .args(["-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-o"])
-            .arg(&exe)
-            .arg(dir.join("host_harness.cpp"))
-            .output()
-            .expect("a C++ compiler (c++)");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        exe
-    })
-}
-
-/// Runs kernel `op` on the host with `params` and the named inputs; returns its output.
-fn run(op: &str, params: &[f64], inputs: &[(&str, Vec<u8>)]) -> Vec<f32> {
-    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let dir =
-        super::tests::scratch(&format!("cuda-host-{op}-{}", N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
-    let p: Vec<u8> = params.iter().flat_map(|x| x.to_le_bytes()).collect();
-    std::fs::write(dir.join("params"), p).unwrap();
-    for (name, bytes) in inputs {
-        std::fs::write(dir.join(name), bytes).unwrap();
-    }
-    let out = Command::new(harness()).arg(op).arg(&dir).output().unwrap();
-    assert!(out.status.success(), "{op}: {}", String::from_utf8_lossy(&out.stderr));
-    let raw = std::fs::read(dir.join("out")).unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
-    raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+/// The host emulation, its harness compiled once per test process.
+fn host() -> &'static Host {
+    static HOST: OnceLock<Host> = OnceLock::new();
+    HOST.get_or_init(|| Host::new(&super::tests::scratch("cuda-host")).unwrap_or_else(|e| panic!("{e}")))
 }
 
 /// The kernels as the checks call them: inputs in, output out.
@@ -83,114 +49,63 @@ struct AttentionCase {
     scale: f32,
 }
 
-/// The kernels compiled for the host with `host_shim.h`.
-struct Host;
-
-impl Runner for Host {
+/// Every stream runs the checks through the same typed calls.
+impl<S: Stream> Runner for S {
     fn rms_norm(&self, x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
-        let n = w.len();
-        run("rms_norm", &[(x.len() / n) as f64, n as f64, f64::from(eps)], &[("x", f32s(x)), ("w", f32s(w))])
+        let (dx, dw, mut dy) = (self.upload(x).unwrap(), self.upload(w).unwrap(), self.zeros::<f32>(x.len()).unwrap());
+        KernelCalls::rms_norm(self, &dx, &dw, &mut dy, eps).unwrap();
+        self.download(&dy).unwrap()
     }
     fn rope(&self, x: &[f32], pos: &[i32], freq: &[f32], heads: usize, hd: usize, neox: bool, scale: f32) -> Vec<f32> {
-        let params =
-            [pos.len() as f64, heads as f64, hd as f64, freq.len() as f64, f64::from(u8::from(neox)), f64::from(scale)];
-        run("rope", &params, &[("x", f32s(x)), ("pos", i32s(pos)), ("inv_freq", f32s(freq))])
+        let mut dx = self.upload(x).unwrap();
+        let (dp, df) = (self.upload(pos).unwrap(), self.upload(freq).unwrap());
+        KernelCalls::rope(self, &mut dx, &dp, &df, heads, hd, neox, scale).unwrap();
+        self.download(&dx).unwrap()
     }
     fn gated_act(&self, gate: &[f32], up: &[f32], gelu: bool) -> Vec<f32> {
-        run("gated_act", &[gate.len() as f64, f64::from(u8::from(gelu))], &[("gate", f32s(gate)), ("up", f32s(up))])
+        let mut dg = self.upload(gate).unwrap();
+        KernelCalls::gated_act(self, &mut dg, &self.upload(up).unwrap(), gelu).unwrap();
+        self.download(&dg).unwrap()
     }
     fn matvec(&self, dtype: DType, w: &[u8], rows: usize, cols: usize, x: &[f32]) -> Vec<f32> {
-        let rb = dtype.bytes_for(cols).unwrap();
-        let params = [f64::from(dtype.ggml_type()), rows as f64, cols as f64, (x.len() / cols) as f64, rb as f64];
-        run("matvec", &params, &[("w", w.to_vec()), ("x", f32s(x))])
+        let tokens = x.len() / cols;
+        let mut dy = self.zeros::<f32>(rows * tokens).unwrap();
+        let (dw, dx) = (self.upload(w).unwrap(), self.upload(x).unwrap());
+        let shape = WeightShape { ggml_type: dtype.ggml_type(), row_bytes: dtype.bytes_for(cols).unwrap(), rows, cols };
+        KernelCalls::matvec(self, &dw, shape, &dx, tokens, &mut dy).unwrap();
+        self.download(&dy).unwrap()
     }
     fn embed(&self, dtype: DType, table: &[u8], ids: &[i32], cols: usize, scale: f32) -> Vec<f32> {
-        let rb = dtype.bytes_for(cols).unwrap();
-        let params = [f64::from(dtype.ggml_type()), rb as f64, ids.len() as f64, cols as f64, f64::from(scale)];
-        run("embed", &params, &[("table", table.to_vec()), ("ids", i32s(ids))])
+        let mut dy = self.zeros::<f32>(ids.len() * cols).unwrap();
+        let (dt, di) = (self.upload(table).unwrap(), self.upload(ids).unwrap());
+        let row_bytes = dtype.bytes_for(cols).unwrap();
+        let shape = WeightShape { ggml_type: dtype.ggml_type(), row_bytes, rows: table.len() / row_bytes, cols };
+        KernelCalls::embed(self, &dt, shape, &di, scale, &mut dy).unwrap();
+        self.download(&dy).unwrap()
     }
     fn kv_attention(&self, a: &AttentionCase) -> Vec<f32> {
-        let params = [
-            a.q_pos.len() as f64,
-            a.heads.0 as f64,
-            a.heads.1 as f64,
-            a.hd as f64,
-            a.bs as f64,
-            a.window as f64,
-            f64::from(a.scale),
-            a.table_len as f64,
-            a.blocks as f64,
-        ];
-        let inputs = [
-            ("k", f32s(&a.k)),
-            ("v", f32s(&a.v)),
-            ("slot", i32s(&a.slots)),
-            ("q", f32s(&a.q)),
-            ("tables", i32s(&a.tables)),
-            ("table_of", i32s(&a.table_of)),
-            ("q_pos", i32s(&a.q_pos)),
-        ];
-        run("kv_attention", &params, &inputs)
-    }
-}
-
-/// The kernels on the GPU through the launch layer.
-struct Device(super::launch::Gpu);
-
-impl Runner for Device {
-    fn rms_norm(&self, x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
-        let g = &self.0;
-        let (dx, dw, mut dy) = (g.upload(x).unwrap(), g.upload(w).unwrap(), g.zeros::<f32>(x.len()).unwrap());
-        g.rms_norm(&dx, &dw, &mut dy, w.len(), eps).unwrap();
-        g.download(&dy).unwrap()
-    }
-    fn rope(&self, x: &[f32], pos: &[i32], freq: &[f32], heads: usize, hd: usize, neox: bool, scale: f32) -> Vec<f32> {
-        let g = &self.0;
-        let mut dx = g.upload(x).unwrap();
-        g.rope(&mut dx, &g.upload(pos).unwrap(), &g.upload(freq).unwrap(), heads, hd, neox, scale).unwrap();
-        g.download(&dx).unwrap()
-    }
-    fn gated_act(&self, gate: &[f32], up: &[f32], gelu: bool) -> Vec<f32> {
-        let g = &self.0;
-        let mut dg = g.upload(gate).unwrap();
-        g.gated_act(&mut dg, &g.upload(up).unwrap(), gelu).unwrap();
-        g.download(&dg).unwrap()
-    }
-    fn matvec(&self, dtype: DType, w: &[u8], rows: usize, cols: usize, x: &[f32]) -> Vec<f32> {
-        let g = &self.0;
-        let mut dy = g.zeros::<f32>(rows * (x.len() / cols)).unwrap();
-        let (dw, dx) = (g.upload(w).unwrap(), g.upload(x).unwrap());
-        g.matvec(&dw, dtype.ggml_type(), dtype.bytes_for(cols).unwrap(), rows, cols, &dx, &mut dy).unwrap();
-        g.download(&dy).unwrap()
-    }
-    fn embed(&self, dtype: DType, table: &[u8], ids: &[i32], cols: usize, scale: f32) -> Vec<f32> {
-        let g = &self.0;
-        let mut dy = g.zeros::<f32>(ids.len() * cols).unwrap();
-        let (dt, di) = (g.upload(table).unwrap(), g.upload(ids).unwrap());
-        g.embed(&dt, dtype.ggml_type(), dtype.bytes_for(cols).unwrap(), &di, cols, scale, &mut dy).unwrap();
-        g.download(&dy).unwrap()
-    }
-    fn kv_attention(&self, a: &AttentionCase) -> Vec<f32> {
-        let g = &self.0;
         let pool = a.blocks * a.bs * a.heads.1 * a.hd;
-        let (mut kc, mut vc) = (g.zeros::<u16>(pool).unwrap(), g.zeros::<u16>(pool).unwrap());
-        let (dk, dv, ds) = (g.upload(&a.k).unwrap(), g.upload(&a.v).unwrap(), g.upload(&a.slots).unwrap());
-        g.kv_store(&dk, &dv, &mut kc, &mut vc, &ds, a.heads.1 * a.hd).unwrap();
-        let mut out = g.zeros::<f32>(a.q.len()).unwrap();
-        let (dq, tables) = (g.upload(&a.q).unwrap(), g.upload(&a.tables).unwrap());
-        let (table_of, q_pos) = (g.upload(&a.table_of).unwrap(), g.upload(&a.q_pos).unwrap());
-        let window = (a.window > 0).then_some(a.window);
-        let geometry = (a.heads, a.hd, a.bs, window, a.scale);
-        g.attention(&dq, (&kc, &vc), &tables, &table_of, a.table_len, &q_pos, geometry, &mut out).unwrap();
-        g.download(&out).unwrap()
+        let (mut kc, mut vc) = (self.zeros::<u16>(pool).unwrap(), self.zeros::<u16>(pool).unwrap());
+        let (dk, dv, ds) = (self.upload(&a.k).unwrap(), self.upload(&a.v).unwrap(), self.upload(&a.slots).unwrap());
+        KernelCalls::kv_store(self, &dk, &dv, (&mut kc, &mut vc), &ds, a.heads.1 * a.hd).unwrap();
+        let mut out = self.zeros::<f32>(a.q.len()).unwrap();
+        let (dq, tables) = (self.upload(&a.q).unwrap(), self.upload(&a.tables).unwrap());
+        let (table_of, q_pos) = (self.upload(&a.table_of).unwrap(), self.upload(&a.q_pos).unwrap());
+        let shape = AttentionShape {
+            q_heads: a.heads.0,
+            kv_heads: a.heads.1,
+            head_dim: a.hd,
+            block_size: a.bs,
+            window: (a.window > 0).then_some(a.window),
+            scale: a.scale,
+        };
+        KernelCalls::attention(self, &dq, (&kc, &vc), &tables, &table_of, a.table_len, &q_pos, shape, &mut out)
+            .unwrap();
+        self.download(&out).unwrap()
     }
 }
 
 fn f32s(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
-fn i32s(v: &[i32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
@@ -276,7 +191,7 @@ fn check_matvec_embed(on: &dyn Runner) {
         for r in 0..rows {
             dequantize_row(dtype, &w[r * row_bytes..(r + 1) * row_bytes], &mut dense[r * cols..(r + 1) * cols]);
         }
-        for tokens in [1usize, 3, 8] {
+        for tokens in [1usize, 3, 8, 11] {
             let x = values(tokens * cols, 13 + tokens as u64);
             let got = on.matvec(dtype, &w, rows, cols, &x);
             assert_eq!(got.len(), rows * tokens);
@@ -374,26 +289,25 @@ fn check_attention(on: &dyn Runner) {
 
 #[test]
 fn on_the_host_rms_norm_rope_and_the_activations_compute_what_the_cpu_does() {
-    check_norm_rope_activations(&Host);
+    check_norm_rope_activations(host());
 }
 
 #[test]
 fn on_the_host_matvec_and_embed_compute_every_weight_type_as_the_dequantized_product() {
-    check_matvec_embed(&Host);
+    check_matvec_embed(host());
 }
 
 #[test]
 fn on_the_host_paged_attention_over_scattered_blocks_matches_a_float64_reference() {
-    check_attention(&Host);
+    check_attention(host());
 }
 
 #[test]
 #[cfg_attr(not(host_cuda), ignore = "no NVIDIA GPU on this machine (tests/gpu/run runs it where there is one)")]
 fn on_the_gpu_every_kernel_computes_what_the_cpu_does() {
-    let gpu = super::launch::Gpu::open(&super::tests::scratch("cuda-gpu-cache")).unwrap_or_else(|e| panic!("{e}"));
-    eprintln!("GPU: {:?}", gpu.device);
-    let d = Device(gpu);
-    check_norm_rope_activations(&d);
-    check_matvec_embed(&d);
-    check_attention(&d);
+    let gpu = super::gpu::Gpu::open(&super::tests::scratch("cuda-gpu-cache")).unwrap_or_else(|e| panic!("{e}"));
+    eprintln!("GPU: {}", gpu.describe());
+    check_norm_rope_activations(&gpu);
+    check_matvec_embed(&gpu);
+    check_attention(&gpu);
 }

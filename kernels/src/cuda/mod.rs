@@ -7,9 +7,12 @@
 //! The kernels are one translation unit: `common.cuh` (weight decoding, shared by every kernel
 //! and tested on the host against the CPU dequantizer), then each `.cu` file.
 
+pub mod calls;
 pub mod device;
-pub mod launch;
+pub mod gpu;
+pub mod host;
 pub mod nvrtc;
+pub mod stream;
 
 /// The kernel sources, in the order they are compiled.
 pub const SOURCES: [(&str, &str); 4] = [
@@ -20,12 +23,13 @@ pub const SOURCES: [(&str, &str); 4] = [
 ];
 
 /// Every kernel the sources define (`extern "C" __global__`), for the loader to look up.
-pub const KERNELS: [&str; 10] = [
+pub const KERNELS: [&str; 11] = [
     "embed",
     "rms_norm",
     "rope",
     "gated_act",
     "add_in_place",
+    "gather_rows",
     "matvec",
     "add_bias",
     "kv_store",

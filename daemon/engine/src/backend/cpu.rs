@@ -148,24 +148,10 @@ impl CpuBackend {
     ) -> Self {
         let per_slot = kv_blocks * cfg.kv_dim() * block_size;
         let groups = kv_groups(&arch);
-        let mut kinds: Vec<(f32, RopeScaling)> = Vec::new();
-        let rope_of = arch
-            .layers
-            .iter()
-            .map(|l| {
-                let kind = (l.rope_base, l.rope_scaling.clone());
-                kinds.iter().position(|k| *k == kind).unwrap_or_else(|| {
-                    kinds.push(kind);
-                    kinds.len() - 1
-                })
-            })
-            .collect();
-        let ropes = kinds
-            .iter()
-            .map(|(base, scaling)| {
-                let freq = scaling.frequencies(cfg.rope_dim, *base, cfg.context_len);
-                Rope::with_frequencies(cfg.rope_style, freq).scaled(scaling.attention_factor())
-            })
+        let (rotations, rope_of) = super::rotations(&cfg, &arch);
+        let ropes = rotations
+            .into_iter()
+            .map(|(freq, scale)| Rope::with_frequencies(cfg.rope_style, freq).scaled(scale))
             .collect();
         CpuBackend {
             k_cache: (0..groups.slots).map(|_| vec![f16::ZERO; per_slot]).collect(),

@@ -1,28 +1,355 @@
-//! The CUDA backend, being built: today it finds the GPU (`inferd_kernels::cuda::device`) and
-//! compiles the kernels for it with NVRTC into the kernel cache ([`crate::paths::cache_dir`]),
-//! then refuses by name, since its forward pass (weights and the KV pool in VRAM, the kernels
-//! of `kernels/cuda` launched per layer) is not written yet. Where there is no GPU, or no
-//! driver, or no NVRTC, the error says which, and the daemon serves on the CPU unless
-//! `backend = "cuda"` asked for the GPU.
+//! The CUDA backend: weights and the paged KV pool in the memory of a [`Stream`], the kernels
+//! of `kernels/cuda` launched layer by layer through their typed calls
+//! ([`KernelCalls`]). On a GPU the stream is [`Gpu`] (found by `inferd_kernels::cuda::device`,
+//! its kernels compiled by NVRTC into the kernel cache, [`crate::paths::cache_dir`]); the tests
+//! run the same forward pass on the host emulation of the kernels (`inferd_kernels::cuda::host`),
+//! so every line here runs on machines without a GPU too. Where there is no GPU, no driver or no
+//! NVRTC, [`open`] says which and the daemon serves on the CPU unless `backend = "cuda"` asked
+//! for the GPU.
+//!
+//! A forward pass runs the whole batch through each layer together, as the CPU backend does.
+//! Activations stay f32 (the CPU backend rounds them to 8 bits before quantized products), so
+//! logits differ from the CPU backend's by that rounding. Logits come back to the host for the
+//! decoding plugins, only for the positions asked for.
 
-use super::{Backend, BackendError};
+use super::{validate_batch, Backend, BackendError, SeqBatch};
 use crate::engine::EngineOptions;
-use crate::model::Model;
-use inferd_kernels::cuda::{device, nvrtc};
+use crate::kv::{BlockCopy, KvGroups};
+use crate::model::arch::{Activation, Architecture};
+use crate::model::{LlamaConfig, Model, Tensor};
+use inferd_kernels::cuda::calls::{AttentionShape, KernelCalls, WeightShape};
+use inferd_kernels::cuda::gpu::Gpu;
+use inferd_kernels::cuda::stream::{GpuError, Stream};
+use inferd_kernels::ops::RopeStyle;
 
-/// What `backend = "cuda"` finds on this machine: the GPU and its compiled kernels, or why not.
-pub fn open(model: &Model, _opts: &EngineOptions) -> Result<Box<dyn Backend>, BackendError> {
+/// What `backend = "cuda"` finds on this machine: the GPU with the model on it, or why not.
+pub fn open(model: &Model, opts: &EngineOptions) -> Result<Box<dyn Backend>, BackendError> {
     let refuse = |why: String| BackendError::Unsupported(format!("backend \"cuda\" for {}: {why}", model.name));
-    let dev = device::probe().map_err(|e| refuse(e.to_string()))?;
-    let cubin = nvrtc::cached_cubin(&dev.arch, &crate::paths::cache_dir().join("cuda"))
-        .map_err(|e| refuse(format!("{} ({}): {e}", dev.name, dev.arch)))?;
-    Err(refuse(format!(
-        "{} ({}, {} MiB, driver {}) found and its kernels compiled ({} bytes), but the CUDA forward pass \\
-         is not written yet; use backend = \"cpu\" (or \"auto\")",
-        dev.name,
-        dev.arch,
-        dev.memory_bytes >> 20,
-        dev.driver_version,
-        cubin.len()
-    )))
+    let gpu = Gpu::open(&crate::paths::cache_dir().join("cuda")).map_err(|e| refuse(e.to_string()))?;
+    Ok(Box::new(CudaBackend::new(gpu, model, opts).map_err(|e| refuse(e.to_string()))?))
+}
+
+/// A weight matrix in the stream's memory, still in its file's encoding.
+struct Weight<S: Stream> {
+    data: S::Buf<u8>,
+    shape: WeightShape,
+}
+
+impl<S: Stream> Weight<S> {
+    fn upload(s: &S, t: &Tensor) -> Result<Self, GpuError> {
+        let row_bytes = t.dtype.bytes_for(t.cols).unwrap_or(0);
+        let shape = WeightShape { ggml_type: t.dtype.ggml_type(), row_bytes, rows: t.rows, cols: t.cols };
+        Ok(Weight { data: s.upload(t.bytes())?, shape })
+    }
+}
+
+struct Layer<S: Stream> {
+    attn_norm: S::Buf<f32>,
+    wq: Weight<S>,
+    wk: Weight<S>,
+    wv: Weight<S>,
+    wo: Weight<S>,
+    qkv_bias: Option<[S::Buf<f32>; 3]>,
+    qk_norm: Option<(S::Buf<f32>, S::Buf<f32>)>,
+    attn_post_norm: Option<S::Buf<f32>>,
+    ffn_norm: S::Buf<f32>,
+    w_gate: Weight<S>,
+    w_up: Weight<S>,
+    w_down: Weight<S>,
+    ffn_post_norm: Option<S::Buf<f32>>,
+}
+
+/// The CUDA implementation of [`Backend`], on stream `S`.
+pub struct CudaBackend<S: Stream> {
+    s: S,
+    cfg: LlamaConfig,
+    arch: Architecture,
+    token_embd: Weight<S>,
+    /// The output projection; `None` when the model ties it to the embedding.
+    output: Option<Weight<S>>,
+    output_norm: S::Buf<f32>,
+    layers: Vec<Layer<S>>,
+    /// The distinct rotations (inverse frequencies, magnitude factor) and each layer's.
+    ropes: Vec<(S::Buf<f32>, f32)>,
+    rope_of: Vec<usize>,
+    groups: KvGroups,
+    block_size: usize,
+    kv_blocks: usize,
+    /// Per slot: `(kv_blocks, block_size, n_kv_heads, head_dim)` f16 bits.
+    k_cache: Vec<S::Buf<u16>>,
+    v_cache: Vec<S::Buf<u16>>,
+    weight_bytes: usize,
+}
+
+impl<S: Stream> CudaBackend<S> {
+    /// Uploads `model`'s weights to `s` and allocates a KV pool sized from
+    /// `opts.kv_budget_bytes` (one block at least); refused when the architecture asks for
+    /// something the forward pass does not run (the CPU backend's [`super::cpu::runs`]: both
+    /// run the same set).
+    pub fn new(s: S, model: &Model, opts: &EngineOptions) -> Result<Self, BackendError> {
+        super::cpu::runs(&model.arch)?;
+        let (cfg, w) = (&model.config, &model.weights);
+        let bs = opts.block_size;
+        let kv_blocks = (opts.kv_budget_bytes / super::cpu::kv_page_bytes(cfg, &model.arch, bs)).max(1);
+        let groups = super::cpu::kv_groups(&model.arch);
+        let up = |t: &Tensor| Weight::upload(&s, t);
+        let vec = |v: &[f32]| s.upload(v);
+        let mut layers = Vec::with_capacity(w.layers.len());
+        for l in &w.layers {
+            layers.push(Layer {
+                attn_norm: vec(&l.attn_norm)?,
+                wq: up(&l.wq)?,
+                wk: up(&l.wk)?,
+                wv: up(&l.wv)?,
+                wo: up(&l.wo)?,
+                qkv_bias: match &l.qkv_bias {
+                    Some([q, k, v]) => Some([vec(q)?, vec(k)?, vec(v)?]),
+                    None => None,
+                },
+                qk_norm: match (&l.q_norm, &l.k_norm) {
+                    (Some(q), Some(k)) => Some((vec(q)?, vec(k)?)),
+                    _ => None,
+                },
+                attn_post_norm: l.attn_post_norm.as_deref().map(vec).transpose()?,
+                ffn_norm: vec(&l.ffn_norm)?,
+                w_gate: up(&l.w_gate)?,
+                w_up: up(&l.w_up)?,
+                w_down: up(&l.w_down)?,
+                ffn_post_norm: l.ffn_post_norm.as_deref().map(vec).transpose()?,
+            });
+        }
+        let tied = w.output.bytes().as_ptr() == w.token_embd.bytes().as_ptr() && w.output.dtype == w.token_embd.dtype;
+        let (rotations, rope_of) = super::rotations(cfg, &model.arch);
+        let ropes = rotations.iter().map(|(f, scale)| Ok((vec(f)?, *scale))).collect::<Result<_, GpuError>>()?;
+        let per_slot = kv_blocks * bs * cfg.kv_dim();
+        let caches = |n| (0..n).map(|_| s.zeros::<u16>(per_slot)).collect::<Result<Vec<_>, _>>();
+        let (k_cache, v_cache) = (caches(groups.slots)?, caches(groups.slots)?);
+        let weight_bytes = w.layers.iter().map(layer_bytes).sum::<usize>()
+            + w.token_embd.bytes().len()
+            + if tied { 0 } else { w.output.bytes().len() };
+        let b = CudaBackend {
+            token_embd: up(&w.token_embd)?,
+            output: if tied { None } else { Some(up(&w.output)?) },
+            output_norm: vec(&w.output_norm)?,
+            layers,
+            ropes,
+            rope_of,
+            groups,
+            block_size: bs,
+            kv_blocks,
+            k_cache,
+            v_cache,
+            weight_bytes,
+            cfg: cfg.clone(),
+            arch: model.arch.clone(),
+            s,
+        };
+        Ok(b)
+    }
+
+    /// Bytes of the weights and of the KV pool in the stream's memory.
+    pub fn memory(&self) -> (usize, usize) {
+        (self.weight_bytes, 2 * self.k_cache.len() * self.kv_blocks * self.block_size * self.cfg.kv_dim() * 2)
+    }
+
+    pub fn stream(&self) -> &S {
+        &self.s
+    }
+}
+
+fn layer_bytes(l: &crate::model::weights::LayerWeights) -> usize {
+    [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].iter().map(|t| t.bytes().len()).sum()
+}
+
+/// The host-side index arrays of one batch: token ids, positions, which tokens want logits,
+/// and per KV group the cache slot of every token and the flattened block tables.
+struct BatchIndex {
+    ids: Vec<i32>,
+    pos: Vec<i32>,
+    seq_of: Vec<i32>,
+    logit_rows: Vec<i32>,
+    /// Per group: (slots, tables flattened at `table_len` entries per sequence, table_len).
+    groups: Vec<(Vec<i32>, Vec<i32>, usize)>,
+}
+
+fn index(batch: &[SeqBatch<'_>], groups: &KvGroups, bs: usize) -> Result<BatchIndex, BackendError> {
+    let too_big = |what: &str| BackendError::Invalid(format!("{what} does not fit a 32-bit index"));
+    let int = |v: usize, what: &str| i32::try_from(v).map_err(|_| too_big(what));
+    let mut ix =
+        BatchIndex { ids: Vec::new(), pos: Vec::new(), seq_of: Vec::new(), logit_rows: Vec::new(), groups: Vec::new() };
+    for (si, s) in batch.iter().enumerate() {
+        let first = ix.ids.len();
+        for (i, &t) in s.tokens.iter().enumerate() {
+            ix.ids.push(int(t as usize, "a token id")?);
+            ix.pos.push(int(s.start_pos + i, "a position")?);
+            ix.seq_of.push(int(si, "a sequence")?);
+        }
+        let end = ix.ids.len();
+        for t in end - s.logits..end {
+            ix.logit_rows.push(int(t, "a token row")?);
+        }
+        debug_assert!(first + s.tokens.len() == end);
+    }
+    for g in 0..groups.len() {
+        let table_len = batch.iter().map(|s| s.block_tables[g].len()).max().unwrap_or(0).max(1);
+        let mut tables = vec![-1i32; table_len * batch.len()];
+        let mut slots = Vec::with_capacity(ix.ids.len());
+        for (si, s) in batch.iter().enumerate() {
+            let table = &s.block_tables[g];
+            for (j, &b) in table.iter().enumerate() {
+                // Released window blocks (NO_BLOCK) stay -1: attention never reads them.
+                tables[si * table_len + j] = i32::try_from(b).unwrap_or(-1);
+            }
+            for p in s.start_pos..s.start_pos + s.tokens.len() {
+                slots.push(int(table[p / bs] as usize * bs + p % bs, "a cache slot")?);
+            }
+        }
+        ix.groups.push((slots, tables, table_len));
+    }
+    Ok(ix)
+}
+
+impl<S: Stream + Send> CudaBackend<S> {
+    /// `y = x · Wᵀ` for the first `tokens` rows of `x`, into a new buffer.
+    fn project(&self, w: &Weight<S>, x: &S::Buf<f32>, tokens: usize) -> Result<S::Buf<f32>, GpuError> {
+        let mut y = self.s.zeros::<f32>(tokens * w.shape.rows)?;
+        self.s.matvec(&w.data, w.shape, x, tokens, &mut y)?;
+        Ok(y)
+    }
+
+    /// RMSNorm of each piece of `x` with weights `w`, into a new buffer.
+    fn norm(&self, x: &S::Buf<f32>, w: &S::Buf<f32>) -> Result<S::Buf<f32>, GpuError> {
+        let mut y = self.s.zeros::<f32>(S::len(x))?;
+        self.s.rms_norm(x, w, &mut y, self.cfg.rms_eps)?;
+        Ok(y)
+    }
+
+    /// `x += out`, through the post-norm first where the layer has one.
+    fn residual(&self, x: &mut S::Buf<f32>, out: S::Buf<f32>, post: Option<&S::Buf<f32>>) -> Result<(), GpuError> {
+        match post {
+            Some(w) => self.s.add_in_place(x, &self.norm(&out, w)?),
+            None => self.s.add_in_place(x, &out),
+        }
+    }
+
+    fn run(&mut self, batch: &[SeqBatch<'_>], ix: &BatchIndex, logits: &mut Vec<f32>) -> Result<(), GpuError> {
+        let s = &self.s;
+        let (cfg, arch) = (&self.cfg, &self.arch);
+        let n = ix.ids.len();
+        let (h, hd) = (cfg.hidden, cfg.head_dim);
+        let (ids, pos, seq_of) = (s.upload(&ix.ids)?, s.upload(&ix.pos)?, s.upload(&ix.seq_of)?);
+        let groups = ix
+            .groups
+            .iter()
+            .map(|(slots, tables, len)| Ok((s.upload(slots)?, s.upload(tables)?, *len)))
+            .collect::<Result<Vec<_>, GpuError>>()?;
+        let mut x = s.zeros::<f32>(n * h)?;
+        s.embed(&self.token_embd.data, self.token_embd.shape, &ids, arch.embedding_scale.unwrap_or(1.0), &mut x)?;
+        let neox = cfg.rope_style == RopeStyle::Neox;
+        for (li, l) in self.layers.iter().enumerate() {
+            let xb = self.norm(&x, &l.attn_norm)?;
+            let (mut q, mut k, v) =
+                (self.project(&l.wq, &xb, n)?, self.project(&l.wk, &xb, n)?, self.project(&l.wv, &xb, n)?);
+            let mut v = v;
+            if let Some([bq, bk, bv]) = &l.qkv_bias {
+                s.add_bias(&mut q, bq)?;
+                s.add_bias(&mut k, bk)?;
+                s.add_bias(&mut v, bv)?;
+            }
+            if let Some((qn, kn)) = &l.qk_norm {
+                q = self.norm(&q, qn)?;
+                k = self.norm(&k, kn)?;
+            }
+            let (freq, scale) = &self.ropes[self.rope_of[li]];
+            s.rope(&mut q, &pos, freq, cfg.n_heads, hd, neox, *scale)?;
+            s.rope(&mut k, &pos, freq, cfg.n_kv_heads, hd, neox, *scale)?;
+            let (group, slot) = self.groups.layer_slot[li];
+            let (slots, tables, table_len) = &groups[group];
+            let (kc, vc) = (&mut self.k_cache[slot], &mut self.v_cache[slot]);
+            s.kv_store(&k, &v, (kc, vc), slots, cfg.kv_dim())?;
+            let shape = AttentionShape {
+                q_heads: cfg.n_heads,
+                kv_heads: cfg.n_kv_heads,
+                head_dim: hd,
+                block_size: self.block_size,
+                window: self.groups.windows[group],
+                scale: arch.attention_scale,
+            };
+            let mut att = s.zeros::<f32>(n * cfg.q_dim())?;
+            s.attention(&q, (kc, vc), tables, &seq_of, *table_len, &pos, shape, &mut att)?;
+            let out = self.project(&l.wo, &att, n)?;
+            self.residual(&mut x, out, l.attn_post_norm.as_ref())?;
+
+            let xb = self.norm(&x, &l.ffn_norm)?;
+            let (mut gate, up) = (self.project(&l.w_gate, &xb, n)?, self.project(&l.w_up, &xb, n)?);
+            s.gated_act(&mut gate, &up, arch.activation == Activation::GeluTanhGated)?;
+            let out = self.project(&l.w_down, &gate, n)?;
+            self.residual(&mut x, out, l.ffn_post_norm.as_ref())?;
+        }
+        let rows = ix.logit_rows.len();
+        logits.clear();
+        if rows == 0 {
+            return Ok(());
+        }
+        let mut picked = s.zeros::<f32>(rows * h)?;
+        s.gather_rows(&x, &s.upload(&ix.logit_rows)?, h, &mut picked)?;
+        let xn = self.norm(&picked, &self.output_norm)?;
+        let out = self.project(self.output.as_ref().unwrap_or(&self.token_embd), &xn, rows)?;
+        logits.extend_from_slice(&s.download(&out)?[..rows * cfg.vocab]);
+        debug_assert_eq!(batch.iter().map(|b| b.logits).sum::<usize>(), rows);
+        Ok(())
+    }
+}
+
+impl<S: Stream + Send> Backend for CudaBackend<S> {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn device(&self) -> String {
+        self.s.describe()
+    }
+
+    fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    fn kv_blocks(&self) -> usize {
+        self.kv_blocks
+    }
+
+    fn kv_groups(&self) -> &KvGroups {
+        &self.groups
+    }
+
+    fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), BackendError> {
+        let mut pairs = Vec::with_capacity(2 * copies.len());
+        for c in copies {
+            for b in [c.src, c.dst] {
+                if b as usize >= self.kv_blocks {
+                    return Err(BackendError::BadBlock(b));
+                }
+                pairs.push(b as i32);
+            }
+        }
+        if pairs.is_empty() {
+            return Ok(());
+        }
+        let pairs = self.s.upload(&pairs)?;
+        let block_elems = self.block_size * self.cfg.kv_dim();
+        for (kc, vc) in self.k_cache.iter_mut().zip(self.v_cache.iter_mut()) {
+            self.s.kv_copy_blocks((kc, vc), &pairs, block_elems)?;
+        }
+        Ok(())
+    }
+
+    fn forward(&mut self, batch: &[SeqBatch<'_>], logits: &mut Vec<f32>) -> Result<(), BackendError> {
+        validate_batch(&self.cfg, &self.groups, self.kv_blocks, self.block_size, batch)?;
+        let ix = index(batch, &self.groups, self.block_size)?;
+        self.run(batch, &ix, logits).map_err(BackendError::from)
+    }
 }

@@ -4,13 +4,15 @@
 //! K/V storage of the paged cache (`kv_blocks` blocks of `block_size` positions). The engine owns
 //! the block tables ([`crate::kv::KvCacheManager`]) and hands them in with every batch. The CPU
 //! backend ([`cpu::CpuBackend`]) is the default and the numerical reference; the CUDA backend
-//! ([`cuda`]) is being built.
+//! ([`cuda::CudaBackend`]) runs the same forward pass on a GPU's kernels (or their host
+//! emulation, in the tests).
 
 pub mod cpu;
 pub mod cuda;
 
 use crate::engine::EngineOptions;
 use crate::kv::{BlockCopy, BlockId, KvGroups, NO_BLOCK};
+use crate::model::arch::{Architecture, RopeScaling};
 use crate::model::{LlamaConfig, Model};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -27,13 +29,22 @@ pub enum BackendError {
     Invalid(String),
     #[error("{0}")]
     Unsupported(String),
+    /// The device failed: a CUDA error, or the host emulation's.
+    #[error("{0}")]
+    Device(String),
+}
+
+impl From<inferd_kernels::cuda::stream::GpuError> for BackendError {
+    fn from(e: inferd_kernels::cuda::stream::GpuError) -> Self {
+        BackendError::Device(e.to_string())
+    }
 }
 
 /// Which backend to run a model on.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum BackendKind {
-    /// The best backend this machine runs: the CPU until the CUDA backend's forward pass
-    /// exists ([`cuda`]).
+    /// The best backend this machine runs: the CPU until the CUDA backend has run on a GPU
+    /// (`tests/gpu/run`).
     #[default]
     Auto,
     Cpu,
@@ -53,13 +64,13 @@ impl BackendKind {
 }
 
 /// The backend `kind` resolves to on this machine, and why: `auto` takes the CPU until the
-/// CUDA backend runs models, saying whether a GPU was found.
+/// CUDA backend has run on a GPU, saying whether a GPU was found.
 pub fn choose(kind: BackendKind) -> (BackendKind, String) {
     match kind {
         BackendKind::Auto => match inferd_kernels::cuda::device::probe() {
             Err(e) => (BackendKind::Cpu, format!("auto: no usable GPU ({e})")),
             Ok(d) => {
-                (BackendKind::Cpu, format!("auto: {} found, but the CUDA backend does not run models yet", d.name))
+                (BackendKind::Cpu, format!("auto: {} found, but the CUDA backend has not yet been checked on a GPU (backend = \"cuda\" takes it)", d.name))
             }
         },
         BackendKind::Cpu | BackendKind::Cuda => (kind, "configured".into()),
@@ -106,6 +117,28 @@ pub trait Backend: Send {
     /// Runs the batch: writes every new token's K/V into its slot and returns, in `logits`,
     /// `vocab` floats for each requested position, sequence by sequence, in position order.
     fn forward(&mut self, batch: &[SeqBatch<'_>], logits: &mut Vec<f32>) -> Result<(), BackendError>;
+}
+
+/// The distinct rotations of `arch`'s layers (one, or a local and a global one), each as its
+/// RoPE frequencies and magnitude factor, and which one each layer uses.
+pub fn rotations(cfg: &LlamaConfig, arch: &Architecture) -> (Vec<(Vec<f32>, f32)>, Vec<usize>) {
+    let mut kinds: Vec<(f32, &RopeScaling)> = Vec::new();
+    let rope_of = arch
+        .layers
+        .iter()
+        .map(|l| {
+            let kind = (l.rope_base, &l.rope_scaling);
+            kinds.iter().position(|k| *k == kind).unwrap_or_else(|| {
+                kinds.push(kind);
+                kinds.len() - 1
+            })
+        })
+        .collect();
+    let rotations = kinds
+        .iter()
+        .map(|(base, scaling)| (scaling.frequencies(cfg.rope_dim, *base, cfg.context_len), scaling.attention_factor()))
+        .collect();
+    (rotations, rope_of)
 }
 
 /// Checks a batch against the model and the KV pool before any compute touches it.

@@ -1,0 +1,92 @@
+//! Where the CUDA kernels run: a [`Stream`] holds buffers of its own kind and launches a kernel
+//! of `kernels/cuda` by name on a grid with an argument list. The GPU ([`super::gpu::Gpu`]) is
+//! one; the host emulation ([`super::host::Host`], the sources compiled as C++ against
+//! `host_shim.h`) is the other, so the typed launches ([`super::calls::KernelCalls`]) and the CUDA
+//! backend's forward pass are one code, tested on any machine and run on the GPU.
+
+use super::device::CudaUnavailable;
+use super::nvrtc::CompileError;
+use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
+
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    #[error("{0}")]
+    Unavailable(#[from] CudaUnavailable),
+    #[error("{0}")]
+    Compile(#[from] CompileError),
+    #[error("CUDA: {0}")]
+    Driver(String),
+    #[error("kernel {kernel}: {message}")]
+    Shape { kernel: &'static str, message: String },
+    #[error("host emulation of the kernels: {0}")]
+    Host(String),
+}
+
+/// An element type of device buffers: the kernels' `uint8_t`, `uint16_t` (f16 bits), `int` and
+/// `float`.
+pub trait Elem: DeviceRepr + ValidAsZeroBits + Copy + Default + Send + Sync + Unpin + 'static {
+    /// Appends the little-endian bytes.
+    fn put(self, out: &mut Vec<u8>);
+    /// Reads one value from the front of `b` (at least `size_of::<Self>()` bytes).
+    fn get(b: &[u8]) -> Self;
+}
+
+macro_rules! elem {
+    ($($t:ty),*) => {$(
+        impl Elem for $t {
+            fn put(self, out: &mut Vec<u8>) {
+                out.extend_from_slice(&self.to_le_bytes());
+            }
+            fn get(b: &[u8]) -> Self {
+                let mut a = [0u8; std::mem::size_of::<$t>()];
+                a.copy_from_slice(&b[..std::mem::size_of::<$t>()]);
+                <$t>::from_le_bytes(a)
+            }
+        }
+    )*};
+}
+elem!(u8, u16, i32, f32);
+
+/// One argument of a launch, in the kernel's parameter order: a buffer (read, or written
+/// `Mut`) or a scalar (`int`, `long long`, `float`).
+pub enum Arg<'a, S: Stream + ?Sized> {
+    U8(&'a S::Buf<u8>),
+    I32(&'a S::Buf<i32>),
+    U16(&'a S::Buf<u16>),
+    U16Mut(&'a mut S::Buf<u16>),
+    F32(&'a S::Buf<f32>),
+    F32Mut(&'a mut S::Buf<f32>),
+    Int(i32),
+    Long(i64),
+    Float(f32),
+}
+
+/// A place the kernels run, in order of launch.
+pub trait Stream {
+    /// A buffer of `T`s in this stream's memory.
+    type Buf<T: Elem>: Send;
+
+    /// What runs the kernels, for reports.
+    fn describe(&self) -> String;
+    fn upload<T: Elem>(&self, data: &[T]) -> Result<Self::Buf<T>, GpuError>;
+    /// `n` zeros (a buffer of at least one element, so that it has an address).
+    fn zeros<T: Elem>(&self, n: usize) -> Result<Self::Buf<T>, GpuError>;
+    /// The buffer's contents, once every launch before has finished.
+    fn download<T: Elem>(&self, buf: &Self::Buf<T>) -> Result<Vec<T>, GpuError>;
+    fn len<T: Elem>(buf: &Self::Buf<T>) -> usize;
+
+    /// Runs kernel `name` on `grid` blocks of `block` threads.
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameters in number, order and type, and every buffer
+    /// must hold what the kernel reads and writes for this grid: on a GPU a mismatch reads or
+    /// writes memory it does not own. The typed calls of [`super::calls::KernelCalls`] check
+    /// this before they launch.
+    unsafe fn launch(
+        &self,
+        name: &'static str,
+        grid: (u32, u32),
+        block: (u32, u32),
+        args: &mut [Arg<'_, Self>],
+    ) -> Result<(), GpuError>;
+}

@@ -1,0 +1,116 @@
+//! The CUDA backend's forward pass, checked on any machine through the host emulation of its
+//! kernels (`inferd_kernels::cuda::host`: `kernels/cuda` compiled as C++, each block's threads
+//! fibers) and on a GPU where there is one (`tests/gpu/run`; elsewhere those tests are ignored):
+//! against llama.cpp on the tiny model of every architecture, and against the CPU backend
+//! through the engine's batching, chunked prefill and copy-on-write forks.
+
+use crate::reference::{check_cases_on, entry, tiny_dir, TINY_LOGIT_TOL};
+use inferd_e2e::{temp_dir, write_tiny_gguf, TinySpec};
+use inferd_engine::backend::cpu::kv_page_bytes;
+use inferd_engine::backend::cuda::CudaBackend;
+use inferd_engine::engine::{Engine, EngineOptions};
+use inferd_engine::model::Model;
+use inferd_kernels::cuda::gpu::Gpu;
+use inferd_kernels::cuda::host::Host;
+use inferd_kernels::cuda::stream::Stream;
+use inferd_kernels::DType;
+use std::sync::OnceLock;
+
+fn host() -> Host {
+    static HOST: OnceLock<Host> = OnceLock::new();
+    HOST.get_or_init(|| Host::new(&temp_dir("cuda-host")).unwrap_or_else(|e| panic!("{e}"))).clone()
+}
+
+fn gpu() -> Gpu {
+    Gpu::open(&temp_dir("cuda-kernel-cache")).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// An engine whose backend is the CUDA forward pass on stream `s`.
+fn engine<S: Stream + Send + 'static>(s: S, model: &Model, opts: &EngineOptions) -> Engine {
+    let b = CudaBackend::new(s, model, opts).unwrap_or_else(|e| panic!("{e}"));
+    Engine::new(Box::new(b), opts.prefill_chunk)
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+fn prompt(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| 3 + (i * 31 + salt * 17) % 250).collect()
+}
+
+fn every_tiny_architecture_matches_llama_cpp<S: Stream + Send + 'static>(on: impl Fn() -> S) {
+    for arch in ["llama", "qwen2", "qwen3", "gemma3", "phi3"] {
+        let entry = entry(&format!("tiny-{arch}"));
+        let model = Model::load(&tiny_dir().join(entry["file"].as_str().unwrap())).unwrap();
+        // A small pool (the host emulation passes the whole cache to every attention launch).
+        let page = kv_page_bytes(&model.config, &model.arch, 16);
+        let opts = EngineOptions { kv_budget_bytes: 32 * page, block_size: 16, ..EngineOptions::default() };
+        let t = std::time::Instant::now();
+        let worst = check_cases_on(&mut engine(on(), &model, &opts), &model, entry, TINY_LOGIT_TOL);
+        eprintln!(
+            "tiny-{arch} on the CUDA kernels: largest logit difference from llama.cpp {worst:.4} ({:?})",
+            t.elapsed()
+        );
+    }
+}
+
+/// F16 weights, so that the CPU backend keeps activations f32 as the CUDA kernels do: the two
+/// differ by the order of their sums only.
+fn equals_the_cpu_backend<S: Stream + Send + 'static>(on: impl Fn() -> S) {
+    let dir = temp_dir("cuda-vs-cpu");
+    let m = Model::load(&write_tiny_gguf(&dir.join("m.gguf"), &TinySpec::default(), DType::F16, DType::F16)).unwrap();
+    let page = kv_page_bytes(&m.config, &m.arch, 4);
+    let opts = EngineOptions { kv_budget_bytes: 48 * page, block_size: 4, prefill_chunk: 7, threads: 2 };
+    let (mut cpu, mut gpu) = (Engine::cpu(&m, &opts).unwrap(), engine(on(), &m, &opts));
+
+    // Three prompts prefilled in chunks of 7 across sequences, then decoded together.
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| prompt(5 + 6 * i, i as u32)).collect();
+    let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+    let want = cpu.generate_greedy(&refs, 10, &[], &mut |_, _| {}).unwrap();
+    let got = gpu.generate_greedy(&refs, 10, &[], &mut |_, _| {}).unwrap();
+    assert_eq!(got, want, "greedy tokens");
+
+    // A fork whose branches write into their shared last block: copy-on-write on the device.
+    let p = prompt(10, 3);
+    let (a, la) = gpu.prefill(&[&p]).unwrap().remove(0);
+    let (ca, lca) = cpu.prefill(&[&p]).unwrap().remove(0);
+    assert!(max_diff(&la, &lca) < 1e-3, "prefill logits: {}", max_diff(&la, &lca));
+    let (b, cb) = (gpu.kv.fork(a), cpu.kv.fork(ca));
+    let lg = gpu.decode(&[(a, 7), (b, 9)]).unwrap().to_vec();
+    let lc = cpu.decode(&[(ca, 7), (cb, 9)]).unwrap().to_vec();
+    assert!(max_diff(&lg, &lc) < 1e-3, "forked decode logits: {}", max_diff(&lg, &lc));
+    let vocab = gpu.vocab();
+    for s in [a, b] {
+        gpu.release(s);
+    }
+
+    // Bad input is an error that leaks nothing.
+    assert!(gpu.prefill(&[&[1, 2], &[vocab as u32 + 5]]).is_err(), "out-of-vocabulary id");
+    assert!(gpu.prefill(&[&prompt(300, 1)]).is_err(), "longer than the context");
+    assert_eq!(gpu.kv.sequences(), 0);
+    assert_eq!(gpu.kv.stats().free, gpu.kv.stats().total, "every block returned");
+}
+
+#[test]
+fn on_the_host_the_cuda_forward_pass_matches_llama_cpp_on_every_tiny_architecture() {
+    every_tiny_architecture_matches_llama_cpp(host);
+}
+
+#[test]
+fn on_the_host_the_cuda_forward_pass_equals_the_cpu_backend_batched_chunked_and_forked() {
+    equals_the_cpu_backend(host);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: tests/gpu/run"]
+fn on_the_gpu_the_cuda_forward_pass_matches_llama_cpp_on_every_tiny_architecture() {
+    every_tiny_architecture_matches_llama_cpp(gpu);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: tests/gpu/run"]
+fn on_the_gpu_the_cuda_forward_pass_equals_the_cpu_backend_batched_chunked_and_forked() {
+    equals_the_cpu_backend(gpu);
+}
