@@ -5,6 +5,7 @@
 //! 128-token prompts and 128 generated tokens per sequence. Prompts are pseudo-random ordinary
 //! tokens, each distinct so the prefix cache never shortcuts a measurement.
 
+use inferd_engine::backend::BackendKind;
 use inferd_engine::engine::{argmax, Engine, EngineOptions};
 use inferd_engine::model::Model;
 use serde_json::{json, Value};
@@ -19,6 +20,9 @@ pub struct BenchArgs {
     /// Compute threads (default: all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// The backend to measure: "cpu", "cuda" or "auto" (as in inferd.toml).
+    #[arg(long, default_value = "cpu")]
+    pub backend: String,
     /// Prompt length of the prefill measurement.
     #[arg(long, default_value_t = 512)]
     pub prefill_tokens: usize,
@@ -89,7 +93,10 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
         kv_budget_bytes: kv_tokens * inferd_engine::backend::cpu::kv_block_bytes(&model.config, 16) / 16,
         ..EngineOptions::default()
     };
-    let mut engine = Engine::cpu(model, &opts)?;
+    let kind = BackendKind::parse(&args.backend)
+        .ok_or_else(|| anyhow::anyhow!("--backend must be \"auto\", \"cpu\" or \"cuda\", not {:?}", args.backend))?;
+    let (kind, _) = inferd_engine::backend::choose(kind);
+    let mut engine = Engine::open(model, kind, &opts)?;
     let threads = opts.threads();
     let reps = args.repeat.max(1);
     let mut salt = 1u64;
@@ -141,8 +148,8 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
     }
     let mut report = json!({
         "model": model.path.display().to_string(),
-        "backend": "cpu",
-        "isa": engine.backend.device(),
+        "backend": engine.backend.name(),
+        "device": engine.backend.device(),
         "threads": threads,
         "prefill_tokens": args.prefill_tokens,
         "prefill_tok_s": median(pp),
@@ -151,8 +158,20 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
         "peak_rss_mib": peak_rss_mib(),
     });
     // Batch-1 decode reads every weight once per token: the share of the machine's read
-    // bandwidth that reaches.
+    // bandwidth that reaches. On a GPU: the bandwidth and matmul rate reached, for comparison
+    // with the card's ceilings.
     let bytes = crate::bandwidth::weight_bytes_per_token(&model.weights);
+    if let Some(d) = engine.backend.device_memory() {
+        let b1 = report["decode_tok_s"]["by_batch"]["1"].as_f64();
+        let flop_per_token = 2.0 * matmul_params(model) as f64;
+        report["gpu"] = json!({
+            "weights_bytes": d.weights_bytes,
+            "kv_bytes": d.kv_bytes,
+            "decode_batch1_weights_gb_s": b1.map(|r| r * bytes as f64 / 1e9),
+            "prefill_tflop_s": report["prefill_tok_s"].as_f64().map(|r| r * flop_per_token / 1e12),
+        });
+        return Ok(report);
+    }
     let gbs = crate::bandwidth::read_gb_s(threads);
     report["memory"] = json!({ "read_gb_s": gbs, "weights_read_per_token_mb": bytes as f64 / 1e6 });
     if let Some(b1) = report["decode_tok_s"]["by_batch"]["1"].as_f64() {
@@ -162,6 +181,13 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
         report["llama_cpp"] = compare(dir, model, args, threads, &report)?;
     }
     Ok(report)
+}
+
+/// Weights of the matrix products one token goes through (each a multiply-add per token).
+fn matmul_params(model: &Model) -> usize {
+    let w = &model.weights;
+    let mats = w.layers.iter().flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]);
+    mats.chain([&w.output]).map(|t| t.rows * t.cols).sum()
 }
 
 /// Runs llama.cpp's tools on the same model and threads and returns their figures and our ratios.

@@ -4,11 +4,11 @@
 //! against llama.cpp on the tiny model of every architecture, and against the CPU backend
 //! through the engine's batching, chunked prefill and copy-on-write forks.
 
-use crate::reference::{check_cases_on, entry, tiny_dir, TINY_LOGIT_TOL};
+use crate::reference::{check_cases_on, entry, gemma3_270m, tiny_dir, GEMMA_LOGIT_TOL, TINY_LOGIT_TOL};
 use inferd_e2e::{temp_dir, write_tiny_gguf, TinySpec};
 use inferd_engine::backend::cpu::kv_page_bytes;
 use inferd_engine::backend::cuda::CudaBackend;
-use inferd_engine::engine::{Engine, EngineOptions};
+use inferd_engine::engine::{argmax, Engine, EngineOptions};
 use inferd_engine::model::Model;
 use inferd_kernels::cuda::gpu::Gpu;
 use inferd_kernels::cuda::host::Host;
@@ -64,6 +64,16 @@ fn equals_the_cpu_backend<S: Stream + Send + 'static>(on: impl Fn() -> S) {
     let page = kv_page_bytes(&m.config, &m.arch, 4);
     let opts = EngineOptions { kv_budget_bytes: 48 * page, block_size: 4, prefill_chunk: 7, threads: 2 };
     let (mut cpu, mut gpu) = (Engine::cpu(&m, &opts).unwrap(), engine(on(), &m, &opts));
+    let memory = gpu.backend.device_memory().unwrap();
+    assert_eq!(memory.kv_bytes, 48 * page, "the KV pool is the budget's 48 pages");
+    let w = &m.weights;
+    let matrices: usize = w
+        .layers
+        .iter()
+        .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+        .map(|t| t.bytes().len())
+        .sum();
+    assert_eq!(memory.weights_bytes, matrices + w.token_embd.bytes().len() + w.output.bytes().len());
 
     // Three prompts prefilled in chunks of 7 across sequences, then decoded together.
     let prompts: Vec<Vec<u32>> = (0..3).map(|i| prompt(5 + 6 * i, i as u32)).collect();
@@ -113,4 +123,54 @@ fn on_the_gpu_the_cuda_forward_pass_matches_llama_cpp_on_every_tiny_architecture
 #[ignore = "needs an NVIDIA GPU: tests/gpu/run"]
 fn on_the_gpu_the_cuda_forward_pass_equals_the_cpu_backend_batched_chunked_and_forked() {
     equals_the_cpu_backend(gpu);
+}
+
+/// The greedy tokens of `prompt` on `e` for `n` steps, with the margin between the top two
+/// logits at each.
+fn greedy_with_margins(e: &mut Engine, prompt: &[u32], n: usize) -> Vec<(u32, f32)> {
+    let (seq, mut logits) = e.prefill(&[prompt]).unwrap().remove(0);
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let t = argmax(&logits);
+        let second =
+            logits.iter().enumerate().filter(|&(i, _)| i != t as usize).map(|(_, v)| *v).fold(f32::MIN, f32::max);
+        out.push((t, logits[t as usize] - second));
+        logits = e.decode(&[(seq, t)]).unwrap().to_vec();
+    }
+    e.release(seq);
+    out
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: tests/gpu/run"]
+fn on_the_gpu_the_default_model_decodes_the_cpu_backends_greedy_tokens() {
+    // The CPU backend rounds activations to 8 bits before its quantized products, the GPU keeps
+    // them f32: on SmolLM2 that moves logits by up to about 1 (its golden test's tolerance), so
+    // the tokens are compared up to the CPU's first step whose top two are closer than that.
+    let m = Model::load(&inferd_e2e::default_model()).unwrap();
+    let opts = EngineOptions { kv_budget_bytes: 64 << 20, ..EngineOptions::default() };
+    let (mut cpu, mut gpu) = (Engine::cpu(&m, &opts).unwrap(), engine(gpu(), &m, &opts));
+    let mut compared = 0;
+    for text in ["The capital of France is", "def fibonacci(n):\n", "Three primary colors are"] {
+        let p = m.tokenizer.encode(text, false).unwrap();
+        let (want, got) = (greedy_with_margins(&mut cpu, &p, 48), greedy_with_margins(&mut gpu, &p, 48));
+        for (step, ((w, margin), (g, _))) in want.iter().zip(&got).enumerate() {
+            if *margin < 1.0 {
+                break;
+            }
+            assert_eq!(g, w, "{text:?}: greedy step {step}");
+            compared += 1;
+        }
+    }
+    eprintln!("default model: {compared} greedy tokens equal on the GPU and the CPU");
+    assert!(compared >= 8, "too few steps before a near-tie to say anything: {compared}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: tests/gpu/run"]
+fn on_the_gpu_gemma3_270m_q4_k_m_matches_llama_cpp() {
+    let (model, entry) = gemma3_270m();
+    let opts = EngineOptions { kv_budget_bytes: 256 << 20, ..EngineOptions::default() };
+    let worst = check_cases_on(&mut engine(gpu(), &model, &opts), &model, entry, GEMMA_LOGIT_TOL);
+    eprintln!("gemma-3-270m Q4_K_M on the GPU: largest logit difference from llama.cpp {worst:.4}");
 }

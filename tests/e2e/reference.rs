@@ -34,7 +34,7 @@ const SHARP_HF_TOL: f64 = 0.6;
 /// float64 forward pass over the same weights 23.52, or 26.45 with inferd's 8-bit activation
 /// rounding emulated in float64 (so inferd computes what its rounding implies there). With
 /// only the BOS token, inferd is within 0.11 of float64 and llama.cpp within 0.30.
-const GEMMA_LOGIT_TOL: f64 = 5.0;
+pub(crate) const GEMMA_LOGIT_TOL: f64 = 5.0;
 /// The same on the default model requantized by llama.cpp. Measured: at most 2.02 (Q4_K_M),
 /// 1.44 (Q5_K_M), 1.22 (Q6_K), at logits of 19 to 24. SmolLM2 amplifies how each engine rounds
 /// activations to 8 bits (llama.cpp: one f32 scale per 256 for K-quant products, f16 per 32
@@ -199,8 +199,8 @@ fn every_gguf_pre_tokenizer_splits_as_llama_cpp() {
     assert_eq!(seen.len(), 6, "every pre-tokenizer splits these texts its own way");
 }
 
-#[test]
-fn gemma3_270m_q4_k_m_matches_llama_cpp() {
+/// google/gemma-3-270m Q4_K_M, installed by packaging/fetch-model, and its reference entry.
+pub(crate) fn gemma3_270m() -> (Model, &'static Value) {
     let entry = entry("gemma-3-270m-Q4_K_M");
     let path = inferd_engine::paths::model_dirs()
         .into_iter()
@@ -208,7 +208,12 @@ fn gemma3_270m_q4_k_m_matches_llama_cpp() {
         .find(|p| p.exists())
         .unwrap_or_else(|| panic!("run packaging/fetch-model --model gemma3 (tests/run does)"));
     assert_eq!(sha256(&path), entry["sha256"].as_str().unwrap());
-    let model = Model::load(&path).unwrap();
+    (Model::load(&path).unwrap(), entry)
+}
+
+#[test]
+fn gemma3_270m_q4_k_m_matches_llama_cpp() {
+    let (model, entry) = gemma3_270m();
     for t in entry["tokenizations"].as_array().unwrap() {
         assert_eq!(model.tokenizer.encode(t["text"].as_str().unwrap(), false).unwrap(), ids(&t["tokens"]), "{t}");
     }

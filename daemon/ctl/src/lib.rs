@@ -163,6 +163,10 @@ fn run(client: &Client, cmd: Cmd) -> Result<(), Error> {
                 if let Some(b) = m["backend"].as_str() {
                     writeln!(out, "  on {b}")?;
                 }
+                let d = &m["device_memory"];
+                if let (Some(w), Some(kv)) = (d["weights_bytes"].as_u64(), d["kv_bytes"].as_u64()) {
+                    writeln!(out, "  GPU memory: weights {} MiB, KV pool {} MiB", w >> 20, kv >> 20)?;
+                }
             }
             let names: Vec<&str> =
                 s["strategies"].as_array().into_iter().flatten().filter_map(|x| x["name"].as_str()).collect();

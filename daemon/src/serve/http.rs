@@ -144,6 +144,7 @@ pub fn status_json(sh: &Shared) -> Value {
             let s = m.monitor.snapshot();
             json!({
                 "name": m.name, "draft": m.draft, "context_length": m.context_len(), "backend": m.backend,
+                "device_memory": m.device_memory.map(|d| json!({ "weights_bytes": d.weights_bytes, "kv_bytes": d.kv_bytes })),
                 "kv_blocks": { "total": s.kv.total, "free": s.kv.free, "used": s.kv.total - s.kv.free, "cached": s.kv.cached, "block_size": s.kv.block_size },
                 "requests": { "running": s.running, "waiting": s.waiting, "finished": s.finished, "failed": s.failed, "cancelled": s.cancelled, "preempted": s.preempted },
                 "tokens": { "generated": s.generated_tokens, "prompt": s.prompt_tokens, "prompt_cached": s.cached_prompt_tokens, "per_second": s.tokens_per_second },

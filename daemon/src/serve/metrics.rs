@@ -63,6 +63,14 @@ pub fn prometheus(sh: &Shared) -> String {
             o.sample(name, l, f(s));
         }
     }
+    o.head("inferd_device_memory_bytes", "gauge", "GPU memory a model holds, by use (weights, kv).");
+    for m in &sh.models {
+        if let Some(d) = m.device_memory {
+            let l = format!("model=\"{}\"", label(&m.name));
+            o.sample("inferd_device_memory_bytes", &format!("{l},use=\"weights\""), d.weights_bytes);
+            o.sample("inferd_device_memory_bytes", &format!("{l},use=\"kv\""), d.kv_bytes);
+        }
+    }
     o.head("inferd_requests_total", "counter", "Requests that ended, by outcome.");
     for (l, s) in &snaps {
         for (outcome, v) in [("finished", s.finished), ("failed", s.failed), ("cancelled", s.cancelled)] {

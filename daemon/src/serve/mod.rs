@@ -35,6 +35,8 @@ pub struct ModelHandle {
     pub draft: Option<String>,
     /// Where it runs and why that backend: `cpu (Avx512Vnni; auto: no usable GPU (...))`.
     pub backend: String,
+    /// GPU memory its weights and KV pool take (none on the CPU backend).
+    pub device_memory: Option<inferd_engine::backend::DeviceMemory>,
     /// `1 << abi::ROLE_*` for each sequence role its store offers.
     pub roles: u32,
     pub engine: Mutex<std::sync::mpsc::Sender<Command>>,
@@ -202,6 +204,7 @@ fn start_models(cfg: &Config) -> anyhow::Result<Vec<Arc<ModelHandle>>> {
         let mut engine = Engine::open(&model, kind, &opts)?;
         let backend = format!("{} ({}; {why})", engine.backend.name(), engine.backend.device());
         eprintln!("inferd: {name} runs on {backend}");
+        let device_memory = engine.backend.device_memory();
         let draft_engine = match &draft {
             Some(d) => {
                 let (kind, _) = inferd_engine::backend::choose(mc.draft_backend_kind());
@@ -225,6 +228,7 @@ fn start_models(cfg: &Config) -> anyhow::Result<Vec<Arc<ModelHandle>>> {
             model,
             draft: draft.map(|d| d.name.clone()),
             backend,
+            device_memory,
             roles,
             engine: Mutex::new(tx),
             monitor,

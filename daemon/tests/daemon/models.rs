@@ -80,6 +80,8 @@ fn several_models_each_with_its_engine_and_a_bound_draft_model() {
     let backend = |i: usize| s["models"][i]["backend"].as_str().unwrap().to_string();
     assert!(backend(0).starts_with("cpu (") && backend(0).contains("auto: "), "{s}");
     assert!(backend(1).starts_with("cpu (") && backend(1).contains("configured"), "{s}");
+    assert!(s["models"][0].as_object().unwrap().contains_key("device_memory"), "{s}");
+    assert!(s["models"][0]["device_memory"].is_null(), "the CPU backend holds no GPU memory: {s}");
     drop(d);
     let _ = std::fs::remove_dir_all(dir);
 }
@@ -109,6 +111,18 @@ fn a_model_on_the_cuda_backend_does_not_start_where_it_cannot_run_and_says_why()
         let draft = format!("draft = \"{}\"\nbackend = \"cpu\"\ndraft_backend = \"cuda\"\n", model());
         let (ok, err) = serve(&draft);
         assert!(!ok && err.contains("backend \"cuda\""), "{err}");
+        // `inferd bench --backend cuda` the same.
+        let bench = |backend: &str| {
+            let out = Command::new(env!("CARGO_BIN_EXE_inferd"))
+                .args(["bench", "--model", &model(), "--backend", backend, "--repeat", "1", "--batches", "1"])
+                .output()
+                .unwrap();
+            (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+        };
+        let (ok, err) = bench("cuda");
+        assert!(!ok && err.contains("libcuda.so.1"), "{err}");
+        let (ok, err) = bench("tpu");
+        assert!(!ok && err.contains("--backend must be"), "{err}");
     }
     let (ok, err) = serve("backend = \"gpu\"\n");
     assert!(!ok && err.contains("backend must be \"auto\", \"cpu\" or \"cuda\""), "{err}");

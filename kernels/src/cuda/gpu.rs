@@ -71,6 +71,11 @@ impl Stream for Gpu {
         buf.len()
     }
 
+    fn device_memory(&self) -> Result<Option<(usize, usize)>, GpuError> {
+        self.stream.context().bind_to_thread().map_err(driver)?;
+        Ok(Some(cudarc::driver::result::mem_get_info().map_err(driver)?))
+    }
+
     unsafe fn launch(
         &self,
         name: &'static str,

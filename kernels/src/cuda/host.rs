@@ -126,6 +126,10 @@ impl Stream for Host {
         buf.len()
     }
 
+    fn device_memory(&self) -> Result<Option<(usize, usize)>, GpuError> {
+        Ok(None)
+    }
+
     unsafe fn launch(
         &self,
         name: &'static str,

@@ -74,6 +74,8 @@ pub trait Stream {
     /// The buffer's contents, once every launch before has finished.
     fn download<T: Elem>(&self, buf: &Self::Buf<T>) -> Result<Vec<T>, GpuError>;
     fn len<T: Elem>(buf: &Self::Buf<T>) -> usize;
+    /// Free and total bytes of the stream's memory, where it is a device's (not the host's).
+    fn device_memory(&self) -> Result<Option<(usize, usize)>, GpuError>;
 
     /// Runs kernel `name` on `grid` blocks of `block` threads.
     ///

@@ -12,7 +12,7 @@
 //! logits differ from the CPU backend's by that rounding. Logits come back to the host for the
 //! decoding plugins, only for the positions asked for.
 
-use super::{validate_batch, Backend, BackendError, SeqBatch};
+use super::{validate_batch, Backend, BackendError, DeviceMemory, SeqBatch};
 use crate::engine::EngineOptions;
 use crate::kv::{BlockCopy, KvGroups};
 use crate::model::arch::{Activation, Architecture};
@@ -78,7 +78,7 @@ pub struct CudaBackend<S: Stream> {
     /// Per slot: `(kv_blocks, block_size, n_kv_heads, head_dim)` f16 bits.
     k_cache: Vec<S::Buf<u16>>,
     v_cache: Vec<S::Buf<u16>>,
-    weight_bytes: usize,
+    memory: DeviceMemory,
 }
 
 impl<S: Stream> CudaBackend<S> {
@@ -92,6 +92,16 @@ impl<S: Stream> CudaBackend<S> {
         let bs = opts.block_size;
         let kv_blocks = (opts.kv_budget_bytes / super::cpu::kv_page_bytes(cfg, &model.arch, bs)).max(1);
         let groups = super::cpu::kv_groups(&model.arch);
+        let tied = w.output.bytes().as_ptr() == w.token_embd.bytes().as_ptr() && w.output.dtype == w.token_embd.dtype;
+        let memory = DeviceMemory {
+            weights_bytes: w.layers.iter().map(layer_bytes).sum::<usize>()
+                + w.token_embd.bytes().len()
+                + if tied { 0 } else { w.output.bytes().len() },
+            kv_bytes: 2 * groups.slots * kv_blocks * bs * cfg.kv_dim() * 2,
+        };
+        if let Some((free, total)) = s.device_memory()? {
+            fits(memory, free, total).map_err(BackendError::Unsupported)?;
+        }
         let up = |t: &Tensor| Weight::upload(&s, t);
         let vec = |v: &[f32]| s.upload(v);
         let mut layers = Vec::with_capacity(w.layers.len());
@@ -118,15 +128,11 @@ impl<S: Stream> CudaBackend<S> {
                 ffn_post_norm: l.ffn_post_norm.as_deref().map(vec).transpose()?,
             });
         }
-        let tied = w.output.bytes().as_ptr() == w.token_embd.bytes().as_ptr() && w.output.dtype == w.token_embd.dtype;
         let (rotations, rope_of) = super::rotations(cfg, &model.arch);
         let ropes = rotations.iter().map(|(f, scale)| Ok((vec(f)?, *scale))).collect::<Result<_, GpuError>>()?;
         let per_slot = kv_blocks * bs * cfg.kv_dim();
         let caches = |n| (0..n).map(|_| s.zeros::<u16>(per_slot)).collect::<Result<Vec<_>, _>>();
         let (k_cache, v_cache) = (caches(groups.slots)?, caches(groups.slots)?);
-        let weight_bytes = w.layers.iter().map(layer_bytes).sum::<usize>()
-            + w.token_embd.bytes().len()
-            + if tied { 0 } else { w.output.bytes().len() };
         let b = CudaBackend {
             token_embd: up(&w.token_embd)?,
             output: if tied { None } else { Some(up(&w.output)?) },
@@ -139,7 +145,7 @@ impl<S: Stream> CudaBackend<S> {
             kv_blocks,
             k_cache,
             v_cache,
-            weight_bytes,
+            memory,
             cfg: cfg.clone(),
             arch: model.arch.clone(),
             s,
@@ -147,14 +153,34 @@ impl<S: Stream> CudaBackend<S> {
         Ok(b)
     }
 
-    /// Bytes of the weights and of the KV pool in the stream's memory.
-    pub fn memory(&self) -> (usize, usize) {
-        (self.weight_bytes, 2 * self.k_cache.len() * self.kv_blocks * self.block_size * self.cfg.kv_dim() * 2)
-    }
-
     pub fn stream(&self) -> &S {
         &self.s
     }
+}
+
+/// Memory the desktop keeps on a GPU the daemon shares with it: 512 MiB, or a twentieth of a
+/// larger card.
+pub fn headroom(total: usize) -> usize {
+    (512 << 20).max(total / 20)
+}
+
+/// Whether a model's weights and KV pool fit the GPU's free memory, leaving [`headroom`]; the
+/// error says by how much they miss and what to change.
+pub fn fits(need: DeviceMemory, free: usize, total: usize) -> Result<(), String> {
+    let mib = |b: usize| b >> 20;
+    let want = need.weights_bytes + need.kv_bytes + headroom(total);
+    if want <= free {
+        return Ok(());
+    }
+    Err(format!(
+        "the GPU has {} MiB free of {} MiB; the weights take {} MiB and the KV pool {} MiB, and {} MiB stay free \
+         for the desktop: lower kv_cache_mib, or choose a smaller model or backend = \"cpu\"",
+        mib(free),
+        mib(total),
+        mib(need.weights_bytes),
+        mib(need.kv_bytes),
+        mib(headroom(total))
+    ))
 }
 
 fn layer_bytes(l: &crate::model::weights::LayerWeights) -> usize {
@@ -326,6 +352,10 @@ impl<S: Stream + Send> Backend for CudaBackend<S> {
         self.block_size
     }
 
+    fn device_memory(&self) -> Option<DeviceMemory> {
+        Some(self.memory)
+    }
+
     fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), BackendError> {
         let mut pairs = Vec::with_capacity(2 * copies.len());
         for c in copies {
@@ -351,5 +381,24 @@ impl<S: Stream + Send> Backend for CudaBackend<S> {
         validate_batch(&self.cfg, &self.groups, self.kv_blocks, self.block_size, batch)?;
         let ix = index(batch, &self.groups, self.block_size)?;
         self.run(batch, &ix, logits).map_err(BackendError::from)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{fits, headroom, DeviceMemory};
+
+    #[test]
+    fn a_model_fits_the_gpu_only_with_the_desktops_headroom_left() {
+        let gib = 1usize << 30;
+        let need = DeviceMemory { weights_bytes: 5 * gib, kv_bytes: 2 * gib };
+        assert_eq!(headroom(8 * gib), 512 << 20);
+        assert_eq!(headroom(141 * gib), 141 * gib / 20);
+        assert!(fits(need, 8 * gib, 8 * gib).is_ok());
+        let e = fits(need, 7 * gib, 8 * gib).unwrap_err();
+        assert!(
+            e.contains("7168 MiB free of 8192") && e.contains("KV pool 2048 MiB") && e.contains("kv_cache_mib"),
+            "{e}"
+        );
     }
 }

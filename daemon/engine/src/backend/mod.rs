@@ -87,6 +87,13 @@ pub fn open(kind: BackendKind, model: &Model, opts: &EngineOptions) -> Result<Bo
     }
 }
 
+/// Bytes of a device's memory a model holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceMemory {
+    pub weights_bytes: usize,
+    pub kv_bytes: usize,
+}
+
 /// One sequence's share of a batch: new tokens at positions `start_pos..start_pos + tokens.len()`.
 #[derive(Clone, Copy, Debug)]
 pub struct SeqBatch<'a> {
@@ -114,6 +121,11 @@ pub trait Backend: Send {
     fn block_size(&self) -> usize;
     /// Copies whole blocks (all layers, K and V): copy-on-write for forked sequences.
     fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), BackendError>;
+    /// Device memory the weights and the KV pool take, where the backend keeps them apart from
+    /// the host's memory (a GPU's).
+    fn device_memory(&self) -> Option<DeviceMemory> {
+        None
+    }
     /// Runs the batch: writes every new token's K/V into its slot and returns, in `logits`,
     /// `vocab` floats for each requested position, sequence by sequence, in position order.
     fn forward(&mut self, batch: &[SeqBatch<'_>], logits: &mut Vec<f32>) -> Result<(), BackendError>;
