@@ -42,4 +42,50 @@ try:
     out["bad_status"] = None
 except openai.BadRequestError as e:
     out["bad_status"] = e.status_code
+
+# Content parts, as agents send them: the same prompt as the string content.
+parts = [{"role": "user", "content": [
+    {"type": "text", "text": "What is the capital of France? "},
+    {"type": "text", "text": "Answer in one word."},
+]}]
+out["chat_parts"] = client.chat.completions.create(model=model, messages=parts, max_tokens=40, temperature=0).choices[0].message.content
+
+# No max_tokens: up to the end of the turn.
+long = [{"role": "user", "content": "Describe the water cycle in two sentences."}]
+c = client.chat.completions.create(model=model, messages=long, temperature=0)
+out["unbounded"] = {"finish": c.choices[0].finish_reason, "tokens": c.usage.completion_tokens, "text": c.choices[0].message.content}
+
+# max_completion_tokens, and stream_options.include_usage.
+c = client.chat.completions.create(model=model, messages=long, temperature=0, max_completion_tokens=5)
+out["max_completion_tokens"] = {"finish": c.choices[0].finish_reason, "tokens": c.usage.completion_tokens}
+chunks = list(client.chat.completions.create(model=model, messages=long, temperature=0, max_completion_tokens=5,
+                                             stream=True, stream_options={"include_usage": True}))
+out["stream_usage"] = {"last_choices": len(chunks[-1].choices), "tokens": chunks[-1].usage.completion_tokens if chunks[-1].usage else None,
+                       "text": "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)}
+
+# The request's sampling fields reach a named strategy: speculative decoding at temperature 0
+# is greedy decoding, token for token.
+story = [{"role": "user", "content": "Tell me a short story about a cat."}]
+greedy = client.chat.completions.create(model=model, messages=story, temperature=0, max_tokens=48)
+spec = client.chat.completions.create(model=model, messages=story, temperature=0, max_tokens=48, extra_body={"decoder": "speculative"})
+out["speculative_t0"] = {"greedy": greedy.choices[0].message.content, "speculative": spec.choices[0].message.content}
+
+# `user` is an accepted no-op; what inferd does not implement is a 400 that names it.
+out["user_ok"] = client.chat.completions.create(model=model, messages=parts, max_tokens=2, temperature=0, user="ana").choices[0].finish_reason
+refused = {}
+for name, kwargs in {
+    "tools": {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+    "response_format": {"response_format": {"type": "json_object"}},
+    "image_url": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+    "colour": {"extra_body": {"colour": "blue"}},
+    "stream_options": {"stream_options": {"include_usage": True}},
+}.items():
+    args = {"model": model, "messages": parts, "max_tokens": 2}
+    args.update(kwargs)
+    try:
+        client.chat.completions.create(**args)
+        refused[name] = None
+    except openai.BadRequestError as e:
+        refused[name] = [e.status_code, e.message]
+out["refused"] = refused
 print(json.dumps(out))

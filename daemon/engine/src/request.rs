@@ -68,13 +68,16 @@ impl Sampling {
 }
 
 impl Request {
-    /// The strategy and its parameters (a JSON object for the plugin): the decoder and its
-    /// parameters when given; otherwise greedy at temperature 0, min-p when `min_p` is set,
-    /// nucleus sampling else, with the sampling fields that strategy reads. Range checks are
-    /// the plugin's (`validate`), so every strategy states its own.
+    /// The strategy and its parameters (a JSON object for the plugin): the decoder named, with
+    /// every sampling field the client set merged into its parameters (`decoder_params` win
+    /// where both set a key; a strategy that cannot honour a field refuses it by name, as
+    /// plugins refuse unknown parameters); otherwise greedy at temperature 0, min-p when
+    /// `min_p` is set, nucleus sampling else, with the sampling fields that strategy reads.
+    /// Range checks are the plugin's (`validate`), so every strategy states its own.
     pub fn strategy(&self) -> (String, String) {
         if let Some(d) = &self.decoder {
-            return (d.name.clone(), d.params.clone().unwrap_or_else(|| "{}".into()));
+            let params = d.params.clone().unwrap_or_else(|| "{}".into());
+            return (d.name.clone(), merge(&self.sampling.fields(ALL_SAMPLING), &params));
         }
         let s = &self.sampling;
         let name = if s.temperature == Some(0.0) {
@@ -89,18 +92,45 @@ impl Request {
             "min-p" => &["temperature", "min_p", "frequency_penalty", "presence_penalty", "logit_bias"],
             _ => &["temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty", "logit_bias"],
         };
-        let mut fields: Vec<String> = s
+        (name.to_owned(), format!("{{{}}}", s.fields(keys).join(", ")))
+    }
+}
+
+/// Every sampling field, in the order they are written.
+const ALL_SAMPLING: &[&str] =
+    &["temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "logit_bias"];
+
+impl Sampling {
+    /// The fields among `keys` that the client set, as `"key": value` JSON members.
+    fn fields(&self, keys: &[&str]) -> Vec<String> {
+        let mut fields: Vec<String> = self
             .numbers()
             .into_iter()
             .filter(|(k, _)| keys.contains(k))
             .filter_map(|(k, v)| v.map(|v| format!("\"{k}\": {}", number(v))))
             .collect();
-        if keys.contains(&"logit_bias") && !s.logit_bias.is_empty() {
-            let bias: Vec<String> = s.logit_bias.iter().map(|(t, b)| format!("\"{t}\": {}", number(*b))).collect();
+        if keys.contains(&"logit_bias") && !self.logit_bias.is_empty() {
+            let bias: Vec<String> = self.logit_bias.iter().map(|(t, b)| format!("\"{t}\": {}", number(*b))).collect();
             fields.push(format!("\"logit_bias\": {{{}}}", bias.join(", ")));
         }
-        (name.to_owned(), format!("{{{}}}", fields.join(", ")))
+        fields
     }
+}
+
+/// `params` (a strategy's JSON object) with the members of `fields` it lacks added (keys in
+/// sorted order);
+/// text that is not a JSON object is passed on unchanged, for the plugin to refuse.
+fn merge(fields: &[String], params: &str) -> String {
+    let Ok(serde_json::Value::Object(given)) = serde_json::from_str::<serde_json::Value>(params) else {
+        return params.to_owned();
+    };
+    let Ok(serde_json::Value::Object(mut merged)) =
+        serde_json::from_str::<serde_json::Value>(&format!("{{{}}}", fields.join(", ")))
+    else {
+        return params.to_owned();
+    };
+    merged.extend(given);
+    serde_json::Value::Object(merged).to_string()
 }
 
 /// A finite number as JSON (integers without a fraction, as a client would write them).
@@ -139,12 +169,38 @@ mod tests {
             ),
             (
                 Request {
-                    decoder: Some(Decoder { name: "beam".into(), params: Some(r#"{"beams": 4}"#.into()) }),
-                    sampling: Sampling { temperature: Some(0.0), ..Default::default() },
+                    decoder: Some(Decoder { name: "beam".into(), params: Some(r#"{"beam_width": 4}"#.into()) }),
                     ..Request::default()
                 },
                 "beam",
-                r#"{"beams": 4}"#,
+                r#"{"beam_width":4}"#,
+            ),
+            // A named strategy gets the client's sampling fields; its own parameters win.
+            (
+                Request {
+                    decoder: Some(Decoder {
+                        name: "speculative".into(),
+                        params: Some(r#"{"k": 4, "top_p": 0.5}"#.into()),
+                    }),
+                    sampling: Sampling {
+                        temperature: Some(0.0),
+                        top_p: Some(0.9),
+                        logit_bias: vec![(7, 1.5)],
+                        ..Default::default()
+                    },
+                    ..Request::default()
+                },
+                "speculative",
+                r#"{"k":4,"logit_bias":{"7":1.5},"temperature":0,"top_p":0.5}"#,
+            ),
+            (
+                Request {
+                    decoder: Some(Decoder { name: "greedy".into(), params: None }),
+                    sampling: Sampling { top_k: Some(3), ..Default::default() },
+                    ..Request::default()
+                },
+                "greedy",
+                r#"{"top_k":3}"#,
             ),
         ];
         for (r, name, params) in table {

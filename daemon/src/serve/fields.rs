@@ -7,8 +7,9 @@ use inferd_engine::request::{Decoder, Request};
 use inferd_engine::sched::Priority;
 
 /// The request fields both edges take (HTTP ignores other keys, D-Bus refuses them).
-pub const FIELDS: [&str; 14] = [
+pub const FIELDS: [&str; 15] = [
     "max_tokens",
+    "max_completion_tokens",
     "temperature",
     "top_p",
     "top_k",
@@ -70,11 +71,14 @@ pub fn build(fields: impl IntoIterator<Item = (String, Field)>) -> Result<Reques
     let mut r = Request::default();
     let mut decoder: Option<String> = None;
     let mut params: Option<String> = None;
+    let mut completion_tokens: Option<u64> = None;
     for (key, v) in fields {
         let k = key.as_str();
         let s = &mut r.sampling;
         match k {
             "max_tokens" => r.max_tokens = Some(uint(k, v)?),
+            // OpenAI's newer name for max_tokens.
+            "max_completion_tokens" => completion_tokens = Some(uint(k, v)?),
             "n" => r.n = Some(uint(k, v)?),
             "seed" => r.seed = Some(uint(k, v)?),
             "top_k" => s.top_k = Some(uint(k, v)?),
@@ -110,6 +114,16 @@ pub fn build(fields: impl IntoIterator<Item = (String, Field)>) -> Result<Reques
         }
     }
     r.decoder = decoder.map(|name| Decoder { name, params });
+    match (r.max_tokens, completion_tokens) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(ApiError::bad(
+                format!("max_tokens ({a}) and max_completion_tokens ({b}) disagree: send one"),
+                "max_completion_tokens",
+            ))
+        }
+        (None, b) => r.max_tokens = b,
+        _ => {}
+    }
     Ok(r)
 }
 
@@ -133,6 +147,11 @@ mod tests {
         assert_eq!(r.stop, vec!["\n"]);
         assert_eq!(r.priority, Priority::Background);
         assert_eq!(r.sampling.logit_bias, vec![(3, -1.5)]);
+        assert_eq!(build([f("max_completion_tokens", Field::Int(5))]).unwrap().max_tokens, Some(5));
+        let both = [f("max_tokens", Field::Int(5)), f("max_completion_tokens", Field::Int(5))];
+        assert_eq!(build(both).unwrap().max_tokens, Some(5));
+        let e = build([f("max_tokens", Field::Int(5)), f("max_completion_tokens", Field::Int(6))]).unwrap_err();
+        assert!(e.message.contains("disagree"), "{}", e.message);
         for (field, message) in [
             (f("max_tokens", Field::Int(-1)), "max_tokens must be a non-negative integer"),
             (f("max_tokens", Field::Number(1.5)), "max_tokens must be a non-negative integer"),

@@ -228,9 +228,92 @@ async fn detokenize(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> R
     run().map_or_else(error, |v| Json(v).into_response())
 }
 
-/// The request fields of a completion or chat body, typed (other keys are left to the route:
-/// `model`, `prompt`, `messages`, `stream`; keys OpenAI clients send that inferd does not use
-/// are ignored, as the OpenAI API does for unknown ones).
+/// Keys of OpenAI's request bodies that inferd accepts and ignores: bookkeeping for OpenAI's
+/// own service (`user` identifies the end user to it; inferd knows the local user from the
+/// socket).
+pub const IGNORED: [&str; 4] = ["user", "store", "metadata", "service_tier"];
+
+/// The keys a route reads itself, beside [`FIELDS`].
+const ROUTE_KEYS: [&str; 4] = ["model", "stream", "stream_options", "parallel_tool_calls"];
+
+/// Checks that every key of the body is one inferd implements or an accepted no-op: a field
+/// OpenAI defines that inferd does not implement is a 400 naming it, never silently dropped.
+/// `body_key` is the route's own (`prompt` or `messages`).
+fn known_keys(m: &Map<String, Value>, body_key: &str) -> Result<(), ApiError> {
+    for (k, v) in m {
+        let k = k.as_str();
+        if k == body_key || FIELDS.contains(&k) || IGNORED.contains(&k) || ROUTE_KEYS.contains(&k) || v.is_null() {
+            continue;
+        }
+        // Values that ask for nothing beyond plain text generation.
+        let default = match k {
+            "response_format" => v.get("type").and_then(Value::as_str) == Some("text"),
+            "modalities" => v.as_array().is_some_and(|a| a.iter().all(|x| x == "text")),
+            "echo" => v == &Value::Bool(false),
+            "best_of" => v.as_u64() == Some(1),
+            "suffix" => v.as_str() == Some(""),
+            "logprobs" => v == &Value::Bool(false) || v.as_u64() == Some(0),
+            "top_logprobs" => v.as_u64() == Some(0),
+            _ => false,
+        };
+        if default {
+            continue;
+        }
+        let what = match k {
+            "tools" | "tool_choice" | "functions" | "function_call" => "tool calling",
+            "response_format" => "structured output (response_format other than text)",
+            "logprobs" | "top_logprobs" => "log probabilities",
+            _ => "",
+        };
+        let message = if what.is_empty() {
+            format!("{k} is not supported by inferd")
+        } else {
+            format!("{k} is not supported by inferd yet ({what})")
+        };
+        return Err(ApiError::bad(message, param(k)));
+    }
+    Ok(())
+}
+
+/// A body key as a `'static` str for [`ApiError::param`].
+fn param(k: &str) -> &'static str {
+    const NAMED: [&str; 12] = [
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "response_format",
+        "logprobs",
+        "top_logprobs",
+        "echo",
+        "best_of",
+        "suffix",
+        "modalities",
+        "stream_options",
+    ];
+    NAMED.iter().find(|n| **n == k).copied().unwrap_or("body")
+}
+
+/// `stream_options.include_usage` (a 400 unless streaming, as OpenAI answers).
+fn include_usage(m: &Map<String, Value>) -> Result<bool, ApiError> {
+    let Some(o) = m.get("stream_options").filter(|v| !v.is_null()) else { return Ok(false) };
+    if m.get("stream").and_then(Value::as_bool) != Some(true) {
+        return Err(ApiError::bad("stream_options is only allowed when stream is true", "stream_options"));
+    }
+    let o = o.as_object().ok_or_else(|| ApiError::bad("stream_options must be an object", "stream_options"))?;
+    let mut usage = false;
+    for (k, v) in o {
+        match (k.as_str(), v) {
+            ("include_usage", Value::Bool(b)) => usage = *b,
+            ("include_usage", _) => return Err(ApiError::bad("include_usage must be true or false", "stream_options")),
+            _ => return Err(ApiError::bad(format!("stream_options.{k} is not supported by inferd"), "stream_options")),
+        }
+    }
+    Ok(usage)
+}
+
+/// The request fields of a completion or chat body, typed (the route's own keys are read by
+/// the route: `model`, `prompt` or `messages`, `stream`, `stream_options`).
 fn typed_request(m: &Map<String, Value>) -> Result<Request, ApiError> {
     let mut fields = Vec::new();
     for key in FIELDS {
@@ -265,17 +348,41 @@ fn typed_request(m: &Map<String, Value>) -> Result<Request, ApiError> {
     fields::build(fields)
 }
 
-/// The `messages` field of a chat request as (role, content) pairs.
+/// The `messages` field of a chat request as (role, content) pairs. A content is a string or
+/// an array of content parts, whose text parts are joined; other part types are refused by
+/// name.
 fn chat_messages(m: &Map<String, Value>) -> Result<Vec<(String, String)>, ApiError> {
     let list = m
         .get("messages")
         .and_then(Value::as_array)
         .ok_or_else(|| ApiError::bad("messages must be an array", "messages"))?;
+    let bad = |i: usize, what: String| ApiError::bad(format!("messages[{i}]: {what}"), "messages");
     list.iter()
         .enumerate()
-        .map(|(i, msg)| match (msg.get("role").and_then(Value::as_str), msg.get("content").and_then(Value::as_str)) {
-            (Some(r), Some(c)) => Ok((r.to_owned(), c.to_owned())),
-            _ => Err(ApiError::bad(format!("messages[{i}] needs a string role and a string content"), "messages")),
+        .map(|(i, msg)| {
+            let role = msg.get("role").and_then(Value::as_str).ok_or_else(|| bad(i, "needs a string role".into()))?;
+            let content = match msg.get("content") {
+                Some(Value::String(c)) => c.clone(),
+                Some(Value::Array(parts)) => {
+                    let mut text = String::new();
+                    for (j, part) in parts.iter().enumerate() {
+                        match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
+                            (Some("text"), Some(t)) => text.push_str(t),
+                            (Some("text"), None) => return Err(bad(i, format!("content[{j}] needs a string text"))),
+                            (Some(other), _) => {
+                                return Err(bad(
+                                    i,
+                                    format!("content part type {other:?} is not supported by inferd (text only)"),
+                                ))
+                            }
+                            (None, _) => return Err(bad(i, format!("content[{j}] needs a type"))),
+                        }
+                    }
+                    text
+                }
+                _ => return Err(bad(i, "needs a content: a string or an array of content parts".into())),
+            };
+            Ok((role.to_owned(), content))
         })
         .collect()
 }
@@ -292,6 +399,8 @@ async fn completions(
             .get("prompt")
             .and_then(Value::as_str)
             .ok_or_else(|| ApiError::bad("prompt must be a string", "prompt"))?;
+        known_keys(&m, "prompt")?;
+        include_usage(&m)?;
         let ids = request::encode_prompt(&model.model, prompt)?;
         Ok((request::prepare(&sh, model, typed_request(&m)?, ids)?, m))
     };
@@ -309,6 +418,8 @@ async fn chat_completions(
     let start = || -> Result<(request::Prepared, Map<String, Value>), ApiError> {
         let m = object(&body)?;
         let model = sh.model(model_field(&m)?)?;
+        known_keys(&m, "messages")?;
+        include_usage(&m)?;
         let ids = request::encode_chat(&model.model, &chat_messages(&m)?)?;
         Ok((request::prepare(&sh, model, typed_request(&m)?, ids)?, m))
     };
@@ -322,6 +433,7 @@ async fn chat_completions(
 /// streamed.
 async fn respond(sh: Arc<Shared>, p: request::Prepared, m: &Map<String, Value>, peer: Peer, chat: bool) -> Response {
     let stream = m.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let with_usage = include_usage(m).unwrap_or(false);
     let (n, prompt_tokens, decoder) = (p.n, p.prompt.len(), p.strategy.name().to_owned());
     let mut out = Output::new(p.n, p.stop.clone());
     let mut sub = match request::submit(&sh, p, peer.uid()) {
@@ -402,13 +514,21 @@ async fn respond(sh: Arc<Shared>, p: request::Prepared, m: &Map<String, Value>, 
                 .to_string()
         };
         let mut ended = false;
+        // The last chunk of `stream_options.include_usage`: no choices, the usage.
+        let usage_chunk = |completion: usize| {
+            json!({ "id": cid, "object": object, "created": created, "model": model_name, "choices": [], "usage": usage(completion) })
+                .to_string()
+        };
         'events: while let Some(ev) = sub.events.recv().await {
             for piece in out.on_event(&sub.model.model, ev) {
                 let ok = match piece {
                     Piece::Text { text, .. } if text.is_empty() => true,
                     Piece::Text { choice: c, text, .. } => send(chunk(json!([choice(c, text, Value::Null)]))),
                     Piece::End { choice: c, reason, text } => send(chunk(json!([choice(c, text, finish(reason))]))),
-                    Piece::Done { .. } => {
+                    Piece::Done { completion_tokens, .. } => {
+                        if with_usage {
+                            send(usage_chunk(completion_tokens));
+                        }
                         ended = true;
                         break 'events;
                     }
@@ -424,6 +544,9 @@ async fn respond(sh: Arc<Shared>, p: request::Prepared, m: &Map<String, Value>, 
             }
             if out.all_stopped() {
                 stop(&sub);
+                if let (true, Piece::Done { completion_tokens, .. }) = (with_usage, out.done_by_stop()) {
+                    send(usage_chunk(completion_tokens));
+                }
                 ended = true;
                 break;
             }

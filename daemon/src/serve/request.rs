@@ -100,13 +100,6 @@ pub fn encode_chat(model: &Model, messages: &[(String, String)]) -> Result<Vec<u
 pub fn prepare(sh: &Shared, model: Arc<ModelHandle>, req: Request, prompt: Vec<u32>) -> Result<Prepared, ApiError> {
     let ctx = model.context_len() as u64;
     let cap = u64::from(sh.limits().max_tokens).min(ctx);
-    let max_tokens = match req.max_tokens {
-        None => 16.min(cap),
-        Some(x) if x <= cap => x,
-        Some(_) => {
-            return Err(ApiError::bad(format!("max_tokens must be an integer between 0 and {cap}"), "max_tokens"))
-        }
-    } as u32;
     let n = match req.n {
         None => 1,
         Some(0) => return Err(ApiError::bad("n must be at least 1", "n")),
@@ -131,6 +124,29 @@ pub fn prepare(sh: &Shared, model: Arc<ModelHandle>, req: Request, prompt: Vec<u
     if prompt.is_empty() {
         return Err(ApiError::bad("the prompt is empty", "prompt"));
     }
+    let kv = model.monitor.snapshot().kv;
+    let max_tokens = match req.max_tokens {
+        // As OpenAI, Ollama and llama-server do: until the end of the turn or of the context,
+        // within the daemon's limit and what the KV cache can hold for n choices.
+        None => {
+            let room = ctx.saturating_sub(prompt.len() as u64);
+            let blocks = kv.total.saturating_sub(prompt.len().div_ceil(kv.block_size.max(1)));
+            let cache = if kv.total > 0 { (blocks / n as usize * kv.block_size) as u64 } else { room };
+            let m = cap.min(room).min(cache);
+            if m == 0 {
+                return Err(ApiError::new(
+                    413,
+                    format!("{} prompt tokens leave no room to generate in the context of {ctx}", prompt.len()),
+                    Some("prompt"),
+                ));
+            }
+            m
+        }
+        Some(x) if x <= cap => x,
+        Some(_) => {
+            return Err(ApiError::bad(format!("max_tokens must be an integer between 0 and {cap}"), "max_tokens"))
+        }
+    } as u32;
     if prompt.len() as u64 + u64::from(max_tokens) > ctx {
         return Err(ApiError::new(
             413,
@@ -139,7 +155,6 @@ pub fn prepare(sh: &Shared, model: Arc<ModelHandle>, req: Request, prompt: Vec<u
         ));
     }
     // Larger than the whole KV cache: it could never run (each choice grows its own blocks).
-    let kv = model.monitor.snapshot().kv;
     if kv.total > 0 && kv.block_size > 0 {
         let need = prompt.len().div_ceil(kv.block_size) + n as usize * (max_tokens as usize).div_ceil(kv.block_size);
         if need > kv.total {

@@ -19,6 +19,30 @@ fn the_official_openai_python_client_works_unchanged() {
     assert!(v["chat"].as_str().unwrap().contains("Paris"), "{v}");
     assert_eq!(v["chat"], v["chat_stream"]);
     assert_eq!(v["bad_status"], 400);
+    assert_eq!(v["chat_parts"], v["chat"], "text content parts are the string content");
+    let u = &v["unbounded"];
+    assert!(
+        u["finish"] == "stop" && u["tokens"].as_u64().unwrap() > 16,
+        "no max_tokens runs to the end of the turn: {u}"
+    );
+    assert!(u["text"].as_str().unwrap().contains("evaporation"), "{u}");
+    assert_eq!(v["max_completion_tokens"], serde_json::json!({ "finish": "length", "tokens": 5 }));
+    let su = &v["stream_usage"];
+    assert!(su["last_choices"] == 0 && su["tokens"] == 5 && !su["text"].as_str().unwrap().is_empty(), "{su}");
+    let st = &v["speculative_t0"];
+    assert_eq!(st["speculative"], st["greedy"], "speculative decoding at temperature 0 is greedy");
+    assert_eq!(v["user_ok"], "length");
+    let refused = &v["refused"];
+    for (name, says) in [
+        ("tools", "tools is not supported by inferd yet"),
+        ("response_format", "response_format is not supported by inferd yet"),
+        ("image_url", "content part type \"image_url\" is not supported"),
+        ("colour", "colour is not supported by inferd"),
+        ("stream_options", "stream_options is only allowed when stream is true"),
+    ] {
+        let r = &refused[name];
+        assert!(r[0] == 400 && r[1].as_str().unwrap().contains(says), "{name}: {r}");
+    }
     let _ = std::fs::remove_dir_all(dir);
 }
 

@@ -86,6 +86,22 @@ fn dbus_generate_complete_properties_unicast_and_introspection() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // The request's sampling fields reach a named strategy: speculative decoding at temperature
+    // 0 gives greedy decoding's text.
+    let complete = |options: &str| {
+        let out = Command::new("gdbus")
+            .args(["call", "--session", "--dest", "org.inferd.Inference1", "--object-path", "/org/inferd/Inference1"])
+            .args(["--method", "org.inferd.Inference1.Complete", "", "Once upon a time, in a small village,", options])
+            .env("DBUS_SESSION_BUS_ADDRESS", &bus.address)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let greedy = complete("{'max_tokens': <uint32 40>, 'temperature': <0.0>}");
+    let speculative = complete("{'max_tokens': <uint32 40>, 'temperature': <0.0>, 'decoder': <'speculative'>}");
+    assert!(greedy.len() > 60, "{greedy}");
+    assert_eq!(speculative, greedy);
     assert_eq!(
         busctl(&["get-property", "org.inferd.Inference1", "/org/inferd/Inference1", "org.inferd.Inference1", "Models"])
             .trim(),
