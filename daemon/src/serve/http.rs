@@ -1,5 +1,6 @@
 //! The HTTP edge on the Unix socket (and the optional loopback TCP listener): OpenAI-compatible
-//! completions and chat completions (whole or as Server-Sent Events), `/tokenize`,
+//! completions and chat completions (whole or as Server-Sent Events), Ollama's API
+//! ([`ollama`](super::ollama)), `/tokenize`,
 //! `/detokenize`, `/health`, `/v1/models`, `/v1/status` and Prometheus `/metrics`. The JSON is
 //! parsed here; checking and submitting are the shared [`request`](super::request) path. The
 //! peer's uid comes from SO_PEERCRED on the connection ([`Peer`]).
@@ -45,7 +46,7 @@ impl Connected<IncomingStream<'_, tokio::net::TcpListener>> for Peer {
 }
 
 impl Peer {
-    fn uid(&self) -> u32 {
+    pub(super) fn uid(&self) -> u32 {
         self.uid.unwrap_or(ANONYMOUS_UID)
     }
 }
@@ -88,6 +89,7 @@ pub fn router(sh: Arc<Shared>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .merge(super::ollama::routes())
         .layer(axum::middleware::from_fn_with_state(Arc::clone(&sh), count))
         .with_state(sh)
 }
@@ -104,6 +106,13 @@ async fn count(State(sh): State<Arc<Shared>>, req: axum::extract::Request, next:
         "/v1/chat/completions",
         "/tokenize",
         "/detokenize",
+        "/api/version",
+        "/api/tags",
+        "/api/ps",
+        "/api/show",
+        "/api/generate",
+        "/api/chat",
+        "/api/embed",
     ];
     let route = if known.contains(&route.as_str()) { route } else { "other".into() };
     let resp = next.run(req).await;
@@ -176,7 +185,7 @@ async fn metrics(State(sh): State<Arc<Shared>>) -> Response {
 }
 
 /// The body as a JSON object, or the 400 that says why not.
-fn object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+pub(super) fn object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     let text = std::str::from_utf8(body).map_err(|_| ApiError::bad("the request body is not valid UTF-8", "body"))?;
     match serde_json::from_str::<Value>(text) {
         Ok(Value::Object(m)) => Ok(m),

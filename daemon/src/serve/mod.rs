@@ -12,6 +12,7 @@ pub mod fields;
 pub mod http;
 pub mod metrics;
 pub mod notify;
+pub mod ollama;
 pub mod request;
 
 use config::{Config, Limits, Mode};

@@ -46,6 +46,66 @@ fn the_official_openai_python_client_works_unchanged() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+#[test]
+fn the_official_ollama_python_client_works_unchanged() {
+    let dir = scratch("ollama");
+    let d = Daemon::start(&dir, "", &[]);
+    let pylib = std::env::var("INFERD_TEST_PYTHONPATH")
+        .unwrap_or_else(|_| format!("{}/.cache/inferd/python", std::env::var("HOME").unwrap_or_default()));
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/python/ollama_client.py");
+    let out = Command::new("python3").arg(script).arg(&d.socket).env("PYTHONPATH", &pylib).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "the ollama package is installed by tests/run into {pylib}:\n{stderr}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["tags"], serde_json::json!(["SmolLM2-135M-Instruct.Q4_1:latest"]));
+    let details = &v["details"];
+    assert!(details["family"] == "llama" && details["format"] == "gguf", "{v}");
+    let size = details["parameter_size"].as_str().unwrap();
+    let millions: f64 = size.strip_suffix('M').unwrap().parse().unwrap();
+    assert!((134.0..136.0).contains(&millions), "SmolLM2-135M's weights: {size}");
+    assert_eq!(details["quantization_level"], "Q4_1");
+    assert_eq!(v["version"], inferd::serve::ollama::OLLAMA_API_VERSION);
+    assert_eq!(
+        v["show"],
+        serde_json::json!({ "capabilities": ["completion"], "family": "llama", "has_template": true, "context_length": 8192 })
+    );
+    assert_eq!(v["ps"], v["tags"]);
+    let chat = &v["chat"];
+    assert!(chat["content"].as_str().unwrap().contains("Paris") && chat["done"] == true, "{chat}");
+    assert!(chat["role"] == "assistant" && chat["done_reason"] == "stop", "{chat}");
+    assert!(chat["eval_count"].as_u64().unwrap() > 0 && chat["prompt_eval_count"].as_u64().unwrap() > 5, "{chat}");
+    let stream = &v["chat_stream"];
+    assert_eq!(stream["content"], chat["content"], "streamed and whole answers agree");
+    assert!(
+        stream["chunks"].as_u64().unwrap() > 2 && stream["last_done"] == true && stream["others_done"] == false,
+        "{stream}"
+    );
+    let raw = &v["generate_raw"];
+    assert_eq!(raw["response"], " Paris.\n", "the raw prompt is not templated: as /v1/completions");
+    assert!(raw["done_reason"] == "length" && raw["eval_count"] == 3, "{raw}");
+    assert_eq!(
+        raw["context"],
+        raw["prompt_eval_count"].as_u64().unwrap() + 3,
+        "the context holds the prompt and the answer"
+    );
+    assert_eq!(v["generate_context"]["done_reason"], "length");
+    assert!(!v["generate_context"]["response"].as_str().unwrap().is_empty(), "{v}");
+    assert_eq!(v["generate_stream"], chat["content"], "generate templates the prompt as chat does");
+    assert_eq!(v["load"], "load");
+    assert_eq!(v["untagged"], chat["content"]);
+    let refused = &v["refused"];
+    for (name, status, says) in [
+        ("format", 400, "format is not supported by inferd yet"),
+        ("tools", 400, "tools is not supported by inferd yet"),
+        ("mirostat", 400, "options.mirostat is not supported"),
+        ("unknown_model", 404, "unknown model"),
+    ] {
+        let r = &refused[name];
+        assert!(r[0] == status && r[1].as_str().unwrap().contains(says), "{name}: {r}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 fn inferctl(socket: &Path, args: &[&str], stdin: &str) -> (bool, String, String) {
     // inferctl is another package of the workspace: its binary lies beside inferd's (tests/run
     // builds the whole workspace first).

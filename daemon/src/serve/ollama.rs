@@ -1,0 +1,507 @@
+//! Ollama's native API on the same listeners as the OpenAI one, for the desktop apps that speak
+//! it: `/api/generate` and `/api/chat` (NDJSON streaming, the default, or one object),
+//! `/api/tags`, `/api/show`, `/api/ps` and `/api/version`. Requests go through the shared
+//! request path ([`request`](super::request)) like every other edge; only the shapes are
+//! Ollama's. `options` map onto inferd's sampling fields; hardware options (`num_ctx`,
+//! `num_thread`, `num_gpu`, ...) and `keep_alive` are accepted and ignored, as is a sampling
+//! option at its neutral value; anything else inferd does not implement is a 400 naming it.
+//! Model names may carry Ollama's `:latest` tag.
+
+use super::fields::{self, Field};
+use super::http::Peer;
+use super::request::{self, ApiError, Output, Piece};
+use super::{ModelHandle, Shared};
+use axum::extract::{ConnectInfo, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use inferd_engine::sched::Command;
+use serde_json::{json, Map, Value};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+/// The version of Ollama's API these routes follow (what `/api/version` answers: clients check
+/// it before they use newer fields).
+pub const OLLAMA_API_VERSION: &str = "0.12.0";
+
+/// The routes, for the HTTP edge's router.
+pub fn routes() -> Router<Arc<Shared>> {
+    Router::new()
+        .route("/api/version", get(version))
+        .route("/api/tags", get(tags))
+        .route("/api/ps", get(ps))
+        .route("/api/show", post(show))
+        .route("/api/generate", post(generate))
+        .route("/api/chat", post(chat))
+        .route("/api/embed", post(embed))
+}
+
+/// Ollama's error shape: `{"error": message}` with the status.
+fn error(e: ApiError) -> Response {
+    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    (status, Json(json!({ "error": e.message }))).into_response()
+}
+
+fn bad(message: impl Into<String>) -> ApiError {
+    ApiError::bad(message, "options")
+}
+
+/// `time` as RFC 3339 in UTC with nanoseconds, as Ollama writes `created_at`.
+fn rfc3339(time: SystemTime) -> String {
+    let d = time.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let (secs, nanos) = (d.as_secs() as i64, d.subsec_nanos());
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Days since 1970-01-01 to a civil date (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{nanos:09}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+/// The loaded model an Ollama client names (`name:latest` is `name`).
+fn model(sh: &Shared, m: &Map<String, Value>) -> Result<Arc<ModelHandle>, ApiError> {
+    let name = match m.get("model").or_else(|| m.get("name")) {
+        Some(Value::String(s)) => s.as_str(),
+        None | Some(Value::Null) => "",
+        Some(_) => return Err(ApiError::bad("model must be a string", "model")),
+    };
+    sh.model(Some(name.strip_suffix(":latest").unwrap_or(name)).filter(|n| !n.is_empty()))
+}
+
+fn tagged(m: &ModelHandle) -> String {
+    format!("{}:latest", m.name)
+}
+
+/// `134.52M`, `1.24B`: the size Ollama lists, from the weights' element count.
+fn parameter_size(m: &ModelHandle) -> String {
+    let w = &m.model.weights;
+    let mats = w.layers.iter().flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]);
+    let mut n: usize = mats.map(|t| t.rows * t.cols).sum::<usize>() + w.token_embd.rows * w.token_embd.cols;
+    if !m.model.arch.tied_output {
+        n += w.output.rows * w.output.cols;
+    }
+    if n >= 1_000_000_000 {
+        format!("{:.2}B", n as f64 / 1e9)
+    } else {
+        format!("{:.2}M", n as f64 / 1e6)
+    }
+}
+
+fn details(m: &ModelHandle) -> Value {
+    let family = m.model.arch.name;
+    let format = if m.model.path.is_dir() { "safetensors" } else { "gguf" };
+    json!({
+        "parent_model": "", "format": format, "family": family, "families": [family],
+        "parameter_size": parameter_size(m), "quantization_level": m.model.weights.layers.first().map(|l| l.w_up.dtype.name()).unwrap_or("unknown"),
+    })
+}
+
+/// The model file's size and modification time.
+fn file_facts(m: &ModelHandle) -> (u64, SystemTime) {
+    let meta = std::fs::metadata(&m.model.path).ok();
+    (meta.as_ref().map_or(0, |x| x.len()), meta.and_then(|x| x.modified().ok()).unwrap_or(UNIX_EPOCH))
+}
+
+/// A stable identifier of the file (path, size, modification time); not a content hash.
+fn digest(m: &ModelHandle) -> String {
+    let (size, modified) = file_facts(m);
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let key = format!("{}\0{size}\0{:?}", m.model.path.display(), modified);
+    for b in key.bytes() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+async fn version() -> Json<Value> {
+    Json(json!({ "version": OLLAMA_API_VERSION }))
+}
+
+async fn tags(State(sh): State<Arc<Shared>>) -> Json<Value> {
+    let models: Vec<Value> = sh
+        .models
+        .iter()
+        .map(|m| {
+            let (size, modified) = file_facts(m);
+            json!({ "name": tagged(m), "model": tagged(m), "modified_at": rfc3339(modified), "size": size, "digest": digest(m), "details": details(m) })
+        })
+        .collect();
+    Json(json!({ "models": models }))
+}
+
+async fn ps(State(sh): State<Arc<Shared>>) -> Json<Value> {
+    let models: Vec<Value> = sh
+        .models
+        .iter()
+        .map(|m| {
+            let (size, _) = file_facts(m);
+            let vram = m.device_memory.map_or(0, |d| d.weights_bytes + d.kv_bytes);
+            // Loaded for as long as the daemon runs: no expiry yet.
+            json!({ "name": tagged(m), "model": tagged(m), "size": size, "digest": digest(m), "details": details(m), "expires_at": "9999-12-31T23:59:59Z", "size_vram": vram })
+        })
+        .collect();
+    Json(json!({ "models": models }))
+}
+
+async fn show(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
+    let run = || -> Result<Value, ApiError> {
+        let m = super::http::object(&body)?;
+        let h = model(&sh, &m)?;
+        let (_, modified) = file_facts(&h);
+        let (cfg, arch) = (&h.model.config, h.model.arch.name);
+        Ok(json!({
+            "modelfile": "", "parameters": "", "license": "",
+            "template": h.model.chat_template.clone().unwrap_or_default(),
+            "details": details(&h),
+            "model_info": {
+                "general.architecture": arch,
+                format!("{arch}.context_length"): h.context_len(),
+                format!("{arch}.embedding_length"): cfg.hidden,
+                format!("{arch}.block_count"): cfg.n_layers,
+                format!("{arch}.attention.head_count"): cfg.n_heads,
+                format!("{arch}.attention.head_count_kv"): cfg.n_kv_heads,
+                "tokenizer.ggml.vocab_size": cfg.vocab,
+            },
+            "capabilities": ["completion"],
+            "modified_at": rfc3339(modified),
+        }))
+    };
+    run().map_or_else(error, |v| Json(v).into_response())
+}
+
+async fn embed() -> Response {
+    error(ApiError::new(501, "embeddings are not implemented by inferd yet", None))
+}
+
+/// Ollama's `options` (and the top-level fields that set the same things) as request fields.
+fn options(m: &Map<String, Value>) -> Result<Vec<(String, Field)>, ApiError> {
+    let mut out = Vec::new();
+    let Some(o) = m.get("options").filter(|v| !v.is_null()) else { return Ok(out) };
+    let o = o.as_object().ok_or_else(|| bad("options must be an object"))?;
+    for (k, v) in o {
+        if v.is_null() {
+            continue;
+        }
+        let num = || v.as_f64().ok_or_else(|| bad(format!("options.{k} must be a number")));
+        let field = match k.as_str() {
+            "temperature" | "top_p" | "min_p" | "presence_penalty" | "frequency_penalty" => {
+                Some((k.clone(), Field::Number(num()?)))
+            }
+            "top_k" | "seed" => match v.as_i64() {
+                Some(x) => Some((k.clone(), Field::Int(x.into()))),
+                None => return Err(bad(format!("options.{k} must be an integer"))),
+            },
+            // -1: no limit, -2: fill the context; either way to the end of the turn or context.
+            "num_predict" => match v.as_i64() {
+                Some(-1 | -2) => None,
+                Some(x) => Some(("max_tokens".into(), Field::Int(x.into()))),
+                None => return Err(bad("options.num_predict must be an integer")),
+            },
+            "stop" => match v {
+                Value::String(s) => Some(("stop".into(), Field::Str(s.clone()))),
+                Value::Array(a) => Some((
+                    "stop".into(),
+                    Field::Strs(
+                        a.iter()
+                            .map(|x| x.as_str().map(str::to_owned))
+                            .collect::<Option<_>>()
+                            .ok_or_else(|| bad("options.stop must be strings"))?,
+                    ),
+                )),
+                _ => return Err(bad("options.stop must be a string or an array of strings")),
+            },
+            // How and where to run: inferd's configuration decides.
+            "num_ctx" | "num_batch" | "num_gpu" | "main_gpu" | "low_vram" | "num_thread" | "numa" | "use_mmap"
+            | "use_mlock" | "vocab_only" | "f16_kv" | "logits_all" | "embedding_only" | "num_keep" => None,
+            // Sampling inferd does not implement, accepted at its neutral value only.
+            "repeat_penalty" | "typical_p" | "tfs_z" if v.as_f64() == Some(1.0) => None,
+            "mirostat" if v.as_f64() == Some(0.0) => None,
+            // Settings of the samplers above, inert while those are off.
+            "repeat_last_n" | "mirostat_tau" | "mirostat_eta" | "penalize_newline" => None,
+            _ => return Err(bad(format!("options.{k} is not supported by inferd"))),
+        };
+        out.extend(field);
+    }
+    Ok(out)
+}
+
+/// Top-level keys both routes accept beside their own, checked like the OpenAI edge's.
+fn check_keys(m: &Map<String, Value>, own: &[&str]) -> Result<(), ApiError> {
+    for (k, v) in m {
+        let k = k.as_str();
+        if v.is_null() || own.contains(&k) || ["model", "stream", "options", "keep_alive"].contains(&k) {
+            continue;
+        }
+        let neutral = match k {
+            "format" => v.as_str() == Some(""),
+            "think" | "raw" | "logprobs" => v == &Value::Bool(false),
+            "images" | "tools" => v.as_array().is_some_and(Vec::is_empty),
+            "suffix" | "template" => v.as_str() == Some(""),
+            _ => false,
+        };
+        if neutral {
+            continue;
+        }
+        let what = match k {
+            "format" => " yet (structured output)",
+            "tools" => " yet (tool calling)",
+            "images" => " (text models only)",
+            _ => "",
+        };
+        return Err(ApiError::bad(format!("{k} is not supported by inferd{what}"), "body"));
+    }
+    Ok(())
+}
+
+/// What a route asks the model for, before the shared checks; an empty prompt only loads
+/// the model (Ollama's way to preload one), answered at once with `done_reason: "load"`.
+struct Ask {
+    model: Arc<ModelHandle>,
+    prompt: Vec<u32>,
+    fields: Vec<(String, Field)>,
+    stream: bool,
+}
+
+fn loaded(a: &Ask, chat: bool) -> Response {
+    let mut v = json!({ "model": tagged(&a.model), "created_at": rfc3339(SystemTime::now()), "done": true, "done_reason": "load" });
+    if chat {
+        v["message"] = json!({ "role": "assistant", "content": "" });
+    } else {
+        v["response"] = json!("");
+    }
+    Json(v).into_response()
+}
+
+fn string(m: &Map<String, Value>, k: &str) -> Result<Option<String>, ApiError> {
+    match m.get(k) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(ApiError::bad(format!("{k} must be a string"), "body")),
+    }
+}
+
+async fn generate(
+    State(sh): State<Arc<Shared>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    body: axum::body::Bytes,
+) -> Response {
+    let ask = || -> Result<Ask, ApiError> {
+        let m = super::http::object(&body)?;
+        check_keys(&m, &["prompt", "system", "context", "raw"])?;
+        let h = model(&sh, &m)?;
+        let prompt = string(&m, "prompt")?.unwrap_or_default();
+        let raw = m.get("raw").and_then(Value::as_bool).unwrap_or(false);
+        // As Ollama does: the prompt goes through the model's chat template (with `system`)
+        // unless `raw`; `context` (what an earlier answer returned) comes first.
+        let mut ids: Vec<u32> = match m.get("context") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|x| x.as_u64().filter(|&t| t < h.model.config.vocab as u64).map(|t| t as u32))
+                .collect::<Option<_>>()
+                .ok_or_else(|| ApiError::bad("context must be token ids of the model", "context"))?,
+            Some(_) => return Err(ApiError::bad("context must be an array of token ids", "context")),
+        };
+        if prompt.is_empty() && ids.is_empty() {
+            // Nothing to generate from: a request to load the model.
+        } else if raw {
+            ids.extend(request::encode_prompt(&h.model, &prompt)?);
+        } else {
+            let mut msgs = Vec::new();
+            if let Some(system) = string(&m, "system")? {
+                msgs.push(("system".to_owned(), system));
+            }
+            msgs.push(("user".to_owned(), prompt));
+            ids.extend(request::encode_chat(&h.model, &msgs)?);
+        }
+        Ok(Ask {
+            model: h,
+            prompt: ids,
+            fields: options(&m)?,
+            stream: m.get("stream").and_then(Value::as_bool) != Some(false),
+        })
+    };
+    match ask() {
+        Ok(a) if a.prompt.is_empty() => loaded(&a, false),
+        Ok(a) => answer(sh, a, peer, false).await,
+        Err(e) => error(e),
+    }
+}
+
+async fn chat(
+    State(sh): State<Arc<Shared>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    body: axum::body::Bytes,
+) -> Response {
+    let ask = || -> Result<Ask, ApiError> {
+        let m = super::http::object(&body)?;
+        check_keys(&m, &["messages"])?;
+        let h = model(&sh, &m)?;
+        let list = m
+            .get("messages")
+            .and_then(Value::as_array)
+            .ok_or_else(|| ApiError::bad("messages must be an array", "messages"))?;
+        let mut msgs = Vec::new();
+        for (i, msg) in list.iter().enumerate() {
+            let role = msg.get("role").and_then(Value::as_str);
+            let content = msg.get("content").and_then(Value::as_str).unwrap_or("");
+            if msg.get("images").and_then(Value::as_array).is_some_and(|a| !a.is_empty()) {
+                return Err(ApiError::bad(
+                    format!("messages[{i}]: images are not supported by inferd (text models only)"),
+                    "messages",
+                ));
+            }
+            match role {
+                Some(r) => msgs.push((r.to_owned(), content.to_owned())),
+                None => return Err(ApiError::bad(format!("messages[{i}] needs a string role"), "messages")),
+            }
+        }
+        let ids = if msgs.is_empty() { Vec::new() } else { request::encode_chat(&h.model, &msgs)? };
+        Ok(Ask {
+            model: h,
+            prompt: ids,
+            fields: options(&m)?,
+            stream: m.get("stream").and_then(Value::as_bool) != Some(false),
+        })
+    };
+    match ask() {
+        Ok(a) if a.prompt.is_empty() => loaded(&a, true),
+        Ok(a) => answer(sh, a, peer, true).await,
+        Err(e) => error(e),
+    }
+}
+
+/// Submits the request and answers as Ollama does: NDJSON lines while streaming, a last line
+/// with `done: true`, the counts and durations (nanoseconds); or one object.
+async fn answer(sh: Arc<Shared>, a: Ask, peer: Peer, chat: bool) -> Response {
+    let t0 = Instant::now();
+    let req = match fields::build(a.fields) {
+        Ok(r) => r,
+        Err(e) => return error(e),
+    };
+    let prompt_ids = a.prompt.clone();
+    let p = match request::prepare(&sh, a.model, req, a.prompt) {
+        Ok(p) => p,
+        Err(e) => return error(e),
+    };
+    let mut out = Output::new(1, p.stop.clone());
+    let mut sub = match request::submit(&sh, p, peer.uid()) {
+        Ok(s) => s,
+        Err(e) => return error(e),
+    };
+    let name = tagged(&sub.model);
+    let piece = move |text: &str| {
+        let now = rfc3339(SystemTime::now());
+        if chat {
+            json!({ "model": name, "created_at": now, "message": { "role": "assistant", "content": text }, "done": false })
+        } else {
+            json!({ "model": name, "created_at": now, "response": text, "done": false })
+        }
+    };
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Value>();
+    let stream = a.stream;
+    tokio::spawn(async move {
+        let _slot = &sub.slot;
+        let (mut first, mut text, mut reason, mut generated) = (None, String::new(), "stop", Vec::new());
+        let (mut failed, mut done) = (None, false);
+        'events: while let Some(ev) = sub.events.recv().await {
+            if let inferd_engine::sched::Event::Token { token, .. } = &ev {
+                generated.push(*token);
+            }
+            for pc in out.on_event(&sub.model.model, ev) {
+                let chunk = match pc {
+                    Piece::Text { text: t, .. } | Piece::End { text: t, reason: "stop", .. } => t,
+                    Piece::End { text: t, reason: r, .. } => {
+                        reason = r;
+                        t
+                    }
+                    Piece::Done { .. } => {
+                        done = true;
+                        break 'events;
+                    }
+                    Piece::Failed(m) => {
+                        failed = Some(m);
+                        break 'events;
+                    }
+                };
+                first.get_or_insert_with(Instant::now);
+                if chunk.is_empty() {
+                    continue;
+                }
+                if stream {
+                    if tx.send(piece(&chunk)).is_err() {
+                        return; // the client went away: dropping the events cancels it
+                    }
+                } else {
+                    text.push_str(&chunk);
+                }
+            }
+            if out.all_stopped() {
+                if let Ok(tx) = sub.model.engine.lock() {
+                    let _ = tx.send(Command::Stop(sub.id));
+                }
+                done = true;
+                break;
+            }
+        }
+        if !done && failed.is_none() {
+            failed = Some("the engine stopped".to_owned());
+        }
+        if let Some(m) = failed {
+            let _ = tx.send(json!({ "error": m }));
+            return;
+        }
+        let end = Instant::now();
+        let first = first.unwrap_or(end);
+        let mut last = piece(if stream { "" } else { &text });
+        last["done"] = json!(true);
+        last["done_reason"] = json!(reason);
+        last["total_duration"] = json!((end - t0).as_nanos() as u64);
+        last["load_duration"] = json!(0);
+        last["prompt_eval_count"] = json!(sub.prompt_tokens);
+        last["prompt_eval_duration"] = json!((first - t0).as_nanos() as u64);
+        last["eval_count"] = json!(generated.len());
+        last["eval_duration"] = json!((end - first).as_nanos() as u64);
+        if !chat {
+            let mut context = prompt_ids;
+            context.extend(&generated);
+            last["context"] = json!(context);
+        }
+        let _ = tx.send(last);
+    });
+    if stream {
+        let lines = tokio_stream::StreamExt::map(tokio_stream::wrappers::UnboundedReceiverStream::new(rx), |v| {
+            Ok::<_, std::convert::Infallible>(format!("{v}\n"))
+        });
+        return ([(axum::http::header::CONTENT_TYPE, "application/x-ndjson")], axum::body::Body::from_stream(lines))
+            .into_response();
+    }
+    let mut rx = rx;
+    match rx.recv().await {
+        Some(v) if v.get("error").is_some() => (StatusCode::INTERNAL_SERVER_ERROR, Json(v)).into_response(),
+        Some(v) => Json(v).into_response(),
+        None => error(ApiError::new(503, "the engine stopped", None)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rfc3339;
+    use std::time::{Duration, UNIX_EPOCH};
+
+    #[test]
+    fn created_at_is_rfc3339_in_utc() {
+        assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00.000000000Z");
+        let t = UNIX_EPOCH + Duration::new(1_764_547_200 + 3_723, 5); // 2025-12-01 + 1:02:03
+        assert_eq!(rfc3339(t), "2025-12-01T01:02:03.000000005Z");
+        let leap = UNIX_EPOCH + Duration::from_secs(951_782_400); // 2000-02-29
+        assert_eq!(rfc3339(leap), "2000-02-29T00:00:00.000000000Z");
+    }
+}
