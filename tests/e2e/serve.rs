@@ -572,7 +572,7 @@ fn several_choices_and_beams_in_a_small_cache_all_succeed_and_leave_the_cache_cl
         let mut streamed: Vec<Vec<u32>> = vec![Vec::new(); r.4 as usize];
         let got = loop {
             match rx.recv().unwrap() {
-                Event::Token { choice, token } => streamed[choice as usize].push(token),
+                Event::Token { choice, token, .. } => streamed[choice as usize].push(token),
                 Event::Finished(g) => break g.choices.into_iter().map(|c| c.tokens).collect::<Vec<_>>(),
                 Event::Failed(m) => panic!("request {} ({}) failed: {m}", r.0, r.1),
             }

@@ -70,6 +70,15 @@ greedy = client.chat.completions.create(model=model, messages=story, temperature
 spec = client.chat.completions.create(model=model, messages=story, temperature=0, max_tokens=48, extra_body={"decoder": "speculative"})
 out["speculative_t0"] = {"greedy": greedy.choices[0].message.content, "speculative": spec.choices[0].message.content}
 
+# Each token's log-probability, whole and streamed; completions' logprobs=0 too.
+c = client.chat.completions.create(model=model, messages=parts, max_tokens=5, temperature=0, logprobs=True)
+lp = c.choices[0].logprobs.content
+out["logprobs"] = {"text": c.choices[0].message.content, "tokens": [x.token for x in lp], "values": [x.logprob for x in lp]}
+chunks = list(client.chat.completions.create(model=model, messages=parts, max_tokens=5, temperature=0, logprobs=True, stream=True))
+out["logprobs_stream"] = [x.logprob for ch in chunks if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.content]
+c = client.completions.create(model=model, prompt="The capital of France is", max_tokens=3, temperature=0, logprobs=0)
+out["completion_logprobs"] = {"tokens": c.choices[0].logprobs.tokens, "values": c.choices[0].logprobs.token_logprobs, "text": c.choices[0].text}
+
 # `user` is an accepted no-op; what inferd does not implement is a 400 that names it.
 out["user_ok"] = client.chat.completions.create(model=model, messages=parts, max_tokens=2, temperature=0, user="ana").choices[0].finish_reason
 refused = {}
@@ -79,6 +88,7 @@ for name, kwargs in {
     "image_url": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
     "colour": {"extra_body": {"colour": "blue"}},
     "stream_options": {"stream_options": {"include_usage": True}},
+    "top_logprobs": {"logprobs": True, "top_logprobs": 3},
 }.items():
     args = {"model": model, "messages": parts, "max_tokens": 2}
     args.update(kwargs)

@@ -21,6 +21,8 @@ pub struct Request {
     pub sampling: Sampling,
     /// A strategy by name, with its own parameters; the sampling fields choose one otherwise.
     pub decoder: Option<Decoder>,
+    /// Report each generated token's log-probability.
+    pub logprobs: bool,
 }
 
 /// OpenAI's sampling fields and the common extensions, each absent unless the client set it.

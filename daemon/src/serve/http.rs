@@ -243,7 +243,7 @@ async fn detokenize(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> R
 pub const IGNORED: [&str; 4] = ["user", "store", "metadata", "service_tier"];
 
 /// The keys a route reads itself, beside [`FIELDS`].
-const ROUTE_KEYS: [&str; 4] = ["model", "stream", "stream_options", "parallel_tool_calls"];
+const ROUTE_KEYS: [&str; 5] = ["model", "stream", "stream_options", "parallel_tool_calls", "logprobs"];
 
 /// Checks that every key of the body is one inferd implements or an accepted no-op: a field
 /// OpenAI defines that inferd does not implement is a 400 naming it, never silently dropped.
@@ -261,7 +261,6 @@ fn known_keys(m: &Map<String, Value>, body_key: &str) -> Result<(), ApiError> {
             "echo" => v == &Value::Bool(false),
             "best_of" => v.as_u64() == Some(1),
             "suffix" => v.as_str() == Some(""),
-            "logprobs" => v == &Value::Bool(false) || v.as_u64() == Some(0),
             "top_logprobs" => v.as_u64() == Some(0),
             _ => false,
         };
@@ -271,7 +270,7 @@ fn known_keys(m: &Map<String, Value>, body_key: &str) -> Result<(), ApiError> {
         let what = match k {
             "tools" | "tool_choice" | "functions" | "function_call" => "tool calling",
             "response_format" => "structured output (response_format other than text)",
-            "logprobs" | "top_logprobs" => "log probabilities",
+            "top_logprobs" => "the most likely alternatives of each token",
             _ => "",
         };
         let message = if what.is_empty() {
@@ -301,6 +300,51 @@ fn param(k: &str) -> &'static str {
         "stream_options",
     ];
     NAMED.iter().find(|n| **n == k).copied().unwrap_or("body")
+}
+
+/// Whether the body asks for each token's log-probability: chat's `logprobs: true`,
+/// completions' `logprobs: 0` (a count of alternatives per token, which inferd does not report
+/// yet: more than 0 is refused by name).
+fn wants_logprobs(m: &Map<String, Value>, chat: bool) -> Result<bool, ApiError> {
+    match (m.get("logprobs"), chat) {
+        (None | Some(Value::Null), _) => Ok(false),
+        (Some(Value::Bool(b)), true) => Ok(*b),
+        (Some(v), false) if v.as_u64() == Some(0) => Ok(true),
+        (Some(v), false) if v.as_u64().is_some() => Err(ApiError::bad(
+            "logprobs above 0 (alternatives per token) is not supported by inferd yet; 0 reports each token's",
+            "logprobs",
+        )),
+        (Some(_), true) => Err(ApiError::bad("logprobs must be true or false", "logprobs")),
+        (Some(_), false) => Err(ApiError::bad("logprobs must be an integer", "logprobs")),
+    }
+}
+
+/// The `logprobs` of a choice (or of a streamed piece of one), in the route's shape.
+fn logprobs_json(model: &inferd_engine::model::Model, chat: bool, lps: &[(u32, f32)], offset: usize) -> Value {
+    let text = |t: u32| model.tokenizer.decode(&[t], false).unwrap_or_default();
+    let lp = |x: f32| if x.is_finite() { json!(x) } else { json!(-9999.0) };
+    if chat {
+        let content: Vec<Value> = lps
+            .iter()
+            .map(|&(t, x)| {
+                let s = text(t);
+                json!({ "token": s, "logprob": lp(x), "bytes": s.as_bytes(), "top_logprobs": [] })
+            })
+            .collect();
+        return json!({ "content": content });
+    }
+    let tokens: Vec<String> = lps.iter().map(|&(t, _)| text(t)).collect();
+    let mut at = offset;
+    let offsets: Vec<usize> = tokens
+        .iter()
+        .map(|s| {
+            let o = at;
+            at += s.len();
+            o
+        })
+        .collect();
+    let values: Vec<Value> = lps.iter().map(|&(_, x)| lp(x)).collect();
+    json!({ "tokens": tokens, "token_logprobs": values, "top_logprobs": Value::Null, "text_offset": offsets })
 }
 
 /// `stream_options.include_usage` (a 400 unless streaming, as OpenAI answers).
@@ -411,7 +455,8 @@ async fn completions(
         known_keys(&m, "prompt")?;
         include_usage(&m)?;
         let ids = request::encode_prompt(&model.model, prompt)?;
-        Ok((request::prepare(&sh, model, typed_request(&m)?, ids)?, m))
+        let req = Request { logprobs: wants_logprobs(&m, false)?, ..typed_request(&m)? };
+        Ok((request::prepare(&sh, model, req, ids)?, m))
     };
     match start() {
         Ok((p, m)) => respond(sh, p, &m, peer, false).await,
@@ -430,7 +475,8 @@ async fn chat_completions(
         known_keys(&m, "messages")?;
         include_usage(&m)?;
         let ids = request::encode_chat(&model.model, &chat_messages(&m)?)?;
-        Ok((request::prepare(&sh, model, typed_request(&m)?, ids)?, m))
+        let req = Request { logprobs: wants_logprobs(&m, true)?, ..typed_request(&m)? };
+        Ok((request::prepare(&sh, model, req, ids)?, m))
     };
     match start() {
         Ok((p, m)) => respond(sh, p, &m, peer, true).await,
@@ -444,6 +490,7 @@ async fn respond(sh: Arc<Shared>, p: request::Prepared, m: &Map<String, Value>, 
     let stream = m.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let with_usage = include_usage(m).unwrap_or(false);
     let (n, prompt_tokens, decoder) = (p.n, p.prompt.len(), p.strategy.name().to_owned());
+    let with_logprobs = p.logprobs;
     let mut out = Output::new(p.n, p.stop.clone());
     let mut sub = match request::submit(&sh, p, peer.uid()) {
         Ok(s) => s,
@@ -458,34 +505,51 @@ async fn respond(sh: Arc<Shared>, p: request::Prepared, m: &Map<String, Value>, 
         (false, _) => "text_completion",
     };
     let finish = |reason: &str| json!(reason);
-    let choice = move |i: u32, text: String, reason: Value| {
+    let choice = move |i: u32, text: String, reason: Value, lp: Value| {
         if chat && stream {
-            json!({ "index": i, "delta": { "content": text }, "logprobs": Value::Null, "finish_reason": reason })
+            json!({ "index": i, "delta": { "content": text }, "logprobs": lp, "finish_reason": reason })
         } else if chat {
-            json!({ "index": i, "message": { "role": "assistant", "content": text }, "logprobs": Value::Null, "finish_reason": reason })
+            json!({ "index": i, "message": { "role": "assistant", "content": text }, "logprobs": lp, "finish_reason": reason })
         } else {
-            json!({ "index": i, "text": text, "logprobs": Value::Null, "finish_reason": reason })
+            json!({ "index": i, "text": text, "logprobs": lp, "finish_reason": reason })
+        }
+    };
+    let model = Arc::clone(&sub.model);
+    // The logprobs of tokens `lps`, the first at text offset `offset` of its choice.
+    let lp_json = move |lps: &[(u32, f32)], offset: usize| {
+        if with_logprobs {
+            logprobs_json(&model.model, chat, lps, offset)
+        } else {
+            Value::Null
         }
     };
     let usage = move |completion: usize| json!({ "prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion });
     if !stream {
         let mut texts = vec![String::new(); n as usize];
         let mut reasons = vec![Value::Null; n as usize];
+        let mut lps: Vec<Vec<(u32, f32)>> = vec![Vec::new(); n as usize];
+        let choices = |texts: &mut Vec<String>, reasons: &mut Vec<Value>, lps: &[Vec<(u32, f32)>]| -> Vec<Value> {
+            texts
+                .drain(..)
+                .zip(reasons.drain(..))
+                .enumerate()
+                .map(|(i, (t, r))| choice(i as u32, t, r, lp_json(&lps[i], 0)))
+                .collect()
+        };
         while let Some(ev) = sub.events.recv().await {
             for piece in out.on_event(&sub.model.model, ev) {
                 match piece {
-                    Piece::Text { choice, text, .. } => texts[choice as usize].push_str(&text),
-                    Piece::End { choice, reason, text } => {
+                    Piece::Text { choice, text, logprobs, .. } => {
+                        texts[choice as usize].push_str(&text);
+                        lps[choice as usize].extend(logprobs);
+                    }
+                    Piece::End { choice, reason, text, logprobs } => {
                         texts[choice as usize].push_str(&text);
                         reasons[choice as usize] = finish(reason);
+                        lps[choice as usize].extend(logprobs);
                     }
                     Piece::Done { completion_tokens, stats } => {
-                        let choices: Vec<Value> = texts
-                            .drain(..)
-                            .zip(reasons.drain(..))
-                            .enumerate()
-                            .map(|(i, (t, r))| choice(i as u32, t, r))
-                            .collect();
+                        let choices = choices(&mut texts, &mut reasons, &lps);
                         return Json(json!({ "id": cid, "object": object, "created": created, "model": model_name, "choices": choices, "usage": usage(completion_tokens), "inferd": { "decoder": decoder, "stats": stats } })).into_response();
                     }
                     Piece::Failed(msg) => return error(ApiError::new(500, msg, None)),
@@ -494,12 +558,7 @@ async fn respond(sh: Arc<Shared>, p: request::Prepared, m: &Map<String, Value>, 
             if out.all_stopped() {
                 stop(&sub);
                 let Piece::Done { completion_tokens, .. } = out.done_by_stop() else { break };
-                let choices: Vec<Value> = texts
-                    .drain(..)
-                    .zip(reasons.drain(..))
-                    .enumerate()
-                    .map(|(i, (t, r))| choice(i as u32, t, r))
-                    .collect();
+                let choices = choices(&mut texts, &mut reasons, &lps);
                 return Json(json!({ "id": cid, "object": object, "created": created, "model": model_name, "choices": choices, "usage": usage(completion_tokens), "inferd": { "decoder": decoder } })).into_response();
             }
         }
@@ -523,6 +582,8 @@ async fn respond(sh: Arc<Shared>, p: request::Prepared, m: &Map<String, Value>, 
                 .to_string()
         };
         let mut ended = false;
+        // Text sent per choice so far (completions' logprobs give text offsets).
+        let mut sent = vec![0usize; n as usize];
         // The last chunk of `stream_options.include_usage`: no choices, the usage.
         let usage_chunk = |completion: usize| {
             json!({ "id": cid, "object": object, "created": created, "model": model_name, "choices": [], "usage": usage(completion) })
@@ -531,9 +592,17 @@ async fn respond(sh: Arc<Shared>, p: request::Prepared, m: &Map<String, Value>, 
         'events: while let Some(ev) = sub.events.recv().await {
             for piece in out.on_event(&sub.model.model, ev) {
                 let ok = match piece {
-                    Piece::Text { text, .. } if text.is_empty() => true,
-                    Piece::Text { choice: c, text, .. } => send(chunk(json!([choice(c, text, Value::Null)]))),
-                    Piece::End { choice: c, reason, text } => send(chunk(json!([choice(c, text, finish(reason))]))),
+                    Piece::Text { text, logprobs, .. } if text.is_empty() && logprobs.is_empty() => true,
+                    Piece::Text { choice: c, text, logprobs, .. } => {
+                        let lp = lp_json(&logprobs, sent[c as usize]);
+                        sent[c as usize] += text.len();
+                        send(chunk(json!([choice(c, text, Value::Null, lp)])))
+                    }
+                    Piece::End { choice: c, reason, text, logprobs } => {
+                        let lp = lp_json(&logprobs, sent[c as usize]);
+                        sent[c as usize] += text.len();
+                        send(chunk(json!([choice(c, text, finish(reason), lp)])))
+                    }
                     Piece::Done { completion_tokens, .. } => {
                         if with_usage {
                             send(usage_chunk(completion_tokens));

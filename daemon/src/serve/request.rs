@@ -57,6 +57,8 @@ pub struct Prepared {
     pub seed: u64,
     pub priority: Priority,
     pub stop: Vec<String>,
+    /// The strategy reports each token's log-probability.
+    pub logprobs: bool,
 }
 
 impl Shared {
@@ -114,7 +116,7 @@ pub fn prepare(sh: &Shared, model: Arc<ModelHandle>, req: Request, prompt: Vec<u
     if let Some(k) = req.sampling.non_finite() {
         return Err(ApiError::bad(format!("{k} must be a finite number"), k));
     }
-    let (priority, stop) = (req.priority, req.stop.clone());
+    let (priority, stop, logprobs) = (req.priority, req.stop.clone(), req.logprobs);
     let (name, params) = req.strategy();
     let strategy = match sh.registry().get(&name) {
         Ok(s) => s,
@@ -170,11 +172,11 @@ pub fn prepare(sh: &Shared, model: Arc<ModelHandle>, req: Request, prompt: Vec<u
         n,
         seed,
         eos: tok.eos(),
-        logprobs: false,
+        logprobs,
     };
     Session::validate(&strategy, model.model.config.vocab as u32, model.roles, &req)
         .map_err(|e| ApiError::bad(e.to_string(), "decoder_params"))?;
-    Ok(Prepared { model, strategy, prompt, params, max_tokens, n, seed, priority, stop })
+    Ok(Prepared { model, strategy, prompt, params, max_tokens, n, seed, priority, stop, logprobs })
 }
 
 /// Requests in flight per user, against `limits.max_requests_per_user`.
@@ -250,7 +252,7 @@ pub fn submit(sh: &Arc<Shared>, p: Prepared, uid: u32) -> Result<Submitted, ApiE
         max_tokens: p.max_tokens,
         n: p.n,
         seed: p.seed,
-        logprobs: false,
+        logprobs: p.logprobs,
         meta,
         events: Box::new(move |e| tx.send(e).is_ok()),
     };
@@ -268,12 +270,16 @@ pub enum Piece {
         choice: u32,
         text: String,
         token: u32,
+        /// The tokens whose text this piece completes, with their log-probabilities (NaN
+        /// unless the request asked for them).
+        logprobs: Vec<(u32, f32)>,
     },
     /// A choice ended: "stop" (end of sequence or a stop string) or "length".
     End {
         choice: u32,
         reason: &'static str,
         text: String,
+        logprobs: Vec<(u32, f32)>,
     },
     /// Every choice ended.
     Done {
@@ -296,6 +302,8 @@ struct ChoiceOut {
     dec: StreamDecoder,
     /// Text decoded but not sent yet (it may be the start of a stop string).
     held: String,
+    /// Tokens whose text is not sent yet.
+    pending: Vec<(u32, f32)>,
     tokens: usize,
     ended: bool,
 }
@@ -316,24 +324,27 @@ impl Output {
     pub fn on_event(&mut self, model: &Model, ev: Event) -> Vec<Piece> {
         let tok = &model.tokenizer;
         match ev {
-            Event::Token { choice, token } => {
+            Event::Token { choice, token, logprob } => {
                 let Some(c) = self.choices.get_mut(choice as usize) else { return Vec::new() };
                 if c.ended {
                     return Vec::new();
                 }
                 c.tokens += 1;
+                c.pending.push((token, logprob));
                 let text = c.dec.push(tok, token).unwrap_or_default();
                 c.held.push_str(&text);
                 if let Some(at) = self.stop.iter().filter_map(|s| c.held.find(s.as_str())).min() {
                     c.held.truncate(at);
                     c.ended = true;
-                    return vec![Piece::End { choice, reason: "stop", text: std::mem::take(&mut c.held) }];
+                    let logprobs = std::mem::take(&mut c.pending);
+                    return vec![Piece::End { choice, reason: "stop", text: std::mem::take(&mut c.held), logprobs }];
                 }
                 // Keep back the longest tail that could still begin a stop string.
                 let keep = self.stop.iter().map(|s| partial_suffix(&c.held, s)).max().unwrap_or(0);
                 let send = c.held.len() - keep;
                 let out: String = c.held.drain(..send).collect();
-                vec![Piece::Text { choice, text: out, token }]
+                let logprobs = if keep == 0 { std::mem::take(&mut c.pending) } else { Vec::new() };
+                vec![Piece::Text { choice, text: out, token, logprobs }]
             }
             Event::Finished(g) => {
                 let mut out = Vec::new();
@@ -347,7 +358,7 @@ impl Output {
                     let fin = g.choices.get(i);
                     let reason =
                         if fin.and_then(|f| f.finish) == Some(FinishReason::Length) { "length" } else { "stop" };
-                    out.push(Piece::End { choice: i as u32, reason, text });
+                    out.push(Piece::End { choice: i as u32, reason, text, logprobs: std::mem::take(&mut c.pending) });
                 }
                 out.push(Piece::Done {
                     completion_tokens: self.choices.iter().map(|c| c.tokens).sum(),

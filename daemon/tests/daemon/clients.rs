@@ -32,6 +32,18 @@ fn the_official_openai_python_client_works_unchanged() {
     let st = &v["speculative_t0"];
     assert_eq!(st["speculative"], st["greedy"], "speculative decoding at temperature 0 is greedy");
     assert_eq!(v["user_ok"], "length");
+    let lp = &v["logprobs"];
+    let values: Vec<f64> = lp["values"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+    assert!(values.len() == 5 && values.iter().all(|x| *x <= 0.0 && *x > -30.0), "{lp}");
+    let joined: String = lp["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(joined, lp["text"].as_str().unwrap(), "the tokens spell the text");
+    assert_eq!(v["logprobs_stream"], lp["values"], "streamed logprobs are the whole answer's");
+    let cl = &v["completion_logprobs"];
+    assert_eq!(cl["tokens"].as_array().unwrap().len(), 3, "{cl}");
+    assert_eq!(
+        cl["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect::<String>(),
+        cl["text"].as_str().unwrap()
+    );
     let refused = &v["refused"];
     for (name, says) in [
         ("tools", "tools is not supported by inferd yet"),
@@ -39,6 +51,7 @@ fn the_official_openai_python_client_works_unchanged() {
         ("image_url", "content part type \"image_url\" is not supported"),
         ("colour", "colour is not supported by inferd"),
         ("stream_options", "stream_options is only allowed when stream is true"),
+        ("top_logprobs", "top_logprobs is not supported by inferd yet"),
     ] {
         let r = &refused[name];
         assert!(r[0] == 400 && r[1].as_str().unwrap().contains(says), "{name}: {r}");

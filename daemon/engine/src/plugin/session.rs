@@ -57,7 +57,7 @@ pub struct Choice {
 }
 
 /// A token as it is emitted: `(choice, token)`.
-pub type OnToken<'a> = &'a mut dyn FnMut(u32, u32);
+pub type OnToken<'a> = &'a mut dyn FnMut(u32, u32, f32);
 
 struct State {
     strategy: String,
@@ -168,7 +168,7 @@ impl HostSide for Side<'_> {
         }
         ch.tokens.push(token as u32);
         ch.logprobs.push(logprob);
-        (self.on_token)(choice, token as u32);
+        (self.on_token)(choice, token as u32, logprob);
         Ok(())
     }
 
@@ -270,7 +270,7 @@ impl Session {
             vocab,
             seed: req.seed,
         };
-        let mut nothing = |_: u32, _: u32| {};
+        let mut nothing = |_: u32, _: u32, _: f32| {};
         let mut side = Side { st: &mut st, store: None, on_token: &mut nothing };
         let mut ctx = CallCtx::new(&mut side);
         // SAFETY: a validated entry point of a loaded plugin, with a live call context and an

@@ -89,7 +89,13 @@ pub fn channel_sink(tx: Sender<Event>) -> EventSink {
 /// What a request's client hears.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
-    Token { choice: u32, token: u32 },
+    /// A token of a choice, with its log-probability when the request asked for them (NaN
+    /// otherwise).
+    Token {
+        choice: u32,
+        token: u32,
+        logprob: f32,
+    },
     Finished(Generation),
     Failed(String),
 }

@@ -140,7 +140,7 @@ struct Emit<'a> {
 }
 
 impl Emit<'_> {
-    fn token(&mut self, choice: u32, token: u32) {
+    fn token(&mut self, choice: u32, token: u32, logprob: f32) {
         let c = choice as usize;
         if self.emitted.len() <= c {
             self.emitted.resize(c + 1, 0);
@@ -160,7 +160,7 @@ impl Emit<'_> {
             self.ttft.push(self.req.sub.meta.submitted.elapsed().as_secs_f64());
         }
         *self.sent += 1;
-        if !(self.req.sub.events)(Event::Token { choice, token }) {
+        if !(self.req.sub.events)(Event::Token { choice, token, logprob }) {
             *self.gone = true;
         }
     }
@@ -397,7 +397,7 @@ impl Scheduler {
                 logprobs: w.req.sub.logprobs,
             };
             // (Creating a session emits nothing.)
-            match Session::create(Arc::clone(&w.req.sub.strategy), store, &req, &mut |_, _| {}) {
+            match Session::create(Arc::clone(&w.req.sub.strategy), store, &req, &mut |_, _, _| {}) {
                 Ok(session) => {
                     self.out.admitted.push(w.req.sub.id);
                     let emitted = vec![0; w.req.streamed.len()];
@@ -455,7 +455,7 @@ impl Scheduler {
             let Running { req, session, resume, emitted, gone, diverged, .. } = r;
             let mut emit =
                 Emit { req, resume: *resume, emitted, gone, diverged, sent: &mut *sent, ttft: &mut self.seen.ttft };
-            match session.plan(store, &mut |c, t| emit.token(c, t)) {
+            match session.plan(store, &mut |c, t, lp| emit.token(c, t, lp)) {
                 Ok(Some(work)) => plans.push((i, work)),
                 Ok(None) => done.push((i, Ok(()))),
                 Err(e) => done.push((i, Err(e.to_string()))),
@@ -533,7 +533,7 @@ impl Scheduler {
                 Emit { req, resume: *resume, emitted, gone, diverged, sent: &mut *sent, ttft: &mut self.seen.ttft };
             let outcome = match rows {
                 Ok(rows) => session
-                    .observe(store, &b.items[range.clone()], &rows, &mut |c, t| emit.token(c, t))
+                    .observe(store, &b.items[range.clone()], &rows, &mut |c, t, lp| emit.token(c, t, lp))
                     .map_err(|e| e.to_string()),
                 Err(e) => Err(format!("running the model: {e}")),
             };

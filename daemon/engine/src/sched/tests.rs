@@ -102,7 +102,7 @@ impl Harness {
         for (id, e) in self.rx.try_iter() {
             let h = self.heard.entry(id).or_default();
             match e {
-                Event::Token { choice, token } => {
+                Event::Token { choice, token, .. } => {
                     if h.tokens.len() <= choice as usize {
                         h.tokens.resize(choice as usize + 1, Vec::new());
                     }
