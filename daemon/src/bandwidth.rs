@@ -32,13 +32,7 @@ pub fn read_gb_s(threads: usize) -> f64 {
 /// Weight bytes one decode step reads at batch 1: every layer matrix and the output
 /// projection (the embedding table is read one row per token, so not counted).
 pub fn weight_bytes_per_token(w: &inferd_engine::model::LlamaWeights) -> usize {
-    let layers: usize = w
-        .layers
-        .iter()
-        .map(|l| {
-            [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].iter().map(|t| t.bytes().len()).sum::<usize>()
-        })
-        .sum();
+    let layers: usize = w.layers.iter().map(|l| l.matrices().iter().map(|t| t.bytes().len()).sum::<usize>()).sum();
     layers + w.output.bytes().len()
 }
 

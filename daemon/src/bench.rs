@@ -186,7 +186,7 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
 /// Weights of the matrix products one token goes through (each a multiply-add per token).
 fn matmul_params(model: &Model) -> usize {
     let w = &model.weights;
-    let mats = w.layers.iter().flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]);
+    let mats = w.layers.iter().flat_map(|l| l.matrices());
     mats.chain([&w.output]).map(|t| t.rows * t.cols).sum()
 }
 

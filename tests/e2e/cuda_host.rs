@@ -67,12 +67,7 @@ fn equals_the_cpu_backend<S: Stream + Send + 'static>(on: impl Fn() -> S) {
     let memory = gpu.backend.device_memory().unwrap();
     assert_eq!(memory.kv_bytes, 48 * page, "the KV pool is the budget's 48 pages");
     let w = &m.weights;
-    let matrices: usize = w
-        .layers
-        .iter()
-        .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
-        .map(|t| t.bytes().len())
-        .sum();
+    let matrices: usize = w.layers.iter().flat_map(|l| l.matrices()).map(|t| t.bytes().len()).sum();
     assert_eq!(memory.weights_bytes, matrices + w.token_embd.bytes().len() + w.output.bytes().len());
 
     // Three prompts prefilled in chunks of 7 across sequences, then decoded together.

@@ -82,7 +82,7 @@ fn tagged(m: &ModelHandle) -> String {
 /// `134.52M`, `1.24B`: the size Ollama lists, from the weights' element count.
 fn parameter_size(m: &ModelHandle) -> String {
     let w = &m.model.weights;
-    let mats = w.layers.iter().flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]);
+    let mats = w.layers.iter().flat_map(|l| l.matrices());
     let mut n: usize = mats.map(|t| t.rows * t.cols).sum::<usize>() + w.token_embd.rows * w.token_embd.cols;
     if !m.model.arch.tied_output {
         n += w.output.rows * w.output.cols;
@@ -269,6 +269,14 @@ struct Ask {
     stream: bool,
 }
 
+impl Ask {
+    /// The body's `options` and `stream` (Ollama streams unless told not to) with the prompt.
+    fn new(model: Arc<ModelHandle>, prompt: Vec<u32>, m: &Map<String, Value>) -> Result<Ask, ApiError> {
+        let stream = m.get("stream").and_then(Value::as_bool) != Some(false);
+        Ok(Ask { model, prompt, fields: options(m)?, stream })
+    }
+}
+
 fn loaded(a: &Ask, chat: bool) -> Response {
     let mut v = json!({ "model": tagged(&a.model), "created_at": rfc3339(SystemTime::now()), "done": true, "done_reason": "load" });
     if chat {
@@ -321,18 +329,10 @@ async fn generate(
             msgs.push(("user".to_owned(), prompt));
             ids.extend(request::encode_chat(&h.model, &msgs)?);
         }
-        Ok(Ask {
-            model: h,
-            prompt: ids,
-            fields: options(&m)?,
-            stream: m.get("stream").and_then(Value::as_bool) != Some(false),
-        })
+        Ask::new(h, ids, &m)
     };
-    match ask() {
-        Ok(a) if a.prompt.is_empty() => loaded(&a, false),
-        Ok(a) => answer(sh, a, peer, false).await,
-        Err(e) => error(e),
-    }
+    let ask = ask();
+    reply(sh, ask, peer, false).await
 }
 
 async fn chat(
@@ -364,16 +364,18 @@ async fn chat(
             }
         }
         let ids = if msgs.is_empty() { Vec::new() } else { request::encode_chat(&h.model, &msgs)? };
-        Ok(Ask {
-            model: h,
-            prompt: ids,
-            fields: options(&m)?,
-            stream: m.get("stream").and_then(Value::as_bool) != Some(false),
-        })
+        Ask::new(h, ids, &m)
     };
-    match ask() {
-        Ok(a) if a.prompt.is_empty() => loaded(&a, true),
-        Ok(a) => answer(sh, a, peer, true).await,
+    let ask = ask();
+    reply(sh, ask, peer, true).await
+}
+
+/// A route's answer to what it was asked: the load answer for an empty prompt, the generation
+/// otherwise, or the error.
+async fn reply(sh: Arc<Shared>, ask: Result<Ask, ApiError>, peer: Peer, chat: bool) -> Response {
+    match ask {
+        Ok(a) if a.prompt.is_empty() => loaded(&a, chat),
+        Ok(a) => answer(sh, a, peer, chat).await,
         Err(e) => error(e),
     }
 }

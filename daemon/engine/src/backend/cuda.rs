@@ -184,7 +184,7 @@ pub fn fits(need: DeviceMemory, free: usize, total: usize) -> Result<(), String>
 }
 
 fn layer_bytes(l: &crate::model::weights::LayerWeights) -> usize {
-    [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].iter().map(|t| t.bytes().len()).sum()
+    l.matrices().iter().map(|t| t.bytes().len()).sum()
 }
 
 /// The host-side index arrays of one batch: token ids, positions, which tokens want logits,

@@ -121,6 +121,13 @@ pub struct LayerWeights {
     pub ffn_post_norm: Option<Vec<f32>>,
 }
 
+impl LayerWeights {
+    /// The layer's matrices (its matrix products, each read once per forward pass).
+    pub fn matrices(&self) -> [&Tensor; 7] {
+        [&self.wq, &self.wk, &self.wv, &self.wo, &self.w_gate, &self.w_up, &self.w_down]
+    }
+}
+
 /// All weights of a model.
 #[derive(Clone, Debug)]
 pub struct LlamaWeights {
