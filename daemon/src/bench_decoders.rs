@@ -9,6 +9,8 @@
 //!   with prompt lookup, and with a draft model when one is given.
 //! - `beam_kv`: the KV blocks beam search k=4 holds at its peak over a 256-token continuation,
 //!   against one sequence of the same length (from the cache accounting).
+//! - `constrained`: the response-format mask per token against a decode step
+//!   (`bench_constrained.rs`).
 
 use crate::bench::median;
 use inferd_engine::decode::store::{EngineStore, MockStore, SeqStore, StoreError, StoreRun, StoreSeq};
@@ -96,6 +98,8 @@ pub fn run(
             n: 1,
             seed: 0,
             eos: &[],
+            vocabulary: None,
+            grammar: None,
         };
         let t = Instant::now();
         generate(&greedy, &mut EngineStore::new(&mut engine), &req, &mut |_, _| {})?;
@@ -117,6 +121,8 @@ pub fn run(
         n: 1,
         seed: 0,
         eos: &[],
+        vocabulary: None,
+        grammar: None,
     };
     let (mut via_plugin, mut argmax_only) = (Vec::new(), Vec::new());
     for _ in 0..5 {
@@ -160,6 +166,8 @@ pub fn run(
             n: 1,
             seed: 0,
             eos: &eos,
+            vocabulary: None,
+            grammar: None,
         };
         let (mut base, mut fast, mut same, mut drafted, mut accepted, mut n_tok) =
             (Vec::new(), Vec::new(), true, 0.0, 0.0, 0);
@@ -208,6 +216,8 @@ pub fn run(
         n: 1,
         seed: 0,
         eos: &[],
+        vocabulary: None,
+        grammar: None,
     };
     let t = Instant::now();
     generate(&beam, &mut peak, &req, &mut |_, _| {})?;
@@ -222,5 +232,6 @@ pub fn run(
         "ratio": peak.peak as f64 / one as f64,
         "seconds": beam_s,
     });
-    Ok(json!({ "abi_overhead": abi, "speculative": speculative, "beam_kv": beam_kv }))
+    let constrained = crate::bench_constrained::run(model, &mut engine, reg, reps)?;
+    Ok(json!({ "abi_overhead": abi, "speculative": speculative, "beam_kv": beam_kv, "constrained": constrained }))
 }

@@ -13,5 +13,6 @@
 
 pub mod bandwidth;
 pub mod bench;
+pub mod bench_constrained;
 pub mod bench_decoders;
 pub mod serve;

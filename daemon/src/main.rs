@@ -213,6 +213,8 @@ fn run(model: Option<PathBuf>, a: RunArgs, plugins: &PluginDirs, prompt: &str) -
         n: 1,
         seed: a.seed.unwrap_or_else(random_seed),
         eos: tok.eos(),
+        vocabulary: None,
+        grammar: None,
     };
     let draft = a.draft_model.map(|p| load(Some(p))).transpose()?;
     if let Some(d) = &draft {
@@ -330,6 +332,8 @@ fn plugin_probe(name: &str, a: ProbeArgs, plugins: &PluginDirs) -> Result<()> {
             n: 1,
             seed: a.seed.wrapping_add(i),
             eos: &[],
+            vocabulary: None,
+            grammar: None,
         };
         let choices = generate(&strategy, &mut store, &req, &mut |_, _| {})?;
         if let Some(&t) = choices.first().and_then(|c| c.tokens.first()) {

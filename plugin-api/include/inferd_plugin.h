@@ -49,7 +49,7 @@ extern "C" {
 #endif
 
 #define INFERD_ABI_MAJOR 1
-#define INFERD_ABI_MINOR 0
+#define INFERD_ABI_MINOR 1
 
 /* The entry symbol's name for this major version. */
 #define INFERD_PLUGIN_ENTRY "inferd_plugin_entry_v1"
@@ -129,6 +129,10 @@ struct inferd_host_api {
     /* Adds `value` to the request's statistic `key` ([a-z0-9_]{1,64}), reported with its usage
      * (e.g. "draft_tokens", "accepted_tokens" for speculative decoding). */
     int32_t (*report)(inferd_call *call, const char *key, double value);
+    /* ABI 1.1 (read it only when header.size covers it): copies up to `cap` bytes of what token
+     * `token` stands for into `buf` (a special token's text, like "<|im_end|>"); `*len`
+     * receives its full length. For strategies that build token masks of their own. */
+    int32_t (*token_bytes)(inferd_call *call, int32_t token, uint8_t *buf, uint32_t cap, uint32_t *len);
 };
 
 struct inferd_host_info {
@@ -163,6 +167,13 @@ struct inferd_session_init {
      * computing them and pass NAN. */
     uint32_t logprobs;
     uint32_t reserved;
+    /* ABI 1.1 (read it only when header.size covers it). 1: the request has a response format
+     * (a JSON schema, a grammar): the host has set the logits its grammar forbids to -INFINITY
+     * in every row of the request's target sequences (and their forks) before observe sees
+     * them, and refuses an emitted token or an end the grammar does not allow. A strategy that
+     * samples from the rows it is given needs to do nothing more. */
+    uint32_t constrained;
+    uint32_t reserved2;
 };
 
 /* One sequence's part of a plan. */

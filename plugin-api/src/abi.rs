@@ -7,7 +7,7 @@
 use std::ffi::{c_char, c_void};
 
 pub const ABI_MAJOR: u32 = 1;
-pub const ABI_MINOR: u32 = 0;
+pub const ABI_MINOR: u32 = 1;
 /// The entry symbol of this major version, NUL-terminated for `dlsym`.
 pub const ENTRY_SYMBOL: &[u8] = b"inferd_plugin_entry_v1\0";
 
@@ -76,6 +76,8 @@ pub struct HostApi {
     pub finish: Option<unsafe extern "C" fn(*mut Call, u32, u32) -> i32>,
     pub random: Option<unsafe extern "C" fn(*mut Call, u64, u64, *mut u32) -> i32>,
     pub report: Option<unsafe extern "C" fn(*mut Call, *const c_char, f64) -> i32>,
+    /// ABI 1.1.
+    pub token_bytes: Option<unsafe extern "C" fn(*mut Call, i32, *mut u8, u32, *mut u32) -> i32>,
 }
 
 #[repr(C)]
@@ -104,6 +106,9 @@ pub struct SessionInit {
     pub seed: u64,
     pub logprobs: u32,
     pub reserved: u32,
+    /// ABI 1.1.
+    pub constrained: u32,
+    pub reserved2: u32,
 }
 
 #[repr(C)]
@@ -214,7 +219,8 @@ mod tests {
                 emit,
                 finish,
                 random,
-                report
+                report,
+                token_bytes
             ]
         );
         fields!("inferd_host_info", HostInfo, [header, abi_major, abi_minor, host_version, api]);
@@ -234,7 +240,9 @@ mod tests {
                 roles,
                 seed,
                 logprobs,
-                reserved
+                reserved,
+                constrained,
+                reserved2
             ]
         );
         fields!("inferd_plan_item", PlanItem, [seq, tokens, n_tokens, n_logits]);

@@ -30,6 +30,8 @@ pub struct SessionInit {
     pub seed: u64,
     /// The client wants log-probabilities; otherwise `emit` may get NaN.
     pub logprobs: bool,
+    /// The request has a response format: its target rows arrive masked (ABI 1.1).
+    pub constrained: bool,
 }
 
 /// One sequence's part of a plan: append `tokens`, then return logits for the last `n_logits`
@@ -181,6 +183,30 @@ impl Host {
         self.status("report", unsafe { f(self.call, k.as_ptr(), value) })
     }
 
+    /// The bytes token `token` stands for (a special token's text); ABI 1.1, so `Err` from a
+    /// 1.0 host.
+    pub fn token_bytes(&self, token: u32) -> Result<Vec<u8>, String> {
+        let end = std::mem::offset_of!(abi::HostApi, token_bytes) + std::mem::size_of::<usize>();
+        if (self.api.header.size as usize) < end {
+            return Err("the host is older than ABI 1.1 and has no token_bytes".into());
+        }
+        let f = self.api.token_bytes.ok_or("host lacks token_bytes")?;
+        let mut buf = vec![0u8; 64];
+        loop {
+            let mut len = 0;
+            // SAFETY: as in `log`; `buf` holds `buf.len()` bytes; the size check above means
+            // the host's table has this field.
+            self.status("token_bytes", unsafe {
+                f(self.call, token as i32, buf.as_mut_ptr(), buf.len() as u32, &mut len)
+            })?;
+            if (len as usize) <= buf.len() {
+                buf.truncate(len as usize);
+                return Ok(buf);
+            }
+            buf.resize(len as usize, 0);
+        }
+    }
+
     /// A uniform number in [0, 1) with 53 random bits, for `(stream, counter)`.
     pub fn uniform(&self, stream: u64, counter: u64) -> Result<f64, String> {
         let r = self.random(stream, counter)?;
@@ -229,10 +255,18 @@ unsafe fn read_init(init: *const abi::SessionInit) -> Result<SessionInit, String
     }
     // SAFETY: the caller's contract; the header is read first to check the size.
     let header = unsafe { (*init).header };
-    if header.type_ != abi::TYPE_SESSION_INIT || (header.size as usize) < std::mem::size_of::<abi::SessionInit>() {
+    // ABI 1.0's struct ends at `constrained`; the fields after it are read only when present.
+    let v1_0 = std::mem::offset_of!(abi::SessionInit, constrained);
+    if header.type_ != abi::TYPE_SESSION_INIT || (header.size as usize) < v1_0 {
         return Err("session init has the wrong type or size".into());
     }
-    // SAFETY: the size check above covers every field read here.
+    let constrained = if header.size as usize >= std::mem::size_of::<abi::SessionInit>() {
+        // SAFETY: the size covers the whole struct.
+        unsafe { (*init).constrained != 0 }
+    } else {
+        false
+    };
+    // SAFETY: the size check above covers every field read below through `i` (the 1.0 prefix).
     let i = unsafe { &*init };
     let eos = if i.eos.is_null() || i.n_eos == 0 {
         Vec::new()
@@ -252,6 +286,7 @@ unsafe fn read_init(init: *const abi::SessionInit) -> Result<SessionInit, String
         roles: i.roles,
         seed: i.seed,
         logprobs: i.logprobs != 0,
+        constrained,
     })
 }
 

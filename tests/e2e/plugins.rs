@@ -67,7 +67,18 @@ fn hashed_model() -> MockStore {
 }
 
 fn req<'a>(prompt: &'a [u32], params: &'a str, max_tokens: u32, n: u32, seed: u64) -> SessionRequest<'a> {
-    SessionRequest { logprobs: false, prompt, generated: &[], params, max_tokens, n, seed, eos: &[15] }
+    SessionRequest {
+        logprobs: false,
+        prompt,
+        generated: &[],
+        params,
+        max_tokens,
+        n,
+        seed,
+        eos: &[15],
+        vocabulary: None,
+        grammar: None,
+    }
 }
 
 #[test]
@@ -96,7 +107,7 @@ fn broken_plugins_are_refused_naming_the_file_and_why_and_the_rest_load() {
     let cases = [
         ("major2", "FAULT_MAJOR2", "built for plugin ABI 2"),
         ("noentry", "FAULT_NO_ENTRY", "no inferd_plugin_entry_v1 symbol"),
-        ("newminor", "FAULT_NEWER_MINOR", "built for ABI 1.1; this inferd speaks 1.0"),
+        ("newminor", "FAULT_NEWER_MINOR", "built for ABI 1.2; this inferd speaks 1.1"),
         ("refuse", "FAULT_REFUSE", "refused this host"),
         ("badname", "FAULT_BAD_NAME", "invalid name"),
         ("noobserve", "FAULT_NO_OBSERVE", "no observe function"),
@@ -192,6 +203,8 @@ fn check_distribution(
             n: 1,
             seed,
             eos: &[],
+            vocabulary: None,
+            grammar: None,
         };
         let out = generate(&s, &mut store, &r, &mut |_, _| {}).unwrap();
         counts[out[0].tokens[0] as usize] += 1;
@@ -274,6 +287,8 @@ fn the_greedy_plugin_on_the_real_model_equals_the_engines_argmax_and_frees_its_b
         n: 3,
         seed: 0,
         eos: model.tokenizer.eos(),
+        vocabulary: None,
+        grammar: None,
     };
     let got = generate(&greedy, &mut store, &r, &mut |_, _| {}).unwrap();
     for c in &got {
@@ -318,6 +333,8 @@ fn beam_search_finds_the_better_sequence_that_greedy_misses() {
         n,
         seed: 0,
         eos: &[6],
+        vocabulary: None,
+        grammar: None,
     };
     let prob = |c: &inferd_engine::plugin::Choice| c.logprobs.iter().map(|&l| f64::from(l)).sum::<f64>().exp();
     let greedy = generate(&reg.get("greedy").unwrap(), &mut store, &r("{}", 1), &mut |_, _| {}).unwrap();
@@ -363,6 +380,8 @@ fn beam_search_ends_hypotheses_at_end_of_sequence_and_ranks_by_normalized_score(
         n: 3,
         seed: 0,
         eos: &[6],
+        vocabulary: None,
+        grammar: None,
     };
     let out = generate(&beam, &mut store, &r, &mut |_, _| {}).unwrap();
     // With length_penalty 0 the score is the total log-probability: the immediate end wins.
@@ -465,6 +484,8 @@ fn sampled_speculative_decoding_keeps_the_targets_distribution() {
                     n: 1,
                     seed,
                     eos: &[],
+                    vocabulary: None,
+                    grammar: None,
                 },
                 &mut |_, _| {},
             )
@@ -504,6 +525,8 @@ fn speculative_decoding_on_the_real_model_matches_greedy_with_either_drafter() {
         n: 1,
         seed: 0,
         eos: model.tokenizer.eos(),
+        vocabulary: None,
+        grammar: None,
     };
     let want = generate(&reg.get("greedy").unwrap(), &mut store, &r("{}"), &mut |_, _| {}).unwrap();
     let spec = reg.get("speculative").unwrap();
@@ -563,6 +586,8 @@ fn sessions_batched_together_decode_as_they_do_alone() {
                 n: *n,
                 seed: 40 + i as u64,
                 eos: &eos,
+                vocabulary: None,
+                grammar: None,
             };
             generate(&reg.get(name).unwrap(), &mut store, &r, &mut |_, _| {}).unwrap()
         })
@@ -586,12 +611,17 @@ fn sessions_batched_together_decode_as_they_do_alone() {
                 logprobs: true,
                 meta: Default::default(),
                 events: channel_sink(etx),
+                grammar: None,
             };
             tx.send(Command::Submit(sub)).unwrap();
             outs.push(erx);
         }
         drop(tx);
-        engine_loop(store, &rx, &LoopConfig { token_budget: 256, max_running: 64, eos: eos.clone(), monitor: None });
+        engine_loop(
+            store,
+            &rx,
+            &LoopConfig { token_budget: 256, max_running: 64, eos: eos.clone(), monitor: None, vocabulary: None },
+        );
         outs.into_iter().map(|r| r.try_iter().collect()).collect()
     };
     let subs = specs

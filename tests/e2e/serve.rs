@@ -40,7 +40,13 @@ fn start_with_budget(
         let stats = engine_loop(
             &mut store,
             &rx,
-            &LoopConfig { token_budget, max_running: 64, eos: model.tokenizer.eos().to_vec(), monitor: None },
+            &LoopConfig {
+                token_budget,
+                max_running: 64,
+                eos: model.tokenizer.eos().to_vec(),
+                monitor: None,
+                vocabulary: None,
+            },
         );
         (stats, engine.kv.sequences())
     });
@@ -68,6 +74,7 @@ fn submit(tx: &Sender<Command>, reg: &Registry, r: &Req) -> Receiver<Event> {
         logprobs: false,
         meta: Default::default(),
         events: channel_sink(etx),
+        grammar: None,
     };
     tx.send(Command::Submit(sub)).unwrap();
     erx
@@ -96,6 +103,8 @@ fn alone(model: &Model, reg: &Registry, r: &Req) -> Vec<u32> {
         seed: r.id,
         eos: model.tokenizer.eos(),
         logprobs: false,
+        vocabulary: None,
+        grammar: None,
     };
     generate(&reg.get(r.strategy).unwrap(), &mut EngineStore::new(&mut engine), &req, &mut |_, _| {}).unwrap()[0]
         .tokens
@@ -241,6 +250,7 @@ fn admission_order(reqs: &[(u32, inferd_engine::sched::Priority)], max_running: 
             logprobs: false,
             meta,
             events,
+            grammar: None,
         };
         tx.send(Command::Submit(sub)).unwrap();
     }
@@ -250,7 +260,11 @@ fn admission_order(reqs: &[(u32, inferd_engine::sched::Priority)], max_running: 
         8,
         Box::new(|p: &[u32]| (0..8).map(|t| if t == (p.len() % 8) as u32 { 1.0 } else { 0.0 }).collect()),
     );
-    engine_loop(&mut store, &rx, &LoopConfig { token_budget: 256, max_running, eos: Vec::new(), monitor: None });
+    engine_loop(
+        &mut store,
+        &rx,
+        &LoopConfig { token_budget: 256, max_running, eos: Vec::new(), monitor: None, vocabulary: None },
+    );
     let mut order = Vec::new();
     for (i, e) in erx.iter() {
         if matches!(e, Event::Token { .. }) && !order.contains(&i) {
@@ -311,6 +325,7 @@ fn a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding() {
             logprobs: false,
             meta: Default::default(),
             events: Box::new(move |e| etx.send((id, e)).is_ok()),
+            grammar: None,
         };
         tx.send(Command::Submit(sub)).unwrap();
     }
@@ -378,7 +393,13 @@ fn a_shared_prompt_arriving_twice_at_once_is_prefilled_once() {
         engine_loop(
             &mut EngineStore::new(&mut engine),
             &rx,
-            &LoopConfig { token_budget: 64, max_running: 64, eos: m.tokenizer.eos().to_vec(), monitor: Some(mon) },
+            &LoopConfig {
+                token_budget: 64,
+                max_running: 64,
+                eos: m.tokenizer.eos().to_vec(),
+                monitor: Some(mon),
+                vocabulary: None,
+            },
         )
     });
     // Both in the queue before the loop takes its first command.
@@ -417,6 +438,7 @@ fn submissions_that_meet_a_shutdown_are_told_so() {
             logprobs: false,
             meta: Default::default(),
             events: channel_sink(etx),
+            grammar: None,
         };
         tx.send(Command::Submit(sub)).unwrap();
         if id == 1 {
@@ -425,7 +447,11 @@ fn submissions_that_meet_a_shutdown_are_told_so() {
     }
     drop(tx);
     let mut store = MockStore::new(8, Box::new(|_: &[u32]| vec![0.0; 8]));
-    engine_loop(&mut store, &rx, &LoopConfig { token_budget: 64, max_running: 4, eos: Vec::new(), monitor: None });
+    engine_loop(
+        &mut store,
+        &rx,
+        &LoopConfig { token_budget: 64, max_running: 4, eos: Vec::new(), monitor: None, vocabulary: None },
+    );
     for (i, erx) in events.iter().enumerate() {
         match erx.try_recv() {
             Ok(Event::Failed(m)) => assert!(m.contains("shutting down"), "request {i}: {m}"),
@@ -470,6 +496,7 @@ fn a_request_sharing_a_prompt_waits_only_for_the_prefill_not_the_whole_generatio
             logprobs: false,
             meta: Default::default(),
             events: Box::new(move |e| etx.send((id, e)).is_ok()),
+            grammar: None,
         };
         tx.send(Command::Submit(sub)).unwrap();
     }
@@ -530,6 +557,8 @@ fn several_choices_and_beams_in_a_small_cache_all_succeed_and_leave_the_cache_cl
             seed: *id,
             eos: model.tokenizer.eos(),
             logprobs: false,
+            vocabulary: None,
+            grammar: None,
         };
         let choices =
             generate(&reg.get(strategy).unwrap(), &mut EngineStore::new(engine), &req, &mut |_, _| {}).unwrap();
@@ -544,7 +573,13 @@ fn several_choices_and_beams_in_a_small_cache_all_succeed_and_leave_the_cache_cl
         let bytes = 20 * inferd_engine::backend::cpu::kv_block_bytes(&m.config, 16);
         let mut engine =
             Engine::cpu(&m, &EngineOptions { threads: 2, kv_budget_bytes: bytes, ..EngineOptions::default() }).unwrap();
-        let cfg = LoopConfig { token_budget: 256, max_running: 64, eos: m.tokenizer.eos().to_vec(), monitor: None };
+        let cfg = LoopConfig {
+            token_budget: 256,
+            max_running: 64,
+            eos: m.tokenizer.eos().to_vec(),
+            monitor: None,
+            vocabulary: None,
+        };
         let stats = engine_loop(&mut EngineStore::new(&mut engine), &rx, &cfg);
         (stats, engine)
     });
@@ -563,6 +598,7 @@ fn several_choices_and_beams_in_a_small_cache_all_succeed_and_leave_the_cache_cl
                 logprobs: false,
                 meta: Default::default(),
                 events: channel_sink(etx),
+                grammar: None,
             };
             tx.send(Command::Submit(sub)).unwrap();
             erx

@@ -47,7 +47,7 @@ out["untagged"] = client.chat(model=model.removesuffix(":latest"), messages=ques
 
 refused = {}
 for name, kwargs in {
-    "format": {"format": "json"},
+    "format": {"format": {"type": "integer", "minimum": 5, "maximum": 1}},
     "tools": {"tools": [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}}}]},
     "mirostat": {"options": {"mirostat": 2}},
     "unknown_model": {"model": "llama9:70b"},

@@ -84,7 +84,7 @@ out["user_ok"] = client.chat.completions.create(model=model, messages=parts, max
 refused = {}
 for name, kwargs in {
     "tools": {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
-    "response_format": {"response_format": {"type": "json_object"}},
+    "response_format": {"response_format": {"type": "xml"}},
     "image_url": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
     "colour": {"extra_body": {"colour": "blue"}},
     "stream_options": {"stream_options": {"include_usage": True}},

@@ -10,6 +10,7 @@
 //! - [`backend`]: the forward pass behind the [`backend::Backend`] trait; the CPU backend.
 //! - [`engine`]: the engine step on top of backend + KV cache.
 //! - [`plugin`]: decoder plugins, host side: loading, registry, sessions over the C ABI.
+//! - [`constraint`]: structured output: response formats compiled to token masks.
 //! - [`decode`]: driving one request through a strategy plugin over a sequence store.
 //! - [`request`]: one typed request, whatever the edge that built it.
 //! - [`sched`]: the engine loop and its scheduler (continuous batching over many requests).
@@ -20,6 +21,7 @@
 
 pub mod backend;
 pub mod chat;
+pub mod constraint;
 pub mod decode;
 pub mod engine;
 pub mod kv;

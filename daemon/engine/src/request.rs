@@ -23,6 +23,9 @@ pub struct Request {
     pub decoder: Option<Decoder>,
     /// Report each generated token's log-probability.
     pub logprobs: bool,
+    /// What the output must be (a JSON object, JSON under a schema, a grammar); free text
+    /// when absent.
+    pub response_format: Option<crate::constraint::ResponseFormat>,
 }
 
 /// OpenAI's sampling fields and the common extensions, each absent unless the client set it.
@@ -132,7 +135,9 @@ fn merge(fields: &[String], params: &str) -> String {
         return params.to_owned();
     };
     merged.extend(given);
-    serde_json::Value::Object(merged).to_string()
+    // Keys in sorted order, whatever order the JSON map keeps.
+    let sorted: std::collections::BTreeMap<String, serde_json::Value> = merged.into_iter().collect();
+    serde_json::to_string(&sorted).unwrap_or_else(|_| params.to_owned())
 }
 
 /// A finite number as JSON (integers without a fraction, as a client would write them).

@@ -65,7 +65,7 @@ fn engine_only(model: &Model, reg: &Registry, threads: usize) -> anyhow::Result<
             engine_loop(
                 &mut EngineStore::new(engine),
                 &rx,
-                &LoopConfig { token_budget: 512, max_running: 64, eos, monitor: None },
+                &LoopConfig { token_budget: 512, max_running: 64, eos, monitor: None, vocabulary: None },
             )
         });
         for (i, p) in prompts().iter().enumerate() {
@@ -94,6 +94,7 @@ fn engine_only(model: &Model, reg: &Registry, threads: usize) -> anyhow::Result<
                 logprobs: false,
                 meta: Default::default(),
                 events,
+                grammar: None,
             };
             tx.send(Command::Submit(sub)).map_err(|_| anyhow::anyhow!("the engine loop stopped"))?;
         }

@@ -46,8 +46,8 @@ fn failed(e: ApiError) -> fdo::Error {
 }
 
 /// An `a{sv}` option as a request [`Field`]: the D-Bus types map straight onto the fields'
-/// (integers, doubles, strings, string arrays); `decoder_params` and `logit_bias` travel as
-/// JSON text, as the interface documents.
+/// (integers, doubles, strings, string arrays); `decoder_params`, `logit_bias` and
+/// `response_format` travel as JSON text, as the interface documents.
 fn option_field(key: &str, v: &Value<'_>) -> Result<Field, ApiError> {
     Ok(match v {
         Value::Value(inner) => return option_field(key, inner),
@@ -60,7 +60,7 @@ fn option_field(key: &str, v: &Value<'_>) -> Result<Field, ApiError> {
         Value::I64(x) => Field::Int((*x).into()),
         Value::U64(x) => Field::Int((*x).into()),
         Value::F64(x) => Field::Number(*x),
-        Value::Str(s) if key == "decoder_params" => Field::Object(s.to_string()),
+        Value::Str(s) if key == "decoder_params" || key == "response_format" => Field::Object(s.to_string()),
         Value::Str(s) if key == "logit_bias" => {
             let bias: HashMap<String, f64> = serde_json::from_str(s)
                 .map_err(|e| ApiError::bad(format!("logit_bias is not a JSON object of numbers: {e}"), "logit_bias"))?;

@@ -3,11 +3,13 @@
 //! name with the same checks and the same error messages for both.
 
 use super::request::ApiError;
+use inferd_engine::constraint::ResponseFormat;
 use inferd_engine::request::{Decoder, Request};
 use inferd_engine::sched::Priority;
+use serde_json::Value;
 
 /// The request fields both edges take (HTTP ignores other keys, D-Bus refuses them).
-pub const FIELDS: [&str; 15] = [
+pub const FIELDS: [&str; 16] = [
     "max_tokens",
     "max_completion_tokens",
     "temperature",
@@ -23,6 +25,7 @@ pub const FIELDS: [&str; 15] = [
     "priority",
     "n",
     "logit_bias",
+    "response_format",
 ];
 
 /// One field's value, as the edge found it.
@@ -34,7 +37,7 @@ pub enum Field {
     Bool(bool),
     Str(String),
     Strs(Vec<String>),
-    /// A JSON object's text (`decoder_params`).
+    /// A JSON object's text (`decoder_params`, `response_format`).
     Object(String),
     /// Token ids and biases (`logit_bias`).
     Bias(Vec<(u32, f64)>),
@@ -110,6 +113,10 @@ pub fn build(fields: impl IntoIterator<Item = (String, Field)>) -> Result<Reques
                 Field::Object(x) => params = Some(x),
                 _ => return Err(want(k, "a JSON object")),
             },
+            "response_format" => match v {
+                Field::Object(x) => r.response_format = response_format(&x)?,
+                _ => return Err(want(k, "a JSON object")),
+            },
             _ => return Err(ApiError::bad(format!("unknown option {k:?} (known: {})", FIELDS.join(", ")), "options")),
         }
     }
@@ -125,6 +132,52 @@ pub fn build(fields: impl IntoIterator<Item = (String, Field)>) -> Result<Reques
         _ => {}
     }
     Ok(r)
+}
+
+/// OpenAI's `response_format` (and llama-server's shorthand, a `schema` beside the type):
+/// `text` is free output, `json_object` any JSON object, `json_schema` JSON under
+/// `json_schema.schema`. The schema is enforced whether `strict` is true or not (OpenAI
+/// enforces it only when strict; following it is never wrong).
+pub fn response_format(text: &str) -> Result<Option<ResponseFormat>, ApiError> {
+    const P: &str = "response_format";
+    let bad = |m: String| ApiError::bad(m, P);
+    let v: Value = serde_json::from_str(text).map_err(|e| bad(format!("response_format is not JSON: {e}")))?;
+    let o = v.as_object().ok_or_else(|| bad("response_format must be an object".into()))?;
+    let schema_of = |s: &Value| match s {
+        Value::Object(_) => Ok(ResponseFormat::JsonSchema(s.clone())),
+        _ => Err(bad("the JSON schema must be an object".into())),
+    };
+    let kind = o.get("type").and_then(Value::as_str).unwrap_or_default();
+    let allowed: &[&str] = match kind {
+        "text" => &["type"],
+        "json_object" | "json_schema" => &["type", "schema", "json_schema"],
+        _ => return Err(bad(format!("response_format.type must be text, json_object or json_schema, not {kind:?}"))),
+    };
+    if let Some(k) = o.keys().find(|k| !allowed.contains(&k.as_str())) {
+        return Err(bad(format!("response_format.{k} is not supported with type {kind}")));
+    }
+    match (kind, o.get("schema"), o.get("json_schema")) {
+        ("text", _, _) => Ok(None),
+        ("json_object", None, None) => Ok(Some(ResponseFormat::JsonObject)),
+        (_, Some(s), None) => schema_of(s).map(Some),
+        ("json_schema", None, Some(Value::Object(js))) => {
+            for (k, v) in js {
+                let ok = match k.as_str() {
+                    "name" | "description" => v.is_string(),
+                    "strict" => v.is_boolean() || v.is_null(),
+                    "schema" => true,
+                    _ => return Err(bad(format!("response_format.json_schema.{k} is not supported"))),
+                };
+                if !ok {
+                    return Err(bad(format!("response_format.json_schema.{k} has the wrong type")));
+                }
+            }
+            let s = js.get("schema").ok_or_else(|| bad("response_format.json_schema.schema is missing".into()))?;
+            schema_of(s).map(Some)
+        }
+        ("json_schema", None, _) => Err(bad("response_format.json_schema must be an object with a schema".into())),
+        _ => Err(bad("response_format has both schema and json_schema: send one".into())),
+    }
 }
 
 #[cfg(test)]
@@ -147,6 +200,15 @@ mod tests {
         assert_eq!(r.stop, vec!["\n"]);
         assert_eq!(r.priority, Priority::Background);
         assert_eq!(r.sampling.logit_bias, vec![(3, -1.5)]);
+        let rf = |t: &str| build([f("response_format", Field::Object(t.into()))]).unwrap().response_format;
+        assert_eq!(rf(r#"{"type": "text"}"#), None);
+        assert_eq!(rf(r#"{"type": "json_object"}"#), Some(ResponseFormat::JsonObject));
+        let schema = serde_json::json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        let want = Some(ResponseFormat::JsonSchema(schema.clone()));
+        let openai =
+            serde_json::json!({"type": "json_schema", "json_schema": {"name": "a", "strict": true, "schema": schema}});
+        assert_eq!(rf(&openai.to_string()), want);
+        assert_eq!(rf(&serde_json::json!({"type": "json_object", "schema": schema}).to_string()), want);
         assert_eq!(build([f("max_completion_tokens", Field::Int(5))]).unwrap().max_tokens, Some(5));
         let both = [f("max_tokens", Field::Int(5)), f("max_completion_tokens", Field::Int(5))];
         assert_eq!(build(both).unwrap().max_tokens, Some(5));
@@ -160,6 +222,20 @@ mod tests {
             (f("priority", Field::Str("urgent".into())), "priority must be \"interactive\" or \"background\""),
             (f("decoder_params", Field::Str("{}".into())), "decoder_params must be a JSON object"),
             (f("colour", Field::Bool(true)), "unknown option \"colour\""),
+            (f("response_format", Field::Str("json".into())), "response_format must be a JSON object"),
+            (f("response_format", Field::Object(r#"{"type": "xml"}"#.into())), "response_format.type must be"),
+            (
+                f("response_format", Field::Object(r#"{"type": "json_schema"}"#.into())),
+                "response_format.json_schema must",
+            ),
+            (
+                f("response_format", Field::Object(r#"{"type": "json_schema", "json_schema": {"schema": 3}}"#.into())),
+                "the JSON schema must be an object",
+            ),
+            (
+                f("response_format", Field::Object(r#"{"type": "json_object", "grammar": "x"}"#.into())),
+                "response_format.grammar is not supported",
+            ),
         ] {
             let e = build([field.clone()]).unwrap_err();
             assert!(e.message.starts_with(message), "{field:?}: {}", e.message);

@@ -256,7 +256,6 @@ fn known_keys(m: &Map<String, Value>, body_key: &str) -> Result<(), ApiError> {
         }
         // Values that ask for nothing beyond plain text generation.
         let default = match k {
-            "response_format" => v.get("type").and_then(Value::as_str) == Some("text"),
             "modalities" => v.as_array().is_some_and(|a| a.iter().all(|x| x == "text")),
             "echo" => v == &Value::Bool(false),
             "best_of" => v.as_u64() == Some(1),
@@ -269,7 +268,6 @@ fn known_keys(m: &Map<String, Value>, body_key: &str) -> Result<(), ApiError> {
         }
         let what = match k {
             "tools" | "tool_choice" | "functions" | "function_call" => "tool calling",
-            "response_format" => "structured output (response_format other than text)",
             "top_logprobs" => "the most likely alternatives of each token",
             _ => "",
         };

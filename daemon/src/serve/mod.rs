@@ -40,6 +40,9 @@ pub struct ModelHandle {
     pub device_memory: Option<inferd_engine::backend::DeviceMemory>,
     /// `1 << abi::ROLE_*` for each sequence role its store offers.
     pub roles: u32,
+    /// Its vocabulary for response formats and the plugins' `token_bytes` (none when the
+    /// model declares no end-of-sequence token: constrained output could never end).
+    pub vocabulary: Option<Arc<inferd_engine::constraint::Vocabulary>>,
     pub engine: Mutex<std::sync::mpsc::Sender<Command>>,
     pub monitor: Arc<Monitor>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -194,11 +197,19 @@ fn start_models(cfg: &Config) -> anyhow::Result<Vec<Arc<ModelHandle>>> {
             kv_budget_bytes: mc.kv_cache_mib << 20,
             ..EngineOptions::default()
         };
+        let vocabulary = match inferd_engine::constraint::Vocabulary::new(&model.tokenizer) {
+            Ok(v) => Some(Arc::new(v)),
+            Err(e) => {
+                eprintln!("inferd: {name}: no response formats: {e}");
+                None
+            }
+        };
         let loop_cfg = LoopConfig {
             token_budget: cfg.scheduler.token_budget,
             max_running: cfg.scheduler.max_running,
             eos: model.tokenizer.eos().to_vec(),
             monitor: Some(Arc::clone(&monitor)),
+            vocabulary: vocabulary.clone(),
         };
         // The engines are built here, so a model the backend cannot run fails the start.
         let (kind, why) = inferd_engine::backend::choose(mc.backend_kind());
@@ -231,6 +242,7 @@ fn start_models(cfg: &Config) -> anyhow::Result<Vec<Arc<ModelHandle>>> {
             backend,
             device_memory,
             roles,
+            vocabulary,
             engine: Mutex::new(tx),
             monitor,
             thread: Mutex::new(Some(thread)),

@@ -180,9 +180,22 @@ async fn embed() -> Response {
     error(ApiError::new(501, "embeddings are not implemented by inferd yet", None))
 }
 
+/// Ollama's `format`: `"json"` (any JSON object) or a JSON schema, as the request's
+/// `response_format` field; `""` is free text.
+fn format_field(m: &Map<String, Value>) -> Result<Option<(String, Field)>, ApiError> {
+    let rf = match m.get("format") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::String(s)) if s.is_empty() => return Ok(None),
+        Some(Value::String(s)) if s == "json" => json!({ "type": "json_object" }),
+        Some(s @ Value::Object(_)) => json!({ "type": "json_schema", "json_schema": { "schema": s } }),
+        Some(_) => return Err(bad("format must be \"json\" or a JSON schema object")),
+    };
+    Ok(Some(("response_format".into(), Field::Object(rf.to_string()))))
+}
+
 /// Ollama's `options` (and the top-level fields that set the same things) as request fields.
 fn options(m: &Map<String, Value>) -> Result<Vec<(String, Field)>, ApiError> {
-    let mut out = Vec::new();
+    let mut out: Vec<(String, Field)> = format_field(m)?.into_iter().collect();
     let Some(o) = m.get("options").filter(|v| !v.is_null()) else { return Ok(out) };
     let o = o.as_object().ok_or_else(|| bad("options must be an object"))?;
     for (k, v) in o {
@@ -236,11 +249,10 @@ fn options(m: &Map<String, Value>) -> Result<Vec<(String, Field)>, ApiError> {
 fn check_keys(m: &Map<String, Value>, own: &[&str]) -> Result<(), ApiError> {
     for (k, v) in m {
         let k = k.as_str();
-        if v.is_null() || own.contains(&k) || ["model", "stream", "options", "keep_alive"].contains(&k) {
+        if v.is_null() || own.contains(&k) || ["model", "stream", "options", "keep_alive", "format"].contains(&k) {
             continue;
         }
         let neutral = match k {
-            "format" => v.as_str() == Some(""),
             "think" | "raw" | "logprobs" => v == &Value::Bool(false),
             "images" | "tools" => v.as_array().is_some_and(Vec::is_empty),
             "suffix" | "template" => v.as_str() == Some(""),
@@ -250,7 +262,6 @@ fn check_keys(m: &Map<String, Value>, own: &[&str]) -> Result<(), ApiError> {
             continue;
         }
         let what = match k {
-            "format" => " yet (structured output)",
             "tools" => " yet (tool calling)",
             "images" => " (text models only)",
             _ => "",

@@ -6,6 +6,7 @@
 //! its own protocol (the OpenAI error object, a D-Bus error).
 
 use super::{ModelHandle, Shared};
+use inferd_engine::constraint::Grammar;
 use inferd_engine::model::Model;
 use inferd_engine::plugin::{FinishReason, LoadedStrategy, PluginError, Session, SessionRequest};
 use inferd_engine::request::Request;
@@ -59,6 +60,8 @@ pub struct Prepared {
     pub stop: Vec<String>,
     /// The strategy reports each token's log-probability.
     pub logprobs: bool,
+    /// The response format, compiled for the model.
+    pub grammar: Option<Grammar>,
 }
 
 impl Shared {
@@ -163,6 +166,18 @@ pub fn prepare(sh: &Shared, model: Arc<ModelHandle>, req: Request, prompt: Vec<u
             return Err(ApiError::new(413, format!("the request needs {need} KV cache blocks ({} prompt tokens, max_tokens {max_tokens}, n {n}); the cache holds {}", prompt.len(), kv.total), Some("max_tokens")));
         }
     }
+    // Compiled here, on the caller's thread: a schema the engine cannot enforce is a 400 before
+    // anything is scheduled.
+    let grammar = match (&req.response_format, &model.vocabulary) {
+        (None, _) => None,
+        (Some(f), Some(v)) => Some(v.compile(f).map_err(|e| ApiError::bad(e.to_string(), "response_format"))?),
+        (Some(_), None) => {
+            return Err(ApiError::bad(
+                format!("model {} declares no end-of-sequence token, so constrained output could not end", model.name),
+                "response_format",
+            ))
+        }
+    };
     let tok = &model.model.tokenizer;
     let req = SessionRequest {
         prompt: &prompt,
@@ -173,10 +188,12 @@ pub fn prepare(sh: &Shared, model: Arc<ModelHandle>, req: Request, prompt: Vec<u
         seed,
         eos: tok.eos(),
         logprobs,
+        vocabulary: model.vocabulary.as_ref(),
+        grammar: grammar.as_ref(),
     };
     Session::validate(&strategy, model.model.config.vocab as u32, model.roles, &req)
         .map_err(|e| ApiError::bad(e.to_string(), "decoder_params"))?;
-    Ok(Prepared { model, strategy, prompt, params, max_tokens, n, seed, priority, stop, logprobs })
+    Ok(Prepared { model, strategy, prompt, params, max_tokens, n, seed, priority, stop, logprobs, grammar })
 }
 
 /// Requests in flight per user, against `limits.max_requests_per_user`.
@@ -255,6 +272,7 @@ pub fn submit(sh: &Arc<Shared>, p: Prepared, uid: u32) -> Result<Submitted, ApiE
         logprobs: p.logprobs,
         meta,
         events: Box::new(move |e| tx.send(e).is_ok()),
+        grammar: p.grammar,
     };
     let sent = p.model.engine.lock().map(|e| e.send(Command::Submit(sub)).is_ok()).unwrap_or(false);
     if !sent {

@@ -47,7 +47,7 @@ fn the_official_openai_python_client_works_unchanged() {
     let refused = &v["refused"];
     for (name, says) in [
         ("tools", "tools is not supported by inferd yet"),
-        ("response_format", "response_format is not supported by inferd yet"),
+        ("response_format", "response_format.type must be text, json_object or json_schema"),
         ("image_url", "content part type \"image_url\" is not supported"),
         ("colour", "colour is not supported by inferd"),
         ("stream_options", "stream_options is only allowed when stream is true"),
@@ -56,6 +56,48 @@ fn the_official_openai_python_client_works_unchanged() {
         let r = &refused[name];
         assert!(r[0] == 400 && r[1].as_str().unwrap().contains(says), "{name}: {r}");
     }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Structured output through the official clients (tests/python/structured.py): a corpus of
+/// real-world JSON schemas, streamed and whole, through every strategy, through the OpenAI
+/// client's `parse` and Ollama's `format`; each answer checked by the jsonschema package.
+#[test]
+fn structured_output_validates_through_the_official_clients() {
+    let dir = scratch("structured");
+    let d = Daemon::start(&dir, "", &[]);
+    let pylib = std::env::var("INFERD_TEST_PYTHONPATH")
+        .unwrap_or_else(|_| format!("{}/.cache/inferd/python", std::env::var("HOME").unwrap_or_default()));
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/python/structured.py");
+    let out = Command::new("python3").arg(script).arg(&d.socket).env("PYTHONPATH", &pylib).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "tests/run installs openai, ollama and jsonschema into {pylib}:\n{stderr}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let corpus = v["corpus"].as_array().unwrap();
+    assert_eq!(corpus.len(), 11, "{v}");
+    for entry in corpus {
+        let tries = entry["tries"].as_array().unwrap();
+        let last = tries.last().unwrap();
+        assert_eq!(last["finish"], "stop", "{}: no answer ended in {} tries: {entry}", entry["name"], tries.len());
+        for t in tries.iter().filter(|t| t["finish"] == "stop") {
+            assert!(t["error"].is_null(), "{}: {t}", entry["name"]);
+        }
+    }
+    let stream = &v["stream"];
+    assert!(stream["finish"] == "stop" && stream["error"].is_null(), "{stream}");
+    for (name, s) in v["strategies"].as_object().unwrap() {
+        assert!(s["finish"] == "stop" && s["error"].is_null(), "{name}: {s}");
+    }
+    assert_eq!(v["strategies"].as_object().unwrap().len(), 4);
+    assert_eq!(v["strategies"]["speculative"]["text"], stream["text"], "speculative at temperature 0 is greedy");
+    assert_eq!(v["parse"], serde_json::json!({ "type": "Owner", "pets": 2, "finish": "stop" }));
+    assert_eq!(v["json_object"], serde_json::json!({ "is_object": true, "finish": "stop" }));
+    let u = &v["unenforceable"];
+    assert!(u["status"] == 400 && u["param"] == "response_format", "{u}");
+    assert!(u["message"].as_str().unwrap().contains("minimum (5) is greater than maximum (1)"), "{u}");
+    let os = &v["ollama_schema"];
+    assert!(os["error"].is_null() && os["done_reason"] == "stop", "{os}");
+    assert_eq!(v["ollama_json"], serde_json::json!({ "is_object": true, "done_reason": "stop" }));
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -108,7 +150,7 @@ fn the_official_ollama_python_client_works_unchanged() {
     assert_eq!(v["untagged"], chat["content"]);
     let refused = &v["refused"];
     for (name, status, says) in [
-        ("format", 400, "format is not supported by inferd yet"),
+        ("format", 400, "the response format cannot be enforced: Unsatisfiable schema"),
         ("tools", 400, "tools is not supported by inferd yet"),
         ("mirostat", 400, "options.mirostat is not supported"),
         ("unknown_model", 404, "unknown model"),

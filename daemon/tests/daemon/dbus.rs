@@ -102,6 +102,13 @@ fn dbus_generate_complete_properties_unicast_and_introspection() {
     let speculative = complete("{'max_tokens': <uint32 40>, 'temperature': <0.0>, 'decoder': <'speculative'>}");
     assert!(greedy.len() > 60, "{greedy}");
     assert_eq!(speculative, greedy);
+    // A response format as JSON text: the answer follows the schema.
+    let schema = r#"{"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"], "additionalProperties": false}}}"#;
+    let json =
+        complete(&format!("{{'max_tokens': <uint32 40>, 'temperature': <0.0>, 'response_format': <'{schema}'>}}"));
+    let text = json.trim().trim_start_matches("('").trim_end_matches("',)");
+    let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{json}: {e}"));
+    assert!(v["city"] == "Paris" || v["city"] == "Rome", "{v}");
     assert_eq!(
         busctl(&["get-property", "org.inferd.Inference1", "/org/inferd/Inference1", "org.inferd.Inference1", "Models"])
             .trim(),

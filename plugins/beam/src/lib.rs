@@ -84,7 +84,9 @@ impl BeamSearch {
                 ids.select_nth_unstable_by(take - 1, by);
                 ids.truncate(take);
             }
-            cands.extend(ids.into_iter().map(|t| (p.total + lp[t as usize], i, t, lp[t as usize] as f32)));
+            // A token of probability zero (a response format's mask) is no hypothesis.
+            let finite = ids.into_iter().filter(|&t| lp[t as usize].is_finite());
+            cands.extend(finite.map(|t| (p.total + lp[t as usize], i, t, lp[t as usize] as f32)));
         }
         cands.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
         let mut chosen: Vec<(f64, usize, u32, f32)> = Vec::new();

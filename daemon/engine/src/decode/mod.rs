@@ -59,11 +59,11 @@ pub fn generate_with_stats(
             Ok(None) => break Ok(()),
             Err(e) => break Err(e.into()),
         };
-        let rows = match store.run(&work) {
+        let mut rows = match store.run(&work) {
             Ok(r) => r,
             Err(e) => break Err(DecodeError::Store(e)),
         };
-        if let Err(e) = session.observe(store, &work, &rows, on_token) {
+        if let Err(e) = session.observe(store, &work, &mut rows, on_token) {
             break Err(e.into());
         }
         rounds += 1;

@@ -37,6 +37,8 @@ pub trait HostSide {
     fn finish(&mut self, choice: u32, reason: u32) -> Result<(), HostErr>;
     fn random(&mut self, stream: u64, counter: u64) -> [u32; 4];
     fn report(&mut self, key: &str, value: f64) -> Result<(), HostErr>;
+    /// The bytes token `token` stands for (ABI 1.1).
+    fn token_bytes(&mut self, token: i32) -> Result<Vec<u8>, HostErr>;
 }
 
 /// The context behind an `inferd_call` pointer.
@@ -220,6 +222,23 @@ unsafe extern "C" fn report(call: *mut abi::Call, key: *const c_char, value: f64
     unsafe { with_ctx(call, |c| c.side.report(&k, value)) }
 }
 
+unsafe extern "C" fn token_bytes(call: *mut abi::Call, token: i32, buf: *mut u8, cap: u32, len: *mut u32) -> i32 {
+    // SAFETY: as in `seq_create`; `buf` holds `cap` bytes (checked non-null when cap > 0).
+    unsafe {
+        with_ctx(call, |c| {
+            let bytes = c.side.token_bytes(token)?;
+            let n = bytes.len().min(cap as usize);
+            if n > 0 {
+                if buf.is_null() {
+                    return Err(HostErr::invalid("null byte buffer"));
+                }
+                std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf, n);
+            }
+            put(len, bytes.len() as u32)
+        })
+    }
+}
+
 /// The host's info struct and callback table, built once and never freed.
 struct Tables {
     info: abi::HostInfo,
@@ -250,6 +269,7 @@ pub fn host_info() -> *const abi::HostInfo {
             finish: Some(finish),
             random: Some(random),
             report: Some(report),
+            token_bytes: Some(token_bytes),
         });
         let info = abi::HostInfo {
             header: abi::Header::new::<abi::HostInfo>(abi::TYPE_HOST_INFO),

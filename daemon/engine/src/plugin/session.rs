@@ -11,6 +11,8 @@
 
 use super::host::{CallCtx, HostErr, HostSide};
 use super::{philox, LoadedStrategy, PluginError};
+use crate::constraint::mask::Masker;
+use crate::constraint::{Grammar, Vocabulary};
 use crate::decode::store::{SeqStore, StoreRun, StoreSeq};
 use inferd_plugin_api::abi;
 use std::collections::{BTreeMap, HashMap};
@@ -40,6 +42,10 @@ pub struct SessionRequest<'a> {
     pub eos: &'a [u32],
     /// The client wants each token's log-probability.
     pub logprobs: bool,
+    /// The model's vocabulary (the plugins' `token_bytes`), when the host built one.
+    pub vocabulary: Option<&'a Arc<Vocabulary>>,
+    /// The response format the output must follow, compiled.
+    pub grammar: Option<&'a Grammar>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -67,6 +73,9 @@ struct State {
     max_tokens: u32,
     vocab: u32,
     seed: u64,
+    vocabulary: Option<Arc<Vocabulary>>,
+    /// The response format's state, when the request has one.
+    masker: Option<Masker>,
 }
 
 /// The callbacks' view during one call: the session state, and the store (absent in validate).
@@ -137,7 +146,11 @@ impl HostSide for Side<'_> {
     fn seq_fork(&mut self, seq: abi::Seq) -> Result<abi::Seq, HostErr> {
         let s = self.seq(seq)?;
         let f = self.store()?.fork(s).map_err(store_err)?;
-        Ok(self.adopt(f))
+        let h = self.adopt(f);
+        if let Some(m) = &mut self.st.masker {
+            m.fork(seq, h);
+        }
+        Ok(h)
     }
 
     fn seq_truncate(&mut self, seq: abi::Seq, len: u32) -> Result<(), HostErr> {
@@ -149,6 +162,9 @@ impl HostSide for Side<'_> {
         let s = self.seq(seq)?;
         self.store()?.free(s);
         self.st.handles.remove(&seq);
+        if let Some(m) = &mut self.st.masker {
+            m.free(seq);
+        }
         Ok(())
     }
 
@@ -166,6 +182,10 @@ impl HostSide for Side<'_> {
         if ch.tokens.len() >= max as usize {
             return Err(HostErr::invalid(format!("emitted more than max_tokens ({max}) tokens for choice {choice}")));
         }
+        if let Some(m) = &mut self.st.masker {
+            m.emit(choice, token as u32).map_err(HostErr::invalid)?;
+        }
+        let ch = self.choice(choice)?;
         ch.tokens.push(token as u32);
         ch.logprobs.push(logprob);
         (self.on_token)(choice, token as u32, logprob);
@@ -178,6 +198,10 @@ impl HostSide for Side<'_> {
             abi::FINISH_LENGTH => FinishReason::Length,
             other => return Err(HostErr::invalid(format!("unknown finish reason {other}"))),
         };
+        self.choice(choice)?;
+        if let (FinishReason::Stop, Some(m)) = (r, &mut self.st.masker) {
+            m.finish(choice).map_err(HostErr::invalid)?;
+        }
         self.choice(choice)?.finish = Some(r);
         Ok(())
     }
@@ -197,6 +221,12 @@ impl HostSide for Side<'_> {
         }
         *self.st.stats.entry(key.to_owned()).or_default() += value;
         Ok(())
+    }
+
+    fn token_bytes(&mut self, token: i32) -> Result<Vec<u8>, HostErr> {
+        let v = self.st.vocabulary.as_ref().ok_or_else(|| HostErr::invalid("this model has no vocabulary"))?;
+        let b = u32::try_from(token).ok().and_then(|t| v.token_bytes(t));
+        b.map(<[u8]>::to_vec).ok_or_else(|| HostErr::invalid(format!("token {token} is outside the vocabulary")))
     }
 }
 
@@ -224,6 +254,8 @@ fn init_for(req: &SessionRequest<'_>, vocab: u32, roles: u32, seq: abi::Seq) -> 
         seed: req.seed,
         logprobs: u32::from(req.logprobs),
         reserved: 0,
+        constrained: u32::from(req.grammar.is_some()),
+        reserved2: 0,
     };
     Ok(Init { _params: params, _eos: eos, raw })
 }
@@ -269,6 +301,8 @@ impl Session {
             max_tokens: req.max_tokens,
             vocab,
             seed: req.seed,
+            vocabulary: req.vocabulary.cloned(),
+            masker: None,
         };
         let mut nothing = |_: u32, _: u32, _: f32| {};
         let mut side = Side { st: &mut st, store: None, on_token: &mut nothing };
@@ -301,6 +335,8 @@ impl Session {
                 max_tokens: req.max_tokens,
                 vocab,
                 seed: req.seed,
+                vocabulary: req.vocabulary.cloned(),
+                masker: None,
             },
             strategy,
             ptr: std::ptr::null_mut(),
@@ -313,6 +349,15 @@ impl Session {
         };
         let h = NEXT_HANDLE.fetch_add(1, Ordering::Relaxed);
         s.st.handles.insert(h, seq);
+        if let Some(g) = req.grammar {
+            match Masker::new(g, h, req.prompt.len(), req.generated, req.n as usize) {
+                Ok(m) => s.st.masker = Some(m),
+                Err(message) => {
+                    s.release(store);
+                    return Err(PluginError::Invalid { strategy: s.strategy.name().to_owned(), message });
+                }
+            }
+        }
         let init = match init_for(req, vocab, roles, h) {
             Ok(i) => i,
             Err(e) => {
@@ -413,18 +458,22 @@ impl Session {
         Ok(work)
     }
 
-    /// Hands the logits of the last plan's work to the plugin (`rows[i]` for item `i`).
+    /// Hands the logits of the last plan's work to the plugin (`rows[i]` for item `i`), masked
+    /// first when the request has a response format.
     pub fn observe(
         &mut self,
         store: &mut dyn SeqStore,
         work: &[StoreRun],
-        rows: &[Vec<f32>],
+        rows: &mut [Vec<f32>],
         on_token: OnToken<'_>,
     ) -> Result<(), PluginError> {
         let vocab = store.vocab();
+        if let Err(e) = self.mask(store, work, rows, vocab) {
+            return Err(PluginError::Invalid { strategy: self.strategy.name().to_owned(), message: e });
+        }
         let ptrs: Vec<*const f32> = rows.iter().map(|r| r.as_ptr()).collect();
         let counts: Vec<u32> =
-            work.iter().zip(rows).map(|(w, r)| (w.n_logits.min(r.len() / vocab.max(1))) as u32).collect();
+            work.iter().zip(rows.iter()).map(|(w, r)| (w.n_logits.min(r.len() / vocab.max(1))) as u32).collect();
         let logits = abi::Logits {
             header: abi::Header::new::<abi::Logits>(abi::TYPE_LOGITS),
             n_items: rows.len() as u32,
@@ -442,6 +491,28 @@ impl Session {
         if status != abi::OK {
             return Err(self.fail(msg));
         }
+        Ok(())
+    }
+
+    /// Applies the response format's mask to every constrained row, and counts its cost in
+    /// the request's statistics (`mask_ms`, `masked_rows`).
+    fn mask(
+        &mut self,
+        store: &dyn SeqStore,
+        work: &[StoreRun],
+        rows: &mut [Vec<f32>],
+        vocab: usize,
+    ) -> Result<(), String> {
+        let Some(m) = &mut self.st.masker else { return Ok(()) };
+        let before = m.cost();
+        for (w, row) in work.iter().zip(rows.iter_mut()) {
+            let Some((&h, _)) = self.st.handles.iter().find(|(_, &s)| s == w.seq) else { continue };
+            let tokens = store.tokens(w.seq);
+            m.mask(h, &tokens, row, vocab)?;
+        }
+        let after = m.cost();
+        *self.st.stats.entry("mask_ms".into()).or_default() += (after.0 - before.0).as_secs_f64() * 1e3;
+        *self.st.stats.entry("masked_rows".into()).or_default() += (after.1 - before.1) as f64;
         Ok(())
     }
 

@@ -53,6 +53,35 @@ impl Pick for Draw {
     }
 }
 
+/// Greedy among the tokens that spell digits, read through `token_bytes` (ABI 1.1): a mask of
+/// its own (end-of-sequence tokens allowed too). Reports whether the host said the request is
+/// constrained.
+struct Digits {
+    constrained: bool,
+    eos: Vec<u32>,
+}
+impl Pick for Digits {
+    const NAME: &'static CStr = c"test-digits";
+    const DESCRIPTION: &'static CStr = c"greedy over digit tokens";
+    fn parse(_: &mut Params, init: &SessionInit) -> Result<Self, String> {
+        Ok(Digits { constrained: init.constrained, eos: init.eos.clone() })
+    }
+    fn pick(&self, host: &Host, logits: &[f32], _: &[u32], _: u32, position: u32) -> Result<(u32, f32), String> {
+        if position == 0 && self.constrained {
+            host.report("constrained", 1.0)?;
+        }
+        let mut best: Option<(u32, f32)> = None;
+        for (t, &l) in logits.iter().enumerate() {
+            let b = host.token_bytes(t as u32)?;
+            let digit = !b.is_empty() && b.iter().all(u8::is_ascii_digit);
+            if (digit || self.eos.contains(&(t as u32))) && l.is_finite() && best.is_none_or(|(_, x)| l > x) {
+                best = Some((t as u32, l));
+            }
+        }
+        best.ok_or_else(|| "no digit is allowed".to_string())
+    }
+}
+
 /// Forks sequences it never frees, and emits one token more than allowed when asked.
 struct Leaky {
     root: abi::Seq,
@@ -90,7 +119,7 @@ impl Strategy for Leaky {
     }
 }
 
-inferd_plugin_api::export_plugin!(name: "in-process-tests", version: "0", strategies: [Sampler<Panicky>, Sampler<Top1>, Sampler<Draw>, Leaky]);
+inferd_plugin_api::export_plugin!(name: "in-process-tests", version: "0", strategies: [Sampler<Panicky>, Sampler<Top1>, Sampler<Draw>, Sampler<Digits>, Leaky]);
 
 /// The strategies above (`test-top1`, `test-draw`, ...), for every test of this crate.
 pub(crate) fn registry() -> Registry {
@@ -112,7 +141,18 @@ fn counting_model() -> MockStore {
 }
 
 fn request<'a>(prompt: &'a [u32], params: &'a str, max_tokens: u32, n: u32) -> SessionRequest<'a> {
-    SessionRequest { logprobs: false, prompt, generated: &[], params, max_tokens, n, seed: 1, eos: &[7] }
+    SessionRequest {
+        logprobs: false,
+        prompt,
+        generated: &[],
+        params,
+        max_tokens,
+        n,
+        seed: 1,
+        eos: &[7],
+        vocabulary: None,
+        grammar: None,
+    }
 }
 
 #[test]
@@ -191,4 +231,56 @@ fn continued_requests_keep_their_history_out_of_max_tokens() {
     let out = generate(&top1, &mut store, &req, &mut |_, _| {}).unwrap();
     assert_eq!(out[0].tokens, vec![5, 6]);
     assert_eq!(store.tokens(1), Vec::<u32>::new(), "freed");
+}
+
+/// The counting model's 8 tokens as text: letters and digits, and an end-of-sequence token.
+fn spelled() -> Arc<crate::constraint::Vocabulary> {
+    let words = ["a", "1", "b", "2", "c", "3", "d", "<end>"];
+    let tokens = words.iter().enumerate().map(|(i, w)| (w.as_bytes().to_vec(), i == 7)).collect();
+    Arc::new(crate::constraint::Vocabulary::from_tokens(tokens, &[7]).unwrap())
+}
+
+#[test]
+fn plugins_read_token_bytes_and_hear_that_a_request_is_constrained() {
+    let reg = registry();
+    let digits = reg.get("test-digits").unwrap();
+    let vocab = spelled();
+    let mut store = counting_model();
+    let req = SessionRequest { vocabulary: Some(&vocab), ..request(&[2], "{}", 4, 1) };
+    let out = generate(&digits, &mut store, &req, &mut |_, _| {}).unwrap();
+    // From 2 the model wants 3 ("2"); then 4 (a letter): the first digit wins the tie; from 1
+    // it wants 2 (a letter) again.
+    assert_eq!(out[0].tokens, vec![3, 1, 1, 1]);
+    // Without a vocabulary the host says so, and the request fails cleanly.
+    let e = generate(&digits, &mut store, &request(&[2], "{}", 4, 1), &mut |_, _| {}).unwrap_err();
+    assert!(e.to_string().contains("no vocabulary"), "{e}");
+    assert_eq!(store.live(), 0);
+}
+
+#[test]
+fn a_response_format_masks_every_strategy_and_refuses_what_ignores_it() {
+    use crate::constraint::ResponseFormat;
+    let reg = registry();
+    let vocab = spelled();
+    let grammar = vocab.compile(&ResponseFormat::Lark(r#"start: "1" "2" "3""#.into())).unwrap();
+    let mut store = counting_model();
+    let req = SessionRequest { vocabulary: Some(&vocab), grammar: Some(&grammar), ..request(&[0], "{}", 8, 1) };
+    // Greedy would count 1, 2, 3, ... (ids); the grammar allows only "1" "2" "3", then the end.
+    for name in ["test-top1", "test-digits"] {
+        let s = reg.get(name).unwrap();
+        let g = crate::decode::generate_with_stats(&s, &mut store, &req, &mut |_, _| {}).unwrap();
+        assert_eq!(g.choices[0].tokens, vec![1, 3, 5], "{name}");
+        assert_eq!(g.choices[0].finish, Some(FinishReason::Stop), "{name}");
+        assert_eq!(g.stats["masked_rows"], 4.0, "{name}");
+        assert!(g.stats.contains_key("mask_ms"), "{name}");
+    }
+    let g =
+        crate::decode::generate_with_stats(&reg.get("test-digits").unwrap(), &mut store, &req, &mut |_, _| {}).unwrap();
+    assert_eq!(g.stats["constrained"], 1.0, "ABI 1.1: the session init says the rows are masked");
+    // A strategy that ignores its logits (uniform draws) emits what the grammar forbids: its
+    // request fails with the reason, nothing leaks.
+    let draw = reg.get("test-draw").unwrap();
+    let e = generate(&draw, &mut store, &req, &mut |_, _| {}).unwrap_err();
+    assert!(e.to_string().contains("the response format forbids"), "{e}");
+    assert_eq!(store.live(), 0);
 }

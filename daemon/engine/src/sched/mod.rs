@@ -39,6 +39,8 @@ pub struct Submission {
     pub n: u32,
     pub seed: u64,
     pub logprobs: bool,
+    /// The response format the output follows, compiled for this model.
+    pub grammar: Option<crate::constraint::Grammar>,
     pub meta: RequestMeta,
     pub events: EventSink,
 }
@@ -119,11 +121,13 @@ pub struct LoopConfig {
     pub eos: Vec<u32>,
     /// Where the loop reports its state.
     pub monitor: Option<Arc<Monitor>>,
+    /// The model's vocabulary, for the plugins' `token_bytes`.
+    pub vocabulary: Option<Arc<crate::constraint::Vocabulary>>,
 }
 
 impl Default for LoopConfig {
     fn default() -> Self {
-        LoopConfig { token_budget: 512, max_running: 64, eos: Vec::new(), monitor: None }
+        LoopConfig { token_budget: 512, max_running: 64, eos: Vec::new(), monitor: None, vocabulary: None }
     }
 }
 

@@ -395,6 +395,8 @@ impl Scheduler {
                 seed: w.req.sub.seed,
                 eos: &self.cfg.eos,
                 logprobs: w.req.sub.logprobs,
+                vocabulary: self.cfg.vocabulary.as_ref(),
+                grammar: w.req.sub.grammar.as_ref(),
             };
             // (Creating a session emits nothing.)
             match Session::create(Arc::clone(&w.req.sub.strategy), store, &req, &mut |_, _, _| {}) {
@@ -532,8 +534,8 @@ impl Scheduler {
             let mut emit =
                 Emit { req, resume: *resume, emitted, gone, diverged, sent: &mut *sent, ttft: &mut self.seen.ttft };
             let outcome = match rows {
-                Ok(rows) => session
-                    .observe(store, &b.items[range.clone()], &rows, &mut |c, t, lp| emit.token(c, t, lp))
+                Ok(mut rows) => session
+                    .observe(store, &b.items[range.clone()], &mut rows, &mut |c, t, lp| emit.token(c, t, lp))
                     .map_err(|e| e.to_string()),
                 Err(e) => Err(format!("running the model: {e}")),
             };

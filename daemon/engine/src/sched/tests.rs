@@ -65,7 +65,13 @@ impl Harness {
     fn new(blocks: usize, block_size: usize, token_budget: usize, max_running: usize) -> Self {
         let (tx, rx) = channel();
         Harness {
-            sched: Scheduler::new(LoopConfig { token_budget, max_running, eos: vec![EOS], monitor: None }),
+            sched: Scheduler::new(LoopConfig {
+                token_budget,
+                max_running,
+                eos: vec![EOS],
+                monitor: None,
+                vocabulary: None,
+            }),
             store: model().with_blocks(blocks, block_size),
             reg: crate::plugin::tests::registry(),
             tx,
@@ -87,6 +93,7 @@ impl Harness {
             n: s.n,
             seed: 1000 + id,
             logprobs: false,
+            grammar: None,
             meta: RequestMeta { uid: s.uid, priority: s.priority, ..Default::default() },
             events: Box::new(move |e| tx.send((id, e)).is_ok()),
         };
@@ -149,6 +156,8 @@ fn alone(reg: &Registry, s: &Spec) -> Vec<Vec<u32>> {
         seed: 1000 + s.id,
         eos: &[EOS],
         logprobs: false,
+        vocabulary: None,
+        grammar: None,
     };
     generate(&reg.get(s.strategy).unwrap(), &mut model(), &req, &mut |_, _| {})
         .unwrap()
