@@ -48,7 +48,7 @@ out["untagged"] = client.chat(model=model.removesuffix(":latest"), messages=ques
 refused = {}
 for name, kwargs in {
     "format": {"format": {"type": "integer", "minimum": 5, "maximum": 1}},
-    "tools": {"tools": [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}}}]},
+    "images": {"messages": [{"role": "user", "content": "What is this?", "images": ["aGk="]}]},
     "mirostat": {"options": {"mirostat": 2}},
     "unknown_model": {"model": "llama9:70b"},
 }.items():

@@ -83,7 +83,7 @@ out["completion_logprobs"] = {"tokens": c.choices[0].logprobs.tokens, "values": 
 out["user_ok"] = client.chat.completions.create(model=model, messages=parts, max_tokens=2, temperature=0, user="ana").choices[0].finish_reason
 refused = {}
 for name, kwargs in {
-    "tools": {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+    "functions": {"extra_body": {"functions": [{"name": "f", "parameters": {"type": "object"}}]}},
     "response_format": {"response_format": {"type": "xml"}},
     "image_url": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
     "colour": {"extra_body": {"colour": "blue"}},

@@ -1,9 +1,12 @@
 //! Chat templates: the model's own Jinja template rendered with `minijinja`.
 //!
-//! Templates get what Hugging Face's `apply_chat_template` passes: `messages`,
-//! `add_generation_prompt`, `bos_token`, `eos_token`, and a `raise_exception` function. A model
-//! without a template gets ChatML, the format of the default model.
+//! Templates get what Hugging Face's `apply_chat_template` passes: `messages` (with their tool
+//! calls and tool results), `tools` when the request has them, `add_generation_prompt`,
+//! `bos_token`, `eos_token`, and a `raise_exception` function. A model without a template gets
+//! ChatML, the format of the default model.
 
+use crate::tools::{Tool, ToolCall};
+use serde::ser::SerializeMap;
 use serde::Serialize;
 
 /// ChatML, used when a model ships no template.
@@ -14,15 +17,42 @@ pub const CHATML: &str = "{% for message in messages %}{{ '<|im_start|>' + messa
 pub struct TemplateError(String);
 
 /// One message of a conversation.
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// The calls an assistant message made.
+    pub tool_calls: Vec<ToolCall>,
+    /// Which call a `tool` message answers.
+    pub tool_call_id: Option<String>,
+    /// The tool's name, on a `tool` message.
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: &str, content: &str) -> Self {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage { role: role.into(), content: content.into(), ..ChatMessage::default() }
+    }
+}
+
+/// As transformers hands messages to templates: `role` and `content`, and `tool_calls`,
+/// `tool_call_id`, `name` only where present (templates test `message.tool_calls is defined`).
+impl Serialize for ChatMessage {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut m = s.serialize_map(None)?;
+        m.serialize_entry("role", &self.role)?;
+        m.serialize_entry("content", &self.content)?;
+        if !self.tool_calls.is_empty() {
+            let calls: Vec<serde_json::Value> = self.tool_calls.iter().map(ToolCall::to_template).collect();
+            m.serialize_entry("tool_calls", &calls)?;
+        }
+        if let Some(id) = &self.tool_call_id {
+            m.serialize_entry("tool_call_id", id)?;
+        }
+        if let Some(n) = &self.name {
+            m.serialize_entry("name", n)?;
+        }
+        m.end()
     }
 }
 
@@ -59,9 +89,23 @@ impl ChatTemplate {
     /// The prompt text for `messages`, ending with the assistant's turn opener when
     /// `add_generation_prompt`.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TemplateError> {
+        self.render_with_tools(messages, &[], add_generation_prompt)
+    }
+
+    /// [`ChatTemplate::render`] with `tools` offered to the model (OpenAI's list, as
+    /// transformers passes it; left undefined when empty).
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[Tool],
+        add_generation_prompt: bool,
+    ) -> Result<String, TemplateError> {
         let tmpl = self.env.get_template("chat").map_err(|e| TemplateError(e.to_string()))?;
+        let tools: Option<Vec<serde_json::Value>> =
+            (!tools.is_empty()).then(|| tools.iter().map(Tool::to_openai).collect());
         tmpl.render(minijinja::context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos,
             eos_token => &self.eos,

@@ -14,6 +14,7 @@
 //! - [`decode`]: driving one request through a strategy plugin over a sequence store.
 //! - [`request`]: one typed request, whatever the edge that built it.
 //! - [`sched`]: the engine loop and its scheduler (continuous batching over many requests).
+//! - [`tools`]: tool calls as each model family writes them: prompts, grammars, parsing.
 //! - [`paths`]: where the default model and the plugins are looked for.
 
 #![deny(unsafe_code)]
@@ -31,3 +32,4 @@ pub mod plugin;
 pub mod request;
 pub mod sched;
 pub mod tokenizer;
+pub mod tools;

@@ -5,6 +5,7 @@
 //! parsed here; checking and submitting are the shared [`request`](super::request) path. The
 //! peer's uid comes from SO_PEERCRED on the connection ([`Peer`]).
 
+use super::chat::{self, Tools};
 use super::fields::{self, Field, FIELDS};
 use super::request::{self, ApiError, Output, Piece};
 use super::Shared;
@@ -18,6 +19,7 @@ use axum::serve::IncomingStream;
 use axum::{Json, Router};
 use inferd_engine::request::Request;
 use inferd_engine::sched::Command;
+use inferd_engine::tools::parse::{CallIds, Delta, ToolStream};
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -243,7 +245,8 @@ async fn detokenize(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> R
 pub const IGNORED: [&str; 4] = ["user", "store", "metadata", "service_tier"];
 
 /// The keys a route reads itself, beside [`FIELDS`].
-const ROUTE_KEYS: [&str; 5] = ["model", "stream", "stream_options", "parallel_tool_calls", "logprobs"];
+const ROUTE_KEYS: [&str; 7] =
+    ["model", "stream", "stream_options", "tools", "tool_choice", "parallel_tool_calls", "logprobs"];
 
 /// Checks that every key of the body is one inferd implements or an accepted no-op: a field
 /// OpenAI defines that inferd does not implement is a 400 naming it, never silently dropped.
@@ -267,7 +270,7 @@ fn known_keys(m: &Map<String, Value>, body_key: &str) -> Result<(), ApiError> {
             continue;
         }
         let what = match k {
-            "tools" | "tool_choice" | "functions" | "function_call" => "tool calling",
+            "functions" | "function_call" => "the deprecated functions API; send tools",
             "top_logprobs" => "the most likely alternatives of each token",
             _ => "",
         };
@@ -399,45 +402,6 @@ fn typed_request(m: &Map<String, Value>) -> Result<Request, ApiError> {
     fields::build(fields)
 }
 
-/// The `messages` field of a chat request as (role, content) pairs. A content is a string or
-/// an array of content parts, whose text parts are joined; other part types are refused by
-/// name.
-fn chat_messages(m: &Map<String, Value>) -> Result<Vec<(String, String)>, ApiError> {
-    let list = m
-        .get("messages")
-        .and_then(Value::as_array)
-        .ok_or_else(|| ApiError::bad("messages must be an array", "messages"))?;
-    let bad = |i: usize, what: String| ApiError::bad(format!("messages[{i}]: {what}"), "messages");
-    list.iter()
-        .enumerate()
-        .map(|(i, msg)| {
-            let role = msg.get("role").and_then(Value::as_str).ok_or_else(|| bad(i, "needs a string role".into()))?;
-            let content = match msg.get("content") {
-                Some(Value::String(c)) => c.clone(),
-                Some(Value::Array(parts)) => {
-                    let mut text = String::new();
-                    for (j, part) in parts.iter().enumerate() {
-                        match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
-                            (Some("text"), Some(t)) => text.push_str(t),
-                            (Some("text"), None) => return Err(bad(i, format!("content[{j}] needs a string text"))),
-                            (Some(other), _) => {
-                                return Err(bad(
-                                    i,
-                                    format!("content part type {other:?} is not supported by inferd (text only)"),
-                                ))
-                            }
-                            (None, _) => return Err(bad(i, format!("content[{j}] needs a type"))),
-                        }
-                    }
-                    text
-                }
-                _ => return Err(bad(i, "needs a content: a string or an array of content parts".into())),
-            };
-            Ok((role.to_owned(), content))
-        })
-        .collect()
-}
-
 async fn completions(
     State(sh): State<Arc<Shared>>,
     ConnectInfo(peer): ConnectInfo<Peer>,
@@ -457,7 +421,7 @@ async fn completions(
         Ok((request::prepare(&sh, model, req, ids)?, m))
     };
     match start() {
-        Ok((p, m)) => respond(sh, p, &m, peer, false).await,
+        Ok((p, m)) => respond(sh, p, &m, peer, false, None).await,
         Err(e) => error(e),
     }
 }
@@ -467,29 +431,42 @@ async fn chat_completions(
     ConnectInfo(peer): ConnectInfo<Peer>,
     body: axum::body::Bytes,
 ) -> Response {
-    let start = || -> Result<(request::Prepared, Map<String, Value>), ApiError> {
+    let start = || -> Result<(request::Prepared, Map<String, Value>, Tools), ApiError> {
         let m = object(&body)?;
         let model = sh.model(model_field(&m)?)?;
         known_keys(&m, "messages")?;
         include_usage(&m)?;
-        let ids = request::encode_chat(&model.model, &chat_messages(&m)?)?;
-        let req = Request { logprobs: wants_logprobs(&m, true)?, ..typed_request(&m)? };
-        Ok((request::prepare(&sh, model, req, ids)?, m))
+        let tools = Tools::of(&m, &model.model)?;
+        let ids = chat::encode(&model.model, &chat::messages(&m)?, Some(&tools))?;
+        let mut req = Request { logprobs: wants_logprobs(&m, true)?, ..typed_request(&m)? };
+        tools.constrain(&mut req, model.vocabulary.as_deref())?;
+        Ok((request::prepare(&sh, model, req, ids)?, m, tools))
     };
     match start() {
-        Ok((p, m)) => respond(sh, p, &m, peer, true).await,
+        Ok((p, m, tools)) => respond(sh, p, &m, peer, true, tools.active().then_some(tools)).await,
         Err(e) => error(e),
     }
 }
 
 /// A prepared request submitted and answered as a completion or a chat completion, whole or
 /// streamed.
-async fn respond(sh: Arc<Shared>, p: request::Prepared, m: &Map<String, Value>, peer: Peer, chat: bool) -> Response {
+async fn respond(
+    sh: Arc<Shared>,
+    p: request::Prepared,
+    m: &Map<String, Value>,
+    peer: Peer,
+    chat: bool,
+    tools: Option<Tools>,
+) -> Response {
     let stream = m.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let with_usage = include_usage(m).unwrap_or(false);
     let (n, prompt_tokens, decoder) = (p.n, p.prompt.len(), p.strategy.name().to_owned());
     let with_logprobs = p.logprobs;
     let mut out = Output::new(p.n, p.stop.clone());
+    if tools.is_some() {
+        out = out.keeping_special();
+    }
+    let format = tools.as_ref().map(|t| t.format);
     let mut sub = match request::submit(&sh, p, peer.uid()) {
         Ok(s) => s,
         Err(e) => return error(e),
@@ -531,7 +508,17 @@ async fn respond(sh: Arc<Shared>, p: request::Prepared, m: &Map<String, Value>, 
                 .drain(..)
                 .zip(reasons.drain(..))
                 .enumerate()
-                .map(|(i, (t, r))| choice(i as u32, t, r, lp_json(&lps[i], 0)))
+                .map(|(i, (t, r))| {
+                    let Some(f) = format else { return choice(i as u32, t, r, lp_json(&lps[i], 0)) };
+                    let (content, calls) = f.parse(&t, &mut CallIds::new(f));
+                    if calls.is_empty() {
+                        return choice(i as u32, t, r, lp_json(&lps[i], 0));
+                    }
+                    let calls: Vec<Value> = calls.iter().map(|c| chat::openai_call(c, None)).collect();
+                    let content = if content.is_empty() { Value::Null } else { json!(content) };
+                    let reason = if r == "stop" { json!("tool_calls") } else { r };
+                    json!({ "index": i, "message": { "role": "assistant", "content": content, "tool_calls": calls }, "logprobs": lp_json(&lps[i], 0), "finish_reason": reason })
+                })
                 .collect()
         };
         while let Some(ev) = sub.events.recv().await {
@@ -582,6 +569,44 @@ async fn respond(sh: Arc<Shared>, p: request::Prepared, m: &Map<String, Value>, 
         let mut ended = false;
         // Text sent per choice so far (completions' logprobs give text offsets).
         let mut sent = vec![0usize; n as usize];
+        // With tools, each choice's text goes through a splitter: calls go out as tool_calls
+        // deltas when complete, the rest as content.
+        let mut split: Vec<Option<ToolStream>> = (0..n).map(|_| format.map(ToolStream::new)).collect();
+        // A choice's text (or calls) as chunks; the last one carries the finish reason.
+        let mut pieces = |c: u32, text: String, end: Option<&str>, lp: Value| -> Vec<Value> {
+            let Some(s) = split[c as usize].as_mut() else {
+                return vec![choice(c, text, end.map_or(Value::Null, finish), lp)];
+            };
+            let before = s.calls();
+            let mut deltas = s.push(&text);
+            if end.is_some() {
+                deltas.extend(s.finish());
+            }
+            let mut out: Vec<Value> = deltas
+                .into_iter()
+                .enumerate()
+                .map(|(k, d)| match d {
+                    Delta::Content(t) => json!({ "index": c, "delta": { "content": t }, "logprobs": Value::Null, "finish_reason": Value::Null }),
+                    Delta::Call(call) => json!({ "index": c, "delta": { "tool_calls": [chat::openai_call(&call, Some(before + k))] }, "logprobs": Value::Null, "finish_reason": Value::Null }),
+                })
+                .collect();
+            // Renumber the calls in order (content deltas do not count).
+            let mut k = before;
+            for v in &mut out {
+                if let Some(tc) = v.pointer_mut("/delta/tool_calls/0/index") {
+                    *tc = json!(k);
+                    k += 1;
+                }
+            }
+            if let Some(reason) = end {
+                let reason = if reason == "stop" && s.calls() > 0 { "tool_calls" } else { reason };
+                out.push(json!({ "index": c, "delta": {}, "logprobs": Value::Null, "finish_reason": reason }));
+            }
+            if let Some(first) = out.first_mut() {
+                first["logprobs"] = lp;
+            }
+            out
+        };
         // The last chunk of `stream_options.include_usage`: no choices, the usage.
         let usage_chunk = |completion: usize| {
             json!({ "id": cid, "object": object, "created": created, "model": model_name, "choices": [], "usage": usage(completion) })
@@ -594,12 +619,12 @@ async fn respond(sh: Arc<Shared>, p: request::Prepared, m: &Map<String, Value>, 
                     Piece::Text { choice: c, text, logprobs, .. } => {
                         let lp = lp_json(&logprobs, sent[c as usize]);
                         sent[c as usize] += text.len();
-                        send(chunk(json!([choice(c, text, Value::Null, lp)])))
+                        pieces(c, text, None, lp).into_iter().all(|p| send(chunk(json!([p]))))
                     }
                     Piece::End { choice: c, reason, text, logprobs } => {
                         let lp = lp_json(&logprobs, sent[c as usize]);
                         sent[c as usize] += text.len();
-                        send(chunk(json!([choice(c, text, finish(reason), lp)])))
+                        pieces(c, text, Some(reason), lp).into_iter().all(|p| send(chunk(json!([p]))))
                     }
                     Piece::Done { completion_tokens, .. } => {
                         if with_usage {

@@ -6,6 +6,7 @@
 
 pub mod bench;
 pub mod bench_clients;
+pub mod chat;
 pub mod config;
 pub mod dbus;
 pub mod fields;

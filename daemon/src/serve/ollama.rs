@@ -7,6 +7,7 @@
 //! option at its neutral value; anything else inferd does not implement is a 400 naming it.
 //! Model names may carry Ollama's `:latest` tag.
 
+use super::chat::Tools;
 use super::fields::{self, Field};
 use super::http::Peer;
 use super::request::{self, ApiError, Output, Piece};
@@ -17,6 +18,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use inferd_engine::sched::Command;
+use inferd_engine::tools::parse::{Delta, ToolStream};
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -262,7 +264,7 @@ fn check_keys(m: &Map<String, Value>, own: &[&str]) -> Result<(), ApiError> {
             continue;
         }
         let what = match k {
-            "tools" => " yet (tool calling)",
+            "tools" => " here (tools go to /api/chat)",
             "images" => " (text models only)",
             _ => "",
         };
@@ -278,13 +280,15 @@ struct Ask {
     prompt: Vec<u32>,
     fields: Vec<(String, Field)>,
     stream: bool,
+    /// A chat's tools, when the answer may call them.
+    tools: Option<Tools>,
 }
 
 impl Ask {
     /// The body's `options` and `stream` (Ollama streams unless told not to) with the prompt.
     fn new(model: Arc<ModelHandle>, prompt: Vec<u32>, m: &Map<String, Value>) -> Result<Ask, ApiError> {
         let stream = m.get("stream").and_then(Value::as_bool) != Some(false);
-        Ok(Ask { model, prompt, fields: options(m)?, stream })
+        Ok(Ask { model, prompt, fields: options(m)?, stream, tools: None })
     }
 }
 
@@ -353,29 +357,12 @@ async fn chat(
 ) -> Response {
     let ask = || -> Result<Ask, ApiError> {
         let m = super::http::object(&body)?;
-        check_keys(&m, &["messages"])?;
+        check_keys(&m, &["messages", "tools"])?;
         let h = model(&sh, &m)?;
-        let list = m
-            .get("messages")
-            .and_then(Value::as_array)
-            .ok_or_else(|| ApiError::bad("messages must be an array", "messages"))?;
-        let mut msgs = Vec::new();
-        for (i, msg) in list.iter().enumerate() {
-            let role = msg.get("role").and_then(Value::as_str);
-            let content = msg.get("content").and_then(Value::as_str).unwrap_or("");
-            if msg.get("images").and_then(Value::as_array).is_some_and(|a| !a.is_empty()) {
-                return Err(ApiError::bad(
-                    format!("messages[{i}]: images are not supported by inferd (text models only)"),
-                    "messages",
-                ));
-            }
-            match role {
-                Some(r) => msgs.push((r.to_owned(), content.to_owned())),
-                None => return Err(ApiError::bad(format!("messages[{i}] needs a string role"), "messages")),
-            }
-        }
-        let ids = if msgs.is_empty() { Vec::new() } else { request::encode_chat(&h.model, &msgs)? };
-        Ask::new(h, ids, &m)
+        let msgs = super::chat::messages(&m)?;
+        let tools = Tools::of(&m, &h.model)?;
+        let ids = if msgs.is_empty() { Vec::new() } else { super::chat::encode(&h.model, &msgs, Some(&tools))? };
+        Ok(Ask { tools: tools.active().then_some(tools), ..Ask::new(h, ids, &m)? })
     };
     let ask = ask();
     reply(sh, ask, peer, true).await
@@ -405,6 +392,10 @@ async fn answer(sh: Arc<Shared>, a: Ask, peer: Peer, chat: bool) -> Response {
         Err(e) => return error(e),
     };
     let mut out = Output::new(1, p.stop.clone());
+    let mut split = a.tools.as_ref().map(|t| ToolStream::new(t.format));
+    if split.is_some() {
+        out = out.keeping_special();
+    }
     let mut sub = match request::submit(&sh, p, peer.uid()) {
         Ok(s) => s,
         Err(e) => return error(e),
@@ -423,17 +414,18 @@ async fn answer(sh: Arc<Shared>, a: Ask, peer: Peer, chat: bool) -> Response {
     tokio::spawn(async move {
         let _slot = &sub.slot;
         let (mut first, mut text, mut reason, mut generated) = (None, String::new(), "stop", Vec::new());
+        let mut calls: Vec<Value> = Vec::new();
         let (mut failed, mut done) = (None, false);
         'events: while let Some(ev) = sub.events.recv().await {
             if let inferd_engine::sched::Event::Token { token, .. } = &ev {
                 generated.push(*token);
             }
             for pc in out.on_event(&sub.model.model, ev) {
-                let chunk = match pc {
-                    Piece::Text { text: t, .. } | Piece::End { text: t, reason: "stop", .. } => t,
+                let (chunk, end) = match pc {
+                    Piece::Text { text: t, .. } => (t, false),
                     Piece::End { text: t, reason: r, .. } => {
                         reason = r;
-                        t
+                        (t, true)
                     }
                     Piece::Done { .. } => {
                         done = true;
@@ -445,15 +437,42 @@ async fn answer(sh: Arc<Shared>, a: Ask, peer: Peer, chat: bool) -> Response {
                     }
                 };
                 first.get_or_insert_with(Instant::now);
-                if chunk.is_empty() {
-                    continue;
-                }
-                if stream {
-                    if tx.send(piece(&chunk)).is_err() {
-                        return; // the client went away: dropping the events cancels it
+                // With tools, calls leave the text as they complete.
+                let deltas = match split.as_mut() {
+                    Some(s) => {
+                        let mut d = s.push(&chunk);
+                        if end {
+                            d.extend(s.finish());
+                        }
+                        d
                     }
-                } else {
-                    text.push_str(&chunk);
+                    None => vec![Delta::Content(chunk)],
+                };
+                for d in deltas {
+                    let chunk = match d {
+                        Delta::Content(t) if t.is_empty() => continue,
+                        Delta::Content(t) => t,
+                        Delta::Call(c) => {
+                            let call = super::chat::ollama_call(&c);
+                            if stream {
+                                let mut v = piece("");
+                                v["message"]["tool_calls"] = json!([call]);
+                                if tx.send(v).is_err() {
+                                    return;
+                                }
+                            } else {
+                                calls.push(call);
+                            }
+                            continue;
+                        }
+                    };
+                    if stream {
+                        if tx.send(piece(&chunk)).is_err() {
+                            return; // the client went away: dropping the events cancels it
+                        }
+                    } else {
+                        text.push_str(&chunk);
+                    }
                 }
             }
             if out.all_stopped() {
@@ -473,7 +492,11 @@ async fn answer(sh: Arc<Shared>, a: Ask, peer: Peer, chat: bool) -> Response {
         }
         let end = Instant::now();
         let first = first.unwrap_or(end);
-        let mut last = piece(if stream { "" } else { &text });
+        let whole = if calls.is_empty() { text.as_str() } else { text.trim() };
+        let mut last = piece(if stream { "" } else { whole });
+        if !calls.is_empty() {
+            last["message"]["tool_calls"] = json!(calls);
+        }
         last["done"] = json!(true);
         last["done_reason"] = json!(reason);
         last["total_duration"] = json!((end - t0).as_nanos() as u64);

@@ -84,20 +84,11 @@ pub fn encode_prompt(model: &Model, text: &str) -> Result<Vec<u32>, ApiError> {
     model.tokenizer.encode(text, false).map_err(|e| ApiError::bad(e.to_string(), "prompt"))
 }
 
-/// Chat messages rendered with the model's own template, as token ids.
+/// Chat messages as (role, content) pairs (D-Bus's), rendered with the model's template.
 pub fn encode_chat(model: &Model, messages: &[(String, String)]) -> Result<Vec<u32>, ApiError> {
-    if messages.is_empty() {
-        return Err(ApiError::bad("messages is empty", "messages"));
-    }
     let msgs: Vec<inferd_engine::chat::ChatMessage> =
         messages.iter().map(|(r, c)| inferd_engine::chat::ChatMessage::new(r, c)).collect();
-    let tok = &model.tokenizer;
-    let bos = tok.bos().map(|b| tok.token_text(b)).unwrap_or_default();
-    let eos = tok.eos().first().map(|&e| tok.token_text(e)).unwrap_or_default();
-    let text = inferd_engine::chat::ChatTemplate::new(model.chat_template.as_deref(), bos, eos)
-        .and_then(|t| t.render(&msgs, true))
-        .map_err(|e| ApiError::bad(format!("the chat template failed: {e}"), "messages"))?;
-    tok.encode(&text, true).map_err(|e| ApiError::bad(e.to_string(), "messages"))
+    super::chat::encode(model, &msgs, None)
 }
 
 /// Checks request `req`, whose prompt is `prompt`, for `model`: the same checks and messages
@@ -332,6 +323,15 @@ impl Output {
             stop,
             choices: (0..n).map(|_| ChoiceOut { dec: StreamDecoder::new(true), ..ChoiceOut::default() }).collect(),
         }
+    }
+
+    /// Special tokens' text is kept (tool-call markers such as `[TOOL_CALLS]` are special
+    /// tokens in some vocabularies).
+    pub fn keeping_special(mut self) -> Output {
+        for c in &mut self.choices {
+            c.dec = StreamDecoder::new(false);
+        }
+        self
     }
 
     /// Every choice ended through a stop string: the request can be cancelled.

@@ -46,7 +46,7 @@ fn the_official_openai_python_client_works_unchanged() {
     );
     let refused = &v["refused"];
     for (name, says) in [
-        ("tools", "tools is not supported by inferd yet"),
+        ("functions", "functions is not supported by inferd yet (the deprecated functions API; send tools)"),
         ("response_format", "response_format.type must be text, json_object or json_schema"),
         ("image_url", "content part type \"image_url\" is not supported"),
         ("colour", "colour is not supported by inferd"),
@@ -101,6 +101,64 @@ fn structured_output_validates_through_the_official_clients() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Tool calling through the official clients (tests/python/tools.py) on the default model,
+/// whose template has no tools (the Hermes syntax described in a system message): required and
+/// named calls whole and streamed, their arguments checked against the tool's schema by the
+/// jsonschema package, the result sent back, refusals, and Ollama's tools.
+#[test]
+fn tool_calls_round_trip_through_the_official_clients() {
+    let dir = scratch("tools");
+    let d = Daemon::start(&dir, "", &[]);
+    let pylib = std::env::var("INFERD_TEST_PYTHONPATH")
+        .unwrap_or_else(|_| format!("{}/.cache/inferd/python", std::env::var("HOME").unwrap_or_default()));
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/python/tools.py");
+    let out = Command::new("python3").arg(script).arg(&d.socket).env("PYTHONPATH", &pylib).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "tests/run installs openai, ollama and jsonschema into {pylib}:\n{stderr}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    for (case, tool) in [("required", None), ("named", Some("get_time"))] {
+        let r = &v[case];
+        assert!(r["finish"] == "tool_calls" && r["content"].is_null(), "{case}: {r}");
+        let calls = r["calls"].as_array().unwrap();
+        assert!(!calls.is_empty(), "{case}: {r}");
+        for c in calls {
+            assert!(c["error"].is_null() && c["type"] == "function", "{case}: {c}");
+            assert!(c["id"].as_str().unwrap().starts_with("call_"), "{c}");
+            if let Some(t) = tool {
+                assert_eq!(c["name"], t, "{case}: {c}");
+            }
+        }
+    }
+    let whole: Vec<Value> = v["required"]["calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| serde_json::json!({ "name": c["name"], "arguments": c["arguments"] }))
+        .collect();
+    assert_eq!(v["stream"]["calls"], Value::Array(whole), "streamed deltas give the same calls");
+    assert_eq!(v["stream"]["finish"], "tool_calls");
+    let rt = &v["round_trip"];
+    assert!(rt["finish"] == "stop" && rt["calls"] == 0, "{rt}");
+    assert!(rt["content"].as_str().unwrap().contains("sunny"), "the tool's result reached the model: {rt}");
+    let auto = &v["auto"];
+    assert!(auto["calls"].as_array().unwrap().iter().all(|c| c["error"].is_null()), "{auto}");
+    assert!(!auto["content"].as_str().unwrap_or_default().is_empty() || auto["finish"] == "tool_calls", "{auto}");
+    for (name, says) in [
+        ("unknown_tool", "tool_choice names \"nope\", which is not among the tools"),
+        ("no_tools", "the request has no tools"),
+        ("bad_tool", "tools[0].function.name must be"),
+        ("with_response_format", "cannot both shape the answer"),
+    ] {
+        let r = &v["refused"][name];
+        assert!(r[0] == 400 && r[1].as_str().unwrap().contains(says), "{name}: {r}");
+    }
+    let oa = &v["ollama_auto"];
+    assert!(oa["calls"].as_array().unwrap().iter().all(|c| c["name"] == "get_weather"), "{oa}");
+    let ort = &v["ollama_round_trip"];
+    assert!(ort["done_reason"] == "stop" && ort["content"].as_str().unwrap().contains("sunny"), "{ort}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[test]
 fn the_official_ollama_python_client_works_unchanged() {
     let dir = scratch("ollama");
@@ -151,7 +209,7 @@ fn the_official_ollama_python_client_works_unchanged() {
     let refused = &v["refused"];
     for (name, status, says) in [
         ("format", 400, "the response format cannot be enforced: Unsatisfiable schema"),
-        ("tools", 400, "tools is not supported by inferd yet"),
+        ("images", 400, "images are not supported by inferd (text models only)"),
         ("mirostat", 400, "options.mirostat is not supported"),
         ("unknown_model", 404, "unknown model"),
     ] {

@@ -86,7 +86,9 @@ impl Masker {
         }
         let t0 = Instant::now();
         let n = rows.len() / row_len;
-        let first = tokens.len().saturating_sub(n);
+        let Some(first) = tokens.len().checked_sub(n) else {
+            return Err(format!("{n} logits rows for a sequence of {} positions", tokens.len()));
+        };
         for (j, row) in rows.chunks_exact_mut(row_len).enumerate() {
             // This row predicts the token after tokens[..first + j + 1].
             let end = first + j + 1;

@@ -1,0 +1,250 @@
+//! Chat requests at the edges: OpenAI's and Ollama's JSON for messages (text parts, earlier tool
+//! calls, tool results), `tools` and `tool_choice`, turned into the engine's [`ChatMessage`]s
+//! and [`Tool`]s; the prompt rendered with them; and tool calls written back in each API's
+//! shape.
+
+use super::request::ApiError;
+use inferd_engine::chat::{ChatMessage, ChatTemplate};
+use inferd_engine::model::Model;
+use inferd_engine::request::Request;
+use inferd_engine::tools::{Tool, ToolCall, ToolChoice, ToolFormat};
+use serde_json::{json, Map, Value};
+
+/// A chat request's tools: what the model is offered and must do.
+#[derive(Clone, Debug)]
+pub struct Tools {
+    pub tools: Vec<Tool>,
+    pub choice: ToolChoice,
+    /// More than one call per answer (`parallel_tool_calls`, default true).
+    pub parallel: bool,
+    pub format: ToolFormat,
+}
+
+impl Tools {
+    /// The answer may hold calls to parse out.
+    pub fn active(&self) -> bool {
+        !self.tools.is_empty() && self.choice != ToolChoice::None
+    }
+
+    /// `tools`, `tool_choice` and `parallel_tool_calls` of a body (OpenAI's shapes; Ollama's
+    /// `tools` is the same list).
+    pub fn of(m: &Map<String, Value>, model: &Model) -> Result<Tools, ApiError> {
+        let bad = |m: String| ApiError::bad(m, "tools");
+        let mut tools = Vec::new();
+        match m.get("tools") {
+            None | Some(Value::Null) => {}
+            Some(Value::Array(list)) => {
+                for (i, t) in list.iter().enumerate() {
+                    if t.get("type").and_then(Value::as_str) != Some("function") {
+                        return Err(bad(format!("tools[{i}].type must be \"function\"")));
+                    }
+                    let f = t
+                        .get("function")
+                        .and_then(Value::as_object)
+                        .ok_or_else(|| bad(format!("tools[{i}].function must be an object")))?;
+                    let name = f.get("name").and_then(Value::as_str).unwrap_or_default();
+                    let ok = (1..=64).contains(&name.len())
+                        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+                    if !ok {
+                        return Err(bad(format!("tools[{i}].function.name must be 1 to 64 letters, digits, _ or -")));
+                    }
+                    if tools.iter().any(|x: &Tool| x.name == name) {
+                        return Err(bad(format!("two tools are named {name:?}")));
+                    }
+                    let parameters = match f.get("parameters") {
+                        None | Some(Value::Null) => json!({ "type": "object", "properties": {} }),
+                        Some(p @ Value::Object(_)) => p.clone(),
+                        Some(_) => {
+                            return Err(bad(format!("tools[{i}].function.parameters must be a JSON schema object")))
+                        }
+                    };
+                    let description = f.get("description").and_then(Value::as_str).map(str::to_owned);
+                    tools.push(Tool { name: name.to_owned(), description, parameters });
+                }
+            }
+            Some(_) => return Err(bad("tools must be an array".into())),
+        }
+        let bad = |m: String| ApiError::bad(m, "tool_choice");
+        let choice = match m.get("tool_choice") {
+            None | Some(Value::Null) => ToolChoice::Auto,
+            Some(Value::String(s)) => match s.as_str() {
+                "auto" => ToolChoice::Auto,
+                "none" => ToolChoice::None,
+                "required" => ToolChoice::Required,
+                _ => return Err(bad(format!("tool_choice must be auto, none, required or a function, not {s:?}"))),
+            },
+            Some(v) => match v.pointer("/function/name").and_then(Value::as_str) {
+                Some(name) if v.get("type").and_then(Value::as_str) == Some("function") => {
+                    ToolChoice::Function(name.to_owned())
+                }
+                _ => return Err(bad("tool_choice must be auto, none, required or {\"type\": \"function\", \"function\": {\"name\": ...}}".into())),
+            },
+        };
+        match &choice {
+            ToolChoice::Required | ToolChoice::Function(_) if tools.is_empty() => {
+                return Err(bad("tool_choice asks for a call, but the request has no tools".into()))
+            }
+            ToolChoice::Function(name) if !tools.iter().any(|t| &t.name == name) => {
+                return Err(bad(format!("tool_choice names {name:?}, which is not among the tools")))
+            }
+            _ => {}
+        }
+        let parallel = match m.get("parallel_tool_calls") {
+            None | Some(Value::Null) => true,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => return Err(ApiError::bad("parallel_tool_calls must be true or false", "parallel_tool_calls")),
+        };
+        Ok(Tools { tools, choice, parallel, format: ToolFormat::detect(model.chat_template.as_deref()) })
+    }
+
+    /// A required or named call shapes the answer through the request's response format.
+    pub fn constrain(
+        &self,
+        req: &mut Request,
+        vocab: Option<&inferd_engine::constraint::Vocabulary>,
+    ) -> Result<(), ApiError> {
+        let Some(v) = vocab else {
+            return match self.choice {
+                ToolChoice::Required | ToolChoice::Function(_) => Err(ApiError::bad(
+                    "this model cannot be made to call a tool (no end-of-sequence token)",
+                    "tool_choice",
+                )),
+                _ => Ok(()),
+            };
+        };
+        if let Some(g) = self.format.grammar(v, &self.tools, &self.choice, self.parallel) {
+            if req.response_format.is_some() {
+                return Err(ApiError::bad(
+                    "response_format and a required tool call cannot both shape the answer",
+                    "response_format",
+                ));
+            }
+            req.response_format = Some(g);
+        }
+        Ok(())
+    }
+}
+
+/// One message's content: a string, or an array of content parts whose text parts are joined
+/// (other part types are refused by name); `null` or absent (an assistant's) is empty.
+fn content(i: usize, v: Option<&Value>) -> Result<String, ApiError> {
+    let bad = |what: String| ApiError::bad(format!("messages[{i}]: {what}"), "messages");
+    match v {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(c)) => Ok(c.clone()),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for (j, part) in parts.iter().enumerate() {
+                match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
+                    (Some("text"), Some(t)) => text.push_str(t),
+                    (Some("text"), None) => return Err(bad(format!("content[{j}] needs a string text"))),
+                    (Some(other), _) => {
+                        return Err(bad(format!("content part type {other:?} is not supported by inferd (text only)")))
+                    }
+                    (None, _) => return Err(bad(format!("content[{j}] needs a type"))),
+                }
+            }
+            Ok(text)
+        }
+        Some(_) => Err(bad("content must be a string or an array of content parts".into())),
+    }
+}
+
+/// The `messages` of a chat body: roles and contents, an assistant's `tool_calls` (OpenAI's
+/// arguments are JSON text, Ollama's an object), a tool message's `tool_call_id` and `name`
+/// (Ollama's `tool_name`).
+pub fn messages(m: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError> {
+    let list = m
+        .get("messages")
+        .and_then(Value::as_array)
+        .ok_or_else(|| ApiError::bad("messages must be an array", "messages"))?;
+    let bad = |i: usize, what: String| ApiError::bad(format!("messages[{i}]: {what}"), "messages");
+    let mut out = Vec::with_capacity(list.len());
+    for (i, msg) in list.iter().enumerate() {
+        let role = msg.get("role").and_then(Value::as_str).ok_or_else(|| bad(i, "needs a string role".into()))?;
+        // Only an assistant's message may go without content (it may hold calls instead).
+        if role != "assistant" && msg.get("content").is_none_or(Value::is_null) {
+            return Err(bad(i, "needs a content: a string or an array of content parts".into()));
+        }
+        let mut cm = ChatMessage::new(role, &content(i, msg.get("content"))?);
+        if let Some(calls) = msg.get("tool_calls").filter(|v| !v.is_null()) {
+            let calls = calls.as_array().ok_or_else(|| bad(i, "tool_calls must be an array".into()))?;
+            for (j, c) in calls.iter().enumerate() {
+                let name = c.pointer("/function/name").and_then(Value::as_str);
+                let arguments = match c.pointer("/function/arguments") {
+                    Some(Value::String(s)) => Some(s.clone()),
+                    Some(o @ Value::Object(_)) => Some(o.to_string()),
+                    _ => None,
+                };
+                let (Some(name), Some(arguments)) = (name, arguments) else {
+                    return Err(bad(i, format!("tool_calls[{j}] needs function.name and function.arguments")));
+                };
+                let id = c.get("id").and_then(Value::as_str).map_or_else(|| format!("call_{i}_{j}"), str::to_owned);
+                cm.tool_calls.push(ToolCall { id, name: name.to_owned(), arguments });
+            }
+        }
+        cm.tool_call_id = msg.get("tool_call_id").and_then(Value::as_str).map(str::to_owned);
+        cm.name = msg.get("name").or_else(|| msg.get("tool_name")).and_then(Value::as_str).map(str::to_owned);
+        if msg.get("images").and_then(Value::as_array).is_some_and(|a| !a.is_empty()) {
+            return Err(bad(i, "images are not supported by inferd (text models only)".into()));
+        }
+        out.push(cm);
+    }
+    Ok(out)
+}
+
+/// Chat messages rendered with the model's own template (and the request's tools), as token
+/// ids. A template that does not render tools gets them described in a system message, and
+/// earlier calls and tool results written as text in the same syntax.
+pub fn encode(model: &Model, messages: &[ChatMessage], tools: Option<&Tools>) -> Result<Vec<u32>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::bad("messages is empty", "messages"));
+    }
+    let tok = &model.tokenizer;
+    let bos = tok.bos().map(|b| tok.token_text(b)).unwrap_or_default();
+    let eos = tok.eos().first().map(|&e| tok.token_text(e)).unwrap_or_default();
+    let shown: &[Tool] = match tools {
+        Some(t) if t.choice != ToolChoice::None => &t.tools,
+        _ => &[],
+    };
+    let format = ToolFormat::detect(model.chat_template.as_deref());
+    let mut msgs: Vec<ChatMessage> = messages.to_vec();
+    if !format.native {
+        for m in &mut msgs {
+            if !m.tool_calls.is_empty() {
+                let calls = format.written(&std::mem::take(&mut m.tool_calls));
+                m.content = if m.content.is_empty() { calls } else { format!("{}\n{calls}", m.content) };
+            }
+            if m.role == "tool" {
+                m.role = "user".into();
+                m.content = format!("<tool_response>\n{}\n</tool_response>", m.content);
+            }
+        }
+        if let Some(prompt) = format.system_prompt(shown).filter(|_| !shown.is_empty()) {
+            match msgs.first_mut() {
+                Some(first) if first.role == "system" => first.content = format!("{}\n\n{prompt}", first.content),
+                _ => msgs.insert(0, ChatMessage::new("system", &prompt)),
+            }
+        }
+    }
+    let shown = if format.native { shown } else { &[] };
+    let text = ChatTemplate::new(model.chat_template.as_deref(), bos, eos)
+        .and_then(|t| t.render_with_tools(&msgs, shown, true))
+        .map_err(|e| ApiError::bad(format!("the chat template failed: {e}"), "messages"))?;
+    tok.encode(&text, true).map_err(|e| ApiError::bad(e.to_string(), "messages"))
+}
+
+/// A call as OpenAI writes it in a message (`index` for stream deltas).
+pub fn openai_call(c: &ToolCall, index: Option<usize>) -> Value {
+    let mut v = json!({ "id": c.id, "type": "function", "function": { "name": c.name, "arguments": c.arguments } });
+    if let Some(i) = index {
+        v["index"] = json!(i);
+    }
+    v
+}
+
+/// A call as Ollama writes it: the arguments as an object.
+pub fn ollama_call(c: &ToolCall) -> Value {
+    let args: Value = serde_json::from_str(&c.arguments).unwrap_or_else(|_| json!({}));
+    json!({ "function": { "name": c.name, "arguments": args } })
+}
