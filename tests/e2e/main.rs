@@ -7,6 +7,7 @@
 mod corrupt;
 mod cuda_host;
 mod dequant;
+mod embed;
 mod golden;
 mod plugins;
 mod reference;

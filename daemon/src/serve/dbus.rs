@@ -312,6 +312,15 @@ impl Inference {
         h.model.tokenizer.encode(text, false).map_err(|e| fdo::Error::InvalidArgs(e.to_string()))
     }
 
+    /// The embeddings of `inputs`: the mean of the model's final hidden states over each text's tokens, L2-normalized.
+    #[zbus(out_args("embeddings"))]
+    async fn embed(&self, model: &str, inputs: Vec<String>) -> fdo::Result<Vec<Vec<f64>>> {
+        let h = self.sh.model(Some(model)).map_err(failed)?;
+        let inputs = inputs.into_iter().map(super::embed::Input::Text).collect();
+        let (v, _) = super::embed::embed(&h, inputs, false).await.map_err(failed)?;
+        Ok(v.into_iter().map(|e| e.into_iter().map(f64::from).collect()).collect())
+    }
+
     #[zbus(property)]
     async fn models(&self) -> Vec<String> {
         self.sh.models.iter().map(|m| m.name.clone()).collect()

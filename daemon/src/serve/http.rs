@@ -89,6 +89,7 @@ pub fn router(sh: Arc<Shared>) -> Router {
         .route("/metrics", get(metrics))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/embeddings", post(embeddings))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .merge(super::ollama::routes())
@@ -106,6 +107,7 @@ async fn count(State(sh): State<Arc<Shared>>, req: axum::extract::Request, next:
         "/metrics",
         "/v1/completions",
         "/v1/chat/completions",
+        "/v1/embeddings",
         "/tokenize",
         "/detokenize",
         "/api/version",
@@ -444,6 +446,21 @@ async fn chat_completions(
     };
     match start() {
         Ok((p, m, tools)) => respond(sh, p, &m, peer, true, tools.active().then_some(tools)).await,
+        Err(e) => error(e),
+    }
+}
+
+/// OpenAI's embeddings: the loaded model's mean-pooled, normalized final hidden states.
+async fn embeddings(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
+    let run = async {
+        let m = object(&body)?;
+        let model = super::embed::model_of(&sh, &m)?;
+        let (inputs, b64) = super::embed::openai_body(&m, model.model.config.hidden)?;
+        let (vectors, tokens) = super::embed::embed(&model, inputs, false).await?;
+        Ok::<_, ApiError>(super::embed::openai_reply(&model.name, &vectors, tokens, b64))
+    };
+    match run.await {
+        Ok(v) => Json(v).into_response(),
         Err(e) => error(e),
     }
 }

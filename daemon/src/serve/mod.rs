@@ -9,6 +9,7 @@ pub mod bench_clients;
 pub mod chat;
 pub mod config;
 pub mod dbus;
+pub mod embed;
 pub mod fields;
 pub mod http;
 pub mod metrics;

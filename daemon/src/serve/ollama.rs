@@ -178,8 +178,38 @@ async fn show(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Respons
     run().map_or_else(error, |v| Json(v).into_response())
 }
 
-async fn embed() -> Response {
-    error(ApiError::new(501, "embeddings are not implemented by inferd yet", None))
+/// Ollama's `/api/embed`: `input` (a string or strings), `truncate` (default true: a text
+/// longer than the context keeps its start), `dimensions` (the model's own only).
+async fn embed(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
+    let t0 = Instant::now();
+    let run = async {
+        let m = super::http::object(&body)?;
+        for k in m.keys() {
+            if !["model", "input", "truncate", "options", "keep_alive", "dimensions"].contains(&k.as_str()) {
+                return Err(ApiError::bad(format!("{k} is not supported by inferd"), "body"));
+            }
+        }
+        let h = super::embed::model_of(&sh, &m)?;
+        if let Some(d) = m.get("dimensions").filter(|d| !d.is_null()) {
+            if d.as_u64() != Some(h.model.config.hidden as u64) {
+                return Err(bad(format!("dimensions must be {}, this model's", h.model.config.hidden)));
+            }
+        }
+        let truncate = m.get("truncate").and_then(Value::as_bool) != Some(false);
+        let inputs = super::embed::inputs(m.get("input"))?;
+        let (vectors, tokens) = super::embed::embed(&h, inputs, truncate).await?;
+        Ok(json!({
+            "model": tagged(&h),
+            "embeddings": vectors,
+            "total_duration": t0.elapsed().as_nanos() as u64,
+            "load_duration": 0,
+            "prompt_eval_count": tokens,
+        }))
+    };
+    match run.await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => error(e),
+    }
 }
 
 /// Ollama's `format`: `"json"` (any JSON object) or a JSON schema, as the request's

@@ -159,6 +159,55 @@ fn tool_calls_round_trip_through_the_official_clients() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Embeddings through the official clients (tests/python/embeddings.py): the OpenAI client's
+/// default base64 equals floats, token ids equal their text, Ollama's equal OpenAI's, similar
+/// sentences are closer than unrelated ones (the numerics against llama.cpp are
+/// tests/e2e/embed.rs's).
+#[test]
+fn embeddings_through_the_official_clients() {
+    let dir = scratch("embeddings");
+    let d = Daemon::start(&dir, "", &[]);
+    let pylib = std::env::var("INFERD_TEST_PYTHONPATH")
+        .unwrap_or_else(|_| format!("{}/.cache/inferd/python", std::env::var("HOME").unwrap_or_default()));
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/python/embeddings.py");
+    let out = Command::new("python3").arg(script).arg(&d.socket).env("PYTHONPATH", &pylib).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "tests/run installs openai and ollama into {pylib}:\n{stderr}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let vecs = |x: &Value| -> Vec<Vec<f64>> {
+        x.as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e.as_array().unwrap().iter().map(|f| f.as_f64().unwrap()).collect())
+            .collect()
+    };
+    let all = vecs(&v["default"]);
+    assert_eq!(all.len(), 3);
+    for e in &all {
+        assert_eq!(e.len(), 576, "SmolLM2's hidden size");
+        let norm: f64 = e.iter().map(|x| x * x).sum::<f64>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-4, "{norm}");
+    }
+    let close = |a: &[f64], b: &[f64]| a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-6);
+    assert!(close(&all[0], &vecs(&serde_json::json!([v["float"]]))[0]), "base64 decodes to the floats");
+    assert!(close(&vecs(&serde_json::json!([v["hello_ids"]]))[0], &vecs(&serde_json::json!([v["hello_text"]]))[0]));
+    let ollama = vecs(&v["ollama"]);
+    assert!(all.iter().zip(&ollama).all(|(a, b)| close(a, b)), "Ollama's embed gives the same vectors");
+    assert_eq!(v["usage"], v["ollama_count"]);
+    let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
+    assert!(dot(&all[0], &all[1]) > dot(&all[0], &all[2]) + 0.1, "the two cat sentences are the closest");
+    assert_eq!(v["object"], serde_json::json!(["list", "embedding", 0]));
+    for (name, says) in [
+        ("dimensions", "dimensions must be 576"),
+        ("empty", "input is empty"),
+        ("format", "encoding_format must be float or base64"),
+    ] {
+        let r = &v["refused"][name];
+        assert!(r[0] == 400 && r[1].as_str().unwrap().contains(says), "{name}: {r}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[test]
 fn the_official_ollama_python_client_works_unchanged() {
     let dir = scratch("ollama");

@@ -109,6 +109,24 @@ fn dbus_generate_complete_properties_unicast_and_introspection() {
     let text = json.trim().trim_start_matches("('").trim_end_matches("',)");
     let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{json}: {e}"));
     assert!(v["city"] == "Paris" || v["city"] == "Rome", "{v}");
+    // Embed: one normalized vector of the hidden size per input.
+    let out = busctl(&[
+        "call",
+        "org.inferd.Inference1",
+        "/org/inferd/Inference1",
+        "org.inferd.Inference1",
+        "Embed",
+        "sas",
+        "",
+        "2",
+        "Hello",
+        "Hi there",
+    ]);
+    let words: Vec<&str> = out.split_whitespace().collect();
+    assert_eq!(&words[..3], ["aad", "2", "576"], "{out}");
+    let first: Vec<f64> = words[3..3 + 576].iter().map(|w| w.parse().unwrap()).collect();
+    let norm: f64 = first.iter().map(|x| x * x).sum::<f64>().sqrt();
+    assert!((norm - 1.0).abs() < 1e-4, "{norm}");
     assert_eq!(
         busctl(&["get-property", "org.inferd.Inference1", "/org/inferd/Inference1", "org.inferd.Inference1", "Models"])
             .trim(),

@@ -171,9 +171,12 @@ fn config_sets_socket_permissions_and_per_user_limits() {
     assert_eq!(meta.permissions().mode() & 0o777, 0o600);
     assert_eq!(meta.gid(), gid);
     // Two long streams use up this user's limit: a third request gets 429 and loses nothing.
-    let long = r#"{"prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0, "stream": true}"#;
-    let a = open_stream(&d.socket, long);
-    let b = open_stream(&d.socket, long);
+    // Prompts of several blocks each, and different (no shared prefix blocks): dropping one
+    // frees more blocks than the other can take in the meantime.
+    let long =
+        |p: &str| format!(r#"{{"prompt": "{}", "max_tokens": 2000, "temperature": 0, "stream": true}}"#, p.repeat(30));
+    let a = open_stream(&d.socket, &long("Once upon a time, "));
+    let b = open_stream(&d.socket, &long("In a land far away, "));
     let uid = std::fs::metadata("/proc/self").unwrap().uid();
     assert_eq!(d.status()["requests_per_user"][uid.to_string()], 2, "the peer uid is recorded per request");
     let (st, body) = d.http("POST", "/v1/completions", r#"{"prompt": "hi", "max_tokens": 1}"#);

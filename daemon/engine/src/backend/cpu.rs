@@ -245,6 +245,18 @@ impl Backend for CpuBackend {
     }
 
     fn forward(&mut self, batch: &[SeqBatch<'_>], logits: &mut Vec<f32>) -> Result<(), BackendError> {
+        self.run(batch, logits, false)
+    }
+
+    fn forward_hidden(&mut self, batch: &[SeqBatch<'_>], hidden: &mut Vec<f32>) -> Result<(), BackendError> {
+        self.run(batch, hidden, true)
+    }
+}
+
+impl CpuBackend {
+    /// The forward pass; `hidden`: the asked-for rows' normed hidden states into `out`, not
+    /// their logits.
+    fn run(&mut self, batch: &[SeqBatch<'_>], logits: &mut Vec<f32>, hidden: bool) -> Result<(), BackendError> {
         validate_batch(&self.cfg, &self.groups, self.kv_blocks, self.block_size, batch)?;
         let cfg = &self.cfg;
         let (h, hd, nkv, bs) = (cfg.hidden, cfg.head_dim, cfg.n_kv_heads, self.block_size);
@@ -363,8 +375,9 @@ impl Backend for CpuBackend {
         for (i, &t) in rows.iter().enumerate() {
             rms_norm(&s.x[t * h..(t + 1) * h], &self.w.output_norm, cfg.rms_eps, &mut s.xb[i * h..(i + 1) * h]);
         }
-        if rows.is_empty() {
+        if rows.is_empty() || hidden {
             logits.clear();
+            logits.extend_from_slice(&s.xb[..rows.len() * h]);
             return Ok(());
         }
         Self::project(pool, k, &[&self.w.output], &s.xb[..rows.len() * h], rows.len(), &mut s.q8, &mut [logits]);

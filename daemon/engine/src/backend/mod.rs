@@ -129,6 +129,12 @@ pub trait Backend: Send {
     /// Runs the batch: writes every new token's K/V into its slot and returns, in `logits`,
     /// `vocab` floats for each requested position, sequence by sequence, in position order.
     fn forward(&mut self, batch: &[SeqBatch<'_>], logits: &mut Vec<f32>) -> Result<(), BackendError>;
+    /// [`Backend::forward`], returning for the positions asked for their final hidden state
+    /// (after the output norm, `hidden` floats a row) instead of logits: what embeddings pool.
+    fn forward_hidden(&mut self, batch: &[SeqBatch<'_>], hidden: &mut Vec<f32>) -> Result<(), BackendError> {
+        let _ = (batch, hidden);
+        Err(BackendError::Unsupported(format!("the {} backend does not compute embeddings yet", self.name())))
+    }
 }
 
 /// The distinct rotations of `arch`'s layers (one, or a local and a global one), each as its

@@ -26,6 +26,8 @@ pub enum StoreError {
     Rollback(#[from] crate::kv::WindowReleased),
     #[error(transparent)]
     Engine(#[from] EngineError),
+    #[error("this store computes no embeddings")]
+    NoEmbeddings,
 }
 
 impl StoreError {
@@ -82,6 +84,11 @@ pub trait SeqStore {
     ) -> Result<Vec<Vec<f32>>, StoreError> {
         let _ = prefill;
         self.run(items)
+    }
+    /// The embedding of `tokens` by the target model ([`crate::engine::Engine::embed`]).
+    fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, StoreError> {
+        let _ = tokens;
+        Err(StoreError::NoEmbeddings)
     }
     /// Target-model KV cache occupancy and prefix-cache counters, when the store has a cache.
     fn cache_stats(&self) -> Option<CacheStats> {
@@ -166,6 +173,10 @@ impl SeqStore for EngineStore<'_> {
 
     fn capacity(&self) -> Option<(usize, usize)> {
         Some((self.engine.kv.stats().free, self.engine.kv.block_size()))
+    }
+
+    fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, StoreError> {
+        Ok(self.engine.embed(tokens)?)
     }
 
     fn cache_stats(&self) -> Option<CacheStats> {

@@ -288,6 +288,56 @@ impl Engine {
         }
     }
 
+    /// A text embedding of `tokens`: the mean of their final hidden states (after the output
+    /// norm), L2-normalized, as llama.cpp's mean pooling and Ollama's `/api/embed` give it. Runs
+    /// in prefill-sized chunks on a sequence of its own (its full blocks join the prefix cache
+    /// as a prompt's would), freed before it returns.
+    pub fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+        let (ctx, vocab) = (self.backend.config().context_len, self.vocab());
+        if tokens.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if tokens.len() > ctx {
+            return Err(EngineError::PromptTooLong { len: tokens.len(), ctx });
+        }
+        if let Some(&token) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::BadToken { token, vocab });
+        }
+        let seq = self.kv.create();
+        let pooled = self.pool(seq, tokens);
+        self.kv.free(seq);
+        let mut sum = pooled?;
+        let n = tokens.len() as f64;
+        sum.iter_mut().for_each(|x| *x /= n);
+        let norm = sum.iter().map(|x| x * x).sum::<f64>().sqrt().max(1e-12);
+        Ok(sum.iter().map(|x| (x / norm) as f32).collect())
+    }
+
+    /// The sum of `tokens`' final hidden states, run on the empty sequence `seq`.
+    fn pool(&mut self, seq: SeqId, tokens: &[u32]) -> Result<Vec<f64>, EngineError> {
+        let h = self.backend.config().hidden;
+        let mut sum = vec![0f64; h];
+        let mut start = 0;
+        for chunk in tokens.chunks(self.prefill_chunk) {
+            let copies = self.kv.append(seq, chunk)?;
+            self.backend.copy_blocks(&copies)?;
+            let batch = [SeqBatch {
+                tokens: chunk,
+                start_pos: start,
+                block_tables: self.kv.block_tables(seq),
+                logits: chunk.len(),
+            }];
+            self.backend.forward_hidden(&batch, &mut self.rows)?;
+            start += chunk.len();
+            self.kv.commit(seq, start);
+            self.kv.slide(seq);
+            for row in self.rows.chunks_exact(h) {
+                sum.iter_mut().zip(row).for_each(|(s, &x)| *s += f64::from(x));
+            }
+        }
+        Ok(sum)
+    }
+
     /// One decode step: appends `token` to each sequence and returns their next-token logits,
     /// `vocab` floats per sequence in the given order.
     pub fn decode(&mut self, step: &[(SeqId, u32)]) -> Result<&[f32], EngineError> {

@@ -102,8 +102,19 @@ pub enum Event {
     Failed(String),
 }
 
+/// Where an [`Embedding`]'s vectors go, in order; an error names the first text that failed.
+pub type EmbedReply = Box<dyn FnOnce(Result<Vec<Vec<f32>>, String>) + Send>;
+
+/// Texts to embed (token ids) and where their vectors go.
+pub struct Embedding {
+    pub inputs: Vec<Vec<u32>>,
+    pub reply: EmbedReply,
+}
+
 pub enum Command {
     Submit(Submission),
+    /// Embeddings, computed between two steps (a prompt's prefill of work, run at once).
+    Embed(Embedding),
     Cancel(RequestId),
     /// The client has what it wants (a stop string matched): end the request as finished.
     Stop(RequestId),

@@ -283,6 +283,15 @@ impl Scheduler {
                     }
                 }
             }
+            Command::Embed(e) => {
+                let out = e
+                    .inputs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, t)| store.embed(t).map_err(|err| format!("input {i}: {err}")))
+                    .collect();
+                (e.reply)(out);
+            }
             Command::Shutdown => self.shutdown(store, Vec::new()),
         }
     }
