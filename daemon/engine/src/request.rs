@@ -85,7 +85,13 @@ impl Request {
             return (d.name.clone(), merge(&self.sampling.fields(ALL_SAMPLING), &params));
         }
         let s = &self.sampling;
-        let name = if s.temperature == Some(0.0) {
+        // Temperature 0 is greedy decoding, unless the logits are edited first (penalties, a
+        // bias): OpenAI applies those at temperature 0 too, and nucleus's temperature 0 is
+        // the argmax of the edited logits.
+        let edited = s.frequency_penalty.is_some_and(|x| x != 0.0)
+            || s.presence_penalty.is_some_and(|x| x != 0.0)
+            || !s.logit_bias.is_empty();
+        let name = if s.temperature == Some(0.0) && !edited {
             "greedy"
         } else if s.min_p.is_some() {
             "min-p"
@@ -159,6 +165,17 @@ mod tests {
         let table: Vec<(Request, &str, &str)> = vec![
             (req(Sampling::default()), "nucleus", "{}"),
             (req(Sampling { temperature: Some(0.0), top_p: Some(0.5), ..Default::default() }), "greedy", "{}"),
+            // At temperature 0 penalties and a bias still apply (the argmax of edited logits).
+            (
+                req(Sampling { temperature: Some(0.0), frequency_penalty: Some(0.5), ..Default::default() }),
+                "nucleus",
+                r#"{"temperature": 0, "frequency_penalty": 0.5}"#,
+            ),
+            (
+                req(Sampling { temperature: Some(0.0), logit_bias: vec![(9, 2.0)], ..Default::default() }),
+                "nucleus",
+                r#"{"temperature": 0, "logit_bias": {"9": 2}}"#,
+            ),
             (
                 req(Sampling { temperature: Some(0.7), top_k: Some(40), min_p: None, ..Default::default() }),
                 "nucleus",

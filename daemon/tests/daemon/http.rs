@@ -20,6 +20,15 @@ fn openai_api_status_and_metrics_on_the_unix_socket() {
     assert_eq!(v["choices"][0]["text"], " Paris.\n");
     assert_eq!(v["usage"]["completion_tokens"], 3);
     assert_eq!(v["choices"][0]["finish_reason"], "length");
+    // At temperature 0 a bias still applies: the argmax of the biased logits (" London" is 4528).
+    let (st, body) = d.http(
+        "POST",
+        "/v1/completions",
+        r#"{"prompt": "The capital of France is", "max_tokens": 1, "temperature": 0, "logit_bias": {"4528": 100}}"#,
+    );
+    assert_eq!(st, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"][0]["text"], " London", "{body}");
     // Streaming: SSE chunks whose texts add up to the same, then [DONE].
     let (st, body) = d.http(
         "POST",
