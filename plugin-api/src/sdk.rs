@@ -260,14 +260,15 @@ unsafe fn read_init(init: *const abi::SessionInit) -> Result<SessionInit, String
     if header.type_ != abi::TYPE_SESSION_INIT || (header.size as usize) < v1_0 {
         return Err("session init has the wrong type or size".into());
     }
-    let constrained = if header.size as usize >= std::mem::size_of::<abi::SessionInit>() {
-        // SAFETY: the size covers the whole struct.
-        unsafe { (*init).constrained != 0 }
-    } else {
-        false
-    };
-    // SAFETY: the size check above covers every field read below through `i` (the 1.0 prefix).
-    let i = unsafe { &*init };
+    // The bytes the host wrote, over a zeroed struct: fields a 1.0 host does not know read as 0
+    // (zero is a valid value of every field: integers and pointers).
+    let mut copy = std::mem::MaybeUninit::<abi::SessionInit>::zeroed();
+    let n = (header.size as usize).min(std::mem::size_of::<abi::SessionInit>());
+    // SAFETY: the host's struct is `header.size` bytes long and `copy` holds at least `n`;
+    // they do not overlap.
+    unsafe { std::ptr::copy_nonoverlapping(init.cast::<u8>(), copy.as_mut_ptr().cast::<u8>(), n) };
+    // SAFETY: all-zero bytes are a valid SessionInit, and the copy wrote valid field values.
+    let i = unsafe { copy.assume_init() };
     let eos = if i.eos.is_null() || i.n_eos == 0 {
         Vec::new()
     } else {
@@ -286,7 +287,7 @@ unsafe fn read_init(init: *const abi::SessionInit) -> Result<SessionInit, String
         roles: i.roles,
         seed: i.seed,
         logprobs: i.logprobs != 0,
-        constrained,
+        constrained: i.constrained != 0,
     })
 }
 

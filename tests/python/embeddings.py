@@ -7,17 +7,12 @@ Ollama's embed; refusals. Prints what it got as JSON for daemon/tests/daemon/cli
 import json
 import sys
 
-import httpx  # the ollama client's HTTP library
-import ollama
 import openai
 
-try:  # the OpenAI client's: httpx2 in newer releases, httpx before
-    import httpx2
-except ImportError:
-    httpx2 = httpx
+from clients import ollama_client, openai_client
 
 socket = sys.argv[1]
-client = openai.OpenAI(base_url="http://inferd/v1", api_key="not-needed", http_client=httpx2.Client(transport=httpx2.HTTPTransport(uds=socket)))
+client = openai_client(socket)
 model = client.models.list().data[0].id
 texts = ["The cat sat on the mat.", "A cat was sitting on the mat.", "Stock markets fell sharply today."]
 out = {}
@@ -42,7 +37,7 @@ for name, kwargs in {
     except openai.BadRequestError as e:
         refused[name] = [e.status_code, (e.body or {}).get("message")]
 out["refused"] = refused
-oc = ollama.Client(host="http://inferd", transport=httpx.HTTPTransport(uds=socket))
+oc = ollama_client(socket)
 r = oc.embed(model=oc.list().models[0].model, input=texts)
 out["ollama"] = [list(v) for v in r.embeddings]
 out["ollama_count"] = r.prompt_eval_count

@@ -6,10 +6,11 @@ at the daemon's Unix socket. Prints what it got as JSON for the Rust test to che
 import json
 import sys
 
-import httpx
 import ollama
 
-client = ollama.Client(host="http://inferd", transport=httpx.HTTPTransport(uds=sys.argv[1]))
+from clients import ollama_client
+
+client = ollama_client(sys.argv[1])
 out = {}
 tags = client.list()
 out["tags"] = [m.model for m in tags.models]

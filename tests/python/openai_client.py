@@ -8,17 +8,10 @@ import sys
 
 import openai
 
-try:  # the client's HTTP library: httpx2 in newer releases, httpx before
-    import httpx2 as httpx
-except ImportError:
-    import httpx
+from clients import openai_client
 
 socket = sys.argv[1]
-client = openai.OpenAI(
-    base_url="http://inferd/v1",
-    api_key="not-needed",
-    http_client=httpx.Client(transport=httpx.HTTPTransport(uds=socket)),
-)
+client = openai_client(socket)
 out = {}
 out["models"] = [m.id for m in client.models.list().data]
 model = out["models"][0]

@@ -13,23 +13,13 @@ import sys
 from typing import Literal
 
 import jsonschema
-import ollama
 import openai
 import pydantic
 
-import httpx  # the ollama client's HTTP library
-
-try:  # the OpenAI client's: httpx2 in newer releases, httpx before
-    import httpx2
-except ImportError:
-    httpx2 = httpx
+from clients import ollama_client, openai_client
 
 socket = sys.argv[1]
-client = openai.OpenAI(
-    base_url="http://inferd/v1",
-    api_key="not-needed",
-    http_client=httpx2.Client(transport=httpx2.HTTPTransport(uds=socket)),
-)
+client = openai_client(socket)
 model = client.models.list().data[0].id
 corpus = json.load(open(os.path.join(os.path.dirname(__file__), "schemas.json")))["schemas"]
 
@@ -140,7 +130,7 @@ except openai.BadRequestError as e:
     out["unenforceable"] = {"status": e.status_code, "param": (e.body or {}).get("param"), "message": (e.body or {}).get("message")}
 
 # Ollama's `format`: a schema, and "json".
-oc = ollama.Client(host="http://inferd", transport=httpx.HTTPTransport(uds=socket))
+oc = ollama_client(socket)
 name = oc.list().models[0].model
 r = oc.chat(model=name, messages=[{"role": "user", "content": person["prompt"]}], format=person["schema"], options={"temperature": 0, "num_predict": 400})
 out["ollama_schema"] = {"error": check(r.message.content, person["schema"]), "done_reason": r.done_reason, "text": r.message.content}

@@ -8,22 +8,13 @@ for daemon/tests/daemon/clients.rs to check.
 import json
 import sys
 
-import httpx  # the ollama client's HTTP library
 import jsonschema
-import ollama
 import openai
 
-try:  # the OpenAI client's: httpx2 in newer releases, httpx before
-    import httpx2
-except ImportError:
-    httpx2 = httpx
+from clients import ollama_client, openai_client
 
 socket = sys.argv[1]
-client = openai.OpenAI(
-    base_url="http://inferd/v1",
-    api_key="not-needed",
-    http_client=httpx2.Client(transport=httpx2.HTTPTransport(uds=socket)),
-)
+client = openai_client(socket)
 model = client.models.list().data[0].id
 weather = {
     "type": "function",
@@ -112,7 +103,7 @@ for name, kwargs in {
 out["refused"] = refused
 
 # Ollama: tools offered, and a conversation that holds a call and its result.
-oc = ollama.Client(host="http://inferd", transport=httpx.HTTPTransport(uds=socket))
+oc = ollama_client(socket)
 name = oc.list().models[0].model
 r = oc.chat(model=name, messages=ask, tools=[weather], options={"temperature": 0, "num_predict": 100})
 out["ollama_auto"] = {"done_reason": r.done_reason, "content": r.message.content, "calls": [{"name": c.function.name, "arguments": dict(c.function.arguments)} for c in r.message.tool_calls or []]}

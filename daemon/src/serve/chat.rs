@@ -207,7 +207,7 @@ pub fn encode(model: &Model, messages: &[ChatMessage], tools: Option<&Tools>) ->
         Some(t) if t.choice != ToolChoice::None => &t.tools,
         _ => &[],
     };
-    let format = ToolFormat::detect(model.chat_template.as_deref());
+    let format = tools.map_or_else(|| ToolFormat::detect(model.chat_template.as_deref()), |t| t.format);
     let mut msgs: Vec<ChatMessage> = messages.to_vec();
     if !format.native {
         for m in &mut msgs {

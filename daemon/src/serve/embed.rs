@@ -125,30 +125,32 @@ pub fn base64(v: &[f32]) -> String {
     s
 }
 
-/// OpenAI's `/v1/embeddings` body checked: `model`, `input`, `encoding_format`, `dimensions`
-/// (only the model's own), `user` (ignored). Returns the inputs and whether to answer base64.
-pub fn openai_body(m: &Map<String, Value>, hidden: usize) -> Result<(Vec<Input>, bool), ApiError> {
-    for k in m.keys() {
-        if !["model", "input", "encoding_format", "dimensions", "user"].contains(&k.as_str()) {
-            return Err(ApiError::bad(format!("{k} is not supported by inferd"), "body"));
-        }
+/// An embedding body's checks both APIs share: only the keys in `known`, and `dimensions`
+/// (when given) only the model's own, `hidden`.
+pub fn check_body(m: &Map<String, Value>, known: &[&str], hidden: usize) -> Result<(), ApiError> {
+    if let Some(k) = m.keys().find(|k| !known.contains(&k.as_str())) {
+        return Err(ApiError::bad(format!("{k} is not supported by inferd"), "body"));
     }
+    match m.get("dimensions") {
+        None | Some(Value::Null) => Ok(()),
+        Some(d) if d.as_u64() == Some(hidden as u64) => Ok(()),
+        Some(_) => Err(ApiError::bad(
+            format!("dimensions must be {hidden}, this model's (it is not trained to be shortened)"),
+            "dimensions",
+        )),
+    }
+}
+
+/// OpenAI's `/v1/embeddings` body checked: `model`, `input`, `encoding_format`, `dimensions`,
+/// `user` (ignored). Returns the inputs and whether to answer base64.
+pub fn openai_body(m: &Map<String, Value>, hidden: usize) -> Result<(Vec<Input>, bool), ApiError> {
+    check_body(m, &["model", "input", "encoding_format", "dimensions", "user"], hidden)?;
     let b64 = match m.get("encoding_format").and_then(|v| if v.is_null() { None } else { Some(v) }) {
         None => false,
         Some(v) if v == "float" => false,
         Some(v) if v == "base64" => true,
         Some(_) => return Err(ApiError::bad("encoding_format must be float or base64", "encoding_format")),
     };
-    match m.get("dimensions") {
-        None | Some(Value::Null) => {}
-        Some(d) if d.as_u64() == Some(hidden as u64) => {}
-        Some(_) => {
-            return Err(ApiError::bad(
-                format!("dimensions must be {hidden}, this model's (it is not trained to be shortened)"),
-                "dimensions",
-            ))
-        }
-    }
     Ok((inputs(m.get("input"))?, b64))
 }
 

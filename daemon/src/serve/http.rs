@@ -19,7 +19,7 @@ use axum::serve::IncomingStream;
 use axum::{Json, Router};
 use inferd_engine::request::Request;
 use inferd_engine::sched::Command;
-use inferd_engine::tools::parse::{CallIds, Delta, ToolStream};
+use inferd_engine::tools::parse::{Delta, ToolStream};
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -527,7 +527,7 @@ async fn respond(
                 .enumerate()
                 .map(|(i, (t, r))| {
                     let Some(f) = format else { return choice(i as u32, t, r, lp_json(&lps[i], 0)) };
-                    let (content, calls) = f.parse(&t, &mut CallIds::new(f));
+                    let (content, calls) = f.parse(&t);
                     if calls.is_empty() {
                         return choice(i as u32, t, r, lp_json(&lps[i], 0));
                     }
@@ -594,27 +594,25 @@ async fn respond(
             let Some(s) = split[c as usize].as_mut() else {
                 return vec![choice(c, text, end.map_or(Value::Null, finish), lp)];
             };
-            let before = s.calls();
+            // Calls are numbered across the choice's deltas.
+            let mut index = s.calls();
             let mut deltas = s.push(&text);
             if end.is_some() {
                 deltas.extend(s.finish());
             }
             let mut out: Vec<Value> = deltas
                 .into_iter()
-                .enumerate()
-                .map(|(k, d)| match d {
-                    Delta::Content(t) => json!({ "index": c, "delta": { "content": t }, "logprobs": Value::Null, "finish_reason": Value::Null }),
-                    Delta::Call(call) => json!({ "index": c, "delta": { "tool_calls": [chat::openai_call(&call, Some(before + k))] }, "logprobs": Value::Null, "finish_reason": Value::Null }),
+                .map(|d| {
+                    let delta = match d {
+                        Delta::Content(t) => json!({ "content": t }),
+                        Delta::Call(call) => {
+                            index += 1;
+                            json!({ "tool_calls": [chat::openai_call(&call, Some(index - 1))] })
+                        }
+                    };
+                    json!({ "index": c, "delta": delta, "logprobs": Value::Null, "finish_reason": Value::Null })
                 })
                 .collect();
-            // Renumber the calls in order (content deltas do not count).
-            let mut k = before;
-            for v in &mut out {
-                if let Some(tc) = v.pointer_mut("/delta/tool_calls/0/index") {
-                    *tc = json!(k);
-                    k += 1;
-                }
-            }
             if let Some(reason) = end {
                 let reason = if reason == "stop" && s.calls() > 0 { "tool_calls" } else { reason };
                 out.push(json!({ "index": c, "delta": {}, "logprobs": Value::Null, "finish_reason": reason }));

@@ -184,17 +184,9 @@ async fn embed(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Respon
     let t0 = Instant::now();
     let run = async {
         let m = super::http::object(&body)?;
-        for k in m.keys() {
-            if !["model", "input", "truncate", "options", "keep_alive", "dimensions"].contains(&k.as_str()) {
-                return Err(ApiError::bad(format!("{k} is not supported by inferd"), "body"));
-            }
-        }
         let h = super::embed::model_of(&sh, &m)?;
-        if let Some(d) = m.get("dimensions").filter(|d| !d.is_null()) {
-            if d.as_u64() != Some(h.model.config.hidden as u64) {
-                return Err(bad(format!("dimensions must be {}, this model's", h.model.config.hidden)));
-            }
-        }
+        let known = ["model", "input", "truncate", "options", "keep_alive", "dimensions"];
+        super::embed::check_body(&m, &known, h.model.config.hidden)?;
         let truncate = m.get("truncate").and_then(Value::as_bool) != Some(false);
         let inputs = super::embed::inputs(m.get("input"))?;
         let (vectors, tokens) = super::embed::embed(&h, inputs, truncate).await?;

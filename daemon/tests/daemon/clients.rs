@@ -1,18 +1,25 @@
-//! Clients nobody here wrote or that users run: the official OpenAI Python client, inferctl.
+//! Clients nobody here wrote or that users run: the official OpenAI and Ollama Python clients
+//! (chat, structured output, tools, embeddings), inferctl.
 
 use super::*;
+
+/// Runs `tests/python/SCRIPT` (the official clients; tests/run installs them) against the
+/// daemon's socket and parses the JSON it prints.
+fn python_client(d: &Daemon, script: &str) -> Value {
+    let pylib = std::env::var("INFERD_TEST_PYTHONPATH")
+        .unwrap_or_else(|_| format!("{}/.cache/inferd/python", std::env::var("HOME").unwrap_or_default()));
+    let path = format!("{}/../tests/python/{script}", env!("CARGO_MANIFEST_DIR"));
+    let out = Command::new("python3").arg(&path).arg(&d.socket).env("PYTHONPATH", &pylib).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{script} (tests/run installs its packages into {pylib}):\n{stderr}");
+    serde_json::from_slice(&out.stdout).unwrap()
+}
 
 #[test]
 fn the_official_openai_python_client_works_unchanged() {
     let dir = scratch("openai");
     let d = Daemon::start(&dir, "", &[]);
-    let pylib = std::env::var("INFERD_TEST_PYTHONPATH")
-        .unwrap_or_else(|_| format!("{}/.cache/inferd/python", std::env::var("HOME").unwrap_or_default()));
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/python/openai_client.py");
-    let out = Command::new("python3").arg(script).arg(&d.socket).env("PYTHONPATH", &pylib).output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "the openai package is installed by tests/run into {pylib}:\n{stderr}");
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = python_client(&d, "openai_client.py");
     assert_eq!(v["models"][0], "SmolLM2-135M-Instruct.Q4_1");
     assert_eq!(v["completion"], " Paris.\n");
     assert_eq!(v["completion_stream"], " Paris.\n");
@@ -66,13 +73,7 @@ fn the_official_openai_python_client_works_unchanged() {
 fn structured_output_validates_through_the_official_clients() {
     let dir = scratch("structured");
     let d = Daemon::start(&dir, "", &[]);
-    let pylib = std::env::var("INFERD_TEST_PYTHONPATH")
-        .unwrap_or_else(|_| format!("{}/.cache/inferd/python", std::env::var("HOME").unwrap_or_default()));
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/python/structured.py");
-    let out = Command::new("python3").arg(script).arg(&d.socket).env("PYTHONPATH", &pylib).output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "tests/run installs openai, ollama and jsonschema into {pylib}:\n{stderr}");
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = python_client(&d, "structured.py");
     let corpus = v["corpus"].as_array().unwrap();
     assert_eq!(corpus.len(), 11, "{v}");
     for entry in corpus {
@@ -109,13 +110,7 @@ fn structured_output_validates_through_the_official_clients() {
 fn tool_calls_round_trip_through_the_official_clients() {
     let dir = scratch("tools");
     let d = Daemon::start(&dir, "", &[]);
-    let pylib = std::env::var("INFERD_TEST_PYTHONPATH")
-        .unwrap_or_else(|_| format!("{}/.cache/inferd/python", std::env::var("HOME").unwrap_or_default()));
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/python/tools.py");
-    let out = Command::new("python3").arg(script).arg(&d.socket).env("PYTHONPATH", &pylib).output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "tests/run installs openai, ollama and jsonschema into {pylib}:\n{stderr}");
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = python_client(&d, "tools.py");
     for (case, tool) in [("required", None), ("named", Some("get_time"))] {
         let r = &v[case];
         assert!(r["finish"] == "tool_calls" && r["content"].is_null(), "{case}: {r}");
@@ -167,13 +162,7 @@ fn tool_calls_round_trip_through_the_official_clients() {
 fn embeddings_through_the_official_clients() {
     let dir = scratch("embeddings");
     let d = Daemon::start(&dir, "", &[]);
-    let pylib = std::env::var("INFERD_TEST_PYTHONPATH")
-        .unwrap_or_else(|_| format!("{}/.cache/inferd/python", std::env::var("HOME").unwrap_or_default()));
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/python/embeddings.py");
-    let out = Command::new("python3").arg(script).arg(&d.socket).env("PYTHONPATH", &pylib).output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "tests/run installs openai and ollama into {pylib}:\n{stderr}");
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = python_client(&d, "embeddings.py");
     let vecs = |x: &Value| -> Vec<Vec<f64>> {
         x.as_array()
             .unwrap()
@@ -212,13 +201,7 @@ fn embeddings_through_the_official_clients() {
 fn the_official_ollama_python_client_works_unchanged() {
     let dir = scratch("ollama");
     let d = Daemon::start(&dir, "", &[]);
-    let pylib = std::env::var("INFERD_TEST_PYTHONPATH")
-        .unwrap_or_else(|_| format!("{}/.cache/inferd/python", std::env::var("HOME").unwrap_or_default()));
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/python/ollama_client.py");
-    let out = Command::new("python3").arg(script).arg(&d.socket).env("PYTHONPATH", &pylib).output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "the ollama package is installed by tests/run into {pylib}:\n{stderr}");
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = python_client(&d, "ollama_client.py");
     assert_eq!(v["tags"], serde_json::json!(["SmolLM2-135M-Instruct.Q4_1:latest"]));
     let details = &v["details"];
     assert!(details["family"] == "llama" && details["format"] == "gguf", "{v}");

@@ -77,8 +77,6 @@ pub struct Vocabulary {
     /// Tokens the tokenizer knows (a model's logits rows may be longer: padded embeddings).
     size: usize,
     bytes: Vec<Vec<u8>>,
-    /// Special tokens by their text.
-    specials: std::collections::HashMap<Vec<u8>, u32>,
 }
 
 impl std::fmt::Debug for Vocabulary {
@@ -102,11 +100,7 @@ impl Vocabulary {
         let size = tokens.len();
         let mut bytes = Vec::with_capacity(size);
         let mut words = Vec::with_capacity(size);
-        let mut specials = std::collections::HashMap::new();
-        for (id, (b, special)) in tokens.into_iter().enumerate() {
-            if special {
-                specials.entry(b.clone()).or_insert(id as u32);
-            }
+        for (b, special) in tokens {
             // Special tokens are spelled with the marker byte first (0xFF never occurs in
             // UTF-8), so a grammar's text can never produce them.
             words.push(if special {
@@ -127,7 +121,7 @@ impl Vocabulary {
         let info = TokRxInfo::new(size as u32, first);
         let trie = TokTrie::from(&info, &words).with_eos_tokens(eos);
         let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
-        Ok(Vocabulary { env, factory: OnceLock::new(), size, bytes, specials })
+        Ok(Vocabulary { env, factory: OnceLock::new(), size, bytes })
     }
 
     /// Tokens the tokenizer knows.
@@ -143,7 +137,7 @@ impl Vocabulary {
 
     /// The special token whose text is `text` (`[TOOL_CALLS]`, `<|python_tag|>`), if any.
     pub fn special_token(&self, text: &str) -> Option<u32> {
-        self.specials.get(text.as_bytes()).copied()
+        self.env.tok_trie().get_special_token(text)
     }
 
     /// `format` compiled for this vocabulary: a schema or grammar the engine cannot enforce is

@@ -9,14 +9,14 @@ use std::hash::{BuildHasher, Hasher};
 /// Ids for the calls of one answer: `call_` and 16 letters or digits, or the 9 that Mistral's
 /// templates insist on when the conversation comes back.
 #[derive(Debug)]
-pub struct CallIds {
+struct CallIds {
     state: std::collections::hash_map::RandomState,
     n: u64,
     mistral: bool,
 }
 
 impl CallIds {
-    pub fn new(format: ToolFormat) -> CallIds {
+    fn new(format: ToolFormat) -> CallIds {
         CallIds { state: Default::default(), n: 0, mistral: format.syntax == Syntax::Mistral }
     }
 
@@ -88,12 +88,10 @@ const MISTRAL_TAG: &str = "[TOOL_CALLS]";
 
 impl ToolFormat {
     /// A whole answer as its text (trimmed) and its calls.
-    pub fn parse(&self, text: &str, ids: &mut CallIds) -> (String, Vec<ToolCall>) {
+    pub fn parse(&self, text: &str) -> (String, Vec<ToolCall>) {
         let mut s = ToolStream::new(*self);
-        s.ids = std::mem::replace(ids, CallIds::new(*self));
         let mut deltas = s.push(text);
         deltas.extend(s.finish());
-        *ids = s.ids;
         let (mut content, mut calls) = (String::new(), Vec::new());
         for d in deltas {
             match d {

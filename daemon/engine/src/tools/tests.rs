@@ -3,7 +3,7 @@
 //! arguments its schema accepts (random logits under the mask, on the default model's
 //! vocabulary).
 
-use super::parse::{CallIds, Delta, ToolStream};
+use super::parse::{Delta, ToolStream};
 use super::*;
 use crate::constraint::mask::Masker;
 use crate::tokenizer::Tokenizer;
@@ -52,7 +52,7 @@ fn streamed(format: ToolFormat, text: &str) -> (String, Vec<(String, String)>) {
 }
 
 fn whole(format: ToolFormat, text: &str) -> (String, Vec<(String, String)>) {
-    let (content, calls) = format.parse(text, &mut CallIds::new(format));
+    let (content, calls) = format.parse(text);
     (content, calls.into_iter().map(|c| (c.name, c.arguments)).collect())
 }
 
@@ -102,9 +102,8 @@ fn calls_parse_the_same_whole_and_streamed() {
     let d = s.push("\"arguments\": {}}\n</tool_call>");
     assert!(matches!(&d[..], [Delta::Call(c)] if c.name == "f" && c.arguments == "{}" && c.id.starts_with("call_")));
     // Ids are distinct; Mistral's are the 9 characters its templates check.
-    let mut ids = CallIds::new(fmt(Syntax::Mistral));
     let (_, calls) = fmt(Syntax::Mistral)
-        .parse("[TOOL_CALLS][{\"name\": \"f\", \"arguments\": {}}, {\"name\": \"f\", \"arguments\": {}}]", &mut ids);
+        .parse("[TOOL_CALLS][{\"name\": \"f\", \"arguments\": {}}, {\"name\": \"f\", \"arguments\": {}}]");
     assert!(calls.iter().all(|c| c.id.len() == 9 && c.id.chars().all(|x| x.is_ascii_alphanumeric())));
     assert_ne!(calls[0].id, calls[1].id);
 }
@@ -167,7 +166,7 @@ fn what_each_grammar_allows_parses_back_into_a_call_of_the_chosen_tool() {
         for (seed, choice) in [(1, ToolChoice::Function("get_weather".into())), (2, ToolChoice::Required)] {
             let g = f.grammar(&v, &tools, &choice, false).unwrap();
             let text = walk(&v, &tok, &g, seed);
-            let (content, calls) = f.parse(&text, &mut CallIds::new(f));
+            let (content, calls) = f.parse(&text);
             assert_eq!((content.as_str(), calls.len()), ("", 1), "{syntax:?}: {text}");
             let args: Value = serde_json::from_str(&calls[0].arguments).unwrap();
             match calls[0].name.as_str() {
