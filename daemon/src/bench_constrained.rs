@@ -48,7 +48,7 @@ pub fn run(model: &Model, engine: &mut Engine, reg: &Registry, reps: usize) -> a
     vocabulary.compile(&ResponseFormat::JsonSchema(schema()))?;
     let recompile_ms = t.elapsed().as_secs_f64() * 1e3;
     let req = |params, constrained: bool| SessionRequest {
-        logprobs: false,
+        logprobs: None,
         prompt: &prompt,
         generated: &[],
         params,

@@ -90,7 +90,7 @@ pub fn run(
         inproc.push(127.0 / t.elapsed().as_secs_f64());
         let p = tokens(128, 200 + r as u64, vocab);
         let req = SessionRequest {
-            logprobs: false,
+            logprobs: None,
             prompt: &p,
             generated: &[],
             params: "{}",
@@ -113,7 +113,7 @@ pub fn run(
     let fixed = row.clone();
     let mut mock = MockStore::new(vocab, Box::new(move |_| fixed.clone()));
     let req = SessionRequest {
-        logprobs: false,
+        logprobs: None,
         prompt: &[1],
         generated: &[],
         params: "{}",
@@ -158,7 +158,7 @@ pub fn run(
             None => EngineStore::new(engine),
         };
         let req = |params| SessionRequest {
-            logprobs: false,
+            logprobs: None,
             prompt: &prompt,
             generated: &[],
             params,
@@ -208,7 +208,7 @@ pub fn run(
     let p = tokens(128, 300, vocab);
     let mut peak = Peak { inner: EngineStore::new(&mut engine), peak: 0 };
     let req = SessionRequest {
-        logprobs: false,
+        logprobs: None,
         prompt: &p,
         generated: &[],
         params: r#"{"beam_width": 4}"#,

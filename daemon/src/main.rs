@@ -205,7 +205,7 @@ fn run(model: Option<PathBuf>, a: RunArgs, plugins: &PluginDirs, prompt: &str) -
         bail!("the prompt is empty");
     }
     let req = SessionRequest {
-        logprobs: false,
+        logprobs: None,
         prompt: &ids,
         generated: &[],
         params: &a.params,
@@ -324,7 +324,7 @@ fn plugin_probe(name: &str, a: ProbeArgs, plugins: &PluginDirs) -> Result<()> {
         // The mock model ignores the prompt; one placeholder token gives the first step a
         // position to return logits for.
         let req = SessionRequest {
-            logprobs: false,
+            logprobs: None,
             prompt: &[0],
             generated: &history,
             params: &a.params,

@@ -49,7 +49,7 @@ extern "C" {
 #endif
 
 #define INFERD_ABI_MAJOR 1
-#define INFERD_ABI_MINOR 1
+#define INFERD_ABI_MINOR 2
 
 /* The entry symbol's name for this major version. */
 #define INFERD_PLUGIN_ENTRY "inferd_plugin_entry_v1"
@@ -119,7 +119,10 @@ struct inferd_host_api {
     int32_t (*seq_len)(inferd_call *call, inferd_seq seq, uint32_t *out);
     /* Copies up to `cap` tokens into `buf`; `*len` receives the sequence length. */
     int32_t (*seq_tokens)(inferd_call *call, inferd_seq seq, int32_t *buf, uint32_t cap, uint32_t *len);
-    /* Appends a token to the output of choice `choice` (0 <= choice < n). */
+    /* Appends a token to the output of choice `choice` (0 <= choice < n). `logprob` is its
+     * log-probability under the model at that position: the log-softmax of the target row the
+     * host delivered (a response format's mask included), before the strategy's own
+     * temperature, penalties and truncation, as OpenAI, vLLM and llama.cpp report them. */
     int32_t (*emit)(inferd_call *call, uint32_t choice, int32_t token, float logprob);
     /* Ends choice `choice` with an INFERD_FINISH_* reason. */
     int32_t (*finish)(inferd_call *call, uint32_t choice, uint32_t reason);
@@ -133,6 +136,12 @@ struct inferd_host_api {
      * `token` stands for into `buf` (a special token's text, like "<|im_end|>"); `*len`
      * receives its full length. For strategies that build token masks of their own. */
     int32_t (*token_bytes)(inferd_call *call, int32_t token, uint8_t *buf, uint32_t cap, uint32_t *len);
+    /* ABI 1.2 (read it only when header.size covers it): emit, with the `n_top` most probable
+     * tokens at that position and their log-probabilities, most probable first (ties: lower
+     * id first). For a request whose init has top_logprobs > 0 every token is emitted this way,
+     * with n_top = min(top_logprobs, vocab_size); plain emit is then refused. */
+    int32_t (*emit_top)(inferd_call *call, uint32_t choice, int32_t token, float logprob,
+                        const int32_t *top_tokens, const float *top_logprobs, uint32_t n_top);
 };
 
 struct inferd_host_info {
@@ -173,7 +182,11 @@ struct inferd_session_init {
      * them, and refuses an emitted token or an end the grammar does not allow. A strategy that
      * samples from the rows it is given needs to do nothing more. */
     uint32_t constrained;
-    uint32_t reserved2;
+    /* ABI 1.2: the most probable alternatives the client wants with each token (0..20; 0
+     * from an older host). When above 0, every token goes out through emit_top; a strategy
+     * that cannot report them refuses the request in validate. The host sets it only for
+     * plugins built for 1.2 or later and refuses the request for older ones. */
+    uint32_t top_logprobs;
 };
 
 /* One sequence's part of a plan. */

@@ -7,7 +7,7 @@
 use std::ffi::{c_char, c_void};
 
 pub const ABI_MAJOR: u32 = 1;
-pub const ABI_MINOR: u32 = 1;
+pub const ABI_MINOR: u32 = 2;
 /// The entry symbol of this major version, NUL-terminated for `dlsym`.
 pub const ENTRY_SYMBOL: &[u8] = b"inferd_plugin_entry_v1\0";
 
@@ -78,6 +78,8 @@ pub struct HostApi {
     pub report: Option<unsafe extern "C" fn(*mut Call, *const c_char, f64) -> i32>,
     /// ABI 1.1.
     pub token_bytes: Option<unsafe extern "C" fn(*mut Call, i32, *mut u8, u32, *mut u32) -> i32>,
+    /// ABI 1.2.
+    pub emit_top: Option<unsafe extern "C" fn(*mut Call, u32, i32, f32, *const i32, *const f32, u32) -> i32>,
 }
 
 #[repr(C)]
@@ -108,7 +110,8 @@ pub struct SessionInit {
     pub reserved: u32,
     /// ABI 1.1.
     pub constrained: u32,
-    pub reserved2: u32,
+    /// ABI 1.2.
+    pub top_logprobs: u32,
 }
 
 #[repr(C)]
@@ -220,7 +223,8 @@ mod tests {
                 finish,
                 random,
                 report,
-                token_bytes
+                token_bytes,
+                emit_top
             ]
         );
         fields!("inferd_host_info", HostInfo, [header, abi_major, abi_minor, host_version, api]);
@@ -242,7 +246,7 @@ mod tests {
                 logprobs,
                 reserved,
                 constrained,
-                reserved2
+                top_logprobs
             ]
         );
         fields!("inferd_plan_item", PlanItem, [seq, tokens, n_tokens, n_logits]);

@@ -10,7 +10,7 @@
 
 use crate::abi;
 use crate::params::Params;
-use crate::sdk::{parse_params, Host, Plan, PlanItem, SessionInit, Strategy};
+use crate::sdk::{parse_params, Host, Logprobs, Plan, PlanItem, SessionInit, Strategy};
 use std::ffi::CStr;
 
 /// How a strategy chooses a token from one row of logits.
@@ -22,16 +22,10 @@ pub trait Pick: Sized + Send + 'static {
     /// Reads the strategy's parameters from `p` (every key must be read; see [`Params`]).
     fn parse(p: &mut Params, init: &SessionInit) -> Result<Self, String>;
 
-    /// The token for `choice` at generated position `position` (0-based), and its log
-    /// probability; `history` holds the choice's generated tokens so far.
-    fn pick(
-        &self,
-        host: &Host,
-        logits: &[f32],
-        history: &[u32],
-        choice: u32,
-        position: u32,
-    ) -> Result<(u32, f32), String>;
+    /// The token for `choice` at generated position `position` (0-based); `history` holds the
+    /// choice's generated tokens so far. The sampler reports its log-probability (see
+    /// [`Logprobs`]).
+    fn pick(&self, host: &Host, logits: &[f32], history: &[u32], choice: u32, position: u32) -> Result<u32, String>;
 }
 
 struct Choice {
@@ -54,6 +48,7 @@ pub struct Sampler<P: Pick> {
     max_tokens: u32,
     eos: Vec<u32>,
     vocab: usize,
+    logprobs: Logprobs,
     /// Choices in the order of the last plan's items.
     planned: Vec<usize>,
 }
@@ -64,12 +59,12 @@ impl<P: Pick> Sampler<P> {
             return Err(format!("expected {} logits, got {}", self.vocab, row.len()));
         }
         let ch = &self.choices[c];
-        let (tok, lp) = self.pick.pick(host, row, &ch.history, c as u32, ch.history.len() as u32)?;
+        let tok = self.pick.pick(host, row, &ch.history, c as u32, ch.history.len() as u32)?;
         let ch = &mut self.choices[c];
         if self.eos.contains(&tok) {
             host.finish(c as u32, abi::FINISH_STOP)?;
         } else {
-            host.emit(c as u32, tok, lp)?;
+            self.logprobs.emit(host, c as u32, tok, row)?;
             ch.history.push(tok);
             ch.last = Some(tok);
             ch.emitted += 1;
@@ -115,6 +110,7 @@ impl<P: Pick> Strategy for Sampler<P> {
             max_tokens: init.max_tokens,
             eos: init.eos.clone(),
             vocab: init.vocab_size as usize,
+            logprobs: Logprobs::of(init),
             planned: Vec::new(),
         })
     }

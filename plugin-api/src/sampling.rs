@@ -75,9 +75,52 @@ pub fn argmax(x: &[f32]) -> u32 {
 
 /// `ln softmax(x)[i]`.
 pub fn log_softmax_at(x: &[f32], i: usize) -> f32 {
-    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let s: f64 = x.iter().map(|&v| f64::from(v - m).exp()).sum();
-    ((f64::from(x[i] - m)) - s.ln()) as f32
+    LogSoftmax::of(x).at(i)
+}
+
+/// `ln softmax(row)`, its normalizer computed once (f64 accumulation) and read per token: the
+/// log-probabilities a strategy reports (`logprobs`, `top_logprobs`) are of the row itself,
+/// before the strategy's temperature, penalties and truncation.
+pub struct LogSoftmax<'a> {
+    row: &'a [f32],
+    max: f32,
+    /// `ln sum exp(row - max)`.
+    ln_sum: f64,
+}
+
+impl<'a> LogSoftmax<'a> {
+    pub fn of(row: &'a [f32]) -> Self {
+        let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let s: f64 = row.iter().map(|&v| f64::from(v - m).exp()).sum();
+        LogSoftmax { row, max: m, ln_sum: s.ln() }
+    }
+
+    /// The log-probability of token `i`.
+    pub fn at(&self, i: usize) -> f32 {
+        self.at_f64(i) as f32
+    }
+
+    /// [`at`](Self::at) in full precision, for sums of many (a beam's total).
+    pub fn at_f64(&self, i: usize) -> f64 {
+        f64::from(self.row[i] - self.max) - self.ln_sum
+    }
+
+    /// The `k` most probable tokens with their log-probabilities, most probable first (ties:
+    /// lower id first); tokens of probability zero (a response format's mask) are left out.
+    pub fn top(&self, k: usize) -> Vec<(u32, f32)> {
+        if k == 0 {
+            return Vec::new();
+        }
+        let by = |a: &u32, b: &u32| self.row[*b as usize].total_cmp(&self.row[*a as usize]).then(a.cmp(b));
+        let mut ids: Vec<u32> =
+            (0..self.row.len() as u32).filter(|&i| self.row[i as usize] > f32::NEG_INFINITY).collect();
+        if k < ids.len() {
+            ids.select_nth_unstable_by(k - 1, by);
+            ids.truncate(k);
+        }
+        ids.sort_unstable_by(by);
+        ids.into_iter().map(|i| (i, self.at(i as usize))).collect()
+    }
 }
 
 impl Sampling {
@@ -236,6 +279,22 @@ mod tests {
     fn softmax_ref(x: &[f32]) -> Vec<f32> {
         let s: f32 = x.iter().map(|v| v.exp()).sum();
         x.iter().map(|v| v.exp() / s).collect()
+    }
+
+    #[test]
+    fn top_log_softmax_is_sorted_consistent_and_skips_masked_tokens() {
+        let row = [1.0, 3.0, f32::NEG_INFINITY, 3.0, -2.0, 0.5];
+        let ls = LogSoftmax::of(&row);
+        let total: f64 = (0..row.len()).map(|i| f64::from(ls.at(i)).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6, "{total}");
+        let top = ls.top(3);
+        assert_eq!(top.iter().map(|e| e.0).collect::<Vec<_>>(), vec![1, 3, 0], "ties: lower id first");
+        for &(t, lp) in &top {
+            assert_eq!(lp, ls.at(t as usize));
+            assert_eq!(lp, log_softmax_at(&row, t as usize));
+        }
+        assert_eq!(ls.top(20).len(), 5, "the masked token is no alternative");
+        assert!(ls.top(0).is_empty());
     }
 
     #[test]

@@ -6,6 +6,7 @@
 
 use crate::abi;
 use crate::params::Params;
+use crate::sampling::LogSoftmax;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicPtr, Ordering};
@@ -32,6 +33,51 @@ pub struct SessionInit {
     pub logprobs: bool,
     /// The request has a response format: its target rows arrive masked (ABI 1.1).
     pub constrained: bool,
+    /// Alternatives wanted per token: every token then goes out through [`Host::emit_top`]
+    /// (ABI 1.2; 0 from an older host).
+    pub top_logprobs: u32,
+}
+
+/// What the client wants reported with each token, from [`SessionInit`]: its log-probability
+/// and the `top` most probable alternatives, read from the row of logits it was chosen from
+/// (see [`LogSoftmax`]). Strategies emit through it so that each reports the same numbers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Logprobs {
+    pub each: bool,
+    pub top: u32,
+}
+
+/// A token's log-probability (NaN when not wanted) and its alternatives (empty when none are
+/// wanted), as [`Logprobs::score`] reads them.
+pub type Scored = (f32, Vec<(u32, f32)>);
+
+impl Logprobs {
+    pub fn of(init: &SessionInit) -> Logprobs {
+        Logprobs { each: init.logprobs || init.top_logprobs > 0, top: init.top_logprobs }
+    }
+
+    /// What to report with `token` chosen from `row`.
+    pub fn score(self, row: &[f32], token: u32) -> Scored {
+        if !self.each || token as usize >= row.len() {
+            return (f32::NAN, Vec::new());
+        }
+        let ls = LogSoftmax::of(row);
+        (ls.at(token as usize), ls.top(self.top as usize))
+    }
+
+    /// Emits `token` with what [`score`](Self::score) read.
+    pub fn send(self, host: &Host, choice: u32, token: u32, scored: &Scored) -> Result<(), String> {
+        if self.top > 0 {
+            host.emit_top(choice, token, scored.0, &scored.1)
+        } else {
+            host.emit(choice, token, scored.0)
+        }
+    }
+
+    /// Emits `token`, chosen from `row`.
+    pub fn emit(self, host: &Host, choice: u32, token: u32, row: &[f32]) -> Result<(), String> {
+        self.send(host, choice, token, &self.score(row, token))
+    }
 }
 
 /// One sequence's part of a plan: append `tokens`, then return logits for the last `n_logits`
@@ -158,6 +204,25 @@ impl Host {
         let f = self.api.emit.ok_or("host lacks emit")?;
         // SAFETY: as in `log`.
         self.status("emit", unsafe { f(self.call, choice, token as i32, logprob) })
+    }
+
+    /// [`emit`](Self::emit) with the most probable tokens at that position and their
+    /// log-probabilities, most probable first: how every token goes out when
+    /// [`SessionInit::top_logprobs`] is above 0 (ABI 1.2, so `Err` from an older host, which
+    /// never asks for them).
+    pub fn emit_top(&self, choice: u32, token: u32, logprob: f32, top: &[(u32, f32)]) -> Result<(), String> {
+        let end = std::mem::offset_of!(abi::HostApi, emit_top) + std::mem::size_of::<usize>();
+        if (self.api.header.size as usize) < end {
+            return Err("the host is older than ABI 1.2 and has no emit_top".into());
+        }
+        let f = self.api.emit_top.ok_or("host lacks emit_top")?;
+        let ids: Vec<i32> = top.iter().map(|&(t, _)| t as i32).collect();
+        let lps: Vec<f32> = top.iter().map(|&(_, lp)| lp).collect();
+        // SAFETY: as in `log`; both arrays hold `top.len()` values; the size check above means
+        // the host's table has this field.
+        self.status("emit_top", unsafe {
+            f(self.call, choice, token as i32, logprob, ids.as_ptr(), lps.as_ptr(), top.len() as u32)
+        })
     }
 
     pub fn finish(&self, choice: u32, reason: u32) -> Result<(), String> {
@@ -288,6 +353,7 @@ unsafe fn read_init(init: *const abi::SessionInit) -> Result<SessionInit, String
         seed: i.seed,
         logprobs: i.logprobs != 0,
         constrained: i.constrained != 0,
+        top_logprobs: i.top_logprobs,
     })
 }
 
@@ -460,7 +526,9 @@ pub unsafe fn entry(
         }
         // SAFETY: checked non-null; the host's table lives as long as the host.
         let api = unsafe { &*h.api };
-        if api.header.type_ != abi::TYPE_HOST_API || (api.header.size as usize) < std::mem::size_of::<abi::HostApi>() {
+        // A 1.0 table ends before `token_bytes`; later callbacks are checked where they are used.
+        let v1_0 = std::mem::offset_of!(abi::HostApi, token_bytes);
+        if api.header.type_ != abi::TYPE_HOST_API || (api.header.size as usize) < v1_0 {
             return std::ptr::null();
         }
         HOST_API.store(h.api.cast_mut(), Ordering::Release);

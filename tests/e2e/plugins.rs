@@ -68,7 +68,7 @@ fn hashed_model() -> MockStore {
 
 fn req<'a>(prompt: &'a [u32], params: &'a str, max_tokens: u32, n: u32, seed: u64) -> SessionRequest<'a> {
     SessionRequest {
-        logprobs: false,
+        logprobs: None,
         prompt,
         generated: &[],
         params,
@@ -98,6 +98,10 @@ fn a_strategy_written_in_c_decodes_exactly_like_the_rust_greedy_plugin() {
     }
     let e = generate(&c, &mut store, &req(&[1], r#"{"x": 1}"#, 4, 1, 0), &mut |_, _| {}).unwrap_err();
     assert!(e.to_string().contains("c-greedy takes no parameters"), "{e}");
+    // Built for ABI 1.0, it knows nothing of top_logprobs: such requests are refused by name.
+    let top = SessionRequest { logprobs: Some(2), ..req(&[1], "{}", 4, 1, 0) };
+    let e = generate(&c, &mut store, &top, &mut |_, _| {}).unwrap_err();
+    assert!(e.to_string().contains("top_logprobs is not reported by plugins built for ABI 1.0"), "{e}");
     assert_eq!(store.live(), 0);
 }
 
@@ -107,7 +111,7 @@ fn broken_plugins_are_refused_naming_the_file_and_why_and_the_rest_load() {
     let cases = [
         ("major2", "FAULT_MAJOR2", "built for plugin ABI 2"),
         ("noentry", "FAULT_NO_ENTRY", "no inferd_plugin_entry_v1 symbol"),
-        ("newminor", "FAULT_NEWER_MINOR", "built for ABI 1.2; this inferd speaks 1.1"),
+        ("newminor", "FAULT_NEWER_MINOR", "built for ABI 1.3; this inferd speaks 1.2"),
         ("refuse", "FAULT_REFUSE", "refused this host"),
         ("badname", "FAULT_BAD_NAME", "invalid name"),
         ("noobserve", "FAULT_NO_OBSERVE", "no observe function"),
@@ -195,7 +199,7 @@ fn check_distribution(
     let mut counts = vec![0u64; logits.len()];
     for seed in 0..draws {
         let r = SessionRequest {
-            logprobs: false,
+            logprobs: None,
             prompt: &[0],
             generated: history,
             params,
@@ -257,7 +261,8 @@ fn seeded_requests_repeat_and_choices_fork_the_prompt() {
     let nucleus = reg.get("nucleus").unwrap();
     let mut store = hashed_model();
     let run = |store: &mut MockStore, seed: u64, n: u32| {
-        generate(&nucleus, store, &req(&[3, 1], r#"{"temperature": 1.5}"#, 24, n, seed), &mut |_, _| {}).unwrap()
+        let r = SessionRequest { logprobs: Some(0), ..req(&[3, 1], r#"{"temperature": 1.5}"#, 24, n, seed) };
+        generate(&nucleus, store, &r, &mut |_, _| {}).unwrap()
     };
     let a = run(&mut store, 42, 1);
     assert_eq!(a, run(&mut store, 42, 1), "the same seed gives the same tokens");
@@ -279,7 +284,7 @@ fn the_greedy_plugin_on_the_real_model_equals_the_engines_argmax_and_frees_its_b
     let greedy = reg.get("greedy").unwrap();
     let mut store = EngineStore::new(&mut engine);
     let r = SessionRequest {
-        logprobs: false,
+        logprobs: None,
         prompt: &prompt,
         generated: &[],
         params: "{}",
@@ -325,7 +330,7 @@ fn beam_search_finds_the_better_sequence_that_greedy_misses() {
     let reg = builtin();
     let mut store = overloaded_model();
     let r = |params: &'static str, n: u32| SessionRequest {
-        logprobs: true,
+        logprobs: Some(0),
         prompt: &[5],
         generated: &[],
         params,
@@ -372,7 +377,7 @@ fn beam_search_ends_hypotheses_at_end_of_sequence_and_ranks_by_normalized_score(
     let reg = builtin();
     let beam = reg.get("beam").unwrap();
     let r = SessionRequest {
-        logprobs: false,
+        logprobs: None,
         prompt: &[5],
         generated: &[],
         params: r#"{"beam_width": 3, "length_penalty": 0}"#,
@@ -416,16 +421,15 @@ fn greedy_speculative_decoding_is_token_for_token_greedy_decoding() {
     let prompt: Vec<u32> = (0..40).map(|i| [3, 1, 4, 1, 5, 9, 2, 6][i % 8]).collect();
     for (drafter, draft_salt) in [("prompt-lookup", 0), ("model", 99), ("model", 7)] {
         let mut store = MockStore::new(12, salted_model(12, 7, 8.0)).with_draft(salted_model(12, draft_salt, 8.0));
-        let want = generate(&greedy, &mut store, &req(&prompt, "{}", 40, 1, 0), &mut |_, _| {}).unwrap();
+        let top = |params| SessionRequest { logprobs: Some(4), ..req(&prompt, params, 40, 1, 0) };
+        let want = generate(&greedy, &mut store, &top("{}"), &mut |_, _| {}).unwrap();
         let params = format!(r#"{{"drafter": "{drafter}", "temperature": 0, "k": 4}}"#);
-        let got = inferd_engine::decode::generate_with_stats(
-            &spec,
-            &mut store,
-            &req(&prompt, &params, 40, 1, 0),
-            &mut |_, _| {},
-        )
-        .unwrap();
+        let got = inferd_engine::decode::generate_with_stats(&spec, &mut store, &top(&params), &mut |_, _| {}).unwrap();
         assert_eq!(got.choices[0].tokens, want[0].tokens, "{drafter} (draft salt {draft_salt})");
+        // Each token's numbers come from the verify row that scored its position.
+        assert_eq!(got.choices[0].logprobs, want[0].logprobs, "{drafter}");
+        assert_eq!(got.choices[0].top_logprobs, want[0].top_logprobs, "{drafter}");
+        assert_eq!(want[0].top_logprobs.len(), want[0].tokens.len());
         assert_eq!(got.choices[0].finish, want[0].finish);
         let (drafted, accepted) = (got.stats["draft_tokens"], got.stats["accepted_tokens"]);
         assert!(accepted <= drafted && got.stats["rounds"] >= 1.0, "{:?}", got.stats);
@@ -476,7 +480,7 @@ fn sampled_speculative_decoding_keeps_the_targets_distribution() {
                 &spec,
                 &mut store,
                 &SessionRequest {
-                    logprobs: false,
+                    logprobs: None,
                     prompt: &prompt,
                     generated: &[],
                     params,
@@ -517,7 +521,7 @@ fn speculative_decoding_on_the_real_model_matches_greedy_with_either_drafter() {
     let reg = builtin();
     let mut store = EngineStore::with_draft(&mut engine, &mut draft);
     let r = |params: &'static str| SessionRequest {
-        logprobs: false,
+        logprobs: None,
         prompt: &prompt,
         generated: &[],
         params,
@@ -578,7 +582,7 @@ fn sessions_batched_together_decode_as_they_do_alone() {
         .enumerate()
         .map(|(i, ((name, params, n), p))| {
             let r = SessionRequest {
-                logprobs: true,
+                logprobs: Some(0),
                 prompt: p,
                 generated: &[],
                 params,
@@ -608,7 +612,7 @@ fn sessions_batched_together_decode_as_they_do_alone() {
                 max_tokens: 12,
                 n,
                 seed,
-                logprobs: true,
+                logprobs: Some(0),
                 meta: Default::default(),
                 events: channel_sink(etx),
                 grammar: None,

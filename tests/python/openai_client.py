@@ -72,6 +72,30 @@ out["logprobs_stream"] = [x.logprob for ch in chunks if ch.choices and ch.choice
 c = client.completions.create(model=model, prompt="The capital of France is", max_tokens=3, temperature=0, logprobs=0)
 out["completion_logprobs"] = {"tokens": c.choices[0].logprobs.tokens, "values": c.choices[0].logprobs.token_logprobs, "text": c.choices[0].text}
 
+# top_logprobs: each token's most probable alternatives, from every strategy, whole and
+# streamed; completions' logprobs=N.
+def tops(content):
+    return [{"token": x.token, "logprob": x.logprob, "top": [[a.token, a.logprob] for a in x.top_logprobs]} for x in content]
+
+
+top = {}
+for name, kwargs in {
+    "greedy": {"temperature": 0},
+    "speculative": {"temperature": 0, "extra_body": {"decoder": "speculative"}},
+    "nucleus": {"temperature": 0.8, "top_p": 0.9, "seed": 7},
+    "min_p": {"temperature": 0.8, "seed": 7, "extra_body": {"decoder": "min-p"}},
+    "beam": {"extra_body": {"decoder": "beam", "decoder_params": {"beam_width": 3}}},
+}.items():
+    c = client.chat.completions.create(model=model, messages=story, max_tokens=12, logprobs=True, top_logprobs=5, **kwargs)
+    top[name] = {"text": c.choices[0].message.content, "content": tops(c.choices[0].logprobs.content)}
+chunks = list(client.chat.completions.create(model=model, messages=story, max_tokens=12, temperature=0, logprobs=True,
+                                             top_logprobs=5, stream=True))
+top["greedy_stream"] = {"content": tops([x for ch in chunks if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.content])}
+c = client.completions.create(model=model, prompt="The capital of France is", max_tokens=3, temperature=0, logprobs=3)
+top["completion"] = {"tokens": c.choices[0].logprobs.tokens, "values": c.choices[0].logprobs.token_logprobs,
+                     "top": c.choices[0].logprobs.top_logprobs}
+out["top_logprobs"] = top
+
 # `user` is an accepted no-op; what inferd does not implement is a 400 that names it.
 out["user_ok"] = client.chat.completions.create(model=model, messages=parts, max_tokens=2, temperature=0, user="ana").choices[0].finish_reason
 refused = {}
@@ -81,7 +105,8 @@ for name, kwargs in {
     "image_url": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
     "colour": {"extra_body": {"colour": "blue"}},
     "stream_options": {"stream_options": {"include_usage": True}},
-    "top_logprobs": {"logprobs": True, "top_logprobs": 3},
+    "top_logprobs_alone": {"top_logprobs": 3},
+    "top_logprobs_21": {"logprobs": True, "top_logprobs": 21},
 }.items():
     args = {"model": model, "messages": parts, "max_tokens": 2}
     args.update(kwargs)

@@ -21,8 +21,9 @@ pub struct Request {
     pub sampling: Sampling,
     /// A strategy by name, with its own parameters; the sampling fields choose one otherwise.
     pub decoder: Option<Decoder>,
-    /// Report each generated token's log-probability.
-    pub logprobs: bool,
+    /// Report each generated token's log-probability, with this many of the most probable
+    /// alternatives (0..=20; OpenAI's `top_logprobs`, completions' `logprobs: N`).
+    pub logprobs: Option<u32>,
     /// What the output must be (a JSON object, JSON under a schema, a grammar); free text
     /// when absent.
     pub response_format: Option<crate::constraint::ResponseFormat>,

@@ -45,7 +45,7 @@ fn workload(model: &Model, reg: &Registry, threads: usize, batch: usize, groups:
                 max_tokens: lens[i],
                 n: 1,
                 seed: 0,
-                logprobs: false,
+                logprobs: None,
                 meta: Default::default(),
                 events: Box::new(move |e| {
                     match e {

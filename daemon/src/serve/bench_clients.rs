@@ -91,7 +91,7 @@ fn engine_only(model: &Model, reg: &Registry, threads: usize) -> anyhow::Result<
                 max_tokens: TOKENS,
                 n: 1,
                 seed: 0,
-                logprobs: false,
+                logprobs: None,
                 meta: Default::default(),
                 events,
                 grammar: None,

@@ -6,17 +6,24 @@
 //! credentials) counts against the same per-user limit as a socket peer's, and a caller that
 //! leaves the bus has its requests cancelled. Options (`a{sv}`) carry the HTTP fields; they
 //! convert straight into the typed request and go through the same checks (`fields.rs`,
-//! [`request`](super::request)).
+//! [`request`](super::request)). A chat's `tools` and its messages' tool calls take the HTTP
+//! edge's path too (a JSON body built from them, `chat.rs`); calls come back as `ToolCall`
+//! signals, log-probabilities as `Logprobs` signals before the text they belong to.
 //!
 //! The introspection data is checked in (`daemon/dbus/org.inferd.Inference1.xml`); a test
 //! compares it with what the daemon serves.
 
+use super::chat::{self, Tools};
 use super::config::Mode;
 use super::fields::{self, Field};
-use super::request::{self, ApiError, Output, Piece};
+use super::request::{self, ApiError, Output, Piece, Scored};
 use super::{ModelHandle, Shared};
+use inferd_engine::plugin::session::MAX_TOP_LOGPROBS;
 use inferd_engine::request::Request;
 use inferd_engine::sched::{Command, RequestId};
+use inferd_engine::tools::parse::{Delta, ToolStream};
+use inferd_engine::tools::ToolFormat;
+use serde_json::{Map, Value as Json};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use zbus::fdo;
@@ -83,15 +90,77 @@ fn option_field(key: &str, v: &Value<'_>) -> Result<Field, ApiError> {
     })
 }
 
+/// Options that are no request field: log-probabilities, and a chat's tools.
+const CALL_OPTIONS: [&str; 5] = ["logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"];
+
 /// The `a{sv}` options of a call as a typed request, checked like the HTTP fields.
 fn options_request(options: &HashMap<String, OwnedValue>) -> Result<Request, ApiError> {
-    let fields =
-        options.iter().map(|(k, v)| option_field(k, v).map(|f| (k.clone(), f))).collect::<Result<Vec<_>, _>>()?;
-    let req = fields::build(fields)?;
+    let fields = options
+        .iter()
+        .filter(|(k, _)| !CALL_OPTIONS.contains(&k.as_str()))
+        .map(|(k, v)| option_field(k, v).map(|f| (k.clone(), f)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut req = fields::build(fields)?;
     if req.n.is_some_and(|n| n != 1) {
         return Err(ApiError::bad("over D-Bus a request has one choice (n = 1)", "n"));
     }
+    let get = |k: &str| options.get(k).map(|v| option_field(k, v)).transpose();
+    let top = match get("top_logprobs")? {
+        None => None,
+        Some(Field::Int(k)) if (0..=i128::from(MAX_TOP_LOGPROBS)).contains(&k) => Some(k as u32),
+        Some(_) => {
+            let why = format!("top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}");
+            return Err(ApiError::bad(why, "top_logprobs"));
+        }
+    };
+    req.logprobs = match (get("logprobs")?, top) {
+        (Some(Field::Bool(true)), k) => Some(k.unwrap_or(0)),
+        (None | Some(Field::Bool(false)), Some(k)) if k > 0 => {
+            return Err(ApiError::bad("top_logprobs needs logprobs: true", "top_logprobs"))
+        }
+        (None | Some(Field::Bool(false)), _) => None,
+        (Some(_), _) => return Err(ApiError::bad("logprobs must be a boolean", "logprobs")),
+    };
     Ok(req)
+}
+
+/// A chat call as the JSON body the HTTP edge reads: each message's `role`, `content`,
+/// `tool_calls` (JSON text), `tool_call_id` and `name`; the options `tools` (JSON text),
+/// `tool_choice` ("auto", "none", "required" or JSON text naming a function) and
+/// `parallel_tool_calls`.
+fn chat_body(
+    messages: &[HashMap<String, String>],
+    options: &HashMap<String, OwnedValue>,
+) -> Result<Map<String, Json>, ApiError> {
+    let mut list = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
+        let mut msg = Map::new();
+        for (k, v) in m {
+            let value = match k.as_str() {
+                "role" | "content" | "tool_call_id" | "name" => Json::String(v.clone()),
+                "tool_calls" => serde_json::from_str(v)
+                    .map_err(|e| ApiError::bad(format!("messages[{i}].tool_calls is not JSON: {e}"), "messages"))?,
+                _ => return Err(ApiError::bad(format!("messages[{i}] has an unknown key {k:?}"), "messages")),
+            };
+            msg.insert(k.clone(), value);
+        }
+        list.push(Json::Object(msg));
+    }
+    let mut body = Map::new();
+    body.insert("messages".into(), Json::Array(list));
+    for key in ["tools", "tool_choice", "parallel_tool_calls"] {
+        let Some(v) = options.get(key) else { continue };
+        let json = match option_field(key, v)? {
+            Field::Bool(b) if key == "parallel_tool_calls" => Json::Bool(b),
+            Field::Str(s) if key == "tool_choice" && !s.trim_start().starts_with('{') => Json::String(s),
+            Field::Str(s) if key != "parallel_tool_calls" => {
+                serde_json::from_str(&s).map_err(|e| ApiError::bad(format!("{key} is not JSON: {e}"), "tools"))?
+            }
+            _ => return Err(ApiError::bad(format!("{key} has the wrong type"), "tools")),
+        };
+        body.insert(key.into(), json);
+    }
+    Ok(body)
 }
 
 /// The uid of a bus connection, from the bus.
@@ -100,66 +169,82 @@ async fn caller_uid(conn: &Connection, sender: &UniqueName<'_>) -> fdo::Result<u
     proxy.get_connection_unix_user(BusName::Unique(sender.clone())).await
 }
 
+/// A call's model, prompt and tool format (a chat with tools to parse out).
+type Prompt = (Arc<ModelHandle>, Vec<u32>, Option<ToolFormat>);
+
+/// A submitted call: the request, its output decoder, its caller, how to read its answer.
+struct Started {
+    sub: request::Submitted,
+    out: Output,
+    sender: String,
+    format: Option<ToolFormat>,
+    logprobs: bool,
+}
+
 impl Inference {
-    /// Checks and submits a request for `sender`; returns it with its output decoder.
+    /// Checks and submits a request for `sender`; `prompt` builds the prompt once the request
+    /// is known (a chat's tools may shape it).
     async fn start(
         &self,
         conn: &Connection,
         hdr: &Header<'_>,
-        ids: Result<(Arc<ModelHandle>, Vec<u32>), ApiError>,
         options: &HashMap<String, OwnedValue>,
-    ) -> fdo::Result<(request::Submitted, Output, String)> {
+        prompt: impl FnOnce(&mut Request) -> Result<Prompt, ApiError>,
+    ) -> fdo::Result<Started> {
         let sender = hdr.sender().ok_or_else(|| fdo::Error::Failed("a call without a sender".into()))?.to_owned();
         let uid = caller_uid(conn, &sender).await?;
-        let req = options_request(options).map_err(failed)?;
-        let (handle, ids) = ids.map_err(failed)?;
+        let mut req = options_request(options).map_err(failed)?;
+        let (handle, ids, format) = prompt(&mut req).map_err(failed)?;
         let p = request::prepare(&self.sh, handle, req, ids).map_err(failed)?;
-        let out = Output::new(1, p.stop.clone());
+        let logprobs = p.logprobs.is_some();
+        let mut out = Output::new(1, p.stop.clone());
+        if format.is_some() {
+            out = out.keeping_special();
+        }
         let sub = request::submit(&self.sh, p, uid).map_err(failed)?;
         if let Ok(mut o) = self.owners.lock() {
             o.entry(sender.to_string()).or_default().push((Arc::clone(&sub.model), sub.id));
         }
-        Ok((sub, out, sender.to_string()))
+        Ok(Started { sub, out, sender: sender.to_string(), format, logprobs })
     }
 
-    fn prompt_ids(&self, model: &str, prompt: &str) -> Result<(Arc<ModelHandle>, Vec<u32>), ApiError> {
+    /// `prompt` as token ids (tool options belong to Chat).
+    fn prompt_ids(&self, model: &str, prompt: &str, options: &HashMap<String, OwnedValue>) -> Result<Prompt, ApiError> {
+        if let Some(k) = ["tools", "tool_choice", "parallel_tool_calls"].iter().find(|k| options.contains_key(**k)) {
+            return Err(ApiError::bad(format!("{k} is an option of Chat"), "tools"));
+        }
         let h = self.sh.model(Some(model))?;
         let ids = request::encode_prompt(&h.model, prompt)?;
-        Ok((h, ids))
+        Ok((h, ids, None))
     }
 
+    /// A chat's messages rendered with its tools; a required or named call constrains `req`.
     fn chat_ids(
         &self,
         model: &str,
         messages: &[HashMap<String, String>],
-    ) -> Result<(Arc<ModelHandle>, Vec<u32>), ApiError> {
+        options: &HashMap<String, OwnedValue>,
+        req: &mut Request,
+    ) -> Result<Prompt, ApiError> {
         let h = self.sh.model(Some(model))?;
-        let msgs: Vec<(String, String)> = messages
-            .iter()
-            .enumerate()
-            .map(|(i, m)| match (m.get("role"), m.get("content")) {
-                (Some(r), Some(c)) => Ok((r.clone(), c.clone())),
-                _ => Err(ApiError::bad(format!("messages[{i}] needs a role and a content"), "messages")),
-            })
-            .collect::<Result<_, _>>()?;
-        let ids = request::encode_chat(&h.model, &msgs)?;
-        Ok((h, ids))
+        let body = chat_body(messages, options)?;
+        let tools = Tools::of(&body, &h.model)?;
+        let ids = chat::encode(&h.model, &chat::messages(&body)?, Some(&tools))?;
+        tools.constrain(req, h.vocabulary.as_deref())?;
+        let format = tools.active().then_some(tools.format);
+        Ok((h, ids, format))
     }
 
     /// Exports a request object and streams its signals to `sender` from a task.
-    async fn stream(
-        &self,
-        conn: &Connection,
-        started: (request::Submitted, Output, String),
-    ) -> fdo::Result<OwnedObjectPath> {
-        let (sub, out, sender) = started;
+    async fn stream(&self, conn: &Connection, started: Started) -> fdo::Result<OwnedObjectPath> {
+        let (sub, sender) = (&started.sub, started.sender.clone());
         let path = OwnedObjectPath::try_from(format!("{PATH}/request/{}", sub.id))
             .map_err(|e| fdo::Error::Failed(e.to_string()))?;
         let obj = RequestObject { model: Arc::clone(&sub.model), id: sub.id, owner: sender.clone() };
         conn.object_server().at(&path, obj).await?;
         let (conn, p, owners) = (conn.clone(), path.clone(), Arc::clone(&self.owners));
         tokio::spawn(async move {
-            forward(&conn, &p, sub, out, &sender).await;
+            forward(&conn, &p, started).await;
             let _ = conn.object_server().remove::<RequestObject, _>(&p).await;
             forget(&owners, &sender, &p);
         });
@@ -189,29 +274,81 @@ fn usage(prompt: usize, completion: usize) -> HashMap<&'static str, Value<'stati
     ])
 }
 
-/// The request's pieces as unicast signals to `sender`.
-async fn forward(conn: &Connection, path: &ObjectPath<'_>, mut sub: request::Submitted, mut out: Output, sender: &str) {
-    let Ok(dest) = UniqueName::try_from(sender.to_owned()) else { return };
+/// A token's id, text and log-probability, and its alternatives likewise: the `Logprobs`
+/// signal's entries.
+type LogprobEntry = (u32, String, f64, Vec<(u32, String, f64)>);
+
+fn logprob_entries(model: &inferd_engine::model::Model, lps: &[Scored]) -> Vec<LogprobEntry> {
+    let text = |t: u32| model.tokenizer.decode(&[t], false).unwrap_or_default();
+    let entry = |sc: &Scored| {
+        let top = sc.top.iter().map(|&(t, lp)| (t, text(t), f64::from(lp))).collect();
+        (sc.token, text(sc.token), f64::from(sc.logprob), top)
+    };
+    lps.iter().map(entry).collect()
+}
+
+/// Sends a piece of text: its tokens' log-probabilities first (when the caller asked), then the
+/// text, through the tool-call parser when the chat has tools (`last`: the answer's final
+/// piece, which flushes the parser).
+async fn send_text(
+    emitter: &SignalEmitter<'_>,
+    model: &inferd_engine::model::Model,
+    tools: &mut Option<ToolStream>,
+    lps: Option<&[Scored]>,
+    text: &str,
+    token: u32,
+    last: bool,
+) -> zbus::Result<()> {
+    if let Some(l) = lps.filter(|l| !l.is_empty()) {
+        RequestObject::logprobs(emitter, logprob_entries(model, l)).await?;
+    }
+    let Some(ts) = tools else {
+        return if text.is_empty() { Ok(()) } else { RequestObject::token(emitter, text, token).await };
+    };
+    let mut deltas = ts.push(text);
+    if last {
+        deltas.extend(ts.finish());
+    }
+    for d in deltas {
+        match d {
+            Delta::Content(t) if t.is_empty() => {}
+            Delta::Content(t) => RequestObject::token(emitter, &t, if t == text { token } else { u32::MAX }).await?,
+            Delta::Call(c) => RequestObject::tool_call(emitter, &c.id, &c.name, &c.arguments).await?,
+        }
+    }
+    Ok(())
+}
+
+/// The request's pieces as unicast signals to its caller.
+async fn forward(conn: &Connection, path: &ObjectPath<'_>, started: Started) {
+    let Started { mut sub, mut out, sender, format, logprobs } = started;
+    let Ok(dest) = UniqueName::try_from(sender) else { return };
     let Ok(emitter) = SignalEmitter::new(conn, path.to_owned()) else { return };
     let emitter = emitter.set_destination(BusName::Unique(dest));
+    let model = Arc::clone(&sub.model);
+    let mut tools = format.map(ToolStream::new);
     let mut reason = "stop";
+    let called = |tools: &Option<ToolStream>, reason: &'static str| {
+        if reason == "stop" && tools.as_ref().is_some_and(|t| t.calls() > 0) {
+            "tool_calls"
+        } else {
+            reason
+        }
+    };
     while let Some(ev) = sub.events.recv().await {
-        for piece in out.on_event(&sub.model.model, ev) {
+        for piece in out.on_event(&model.model, ev) {
             let sent = match piece {
-                Piece::Text { text, .. } if text.is_empty() => Ok(()),
-                Piece::Text { text, token, .. } => RequestObject::token(&emitter, &text, token).await,
-                Piece::End { text, reason: r, .. } => {
+                Piece::Text { text, token, logprobs: lps, .. } => {
+                    send_text(&emitter, &model.model, &mut tools, logprobs.then_some(&lps), &text, token, false).await
+                }
+                Piece::End { text, reason: r, logprobs: lps, .. } => {
                     reason = r;
                     // The held-back tail of the text: no single token completed it.
-                    if text.is_empty() {
-                        Ok(())
-                    } else {
-                        RequestObject::token(&emitter, &text, u32::MAX).await
-                    }
+                    send_text(&emitter, &model.model, &mut tools, logprobs.then_some(&lps), &text, u32::MAX, true).await
                 }
                 Piece::Done { completion_tokens, .. } => {
-                    let _ =
-                        RequestObject::finished(&emitter, reason, usage(sub.prompt_tokens, completion_tokens)).await;
+                    let usage = usage(sub.prompt_tokens, completion_tokens);
+                    let _ = RequestObject::finished(&emitter, called(&tools, reason), usage).await;
                     return;
                 }
                 Piece::Failed(msg) => {
@@ -228,7 +365,8 @@ async fn forward(conn: &Connection, path: &ObjectPath<'_>, mut sub: request::Sub
                 let _ = tx.send(Command::Stop(sub.id));
             }
             if let Piece::Done { completion_tokens, .. } = out.done_by_stop() {
-                let _ = RequestObject::finished(&emitter, "stop", usage(sub.prompt_tokens, completion_tokens)).await;
+                let usage = usage(sub.prompt_tokens, completion_tokens);
+                let _ = RequestObject::finished(&emitter, called(&tools, "stop"), usage).await;
             }
             return;
         }
@@ -249,11 +387,12 @@ impl Inference {
         prompt: &str,
         options: HashMap<String, OwnedValue>,
     ) -> fdo::Result<OwnedObjectPath> {
-        let started = self.start(conn, &hdr, self.prompt_ids(model, prompt), &options).await?;
+        let started = self.start(conn, &hdr, &options, |_| self.prompt_ids(model, prompt, &options)).await?;
         self.stream(conn, started).await
     }
 
-    /// Starts a chat answer to `messages` (each with `role` and `content`).
+    /// Starts a chat answer to `messages` (each with `role` and `content`; an assistant's may
+    /// have `tool_calls`, a tool result `tool_call_id` and `name`).
     #[zbus(out_args("request"))]
     async fn chat(
         &self,
@@ -263,7 +402,7 @@ impl Inference {
         messages: Vec<HashMap<String, String>>,
         options: HashMap<String, OwnedValue>,
     ) -> fdo::Result<OwnedObjectPath> {
-        let started = self.start(conn, &hdr, self.chat_ids(model, &messages), &options).await?;
+        let started = self.start(conn, &hdr, &options, |req| self.chat_ids(model, &messages, &options, req)).await?;
         self.stream(conn, started).await
     }
 
@@ -277,7 +416,8 @@ impl Inference {
         prompt: &str,
         options: HashMap<String, OwnedValue>,
     ) -> fdo::Result<String> {
-        let (mut sub, mut out, sender) = self.start(conn, &hdr, self.prompt_ids(model, prompt), &options).await?;
+        let Started { mut sub, mut out, sender, .. } =
+            self.start(conn, &hdr, &options, |_| self.prompt_ids(model, prompt, &options)).await?;
         let mut text = String::new();
         let result = 'events: loop {
             let Some(ev) = sub.events.recv().await else { break Err(fdo::Error::Failed("the engine stopped".into())) };
@@ -386,7 +526,19 @@ impl RequestObject {
     #[zbus(signal)]
     async fn token(emitter: &SignalEmitter<'_>, text: &str, token_id: u32) -> zbus::Result<()>;
 
-    /// The request ended: `reason` is "stop" or "length"; `usage` has the token counts.
+    /// The log-probabilities of the tokens whose text the next `Token` signal carries (only
+    /// for a request with the `logprobs` option): per token its id, text and log-probability,
+    /// and its most probable alternatives likewise (`top_logprobs` of them).
+    #[zbus(signal)]
+    async fn logprobs(emitter: &SignalEmitter<'_>, tokens: Vec<LogprobEntry>) -> zbus::Result<()>;
+
+    /// A tool call of a chat answer (a chat with `tools`): its id, the function's name and the
+    /// arguments as JSON text.
+    #[zbus(signal)]
+    async fn tool_call(emitter: &SignalEmitter<'_>, id: &str, name: &str, arguments: &str) -> zbus::Result<()>;
+
+    /// The request ended: `reason` is "stop", "length" or "tool_calls"; `usage` has the token
+    /// counts.
     #[zbus(signal)]
     async fn finished(emitter: &SignalEmitter<'_>, reason: &str, usage: HashMap<&str, Value<'_>>) -> zbus::Result<()>;
 

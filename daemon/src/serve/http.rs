@@ -7,7 +7,7 @@
 
 use super::chat::{self, Tools};
 use super::fields::{self, Field, FIELDS};
-use super::request::{self, ApiError, Output, Piece};
+use super::request::{self, ApiError, Output, Piece, Scored};
 use super::Shared;
 use axum::extract::connect_info::Connected;
 use axum::extract::{ConnectInfo, State};
@@ -17,6 +17,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::serve::IncomingStream;
 use axum::{Json, Router};
+use inferd_engine::plugin::session::MAX_TOP_LOGPROBS;
 use inferd_engine::request::Request;
 use inferd_engine::sched::Command;
 use inferd_engine::tools::parse::{Delta, ToolStream};
@@ -247,8 +248,8 @@ async fn detokenize(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> R
 pub const IGNORED: [&str; 4] = ["user", "store", "metadata", "service_tier"];
 
 /// The keys a route reads itself, beside [`FIELDS`].
-const ROUTE_KEYS: [&str; 7] =
-    ["model", "stream", "stream_options", "tools", "tool_choice", "parallel_tool_calls", "logprobs"];
+const ROUTE_KEYS: [&str; 8] =
+    ["model", "stream", "stream_options", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs"];
 
 /// Checks that every key of the body is one inferd implements or an accepted no-op: a field
 /// OpenAI defines that inferd does not implement is a 400 naming it, never silently dropped.
@@ -265,7 +266,6 @@ fn known_keys(m: &Map<String, Value>, body_key: &str) -> Result<(), ApiError> {
             "echo" => v == &Value::Bool(false),
             "best_of" => v.as_u64() == Some(1),
             "suffix" => v.as_str() == Some(""),
-            "top_logprobs" => v.as_u64() == Some(0),
             _ => false,
         };
         if default {
@@ -273,7 +273,6 @@ fn known_keys(m: &Map<String, Value>, body_key: &str) -> Result<(), ApiError> {
         }
         let what = match k {
             "functions" | "function_call" => "the deprecated functions API; send tools",
-            "top_logprobs" => "the most likely alternatives of each token",
             _ => "",
         };
         let message = if what.is_empty() {
@@ -305,38 +304,62 @@ fn param(k: &str) -> &'static str {
     NAMED.iter().find(|n| **n == k).copied().unwrap_or("body")
 }
 
-/// Whether the body asks for each token's log-probability: chat's `logprobs: true`,
-/// completions' `logprobs: 0` (a count of alternatives per token, which inferd does not report
-/// yet: more than 0 is refused by name).
-fn wants_logprobs(m: &Map<String, Value>, chat: bool) -> Result<bool, ApiError> {
-    match (m.get("logprobs"), chat) {
-        (None | Some(Value::Null), _) => Ok(false),
-        (Some(Value::Bool(b)), true) => Ok(*b),
-        (Some(v), false) if v.as_u64() == Some(0) => Ok(true),
-        (Some(v), false) if v.as_u64().is_some() => Err(ApiError::bad(
-            "logprobs above 0 (alternatives per token) is not supported by inferd yet; 0 reports each token's",
-            "logprobs",
-        )),
-        (Some(_), true) => Err(ApiError::bad("logprobs must be true or false", "logprobs")),
-        (Some(_), false) => Err(ApiError::bad("logprobs must be an integer", "logprobs")),
+/// Whether the body asks for each token's log-probability, and for how many of the most
+/// probable alternatives: chat's `logprobs: true` with `top_logprobs: N`, completions'
+/// `logprobs: N`.
+fn wants_logprobs(m: &Map<String, Value>, chat: bool) -> Result<Option<u32>, ApiError> {
+    let max = u64::from(MAX_TOP_LOGPROBS);
+    let count = |key: &'static str| -> Result<Option<u32>, ApiError> {
+        match m.get(key).filter(|v| !v.is_null()) {
+            None => Ok(None),
+            Some(v) => match v.as_u64() {
+                Some(k) if k <= max => Ok(Some(k as u32)),
+                _ => Err(ApiError::bad(format!("{key} must be an integer from 0 to {max}"), key)),
+            },
+        }
+    };
+    if !chat {
+        if m.get("top_logprobs").is_some_and(|v| !v.is_null()) {
+            return Err(ApiError::bad("top_logprobs is a chat field; completions take logprobs: N", "top_logprobs"));
+        }
+        return count("logprobs");
+    }
+    let top = count("top_logprobs")?;
+    match m.get("logprobs") {
+        Some(Value::Bool(true)) => Ok(Some(top.unwrap_or(0))),
+        None | Some(Value::Null) | Some(Value::Bool(false)) if top.is_some_and(|k| k > 0) => {
+            Err(ApiError::bad("top_logprobs needs logprobs: true", "top_logprobs"))
+        }
+        None | Some(Value::Null) | Some(Value::Bool(false)) => Ok(None),
+        Some(_) => Err(ApiError::bad("logprobs must be true or false", "logprobs")),
     }
 }
 
-/// The `logprobs` of a choice (or of a streamed piece of one), in the route's shape.
-fn logprobs_json(model: &inferd_engine::model::Model, chat: bool, lps: &[(u32, f32)], offset: usize) -> Value {
+/// The `logprobs` of a choice (or of a streamed piece of one), in the route's shape: chat's
+/// `content` entries with their `top_logprobs`, completions' parallel lists with a
+/// `{text: logprob}` object of alternatives per token.
+fn logprobs_json(model: &inferd_engine::model::Model, chat: bool, lps: &[Scored], offset: usize) -> Value {
     let text = |t: u32| model.tokenizer.decode(&[t], false).unwrap_or_default();
     let lp = |x: f32| if x.is_finite() { json!(x) } else { json!(-9999.0) };
+    let entry = |t: u32, x: f32| {
+        let s = text(t);
+        json!({ "token": s, "logprob": lp(x), "bytes": s.as_bytes() })
+    };
     if chat {
         let content: Vec<Value> = lps
             .iter()
-            .map(|&(t, x)| {
-                let s = text(t);
-                json!({ "token": s, "logprob": lp(x), "bytes": s.as_bytes(), "top_logprobs": [] })
+            .map(|sc| {
+                let mut e = entry(sc.token, sc.logprob);
+                e["top_logprobs"] = sc.top.iter().map(|&(t, x)| entry(t, x)).collect();
+                e
             })
             .collect();
         return json!({ "content": content });
     }
-    let tokens: Vec<String> = lps.iter().map(|&(t, _)| text(t)).collect();
+    let top: Vec<Value> =
+        lps.iter().map(|sc| Value::Object(sc.top.iter().map(|&(t, x)| (text(t), lp(x))).collect())).collect();
+    let top = if lps.iter().any(|sc| !sc.top.is_empty()) { json!(top) } else { Value::Null };
+    let tokens: Vec<String> = lps.iter().map(|sc| text(sc.token)).collect();
     let mut at = offset;
     let offsets: Vec<usize> = tokens
         .iter()
@@ -346,8 +369,8 @@ fn logprobs_json(model: &inferd_engine::model::Model, chat: bool, lps: &[(u32, f
             o
         })
         .collect();
-    let values: Vec<Value> = lps.iter().map(|&(_, x)| lp(x)).collect();
-    json!({ "tokens": tokens, "token_logprobs": values, "top_logprobs": Value::Null, "text_offset": offsets })
+    let values: Vec<Value> = lps.iter().map(|sc| lp(sc.logprob)).collect();
+    json!({ "tokens": tokens, "token_logprobs": values, "top_logprobs": top, "text_offset": offsets })
 }
 
 /// `stream_options.include_usage` (a 400 unless streaming, as OpenAI answers).
@@ -478,7 +501,7 @@ async fn respond(
     let stream = m.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let with_usage = include_usage(m).unwrap_or(false);
     let (n, prompt_tokens, decoder) = (p.n, p.prompt.len(), p.strategy.name().to_owned());
-    let with_logprobs = p.logprobs;
+    let with_logprobs = p.logprobs.is_some();
     let mut out = Output::new(p.n, p.stop.clone());
     if tools.is_some() {
         out = out.keeping_special();
@@ -508,7 +531,7 @@ async fn respond(
     };
     let model = Arc::clone(&sub.model);
     // The logprobs of tokens `lps`, the first at text offset `offset` of its choice.
-    let lp_json = move |lps: &[(u32, f32)], offset: usize| {
+    let lp_json = move |lps: &[Scored], offset: usize| {
         if with_logprobs {
             logprobs_json(&model.model, chat, lps, offset)
         } else {
@@ -519,8 +542,8 @@ async fn respond(
     if !stream {
         let mut texts = vec![String::new(); n as usize];
         let mut reasons = vec![Value::Null; n as usize];
-        let mut lps: Vec<Vec<(u32, f32)>> = vec![Vec::new(); n as usize];
-        let choices = |texts: &mut Vec<String>, reasons: &mut Vec<Value>, lps: &[Vec<(u32, f32)>]| -> Vec<Value> {
+        let mut lps: Vec<Vec<Scored>> = vec![Vec::new(); n as usize];
+        let choices = |texts: &mut Vec<String>, reasons: &mut Vec<Value>, lps: &[Vec<Scored>]| -> Vec<Value> {
             texts
                 .drain(..)
                 .zip(reasons.drain(..))

@@ -58,8 +58,8 @@ pub struct Prepared {
     pub seed: u64,
     pub priority: Priority,
     pub stop: Vec<String>,
-    /// The strategy reports each token's log-probability.
-    pub logprobs: bool,
+    /// The strategy reports each token's log-probability, with this many alternatives.
+    pub logprobs: Option<u32>,
     /// The response format, compiled for the model.
     pub grammar: Option<Grammar>,
 }
@@ -279,16 +279,15 @@ pub enum Piece {
         choice: u32,
         text: String,
         token: u32,
-        /// The tokens whose text this piece completes, with their log-probabilities (NaN
-        /// unless the request asked for them).
-        logprobs: Vec<(u32, f32)>,
+        /// The tokens whose text this piece completes, with their log-probabilities.
+        logprobs: Vec<Scored>,
     },
     /// A choice ended: "stop" (end of sequence or a stop string) or "length".
     End {
         choice: u32,
         reason: &'static str,
         text: String,
-        logprobs: Vec<(u32, f32)>,
+        logprobs: Vec<Scored>,
     },
     /// Every choice ended.
     Done {
@@ -296,6 +295,15 @@ pub enum Piece {
         stats: BTreeMap<String, f64>,
     },
     Failed(String),
+}
+
+/// A generated token with its log-probability (NaN unless the request asked for them) and
+/// its most probable alternatives (empty unless it asked for those).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Scored {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
 }
 
 /// Turns engine [`Event`]s into [`Piece`]s: incremental detokenization per choice, stop strings
@@ -312,7 +320,7 @@ struct ChoiceOut {
     /// Text decoded but not sent yet (it may be the start of a stop string).
     held: String,
     /// Tokens whose text is not sent yet.
-    pending: Vec<(u32, f32)>,
+    pending: Vec<Scored>,
     tokens: usize,
     ended: bool,
 }
@@ -342,13 +350,13 @@ impl Output {
     pub fn on_event(&mut self, model: &Model, ev: Event) -> Vec<Piece> {
         let tok = &model.tokenizer;
         match ev {
-            Event::Token { choice, token, logprob } => {
+            Event::Token { choice, token, logprob, top } => {
                 let Some(c) = self.choices.get_mut(choice as usize) else { return Vec::new() };
                 if c.ended {
                     return Vec::new();
                 }
                 c.tokens += 1;
-                c.pending.push((token, logprob));
+                c.pending.push(Scored { token, logprob, top });
                 let text = c.dec.push(tok, token).unwrap_or_default();
                 c.held.push_str(&text);
                 if let Some(at) = self.stop.iter().filter_map(|s| c.held.find(s.as_str())).min() {

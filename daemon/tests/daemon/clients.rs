@@ -51,6 +51,7 @@ fn the_official_openai_python_client_works_unchanged() {
         cl["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect::<String>(),
         cl["text"].as_str().unwrap()
     );
+    top_logprobs(&v["top_logprobs"]);
     let refused = &v["refused"];
     for (name, says) in [
         ("functions", "functions is not supported by inferd yet (the deprecated functions API; send tools)"),
@@ -58,12 +59,56 @@ fn the_official_openai_python_client_works_unchanged() {
         ("image_url", "content part type \"image_url\" is not supported"),
         ("colour", "colour is not supported by inferd"),
         ("stream_options", "stream_options is only allowed when stream is true"),
-        ("top_logprobs", "top_logprobs is not supported by inferd yet"),
+        ("top_logprobs_alone", "top_logprobs needs logprobs: true"),
+        ("top_logprobs_21", "top_logprobs must be an integer from 0 to 20"),
     ] {
         let r = &refused[name];
         assert!(r[0] == 400 && r[1].as_str().unwrap().contains(says), "{name}: {r}");
     }
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Checks what the OpenAI client read of `top_logprobs` (tests/python/openai_client.py): five
+/// alternatives per token, most probable first, of one distribution with the token's own
+/// log-probability; greedy's token is its first alternative; speculative decoding at
+/// temperature 0 reports greedy decoding's numbers; streaming reports what the whole answer does.
+fn top_logprobs(v: &serde_json::Value) {
+    let num = |x: &serde_json::Value| x.as_f64().unwrap();
+    for name in ["greedy", "speculative", "nucleus", "min_p", "beam", "greedy_stream"] {
+        let content = v[name]["content"].as_array().unwrap();
+        assert_eq!(content.len(), 12, "{name}: {v}");
+        for e in content {
+            let top = e["top"].as_array().unwrap();
+            assert_eq!(top.len(), 5, "{name}: {e}");
+            let lps: Vec<f64> = top.iter().map(|a| num(&a[1])).collect();
+            assert!(lps.windows(2).all(|w| w[0] >= w[1]) && lps[0] <= 0.0, "{name}: sorted: {e}");
+            assert!(lps.iter().map(|x| x.exp()).sum::<f64>() <= 1.0 + 1e-4, "{name}: one distribution: {e}");
+            // A token among its alternatives has the same log-probability there.
+            if let Some(a) = top.iter().find(|a| a[0] == e["token"]) {
+                assert!((num(&a[1]) - num(&e["logprob"])).abs() < 1e-6, "{name}: {e}");
+            } else {
+                assert!(num(&e["logprob"]) <= lps[4] + 1e-6, "{name}: a token less likely than every alternative: {e}");
+            }
+            if name.starts_with("greedy") || name == "speculative" {
+                assert_eq!(top[0][0], e["token"], "{name}: greedy takes the most probable token: {e}");
+            }
+        }
+    }
+    let (g, s) = (v["greedy"]["content"].as_array().unwrap(), v["speculative"]["content"].as_array().unwrap());
+    for (a, b) in g.iter().zip(s) {
+        assert_eq!(a["token"], b["token"]);
+        assert!((num(&a["logprob"]) - num(&b["logprob"])).abs() < 1e-3, "speculative at temperature 0: {a} {b}");
+    }
+    assert_eq!(v["greedy_stream"]["content"], v["greedy"]["content"], "streamed as whole");
+    let c = &v["completion"];
+    let tops = c["top"].as_array().unwrap();
+    assert_eq!(tops.len(), 3, "{c}");
+    for (i, t) in tops.iter().enumerate() {
+        let t = t.as_object().unwrap();
+        assert!(!t.is_empty() && t.len() <= 3, "{c}");
+        let best = t.values().map(num).fold(f64::NEG_INFINITY, f64::max);
+        assert!((best - num(&c["values"][i])).abs() < 1e-6, "greedy's token is the most probable: {c}");
+    }
 }
 
 /// Structured output through the official clients (tests/python/structured.py): a corpus of
@@ -238,6 +283,7 @@ fn the_official_ollama_python_client_works_unchanged() {
     assert_eq!(v["generate_stream"], chat["content"], "generate templates the prompt as chat does");
     assert_eq!(v["load"], "load");
     assert_eq!(v["untagged"], chat["content"]);
+    top_logprobs(&v["top_logprobs"]);
     let refused = &v["refused"];
     for (name, status, says) in [
         ("format", 400, "the response format cannot be enforced: Unsatisfiable schema"),

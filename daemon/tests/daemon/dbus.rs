@@ -361,3 +361,174 @@ fn dbus_generate_complete_properties_unicast_and_introspection() {
     drop(bus);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A `Logprobs` signal's entry: a token's id, text and log-probability, and its alternatives.
+type Entry = (u32, String, f64, Vec<(u32, String, f64)>);
+
+/// What the caller heard of one request: text, `Logprobs` entries, `ToolCall`s, the reason.
+#[derive(Default)]
+struct Heard {
+    text: String,
+    logprobs: Vec<Entry>,
+    calls: Vec<(String, String, String)>,
+    reason: String,
+}
+
+/// Calls `Chat` and collects the request's signals until `Finished`.
+async fn chat_signals(
+    caller: &zbus::Connection,
+    messages: &[std::collections::HashMap<&str, &str>],
+    options: &std::collections::HashMap<&str, zbus::zvariant::Value<'_>>,
+) -> Heard {
+    use tokio_stream::StreamExt;
+    let mut stream = zbus::MessageStream::from(caller);
+    let reply = caller
+        .call_method(
+            Some("org.inferd.Inference1"),
+            "/org/inferd/Inference1",
+            Some("org.inferd.Inference1"),
+            "Chat",
+            &("", messages, options),
+        )
+        .await
+        .unwrap();
+    let path: zbus::zvariant::OwnedObjectPath = reply.body().deserialize().unwrap();
+    let mut heard = Heard::default();
+    let t0 = Instant::now();
+    while heard.reason.is_empty() {
+        assert!(t0.elapsed() < Duration::from_secs(60), "no Finished signal");
+        let Ok(Some(Ok(msg))) = tokio::time::timeout(Duration::from_secs(30), stream.next()).await else { continue };
+        let h = msg.header();
+        if h.message_type() != zbus::message::Type::Signal || h.path().map(|p| p.as_str()) != Some(path.as_str()) {
+            continue;
+        }
+        match h.member().map(|m| m.as_str()) {
+            Some("Token") => heard.text.push_str(&msg.body().deserialize::<(String, u32)>().unwrap().0),
+            Some("Logprobs") => heard.logprobs.extend(msg.body().deserialize::<(Vec<_>,)>().unwrap().0),
+            Some("ToolCall") => heard.calls.push(msg.body().deserialize().unwrap()),
+            Some("Finished") => {
+                let (r, _): (String, std::collections::HashMap<String, zbus::zvariant::OwnedValue>) =
+                    msg.body().deserialize().unwrap();
+                heard.reason = r;
+            }
+            Some("Failed") => panic!("failed: {:?}", msg.body().deserialize::<String>()),
+            _ => {}
+        }
+    }
+    heard
+}
+
+/// Chat over D-Bus with the options of the OpenAI API: `logprobs` / `top_logprobs` arrive as
+/// `Logprobs` signals with HTTP's numbers; `tools` with a named `tool_choice` give a
+/// `ToolCall` signal whose arguments follow the tool's schema, and a tool result goes back
+/// into the conversation.
+#[test]
+fn dbus_chat_reports_logprobs_and_tool_calls() {
+    use std::collections::HashMap;
+    use zbus::zvariant::Value as V;
+    let dir = scratch("dbus-tools");
+    let bus = Bus::start(&dir);
+    let d = Daemon::start(&dir, "", &[("DBUS_SESSION_BUS_ADDRESS", &bus.address)]);
+    wait_for("the bus name", Duration::from_secs(20), || {
+        Command::new("busctl")
+            .arg(format!("--address={}", bus.address))
+            .args(["status", "org.inferd.Inference1"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    });
+    let question = HashMap::from([("role", "user"), ("content", "What is the capital of France?")]);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let caller = zbus::connection::Builder::address(bus.address.as_str()).unwrap().build().await.unwrap();
+        let opts = HashMap::from([
+            ("max_tokens", V::U32(6)),
+            ("temperature", V::F64(0.0)),
+            ("logprobs", V::Bool(true)),
+            ("top_logprobs", V::U32(3)),
+        ]);
+        let heard = chat_signals(&caller, std::slice::from_ref(&question), &opts).await;
+        let (_, body) = d.http(
+            "POST",
+            "/v1/chat/completions",
+            r#"{"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 6,
+                "temperature": 0, "logprobs": true, "top_logprobs": 3}"#,
+        );
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(heard.text, v["choices"][0]["message"]["content"].as_str().unwrap());
+        let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+        assert_eq!(heard.logprobs.len(), content.len(), "one entry per token");
+        for ((_, text, lp, top), want) in heard.logprobs.iter().zip(content) {
+            assert_eq!(text, want["token"].as_str().unwrap());
+            assert!((lp - want["logprob"].as_f64().unwrap()).abs() < 1e-6);
+            let alts: Vec<&str> = top.iter().map(|a| a.1.as_str()).collect();
+            let want_alts: Vec<&str> =
+                want["top_logprobs"].as_array().unwrap().iter().map(|a| a["token"].as_str().unwrap()).collect();
+            assert_eq!(alts, want_alts);
+        }
+        // No logprobs option, no Logprobs signal.
+        let plain = HashMap::from([("max_tokens", V::U32(4)), ("temperature", V::F64(0.0))]);
+        assert!(chat_signals(&caller, std::slice::from_ref(&question), &plain).await.logprobs.is_empty());
+
+        // A named tool: the call comes as a ToolCall signal, the request ends with "tool_calls".
+        let tools = r#"[{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"], "additionalProperties": false}}}]"#;
+        let choice = r#"{"type": "function", "function": {"name": "get_weather"}}"#;
+        let ask = HashMap::from([("role", "user"), ("content", "What is the weather in Paris?")]);
+        let opts = HashMap::from([
+            ("max_tokens", V::U32(100)),
+            ("temperature", V::F64(0.0)),
+            ("tools", V::from(tools)),
+            ("tool_choice", V::from(choice)),
+            ("parallel_tool_calls", V::Bool(false)),
+        ]);
+        let heard = chat_signals(&caller, std::slice::from_ref(&ask), &opts).await;
+        assert_eq!(heard.reason, "tool_calls", "{}", heard.text);
+        assert_eq!(heard.calls.len(), 1);
+        let (id, name, arguments) = &heard.calls[0];
+        assert_eq!(name, "get_weather");
+        let args: Value = serde_json::from_str(arguments).unwrap();
+        assert!(args["city"].is_string() && args.as_object().unwrap().len() == 1, "{args}");
+        // The call and its result go back: the model answers in text.
+        let calls = format!(
+            r#"[{{"id": "{id}", "type": "function", "function": {{"name": "get_weather", "arguments": {}}}}}]"#,
+            serde_json::to_string(arguments).unwrap()
+        );
+        let history = [
+            ask.clone(),
+            HashMap::from([("role", "assistant"), ("content", ""), ("tool_calls", calls.as_str())]),
+            HashMap::from([("role", "tool"), ("content", "18 degrees and sunny"), ("tool_call_id", id.as_str())]),
+        ];
+        let opts = HashMap::from([("max_tokens", V::U32(30)), ("temperature", V::F64(0.0)), ("tools", V::from(tools))]);
+        let answer = chat_signals(&caller, &history, &opts).await;
+        assert!(answer.reason == "stop" || answer.reason == "length" || answer.reason == "tool_calls");
+        assert!(!answer.text.is_empty() || !answer.calls.is_empty());
+        // Tool options belong to Chat; a message key nobody reads is refused by name.
+        let refused = caller
+            .call_method(
+                Some("org.inferd.Inference1"),
+                "/org/inferd/Inference1",
+                Some("org.inferd.Inference1"),
+                "Generate",
+                &("", "hi", &HashMap::from([("tools", V::from(tools))])),
+            )
+            .await
+            .unwrap_err();
+        assert!(refused.to_string().contains("tools is an option of Chat"), "{refused}");
+        let odd = [HashMap::from([("role", "user"), ("content", "hi"), ("colour", "blue")])];
+        let refused = caller
+            .call_method(
+                Some("org.inferd.Inference1"),
+                "/org/inferd/Inference1",
+                Some("org.inferd.Inference1"),
+                "Chat",
+                &("", &odd[..], &HashMap::<&str, V>::new()),
+            )
+            .await
+            .unwrap_err();
+        assert!(refused.to_string().contains("unknown key \"colour\""), "{refused}");
+    });
+    drop(d);
+    drop(bus);
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -7,7 +7,8 @@
 //! `max_tokens` the live beams finish too. The request's `n` best are returned as its choices.
 
 use inferd_plugin_api::abi;
-use inferd_plugin_api::sdk::{parse_params, Host, Plan, PlanItem, SessionInit, Strategy};
+use inferd_plugin_api::sampling::LogSoftmax;
+use inferd_plugin_api::sdk::{parse_params, Host, Logprobs, Plan, PlanItem, Scored, SessionInit, Strategy};
 use std::ffi::CStr;
 
 struct Config {
@@ -30,17 +31,18 @@ fn config(init: &SessionInit) -> Result<Config, String> {
     Ok(c)
 }
 
+/// A token's log-probability and the alternatives the client wants (see [`Logprobs`]).
 #[derive(Clone)]
 struct Beam {
     seq: abi::Seq,
     tokens: Vec<u32>,
-    logprobs: Vec<f32>,
+    scored: Vec<Scored>,
     total: f64,
 }
 
 struct Hyp {
     tokens: Vec<u32>,
-    logprobs: Vec<f32>,
+    scored: Vec<Scored>,
     score: f64,
     ended: bool,
 }
@@ -50,19 +52,12 @@ pub struct BeamSearch {
     n: usize,
     max_tokens: usize,
     eos: Vec<u32>,
+    logprobs: Logprobs,
     root: abi::Seq,
     started: bool,
     beams: Vec<Beam>,
     finished: Vec<Hyp>,
     done: bool,
-}
-
-/// `log softmax(row)` in f64.
-fn log_softmax(row: &[f32]) -> Vec<f64> {
-    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let s: f64 = row.iter().map(|&v| f64::from(v - m).exp()).sum();
-    let ls = s.ln();
-    row.iter().map(|&v| f64::from(v - m) - ls).collect()
 }
 
 impl BeamSearch {
@@ -73,20 +68,12 @@ impl BeamSearch {
     /// One step: the best continuations of `parents` (rows[i] for parent i) become the beams.
     fn expand(&mut self, host: &Host, parents: Vec<Beam>, rows: &[&[f32]]) -> Result<(), String> {
         let k = self.cfg.k;
-        // (total, parent, token, logprob) of the 2k best tokens of every parent.
+        // (total, parent, token, logprob) of the 2k best tokens of every parent; a token of
+        // probability zero (a response format's mask) is no hypothesis.
         let mut cands: Vec<(f64, usize, u32, f32)> = Vec::new();
         for (i, (p, row)) in parents.iter().zip(rows).enumerate() {
-            let lp = log_softmax(row);
-            let mut ids: Vec<u32> = (0..lp.len() as u32).collect();
-            let take = (2 * k).min(ids.len());
-            let by = |a: &u32, b: &u32| lp[*b as usize].total_cmp(&lp[*a as usize]).then(a.cmp(b));
-            if take < ids.len() {
-                ids.select_nth_unstable_by(take - 1, by);
-                ids.truncate(take);
-            }
-            // A token of probability zero (a response format's mask) is no hypothesis.
-            let finite = ids.into_iter().filter(|&t| lp[t as usize].is_finite());
-            cands.extend(finite.map(|t| (p.total + lp[t as usize], i, t, lp[t as usize] as f32)));
+            let ls = LogSoftmax::of(row);
+            cands.extend(ls.top(2 * k).into_iter().map(|(t, lp)| (p.total + ls.at_f64(t as usize), i, t, lp)));
         }
         cands.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
         let mut chosen: Vec<(f64, usize, u32, f32)> = Vec::new();
@@ -98,12 +85,7 @@ impl BeamSearch {
                 if rank < k {
                     let p = &parents[c.1];
                     let score = self.score(c.0, p.tokens.len() + 1);
-                    self.finished.push(Hyp {
-                        tokens: p.tokens.clone(),
-                        logprobs: p.logprobs.clone(),
-                        score,
-                        ended: true,
-                    });
+                    self.finished.push(Hyp { tokens: p.tokens.clone(), scored: p.scored.clone(), score, ended: true });
                 }
             } else {
                 chosen.push(c);
@@ -117,9 +99,14 @@ impl BeamSearch {
             let p = &parents[i];
             let seq = if used[i] { host.seq_fork(p.seq)? } else { p.seq };
             used[i] = true;
-            let mut b = Beam { seq, tokens: p.tokens.clone(), logprobs: p.logprobs.clone(), total };
+            let mut b = Beam { seq, tokens: p.tokens.clone(), scored: p.scored.clone(), total };
             b.tokens.push(t);
-            b.logprobs.push(lp);
+            let top = if self.logprobs.top > 0 {
+                LogSoftmax::of(rows[i]).top(self.logprobs.top as usize)
+            } else {
+                Vec::new()
+            };
+            b.scored.push((lp, top));
             beams.push(b);
         }
         for (p, u) in parents.iter().zip(used) {
@@ -153,15 +140,15 @@ impl BeamSearch {
         for b in std::mem::take(&mut self.beams) {
             if at_length {
                 let score = self.score(b.total, b.tokens.len());
-                self.finished.push(Hyp { tokens: b.tokens, logprobs: b.logprobs, score, ended: false });
+                self.finished.push(Hyp { tokens: b.tokens, scored: b.scored, score, ended: false });
             }
             host.seq_free(b.seq)?;
         }
         self.done = true;
         self.finished.sort_by(|a, b| b.score.total_cmp(&a.score));
         for (c, h) in self.finished.iter().take(self.n).enumerate() {
-            for (&t, &lp) in h.tokens.iter().zip(&h.logprobs) {
-                host.emit(c as u32, t, lp)?;
+            for (&t, s) in h.tokens.iter().zip(&h.scored) {
+                self.logprobs.send(host, c as u32, t, s)?;
             }
             host.finish(c as u32, if h.ended { abi::FINISH_STOP } else { abi::FINISH_LENGTH })?;
         }
@@ -184,6 +171,7 @@ impl Strategy for BeamSearch {
             n: init.n.max(1) as usize,
             max_tokens: init.max_tokens as usize,
             eos: init.eos.clone(),
+            logprobs: Logprobs::of(init),
             root: init.seq,
             started: false,
             beams: Vec::new(),
@@ -212,7 +200,7 @@ impl Strategy for BeamSearch {
             std::mem::take(&mut self.beams)
         } else {
             self.started = true;
-            vec![Beam { seq: self.root, tokens: Vec::new(), logprobs: Vec::new(), total: 0.0 }]
+            vec![Beam { seq: self.root, tokens: Vec::new(), scored: Vec::new(), total: 0.0 }]
         };
         if rows.len() != parents.len() {
             return Err(format!("expected logits for {} beams, got {}", parents.len(), rows.len()));

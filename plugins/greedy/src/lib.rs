@@ -3,19 +3,18 @@
 
 use inferd_plugin_api::params::Params;
 use inferd_plugin_api::sampler::{Pick, Sampler};
-use inferd_plugin_api::sampling::{argmax, log_softmax_at};
+use inferd_plugin_api::sampling::argmax;
 use inferd_plugin_api::sdk::{Host, SessionInit};
 use std::ffi::CStr;
 
-/// Whether to compute log-probabilities (a pass over the vocabulary per token).
-pub struct Greedy(bool);
+pub struct Greedy;
 
 impl Pick for Greedy {
     const NAME: &'static CStr = c"greedy";
     const DESCRIPTION: &'static CStr = c"The most probable token at every step";
 
-    fn parse(_p: &mut Params, init: &SessionInit) -> Result<Self, String> {
-        Ok(Greedy(init.logprobs))
+    fn parse(_p: &mut Params, _init: &SessionInit) -> Result<Self, String> {
+        Ok(Greedy)
     }
 
     fn pick(
@@ -25,9 +24,8 @@ impl Pick for Greedy {
         _history: &[u32],
         _choice: u32,
         _position: u32,
-    ) -> Result<(u32, f32), String> {
-        let t = argmax(logits);
-        Ok((t, if self.0 { log_softmax_at(logits, t as usize) } else { f32::NAN }))
+    ) -> Result<u32, String> {
+        Ok(argmax(logits))
     }
 }
 

@@ -24,16 +24,9 @@ impl Pick for MinP {
         Ok(MinP(s))
     }
 
-    fn pick(
-        &self,
-        host: &Host,
-        logits: &[f32],
-        history: &[u32],
-        choice: u32,
-        position: u32,
-    ) -> Result<(u32, f32), String> {
+    fn pick(&self, host: &Host, logits: &[f32], history: &[u32], choice: u32, position: u32) -> Result<u32, String> {
         let u = host.uniform(u64::from(choice), u64::from(position))?;
-        self.0.sample(logits, history, u).ok_or_else(|| "empty vocabulary".into())
+        self.0.sample(logits, history, u).map(|(t, _)| t).ok_or_else(|| "empty vocabulary".into())
     }
 }
 

@@ -21,7 +21,7 @@
 use inferd_plugin_api::abi;
 use inferd_plugin_api::params::Params;
 use inferd_plugin_api::sampling::{draw, Accept, Sampling};
-use inferd_plugin_api::sdk::{parse_params, Host, Plan, PlanItem, SessionInit, Strategy};
+use inferd_plugin_api::sdk::{parse_params, Host, Logprobs, Plan, PlanItem, Scored, SessionInit, Strategy};
 use std::ffi::CStr;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -82,6 +82,7 @@ pub struct Speculative {
     draft: Option<abi::Seq>,
     prompt: Vec<u32>,
     eos: Vec<u32>,
+    logprobs: Logprobs,
     max_tokens: usize,
     /// Generated tokens (emitted, or about to be), for penalties and prompt lookup.
     history: Vec<u32>,
@@ -140,12 +141,15 @@ impl Speculative {
     }
 
     /// Emits `t` (or finishes); returns false when the request is over.
-    fn take(&mut self, host: &Host, t: u32, logprob: f32) -> Result<bool, String> {
+    /// Emits `t` (or finishes), chosen from the target's `row`; returns false when the
+    /// request is over.
+    fn take(&mut self, host: &Host, t: u32, row: &[f32]) -> Result<bool, String> {
         if self.eos.contains(&t) {
             host.finish(0, abi::FINISH_STOP)?;
             return Ok(false);
         }
-        host.emit(0, t, logprob)?;
+        let scored: Scored = self.logprobs.score(row, t);
+        self.logprobs.send(host, 0, t, &scored)?;
         self.emitted += 1;
         self.history.push(t);
         if self.emitted >= self.max_tokens {
@@ -171,7 +175,6 @@ impl Speculative {
         let base = self.history.len() as u64;
         let mut hist = self.history.clone();
         let mut accepted = 0;
-        let mut accepted_lp: Vec<f32> = Vec::with_capacity(m);
         let mut new = None;
         for i in 0..m {
             let p = self.cfg.sampling.distribution(&rows[i * vocab..(i + 1) * vocab], &hist);
@@ -181,7 +184,6 @@ impl Speculative {
             let u = host.uniform(ACCEPT + 4 * self.round, base + i as u64)?;
             if qx > 0.0 && u < (px / qx).min(1.0) {
                 accepted += 1;
-                accepted_lp.push(px.ln() as f32);
                 hist.push(x);
                 continue;
             }
@@ -201,8 +203,8 @@ impl Speculative {
                 r.iter_mut().for_each(|e| e.1 /= total);
             }
             let u = host.uniform(RESIDUAL + 4 * self.round, base + i as u64)?;
-            let (y, py) = draw(&r, u).ok_or("empty residual distribution")?;
-            new = Some((y, py.ln()));
+            let (y, _) = draw(&r, u).ok_or("empty residual distribution")?;
+            new = Some(y);
             break;
         }
         let new = match new {
@@ -210,8 +212,7 @@ impl Speculative {
             None => {
                 let p = self.cfg.sampling.distribution(&rows[m * vocab..(m + 1) * vocab], &hist);
                 let u = host.uniform(RESIDUAL + 4 * self.round, base + m as u64)?;
-                let (y, py) = draw(&p, u).ok_or("empty distribution")?;
-                (y, py.ln())
+                draw(&p, u).ok_or("empty distribution")?.0
             }
         };
         host.report("draft_tokens", m as f64)?;
@@ -229,23 +230,24 @@ impl Speculative {
             }
             if m == 0 {
                 // No drafting this round: `last` is still waiting to be appended too.
-                self.draft_pending.push(new.0);
+                self.draft_pending.push(new);
             } else if accepted == m {
-                self.draft_pending = vec![self.proposal[m - 1], new.0];
+                self.draft_pending = vec![self.proposal[m - 1], new];
             } else {
-                self.draft_pending = vec![new.0];
+                self.draft_pending = vec![new];
             }
         }
-        for (i, &lp) in accepted_lp.iter().enumerate() {
+        // Row i scored position i: the accepted drafts, then the new token.
+        for i in 0..accepted {
             let t = self.proposal[i];
-            if !self.take(host, t, lp)? {
+            if !self.take(host, t, &rows[i * vocab..(i + 1) * vocab])? {
                 return self.finish(host);
             }
         }
-        if !self.take(host, new.0, new.1)? {
+        if !self.take(host, new, &rows[accepted * vocab..(accepted + 1) * vocab])? {
             return self.finish(host);
         }
-        self.last = new.0;
+        self.last = new;
         self.start_round();
         Ok(())
     }
@@ -272,6 +274,7 @@ impl Strategy for Speculative {
             draft,
             prompt: all[..pl].to_vec(),
             eos: init.eos.clone(),
+            logprobs: Logprobs::of(init),
             max_tokens: init.max_tokens as usize,
             history: all[pl..].to_vec(),
             emitted: 0,
@@ -319,13 +322,13 @@ impl Strategy for Speculative {
             Phase::Start => {
                 let p = self.cfg.sampling.distribution(rows[0], &self.history);
                 let u = host.uniform(RESIDUAL, self.history.len() as u64)?;
-                let (t, pt) = draw(&p, u).ok_or("empty distribution")?;
+                let (t, _) = draw(&p, u).ok_or("empty distribution")?;
                 if self.draft.is_some() {
                     // The context's last token, then the new one.
                     let last_ctx = *self.prompt.iter().chain(&self.history).last().ok_or("empty context")?;
                     self.draft_pending = vec![last_ctx, t];
                 }
-                if !self.take(host, t, pt.ln())? {
+                if !self.take(host, t, rows[0])? {
                     return self.finish(host);
                 }
                 self.last = t;

@@ -48,7 +48,7 @@ pub fn generate_with_stats(
     req: &SessionRequest<'_>,
     on_token: &mut dyn FnMut(u32, u32),
 ) -> Result<Generation, DecodeError> {
-    let on_token = &mut |c: u32, t: u32, _logprob: f32| on_token(c, t);
+    let on_token = &mut |c: u32, t: u32, _logprob: f32, _top: &[(u32, f32)]| on_token(c, t);
     let mut session = Session::create(Arc::clone(strategy), store, req, on_token)?;
     // Each round must make progress; a strategy gets generous room (speculative rounds, beams).
     let limit = 64 + 16 * (req.max_tokens as usize + 1) * (req.n as usize).max(1);

@@ -39,6 +39,8 @@ pub trait HostSide {
     fn report(&mut self, key: &str, value: f64) -> Result<(), HostErr>;
     /// The bytes token `token` stands for (ABI 1.1).
     fn token_bytes(&mut self, token: i32) -> Result<Vec<u8>, HostErr>;
+    /// `emit` with the token's most probable alternatives (ABI 1.2).
+    fn emit_top(&mut self, choice: u32, token: i32, logprob: f32, top: &[(i32, f32)]) -> Result<(), HostErr>;
 }
 
 /// The context behind an `inferd_call` pointer.
@@ -239,6 +241,31 @@ unsafe extern "C" fn token_bytes(call: *mut abi::Call, token: i32, buf: *mut u8,
     }
 }
 
+unsafe extern "C" fn emit_top(
+    call: *mut abi::Call,
+    choice: u32,
+    token: i32,
+    logprob: f32,
+    tokens: *const i32,
+    logprobs: *const f32,
+    n: u32,
+) -> i32 {
+    // SAFETY: as in `seq_create`; `tokens` and `logprobs` hold `n` values each (checked non-null
+    // when n > 0), and `n` is bounded before anything is read.
+    unsafe {
+        with_ctx(call, |c| {
+            if n > 64 {
+                return Err(HostErr::invalid(format!("{n} alternatives (at most 64)")));
+            }
+            if n > 0 && (tokens.is_null() || logprobs.is_null()) {
+                return Err(HostErr::invalid("null alternatives"));
+            }
+            let top: Vec<(i32, f32)> = (0..n as usize).map(|i| (*tokens.add(i), *logprobs.add(i))).collect();
+            c.side.emit_top(choice, token, logprob, &top)
+        })
+    }
+}
+
 /// The host's info struct and callback table, built once and never freed.
 struct Tables {
     info: abi::HostInfo,
@@ -270,6 +297,7 @@ pub fn host_info() -> *const abi::HostInfo {
             random: Some(random),
             report: Some(report),
             token_bytes: Some(token_bytes),
+            emit_top: Some(emit_top),
         });
         let info = abi::HostInfo {
             header: abi::Header::new::<abi::HostInfo>(abi::TYPE_HOST_INFO),

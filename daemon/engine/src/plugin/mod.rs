@@ -79,6 +79,8 @@ pub struct LoadedStrategy {
     pub decl: StrategyDecl,
     pub plugin_name: String,
     pub plugin_version: String,
+    /// The minor ABI version the plugin was built for (what it knows of the session init).
+    pub abi_minor: u32,
     pub path: PathBuf,
     failures: AtomicU32,
 }
@@ -154,6 +156,7 @@ impl Registry {
                 decl: s.clone(),
                 plugin_name: decl.name.clone(),
                 plugin_version: decl.version.clone(),
+                abi_minor: decl.abi_minor,
                 path: path.to_owned(),
                 failures: AtomicU32::new(0),
             }));

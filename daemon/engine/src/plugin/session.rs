@@ -25,6 +25,9 @@ use std::sync::Arc;
 const MAX_ITEMS: u32 = 4096;
 const MAX_LOGITS: u32 = 1024;
 
+/// Alternatives per token, at most (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
 /// Handles are unique for the life of the process.
 static NEXT_HANDLE: AtomicU64 = AtomicU64::new(1);
 
@@ -40,8 +43,8 @@ pub struct SessionRequest<'a> {
     pub n: u32,
     pub seed: u64,
     pub eos: &'a [u32],
-    /// The client wants each token's log-probability.
-    pub logprobs: bool,
+    /// The client wants each token's log-probability, with this many alternatives (0..=20).
+    pub logprobs: Option<u32>,
     /// The model's vocabulary (the plugins' `token_bytes`), when the host built one.
     pub vocabulary: Option<&'a Arc<Vocabulary>>,
     /// The response format the output must follow, compiled.
@@ -59,11 +62,13 @@ pub enum FinishReason {
 pub struct Choice {
     pub tokens: Vec<u32>,
     pub logprobs: Vec<f32>,
+    /// Each token's most probable alternatives, when the request asked for them.
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
     pub finish: Option<FinishReason>,
 }
 
-/// A token as it is emitted: `(choice, token)`.
-pub type OnToken<'a> = &'a mut dyn FnMut(u32, u32, f32);
+/// A token as it is emitted: `(choice, token, logprob, alternatives)`.
+pub type OnToken<'a> = &'a mut dyn FnMut(u32, u32, f32, &[(u32, f32)]);
 
 struct State {
     strategy: String,
@@ -73,6 +78,8 @@ struct State {
     max_tokens: u32,
     vocab: u32,
     seed: u64,
+    /// Alternatives wanted per token: every emit then carries them.
+    top_logprobs: u32,
     vocabulary: Option<Arc<Vocabulary>>,
     /// The response format's state, when the request has one.
     masker: Option<Masker>,
@@ -118,6 +125,30 @@ impl Side<'_> {
             return Err(HostErr::invalid(format!("choice {c} is already finished")));
         }
         Ok(ch)
+    }
+
+    /// Appends an emitted token to its choice (checked against the vocabulary, `max_tokens`
+    /// and the response format) and passes it on.
+    fn append(&mut self, choice: u32, token: i32, logprob: f32, top: Vec<(u32, f32)>) -> Result<(), HostErr> {
+        let (vocab, max) = (self.st.vocab, self.st.max_tokens);
+        if token < 0 || token as u32 >= vocab {
+            return Err(HostErr::invalid(format!("emitted token {token} outside the vocabulary of {vocab}")));
+        }
+        let ch = self.choice(choice)?;
+        if ch.tokens.len() >= max as usize {
+            return Err(HostErr::invalid(format!("emitted more than max_tokens ({max}) tokens for choice {choice}")));
+        }
+        if let Some(m) = &mut self.st.masker {
+            m.emit(choice, token as u32).map_err(HostErr::invalid)?;
+        }
+        let ch = self.choice(choice)?;
+        ch.tokens.push(token as u32);
+        ch.logprobs.push(logprob);
+        (self.on_token)(choice, token as u32, logprob, &top);
+        if !top.is_empty() {
+            self.choice(choice)?.top_logprobs.push(top);
+        }
+        Ok(())
     }
 }
 
@@ -174,22 +205,28 @@ impl HostSide for Side<'_> {
     }
 
     fn emit(&mut self, choice: u32, token: i32, logprob: f32) -> Result<(), HostErr> {
-        let (vocab, max) = (self.st.vocab, self.st.max_tokens);
-        if token < 0 || token as u32 >= vocab {
-            return Err(HostErr::invalid(format!("emitted token {token} outside the vocabulary of {vocab}")));
+        if self.st.top_logprobs > 0 {
+            return Err(HostErr::invalid("the request wants top_logprobs: tokens go out through emit_top"));
         }
-        let ch = self.choice(choice)?;
-        if ch.tokens.len() >= max as usize {
-            return Err(HostErr::invalid(format!("emitted more than max_tokens ({max}) tokens for choice {choice}")));
+        self.append(choice, token, logprob, Vec::new())
+    }
+
+    fn emit_top(&mut self, choice: u32, token: i32, logprob: f32, top: &[(i32, f32)]) -> Result<(), HostErr> {
+        let (k, vocab) = (self.st.top_logprobs, self.st.vocab);
+        if k == 0 {
+            return Err(HostErr::invalid("emit_top without top_logprobs: tokens go out through emit"));
         }
-        if let Some(m) = &mut self.st.masker {
-            m.emit(choice, token as u32).map_err(HostErr::invalid)?;
+        if top.len() > k as usize {
+            return Err(HostErr::invalid(format!("{} alternatives, more than the {k} asked for", top.len())));
         }
-        let ch = self.choice(choice)?;
-        ch.tokens.push(token as u32);
-        ch.logprobs.push(logprob);
-        (self.on_token)(choice, token as u32, logprob);
-        Ok(())
+        let mut alts = Vec::with_capacity(top.len());
+        for &(t, lp) in top {
+            if t < 0 || t as u32 >= vocab || lp.is_nan() || lp > 0.0 {
+                return Err(HostErr::invalid(format!("alternative ({t}, {lp}) is no token with a log-probability")));
+            }
+            alts.push((t as u32, lp));
+        }
+        self.append(choice, token, logprob, alts)
     }
 
     fn finish(&mut self, choice: u32, reason: u32) -> Result<(), HostErr> {
@@ -252,10 +289,10 @@ fn init_for(req: &SessionRequest<'_>, vocab: u32, roles: u32, seq: abi::Seq) -> 
         n_eos: eos.len() as u32,
         roles,
         seed: req.seed,
-        logprobs: u32::from(req.logprobs),
+        logprobs: u32::from(req.logprobs.is_some()),
         reserved: 0,
         constrained: u32::from(req.grammar.is_some()),
-        reserved2: 0,
+        top_logprobs: req.logprobs.unwrap_or(0),
     };
     Ok(Init { _params: params, _eos: eos, raw })
 }
@@ -292,6 +329,16 @@ impl Session {
         if req.n == 0 {
             return Err(invalid("n must be at least 1".into()));
         }
+        match req.logprobs {
+            Some(k) if k > MAX_TOP_LOGPROBS => {
+                return Err(invalid(format!("top_logprobs must be at most {MAX_TOP_LOGPROBS}")));
+            }
+            Some(k) if k > 0 && strategy.abi_minor < 2 => {
+                let why = format!("top_logprobs is not reported by plugins built for ABI 1.{}", strategy.abi_minor);
+                return Err(invalid(why));
+            }
+            _ => {}
+        }
         let init = init_for(req, vocab, roles, 0).map_err(invalid)?;
         let mut st = State {
             strategy: strategy.name().to_owned(),
@@ -301,10 +348,11 @@ impl Session {
             max_tokens: req.max_tokens,
             vocab,
             seed: req.seed,
+            top_logprobs: req.logprobs.unwrap_or(0),
             vocabulary: req.vocabulary.cloned(),
             masker: None,
         };
-        let mut nothing = |_: u32, _: u32, _: f32| {};
+        let mut nothing = |_: u32, _: u32, _: f32, _: &[(u32, f32)]| {};
         let mut side = Side { st: &mut st, store: None, on_token: &mut nothing };
         let mut ctx = CallCtx::new(&mut side);
         // SAFETY: a validated entry point of a loaded plugin, with a live call context and an
@@ -335,6 +383,7 @@ impl Session {
                 max_tokens: req.max_tokens,
                 vocab,
                 seed: req.seed,
+                top_logprobs: req.logprobs.unwrap_or(0),
                 vocabulary: req.vocabulary.cloned(),
                 masker: None,
             },

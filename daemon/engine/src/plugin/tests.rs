@@ -20,9 +20,9 @@ impl Pick for Panicky {
     fn parse(_: &mut Params, _: &SessionInit) -> Result<Self, String> {
         Ok(Panicky)
     }
-    fn pick(&self, _: &Host, logits: &[f32], _: &[u32], _: u32, position: u32) -> Result<(u32, f32), String> {
+    fn pick(&self, _: &Host, logits: &[f32], _: &[u32], _: u32, position: u32) -> Result<u32, String> {
         assert!(position < 2, "deliberate panic at position {position}");
-        Ok((inferd_plugin_api::sampling::argmax(logits), 0.0))
+        Ok(inferd_plugin_api::sampling::argmax(logits))
     }
 }
 
@@ -34,8 +34,8 @@ impl Pick for Top1 {
     fn parse(p: &mut Params, _: &SessionInit) -> Result<Self, String> {
         p.bool("strict", true).map(|_| Top1)
     }
-    fn pick(&self, _: &Host, logits: &[f32], _: &[u32], _: u32, _: u32) -> Result<(u32, f32), String> {
-        Ok((inferd_plugin_api::sampling::argmax(logits), 0.0))
+    fn pick(&self, _: &Host, logits: &[f32], _: &[u32], _: u32, _: u32) -> Result<u32, String> {
+        Ok(inferd_plugin_api::sampling::argmax(logits))
     }
 }
 
@@ -48,8 +48,8 @@ impl Pick for Draw {
     fn parse(_: &mut Params, _: &SessionInit) -> Result<Self, String> {
         Ok(Draw)
     }
-    fn pick(&self, host: &Host, _: &[f32], _: &[u32], choice: u32, position: u32) -> Result<(u32, f32), String> {
-        Ok(((host.uniform(u64::from(choice), u64::from(position))? * 7.0) as u32, 0.0))
+    fn pick(&self, host: &Host, _: &[f32], _: &[u32], choice: u32, position: u32) -> Result<u32, String> {
+        Ok((host.uniform(u64::from(choice), u64::from(position))? * 7.0) as u32)
     }
 }
 
@@ -66,7 +66,7 @@ impl Pick for Digits {
     fn parse(_: &mut Params, init: &SessionInit) -> Result<Self, String> {
         Ok(Digits { constrained: init.constrained, eos: init.eos.clone() })
     }
-    fn pick(&self, host: &Host, logits: &[f32], _: &[u32], _: u32, position: u32) -> Result<(u32, f32), String> {
+    fn pick(&self, host: &Host, logits: &[f32], _: &[u32], _: u32, position: u32) -> Result<u32, String> {
         if position == 0 && self.constrained {
             host.report("constrained", 1.0)?;
         }
@@ -78,7 +78,7 @@ impl Pick for Digits {
                 best = Some((t as u32, l));
             }
         }
-        best.ok_or_else(|| "no digit is allowed".to_string())
+        best.map(|(t, _)| t).ok_or_else(|| "no digit is allowed".to_string())
     }
 }
 
@@ -142,7 +142,7 @@ fn counting_model() -> MockStore {
 
 fn request<'a>(prompt: &'a [u32], params: &'a str, max_tokens: u32, n: u32) -> SessionRequest<'a> {
     SessionRequest {
-        logprobs: false,
+        logprobs: None,
         prompt,
         generated: &[],
         params,
@@ -219,6 +219,35 @@ fn leaked_sequences_are_freed_and_overruns_refused() {
     assert_eq!(store.live(), 0, "three leaked forks and the target are freed at the end");
     let e = generate(&leaky, &mut store, &request(&[0], r#"{"overrun": true}"#, 2, 1), &mut |_, _| {}).unwrap_err();
     assert!(e.to_string().contains("more than max_tokens"), "{e}");
+    assert_eq!(store.live(), 0);
+    // A request for alternatives takes every token through emit_top; a plain emit fails it.
+    let want_top = SessionRequest { logprobs: Some(2), ..request(&[0], "{}", 5, 1) };
+    let e = generate(&leaky, &mut store, &want_top, &mut |_, _| {}).unwrap_err();
+    assert!(e.to_string().contains("go out through emit_top"), "{e}");
+    assert_eq!(store.live(), 0);
+    let e = generate(&leaky, &mut store, &SessionRequest { logprobs: Some(21), ..want_top }, &mut |_, _| {});
+    assert!(e.unwrap_err().to_string().contains("top_logprobs must be at most 20"));
+}
+
+#[test]
+fn the_sampler_reports_each_tokens_log_softmax_and_alternatives() {
+    let reg = registry();
+    let top1 = reg.get("test-top1").unwrap();
+    let mut store = counting_model();
+    let req = SessionRequest { logprobs: Some(3), ..request(&[2], "{}", 4, 2) };
+    let choices = generate(&top1, &mut store, &req, &mut |_, _| {}).unwrap();
+    assert_eq!(choices.len(), 2);
+    for ch in &choices {
+        assert_eq!(ch.tokens.len(), 4);
+        assert_eq!(ch.top_logprobs.len(), 4);
+        for ((&t, &lp), top) in ch.tokens.iter().zip(&ch.logprobs).zip(&ch.top_logprobs) {
+            assert_eq!(top.len(), 3);
+            assert_eq!(top[0], (t, lp), "greedy's token is the most probable");
+            assert!(top.windows(2).all(|w| w[0].1 >= w[1].1) && lp < 0.0);
+            // One 5.0 logit among eight: ln(e^5 / (e^5 + 7)).
+            assert!((lp - (5f32 - (5f32.exp() + 7.0).ln())).abs() < 1e-6, "{lp}");
+        }
+    }
     assert_eq!(store.live(), 0);
 }
 

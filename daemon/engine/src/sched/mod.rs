@@ -38,7 +38,8 @@ pub struct Submission {
     pub max_tokens: u32,
     pub n: u32,
     pub seed: u64,
-    pub logprobs: bool,
+    /// Each token's log-probability, with this many alternatives.
+    pub logprobs: Option<u32>,
     /// The response format the output follows, compiled for this model.
     pub grammar: Option<crate::constraint::Grammar>,
     pub meta: RequestMeta,
@@ -92,11 +93,12 @@ pub fn channel_sink(tx: Sender<Event>) -> EventSink {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     /// A token of a choice, with its log-probability when the request asked for them (NaN
-    /// otherwise).
+    /// otherwise) and its most probable alternatives when it asked for those.
     Token {
         choice: u32,
         token: u32,
         logprob: f32,
+        top: Vec<(u32, f32)>,
     },
     Finished(Generation),
     Failed(String),

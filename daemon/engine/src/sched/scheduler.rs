@@ -140,7 +140,7 @@ struct Emit<'a> {
 }
 
 impl Emit<'_> {
-    fn token(&mut self, choice: u32, token: u32, logprob: f32) {
+    fn token(&mut self, choice: u32, token: u32, logprob: f32, top: &[(u32, f32)]) {
         let c = choice as usize;
         if self.emitted.len() <= c {
             self.emitted.resize(c + 1, 0);
@@ -160,7 +160,7 @@ impl Emit<'_> {
             self.ttft.push(self.req.sub.meta.submitted.elapsed().as_secs_f64());
         }
         *self.sent += 1;
-        if !(self.req.sub.events)(Event::Token { choice, token, logprob }) {
+        if !(self.req.sub.events)(Event::Token { choice, token, logprob, top: top.to_vec() }) {
             *self.gone = true;
         }
     }
@@ -274,8 +274,8 @@ impl Scheduler {
                             .iter()
                             .map(|t| Choice {
                                 tokens: t.clone(),
-                                logprobs: Vec::new(),
                                 finish: Some(FinishReason::Stop),
+                                ..Choice::default()
                             })
                             .collect();
                         let g = Generation { choices, stats: Default::default() };
@@ -408,7 +408,7 @@ impl Scheduler {
                 grammar: w.req.sub.grammar.as_ref(),
             };
             // (Creating a session emits nothing.)
-            match Session::create(Arc::clone(&w.req.sub.strategy), store, &req, &mut |_, _, _| {}) {
+            match Session::create(Arc::clone(&w.req.sub.strategy), store, &req, &mut |_, _, _, _| {}) {
                 Ok(session) => {
                     self.out.admitted.push(w.req.sub.id);
                     let emitted = vec![0; w.req.streamed.len()];
@@ -466,7 +466,7 @@ impl Scheduler {
             let Running { req, session, resume, emitted, gone, diverged, .. } = r;
             let mut emit =
                 Emit { req, resume: *resume, emitted, gone, diverged, sent: &mut *sent, ttft: &mut self.seen.ttft };
-            match session.plan(store, &mut |c, t, lp| emit.token(c, t, lp)) {
+            match session.plan(store, &mut |c, t, lp, top| emit.token(c, t, lp, top)) {
                 Ok(Some(work)) => plans.push((i, work)),
                 Ok(None) => done.push((i, Ok(()))),
                 Err(e) => done.push((i, Err(e.to_string()))),
@@ -544,7 +544,7 @@ impl Scheduler {
                 Emit { req, resume: *resume, emitted, gone, diverged, sent: &mut *sent, ttft: &mut self.seen.ttft };
             let outcome = match rows {
                 Ok(mut rows) => session
-                    .observe(store, &b.items[range.clone()], &mut rows, &mut |c, t, lp| emit.token(c, t, lp))
+                    .observe(store, &b.items[range.clone()], &mut rows, &mut |c, t, lp, top| emit.token(c, t, lp, top))
                     .map_err(|e| e.to_string()),
                 Err(e) => Err(format!("running the model: {e}")),
             };

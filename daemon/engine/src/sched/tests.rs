@@ -92,7 +92,7 @@ impl Harness {
             max_tokens: s.max_tokens,
             n: s.n,
             seed: 1000 + id,
-            logprobs: false,
+            logprobs: None,
             grammar: None,
             meta: RequestMeta { uid: s.uid, priority: s.priority, ..Default::default() },
             events: Box::new(move |e| tx.send((id, e)).is_ok()),
@@ -155,7 +155,7 @@ fn alone(reg: &Registry, s: &Spec) -> Vec<Vec<u32>> {
         n: s.n,
         seed: 1000 + s.id,
         eos: &[EOS],
-        logprobs: false,
+        logprobs: None,
         vocabulary: None,
         grammar: None,
     };
