@@ -1,6 +1,8 @@
 //! Text embeddings of the default model against llama.cpp's own (its mean pooling, through
 //! tests/reference/embeddings.py over the llama-cpp-cffi wheel), on the same token ids: a short
-//! text, a sentence, and one longer than a prefill chunk (several forwards).
+//! text, a sentence, and one longer than a prefill chunk (several forwards). And embedding
+//! models whose files name their pooling (last token with an end token appended, CLS), against
+//! llama.cpp's tokenization and pooling of the same texts.
 
 use inferd_engine::engine::{Engine, EngineOptions};
 use inferd_engine::model::Model;
@@ -40,4 +42,45 @@ fn embeddings_equal_llama_cpps_mean_pooling() {
     // And the vectors tell texts apart: each is closer to llama.cpp's own than to another's.
     assert!(cosine(&ours[0], &theirs[1]) < 0.99);
     let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn embedding_models_pool_and_tokenize_as_llama_cpp() {
+    // The long text runs in several chunks: CLS pools from the first, last-token from the last.
+    let texts = ["Hello", "the cat sat in the hat", &"in the heat ".repeat(15)];
+    let opts = EngineOptions { threads: 2, prefill_chunk: 32, ..EngineOptions::default() };
+    for (name, pooling) in [("tiny-qwen2-embed-last", "last"), ("tiny-llama-embed-cls", "cls")] {
+        let path = crate::reference::tiny_dir().join(format!("{name}.gguf"));
+        let model = Model::load(&path).unwrap();
+        let mut engine = Engine::cpu(&model, &opts).unwrap();
+        let dir = inferd_e2e::temp_dir(name);
+        let (input, output) = (dir.join("texts.json"), dir.join("embeddings.json"));
+        std::fs::write(&input, serde_json::to_string(&texts).unwrap()).unwrap();
+        let pooling = format!("--pooling={pooling}");
+        let args = [path.as_os_str(), input.as_os_str(), output.as_os_str(), pooling.as_ref()];
+        inferd_e2e::run_python("reference/embeddings.py", &args);
+        let theirs: serde_json::Value = serde_json::from_slice(&std::fs::read(&output).unwrap()).unwrap();
+        let mut ours = Vec::new();
+        for (i, t) in texts.iter().enumerate() {
+            let ids = model.tokenizer.encode(t, false).unwrap();
+            assert!(i < 2 || ids.len() > 2 * opts.prefill_chunk, "{}", ids.len());
+            let want: Vec<u32> =
+                theirs["tokens"][i].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+            assert_eq!(ids, want, "{name}: {t:.20}: the vocabulary's BOS / EOS as llama.cpp adds them");
+            let a = engine.embed(&ids).unwrap();
+            let b: Vec<f32> =
+                theirs["embeddings"][i].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+            let c = cosine(&a, &b);
+            eprintln!("{name} {t:.20}: cosine {c:.6}");
+            assert!(c > 0.9995, "{name}: {t:.20}: cosine {c}");
+            ours.push(a);
+        }
+        // The pooling is the file's: mean pooling would give other vectors.
+        let ids = model.tokenizer.encode(texts[1], false).unwrap();
+        let mut mean_model = Model::load(&path).unwrap();
+        mean_model.config.pooling = inferd_engine::model::config::Pooling::Mean;
+        let mut mean = Engine::cpu(&mean_model, &opts).unwrap();
+        assert!(cosine(&mean.embed(&ids).unwrap(), &ours[1]) < 0.99, "{name}");
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }

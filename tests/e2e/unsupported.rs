@@ -44,6 +44,22 @@ fn gguf_content_the_loader_does_not_understand_is_named() {
         w.meta("llama.expert_count", MetaValue::U32(8));
     });
     assert!(e.contains("llama.expert_count"), "{e}");
+    // Embedding models: a pooling type is read; a reranker's head and bidirectional attention
+    // are named.
+    let cls = write_tiny_gguf_with(&dir.join("cls.gguf"), &TinySpec::default(), DType::F32, DType::F32, |w| {
+        w.meta("llama.pooling_type", MetaValue::U32(2));
+        w.meta("llama.attention.causal", MetaValue::Bool(true));
+    });
+    let cls = Model::load(&cls).unwrap();
+    assert_eq!(cls.config.pooling, inferd_engine::model::config::Pooling::Cls);
+    let e = gguf_error("rank", |w| {
+        w.meta("llama.pooling_type", MetaValue::U32(4));
+    });
+    assert!(e.contains("rank pooling"), "{e}");
+    let e = gguf_error("bidirectional", |w| {
+        w.meta("llama.attention.causal", MetaValue::Bool(false));
+    });
+    assert!(e.contains("llama.attention.causal = false"), "{e}");
     let e = gguf_error("unknown-key", |w| {
         w.meta("llama.attention.logit_softcapping", MetaValue::U32(30));
     });

@@ -4,9 +4,13 @@ gives them. The library comes from the llama-cpp-cffi wheel on PyPI (a CPU build
 tests/run installs it), loaded as requantize.py loads it.
 
     python3 embeddings.py MODEL_GGUF TOKENS_JSON OUT_JSON
+    python3 embeddings.py MODEL_GGUF TEXTS_JSON OUT_JSON --pooling=mean|cls|last
 
 TOKENS_JSON is a list of token-id lists (the same ids inferd embeds, so tokenizers cannot
-differ); OUT_JSON gets one vector per list."""
+differ); OUT_JSON gets one vector per list. With --pooling, TEXTS_JSON is a list of texts that
+llama.cpp tokenizes itself (with the vocabulary's BOS and EOS), pooled that way (named here: the
+wheel's llama.cpp reads pooling_type from BERT-family files only); OUT_JSON gets
+{"tokens": [...], "embeddings": [...]}."""
 import json
 import math
 import os
@@ -16,11 +20,22 @@ import tempfile
 sys.path.insert(0, os.path.dirname(__file__))
 from requantize import quantizer  # noqa: E402  (the wheel's library, with its shim)
 
-POOLING_MEAN = 1
+POOLING = {"mean": 1, "cls": 2, "last": 3}
+
+
+def tokenize(lib, ffi, model, text):
+    vocab = lib.llama_model_get_vocab(model)
+    raw = text.encode()
+    buf = ffi.new("llama_token[]", len(raw) + 8)
+    n = lib.llama_tokenize(vocab, raw, len(raw), buf, len(raw) + 8, True, False)
+    if n < 0:
+        sys.exit(f"embeddings.py: llama_tokenize returned {n}")
+    return [buf[i] for i in range(n)]
 
 
 def main():
     model_path, tokens_path, out_path = sys.argv[1:4]
+    named = [a.split("=", 1)[1] for a in sys.argv[4:] if a.startswith("--pooling=")]
     inputs = json.load(open(tokens_path))
     lib, ffi = quantizer(tempfile.mkdtemp())
     lib.llama_backend_init()
@@ -29,11 +44,13 @@ def main():
     if model == ffi.NULL:
         sys.exit(f"embeddings.py: llama.cpp cannot load {model_path}")
     n_embd = lib.llama_model_n_embd(model)
+    if named:
+        inputs = [tokenize(lib, ffi, model, t) for t in inputs]
     out = []
     for toks in inputs:
         cp = lib.llama_context_default_params()
         cp.embeddings = True
-        cp.pooling_type = POOLING_MEAN
+        cp.pooling_type = POOLING[named[0] if named else "mean"]
         cp.n_ctx = max(64, len(toks))
         cp.n_batch = cp.n_ubatch = max(64, len(toks))
         cp.n_threads = cp.n_threads_batch = 2
@@ -56,7 +73,7 @@ def main():
         lib.llama_batch_free(batch)
         lib.llama_free(ctx)
     lib.llama_model_free(model)
-    json.dump(out, open(out_path, "w"))
+    json.dump({"tokens": inputs, "embeddings": out} if named else out, open(out_path, "w"))
 
 
 main()

@@ -10,7 +10,7 @@ long-context variants tiny-phi3-longrope (LongRoPE, partial rotation) and tiny-q
 (YaRN), trained on 256 positions and stretched to 1024, also as directories; and
 tiny-pre-NAME.gguf, Llama models whose vocabularies name each GGUF pre-tokenizer inferd
 knows, with merges learned across word boundaries (so a text split differently tokenizes
-differently).
+differently); and the embedding models of EMBEDDERS (a pooling type of their own).
 tests/reference/regen runs llama.cpp on the GGUF files; tests/e2e/reference.rs runs inferd on
 them and compares, and checks that each directory gives the logits of its GGUF file."""
 import json
@@ -19,7 +19,7 @@ import os
 import sys
 
 import numpy as np
-from gguf import GGUFWriter, GGMLQuantizationType, RopeScalingType
+from gguf import GGUFWriter, GGMLQuantizationType, PoolingType, RopeScalingType
 from gguf.quants import quantize
 
 # A byte-level vocabulary: three specials, the 256 byte characters of GPT-2's mapping, a few merges.
@@ -122,7 +122,7 @@ def pre_vocab():
     return tokens, merges
 
 
-def model(arch, path, seed, scaling=None, vocab=None):
+def model(arch, path, seed, scaling=None, vocab=None, pooling=None):
     rng = np.random.default_rng(seed)
     tokens, merges, pre = vocab or (TOKENS, MERGES, "default")
     head = 32 if arch in ("qwen3", "gemma3") else HIDDEN // HEADS  # qwen3/gemma3: head size apart from hidden
@@ -159,6 +159,10 @@ def model(arch, path, seed, scaling=None, vocab=None):
     if scaling == "longrope":
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(4) / math.log(ORIGINAL)))
     add_vocab(w, pre, tokens, merges)
+    if pooling is not None:
+        # An embedding model: its pooling, and (last-token pooling) an end token after each text.
+        w.add_pooling_type(pooling)
+        w.add_add_eos_token(pooling == PoolingType.LAST)
     t = {}
     t["token_embd.weight"] = mat(len(tokens), HIDDEN, 1.0)
     t["output_norm.weight"] = norm(HIDDEN)
@@ -332,6 +336,10 @@ def hf_model(arch, out, t, head, layers, scaling):
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "phi3"]
 
+# Embedding models: (name, architecture, pooling), as the Qwen embedders (last token) and a
+# CLS-pooled one.
+EMBEDDERS = [("tiny-qwen2-embed-last", "qwen2", PoolingType.LAST), ("tiny-llama-embed-cls", "llama", PoolingType.CLS)]
+
 # The long-context variants: (name, architecture, scaling).
 SCALED = [("tiny-phi3-longrope", "phi3", "longrope"), ("tiny-qwen2-yarn", "qwen2", "yarn")]
 
@@ -346,3 +354,5 @@ if __name__ == "__main__":
     tokens, merges = pre_vocab()
     for seed, pre in enumerate(PRE_TYPES, start=len(ARCHS) + len(SCALED)):
         model("llama", f"{out}/tiny-pre-{pre}.gguf", seed, vocab=(tokens, merges, pre))
+    for seed, (name, arch, pooling) in enumerate(EMBEDDERS, start=len(ARCHS) + len(SCALED) + len(PRE_TYPES)):
+        model(arch, f"{out}/{name}.gguf", seed, pooling=pooling)

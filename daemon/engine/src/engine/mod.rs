@@ -15,6 +15,7 @@ pub use options::EngineOptions;
 
 use crate::backend::{Backend, BackendError, BackendKind, SeqBatch};
 use crate::kv::{KvCacheManager, OutOfBlocks, SeqId};
+use crate::model::config::Pooling;
 use crate::model::Model;
 
 #[derive(Debug, thiserror::Error)]
@@ -288,8 +289,9 @@ impl Engine {
         }
     }
 
-    /// A text embedding of `tokens`: the mean of their final hidden states (after the output
-    /// norm), L2-normalized, as llama.cpp's mean pooling and Ollama's `/api/embed` give it. Runs
+    /// A text embedding of `tokens`: their final hidden states (after the output norm) pooled
+    /// as the model says (the mean for a generative model, as Ollama's `/api/embed` gives it;
+    /// an embedding GGUF's CLS or last-token pooling), L2-normalized, as llama.cpp does. Runs
     /// in prefill-sized chunks on a sequence of its own (its full blocks join the prefix cache
     /// as a prompt's would), freed before it returns.
     pub fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
@@ -306,16 +308,16 @@ impl Engine {
         let seq = self.kv.create();
         let pooled = self.pool(seq, tokens);
         self.kv.free(seq);
-        let mut sum = pooled?;
-        let n = tokens.len() as f64;
-        sum.iter_mut().for_each(|x| *x /= n);
-        let norm = sum.iter().map(|x| x * x).sum::<f64>().sqrt().max(1e-12);
-        Ok(sum.iter().map(|x| (x / norm) as f32).collect())
+        let pooled = pooled?;
+        let norm = pooled.iter().map(|x| x * x).sum::<f64>().sqrt().max(1e-12);
+        Ok(pooled.iter().map(|x| (x / norm) as f32).collect())
     }
 
-    /// The sum of `tokens`' final hidden states, run on the empty sequence `seq`.
+    /// `tokens`' final hidden states pooled as the model says (their mean, the first's or the
+    /// last's), run on the empty sequence `seq`.
     fn pool(&mut self, seq: SeqId, tokens: &[u32]) -> Result<Vec<f64>, EngineError> {
-        let h = self.backend.config().hidden;
+        let (h, pooling) = (self.backend.config().hidden, self.backend.config().pooling);
+        let last = tokens.len() - 1;
         let mut sum = vec![0f64; h];
         let mut start = 0;
         for chunk in tokens.chunks(self.prefill_chunk) {
@@ -328,12 +330,22 @@ impl Engine {
                 logits: chunk.len(),
             }];
             self.backend.forward_hidden(&batch, &mut self.rows)?;
+            for (i, row) in self.rows.chunks_exact(h).enumerate() {
+                let take = match pooling {
+                    Pooling::Mean => true,
+                    Pooling::Cls => start + i == 0,
+                    Pooling::Last => start + i == last,
+                };
+                if take {
+                    sum.iter_mut().zip(row).for_each(|(s, &x)| *s += f64::from(x));
+                }
+            }
             start += chunk.len();
             self.kv.commit(seq, start);
             self.kv.slide(seq);
-            for row in self.rows.chunks_exact(h) {
-                sum.iter_mut().zip(row).for_each(|(s, &x)| *s += f64::from(x));
-            }
+        }
+        if pooling == Pooling::Mean {
+            sum.iter_mut().for_each(|x| *x /= tokens.len() as f64);
         }
         Ok(sum)
     }

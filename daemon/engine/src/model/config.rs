@@ -22,6 +22,22 @@ pub struct LlamaConfig {
     pub rms_eps: f32,
     /// The context length the model was trained for.
     pub context_len: usize,
+    /// How a text's final hidden states become its embedding.
+    pub pooling: Pooling,
+}
+
+/// How the final hidden states of a text's tokens (after the output norm) become one embedding,
+/// as an embedding GGUF says in `{arch}.pooling_type` (llama.cpp's numbering: 1 mean, 2 CLS,
+/// 3 last); a generative model's texts are mean-pooled.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Pooling {
+    #[default]
+    Mean,
+    /// The first token's state (BERT's `[CLS]`; here the BOS token's).
+    Cls,
+    /// The last token's state (Qwen3-Embedding and other decoder embedders, whose tokenizer
+    /// appends an end token).
+    Last,
 }
 
 impl LlamaConfig {

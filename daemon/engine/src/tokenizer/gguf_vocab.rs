@@ -195,6 +195,7 @@ impl Tokenizer {
         let mut eos: Vec<u32> =
             ["eos", "eot", "eom"].iter().filter_map(|k| id(g, &format!("tokenizer.ggml.{k}_token_id"))).collect();
         eos.dedup();
-        Tokenizer::assemble(tk, &tokens, enc, bos, add_bos, eos)
+        let add_eos = g.get("tokenizer.ggml.add_eos_token").and_then(Value::as_bool).unwrap_or(false);
+        Ok(Tokenizer::assemble(tk, &tokens, enc, bos, add_bos, eos)?.with_eos_appended(add_eos))
     }
 }

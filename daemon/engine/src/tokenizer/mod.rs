@@ -40,6 +40,8 @@ pub struct Tokenizer {
     plain: tokenizers::Tokenizer,
     bos: Option<u32>,
     add_bos: bool,
+    /// An end token follows every encoded text (an embedding model's `add_eos_token`).
+    add_eos: bool,
     eos: Vec<u32>,
     specials: HashSet<u32>,
     bytes: Vec<Vec<u8>>,
@@ -122,7 +124,7 @@ impl Tokenizer {
         if bos.is_some_and(|b| b >= n) || eos.iter().any(|&e| e >= n) {
             return Err(TokenizerError::Invalid(format!("BOS/EOS ids {bos:?}/{eos:?} outside a vocabulary of {n}")));
         }
-        Ok(Tokenizer { special, plain, bos, add_bos, eos, specials, bytes })
+        Ok(Tokenizer { special, plain, bos, add_bos, add_eos: false, eos, specials, bytes })
     }
 
     /// Writes the tokenizer as a Hugging Face `tokenizer.json` (with its special tokens).
@@ -133,6 +135,14 @@ impl Tokenizer {
     /// Whether encoding with special tokens starts with BOS.
     pub fn adds_bos(&self) -> bool {
         self.add_bos
+    }
+
+    /// Ends every encoded text with the first end-of-sequence token, as llama.cpp does for a
+    /// vocabulary with `tokenizer.ggml.add_eos_token` (embedding models that pool the last
+    /// token).
+    pub fn with_eos_appended(mut self, add: bool) -> Tokenizer {
+        self.add_eos = add && !self.eos.is_empty();
+        self
     }
 
     /// Loads a Hugging Face `tokenizer.json`.
@@ -159,7 +169,8 @@ impl Tokenizer {
     }
 
     /// Token ids for `text`. With `parse_special`, special-token text becomes the special ids;
-    /// without, it is tokenized as ordinary text. The BOS token is prepended when the model wants it.
+    /// without, it is tokenized as ordinary text. The BOS token is prepended (and EOS appended)
+    /// when the model wants it.
     pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, TokenizerError> {
         let tk = if parse_special { &self.special } else { &self.plain };
         let enc = tk.encode_fast(text, false).map_err(|e| TokenizerError::Encode(e.to_string()))?;
@@ -168,6 +179,9 @@ impl Tokenizer {
             ids.extend(self.bos);
         }
         ids.extend_from_slice(enc.get_ids());
+        if self.add_eos {
+            ids.extend(self.eos.first());
+        }
         Ok(ids)
     }
 

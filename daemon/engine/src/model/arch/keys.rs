@@ -4,7 +4,7 @@
 
 use super::rope::{llama3_factors, longrope_attention_factor, yarn_attention_factor};
 use super::RopeScaling;
-use crate::model::config::LlamaConfig;
+use crate::model::config::{LlamaConfig, Pooling};
 use crate::model::gguf::{Gguf, Value};
 use crate::model::ModelError;
 use inferd_kernels::ops::RopeStyle;
@@ -88,9 +88,26 @@ impl<'a> GgufKeys<'a> {
             rope_style,
             rms_eps: self.opt_float("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-5),
             context_len: self.opt_uint("context_length")?.unwrap_or(2048),
+            pooling: self.pooling()?,
         };
         config.validate().map_err(ModelError::Config)?;
         Ok(config)
+    }
+
+    /// An embedding model's `pooling_type`, and `attention.causal` (an embedder that attends
+    /// both ways is refused by name: the engine's attention is causal).
+    fn pooling(&self) -> Result<Pooling, ModelError> {
+        if self.get("attention.causal").is_some_and(|v| v.as_bool() == Some(false)) {
+            let key = self.full("attention.causal");
+            return Err(ModelError::Unsupported(format!("bidirectional attention ({key} = false)")));
+        }
+        match self.opt_uint("pooling_type")? {
+            None | Some(0 | 1) => Ok(Pooling::Mean),
+            Some(2) => Ok(Pooling::Cls),
+            Some(3) => Ok(Pooling::Last),
+            Some(4) => Err(ModelError::Unsupported("rank pooling (a reranker's classification head)".into())),
+            Some(p) => Err(ModelError::Unsupported(format!("{} = {p}", self.full("pooling_type")))),
+        }
     }
 
     /// `{arch}.rope.scaling.type` with its factor: none, linear or YaRN (with its original
@@ -254,6 +271,7 @@ impl<'a> HfKeys<'a> {
             rope_style: RopeStyle::Neox,
             rms_eps: self.opt_float("rms_norm_eps")?.unwrap_or(1e-6),
             context_len: self.opt_uint("max_position_embeddings")?.unwrap_or(2048),
+            pooling: Pooling::Mean,
         };
         config.validate().map_err(ModelError::Config)?;
         Ok(config)
