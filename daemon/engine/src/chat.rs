@@ -73,11 +73,93 @@ fn raise_exception(msg: String) -> Result<String, minijinja::Error> {
     Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
 }
 
+/// Jinja's `tojson` as transformers defines it for chat templates (Llama 3.1's and Mistral's
+/// render tools and call arguments with it): Python's `json.dumps`, not HTML-escaped, with
+/// `indent`, `ensure_ascii` (default false) and `sort_keys`; items separated by ", " on one
+/// line, by "," and a newline when indented.
+fn tojson(value: minijinja::Value, kwargs: minijinja::value::Kwargs) -> Result<minijinja::Value, minijinja::Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let ensure_ascii = kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false);
+    let sort_keys = kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false);
+    kwargs.assert_all_used()?;
+    let v = serde_json::to_value(&value)
+        .map_err(|e| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string()))?;
+    let mut out = String::new();
+    python_json(&v, &Layout { indent, ensure_ascii, sort_keys }, 0, &mut out);
+    Ok(minijinja::Value::from_safe_string(out))
+}
+
+struct Layout {
+    indent: Option<usize>,
+    ensure_ascii: bool,
+    sort_keys: bool,
+}
+
+fn python_json(v: &serde_json::Value, l: &Layout, depth: usize, out: &mut String) {
+    use serde_json::Value as J;
+    let (open, close, items): (char, char, Vec<(Option<&String>, &J)>) = match v {
+        J::Array(a) => ('[', ']', a.iter().map(|x| (None, x)).collect()),
+        J::Object(o) => {
+            let mut items: Vec<(Option<&String>, &J)> = o.iter().map(|(k, x)| (Some(k), x)).collect();
+            if l.sort_keys {
+                items.sort_by(|a, b| a.0.cmp(&b.0));
+            }
+            ('{', '}', items)
+        }
+        J::String(s) => return python_string(s, l.ensure_ascii, out),
+        other => return out.push_str(&other.to_string()),
+    };
+    out.push(open);
+    if items.is_empty() {
+        out.push(close);
+        return;
+    }
+    let newline = |out: &mut String, d: usize| {
+        if let Some(n) = l.indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * d));
+        }
+    };
+    for (i, (k, x)) in items.into_iter().enumerate() {
+        if i > 0 {
+            out.push_str(if l.indent.is_some() { "," } else { ", " });
+        }
+        newline(out, depth + 1);
+        if let Some(k) = k {
+            python_string(k, l.ensure_ascii, out);
+            out.push_str(": ");
+        }
+        python_json(x, l, depth + 1, out);
+    }
+    newline(out, depth);
+    out.push(close);
+}
+
+/// A JSON string as Python writes it: escapes as serde_json's (which are Python's), and with
+/// `ensure_ascii` every other character as `\uXXXX` (UTF-16 surrogate pairs above U+FFFF).
+fn python_string(s: &str, ensure_ascii: bool, out: &mut String) {
+    let quoted = serde_json::Value::String(s.to_owned()).to_string();
+    if !ensure_ascii {
+        return out.push_str(&quoted);
+    }
+    for c in quoted.chars() {
+        if c.is_ascii() {
+            out.push(c);
+        } else {
+            let mut units = [0u16; 2];
+            for u in c.encode_utf16(&mut units) {
+                out.push_str(&format!("\\u{u:04x}"));
+            }
+        }
+    }
+}
+
 impl ChatTemplate {
     /// Compiles `source` (or ChatML when `None`).
     pub fn new(source: Option<&str>, bos: String, eos: String) -> Result<Self, TemplateError> {
         let mut env = minijinja::Environment::new();
         env.add_function("raise_exception", raise_exception);
+        env.add_filter("tojson", tojson);
         // Python's str and dict methods (`startswith`, `split`, `strip`, `items`, ...), which
         // templates written for transformers' Jinja call (Qwen 3's and Llama 3.1's among them).
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
@@ -139,6 +221,25 @@ mod tests {
             )
             .unwrap();
         assert_eq!(s, "HI THERE!|True|  hi there! ;answer!|False|<think>x</think>\nAnswer;");
+    }
+
+    #[test]
+    fn tojson_writes_what_pythons_json_dumps_writes() {
+        // Expected strings from Python 3: json.dumps(v, ensure_ascii=..., indent=...).
+        let src = "{{ v | tojson }}|{{ v | tojson(indent=2) }}|{{ v | tojson(ensure_ascii=true) }}|{{ [] | tojson }}";
+        let t = ChatTemplate::new(Some(src), String::new(), String::new()).unwrap();
+        let v = serde_json::json!({"name": "f", "args": [1, 2.5, true, null], "e": {}, "s": "<é \"😀\">"});
+        let s = t.env.get_template("chat").unwrap().render(minijinja::context! { v => v }).unwrap();
+        let want = [
+            r#"{"name": "f", "args": [1, 2.5, true, null], "e": {}, "s": "<é \"😀\">"}"#,
+            "{\n  \"name\": \"f\",\n  \"args\": [\n    1,\n    2.5,\n    true,\n    null\n  ],\n  \"e\": {},\n  \"s\": \"<é \\\"😀\\\">\"\n}",
+            r#"{"name": "f", "args": [1, 2.5, true, null], "e": {}, "s": "<\u00e9 \"\ud83d\ude00\">"}"#,
+            "[]",
+        ]
+        .join("|");
+        assert_eq!(s, want);
+        let bad = ChatTemplate::new(Some("{{ 1 | tojson(colour=1) }}"), String::new(), String::new()).unwrap();
+        assert!(bad.env.get_template("chat").unwrap().render(minijinja::context! {}).is_err());
     }
 
     #[test]

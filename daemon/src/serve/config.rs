@@ -153,6 +153,9 @@ pub struct ModelConfig {
     pub backend: String,
     /// Where its draft model runs (default: as `backend`).
     pub draft_backend: Option<String>,
+    /// A Jinja chat template file used instead of the model's own (llama-server's
+    /// `--chat-template-file`, Ollama's `TEMPLATE`).
+    pub chat_template: Option<PathBuf>,
 }
 
 fn default_kv_mib() -> usize {
@@ -174,6 +177,7 @@ impl ModelConfig {
             draft: None,
             backend: default_backend(),
             draft_backend: None,
+            chat_template: None,
         }
     }
 

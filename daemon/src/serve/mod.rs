@@ -167,6 +167,13 @@ fn start_models(cfg: &Config) -> anyhow::Result<Vec<Arc<ModelHandle>>> {
     for mc in list {
         let mut model = Model::load(&mc.path).map_err(|e| anyhow::anyhow!("loading {}: {e}", mc.path.display()))?;
         model.limit_context(mc.context_len);
+        if let Some(t) = &mc.chat_template {
+            let text = std::fs::read_to_string(t)
+                .map_err(|e| anyhow::anyhow!("reading the chat template {} of {}: {e}", t.display(), model.name))?;
+            inferd_engine::chat::ChatTemplate::new(Some(&text), String::new(), String::new())
+                .map_err(|e| anyhow::anyhow!("the chat template {} of {}: {e}", t.display(), model.name))?;
+            model.chat_template = Some(text);
+        }
         let model = Arc::new(model);
         let draft = mc
             .draft

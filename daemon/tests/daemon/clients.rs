@@ -203,6 +203,46 @@ fn tool_calls_round_trip_through_the_official_clients() {
 /// default base64 equals floats, token ids equal their text, Ollama's equal OpenAI's, similar
 /// sentences are closer than unrelated ones (the numerics against llama.cpp are
 /// tests/e2e/embed.rs's).
+/// Tool calls of models whose templates write them in the Llama 3.1 convention (a bare JSON
+/// object with "parameters") and the Mistral one (`[TOOL_CALLS]` and a list, 9-character
+/// ids): the syntax is detected from the template (tests/templates/, set as `chat_template`),
+/// the required call is constrained in it and parsed back into `tool_calls`, whole and
+/// streamed, and the call with its result renders through the template for the answer.
+#[test]
+fn tool_calls_in_the_llama3_and_mistral_conventions_of_native_templates() {
+    for (name, file) in [("llama3", "llama3-tools.jinja"), ("mistral", "mistral-tools.jinja")] {
+        let dir = scratch(&format!("syntax-{name}"));
+        let template = format!("{}/../tests/templates/{file}", env!("CARGO_MANIFEST_DIR"));
+        let cfg = format!("[[model]]\npath = \"{}\"\nchat_template = \"{template}\"\n", model());
+        let d = Daemon::start(&dir, &cfg, &[]);
+        let v = python_client(&d, "tool_syntaxes.py");
+        let whole = &v["whole"];
+        assert_eq!(whole["finish"], "tool_calls", "{name}: {v}");
+        let calls = whole["calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 1, "{name}: {v}");
+        assert_eq!(calls[0]["name"], "get_weather");
+        let args: Value = serde_json::from_str(calls[0]["arguments"].as_str().unwrap()).unwrap();
+        assert!(args["city"].is_string() && args.as_object().unwrap().len() == 1, "{name}: {args}");
+        let id = calls[0]["id"].as_str().unwrap();
+        if name == "mistral" {
+            assert!(id.len() == 9 && id.bytes().all(|b| b.is_ascii_alphanumeric()), "Mistral's ids: {id}");
+        }
+        assert!(whole["content"].is_null() || whole["content"] == "", "{name}: the call is no content: {v}");
+        let stream = &v["stream"];
+        assert_eq!(stream["finish"], "tool_calls", "{name}: {v}");
+        assert_eq!(stream["calls"][0]["name"], calls[0]["name"]);
+        assert_eq!(stream["calls"][0]["arguments"], calls[0]["arguments"], "{name}: streamed as whole");
+        // The call and its result render through the template (the prompt grows by them); what
+        // this small model answers after them is its own affair.
+        let answer = &v["answer"];
+        assert!(answer["finish"] == "stop" || answer["finish"] == "length", "{name}: {v}");
+        let grown = answer["prompt_tokens"].as_u64().unwrap() - whole["prompt_tokens"].as_u64().unwrap();
+        assert!(grown >= 12, "{name}: the call and its result added {grown} tokens: {v}");
+        drop(d);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
 #[test]
 fn embeddings_through_the_official_clients() {
     let dir = scratch("embeddings");

@@ -44,24 +44,17 @@ struct Daemon {
 
 impl Daemon {
     /// Starts the daemon with `config` (TOML text) in `dir`, extra environment, and waits until
-    /// its socket answers.
+    /// its socket answers. The default model serves unless the config has `[[model]]`s.
     fn start(dir: &Path, config: &str, env: &[(&str, &str)]) -> Daemon {
         let socket = dir.join("inferd.sock");
         let cfg = dir.join("inferd.toml");
         std::fs::write(&cfg, config).unwrap();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_inferd"));
-        cmd.args([
-            "serve",
-            "--user",
-            "--config",
-            cfg.to_str().unwrap(),
-            "--model",
-            &model(),
-            "--socket",
-            socket.to_str().unwrap(),
-            "--threads",
-            "2",
-        ]);
+        cmd.args(["serve", "--user", "--config", cfg.to_str().unwrap()]);
+        if !config.contains("[[model]]") {
+            cmd.args(["--model", &model()]);
+        }
+        cmd.args(["--socket", socket.to_str().unwrap(), "--threads", "2"]);
         cmd.env_remove("NOTIFY_SOCKET")
             .env_remove("LISTEN_FDS")
             .env_remove("WATCHDOG_USEC")
