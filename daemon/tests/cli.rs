@@ -68,7 +68,7 @@ fn plugin_check_reports_declarations_and_refusals() {
     let out = inferd(&["plugin", "check", &plugin("nucleus")]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(v["abi"], "1.1", "the SDK builds plugins for the current minor version");
+    assert_eq!(v["abi"], "1.2", "the SDK builds plugins for the current minor version");
     assert_eq!(v["strategies"][0]["name"], "nucleus");
     assert!(v["strategies"][0]["params"]["top_p"].is_string());
     // (Not directly in /tmp: a directory everyone may write to is refused.)
