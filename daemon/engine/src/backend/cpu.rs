@@ -120,6 +120,15 @@ pub fn kv_page_bytes(cfg: &LlamaConfig, arch: &Architecture, block_size: usize) 
     kv_block_bytes(cfg, block_size) / cfg.n_layers * kv_groups(arch).slots
 }
 
+/// `n` zero halves as the allocator's zeroed memory (for a pool this size, a fresh anonymous
+/// mapping): no page is touched here, so the pool becomes resident block by block as the cache
+/// is first written, and an idle model costs about its weights. (`vec![f16::ZERO; n]` writes
+/// every element, making the whole pool resident at load.)
+fn zeroed(n: usize) -> Vec<f16> {
+    use half::vec::HalfBitsVecExt;
+    vec![0u16; n].reinterpret_into()
+}
+
 impl CpuBackend {
     /// A backend for `model` with its KV pool sized from `opts.kv_budget_bytes` (one block at
     /// least) on `opts.threads()` threads; refused when the model's architecture asks for
@@ -154,8 +163,8 @@ impl CpuBackend {
             .map(|(freq, scale)| Rope::with_frequencies(cfg.rope_style, freq).scaled(scale))
             .collect();
         CpuBackend {
-            k_cache: (0..groups.slots).map(|_| vec![f16::ZERO; per_slot]).collect(),
-            v_cache: (0..groups.slots).map(|_| vec![f16::ZERO; per_slot]).collect(),
+            k_cache: (0..groups.slots).map(|_| zeroed(per_slot)).collect(),
+            v_cache: (0..groups.slots).map(|_| zeroed(per_slot)).collect(),
             groups,
             cfg,
             arch,
