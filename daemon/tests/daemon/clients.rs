@@ -323,7 +323,6 @@ fn the_official_ollama_python_client_works_unchanged() {
     assert_eq!(v["generate_stream"], chat["content"], "generate templates the prompt as chat does");
     assert_eq!(v["load"], "load");
     assert_eq!(v["untagged"], chat["content"]);
-    top_logprobs(&v["top_logprobs"]);
     let refused = &v["refused"];
     for (name, status, says) in [
         ("format", 400, "the response format cannot be enforced: Unsatisfiable schema"),
