@@ -2,7 +2,7 @@
 //! `src/main.rs` calls [`main`]); [`client`] is the blocking HTTP client under it.
 //!
 //! ```text
-//! inferctl [--socket PATH] status | models | plugins | tokenize TEXT | generate PROMPT | chat
+//! inferctl [--socket PATH] status | models | unload NAME | plugins | tokenize TEXT | generate PROMPT | chat
 //! ```
 //!
 //! `generate` and `chat` stream text to the terminal as it comes; `chat` keeps the conversation
@@ -37,8 +37,10 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
-    /// The loaded models.
+    /// The models the daemon serves, and whether each is loaded.
     Models,
+    /// Unload model NAME as soon as no request uses it (the next request loads it again).
+    Unload { name: String },
     /// The loaded decoding strategies and the plugin files that were refused.
     Plugins,
     /// Token ids of TEXT as a JSON array.
@@ -158,6 +160,15 @@ fn run(client: &Client, cmd: Cmd) -> Result<(), Error> {
                 s["uptime_seconds"].as_f64().unwrap_or(0.0)
             )?;
             for m in s["models"].as_array().into_iter().flatten() {
+                if m["loaded"] == false {
+                    writeln!(
+                        out,
+                        "model {}: not loaded (loads so far: {})",
+                        m["name"].as_str().unwrap_or("?"),
+                        m["loads"]
+                    )?;
+                    continue;
+                }
                 let (kv, rq, tk) = (&m["kv_blocks"], &m["requests"], &m["tokens"]);
                 writeln!(out, "model {}: {} running, {} waiting; KV blocks {} used of {} ({} cached); {} tokens generated, {:.1} tok/s", m["name"].as_str().unwrap_or("?"), rq["running"], rq["waiting"], kv["used"], kv["total"], kv["cached"], tk["generated"], tk["per_second"].as_f64().unwrap_or(0.0))?;
                 if let Some(b) = m["backend"].as_str() {
@@ -176,8 +187,14 @@ fn run(client: &Client, cmd: Cmd) -> Result<(), Error> {
             let v = client.json("GET", "/v1/models", None)?;
             for m in v["data"].as_array().into_iter().flatten() {
                 let roles: Vec<&str> = m["roles"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
-                writeln!(out, "{}\t{}", m["id"].as_str().unwrap_or("?"), roles.join(","))?;
+                let state = if m["loaded"] == false { "not loaded" } else { "loaded" };
+                writeln!(out, "{}\t{state}\t{}", m["id"].as_str().unwrap_or("?"), roles.join(","))?;
             }
+        }
+        Cmd::Unload { name } => {
+            // Ollama's way: an empty generate request with keep_alive 0.
+            let v = client.json("POST", "/api/generate", Some(&json!({ "model": name, "keep_alive": 0 })))?;
+            writeln!(out, "{name}: {}", if v["done_reason"] == "unload" { "unloading once idle" } else { "?" })?;
         }
         Cmd::Plugins => {
             let s = client.json("GET", "/v1/status", None)?;

@@ -87,6 +87,9 @@ pub struct Server {
     pub threads: usize,
     /// Seconds in-flight requests get to finish after SIGTERM before they are cancelled.
     pub shutdown_grace_secs: u64,
+    /// How long a model no request uses stays loaded (Ollama's `keep_alive`: "5m", "1h", "0",
+    /// "-1" for as long as the daemon runs).
+    pub keep_alive: String,
 }
 
 impl Default for Server {
@@ -99,6 +102,7 @@ impl Default for Server {
             dbus: true,
             threads: 0,
             shutdown_grace_secs: 10,
+            keep_alive: "5m".into(),
         }
     }
 }
@@ -156,6 +160,8 @@ pub struct ModelConfig {
     /// A Jinja chat template file used instead of the model's own (llama-server's
     /// `--chat-template-file`, Ollama's `TEMPLATE`).
     pub chat_template: Option<PathBuf>,
+    /// This model's `keep_alive` (default: `server.keep_alive`).
+    pub keep_alive: Option<String>,
 }
 
 fn default_kv_mib() -> usize {
@@ -178,6 +184,7 @@ impl ModelConfig {
             backend: default_backend(),
             draft_backend: None,
             chat_template: None,
+            keep_alive: None,
         }
     }
 

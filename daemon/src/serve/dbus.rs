@@ -387,6 +387,7 @@ impl Inference {
         prompt: &str,
         options: HashMap<String, OwnedValue>,
     ) -> fdo::Result<OwnedObjectPath> {
+        self.sh.load(Some(model).filter(|m| !m.is_empty()), None).await.map_err(failed)?;
         let started = self.start(conn, &hdr, &options, |_| self.prompt_ids(model, prompt, &options)).await?;
         self.stream(conn, started).await
     }
@@ -402,6 +403,7 @@ impl Inference {
         messages: Vec<HashMap<String, String>>,
         options: HashMap<String, OwnedValue>,
     ) -> fdo::Result<OwnedObjectPath> {
+        self.sh.load(Some(model).filter(|m| !m.is_empty()), None).await.map_err(failed)?;
         let started = self.start(conn, &hdr, &options, |req| self.chat_ids(model, &messages, &options, req)).await?;
         self.stream(conn, started).await
     }
@@ -416,6 +418,7 @@ impl Inference {
         prompt: &str,
         options: HashMap<String, OwnedValue>,
     ) -> fdo::Result<String> {
+        self.sh.load(Some(model).filter(|m| !m.is_empty()), None).await.map_err(failed)?;
         let Started { mut sub, mut out, sender, .. } =
             self.start(conn, &hdr, &options, |_| self.prompt_ids(model, prompt, &options)).await?;
         let mut text = String::new();
@@ -448,6 +451,7 @@ impl Inference {
 
     #[zbus(out_args("tokens"))]
     async fn tokenize(&self, model: &str, text: &str) -> fdo::Result<Vec<u32>> {
+        self.sh.load(Some(model).filter(|m| !m.is_empty()), None).await.map_err(failed)?;
         let h = self.sh.model(Some(model)).map_err(failed)?;
         h.model.tokenizer.encode(text, false).map_err(|e| fdo::Error::InvalidArgs(e.to_string()))
     }
@@ -455,6 +459,7 @@ impl Inference {
     /// The embeddings of `inputs`: the mean of the model's final hidden states over each text's tokens, L2-normalized.
     #[zbus(out_args("embeddings"))]
     async fn embed(&self, model: &str, inputs: Vec<String>) -> fdo::Result<Vec<Vec<f64>>> {
+        self.sh.load(Some(model).filter(|m| !m.is_empty()), None).await.map_err(failed)?;
         let h = self.sh.model(Some(model)).map_err(failed)?;
         let inputs = inputs.into_iter().map(super::embed::Input::Text).collect();
         let (v, _) = super::embed::embed(&h, inputs, false).await.map_err(failed)?;
@@ -463,7 +468,7 @@ impl Inference {
 
     #[zbus(property)]
     async fn models(&self) -> Vec<String> {
-        self.sh.models.iter().map(|m| m.name.clone()).collect()
+        self.sh.models.slots.iter().map(|m| m.name.clone()).collect()
     }
 
     #[zbus(property)]
@@ -480,7 +485,7 @@ impl Inference {
             }
         };
         let (mut running, mut waiting, mut total, mut free, mut cached) = (0u32, 0u32, 0u32, 0u32, 0u32);
-        for m in &self.sh.models {
+        for m in self.sh.models.loaded() {
             let s = m.monitor.snapshot();
             running += s.running as u32;
             waiting += s.waiting as u32;

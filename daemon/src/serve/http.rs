@@ -134,12 +134,16 @@ async fn health(State(sh): State<Arc<Shared>>) -> Response {
 
 async fn models(State(sh): State<Arc<Shared>>) -> Json<Value> {
     let mut data = Vec::new();
-    for m in &sh.models {
+    for slot in &sh.models.slots {
+        let Some(m) = slot.loaded() else {
+            data.push(json!({ "id": slot.name, "object": "model", "owned_by": "inferd", "loaded": false }));
+            continue;
+        };
         let mut roles = vec!["target"];
         if m.draft.is_some() {
             roles.push("speculative");
         }
-        data.push(json!({ "id": m.name, "object": "model", "owned_by": "inferd", "roles": roles, "context_length": m.context_len(), "draft": m.draft }));
+        data.push(json!({ "id": m.name, "object": "model", "owned_by": "inferd", "loaded": true, "roles": roles, "context_length": m.context_len(), "draft": m.draft }));
         if let Some(d) = &m.draft {
             data.push(
                 json!({ "id": d, "object": "model", "owned_by": "inferd", "roles": ["draft"], "draft_for": m.name }),
@@ -151,13 +155,21 @@ async fn models(State(sh): State<Arc<Shared>>) -> Json<Value> {
 
 /// The engine state: per model KV blocks, queue, counters; plugins; uptime.
 pub fn status_json(sh: &Shared) -> Value {
+    let keep_alive = |k: Option<std::time::Duration>| k.map_or(json!(-1), |k| json!(k.as_secs_f64()));
     let models: Vec<Value> = sh
         .models
+        .slots
         .iter()
-        .map(|m| {
+        .map(|slot| {
+            let (loads, ka) = (slot.loads.load(std::sync::atomic::Ordering::Relaxed), keep_alive(slot.keep_alive()));
+            let Some(m) = slot.loaded() else {
+                return json!({ "name": slot.name, "loaded": false, "loads": loads, "keep_alive_seconds": ka });
+            };
             let s = m.monitor.snapshot();
             json!({
-                "name": m.name, "draft": m.draft, "context_length": m.context_len(), "backend": m.backend,
+                "name": m.name, "loaded": true, "loads": loads, "keep_alive_seconds": ka,
+                "idle_expires_in_seconds": slot.expires().map(|t| t.saturating_duration_since(std::time::Instant::now()).as_secs_f64()),
+                "draft": m.draft, "context_length": m.context_len(), "backend": m.backend,
                 "device_memory": m.device_memory.map(|d| json!({ "weights_bytes": d.weights_bytes, "kv_bytes": d.kv_bytes })),
                 "kv_blocks": { "total": s.kv.total, "free": s.kv.free, "used": s.kv.total - s.kv.free, "cached": s.kv.cached, "block_size": s.kv.block_size },
                 "requests": { "running": s.running, "waiting": s.waiting, "finished": s.finished, "failed": s.failed, "cancelled": s.cancelled, "preempted": s.preempted },
@@ -208,6 +220,9 @@ fn model_field(m: &Map<String, Value>) -> Result<Option<&str>, ApiError> {
 }
 
 async fn tokenize(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
+    if let Err(e) = sh.warm(&body, false).await {
+        return error(e);
+    }
     let run = || -> Result<Value, ApiError> {
         let m = object(&body)?;
         let model = sh.model(model_field(&m)?)?;
@@ -223,6 +238,9 @@ async fn tokenize(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Res
 }
 
 async fn detokenize(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
+    if let Err(e) = sh.warm(&body, false).await {
+        return error(e);
+    }
     let run = || -> Result<Value, ApiError> {
         let m = object(&body)?;
         let model = sh.model(model_field(&m)?)?;
@@ -432,6 +450,9 @@ async fn completions(
     ConnectInfo(peer): ConnectInfo<Peer>,
     body: axum::body::Bytes,
 ) -> Response {
+    if let Err(e) = sh.warm(&body, false).await {
+        return error(e);
+    }
     let start = || -> Result<(request::Prepared, Map<String, Value>), ApiError> {
         let m = object(&body)?;
         let model = sh.model(model_field(&m)?)?;
@@ -456,6 +477,9 @@ async fn chat_completions(
     ConnectInfo(peer): ConnectInfo<Peer>,
     body: axum::body::Bytes,
 ) -> Response {
+    if let Err(e) = sh.warm(&body, false).await {
+        return error(e);
+    }
     let start = || -> Result<(request::Prepared, Map<String, Value>, Tools), ApiError> {
         let m = object(&body)?;
         let model = sh.model(model_field(&m)?)?;
@@ -475,6 +499,9 @@ async fn chat_completions(
 
 /// OpenAI's embeddings: the loaded model's mean-pooled, normalized final hidden states.
 async fn embeddings(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
+    if let Err(e) = sh.warm(&body, false).await {
+        return error(e);
+    }
     let run = async {
         let m = object(&body)?;
         let model = super::embed::model_of(&sh, &m)?;

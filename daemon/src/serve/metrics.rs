@@ -36,7 +36,7 @@ impl Out {
 pub fn prometheus(sh: &Shared) -> String {
     let mut o = Out(String::new());
     let snaps: Vec<(String, inferd_engine::sched::monitor::Snapshot)> =
-        sh.models.iter().map(|m| (format!("model=\"{}\"", label(&m.name)), m.monitor.snapshot())).collect();
+        sh.models.loaded().iter().map(|m| (format!("model=\"{}\"", label(&m.name)), m.monitor.snapshot())).collect();
     type Field = fn(&inferd_engine::sched::monitor::Snapshot) -> f64;
     let gauges: [(&str, &str, &str, Field); 8] = [
         ("inferd_requests_running", "gauge", "Requests decoding now.", |s| s.running as f64),
@@ -64,7 +64,7 @@ pub fn prometheus(sh: &Shared) -> String {
         }
     }
     o.head("inferd_device_memory_bytes", "gauge", "GPU memory a model holds, by use (weights, kv).");
-    for m in &sh.models {
+    for m in sh.models.loaded() {
         if let Some(d) = m.device_memory {
             let l = format!("model=\"{}\"", label(&m.name));
             o.sample("inferd_device_memory_bytes", &format!("{l},use=\"weights\""), d.weights_bytes);

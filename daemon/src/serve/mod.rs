@@ -1,4 +1,5 @@
-//! The daemon: one engine thread per configured model (`inferd_engine::sched`), behind two edges that
+//! The daemon: one engine thread per loaded model (`inferd_engine::sched`; [`models`] loads them
+//! on use and unloads them when idle), behind two edges that
 //! share one request path ([`request`]): HTTP on a Unix socket ([`http`]) and D-Bus
 //! ([`dbus`]). [`run`] wires them to systemd ([`notify`]): READY after the models are loaded
 //! and the socket listens, the watchdog fed by the engine loops' heartbeats, SIGHUP reloads,
@@ -13,6 +14,7 @@ pub mod embed;
 pub mod fields;
 pub mod http;
 pub mod metrics;
+pub mod models;
 pub mod notify;
 pub mod ollama;
 pub mod request;
@@ -67,7 +69,7 @@ impl std::fmt::Debug for ModelHandle {
 /// What every edge shares.
 #[derive(Debug)]
 pub struct Shared {
-    pub models: Vec<Arc<ModelHandle>>,
+    pub models: models::Models,
     registry: RwLock<Arc<Registry>>,
     limits: RwLock<Limits>,
     pub users: request::UserLimits,
@@ -96,12 +98,15 @@ impl Shared {
 
     /// A one-line summary (systemd's STATUS=).
     pub fn summary(&self) -> String {
-        let names: Vec<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
-        let (run, wait) = self.models.iter().fold((0, 0), |(r, w), m| {
+        let loaded = self.models.loaded();
+        let names: Vec<&str> = loaded.iter().map(|m| m.name.as_str()).collect();
+        let (run, wait) = loaded.iter().fold((0, 0), |(r, w), m| {
             let s = m.monitor.snapshot();
             (r + s.running, w + s.waiting)
         });
-        format!("serving {}; {run} running, {wait} waiting", names.join(", "))
+        let names =
+            if names.is_empty() { "no model loaded".to_string() } else { format!("serving {}", names.join(", ")) };
+        format!("{names}; {run} running, {wait} waiting")
     }
 }
 
@@ -153,111 +158,104 @@ fn load_plugins(cfg: &Config, mode: Mode) -> (Registry, Vec<String>) {
     (reg, refused)
 }
 
-/// Loads every configured model (the default model when none is) and starts its engine thread.
-fn start_models(cfg: &Config) -> anyhow::Result<Vec<Arc<ModelHandle>>> {
-    let list = if cfg.models.is_empty() {
-        let path = inferd_engine::paths::default_model().ok_or_else(|| {
-            anyhow::anyhow!("no model configured and the default model is not installed (run packaging/fetch-model)")
-        })?;
-        vec![config::ModelConfig::for_path(path)]
-    } else {
-        cfg.models.clone()
-    };
-    let mut out: Vec<Arc<ModelHandle>> = Vec::new();
-    for mc in list {
-        let mut model = Model::load(&mc.path).map_err(|e| anyhow::anyhow!("loading {}: {e}", mc.path.display()))?;
-        model.limit_context(mc.context_len);
-        if let Some(t) = &mc.chat_template {
-            let text = std::fs::read_to_string(t)
-                .map_err(|e| anyhow::anyhow!("reading the chat template {} of {}: {e}", t.display(), model.name))?;
-            inferd_engine::chat::ChatTemplate::new(Some(&text), String::new(), String::new())
-                .map_err(|e| anyhow::anyhow!("the chat template {} of {}: {e}", t.display(), model.name))?;
-            model.chat_template = Some(text);
-        }
-        let model = Arc::new(model);
-        let draft = mc
-            .draft
-            .as_ref()
-            .map(|p| {
-                let mut d = Model::load(p).map_err(|e| anyhow::anyhow!("loading draft model {}: {e}", p.display()))?;
-                d.limit_context(mc.context_len);
-                Ok::<_, anyhow::Error>(Arc::new(d))
-            })
-            .transpose()?;
-        if let Some(d) = &draft {
-            if d.config.vocab != model.config.vocab {
-                anyhow::bail!(
-                    "draft model {} has a vocabulary of {} tokens, its target {} has {}",
-                    d.name,
-                    d.config.vocab,
-                    model.name,
-                    model.config.vocab
-                );
-            }
-        }
-        let name = mc.name.clone().unwrap_or_else(|| model.name.clone());
-        if out.iter().any(|m| m.name == name) {
-            anyhow::bail!("two models are named {name:?}: give one a `name` in the config");
-        }
-        let monitor = Arc::new(Monitor::new(name.clone()));
-        let (tx, rx) = std::sync::mpsc::channel();
-        let opts = EngineOptions {
-            threads: cfg.server.threads,
-            kv_budget_bytes: mc.kv_cache_mib << 20,
-            ..EngineOptions::default()
-        };
-        let vocabulary = match inferd_engine::constraint::Vocabulary::new(&model.tokenizer) {
-            Ok(v) => Some(Arc::new(v)),
-            Err(e) => {
-                eprintln!("inferd: {name}: no response formats: {e}");
-                None
-            }
-        };
-        let loop_cfg = LoopConfig {
-            token_budget: cfg.scheduler.token_budget,
-            max_running: cfg.scheduler.max_running,
-            eos: model.tokenizer.eos().to_vec(),
-            monitor: Some(Arc::clone(&monitor)),
-            vocabulary: vocabulary.clone(),
-        };
-        // The engines are built here, so a model the backend cannot run fails the start.
-        let (kind, why) = inferd_engine::backend::choose(mc.backend_kind());
-        let mut engine = Engine::open(&model, kind, &opts)?;
-        let backend = format!("{} ({}; {why})", engine.backend.name(), engine.backend.device());
-        eprintln!("inferd: {name} runs on {backend}");
-        let device_memory = engine.backend.device_memory();
-        let draft_engine = match &draft {
-            Some(d) => {
-                let (kind, _) = inferd_engine::backend::choose(mc.draft_backend_kind());
-                Some(Engine::open(d, kind, &EngineOptions { kv_budget_bytes: opts.kv_budget_bytes / 2, ..opts })?)
-            }
-            None => None,
-        };
-        let thread =
-            std::thread::Builder::new().name(format!("inferd-engine-{name}")).spawn(move || match draft_engine {
-                Some(mut draft_engine) => {
-                    engine_loop(&mut EngineStore::with_draft(&mut engine, &mut draft_engine), &rx, &loop_cfg);
-                }
-                None => {
-                    engine_loop(&mut EngineStore::new(&mut engine), &rx, &loop_cfg);
-                }
-            })?;
-        let roles = 1 << inferd_plugin_api::abi::ROLE_TARGET
-            | if draft.is_some() { 1 << inferd_plugin_api::abi::ROLE_DRAFT } else { 0 };
-        out.push(Arc::new(ModelHandle {
-            name,
-            model,
-            draft: draft.map(|d| d.name.clone()),
-            backend,
-            device_memory,
-            roles,
-            vocabulary,
-            engine: Mutex::new(tx),
-            monitor,
-            thread: Mutex::new(Some(thread)),
-        }));
+/// The configured models (the default model when none is).
+fn model_configs(cfg: &Config) -> anyhow::Result<Vec<config::ModelConfig>> {
+    if !cfg.models.is_empty() {
+        return Ok(cfg.models.clone());
     }
-    Ok(out)
+    let path = inferd_engine::paths::default_model().ok_or_else(|| {
+        anyhow::anyhow!("no model configured and the default model is not installed (run packaging/fetch-model)")
+    })?;
+    Ok(vec![config::ModelConfig::for_path(path)])
+}
+
+/// Loads model `mc` (and its draft) and starts its engine thread.
+fn load(mc: &config::ModelConfig, lo: &models::LoadOptions) -> anyhow::Result<ModelHandle> {
+    let mut model = Model::load(&mc.path).map_err(|e| anyhow::anyhow!("loading {}: {e}", mc.path.display()))?;
+    model.limit_context(mc.context_len);
+    if let Some(t) = &mc.chat_template {
+        let text = std::fs::read_to_string(t)
+            .map_err(|e| anyhow::anyhow!("reading the chat template {} of {}: {e}", t.display(), model.name))?;
+        inferd_engine::chat::ChatTemplate::new(Some(&text), String::new(), String::new())
+            .map_err(|e| anyhow::anyhow!("the chat template {} of {}: {e}", t.display(), model.name))?;
+        model.chat_template = Some(text);
+    }
+    let model = Arc::new(model);
+    let draft = mc
+        .draft
+        .as_ref()
+        .map(|p| {
+            let mut d = Model::load(p).map_err(|e| anyhow::anyhow!("loading draft model {}: {e}", p.display()))?;
+            d.limit_context(mc.context_len);
+            Ok::<_, anyhow::Error>(Arc::new(d))
+        })
+        .transpose()?;
+    if let Some(d) = &draft {
+        if d.config.vocab != model.config.vocab {
+            anyhow::bail!(
+                "draft model {} has a vocabulary of {} tokens, its target {} has {}",
+                d.name,
+                d.config.vocab,
+                model.name,
+                model.config.vocab
+            );
+        }
+    }
+    let name = mc.name.clone().unwrap_or_else(|| model.name.clone());
+    let monitor = Arc::new(Monitor::new(name.clone()));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let opts =
+        EngineOptions { threads: lo.threads, kv_budget_bytes: mc.kv_cache_mib << 20, ..EngineOptions::default() };
+    let vocabulary = match inferd_engine::constraint::Vocabulary::new(&model.tokenizer) {
+        Ok(v) => Some(Arc::new(v)),
+        Err(e) => {
+            eprintln!("inferd: {name}: no response formats: {e}");
+            None
+        }
+    };
+    let loop_cfg = LoopConfig {
+        token_budget: lo.token_budget,
+        max_running: lo.max_running,
+        eos: model.tokenizer.eos().to_vec(),
+        monitor: Some(Arc::clone(&monitor)),
+        vocabulary: vocabulary.clone(),
+    };
+    // The engines are built here, so a model the backend cannot run fails the start.
+    let (kind, why) = inferd_engine::backend::choose(mc.backend_kind());
+    let mut engine = Engine::open(&model, kind, &opts)?;
+    let backend = format!("{} ({}; {why})", engine.backend.name(), engine.backend.device());
+    eprintln!("inferd: {name} runs on {backend}");
+    let device_memory = engine.backend.device_memory();
+    let draft_engine = match &draft {
+        Some(d) => {
+            let (kind, _) = inferd_engine::backend::choose(mc.draft_backend_kind());
+            Some(Engine::open(d, kind, &EngineOptions { kv_budget_bytes: opts.kv_budget_bytes / 2, ..opts })?)
+        }
+        None => None,
+    };
+    let thread =
+        std::thread::Builder::new().name(format!("inferd-engine-{name}")).spawn(move || match draft_engine {
+            Some(mut draft_engine) => {
+                engine_loop(&mut EngineStore::with_draft(&mut engine, &mut draft_engine), &rx, &loop_cfg);
+            }
+            None => {
+                engine_loop(&mut EngineStore::new(&mut engine), &rx, &loop_cfg);
+            }
+        })?;
+    let roles = 1 << inferd_plugin_api::abi::ROLE_TARGET
+        | if draft.is_some() { 1 << inferd_plugin_api::abi::ROLE_DRAFT } else { 0 };
+    Ok(ModelHandle {
+        name,
+        model,
+        draft: draft.map(|d| d.name.clone()),
+        backend,
+        device_memory,
+        roles,
+        vocabulary,
+        engine: Mutex::new(tx),
+        monitor,
+        thread: Mutex::new(Some(thread)),
+    })
 }
 
 /// The listening socket: the one systemd passed (LISTEN_FDS), else a fresh one at the
@@ -301,9 +299,18 @@ fn set_permissions(path: &Path, cfg: &Config) -> anyhow::Result<()> {
 
 /// `inferd serve`: runs the daemon until SIGTERM or SIGINT.
 pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
+    // Models come and go: what one allocated must go back to the kernel when it is unloaded.
+    inferd_engine::model::mmap::map_large_allocations();
     let cfg = args.config()?;
     let (reg, refused) = load_plugins(&cfg, args.mode);
-    let models = start_models(&cfg)?;
+    let keep_alive =
+        models::parse_keep_alive(&cfg.server.keep_alive).map_err(|e| anyhow::anyhow!("server.keep_alive: {e}"))?;
+    let lo = models::LoadOptions {
+        threads: cfg.server.threads,
+        token_budget: cfg.scheduler.token_budget,
+        max_running: cfg.scheduler.max_running,
+    };
+    let models = models::Models::start(model_configs(&cfg)?, lo, keep_alive)?;
     let shared = Arc::new(Shared {
         models,
         registry: RwLock::new(Arc::new(reg)),
@@ -318,7 +325,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let result = rt.block_on(serve(Arc::clone(&shared), args, cfg));
     // The engines end with their senders; wait for them so no request is cut mid-step.
-    for m in &shared.models {
+    for m in shared.models.loaded() {
         if let Ok(tx) = m.engine.lock() {
             let _ = tx.send(Command::Shutdown);
         }
@@ -374,18 +381,20 @@ async fn serve(sh: Arc<Shared>, args: &ServeArgs, cfg: Config) -> anyhow::Result
     let where_ = path.as_ref().map_or_else(|| "the socket systemd passed".to_string(), |p| p.display().to_string());
     eprintln!(
         "inferd: serving {} on {where_}",
-        sh.models.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", ")
+        sh.models.slots.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", ")
     );
     notify::ready(&sh.summary());
     let watchdog = notify::watchdog(Arc::clone(&sh));
 
     let mut status_tick = tokio::time::interval(Duration::from_secs(5));
+    let mut reap_tick = tokio::time::interval(Duration::from_millis(500));
     loop {
         tokio::select! {
             _ = term.recv() => break,
             _ = int.recv() => break,
             _ = hup.recv() => reload(&sh, args).await,
             _ = status_tick.tick() => notify::status(&sh.summary()),
+            _ = reap_tick.tick() => sh.models.reap().into_iter().for_each(models::stop),
             Some(r) = servers.join_next() => {
                 // A listener ended by itself: that is an error worth exiting for.
                 match r {
@@ -407,7 +416,7 @@ async fn serve(sh: Arc<Shared>, args: &ServeArgs, cfg: Config) -> anyhow::Result
     while sh.in_flight() > 0 && t0.elapsed() < grace {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    for m in &sh.models {
+    for m in sh.models.loaded() {
         if let Ok(tx) = m.engine.lock() {
             let _ = tx.send(Command::Shutdown);
         }

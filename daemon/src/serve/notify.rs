@@ -45,7 +45,8 @@ pub fn watchdog(sh: Arc<Shared>) -> tokio::task::JoinHandle<()> {
         let mut tick = tokio::time::interval(period / 2);
         loop {
             tick.tick().await;
-            let stuck = stalled(sh.models.iter().map(|m| &*m.monitor), period);
+            let loaded = sh.models.loaded();
+            let stuck = stalled(loaded.iter().map(|m| &*m.monitor), period);
             if stuck.is_empty() {
                 send(&[NotifyState::Watchdog]);
             } else {

@@ -3,8 +3,8 @@
 //! `/api/tags`, `/api/show`, `/api/ps` and `/api/version`. Requests go through the shared
 //! request path ([`request`](super::request)) like every other edge; only the shapes are
 //! Ollama's. `options` map onto inferd's sampling fields; hardware options (`num_ctx`,
-//! `num_thread`, `num_gpu`, ...) and `keep_alive` are accepted and ignored, as is a sampling
-//! option at its neutral value; anything else inferd does not implement is a 400 naming it.
+//! `num_thread`, `num_gpu`, ...) are accepted and ignored, as is a sampling option at its
+//! neutral value; `keep_alive` sets how long the model stays loaded once idle; anything else inferd does not implement is a 400 naming it.
 //! Model names may carry Ollama's `:latest` tag.
 
 use super::chat::Tools;
@@ -129,10 +129,19 @@ async fn version() -> Json<Value> {
 async fn tags(State(sh): State<Arc<Shared>>) -> Json<Value> {
     let models: Vec<Value> = sh
         .models
+        .slots
         .iter()
-        .map(|m| {
-            let (size, modified) = file_facts(m);
-            json!({ "name": tagged(m), "model": tagged(m), "modified_at": rfc3339(modified), "size": size, "digest": digest(m), "details": details(m) })
+        .map(|slot| {
+            let Some(m) = slot.loaded() else {
+                // Not in memory: what the file says without loading it.
+                let meta = std::fs::metadata(&slot.config.path).ok();
+                let size = meta.as_ref().map_or(0, |x| x.len());
+                let modified = meta.and_then(|x| x.modified().ok()).unwrap_or(UNIX_EPOCH);
+                let name = format!("{}:latest", slot.name);
+                return json!({ "name": name, "model": name, "modified_at": rfc3339(modified), "size": size, "details": { "format": "gguf" } });
+            };
+            let (size, modified) = file_facts(&m);
+            json!({ "name": tagged(&m), "model": tagged(&m), "modified_at": rfc3339(modified), "size": size, "digest": digest(&m), "details": details(&m) })
         })
         .collect();
     Json(json!({ "models": models }))
@@ -141,18 +150,28 @@ async fn tags(State(sh): State<Arc<Shared>>) -> Json<Value> {
 async fn ps(State(sh): State<Arc<Shared>>) -> Json<Value> {
     let models: Vec<Value> = sh
         .models
+        .slots
         .iter()
-        .map(|m| {
-            let (size, _) = file_facts(m);
+        .filter_map(|slot| {
+            let m = slot.loaded()?;
+            let (size, _) = file_facts(&m);
             let vram = m.device_memory.map_or(0, |d| d.weights_bytes + d.kv_bytes);
-            // Loaded for as long as the daemon runs: no expiry yet.
-            json!({ "name": tagged(m), "model": tagged(m), "size": size, "digest": digest(m), "details": details(m), "expires_at": "9999-12-31T23:59:59Z", "size_vram": vram })
+            // When it unloads: its idle expiry, or its keep_alive from now while in use.
+            let expires = match (slot.expires(), slot.keep_alive()) {
+                (_, None) => "9999-12-31T23:59:59Z".to_string(),
+                (Some(t), _) => rfc3339(SystemTime::now() + t.saturating_duration_since(Instant::now())),
+                (None, Some(k)) => rfc3339(SystemTime::now() + k),
+            };
+            Some(json!({ "name": tagged(&m), "model": tagged(&m), "size": size, "digest": digest(&m), "details": details(&m), "expires_at": expires, "size_vram": vram }))
         })
         .collect();
     Json(json!({ "models": models }))
 }
 
 async fn show(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
+    if let Err(e) = sh.warm(&body, true).await {
+        return error(e);
+    }
     let run = || -> Result<Value, ApiError> {
         let m = super::http::object(&body)?;
         let h = model(&sh, &m)?;
@@ -181,6 +200,9 @@ async fn show(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Respons
 /// Ollama's `/api/embed`: `input` (a string or strings), `truncate` (default true: a text
 /// longer than the context keeps its start), `dimensions` (the model's own only).
 async fn embed(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
+    if let Err(e) = sh.warm(&body, true).await {
+        return error(e);
+    }
     let t0 = Instant::now();
     let run = async {
         let m = super::http::object(&body)?;
@@ -314,8 +336,13 @@ impl Ask {
     }
 }
 
-fn loaded(a: &Ask, chat: bool) -> Response {
-    let mut v = json!({ "model": tagged(&a.model), "created_at": rfc3339(SystemTime::now()), "done": true, "done_reason": "load" });
+/// The answer to an empty prompt: the model is loaded, or (with `keep_alive: 0`, Ollama's way
+/// to unload one) it unloads as soon as it is idle.
+fn loaded(sh: &Shared, a: &Ask, chat: bool) -> Response {
+    let unload =
+        sh.models.slot(Some(&a.model.name)).ok().and_then(|s| s.keep_alive()) == Some(std::time::Duration::ZERO);
+    let reason = if unload { "unload" } else { "load" };
+    let mut v = json!({ "model": tagged(&a.model), "created_at": rfc3339(SystemTime::now()), "done": true, "done_reason": reason });
     if chat {
         v["message"] = json!({ "role": "assistant", "content": "" });
     } else {
@@ -337,6 +364,9 @@ async fn generate(
     ConnectInfo(peer): ConnectInfo<Peer>,
     body: axum::body::Bytes,
 ) -> Response {
+    if let Err(e) = sh.warm(&body, true).await {
+        return error(e);
+    }
     let ask = || -> Result<Ask, ApiError> {
         let m = super::http::object(&body)?;
         check_keys(&m, &["prompt", "system", "context", "raw"])?;
@@ -377,6 +407,9 @@ async fn chat(
     ConnectInfo(peer): ConnectInfo<Peer>,
     body: axum::body::Bytes,
 ) -> Response {
+    if let Err(e) = sh.warm(&body, true).await {
+        return error(e);
+    }
     let ask = || -> Result<Ask, ApiError> {
         let m = super::http::object(&body)?;
         check_keys(&m, &["messages", "tools"])?;
@@ -394,7 +427,7 @@ async fn chat(
 /// otherwise, or the error.
 async fn reply(sh: Arc<Shared>, ask: Result<Ask, ApiError>, peer: Peer, chat: bool) -> Response {
     match ask {
-        Ok(a) if a.prompt.is_empty() => loaded(&a, chat),
+        Ok(a) if a.prompt.is_empty() => loaded(&sh, &a, chat),
         Ok(a) => answer(sh, a, peer, chat).await,
         Err(e) => error(e),
     }

@@ -65,17 +65,50 @@ pub struct Prepared {
 }
 
 impl Shared {
-    /// The model a request names (`model` field), or the first one configured.
+    /// The model a request names (`model` field), or the first one configured, if it is
+    /// loaded (the routes load it first, [`Shared::warm`]).
     pub fn model(&self, name: Option<&str>) -> Result<Arc<ModelHandle>, ApiError> {
-        match name {
-            None | Some("") => {
-                self.models.first().cloned().ok_or_else(|| ApiError::new(503, "no model is loaded", None))
-            }
-            Some(n) => self.models.iter().find(|m| m.name == n).cloned().ok_or_else(|| {
-                let names: Vec<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
-                ApiError::new(404, format!("unknown model {n:?} (loaded: {})", names.join(", ")), Some("model"))
-            }),
+        let slot = self.models.slot(name)?;
+        slot.loaded().ok_or_else(|| ApiError::new(503, format!("{} is not loaded", slot.name), None))
+    }
+
+    /// Loads the model a JSON body names (`model`, Ollama's `name`; `:latest` dropped) unless
+    /// it is loaded; with `ollama`, the body's `keep_alive` becomes the model's. A body that is
+    /// not a JSON object is left to the route's own checks.
+    pub async fn warm(&self, body: &[u8], ollama: bool) -> Result<(), ApiError> {
+        #[derive(serde::Deserialize)]
+        struct Named {
+            model: Option<serde_json::Value>,
+            name: Option<serde_json::Value>,
+            keep_alive: Option<serde_json::Value>,
         }
+        let Ok(n) = serde_json::from_slice::<Named>(body) else { return Ok(()) };
+        let name = match n.model.or(if ollama { n.name } else { None }) {
+            None | Some(serde_json::Value::Null) => None,
+            Some(serde_json::Value::String(s)) => Some(s.strip_suffix(":latest").unwrap_or(&s).to_owned()),
+            Some(_) => return Ok(()),
+        };
+        let name = name.filter(|s| !s.is_empty());
+        let keep_alive = match n.keep_alive.filter(|k| ollama && !k.is_null()) {
+            None => None,
+            Some(serde_json::Value::String(s)) => Some(super::models::parse_keep_alive(&s)),
+            Some(serde_json::Value::Number(x)) => Some(super::models::parse_keep_alive(&x.to_string())),
+            Some(_) => Some(Err("keep_alive must be a duration or a number of seconds".into())),
+        };
+        let keep_alive = keep_alive.transpose().map_err(|e| ApiError::bad(format!("keep_alive: {e}"), "keep_alive"))?;
+        self.load(name.as_deref(), keep_alive).await
+    }
+
+    /// Loads model `name` unless it is loaded. As in Ollama, each request sets how long the
+    /// model stays once idle: its own `keep_alive`, else the configured one.
+    pub async fn load(
+        &self,
+        name: Option<&str>,
+        keep_alive: Option<Option<std::time::Duration>>,
+    ) -> Result<(), ApiError> {
+        self.models.acquire(name).await?;
+        self.models.slot(name)?.set_keep_alive(keep_alive);
+        Ok(())
     }
 }
 

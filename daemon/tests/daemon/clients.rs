@@ -371,7 +371,7 @@ fn inferctl_talks_to_the_daemon_and_says_when_it_cannot() {
         "{out}"
     );
     let (_, out, _) = inferctl(&d.socket, &["models"], "");
-    assert_eq!(out, "SmolLM2-135M-Instruct.Q4_1\ttarget\n");
+    assert_eq!(out, "SmolLM2-135M-Instruct.Q4_1\tloaded\ttarget\n");
     let (_, out, _) = inferctl(&d.socket, &["plugins"], "");
     assert!(out.lines().any(|l| l.starts_with("greedy\tinferd-greedy")), "{out}");
     let (_, out, _) = inferctl(&d.socket, &["tokenize", "Hello 12 world"], "");
@@ -403,6 +403,16 @@ fn inferctl_talks_to_the_daemon_and_says_when_it_cannot() {
         "the second turn's prompt ({}) holds the first turn ({first_turn}) and its answer",
         both_turns - first_turn
     );
+    // unload: the model leaves memory once idle; the next request loads it again.
+    let (ok, out, err) = inferctl(&d.socket, &["unload", "SmolLM2-135M-Instruct.Q4_1"], "");
+    assert!(ok && out == "SmolLM2-135M-Instruct.Q4_1: unloading once idle\n", "{out}{err}");
+    wait_for("the unload", Duration::from_secs(10), || {
+        inferctl(&d.socket, &["models"], "").1 == "SmolLM2-135M-Instruct.Q4_1\tnot loaded\t\n"
+    });
+    let (_, out, _) = inferctl(&d.socket, &["status"], "");
+    assert!(out.contains("model SmolLM2-135M-Instruct.Q4_1: not loaded (loads so far: 1)"), "{out}");
+    let (ok, out, _) = inferctl(&d.socket, &["generate", "--max-tokens", "3", "The capital of France is"], "");
+    assert!(ok && out == " Paris.\n\n", "{out}");
     // Clear messages when there is no daemon.
     let (ok, _, err) = inferctl(&dir.join("none.sock"), &["status"], "");
     assert!(!ok && err.contains("inferd is not running") && err.contains("none.sock"), "{err}");

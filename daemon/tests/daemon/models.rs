@@ -130,3 +130,84 @@ fn a_model_on_the_cuda_backend_does_not_start_where_it_cannot_run_and_says_why()
     assert!(!ok && err.contains("draft_backend must be"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The daemon's resident memory, in MiB.
+fn rss_mib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .unwrap()
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .unwrap();
+    kib >> 10
+}
+
+/// A model idle for its `keep_alive` leaves memory; the next request loads it again and answers
+/// as before; requests that arrive while it is unloaded share one load; Ollama's `keep_alive`
+/// (-1 keeps it, 0 unloads it) and `/api/ps` follow.
+#[test]
+fn idle_models_unload_and_load_again_on_use() {
+    let dir = scratch("keep-alive");
+    let cfg = format!("[server]\nkeep_alive = \"0\"\n\n[[model]]\npath = \"{}\"\nname = \"m\"\n", model());
+    let d = Daemon::start(&dir, &cfg, &[]);
+    let slot = |d: &Daemon| d.status()["models"][0].clone();
+    let loads = |d: &Daemon| slot(d)["loads"].as_u64().unwrap();
+    let body = r#"{"model": "m", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}"#;
+    let text = |b: &str| serde_json::from_str::<Value>(b).unwrap()["choices"][0]["text"].as_str().unwrap().to_owned();
+    let (st, first) = d.http("POST", "/v1/completions", body);
+    assert_eq!(st, 200, "{first}");
+    let loaded_rss = rss_mib(d.child.id());
+    wait_for("the idle model to unload", Duration::from_secs(10), || slot(&d)["loaded"] == false);
+    let unloaded_rss = rss_mib(d.child.id());
+    eprintln!("RSS: {loaded_rss} MiB loaded after a request, {unloaded_rss} MiB unloaded");
+    assert!(loaded_rss >= unloaded_rss + 60, "the weights left memory: {loaded_rss} -> {unloaded_rss} MiB");
+    let (_, listed) = d.http("GET", "/v1/models", "");
+    assert!(listed.contains(r#""loaded":false"#), "{listed}");
+
+    // The next request loads it again and answers as before.
+    let before = loads(&d);
+    let (st, again) = d.http("POST", "/v1/completions", body);
+    assert_eq!(st, 200, "{again}");
+    assert_eq!(text(&again), text(&first));
+    assert_eq!(loads(&d), before + 1);
+
+    // Requests arriving while it is unloaded wait for one load.
+    wait_for("the idle model to unload", Duration::from_secs(10), || slot(&d)["loaded"] == false);
+    let before = loads(&d);
+    let socket = d.socket.clone();
+    let answers: Vec<(u16, String)> = (0..3)
+        .map(|_| {
+            let s = socket.clone();
+            std::thread::spawn(move || http(&s, "POST", "/v1/completions", body))
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| t.join().unwrap())
+        .collect();
+    for (st, b) in &answers {
+        assert_eq!(*st, 200, "{b}");
+        assert_eq!(text(b), text(&first));
+    }
+    assert_eq!(loads(&d), before + 1, "one load for the three requests");
+
+    // Ollama's keep_alive: -1 keeps the model loaded, 0 unloads it; /api/ps lists it meanwhile.
+    let (_, r) = d.http("POST", "/api/generate", r#"{"model": "m", "keep_alive": -1}"#);
+    assert!(r.contains(r#""done_reason":"load""#), "{r}");
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(slot(&d)["loaded"], true, "keep_alive -1 keeps it");
+    let (_, ps) = d.http("GET", "/api/ps", "");
+    assert!(ps.contains(r#""name":"m:latest""#) && ps.contains("9999-12-31"), "{ps}");
+    let (_, r) = d.http("POST", "/api/generate", r#"{"model": "m", "keep_alive": 0}"#);
+    assert!(r.contains(r#""done_reason":"unload""#), "{r}");
+    wait_for("the unload", Duration::from_secs(10), || slot(&d)["loaded"] == false);
+    let (_, ps) = d.http("GET", "/api/ps", "");
+    assert_eq!(serde_json::from_str::<Value>(&ps).unwrap()["models"], serde_json::json!([]));
+    let (st, r) = d.http("POST", "/api/generate", r#"{"model": "m", "keep_alive": "soon"}"#);
+    assert!(st == 400 && r.contains("keep_alive"), "{st} {r}");
+    drop(d);
+    let _ = std::fs::remove_dir_all(dir);
+}
