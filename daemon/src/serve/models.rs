@@ -184,42 +184,20 @@ impl Models {
         }
         out
     }
-
-    /// Unloads model `name` now if no request holds it; whether it was loaded.
-    pub fn unload(&self, name: &str) -> Result<bool, ApiError> {
-        let slot = self.slot(Some(name))?;
-        let Ok(mut handle) = slot.handle.lock() else { return Ok(false) };
-        match handle.as_ref() {
-            None => Ok(false),
-            Some(h) if Arc::strong_count(h) > 1 => {
-                Err(ApiError::new(409, format!("{name} is serving requests; it unloads once idle"), None))
-            }
-            Some(_) => {
-                if let Some(h) = handle.take() {
-                    stop(h);
-                }
-                Ok(true)
-            }
-        }
-    }
 }
 
-/// Stops a model taken out of its slot: its engine ends, its thread is joined (on a blocking
-/// thread when a runtime is running), and the memory goes with the last reference.
+/// Stops a model taken out of its slot (on the runtime): its engine ends, its thread is joined
+/// on a blocking thread, and the memory goes with the last reference.
 pub fn stop(h: Arc<ModelHandle>) {
     if let Ok(tx) = h.engine.lock() {
         let _ = tx.send(Command::Shutdown);
     }
-    let join = move || {
+    tokio::task::spawn_blocking(move || {
         if let Some(t) = h.thread.lock().ok().and_then(|mut t| t.take()) {
             let _ = t.join();
         }
         eprintln!("inferd: unloaded {}", h.name);
-    };
-    match tokio::runtime::Handle::try_current() {
-        Ok(rt) => drop(rt.spawn_blocking(join)),
-        Err(_) => join(),
-    }
+    });
 }
 
 /// Ollama's `keep_alive`: a duration ("5m", "1h30m", "10s", "250ms"), a number of seconds,

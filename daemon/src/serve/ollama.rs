@@ -4,7 +4,8 @@
 //! request path ([`request`](super::request)) like every other edge; only the shapes are
 //! Ollama's. `options` map onto inferd's sampling fields; hardware options (`num_ctx`,
 //! `num_thread`, `num_gpu`, ...) are accepted and ignored, as is a sampling option at its
-//! neutral value; `keep_alive` sets how long the model stays loaded once idle; anything else inferd does not implement is a 400 naming it.
+//! neutral value; `keep_alive` sets how long the model stays loaded once idle; anything else
+//! inferd does not implement is a 400 naming it.
 //! Model names may carry Ollama's `:latest` tag.
 
 use super::chat::Tools;

@@ -203,45 +203,11 @@ fn dbus_generate_complete_properties_unicast_and_introspection() {
             .await
             .unwrap();
         let mut snoop = zbus::MessageStream::from(&other);
-        let mut mine = zbus::MessageStream::from(&caller);
         let opts = std::collections::HashMap::from([("max_tokens", V::U32(8)), ("temperature", V::F64(0.0))]);
-        let reply = caller
-            .call_method(
-                Some("org.inferd.Inference1"),
-                "/org/inferd/Inference1",
-                Some("org.inferd.Inference1"),
-                "Generate",
-                &("", "The capital of France is", &opts),
-            )
-            .await
-            .unwrap();
-        let path: OwnedObjectPath = reply.body().deserialize().unwrap();
-        assert!(path.as_str().starts_with("/org/inferd/Inference1/request/"), "{path}");
-        let (mut text, mut ids, mut reason) = (String::new(), Vec::new(), String::new());
-        let t0 = Instant::now();
-        while reason.is_empty() {
-            assert!(t0.elapsed() < Duration::from_secs(60), "no Finished signal");
-            let Ok(Some(Ok(msg))) = tokio::time::timeout(Duration::from_secs(30), mine.next()).await else { continue };
-            let h = msg.header();
-            if h.message_type() != zbus::message::Type::Signal || h.path().map(|p| p.as_str()) != Some(path.as_str()) {
-                continue;
-            }
-            match h.member().map(|m| m.as_str()) {
-                Some("Token") => {
-                    let (t, id): (String, u32) = msg.body().deserialize().unwrap();
-                    text.push_str(&t);
-                    ids.push(id);
-                }
-                Some("Finished") => {
-                    let (r, usage): (String, std::collections::HashMap<String, zbus::zvariant::OwnedValue>) =
-                        msg.body().deserialize().unwrap();
-                    assert_eq!(u32::try_from(&usage["completion_tokens"]).unwrap(), 8);
-                    reason = r;
-                }
-                Some("Failed") => panic!("failed: {:?}", msg.body().deserialize::<String>()),
-                _ => {}
-            }
-        }
+        let heard = signals(&caller, "Generate", &("", "The capital of France is", &opts)).await;
+        assert!(heard.path.starts_with("/org/inferd/Inference1/request/"), "{}", heard.path);
+        assert_eq!(heard.completion_tokens, 8);
+        let (text, ids, reason) = (heard.text, heard.ids, heard.reason);
         let (_, body) = d.http(
             "POST",
             "/v1/completions",
@@ -365,21 +331,25 @@ fn dbus_generate_complete_properties_unicast_and_introspection() {
 /// A `Logprobs` signal's entry: a token's id, text and log-probability, and its alternatives.
 type Entry = (u32, String, f64, Vec<(u32, String, f64)>);
 
-/// What the caller heard of one request: text, `Logprobs` entries, `ToolCall`s, the reason.
+/// What the caller heard of one request: its object, text and token ids, `Logprobs` entries,
+/// `ToolCall`s, the reason and the completion tokens `Finished` reported.
 #[derive(Default)]
 struct Heard {
+    path: String,
     text: String,
+    ids: Vec<u32>,
     logprobs: Vec<Entry>,
     calls: Vec<(String, String, String)>,
     reason: String,
+    completion_tokens: u32,
 }
 
-/// Calls `Chat` and collects the request's signals until `Finished`.
-async fn chat_signals(
-    caller: &zbus::Connection,
-    messages: &[std::collections::HashMap<&str, &str>],
-    options: &std::collections::HashMap<&str, zbus::zvariant::Value<'_>>,
-) -> Heard {
+/// Calls `method` (Generate or Chat) with `body` and collects the request's signals until
+/// `Finished`.
+async fn signals<B>(caller: &zbus::Connection, method: &str, body: &B) -> Heard
+where
+    B: serde::Serialize + zbus::zvariant::DynamicType,
+{
     use tokio_stream::StreamExt;
     let mut stream = zbus::MessageStream::from(caller);
     let reply = caller
@@ -387,13 +357,13 @@ async fn chat_signals(
             Some("org.inferd.Inference1"),
             "/org/inferd/Inference1",
             Some("org.inferd.Inference1"),
-            "Chat",
-            &("", messages, options),
+            method,
+            body,
         )
         .await
         .unwrap();
     let path: zbus::zvariant::OwnedObjectPath = reply.body().deserialize().unwrap();
-    let mut heard = Heard::default();
+    let mut heard = Heard { path: path.to_string(), ..Heard::default() };
     let t0 = Instant::now();
     while heard.reason.is_empty() {
         assert!(t0.elapsed() < Duration::from_secs(60), "no Finished signal");
@@ -403,12 +373,17 @@ async fn chat_signals(
             continue;
         }
         match h.member().map(|m| m.as_str()) {
-            Some("Token") => heard.text.push_str(&msg.body().deserialize::<(String, u32)>().unwrap().0),
+            Some("Token") => {
+                let (t, id): (String, u32) = msg.body().deserialize().unwrap();
+                heard.text.push_str(&t);
+                heard.ids.push(id);
+            }
             Some("Logprobs") => heard.logprobs.extend(msg.body().deserialize::<(Vec<_>,)>().unwrap().0),
             Some("ToolCall") => heard.calls.push(msg.body().deserialize().unwrap()),
             Some("Finished") => {
-                let (r, _): (String, std::collections::HashMap<String, zbus::zvariant::OwnedValue>) =
+                let (r, usage): (String, std::collections::HashMap<String, zbus::zvariant::OwnedValue>) =
                     msg.body().deserialize().unwrap();
+                heard.completion_tokens = u32::try_from(&usage["completion_tokens"]).unwrap();
                 heard.reason = r;
             }
             Some("Failed") => panic!("failed: {:?}", msg.body().deserialize::<String>()),
@@ -416,6 +391,15 @@ async fn chat_signals(
         }
     }
     heard
+}
+
+/// [`signals`] of a `Chat` call.
+async fn chat_signals(
+    caller: &zbus::Connection,
+    messages: &[std::collections::HashMap<&str, &str>],
+    options: &std::collections::HashMap<&str, zbus::zvariant::Value<'_>>,
+) -> Heard {
+    signals(caller, "Chat", &("", messages, options)).await
 }
 
 /// Chat over D-Bus with the options of the OpenAI API: `logprobs` / `top_logprobs` arrive as

@@ -70,10 +70,13 @@ impl BeamSearch {
         let k = self.cfg.k;
         // (total, parent, token, logprob) of the 2k best tokens of every parent; a token of
         // probability zero (a response format's mask) is no hypothesis.
+        // Each parent's alternatives, when the client wants them, from the same normalizer.
         let mut cands: Vec<(f64, usize, u32, f32)> = Vec::new();
+        let mut alternatives: Vec<Vec<(u32, f32)>> = Vec::with_capacity(parents.len());
         for (i, (p, row)) in parents.iter().zip(rows).enumerate() {
             let ls = LogSoftmax::of(row);
             cands.extend(ls.top(2 * k).into_iter().map(|(t, lp)| (p.total + ls.at_f64(t as usize), i, t, lp)));
+            alternatives.push(ls.top(self.logprobs.top as usize));
         }
         cands.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
         let mut chosen: Vec<(f64, usize, u32, f32)> = Vec::new();
@@ -101,12 +104,7 @@ impl BeamSearch {
             used[i] = true;
             let mut b = Beam { seq, tokens: p.tokens.clone(), scored: p.scored.clone(), total };
             b.tokens.push(t);
-            let top = if self.logprobs.top > 0 {
-                LogSoftmax::of(rows[i]).top(self.logprobs.top as usize)
-            } else {
-                Vec::new()
-            };
-            b.scored.push((lp, top));
+            b.scored.push((lp, alternatives[i].clone()));
             beams.push(b);
         }
         for (p, u) in parents.iter().zip(used) {

@@ -21,7 +21,7 @@
 use inferd_plugin_api::abi;
 use inferd_plugin_api::params::Params;
 use inferd_plugin_api::sampling::{draw, Accept, Sampling};
-use inferd_plugin_api::sdk::{parse_params, Host, Logprobs, Plan, PlanItem, Scored, SessionInit, Strategy};
+use inferd_plugin_api::sdk::{parse_params, Host, Logprobs, Plan, PlanItem, SessionInit, Strategy};
 use std::ffi::CStr;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -140,7 +140,6 @@ impl Speculative {
         };
     }
 
-    /// Emits `t` (or finishes); returns false when the request is over.
     /// Emits `t` (or finishes), chosen from the target's `row`; returns false when the
     /// request is over.
     fn take(&mut self, host: &Host, t: u32, row: &[f32]) -> Result<bool, String> {
@@ -148,8 +147,7 @@ impl Speculative {
             host.finish(0, abi::FINISH_STOP)?;
             return Ok(false);
         }
-        let scored: Scored = self.logprobs.score(row, t);
-        self.logprobs.send(host, 0, t, &scored)?;
+        self.logprobs.emit(host, 0, t, row)?;
         self.emitted += 1;
         self.history.push(t);
         if self.emitted >= self.max_tokens {
