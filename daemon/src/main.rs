@@ -59,7 +59,7 @@ enum Cmd {
         /// $XDG_CONFIG_HOME/inferd/inferd.toml with --user; missing means the defaults).
         #[arg(long)]
         config: Option<PathBuf>,
-        /// Serve this model only (overrides the config's models).
+        /// Serve this model alone (no model store, no configured models).
         #[arg(long)]
         model: Option<PathBuf>,
         /// Socket path (default: $XDG_RUNTIME_DIR/inferd/inferd.sock with --user,
@@ -77,6 +77,26 @@ enum Cmd {
         user: bool,
         #[command(flatten)]
         plugins: PluginDirs,
+    },
+    /// Install a model into the model store: hf:ORG/REPO[:QUANT] (a GGUF file of a Hugging
+    /// Face repository, checked against the hub's size and SHA-256; $HF_ENDPOINT, $HF_TOKEN) or
+    /// an https:// URL. An interrupted pull resumes where it stopped. The daemon lists the model
+    /// at its next look at the store and loads it on first use.
+    Pull {
+        reference: String,
+        /// The store (default: the config's server.model_store, else /var/lib/inferd/models
+        /// with --system, $XDG_DATA_HOME/inferd/models with --user).
+        #[arg(long)]
+        store: Option<PathBuf>,
+        /// The configuration file whose model store to use.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// The system daemon's store.
+        #[arg(long, conflicts_with = "user")]
+        system: bool,
+        /// The user's store (the default when not root).
+        #[arg(long)]
+        user: bool,
     },
     /// Write a model as a Hugging Face directory (config.json, model.safetensors,
     /// tokenizer.json), dequantized to --dtype.
@@ -362,6 +382,31 @@ fn main() -> Result<()> {
                 plugin_dirs: plugins.dirs,
                 threads,
             })
+        }
+        Cmd::Pull { reference, store, config, system, user } => {
+            let mode = inferd::serve::config::Mode::resolve(system, user);
+            let store = match store {
+                Some(s) => s,
+                None => {
+                    let args = inferd::serve::ServeArgs {
+                        mode,
+                        config,
+                        model: None,
+                        socket: None,
+                        plugin_dirs: Vec::new(),
+                        threads: None,
+                    };
+                    let cfg = args.config()?;
+                    cfg.server.model_store.unwrap_or_else(|| inferd::serve::store::default_dir(mode))
+                }
+            };
+            let mut bar = inferctl::pull::Progress::new(&reference);
+            let pulled = inferctl::pull::pull(&reference, &store, &mut |d, t| bar.update(d, t));
+            bar.finish();
+            let p = pulled?;
+            let how = if p.already { "already installed" } else { "installed" };
+            println!("{}: {how} at {} ({} bytes, sha256 {})", p.name, p.path.display(), p.size, p.sha256);
+            Ok(())
         }
         Cmd::Export { model, dtype, out } => {
             use inferd_engine::model::export::{export_hf, ExportDtype};

@@ -148,20 +148,45 @@ impl Client {
         Ok(v)
     }
 
-    /// A streaming request: `on_event` gets each SSE `data:` payload (but `[DONE]`) as it arrives.
-    pub fn stream(
+    /// A request answered by a stream of JSON lines (NDJSON): `on_line` gets each as it
+    /// arrives.
+    pub fn lines(
         &self,
+        method: &str,
         path: &str,
         body: &serde_json::Value,
-        on_event: &mut dyn FnMut(serde_json::Value),
+        on_line: &mut dyn FnMut(serde_json::Value),
     ) -> Result<(), ClientError> {
-        let mut r = self.send("POST", path, Some(body))?;
+        let r = self.send(method, path, Some(body))?;
         if r.status >= 400 || !r.chunked {
             let status = r.status;
             let (_, bytes) = self.read_all(r)?;
             let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
-            return Err(api_error(status, &v));
+            if status >= 400 {
+                return Err(api_error(status, &v));
+            }
+            on_line(v);
+            return Ok(());
         }
+        self.split(r, b"\n", &mut |line| {
+            if line.iter().all(u8::is_ascii_whitespace) {
+                return Ok(true);
+            }
+            let v = serde_json::from_slice(&line)
+                .map_err(|e| ClientError::Protocol(format!("line {:?}: {e}", String::from_utf8_lossy(&line))))?;
+            on_line(v);
+            Ok(true)
+        })
+    }
+
+    /// Reads a chunked body and hands `on_item` each piece ending with `end` (with it) as it
+    /// arrives, until the body ends or `on_item` answers false.
+    fn split(
+        &self,
+        mut r: Response,
+        end: &[u8],
+        on_item: &mut dyn FnMut(Vec<u8>) -> Result<bool, ClientError>,
+    ) -> Result<(), ClientError> {
         let mut pending: Vec<u8> = Vec::new();
         loop {
             let c = self.chunk(&mut r)?;
@@ -169,26 +194,54 @@ impl Client {
                 return Ok(());
             }
             pending.extend(c);
-            // Events end with a blank line.
-            while let Some(end) = pending.windows(2).position(|w| w == b"\n\n") {
-                let event: Vec<u8> = pending.drain(..end + 2).collect();
-                for line in String::from_utf8_lossy(&event).lines() {
-                    let Some(data) = line.strip_prefix("data:").map(str::trim_start) else { continue };
-                    if data == "[DONE]" {
-                        return Ok(());
-                    }
-                    let v: serde_json::Value = serde_json::from_str(data)
-                        .map_err(|e| ClientError::Protocol(format!("event {data:?}: {e}")))?;
-                    if let Some(e) = v.get("error") {
-                        return Err(ClientError::Api {
-                            status: 500,
-                            message: e["message"].as_str().unwrap_or("failed").to_owned(),
-                        });
-                    }
-                    on_event(v);
+            while let Some(at) = pending.windows(end.len()).position(|w| w == end) {
+                let item: Vec<u8> = pending.drain(..at + end.len()).collect();
+                if !on_item(item)? {
+                    return Ok(());
                 }
             }
         }
+    }
+
+    /// A streaming request: `on_event` gets each SSE `data:` payload (but `[DONE]`) as it
+    /// arrives, and each comment as `{"comment": TEXT}`.
+    pub fn stream(
+        &self,
+        path: &str,
+        body: &serde_json::Value,
+        on_event: &mut dyn FnMut(serde_json::Value),
+    ) -> Result<(), ClientError> {
+        let r = self.send("POST", path, Some(body))?;
+        if r.status >= 400 || !r.chunked {
+            let status = r.status;
+            let (_, bytes) = self.read_all(r)?;
+            let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
+            return Err(api_error(status, &v));
+        }
+        // Events end with a blank line.
+        self.split(r, b"\n\n", &mut |event| {
+            for line in String::from_utf8_lossy(&event).lines() {
+                // A comment: what the daemon does before the first event (loading the model).
+                if let Some(c) = line.strip_prefix(':') {
+                    on_event(serde_json::json!({ "comment": c.trim() }));
+                    continue;
+                }
+                let Some(data) = line.strip_prefix("data:").map(str::trim_start) else { continue };
+                if data == "[DONE]" {
+                    return Ok(false);
+                }
+                let v: serde_json::Value =
+                    serde_json::from_str(data).map_err(|e| ClientError::Protocol(format!("event {data:?}: {e}")))?;
+                if let Some(e) = v.get("error") {
+                    return Err(ClientError::Api {
+                        status: e["code"].as_u64().and_then(|c| u16::try_from(c).ok()).unwrap_or(500),
+                        message: e["message"].as_str().unwrap_or("failed").to_owned(),
+                    });
+                }
+                on_event(v);
+            }
+            Ok(true)
+        })
     }
 }
 

@@ -2,7 +2,8 @@
 //! `src/main.rs` calls [`main`]); [`client`] is the blocking HTTP client under it.
 //!
 //! ```text
-//! inferctl [--socket PATH] status | models | unload NAME | plugins | tokenize TEXT | generate PROMPT | chat
+//! inferctl [--socket PATH] status | models | load NAME | unload NAME | pull REF | rm NAME
+//!          | plugins | tokenize TEXT | generate PROMPT | chat
 //! ```
 //!
 //! `generate` and `chat` stream text to the terminal as it comes; `chat` keeps the conversation
@@ -11,6 +12,7 @@
 #![forbid(unsafe_code)]
 
 pub mod client;
+pub mod pull;
 
 use clap::{Args, Parser, Subcommand};
 use client::{default_socket, Client, ClientError};
@@ -37,10 +39,28 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
-    /// The models the daemon serves, and whether each is loaded.
+    /// The models the daemon serves (its model store's and the configured ones), loaded or not.
     Models,
+    /// Load model NAME now, with a progress bar (a request would load it on first use).
+    Load {
+        name: String,
+        /// How long it stays loaded once idle ("10m", "0", "-1"; default: the configured one).
+        #[arg(long, allow_hyphen_values = true)]
+        keep_alive: Option<String>,
+    },
     /// Unload model NAME as soon as no request uses it (the next request loads it again).
     Unload { name: String },
+    /// Install a model into the daemon's model store: hf:ORG/REPO[:QUANT] (a GGUF file of a
+    /// Hugging Face repository, checked against the hub's SHA-256) or an https:// URL. An
+    /// interrupted pull resumes where it stopped.
+    Pull {
+        reference: String,
+        /// The store to install into (default: the running daemon's, else the user's).
+        #[arg(long)]
+        store: Option<PathBuf>,
+    },
+    /// Remove model NAME from the daemon's model store (unloaded first).
+    Rm { name: String },
     /// The loaded decoding strategies and the plugin files that were refused.
     Plugins,
     /// Token ids of TEXT as a JSON array.
@@ -185,11 +205,71 @@ fn run(client: &Client, cmd: Cmd) -> Result<(), Error> {
         }
         Cmd::Models => {
             let v = client.json("GET", "/v1/models", None)?;
+            writeln!(out, "NAME\tSTATE\tSIZE\tTYPE\tARCH\tCONTEXT\tROLES")?;
             for m in v["data"].as_array().into_iter().flatten() {
                 let roles: Vec<&str> = m["roles"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
-                let state = if m["loaded"] == false { "not loaded" } else { "loaded" };
-                writeln!(out, "{}\t{state}\t{}", m["id"].as_str().unwrap_or("?"), roles.join(","))?;
+                let state = if m["loaded"] == false { "not-loaded" } else { "loaded" };
+                let f = &m["inferd"];
+                let size = f["size"].as_u64().map_or_else(|| "-".into(), |b| format!("{:.1}MiB", b as f64 / 1048576.0));
+                let text = |k: &str| f[k].as_str().unwrap_or("-").to_string();
+                let ctx = f["trained_context_length"].as_u64().map_or_else(|| "-".into(), |c| c.to_string());
+                writeln!(
+                    out,
+                    "{}\t{state}\t{size}\t{}\t{}\t{ctx}\t{}",
+                    m["id"].as_str().unwrap_or("?"),
+                    text("file_type"),
+                    text("architecture"),
+                    roles.join(",")
+                )?;
             }
+        }
+        Cmd::Load { name, keep_alive } => {
+            let body = json!({ "keep_alive": keep_alive });
+            let mut bar = pull::Progress::new(&name);
+            let mut result = None;
+            client.lines("POST", &format!("/v1/models/{name}/load"), &body, &mut |v| {
+                if v["status"] == "loading" {
+                    bar.update(v["completed"].as_u64().unwrap_or(0), v["total"].as_u64().unwrap_or(0));
+                } else {
+                    result = Some(v);
+                }
+            })?;
+            bar.finish();
+            match result {
+                Some(v) if v["status"] == "success" => {
+                    let how = if v["was_loaded"] == true { "already loaded" } else { "loaded" };
+                    writeln!(out, "{name}: {how}")?;
+                }
+                Some(v) => return Err(Error::Usage(v["error"].as_str().unwrap_or("the load failed").to_string())),
+                None => return Err(Error::Usage("the daemon ended the load without an answer".into())),
+            }
+        }
+        Cmd::Pull { reference, store } => {
+            // The daemon's store (it never downloads itself: the system daemon has no network);
+            // the file is written as the user running inferctl, a member of its group.
+            let store = match store {
+                Some(s) => s,
+                None => match client.json("GET", "/v1/status", None) {
+                    Ok(s) => s["model_store"].as_str().map(PathBuf::from).ok_or_else(|| {
+                        Error::Usage("the daemon serves --model alone and has no model store: give --store".into())
+                    })?,
+                    Err(ClientError::NotRunning(_)) | Err(ClientError::Refused(_)) => pull::user_store(),
+                    Err(e) => return Err(e.into()),
+                },
+            };
+            let mut bar = pull::Progress::new(&reference);
+            let pulled = pull::pull(&reference, &store, &mut |d, t| bar.update(d, t));
+            bar.finish();
+            let p = pulled.map_err(|e| Error::Usage(e.to_string()))?;
+            let how = if p.already { "already installed" } else { "installed" };
+            writeln!(out, "{}: {how} at {} ({} bytes, sha256 {})", p.name, p.path.display(), p.size, p.sha256)?;
+            // Let a running daemon see it now.
+            let _ = client.json("GET", "/v1/models", None);
+        }
+        Cmd::Rm { name } => {
+            let name = name.strip_suffix(":latest").unwrap_or(&name).to_string();
+            client.json("DELETE", &format!("/v1/models/{name}"), None)?;
+            writeln!(out, "{name}: removed")?;
         }
         Cmd::Unload { name } => {
             // Ollama's way: an empty generate request with keep_alive 0.
@@ -274,7 +354,20 @@ fn run(client: &Client, cmd: Cmd) -> Result<(), Error> {
 fn stream_text(client: &Client, path: &str, body: &Value, out: &mut impl Write) -> Result<String, Error> {
     let mut text = String::new();
     let mut failed = None;
+    let mut bar: Option<pull::Progress> = None;
     client.stream(path, body, &mut |ev| {
+        // `loading NAME 42% (D of T bytes)`: the model loads before the first token.
+        if let Some(c) = ev["comment"].as_str() {
+            let words: Vec<&str> = c.split_whitespace().collect();
+            if let ["loading", name, _, d, "of", t, ..] = words.as_slice() {
+                let num = |x: &str| x.trim_start_matches('(').parse::<u64>().unwrap_or(0);
+                bar.get_or_insert_with(|| pull::Progress::new(name)).update(num(d), num(t));
+            }
+            return;
+        }
+        if let Some(b) = bar.take() {
+            b.finish();
+        }
         let c = &ev["choices"][0];
         let piece = c["text"].as_str().or_else(|| c["delta"]["content"].as_str()).unwrap_or("");
         text.push_str(piece);

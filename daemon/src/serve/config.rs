@@ -90,6 +90,18 @@ pub struct Server {
     /// How long a model no request uses stays loaded (Ollama's `keep_alive`: "5m", "1h", "0",
     /// "-1" for as long as the daemon runs).
     pub keep_alive: String,
+    /// The model store: every GGUF file and Hugging Face directory in it is served, loaded on
+    /// first use (empty: `$XDG_DATA_HOME/inferd/models` for a user's daemon,
+    /// `/var/lib/inferd/models` for the system's).
+    pub model_store: Option<PathBuf>,
+    /// Memory for the loaded models' weights and KV caches together, in MiB, per device
+    /// (0: no limit). Loading a model that would not fit unloads the least recently used idle
+    /// ones first.
+    pub memory_budget_mib: u64,
+    /// Under socket activation, how long the daemon stays with no model loaded, no request and
+    /// no connection before it exits (the socket starts it again on the next connection); "0"
+    /// never.
+    pub idle_exit: String,
 }
 
 impl Default for Server {
@@ -103,6 +115,9 @@ impl Default for Server {
             threads: 0,
             shutdown_grace_secs: 10,
             keep_alive: "5m".into(),
+            model_store: None,
+            memory_budget_mib: 0,
+            idle_exit: "10m".into(),
         }
     }
 }

@@ -235,6 +235,34 @@ impl Inference {
         Ok((h, ids, format))
     }
 
+    /// Loads model `model` unless it is loaded, sending the load's progress to the caller as
+    /// `LoadProgress` signals while it waits.
+    async fn load(&self, conn: &Connection, hdr: &Header<'_>, model: &str) -> fdo::Result<()> {
+        let name = Some(model).filter(|m| !m.is_empty());
+        let slot = self.sh.models.slot(name).map_err(failed)?;
+        let emitter = match hdr.sender() {
+            Some(dest) if slot.loaded().is_none() => {
+                SignalEmitter::new(conn, PATH).map(|e| e.set_destination(BusName::Unique(dest.to_owned()))).ok()
+            }
+            _ => None,
+        };
+        let Some(emitter) = emitter else { return self.sh.load(name, None).await.map_err(failed) };
+        let mut watch = slot.progress.subscribe();
+        let load = self.sh.load(name, None);
+        tokio::pin!(load);
+        loop {
+            tokio::select! {
+                r = &mut load => return r.map_err(failed),
+                Ok(()) = watch.changed() => {
+                    let p = *watch.borrow_and_update();
+                    if p.loading {
+                        let _ = Inference::load_progress(&emitter, &slot.name, p.done, p.total).await;
+                    }
+                }
+            }
+        }
+    }
+
     /// Exports a request object and streams its signals to `sender` from a task.
     async fn stream(&self, conn: &Connection, started: Started) -> fdo::Result<OwnedObjectPath> {
         let (sub, sender) = (&started.sub, started.sender.clone());
@@ -387,7 +415,7 @@ impl Inference {
         prompt: &str,
         options: HashMap<String, OwnedValue>,
     ) -> fdo::Result<OwnedObjectPath> {
-        self.sh.load(Some(model).filter(|m| !m.is_empty()), None).await.map_err(failed)?;
+        self.load(conn, &hdr, model).await?;
         let started = self.start(conn, &hdr, &options, |_| self.prompt_ids(model, prompt, &options)).await?;
         self.stream(conn, started).await
     }
@@ -403,7 +431,7 @@ impl Inference {
         messages: Vec<HashMap<String, String>>,
         options: HashMap<String, OwnedValue>,
     ) -> fdo::Result<OwnedObjectPath> {
-        self.sh.load(Some(model).filter(|m| !m.is_empty()), None).await.map_err(failed)?;
+        self.load(conn, &hdr, model).await?;
         let started = self.start(conn, &hdr, &options, |req| self.chat_ids(model, &messages, &options, req)).await?;
         self.stream(conn, started).await
     }
@@ -418,7 +446,7 @@ impl Inference {
         prompt: &str,
         options: HashMap<String, OwnedValue>,
     ) -> fdo::Result<String> {
-        self.sh.load(Some(model).filter(|m| !m.is_empty()), None).await.map_err(failed)?;
+        self.load(conn, &hdr, model).await?;
         let Started { mut sub, mut out, sender, .. } =
             self.start(conn, &hdr, &options, |_| self.prompt_ids(model, prompt, &options)).await?;
         let mut text = String::new();
@@ -450,25 +478,66 @@ impl Inference {
     }
 
     #[zbus(out_args("tokens"))]
-    async fn tokenize(&self, model: &str, text: &str) -> fdo::Result<Vec<u32>> {
-        self.sh.load(Some(model).filter(|m| !m.is_empty()), None).await.map_err(failed)?;
+    async fn tokenize(
+        &self,
+        #[zbus(header)] hdr: Header<'_>,
+        #[zbus(connection)] conn: &Connection,
+        model: &str,
+        text: &str,
+    ) -> fdo::Result<Vec<u32>> {
+        self.load(conn, &hdr, model).await?;
         let h = self.sh.model(Some(model)).map_err(failed)?;
         h.model.tokenizer.encode(text, false).map_err(|e| fdo::Error::InvalidArgs(e.to_string()))
     }
 
     /// The embeddings of `inputs`: the mean of the model's final hidden states over each text's tokens, L2-normalized.
     #[zbus(out_args("embeddings"))]
-    async fn embed(&self, model: &str, inputs: Vec<String>) -> fdo::Result<Vec<Vec<f64>>> {
-        self.sh.load(Some(model).filter(|m| !m.is_empty()), None).await.map_err(failed)?;
+    async fn embed(
+        &self,
+        #[zbus(header)] hdr: Header<'_>,
+        #[zbus(connection)] conn: &Connection,
+        model: &str,
+        inputs: Vec<String>,
+    ) -> fdo::Result<Vec<Vec<f64>>> {
+        self.load(conn, &hdr, model).await?;
         let h = self.sh.model(Some(model)).map_err(failed)?;
         let inputs = inputs.into_iter().map(super::embed::Input::Text).collect();
         let (v, _) = super::embed::embed(&h, inputs, false).await.map_err(failed)?;
         Ok(v.into_iter().map(|e| e.into_iter().map(f64::from).collect()).collect())
     }
 
+    /// Loads `model` now (as its first request would), keeping it for `keep_alive` ("5m", "0",
+    /// "-1"; empty: the configured one) once idle; `LoadProgress` signals come meanwhile.
+    async fn load_model(
+        &self,
+        #[zbus(header)] hdr: Header<'_>,
+        #[zbus(connection)] conn: &Connection,
+        model: &str,
+        keep_alive: &str,
+    ) -> fdo::Result<()> {
+        let keep = match keep_alive {
+            "" => None,
+            k => Some(super::models::parse_keep_alive(k).map_err(fdo::Error::InvalidArgs)?),
+        };
+        self.load(conn, &hdr, model).await?;
+        self.sh.models.slot(Some(model).filter(|m| !m.is_empty())).map_err(failed)?.set_keep_alive(keep);
+        Ok(())
+    }
+
+    /// Unloads `model` as soon as no request holds it; answers whether it was loaded.
+    #[zbus(out_args("was_loaded"))]
+    async fn unload_model(&self, model: &str) -> fdo::Result<bool> {
+        self.sh.models.unload(model).map_err(failed)
+    }
+
+    /// How far a load this caller waits for has come: bytes of weights read of the total.
+    #[zbus(signal)]
+    async fn load_progress(emitter: &SignalEmitter<'_>, model: &str, done: u64, total: u64) -> zbus::Result<()>;
+
     #[zbus(property)]
     async fn models(&self) -> Vec<String> {
-        self.sh.models.slots.iter().map(|m| m.name.clone()).collect()
+        self.sh.models.rescan();
+        self.sh.models.slots().iter().map(|m| m.name.clone()).collect()
     }
 
     #[zbus(property)]

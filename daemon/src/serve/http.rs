@@ -42,6 +42,12 @@ impl Connected<IncomingStream<'_, tokio::net::UnixListener>> for Peer {
     }
 }
 
+impl Connected<IncomingStream<'_, super::gate::Gate>> for Peer {
+    fn connect_info(stream: IncomingStream<'_, super::gate::Gate>) -> Self {
+        Peer { uid: stream.io().io.peer_cred().ok().map(|c| c.uid()) }
+    }
+}
+
 impl Connected<IncomingStream<'_, tokio::net::TcpListener>> for Peer {
     fn connect_info(_: IncomingStream<'_, tokio::net::TcpListener>) -> Self {
         Peer { uid: None }
@@ -73,7 +79,7 @@ impl HttpCounters {
 }
 
 /// An OpenAI error object with its status.
-fn error(e: ApiError) -> Response {
+pub fn error(e: ApiError) -> Response {
     let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     (
         status,
@@ -90,10 +96,12 @@ pub fn router(sh: Arc<Shared>) -> Router {
         .route("/metrics", get(metrics))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .merge(super::ollama::routes())
+        .layer(axum::middleware::from_fn_with_state(Arc::clone(&sh), super::loading::progress))
         .route("/v1/embeddings", post(embeddings))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
-        .merge(super::ollama::routes())
+        .merge(super::loading::routes())
         .layer(axum::middleware::from_fn_with_state(Arc::clone(&sh), count))
         .with_state(sh)
 }
@@ -118,6 +126,7 @@ async fn count(State(sh): State<Arc<Shared>>, req: axum::extract::Request, next:
         "/api/generate",
         "/api/chat",
         "/api/embed",
+        "/api/delete",
     ];
     let route = if known.contains(&route.as_str()) { route } else { "other".into() };
     let resp = next.run(req).await;
@@ -132,18 +141,40 @@ async fn health(State(sh): State<Arc<Shared>>) -> Response {
     Json(json!({ "status": "ok" })).into_response()
 }
 
+/// What a model's file says, loaded or not.
+pub fn facts_json(slot: &super::models::Slot) -> Value {
+    let source = match slot.source {
+        super::models::Source::Configured => "config",
+        super::models::Source::Store => "store",
+    };
+    let mut v =
+        json!({ "path": slot.config.path, "source": source, "device": slot.device, "memory_bytes": slot.footprint() });
+    if let Some(f) = &slot.facts {
+        v["size"] = json!(f.size);
+        v["format"] = json!(f.format);
+        v["architecture"] = json!(f.architecture);
+        v["file_type"] = json!(f.file_type);
+        v["parameters"] = json!(f.parameters);
+        v["trained_context_length"] = json!(f.context_len);
+    }
+    v
+}
+
 async fn models(State(sh): State<Arc<Shared>>) -> Json<Value> {
+    sh.models.rescan();
     let mut data = Vec::new();
-    for slot in &sh.models.slots {
+    for slot in &sh.models.slots() {
         let Some(m) = slot.loaded() else {
-            data.push(json!({ "id": slot.name, "object": "model", "owned_by": "inferd", "loaded": false }));
+            let mut v = json!({ "id": slot.name, "object": "model", "owned_by": "inferd", "loaded": false });
+            v["inferd"] = facts_json(slot);
+            data.push(v);
             continue;
         };
         let mut roles = vec!["target"];
         if m.draft.is_some() {
             roles.push("speculative");
         }
-        data.push(json!({ "id": m.name, "object": "model", "owned_by": "inferd", "loaded": true, "roles": roles, "context_length": m.context_len(), "draft": m.draft }));
+        data.push(json!({ "id": m.name, "object": "model", "owned_by": "inferd", "loaded": true, "roles": roles, "context_length": m.context_len(), "draft": m.draft, "inferd": facts_json(slot) }));
         if let Some(d) = &m.draft {
             data.push(
                 json!({ "id": d, "object": "model", "owned_by": "inferd", "roles": ["draft"], "draft_for": m.name }),
@@ -158,16 +189,18 @@ pub fn status_json(sh: &Shared) -> Value {
     let keep_alive = |k: Option<std::time::Duration>| k.map_or(json!(-1), |k| json!(k.as_secs_f64()));
     let models: Vec<Value> = sh
         .models
-        .slots
+        .slots()
         .iter()
         .map(|slot| {
             let (loads, ka) = (slot.loads.load(std::sync::atomic::Ordering::Relaxed), keep_alive(slot.keep_alive()));
             let Some(m) = slot.loaded() else {
-                return json!({ "name": slot.name, "loaded": false, "loads": loads, "keep_alive_seconds": ka });
+                let p = slot.progress.borrow();
+                let loading = p.loading.then(|| json!({ "done_bytes": p.done, "total_bytes": p.total }));
+                return json!({ "name": slot.name, "loaded": false, "loads": loads, "keep_alive_seconds": ka, "loading": loading, "file": facts_json(slot) });
             };
             let s = m.monitor.snapshot();
             json!({
-                "name": m.name, "loaded": true, "loads": loads, "keep_alive_seconds": ka,
+                "name": m.name, "loaded": true, "loads": loads, "keep_alive_seconds": ka, "file": facts_json(slot),
                 "idle_expires_in_seconds": slot.expires().map(|t| t.saturating_duration_since(std::time::Instant::now()).as_secs_f64()),
                 "draft": m.draft, "context_length": m.context_len(), "backend": m.backend,
                 "device_memory": m.device_memory.map(|d| json!({ "weights_bytes": d.weights_bytes, "kv_bytes": d.kv_bytes })),
@@ -185,6 +218,7 @@ pub fn status_json(sh: &Shared) -> Value {
     json!({
         "status": if sh.draining.load(std::sync::atomic::Ordering::Relaxed) { "stopping" } else { "ready" },
         "uptime_seconds": sh.started.elapsed().as_secs_f64(),
+        "model_store": sh.models.store,
         "models": models,
         "strategies": strategies,
         "plugins_refused": refused,

@@ -12,12 +12,15 @@ pub mod config;
 pub mod dbus;
 pub mod embed;
 pub mod fields;
+pub mod gate;
 pub mod http;
+pub mod loading;
 pub mod metrics;
 pub mod models;
 pub mod notify;
 pub mod ollama;
 pub mod request;
+pub mod store;
 
 use config::{Config, Limits, Mode};
 use inferd_engine::decode::store::EngineStore;
@@ -158,19 +161,17 @@ fn load_plugins(cfg: &Config, mode: Mode) -> (Registry, Vec<String>) {
     (reg, refused)
 }
 
-/// The configured models (the default model when none is).
-fn model_configs(cfg: &Config) -> anyhow::Result<Vec<config::ModelConfig>> {
-    if !cfg.models.is_empty() {
-        return Ok(cfg.models.clone());
-    }
-    let path = inferd_engine::paths::default_model().ok_or_else(|| {
-        anyhow::anyhow!("no model configured and the default model is not installed (run packaging/fetch-model)")
-    })?;
-    Ok(vec![config::ModelConfig::for_path(path)])
-}
-
-/// Loads model `mc` (and its draft) and starts its engine thread.
-fn load(mc: &config::ModelConfig, lo: &models::LoadOptions) -> anyhow::Result<ModelHandle> {
+/// Loads model `mc` (and its draft) as `name` and starts its engine thread, reporting the
+/// bytes of weights read so far to `progress`.
+fn load(
+    mc: &config::ModelConfig,
+    name: &str,
+    lo: &models::LoadOptions,
+    progress: &dyn Fn(u64, u64),
+) -> anyhow::Result<ModelHandle> {
+    let mut files = vec![mc.path.as_path()];
+    files.extend(mc.draft.as_deref());
+    store::read_ahead(&files, progress);
     let mut model = Model::load(&mc.path).map_err(|e| anyhow::anyhow!("loading {}: {e}", mc.path.display()))?;
     model.limit_context(mc.context_len);
     if let Some(t) = &mc.chat_template {
@@ -201,7 +202,7 @@ fn load(mc: &config::ModelConfig, lo: &models::LoadOptions) -> anyhow::Result<Mo
             );
         }
     }
-    let name = mc.name.clone().unwrap_or_else(|| model.name.clone());
+    let name = name.to_string();
     let monitor = Arc::new(Monitor::new(name.clone()));
     let (tx, rx) = std::sync::mpsc::channel();
     let opts =
@@ -305,12 +306,21 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     let (reg, refused) = load_plugins(&cfg, args.mode);
     let keep_alive =
         models::parse_keep_alive(&cfg.server.keep_alive).map_err(|e| anyhow::anyhow!("server.keep_alive: {e}"))?;
-    let lo = models::LoadOptions {
-        threads: cfg.server.threads,
-        token_budget: cfg.scheduler.token_budget,
-        max_running: cfg.scheduler.max_running,
+    let settings = models::Settings {
+        opts: models::LoadOptions {
+            threads: cfg.server.threads,
+            token_budget: cfg.scheduler.token_budget,
+            max_running: cfg.scheduler.max_running,
+        },
+        // `--model` serves that model alone; otherwise the store's models are listed too.
+        store: args
+            .model
+            .is_none()
+            .then(|| cfg.server.model_store.clone().unwrap_or_else(|| store::default_dir(args.mode))),
+        default_keep_alive: keep_alive,
+        budget_mib: cfg.server.memory_budget_mib,
     };
-    let models = models::Models::start(model_configs(&cfg)?, lo, keep_alive)?;
+    let models = models::Models::start(cfg.models.clone(), settings)?;
     let shared = Arc::new(Shared {
         models,
         registry: RwLock::new(Arc::new(reg)),
@@ -343,8 +353,12 @@ async fn serve(sh: Arc<Shared>, args: &ServeArgs, cfg: Config) -> anyhow::Result
     let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
     let (listener, path) = listen(&cfg, args.mode)?;
-    listener.set_nonblocking(true)?;
-    let listener = tokio::net::UnixListener::from_std(listener)?;
+    let activated = path.is_none();
+    let listener = gate::Gate::new(listener)?;
+    let door = listener.state();
+    let idle_exit = models::parse_keep_alive(&cfg.server.idle_exit)
+        .map_err(|e| anyhow::anyhow!("server.idle_exit: {e}"))?
+        .filter(|d| !d.is_zero() && activated);
     let stop = Arc::new(tokio::sync::Notify::new());
     let router = http::router(Arc::clone(&sh));
     let s = Arc::clone(&stop);
@@ -381,20 +395,34 @@ async fn serve(sh: Arc<Shared>, args: &ServeArgs, cfg: Config) -> anyhow::Result
     let where_ = path.as_ref().map_or_else(|| "the socket systemd passed".to_string(), |p| p.display().to_string());
     eprintln!(
         "inferd: serving {} on {where_}",
-        sh.models.slots.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", ")
+        sh.models.slots().iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", ")
     );
     notify::ready(&sh.summary());
     let watchdog = notify::watchdog(Arc::clone(&sh));
 
     let mut status_tick = tokio::time::interval(Duration::from_secs(5));
     let mut reap_tick = tokio::time::interval(Duration::from_millis(500));
+    let mut idle_tick = tokio::time::interval(Duration::from_millis(250));
     loop {
         tokio::select! {
+            // Socket-activated, nothing loaded or loading, no request and no connection for
+            // idle_exit: exit; the gate accepts nothing more, so a client connecting now waits
+            // in the socket's backlog for the next start.
+            _ = idle_tick.tick(), if idle_exit.is_some() => {
+                let idle = idle_exit.unwrap_or_default();
+                let quiet = sh.models.loaded().is_empty() && !sh.models.loading() && sh.in_flight() == 0;
+                if quiet && door.close_if_idle(idle) {
+                    eprintln!("inferd: idle for {} s with no model loaded: exiting (the socket starts inferd again)", idle.as_secs_f64());
+                    break;
+                }
+            }
             _ = term.recv() => break,
             _ = int.recv() => break,
             _ = hup.recv() => reload(&sh, args).await,
             _ = status_tick.tick() => notify::status(&sh.summary()),
-            _ = reap_tick.tick() => sh.models.reap().into_iter().for_each(models::stop),
+            _ = reap_tick.tick() => for h in sh.models.reap() {
+                drop(models::stop(h));
+            },
             Some(r) = servers.join_next() => {
                 // A listener ended by itself: that is an error worth exiting for.
                 match r {
@@ -432,8 +460,10 @@ async fn serve(sh: Arc<Shared>, args: &ServeArgs, cfg: Config) -> anyhow::Result
     Ok(())
 }
 
-/// SIGHUP: reread the config (limits apply at once; models and the socket need a restart) and
-/// rescan the plugin directories.
+/// SIGHUP: reread the config: limits apply at once; added, removed and changed `[[model]]`
+/// entries come, go and are replaced (new ones load now), the others keep serving; the store
+/// is read again; the plugin directories are rescanned. The socket and the `[server]`
+/// settings need a restart.
 async fn reload(sh: &Arc<Shared>, args: &ServeArgs) {
     notify::reloading();
     match args.config() {
@@ -447,6 +477,22 @@ async fn reload(sh: &Arc<Shared>, args: &ServeArgs) {
             }
             if let Ok(mut l) = sh.limits.write() {
                 *l = cfg.limits.clone();
+            }
+            let changes = sh.models.reconfigure(cfg.models.clone()).unwrap_or_else(|e| {
+                eprintln!("inferd: keeping the running models: {e:#}");
+                Vec::new()
+            });
+            // A configured model loads at start: a new or changed entry loads now.
+            for (what, name) in changes {
+                eprintln!("inferd: model {name} {what}");
+                if what != "removed" {
+                    let sh = Arc::clone(sh);
+                    tokio::spawn(async move {
+                        if let Err(e) = sh.models.acquire(Some(&name)).await {
+                            eprintln!("inferd: {}", e.message);
+                        }
+                    });
+                }
             }
             eprintln!("inferd: reloaded the configuration and {} strategies", sh.registry().names().len());
         }

@@ -1,21 +1,30 @@
-//! The models a daemon serves, each in memory only while it is used. A configured model loads
-//! at start; one that no request has held for its `keep_alive` is unloaded (its engine thread
-//! ends, its weights are unmapped, its KV pool freed), and the next request that names it
-//! loads it again: one load at a time per model, requests arriving meanwhile wait for that
-//! load. `keep_alive` comes from the config (`server.keep_alive`, a model's own) and from
-//! requests (Ollama's field: a duration, `0` to unload once idle, `-1` to keep it).
+//! The models a daemon serves, each in memory only while it is used. They come from the
+//! config (`[[model]]`: names, draft bindings, settings; loaded at start) and from the model
+//! store (every GGUF file and Hugging Face directory in it, [`super::store`]; loaded on first
+//! use). One that no request has held for its `keep_alive` is unloaded (its engine thread
+//! ends, its weights are unmapped, its KV pool freed), and the next request that names it loads
+//! it again: one load at a time per model; requests arriving meanwhile wait for that load and
+//! can watch its progress. `keep_alive` comes from the config (`server.keep_alive`, a model's
+//! own) and from requests (Ollama's field: a duration, `0` to unload once idle, `-1` to keep
+//! it). With `server.memory_budget_mib`, a load that would not fit first unloads the least
+//! recently used idle models on the same device.
 
 use super::config::ModelConfig;
 use super::request::ApiError;
 use super::ModelHandle;
+use inferd_engine::model::facts::Facts;
 use inferd_engine::sched::Command;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 /// The shortest idle time before an unload: a request between its model's load and its
 /// submission is never caught in between (the reaper needs two looks a second apart).
 const MIN_IDLE: Duration = Duration::from_secs(1);
+
+/// How long a load waits for busy models to go idle and leave it room in the memory budget.
+const ROOM_WAIT: Duration = Duration::from_secs(120);
 
 /// What loading a model needs beyond its entry: the daemon's threads and scheduler settings.
 #[derive(Clone, Debug)]
@@ -25,25 +34,75 @@ pub struct LoadOptions {
     pub max_running: usize,
 }
 
+/// Where a model's entry comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// A `[[model]]` entry (or `--model`): loaded at start.
+    Configured,
+    /// A file or directory in the model store: loaded on first use.
+    Store,
+}
+
+/// How far a load has come: bytes of weights read of the total.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoadProgress {
+    pub done: u64,
+    pub total: u64,
+    /// Whether a load is under way.
+    pub loading: bool,
+}
+
 /// One model the daemon can serve, loaded or not.
 pub struct Slot {
     /// The name requests use.
     pub name: String,
     pub config: ModelConfig,
+    pub source: Source,
+    /// What its file says (none when its header cannot be read: loading it says why).
+    pub facts: Option<Facts>,
+    /// The device its weights and KV cache take memory on ("cpu", "cuda").
+    pub device: &'static str,
     handle: Mutex<Option<Arc<ModelHandle>>>,
     /// Held while loading: one load at a time.
     loading: tokio::sync::Mutex<()>,
+    /// The load under way, for whoever waits for it.
+    pub progress: tokio::sync::watch::Sender<LoadProgress>,
     /// How long the model stays loaded once idle; `None`: as long as the daemon runs.
     keep_alive: Mutex<Option<Duration>>,
     /// Its `keep_alive` from the config, which a request without one goes back to.
     configured: Option<Duration>,
     /// Since when no request has held the model, as the reaper saw it.
     idle_since: Mutex<Option<Instant>>,
+    /// The last time a request asked for it (least recently used goes first).
+    last_used: Mutex<Instant>,
     /// Loads so far (the start's included).
     pub loads: AtomicU64,
 }
 
 impl Slot {
+    fn new(name: String, config: ModelConfig, source: Source, keep_alive: Option<Duration>) -> Slot {
+        let facts = Facts::read(&config.path).ok();
+        let device = match inferd_engine::backend::choose(config.backend_kind()).0 {
+            inferd_engine::backend::BackendKind::Cuda => "cuda",
+            _ => "cpu",
+        };
+        Slot {
+            name,
+            config,
+            source,
+            facts,
+            device,
+            handle: Mutex::new(None),
+            loading: tokio::sync::Mutex::new(()),
+            progress: tokio::sync::watch::channel(LoadProgress::default()).0,
+            keep_alive: Mutex::new(keep_alive),
+            configured: keep_alive,
+            idle_since: Mutex::new(None),
+            last_used: Mutex::new(Instant::now()),
+            loads: AtomicU64::new(0),
+        }
+    }
+
     /// The loaded model, if it is.
     pub fn loaded(&self) -> Option<Arc<ModelHandle>> {
         self.handle.lock().ok().and_then(|h| h.clone())
@@ -68,70 +127,210 @@ impl Slot {
         self.keep_alive().map(|k| since + k.max(MIN_IDLE))
     }
 
+    /// Bytes of its weights on disk (0 when its header cannot be read).
+    pub fn weight_bytes(&self) -> u64 {
+        self.facts.as_ref().map_or(0, |f| f.size)
+    }
+
+    /// Memory the model takes loaded, in bytes: its weights (and its draft's) and the KV
+    /// caches it reserves.
+    pub fn footprint(&self) -> u64 {
+        let weights = self.weight_bytes();
+        let draft = self.config.draft.as_deref().and_then(|d| Facts::read(d).ok()).map_or(0, |f| f.size);
+        let kv = (self.config.kv_cache_mib as u64) << 20;
+        let draft_kv = if self.config.draft.is_some() { kv / 2 } else { 0 };
+        weights + draft + kv + draft_kv
+    }
+
+    /// Whether a request holds the model or its engine has work.
+    fn busy(h: &Arc<ModelHandle>) -> bool {
+        let snap = h.monitor.snapshot();
+        Arc::strong_count(h) > 1 || snap.running + snap.waiting > 0
+    }
+
+    /// Whether the model is loaded and nobody holds it.
+    fn idle(&self) -> bool {
+        self.handle.lock().ok().is_some_and(|h| h.as_ref().is_some_and(|h| !Slot::busy(h)))
+    }
+
     fn touch(&self) {
         if let Ok(mut s) = self.idle_since.lock() {
             *s = None;
         }
+        if let Ok(mut t) = self.last_used.lock() {
+            *t = Instant::now();
+        }
+    }
+
+    fn last_used(&self) -> Instant {
+        self.last_used.lock().map_or_else(|_| Instant::now(), |t| *t)
+    }
+
+    fn take(&self) -> Option<Arc<ModelHandle>> {
+        self.handle.lock().ok().and_then(|mut h| h.take())
     }
 }
 
 /// Every model the daemon knows.
 pub struct Models {
-    pub slots: Vec<Arc<Slot>>,
+    slots: RwLock<Vec<Arc<Slot>>>,
     opts: LoadOptions,
+    /// The model store, scanned for models (none with `--model`: that model alone).
+    pub store: Option<PathBuf>,
+    default_keep_alive: Option<Duration>,
+    /// `server.memory_budget_mib` in bytes, per device.
+    budget: Option<u64>,
+    /// Held while a load makes room and loads: one budget decision at a time.
+    fit: tokio::sync::Mutex<()>,
+    /// Models taken out of a slot a reload replaced or removed, stopped once idle.
+    retired: Mutex<Vec<Arc<ModelHandle>>>,
 }
 
 impl std::fmt::Debug for Models {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Models").field("names", &self.slots.iter().map(|s| &s.name).collect::<Vec<_>>()).finish()
+        f.debug_struct("Models")
+            .field("names", &self.slots().iter().map(|s| s.name.clone()).collect::<Vec<_>>())
+            .finish()
     }
 }
 
+/// What a model store and configuration give: the daemon's model settings.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub opts: LoadOptions,
+    pub store: Option<PathBuf>,
+    pub default_keep_alive: Option<Duration>,
+    pub budget_mib: u64,
+}
+
 impl Models {
-    /// The configured models, loaded now (so a model that cannot run stops the start).
-    pub fn start(
-        configs: Vec<ModelConfig>,
-        opts: LoadOptions,
-        default_keep_alive: Option<Duration>,
-    ) -> anyhow::Result<Models> {
+    /// The configured models, loaded now (so a model that cannot run stops the start), and
+    /// the store's, loaded on use.
+    pub fn start(configs: Vec<ModelConfig>, settings: Settings) -> anyhow::Result<Models> {
+        let models = Models {
+            slots: RwLock::new(Vec::new()),
+            opts: settings.opts,
+            store: settings.store,
+            default_keep_alive: settings.default_keep_alive,
+            budget: (settings.budget_mib > 0).then_some(settings.budget_mib << 20),
+            fit: tokio::sync::Mutex::new(()),
+            retired: Mutex::new(Vec::new()),
+        };
+        let slots = models.configured(configs)?;
+        for slot in &slots {
+            if let Some(b) = models.budget {
+                let loaded: u64 = models.loaded_slots(slot.device).iter().map(|s| s.footprint()).sum();
+                if loaded + slot.footprint() > b {
+                    eprintln!(
+                        "inferd: {} does not fit memory_budget_mib beside the models loaded before it; it loads on use",
+                        slot.name
+                    );
+                    continue;
+                }
+            }
+            let h = super::load(&slot.config, &slot.name, &models.opts, &|_, _| {})?;
+            slot.loads.fetch_add(1, Ordering::Relaxed);
+            if let Ok(mut g) = slot.handle.lock() {
+                *g = Some(Arc::new(h));
+            }
+            if let Ok(mut all) = models.slots.write() {
+                all.push(Arc::clone(slot));
+            }
+        }
+        if let Ok(mut all) = models.slots.write() {
+            for slot in slots {
+                if !all.iter().any(|s| Arc::ptr_eq(s, &slot)) {
+                    all.push(slot);
+                }
+            }
+            sort(&mut all);
+        }
+        models.rescan();
+        Ok(models)
+    }
+
+    /// Slots for `configs`, checked (unique names, readable `keep_alive`), none loaded.
+    fn configured(&self, configs: Vec<ModelConfig>) -> anyhow::Result<Vec<Arc<Slot>>> {
         let mut slots: Vec<Arc<Slot>> = Vec::new();
         for mc in configs {
-            let handle = super::load(&mc, &opts)?;
-            if slots.iter().any(|s| s.name == handle.name) {
-                anyhow::bail!("two models are named {:?}: give one a `name` in the config", handle.name);
+            let name = mc.name.clone().unwrap_or_else(|| super::store::model_name(&mc.path));
+            if slots.iter().any(|s| s.name == name) {
+                anyhow::bail!("two models are named {name:?}: give one a `name` in the config");
             }
             let keep_alive = match mc.keep_alive.as_deref() {
-                Some(k) => parse_keep_alive(k).map_err(|e| anyhow::anyhow!("{}: keep_alive: {e}", handle.name))?,
-                None => default_keep_alive,
+                Some(k) => parse_keep_alive(k).map_err(|e| anyhow::anyhow!("{name}: keep_alive: {e}"))?,
+                None => self.default_keep_alive,
             };
-            slots.push(Arc::new(Slot {
-                name: handle.name.clone(),
-                config: mc,
-                handle: Mutex::new(Some(Arc::new(handle))),
-                loading: tokio::sync::Mutex::new(()),
-                keep_alive: Mutex::new(keep_alive),
-                configured: keep_alive,
-                idle_since: Mutex::new(None),
-                loads: AtomicU64::new(1),
-            }));
+            slots.push(Arc::new(Slot::new(name, mc, Source::Configured, keep_alive)));
         }
-        Ok(Models { slots, opts })
+        Ok(slots)
+    }
+
+    /// Every model, configured ones first (in the config's order), then the store's by name.
+    pub fn slots(&self) -> Vec<Arc<Slot>> {
+        self.slots.read().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    /// Whether a model is being loaded now.
+    pub fn loading(&self) -> bool {
+        self.slots().iter().any(|s| s.progress.borrow().loading)
     }
 
     /// The models in memory now.
     pub fn loaded(&self) -> Vec<Arc<ModelHandle>> {
-        self.slots.iter().filter_map(|s| s.loaded()).collect()
+        self.slots().iter().filter_map(|s| s.loaded()).collect()
+    }
+
+    fn loaded_slots(&self, device: &str) -> Vec<Arc<Slot>> {
+        self.slots().into_iter().filter(|s| s.device == device && s.loaded().is_some()).collect()
+    }
+
+    /// Reads the store again: new files become models, removed ones (unless loaded) go.
+    pub fn rescan(&self) {
+        let Some(dir) = &self.store else { return };
+        let found = super::store::scan(dir);
+        let Ok(mut all) = self.slots.write() else { return };
+        all.retain(|s| {
+            s.source == Source::Configured || s.loaded().is_some() || found.iter().any(|(_, p)| *p == s.config.path)
+        });
+        for (name, path) in found {
+            // A configured entry for a store file gives it its name and settings.
+            let known = all
+                .iter()
+                .any(|s| s.name == name || (s.source == Source::Configured && same_file(&s.config.path, &path)));
+            if !known {
+                let mc = ModelConfig::for_path(path);
+                all.push(Arc::new(Slot::new(name, mc, Source::Store, self.default_keep_alive)));
+            }
+        }
+        sort(&mut all);
     }
 
     /// The slot of model `name` (the first one when none is named).
-    pub fn slot(&self, name: Option<&str>) -> Result<&Arc<Slot>, ApiError> {
-        match name {
-            None | Some("") => self.slots.first().ok_or_else(|| ApiError::new(503, "no model is configured", None)),
-            Some(n) => self.slots.iter().find(|s| s.name == n).ok_or_else(|| {
-                let names: Vec<&str> = self.slots.iter().map(|s| s.name.as_str()).collect();
-                ApiError::new(404, format!("unknown model {n:?} (known: {})", names.join(", ")), Some("model"))
-            }),
+    pub fn slot(&self, name: Option<&str>) -> Result<Arc<Slot>, ApiError> {
+        let find = || {
+            let all = self.slots();
+            match name {
+                None | Some("") => all.first().cloned(),
+                Some(n) => all.iter().find(|s| s.name == n).cloned(),
+            }
+        };
+        if let Some(s) = find() {
+            return Ok(s);
         }
+        // A model installed since the last look.
+        self.rescan();
+        find().ok_or_else(|| match name {
+            None | Some("") => ApiError::new(
+                503,
+                "no model is installed: `inferctl pull REF` installs one, or configure a [[model]]",
+                None,
+            ),
+            Some(n) => {
+                let names: Vec<String> = self.slots().iter().map(|s| s.name.clone()).collect();
+                ApiError::new(404, format!("unknown model {n:?} (known: {})", names.join(", ")), Some("model"))
+            }
+        })
     }
 
     /// Model `name`, loaded first if it is not (waiting for a load already under way).
@@ -145,10 +344,20 @@ impl Models {
         if let Some(h) = slot.loaded() {
             return Ok(h);
         }
-        let (mc, opts) = (slot.config.clone(), self.opts.clone());
+        let _fit = self.fit.lock().await;
+        self.make_room(&slot).await?;
+        slot.progress.send_replace(LoadProgress { done: 0, total: slot.weight_bytes(), loading: true });
+        let (mc, opts, s) = (slot.config.clone(), self.opts.clone(), Arc::clone(&slot));
         let started = Instant::now();
-        let loaded = tokio::task::spawn_blocking(move || super::load(&mc, &opts))
-            .await
+        let loaded = tokio::task::spawn_blocking(move || {
+            super::load(&mc, &s.name, &opts, &|done, total| {
+                s.progress.send_replace(LoadProgress { done, total, loading: true });
+            })
+        })
+        .await;
+        let done = slot.progress.borrow().total;
+        slot.progress.send_replace(LoadProgress { done, total: done, loading: false });
+        let loaded = loaded
             .map_err(|e| ApiError::new(500, format!("loading {}: {e}", slot.name), None))?
             .map_err(|e| ApiError::new(503, format!("loading {}: {e:#}", slot.name), None))?;
         let h = Arc::new(loaded);
@@ -161,16 +370,85 @@ impl Models {
         Ok(h)
     }
 
-    /// The models whose idle time passed their `keep_alive`, taken out of their slots (the
-    /// caller stops them). A model is busy while a request holds it.
+    /// With a memory budget: unloads the least recently used idle models on `slot`'s device
+    /// until it fits, waiting a while for busy ones to go idle. A model larger than the whole
+    /// budget is refused with the sizes.
+    async fn make_room(&self, slot: &Slot) -> Result<(), ApiError> {
+        let Some(budget) = self.budget else { return Ok(()) };
+        let need = slot.footprint();
+        let mib = |b: u64| b.div_ceil(1 << 20);
+        if need > budget {
+            return Err(ApiError::new(
+                507,
+                format!(
+                    "{} needs {} MiB ({} MiB of weights, {} MiB of KV cache), more than memory_budget_mib = {} on {}",
+                    slot.name,
+                    mib(need),
+                    mib(need - ((slot.config.kv_cache_mib as u64) << 20)),
+                    slot.config.kv_cache_mib,
+                    mib(budget),
+                    slot.device
+                ),
+                Some("model"),
+            ));
+        }
+        let t0 = Instant::now();
+        loop {
+            let loaded = self.loaded_slots(slot.device);
+            let used: u64 = loaded.iter().map(|s| s.footprint()).sum();
+            if used + need <= budget {
+                return Ok(());
+            }
+            // The least recently used model nobody holds, unless it was asked for a moment ago
+            // (its request is on its way to it).
+            let idle =
+                loaded.iter().filter(|s| s.last_used().elapsed() >= MIN_IDLE && s.idle()).min_by_key(|s| s.last_used());
+            match idle.and_then(|s| s.take()) {
+                Some(h) => {
+                    eprintln!("inferd: unloading {} to make room for {} (memory_budget_mib)", h.name, slot.name);
+                    let _ = stop(h).await;
+                }
+                None if t0.elapsed() > ROOM_WAIT => {
+                    return Err(ApiError::new(
+                        503,
+                        format!(
+                            "{} needs {} MiB and the busy models on {} hold {} of memory_budget_mib = {}: try again later",
+                            slot.name,
+                            mib(need),
+                            slot.device,
+                            mib(used),
+                            mib(budget)
+                        ),
+                        None,
+                    ));
+                }
+                None => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+    }
+
+    /// Unloads model `name` now if nobody holds it, else once its last request ends.
+    pub fn unload(&self, name: &str) -> Result<bool, ApiError> {
+        let slot = self.slot(Some(name))?;
+        slot.set_keep_alive(Some(Some(Duration::ZERO)));
+        Ok(slot.loaded().is_some())
+    }
+
+    /// The models whose idle time passed their `keep_alive`, and retired ones nobody holds,
+    /// taken out of their slots (the caller stops them). A model is busy while a request holds
+    /// it.
     pub fn reap(&self) -> Vec<Arc<ModelHandle>> {
         let now = Instant::now();
         let mut out = Vec::new();
-        for slot in &self.slots {
+        if let Ok(mut retired) = self.retired.lock() {
+            let (busy, idle): (Vec<_>, Vec<_>) = retired.drain(..).partition(Slot::busy);
+            *retired = busy;
+            out.extend(idle);
+        }
+        for slot in self.slots() {
             let Ok(mut handle) = slot.handle.lock() else { continue };
             let Some(h) = handle.as_ref() else { continue };
-            let snap = h.monitor.snapshot();
-            let busy = Arc::strong_count(h) > 1 || snap.running + snap.waiting > 0;
+            let busy = Slot::busy(h);
             let Ok(mut idle) = slot.idle_since.lock() else { continue };
             if busy {
                 *idle = None;
@@ -184,11 +462,88 @@ impl Models {
         }
         out
     }
+
+    /// A new configuration's `[[model]]` entries: added ones come in (and load), removed ones
+    /// go, changed ones are replaced; a model that is unchanged keeps running, and a replaced
+    /// or removed model still holding requests finishes them first. Returns what changed
+    /// ("added", "changed", "removed") and the model's name.
+    pub fn reconfigure(&self, configs: Vec<ModelConfig>) -> anyhow::Result<Vec<(&'static str, String)>> {
+        let new = self.configured(configs)?;
+        let mut changes = Vec::new();
+        let Ok(mut all) = self.slots.write() else { anyhow::bail!("the model table is poisoned") };
+        let old: Vec<Arc<Slot>> = all.iter().filter(|s| s.source == Source::Configured).cloned().collect();
+        let mut kept = Vec::new();
+        for slot in &old {
+            match new.iter().find(|n| n.name == slot.name) {
+                Some(n) if n.config == slot.config => kept.push(slot.name.clone()),
+                found => {
+                    changes.push((if found.is_some() { "changed" } else { "removed" }, slot.name.clone()));
+                    if let (Some(h), Ok(mut r)) = (slot.take(), self.retired.lock()) {
+                        r.push(h);
+                    }
+                }
+            }
+        }
+        all.retain(|s| s.source == Source::Store || kept.contains(&s.name));
+        // A configured name hides a store model of that name.
+        all.retain(|s| s.source == Source::Configured || !new.iter().any(|n| n.name == s.name));
+        for slot in new {
+            if !kept.contains(&slot.name) {
+                if !old.iter().any(|o| o.name == slot.name) {
+                    changes.push(("added", slot.name.clone()));
+                }
+                all.push(slot);
+            }
+        }
+        sort(&mut all);
+        drop(all);
+        self.rescan();
+        Ok(changes)
+    }
+
+    /// Removes store model `name`: unloads it and deletes its file or directory.
+    pub fn remove(&self, name: &str) -> Result<PathBuf, ApiError> {
+        let slot = self.slot(Some(name))?;
+        if slot.source != Source::Store {
+            return Err(ApiError::new(
+                409,
+                format!(
+                    "{name} is configured in inferd.toml, not installed in the model store: remove its [[model]] entry"
+                ),
+                Some("model"),
+            ));
+        }
+        if let (Some(h), Ok(mut r)) = (slot.take(), self.retired.lock()) {
+            r.push(h);
+        }
+        let path = slot.config.path.clone();
+        super::store::remove(&path)
+            .map_err(|e| ApiError::new(500, format!("removing {}: {e}", path.display()), None))?;
+        if let Ok(mut all) = self.slots.write() {
+            all.retain(|s| !Arc::ptr_eq(s, &slot));
+        }
+        Ok(path)
+    }
 }
 
-/// Stops a model taken out of its slot (on the runtime): its engine ends, its thread is joined
-/// on a blocking thread, and the memory goes with the last reference.
-pub fn stop(h: Arc<ModelHandle>) {
+/// Configured first, then the store's: the default model, then by name.
+fn sort(all: &mut [Arc<Slot>]) {
+    let default = super::store::model_name(Path::new(inferd_engine::paths::DEFAULT_MODEL_FILE));
+    all.sort_by_key(|s| (s.source == Source::Store, s.source == Source::Store && s.name != default));
+    let store_from = all.iter().position(|s| s.source == Source::Store && s.name != default).unwrap_or(all.len());
+    all[store_from..].sort_by(|a, b| a.name.cmp(&b.name));
+}
+
+fn same_file(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    }
+}
+
+/// Stops a model taken out of its slot: its engine ends, its thread is joined on a blocking
+/// thread, and the memory goes with the last reference. Awaiting it waits for all that.
+pub fn stop(h: Arc<ModelHandle>) -> tokio::task::JoinHandle<()> {
     if let Ok(tx) = h.engine.lock() {
         let _ = tx.send(Command::Shutdown);
     }
@@ -196,8 +551,11 @@ pub fn stop(h: Arc<ModelHandle>) {
         if let Some(t) = h.thread.lock().ok().and_then(|mut t| t.take()) {
             let _ = t.join();
         }
-        eprintln!("inferd: unloaded {}", h.name);
-    });
+        let name = h.name.clone();
+        drop(h);
+        inferd_engine::model::mmap::trim_heap();
+        eprintln!("inferd: unloaded {name}");
+    })
 }
 
 /// Ollama's `keep_alive`: a duration ("5m", "1h30m", "10s", "250ms"), a number of seconds,

@@ -11,6 +11,7 @@
 use super::chat::Tools;
 use super::fields::{self, Field};
 use super::http::Peer;
+use super::models::Slot;
 use super::request::{self, ApiError, Output, Piece};
 use super::{ModelHandle, Shared};
 use axum::extract::{ConnectInfo, State};
@@ -21,6 +22,7 @@ use axum::{Json, Router};
 use inferd_engine::sched::Command;
 use inferd_engine::tools::parse::{Delta, ToolStream};
 use serde_json::{json, Map, Value};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -51,7 +53,7 @@ fn bad(message: impl Into<String>) -> ApiError {
 }
 
 /// `time` as RFC 3339 in UTC with nanoseconds, as Ollama writes `created_at`.
-fn rfc3339(time: SystemTime) -> String {
+pub fn rfc3339(time: SystemTime) -> String {
     let d = time.duration_since(UNIX_EPOCH).unwrap_or_default();
     let (secs, nanos) = (d.as_secs() as i64, d.subsec_nanos());
     let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
@@ -82,14 +84,8 @@ fn tagged(m: &ModelHandle) -> String {
     format!("{}:latest", m.name)
 }
 
-/// `134.52M`, `1.24B`: the size Ollama lists, from the weights' element count.
-fn parameter_size(m: &ModelHandle) -> String {
-    let w = &m.model.weights;
-    let mats = w.layers.iter().flat_map(|l| l.matrices());
-    let mut n: usize = mats.map(|t| t.rows * t.cols).sum::<usize>() + w.token_embd.rows * w.token_embd.cols;
-    if !m.model.arch.tied_output {
-        n += w.output.rows * w.output.cols;
-    }
+/// `134.52M`, `1.24B`: the size Ollama lists, from the file's parameter count.
+fn parameter_size(n: u64) -> String {
     if n >= 1_000_000_000 {
         format!("{:.2}B", n as f64 / 1e9)
     } else {
@@ -97,26 +93,28 @@ fn parameter_size(m: &ModelHandle) -> String {
     }
 }
 
-fn details(m: &ModelHandle) -> Value {
-    let family = m.model.arch.name;
-    let format = if m.model.path.is_dir() { "safetensors" } else { "gguf" };
-    json!({
-        "parent_model": "", "format": format, "family": family, "families": [family],
-        "parameter_size": parameter_size(m), "quantization_level": m.model.weights.layers.first().map(|l| l.w_up.dtype.name()).unwrap_or("unknown"),
-    })
+/// A model's details as its file gives them, loaded or not.
+fn details(slot: &Slot) -> Value {
+    match &slot.facts {
+        Some(f) => json!({
+            "parent_model": "", "format": f.format, "family": f.architecture, "families": [f.architecture],
+            "parameter_size": parameter_size(f.parameters), "quantization_level": f.file_type,
+        }),
+        None => json!({ "parent_model": "", "format": "unknown" }),
+    }
 }
 
 /// The model file's size and modification time.
-fn file_facts(m: &ModelHandle) -> (u64, SystemTime) {
-    let meta = std::fs::metadata(&m.model.path).ok();
+fn file_facts(path: &Path) -> (u64, SystemTime) {
+    let meta = std::fs::metadata(path).ok();
     (meta.as_ref().map_or(0, |x| x.len()), meta.and_then(|x| x.modified().ok()).unwrap_or(UNIX_EPOCH))
 }
 
 /// A stable identifier of the file (path, size, modification time); not a content hash.
-fn digest(m: &ModelHandle) -> String {
-    let (size, modified) = file_facts(m);
+fn digest(path: &Path) -> String {
+    let (size, modified) = file_facts(path);
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let key = format!("{}\0{size}\0{:?}", m.model.path.display(), modified);
+    let key = format!("{}\0{size}\0{:?}", path.display(), modified);
     for b in key.bytes() {
         h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
     }
@@ -128,21 +126,17 @@ async fn version() -> Json<Value> {
 }
 
 async fn tags(State(sh): State<Arc<Shared>>) -> Json<Value> {
+    sh.models.rescan();
     let models: Vec<Value> = sh
         .models
-        .slots
+        .slots()
         .iter()
         .map(|slot| {
-            let Some(m) = slot.loaded() else {
-                // Not in memory: what the file says without loading it.
-                let meta = std::fs::metadata(&slot.config.path).ok();
-                let size = meta.as_ref().map_or(0, |x| x.len());
-                let modified = meta.and_then(|x| x.modified().ok()).unwrap_or(UNIX_EPOCH);
-                let name = format!("{}:latest", slot.name);
-                return json!({ "name": name, "model": name, "modified_at": rfc3339(modified), "size": size, "details": { "format": "gguf" } });
-            };
-            let (size, modified) = file_facts(&m);
-            json!({ "name": tagged(&m), "model": tagged(&m), "modified_at": rfc3339(modified), "size": size, "digest": digest(&m), "details": details(&m) })
+            let path = &slot.config.path;
+            let (_, modified) = file_facts(path);
+            let size = slot.facts.as_ref().map_or(0, |f| f.size);
+            let name = format!("{}:latest", slot.name);
+            json!({ "name": name, "model": name, "modified_at": rfc3339(modified), "size": size, "digest": digest(path), "details": details(slot) })
         })
         .collect();
     Json(json!({ "models": models }))
@@ -151,11 +145,12 @@ async fn tags(State(sh): State<Arc<Shared>>) -> Json<Value> {
 async fn ps(State(sh): State<Arc<Shared>>) -> Json<Value> {
     let models: Vec<Value> = sh
         .models
-        .slots
+        .slots()
         .iter()
         .filter_map(|slot| {
             let m = slot.loaded()?;
-            let (size, _) = file_facts(&m);
+            let path = &slot.config.path;
+            let size = slot.footprint();
             let vram = m.device_memory.map_or(0, |d| d.weights_bytes + d.kv_bytes);
             // When it unloads: its idle expiry, or its keep_alive from now while in use.
             let expires = match (slot.expires(), slot.keep_alive()) {
@@ -163,7 +158,7 @@ async fn ps(State(sh): State<Arc<Shared>>) -> Json<Value> {
                 (Some(t), _) => rfc3339(SystemTime::now() + t.saturating_duration_since(Instant::now())),
                 (None, Some(k)) => rfc3339(SystemTime::now() + k),
             };
-            Some(json!({ "name": tagged(&m), "model": tagged(&m), "size": size, "digest": digest(&m), "details": details(&m), "expires_at": expires, "size_vram": vram }))
+            Some(json!({ "name": tagged(&m), "model": tagged(&m), "size": size, "digest": digest(path), "details": details(slot), "expires_at": expires, "size_vram": vram }))
         })
         .collect();
     Json(json!({ "models": models }))
@@ -176,12 +171,13 @@ async fn show(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Respons
     let run = || -> Result<Value, ApiError> {
         let m = super::http::object(&body)?;
         let h = model(&sh, &m)?;
-        let (_, modified) = file_facts(&h);
+        let slot = sh.models.slot(Some(&h.name))?;
+        let (_, modified) = file_facts(&slot.config.path);
         let (cfg, arch) = (&h.model.config, h.model.arch.name);
         Ok(json!({
             "modelfile": "", "parameters": "", "license": "",
             "template": h.model.chat_template.clone().unwrap_or_default(),
-            "details": details(&h),
+            "details": details(&slot),
             "model_info": {
                 "general.architecture": arch,
                 format!("{arch}.context_length"): h.context_len(),

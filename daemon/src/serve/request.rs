@@ -76,17 +76,31 @@ impl Shared {
     /// it is loaded; with `ollama`, the body's `keep_alive` becomes the model's. A body that is
     /// not a JSON object is left to the route's own checks.
     pub async fn warm(&self, body: &[u8], ollama: bool) -> Result<(), ApiError> {
+        match self.wanted(body, ollama)? {
+            Some((name, keep_alive)) => self.load(name.as_deref(), keep_alive).await,
+            None => Ok(()),
+        }
+    }
+
+    /// The model a JSON body names and its `keep_alive` (Ollama's routes), checked without
+    /// loading anything; `None` for a body that is not a JSON object naming a model by text.
+    #[allow(clippy::type_complexity)]
+    pub fn wanted(
+        &self,
+        body: &[u8],
+        ollama: bool,
+    ) -> Result<Option<(Option<String>, Option<Option<std::time::Duration>>)>, ApiError> {
         #[derive(serde::Deserialize)]
         struct Named {
             model: Option<serde_json::Value>,
             name: Option<serde_json::Value>,
             keep_alive: Option<serde_json::Value>,
         }
-        let Ok(n) = serde_json::from_slice::<Named>(body) else { return Ok(()) };
+        let Ok(n) = serde_json::from_slice::<Named>(body) else { return Ok(None) };
         let name = match n.model.or(if ollama { n.name } else { None }) {
             None | Some(serde_json::Value::Null) => None,
             Some(serde_json::Value::String(s)) => Some(s.strip_suffix(":latest").unwrap_or(&s).to_owned()),
-            Some(_) => return Ok(()),
+            Some(_) => return Ok(None),
         };
         let name = name.filter(|s| !s.is_empty());
         let keep_alive = match n.keep_alive.filter(|k| ollama && !k.is_null()) {
@@ -96,7 +110,7 @@ impl Shared {
             Some(_) => Some(Err("keep_alive must be a duration or a number of seconds".into())),
         };
         let keep_alive = keep_alive.transpose().map_err(|e| ApiError::bad(format!("keep_alive: {e}"), "keep_alive"))?;
-        self.load(name.as_deref(), keep_alive).await
+        Ok(Some((name, keep_alive)))
     }
 
     /// Loads model `name` unless it is loaded. As in Ollama, each request sets how long the

@@ -371,7 +371,8 @@ fn inferctl_talks_to_the_daemon_and_says_when_it_cannot() {
         "{out}"
     );
     let (_, out, _) = inferctl(&d.socket, &["models"], "");
-    assert_eq!(out, "SmolLM2-135M-Instruct.Q4_1\tloaded\ttarget\n");
+    let head = "NAME\tSTATE\tSIZE\tTYPE\tARCH\tCONTEXT\tROLES\n";
+    assert_eq!(out, format!("{head}SmolLM2-135M-Instruct.Q4_1\tloaded\t93.8MiB\tQ4_1\tllama\t8192\ttarget\n"));
     let (_, out, _) = inferctl(&d.socket, &["plugins"], "");
     assert!(out.lines().any(|l| l.starts_with("greedy\tinferd-greedy")), "{out}");
     let (_, out, _) = inferctl(&d.socket, &["tokenize", "Hello 12 world"], "");
@@ -407,12 +408,24 @@ fn inferctl_talks_to_the_daemon_and_says_when_it_cannot() {
     let (ok, out, err) = inferctl(&d.socket, &["unload", "SmolLM2-135M-Instruct.Q4_1"], "");
     assert!(ok && out == "SmolLM2-135M-Instruct.Q4_1: unloading once idle\n", "{out}{err}");
     wait_for("the unload", Duration::from_secs(10), || {
-        inferctl(&d.socket, &["models"], "").1 == "SmolLM2-135M-Instruct.Q4_1\tnot loaded\t\n"
+        inferctl(&d.socket, &["models"], "").1
+            == format!("{head}SmolLM2-135M-Instruct.Q4_1\tnot-loaded\t93.8MiB\tQ4_1\tllama\t8192\t\n")
     });
     let (_, out, _) = inferctl(&d.socket, &["status"], "");
     assert!(out.contains("model SmolLM2-135M-Instruct.Q4_1: not loaded (loads so far: 1)"), "{out}");
-    let (ok, out, _) = inferctl(&d.socket, &["generate", "--max-tokens", "3", "The capital of France is"], "");
+    // The load shows as a progress bar (the SSE comments before the first token).
+    let (ok, out, err) = inferctl(&d.socket, &["generate", "--max-tokens", "3", "The capital of France is"], "");
     assert!(ok && out == " Paris.\n\n", "{out}");
+    assert!(err.contains("SmolLM2-135M-Instruct.Q4_1 [####") && err.contains("100%  93.8 of 93.8 MiB"), "{err}");
+    // load: the same bar, for a model loaded ahead of its requests.
+    let (ok, out, _) = inferctl(&d.socket, &["unload", "SmolLM2-135M-Instruct.Q4_1"], "");
+    assert!(ok, "{out}");
+    wait_for("the unload", Duration::from_secs(10), || d.status()["models"][0]["loaded"] == false);
+    let (ok, out, err) = inferctl(&d.socket, &["load", "SmolLM2-135M-Instruct.Q4_1", "--keep-alive", "-1"], "");
+    assert!(ok && out == "SmolLM2-135M-Instruct.Q4_1: loaded\n" && err.contains("100%"), "{out}{err}");
+    assert_eq!(d.status()["models"][0]["keep_alive_seconds"], -1);
+    let (ok, _, err) = inferctl(&d.socket, &["load", "nope"], "");
+    assert!(!ok && err.contains("404") && err.contains("unknown model"), "{err}");
     // Clear messages when there is no daemon.
     let (ok, _, err) = inferctl(&dir.join("none.sock"), &["status"], "");
     assert!(!ok && err.contains("inferd is not running") && err.contains("none.sock"), "{err}");

@@ -10,6 +10,17 @@ struct Bus {
 }
 
 impl Bus {
+    /// Waits until the daemon owns its name on this bus.
+    fn wait_for_name(&self) {
+        wait_for("the bus name", Duration::from_secs(20), || {
+            Command::new("busctl")
+                .arg(format!("--address={}", self.address))
+                .args(["status", "org.inferd.Inference1"])
+                .output()
+                .is_ok_and(|o| o.status.success())
+        });
+    }
+
     fn start(dir: &Path) -> Bus {
         let path = dir.join("bus");
         let address = format!("unix:path={}", path.display());
@@ -55,13 +66,7 @@ fn dbus_generate_complete_properties_unicast_and_introspection() {
         assert!(out.status.success(), "busctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
-    wait_for("the bus name", Duration::from_secs(20), || {
-        Command::new("busctl")
-            .arg(format!("--address={}", bus.address))
-            .args(["status", "org.inferd.Inference1"])
-            .output()
-            .is_ok_and(|o| o.status.success())
-    });
+    bus.wait_for_name();
     // An independent client: gdbus for Complete, busctl for properties and Tokenize.
     let out = Command::new("gdbus")
         .args([
@@ -413,13 +418,7 @@ fn dbus_chat_reports_logprobs_and_tool_calls() {
     let dir = scratch("dbus-tools");
     let bus = Bus::start(&dir);
     let d = Daemon::start(&dir, "", &[("DBUS_SESSION_BUS_ADDRESS", &bus.address)]);
-    wait_for("the bus name", Duration::from_secs(20), || {
-        Command::new("busctl")
-            .arg(format!("--address={}", bus.address))
-            .args(["status", "org.inferd.Inference1"])
-            .output()
-            .is_ok_and(|o| o.status.success())
-    });
+    bus.wait_for_name();
     let question = HashMap::from([("role", "user"), ("content", "What is the capital of France?")]);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
@@ -511,6 +510,103 @@ fn dbus_chat_reports_logprobs_and_tool_calls() {
             .await
             .unwrap_err();
         assert!(refused.to_string().contains("unknown key \"colour\""), "{refused}");
+    });
+    drop(d);
+    drop(bus);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The LoadProgress signals `stream` has received (until none comes for a while).
+async fn load_progress(stream: &mut zbus::MessageStream) -> Vec<(String, u64, u64)> {
+    use tokio_stream::StreamExt;
+    let mut out = Vec::new();
+    while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_millis(300), stream.next()).await {
+        if m.header().member().map(|m| m.as_str()) == Some("LoadProgress") {
+            out.push(m.body().deserialize().unwrap());
+        }
+    }
+    out
+}
+
+/// UnloadModel and LoadModel; a caller waiting for a load hears its progress as LoadProgress
+/// signals (it alone), whether it asked for the load or for a completion of a cold model.
+#[test]
+fn dbus_loads_and_unloads_models_with_progress_to_the_caller() {
+    let dir = scratch("dbus-load");
+    let bus = Bus::start(&dir);
+    let d = Daemon::start(&dir, "", &[("DBUS_SESSION_BUS_ADDRESS", &bus.address)]);
+    bus.wait_for_name();
+    let name = "SmolLM2-135M-Instruct.Q4_1";
+    let size = std::fs::metadata(model()).unwrap().len();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let connect =
+            || async { zbus::connection::Builder::address(bus.address.as_str()).unwrap().build().await.unwrap() };
+        let (caller, other) = (connect().await, connect().await);
+        let call = |c: &zbus::Connection, method: &'static str, body: (&'static str, &'static str)| {
+            let c = c.clone();
+            async move {
+                c.call_method(
+                    Some("org.inferd.Inference1"),
+                    "/org/inferd/Inference1",
+                    Some("org.inferd.Inference1"),
+                    method,
+                    &body,
+                )
+                .await
+            }
+        };
+        let unload = |c: &zbus::Connection| {
+            let c = c.clone();
+            async move {
+                let r = c
+                    .call_method(
+                        Some("org.inferd.Inference1"),
+                        "/org/inferd/Inference1",
+                        Some("org.inferd.Inference1"),
+                        "UnloadModel",
+                        &(name,),
+                    )
+                    .await
+                    .unwrap();
+                r.body().deserialize::<bool>().unwrap()
+            }
+        };
+        assert!(unload(&caller).await, "it was loaded");
+        wait_for("the unload", Duration::from_secs(10), || d.status()["models"][0]["loaded"] == false);
+        let (mut mine, mut theirs) = (zbus::MessageStream::from(&caller), zbus::MessageStream::from(&other));
+        call(&caller, "LoadModel", ("", "-1")).await.unwrap();
+        let p = load_progress(&mut mine).await;
+        assert!(p.len() >= 2, "{p:?}");
+        assert!(p.iter().all(|(m, _, t)| m == name && *t == size), "{p:?}");
+        assert!(p.windows(2).all(|w| w[0].1 <= w[1].1), "progress only grows: {p:?}");
+        assert_eq!(p.last().unwrap().1, size, "{p:?}");
+        assert!(load_progress(&mut theirs).await.is_empty(), "unicast to the caller");
+        let s = d.status();
+        assert!(s["models"][0]["loaded"] == true && s["models"][0]["keep_alive_seconds"] == -1, "{s}");
+        unload(&caller).await;
+        wait_for("the unload", Duration::from_secs(10), || d.status()["models"][0]["loaded"] == false);
+        // A completion of a cold model: the progress, then the text.
+        let opts = std::collections::HashMap::from([
+            ("max_tokens", zbus::zvariant::Value::U32(3)),
+            ("temperature", zbus::zvariant::Value::F64(0.0)),
+        ]);
+        let r = caller
+            .call_method(
+                Some("org.inferd.Inference1"),
+                "/org/inferd/Inference1",
+                Some("org.inferd.Inference1"),
+                "Complete",
+                &(name, "The capital of France is", &opts),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.body().deserialize::<String>().unwrap(), " Paris.\n");
+        assert_eq!(load_progress(&mut mine).await.last().map(|x| x.1), Some(size));
+        let refused = call(&caller, "LoadModel", ("nope", "")).await.unwrap_err();
+        assert!(refused.to_string().contains("unknown model"), "{refused}");
+        let refused = call(&caller, "LoadModel", ("", "soon")).await.unwrap_err();
+        assert!(refused.to_string().contains("not a duration"), "{refused}");
     });
     drop(d);
     drop(bus);

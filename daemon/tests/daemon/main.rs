@@ -9,6 +9,7 @@ mod clients;
 mod dbus;
 mod http;
 mod models;
+mod store;
 mod systemd;
 
 use serde_json::Value;
@@ -44,18 +45,21 @@ struct Daemon {
 
 impl Daemon {
     /// Starts the daemon with `config` (TOML text) in `dir`, extra environment, and waits until
-    /// its socket answers. The default model serves unless the config has `[[model]]`s.
+    /// its socket answers. The default model serves (alone) unless the config has `[[model]]`s
+    /// or a `model_store`.
     fn start(dir: &Path, config: &str, env: &[(&str, &str)]) -> Daemon {
         let socket = dir.join("inferd.sock");
         let cfg = dir.join("inferd.toml");
         std::fs::write(&cfg, config).unwrap();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_inferd"));
         cmd.args(["serve", "--user", "--config", cfg.to_str().unwrap()]);
-        if !config.contains("[[model]]") {
+        if !config.contains("[[model]]") && !config.contains("model_store") {
             cmd.args(["--model", &model()]);
         }
         cmd.args(["--socket", socket.to_str().unwrap(), "--threads", "2"]);
-        cmd.env_remove("NOTIFY_SOCKET")
+        // The user's model store is this test's directory (empty unless the test fills it).
+        cmd.env("XDG_DATA_HOME", dir)
+            .env_remove("NOTIFY_SOCKET")
             .env_remove("LISTEN_FDS")
             .env_remove("WATCHDOG_USEC")
             .env("DBUS_SESSION_BUS_ADDRESS", "unix:path=/nonexistent");
@@ -88,6 +92,21 @@ impl Drop for Daemon {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The daemon's resident memory, in MiB.
+fn rss_mib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .unwrap()
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .unwrap();
+    kib >> 10
 }
 
 /// One HTTP/1.1 request over a Unix socket: (status, body). Chunked bodies (SSE) keep their

@@ -23,6 +23,7 @@ fn several_models_each_with_its_engine_and_a_bound_draft_model() {
             "2",
         ])
         .env("DBUS_SESSION_BUS_ADDRESS", "unix:path=/nonexistent")
+        .env("XDG_DATA_HOME", &dir)
         .spawn()
         .unwrap();
     let d = Daemon { child, socket };
@@ -129,21 +130,6 @@ fn a_model_on_the_cuda_backend_does_not_start_where_it_cannot_run_and_says_why()
     let (ok, err) = serve("draft_backend = \"tpu\"\n");
     assert!(!ok && err.contains("draft_backend must be"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// The daemon's resident memory, in MiB.
-fn rss_mib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .unwrap()
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .unwrap();
-    kib >> 10
 }
 
 /// A model idle for its `keep_alive` leaves memory; the next request loads it again and answers

@@ -103,3 +103,69 @@ fn socket_activation_serves_on_the_passed_socket() {
     let _ = Command::new("pkill").args(["-f", socket.to_str().unwrap()]).status();
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Socket-activated with nothing loaded, the daemon exits after `idle_exit`, and a client that
+/// connects while it is exiting is served by the next start. The test plays the socket unit: it
+/// holds the listening socket, passes it as LISTEN_FDS, and starts the daemon again once the
+/// first one has exited.
+#[test]
+fn an_idle_socket_activated_daemon_exits_and_loses_no_request() {
+    use std::io::BufRead;
+    let dir = scratch("idle-exit");
+    let store = dir.join("store");
+    std::fs::create_dir_all(&store).unwrap();
+    std::os::unix::fs::symlink(model(), store.join("m.gguf")).unwrap();
+    let cfg = dir.join("inferd.toml");
+    let toml = format!("[server]\nmodel_store = \"{}\"\nkeep_alive = \"0\"\nidle_exit = \"1s\"\n", store.display());
+    std::fs::write(&cfg, toml).unwrap();
+    let socket = dir.join("inferd.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    let start = || -> Child {
+        // The passed socket on descriptor 3, LISTEN_PID the daemon's own (exec keeps the pid).
+        let fd = std::os::fd::OwnedFd::from(listener.try_clone().unwrap());
+        Command::new("sh")
+            .args(["-c", "exec 3<&0 0</dev/null; export LISTEN_FDS=1 LISTEN_PID=$$; exec \"$@\"", "sh"])
+            .arg(env!("CARGO_BIN_EXE_inferd"))
+            .args(["serve", "--user", "--config", cfg.to_str().unwrap(), "--threads", "2"])
+            .stdin(Stdio::from(fd))
+            .stderr(Stdio::piped())
+            .env("DBUS_SESSION_BUS_ADDRESS", "unix:path=/nonexistent")
+            .env("XDG_DATA_HOME", &dir)
+            .env_remove("NOTIFY_SOCKET")
+            .env_remove("WATCHDOG_USEC")
+            .spawn()
+            .unwrap()
+    };
+    let completion = r#"{"model": "m", "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}"#;
+    let mut first = start();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let err = first.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
+            eprintln!("first: {line}");
+            let _ = tx.send(line);
+        }
+    });
+    let (st, b) = http(&socket, "POST", "/v1/completions", completion);
+    assert!(st == 200 && b.contains(" Paris."), "{st} {b}");
+    // The model unloads (keep_alive 0), then the daemon exits; a client connects right then.
+    let t0 = Instant::now();
+    loop {
+        let line = rx.recv_timeout(Duration::from_secs(30)).expect("the idle exit");
+        if line.contains("exiting") {
+            break;
+        }
+    }
+    let s = socket.clone();
+    let client = std::thread::spawn(move || http(&s, "POST", "/v1/completions", completion));
+    let status = first.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    eprintln!("the idle daemon exited {:.1} s after its last request", t0.elapsed().as_secs_f64());
+    // The socket unit starts it again for the waiting connection.
+    let mut second = start();
+    let (st, b) = client.join().unwrap();
+    assert!(st == 200 && b.contains(" Paris."), "the request made while the daemon exited: {st} {b}");
+    let _ = second.kill();
+    let _ = second.wait();
+    let _ = std::fs::remove_dir_all(dir);
+}

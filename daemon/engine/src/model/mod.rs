@@ -9,6 +9,7 @@
 pub mod arch;
 pub mod config;
 pub mod export;
+pub mod facts;
 pub mod gguf;
 pub mod gguf_writer;
 mod hf;

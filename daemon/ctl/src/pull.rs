@@ -1,0 +1,368 @@
+//! Installing a model into a model store: `inferctl pull REF` and `inferd pull REF`.
+//!
+//! `REF` is a GGUF file of a Hugging Face repository, `hf:ORG/REPO[:QUANT]` (the file whose
+//! name carries `QUANT`, such as `Q4_K_M`; without it, the repository's `Q4_K_M` file or its
+//! only GGUF file), or a plain `https://` URL. The hub is `$HF_ENDPOINT` (default
+//! `https://huggingface.co`), with `$HF_TOKEN` for gated repositories; the file list and each
+//! file's size and SHA-256 come from its API (`/api/models/ORG/REPO/tree/main`).
+//!
+//! The transfer goes to `NAME.partial` in the store (not a model until it is whole): an
+//! interrupted pull keeps what it has and the next pull of the same file resumes from there
+//! with a range request. The whole file is checked against the size (and for hub files the
+//! SHA-256) before it is renamed into place, where the daemon's next look at the store finds it.
+
+use sha2::{Digest, Sha256};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum PullError {
+    #[error("{0:?} is not a model reference: use hf:ORG/REPO[:QUANT] or an https:// URL")]
+    BadRef(String),
+    #[error("{0}")]
+    Choice(String),
+    #[error("{url}: {source}")]
+    Http { url: String, source: reqwest::Error },
+    #[error("{url} answered {status}")]
+    Status { url: String, status: u16 },
+    #[error("the transfer of {name} stopped at {done} of {total} bytes ({why}); run the same pull again to resume")]
+    Interrupted { name: String, done: u64, total: String, why: String },
+    #[error("{name} is corrupt: {why} (the partial file was removed; pull again)")]
+    Corrupt { name: String, why: String },
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+}
+
+/// A model now in the store.
+#[derive(Debug)]
+pub struct Pulled {
+    /// The name requests use (the file name without `.gguf`).
+    pub name: String,
+    pub path: PathBuf,
+    pub size: u64,
+    /// Hex SHA-256 of the file.
+    pub sha256: String,
+    /// Whether it was already there (nothing transferred).
+    pub already: bool,
+}
+
+/// Where a model comes from, resolved to one file.
+#[derive(Debug, PartialEq)]
+struct Source {
+    url: String,
+    file: String,
+    size: Option<u64>,
+    sha256: Option<String>,
+}
+
+/// One file of a hub repository's tree listing.
+#[derive(Debug, serde::Deserialize)]
+struct Entry {
+    #[serde(rename = "type")]
+    kind: String,
+    path: String,
+    size: Option<u64>,
+    lfs: Option<Lfs>,
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct Lfs {
+    oid: String,
+    size: u64,
+}
+
+fn endpoint() -> String {
+    std::env::var("HF_ENDPOINT").ok().filter(|e| !e.is_empty()).unwrap_or_else(|| "https://huggingface.co".into())
+}
+
+fn client() -> Result<reqwest::blocking::Client, PullError> {
+    // The one TLS provider this build carries; a second install is harmless.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut headers = reqwest::header::HeaderMap::new();
+    if let Some(t) = std::env::var("HF_TOKEN").ok().filter(|t| !t.is_empty()) {
+        if let Ok(v) = reqwest::header::HeaderValue::from_str(&format!("Bearer {t}")) {
+            headers.insert(reqwest::header::AUTHORIZATION, v);
+        }
+    }
+    reqwest::blocking::Client::builder()
+        .user_agent(concat!("inferd/", env!("CARGO_PKG_VERSION")))
+        .default_headers(headers)
+        .connect_timeout(std::time::Duration::from_secs(30))
+        .timeout(None)
+        .build()
+        .map_err(|source| PullError::Http { url: endpoint(), source })
+}
+
+/// Whether `name` carries quantization `quant` as a whole word (`Q4_K` is not `Q4_K_M`).
+fn carries(name: &str, quant: &str) -> bool {
+    let (n, q) = (name.to_ascii_uppercase(), quant.to_ascii_uppercase());
+    n.match_indices(&q).any(|(i, _)| {
+        let before = n[..i].chars().next_back().is_none_or(|c| !c.is_ascii_alphanumeric() && c != '_');
+        let after = n[i + q.len()..].chars().next().is_none_or(|c| !c.is_ascii_alphanumeric() && c != '_');
+        before && after
+    })
+}
+
+/// The file of a repository's listing that `quant` asks for.
+fn choose<'a>(repo: &str, entries: &'a [Entry], quant: Option<&str>) -> Result<&'a Entry, PullError> {
+    let ggufs: Vec<&Entry> =
+        entries.iter().filter(|e| e.kind == "file" && e.path.ends_with(".gguf") && !e.path.contains("-of-0")).collect();
+    let names = || ggufs.iter().map(|e| e.path.as_str()).collect::<Vec<_>>().join(", ");
+    if ggufs.is_empty() {
+        return Err(PullError::Choice(format!("hf:{repo} has no GGUF file (split GGUFs are not supported)")));
+    }
+    let pick = |q: &str| -> Vec<&'a Entry> { ggufs.iter().copied().filter(|e| carries(&e.path, q)).collect() };
+    let found = match quant {
+        Some(q) => pick(q),
+        None if ggufs.len() == 1 => ggufs.clone(),
+        None => pick("Q4_K_M"),
+    };
+    match found.as_slice() {
+        [one] => Ok(one),
+        [] => Err(PullError::Choice(match quant {
+            Some(q) => format!("hf:{repo} has no {q} file; it has: {}", names()),
+            None => format!("hf:{repo} has several GGUF files; name one with hf:{repo}:QUANT ({})", names()),
+        })),
+        many => Err(PullError::Choice(format!(
+            "hf:{repo}: {} files match; name one exactly ({})",
+            many.len(),
+            many.iter().map(|e| e.path.as_str()).collect::<Vec<_>>().join(", ")
+        ))),
+    }
+}
+
+/// Resolves `reference` to one file.
+fn resolve(http: &reqwest::blocking::Client, reference: &str) -> Result<Source, PullError> {
+    if let Some(rest) = reference.strip_prefix("hf:") {
+        let (repo, quant) = match rest.split_once(':') {
+            Some((r, q)) => (r, Some(q).filter(|q| !q.is_empty())),
+            None => (rest, None),
+        };
+        if repo.split('/').count() != 2 || repo.split('/').any(|p| p.is_empty() || p == "..") {
+            return Err(PullError::BadRef(reference.into()));
+        }
+        let url = format!("{}/api/models/{repo}/tree/main?recursive=true", endpoint());
+        let resp = http.get(&url).send().map_err(|source| PullError::Http { url: url.clone(), source })?;
+        if !resp.status().is_success() {
+            return Err(PullError::Status { url, status: resp.status().as_u16() });
+        }
+        let entries: Vec<Entry> = serde_json::from_reader(resp)
+            .map_err(|e| PullError::Choice(format!("{url} sent no file list this client understands: {e}")))?;
+        let e = choose(repo, &entries, quant)?;
+        let file = e.path.rsplit('/').next().unwrap_or(&e.path).to_string();
+        return Ok(Source {
+            url: format!("{}/{repo}/resolve/main/{}", endpoint(), e.path),
+            file,
+            size: e.lfs.as_ref().map(|l| l.size).or(e.size),
+            sha256: e.lfs.as_ref().map(|l| l.oid.to_ascii_lowercase()),
+        });
+    }
+    if reference.starts_with("https://") || reference.starts_with("http://") {
+        let path = reference.split(['?', '#']).next().unwrap_or(reference);
+        let file = path.rsplit('/').next().unwrap_or_default().to_string();
+        if !file.ends_with(".gguf") {
+            return Err(PullError::Choice(format!("{reference} does not name a .gguf file")));
+        }
+        return Ok(Source { url: reference.into(), file, size: None, sha256: None });
+    }
+    Err(PullError::BadRef(reference.into()))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Hashes the first `len` bytes of `path` into `h`.
+fn hash_prefix(path: &Path, len: u64, h: &mut Sha256) -> std::io::Result<()> {
+    let mut f = std::fs::File::open(path)?.take(len);
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            return Ok(());
+        }
+        h.update(&buf[..n]);
+    }
+}
+
+/// Fetches `reference` into `store`, calling `progress(done, total)` as bytes arrive (`total`
+/// 0 while unknown).
+pub fn pull(reference: &str, store: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<Pulled, PullError> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| PullError::Io { path, source }
+    };
+    let http = client()?;
+    let src = resolve(&http, reference)?;
+    std::fs::create_dir_all(store).map_err(io(store))?;
+    let path = store.join(&src.file);
+    let name = src.file.strip_suffix(".gguf").unwrap_or(&src.file).to_string();
+    // Already installed: the same size (and hash, when the hub gives one).
+    if let (Ok(meta), Some(size)) = (std::fs::metadata(&path), src.size) {
+        if meta.len() == size {
+            let mut h = Sha256::new();
+            hash_prefix(&path, size, &mut h).map_err(io(&path))?;
+            let sha = hex(&h.finalize());
+            if src.sha256.as_ref().is_none_or(|s| *s == sha) {
+                return Ok(Pulled { name, path, size, sha256: sha, already: true });
+            }
+        }
+    }
+    let part = store.join(format!("{}.partial", src.file));
+    let mut have = std::fs::metadata(&part).map_or(0, |m| m.len());
+    if src.size.is_some_and(|s| have > s) {
+        have = 0;
+    }
+    let mut hasher = Sha256::new();
+    hash_prefix(&part, have, &mut hasher).or_else(|e| if have == 0 { Ok(()) } else { Err(e) }).map_err(io(&part))?;
+    let mut req = http.get(&src.url);
+    if have > 0 {
+        req = req.header(reqwest::header::RANGE, format!("bytes={have}-"));
+    }
+    let mut resp = req.send().map_err(|source| PullError::Http { url: src.url.clone(), source })?;
+    let status = resp.status().as_u16();
+    match status {
+        206 => {}
+        200 => {
+            // The server sent it all: start over.
+            have = 0;
+            hasher = Sha256::new();
+        }
+        416 if Some(have) == src.size => {}
+        _ => return Err(PullError::Status { url: src.url, status }),
+    }
+    let total = src.size.or_else(|| resp.content_length().map(|n| n + have)).unwrap_or(0);
+    let mut file = std::fs::OpenOptions::new().create(true).append(true).open(&part).map_err(io(&part))?;
+    file.set_len(have).map_err(io(&part))?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut done = have;
+    progress(done, total);
+    if status != 416 {
+        loop {
+            let n = match resp.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) => {
+                    let total = if total > 0 { total.to_string() } else { "?".into() };
+                    return Err(PullError::Interrupted { name, done, total, why: e.to_string() });
+                }
+            };
+            file.write_all(&buf[..n]).map_err(io(&part))?;
+            hasher.update(&buf[..n]);
+            done += n as u64;
+            progress(done, total);
+        }
+    }
+    file.sync_all().map_err(io(&part))?;
+    drop(file);
+    if total > 0 && done < total {
+        let why = "the server ended the transfer early".to_string();
+        return Err(PullError::Interrupted { name, done, total: total.to_string(), why });
+    }
+    let sha = hex(&hasher.finalize());
+    let bad = match (&src.size, &src.sha256) {
+        (Some(s), _) if *s != done => Some(format!("{done} bytes where the hub lists {s}")),
+        (_, Some(want)) if *want != sha => Some(format!("SHA-256 {sha} where the hub lists {want}")),
+        _ => None,
+    };
+    if let Some(why) = bad {
+        let _ = std::fs::remove_file(&part);
+        return Err(PullError::Corrupt { name, why });
+    }
+    std::fs::rename(&part, &path).map_err(io(&path))?;
+    Ok(Pulled { name, path, size: done, sha256: sha, already: false })
+}
+
+/// A user's model store: `$XDG_DATA_HOME/inferd/models` (`~/.local/share/inferd/models`).
+pub fn user_store() -> PathBuf {
+    std::env::var_os("XDG_DATA_HOME")
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share")))
+        .unwrap_or_else(|| PathBuf::from(".local/share"))
+        .join("inferd/models")
+}
+
+/// A progress bar line: `name [#######.............]  35%  47.2 of 135.0 MiB`.
+pub fn bar(what: &str, done: u64, total: u64) -> String {
+    let mib = |b: u64| b as f64 / f64::from(1 << 20);
+    if total == 0 {
+        return format!("{what} {:.1} MiB", mib(done));
+    }
+    let frac = (done as f64 / total as f64).clamp(0.0, 1.0);
+    let filled = (frac * 30.0).round() as usize;
+    format!(
+        "{what} [{}{}] {:>3.0}%  {:.1} of {:.1} MiB",
+        "#".repeat(filled),
+        ".".repeat(30 - filled),
+        frac * 100.0,
+        mib(done),
+        mib(total)
+    )
+}
+
+/// Draws progress on standard error: one line redrawn on a terminal, else a line per tenth.
+pub struct Progress {
+    what: String,
+    tty: bool,
+    last: Option<u64>,
+}
+
+impl Progress {
+    pub fn new(what: &str) -> Progress {
+        Progress { what: what.into(), tty: std::io::IsTerminal::is_terminal(&std::io::stderr()), last: None }
+    }
+
+    pub fn update(&mut self, done: u64, total: u64) {
+        let step = (done * 10).checked_div(total).unwrap_or(done >> 26);
+        if self.tty {
+            eprint!("\r{}", bar(&self.what, done, total));
+        } else if self.last != Some(step) {
+            eprintln!("{}", bar(&self.what, done, total));
+        }
+        self.last = Some(step);
+    }
+
+    pub fn finish(&self) {
+        if self.tty && self.last.is_some() {
+            eprintln!();
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+mod tests {
+    use super::*;
+
+    fn entry(path: &str) -> Entry {
+        Entry { kind: "file".into(), path: path.into(), size: Some(1), lfs: None }
+    }
+
+    #[test]
+    fn a_quantization_picks_its_file_and_nothing_else() {
+        let e: Vec<Entry> =
+            ["m-Q4_K_M.gguf", "m-Q4_K_S.gguf", "m.Q8_0.gguf", "README.md", "big-Q4_K_M-00001-of-00002.gguf"]
+                .into_iter()
+                .map(entry)
+                .collect();
+        assert_eq!(choose("o/r", &e, Some("q8_0")).unwrap().path, "m.Q8_0.gguf");
+        assert_eq!(choose("o/r", &e, None).unwrap().path, "m-Q4_K_M.gguf");
+        assert!(matches!(choose("o/r", &e, Some("Q4_K")), Err(PullError::Choice(m)) if m.contains("no Q4_K file")));
+        assert!(matches!(choose("o/r", &e, Some("Q6_K")), Err(PullError::Choice(m)) if m.contains("m.Q8_0.gguf")));
+        assert!(matches!(choose("o/r", &[entry("README.md")], None), Err(PullError::Choice(_))));
+        assert_eq!(choose("o/r", &[entry("x-F16.gguf")], None).unwrap().path, "x-F16.gguf");
+    }
+
+    #[test]
+    fn references_are_hub_files_or_urls() {
+        let http = client().unwrap();
+        assert!(matches!(resolve(&http, "llama3"), Err(PullError::BadRef(_))));
+        assert!(matches!(resolve(&http, "hf:only-org"), Err(PullError::BadRef(_))));
+        assert!(matches!(resolve(&http, "hf:a/../b"), Err(PullError::BadRef(_))));
+        let s = resolve(&http, "https://example.invalid/x/model.Q4_0.gguf?download=1").unwrap();
+        assert_eq!(s.file, "model.Q4_0.gguf");
+        assert!(matches!(resolve(&http, "https://example.invalid/x/page.html"), Err(PullError::Choice(_))));
+        assert!(bar("m", 50, 100).contains(" 50%"), "{}", bar("m", 50, 100));
+    }
+}

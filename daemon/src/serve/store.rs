@@ -1,0 +1,119 @@
+//! The model store: the directory whose models a daemon lists and loads on use without a
+//! `[[model]]` entry: `$XDG_DATA_HOME/inferd/models` for a user's daemon,
+//! `/var/lib/inferd/models` for the system's (`server.model_store` names another). Every
+//! `*.gguf` file in it is a model, and so is every directory holding a Hugging Face model
+//! (`config.json` beside `*.safetensors`); a model's name is its file name without `.gguf`.
+//! Transfers under way (`*.partial`, `inferctl pull`) and anything else are not models.
+
+use std::path::{Path, PathBuf};
+
+/// The name requests use for the model at `path` (when its entry gives none).
+pub fn model_name(path: &Path) -> String {
+    let file = path.file_name().and_then(|s| s.to_str()).unwrap_or("model");
+    file.strip_suffix(".gguf").unwrap_or(file).to_string()
+}
+
+/// Whether `path` is a model the store serves.
+fn is_model(path: &Path) -> bool {
+    if path.is_dir() {
+        return path.join("config.json").is_file()
+            && std::fs::read_dir(path).is_ok_and(|d| {
+                d.flatten().any(|e| e.path().extension().and_then(|x| x.to_str()) == Some("safetensors"))
+            });
+    }
+    path.extension().and_then(|x| x.to_str()) == Some("gguf") && path.is_file()
+}
+
+/// The models in `dir`, by name (none when it does not exist).
+pub fn scan(dir: &Path) -> Vec<(String, PathBuf)> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    let mut found: Vec<(String, PathBuf)> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| !model_name(p).starts_with('.') && is_model(p))
+        .map(|p| (model_name(&p), p))
+        .collect();
+    found.sort();
+    found
+}
+
+/// Deletes a store model's file or directory.
+pub fn remove(path: &Path) -> std::io::Result<()> {
+    if path.is_dir() {
+        std::fs::remove_dir_all(path)
+    } else {
+        std::fs::remove_file(path)
+    }
+}
+
+/// The files holding a model's weights: the GGUF file, or a directory's `*.safetensors`.
+fn weight_files(path: &Path) -> Vec<PathBuf> {
+    match std::fs::read_dir(path) {
+        Ok(d) if path.is_dir() => {
+            let mut v: Vec<PathBuf> = d
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| p.extension().and_then(|x| x.to_str()) == Some("safetensors"))
+                .collect();
+            v.sort();
+            v
+        }
+        _ => vec![path.to_path_buf()],
+    }
+}
+
+/// Reads the weights of the models at `paths` once through the page cache, calling
+/// `progress(done, total)` in bytes as it goes: a model on a cold disk loads at the disk's
+/// speed here, where its progress can be shown, instead of in the first forward pass's page
+/// faults. Unreadable files are left for the loader to report.
+pub fn read_ahead(paths: &[&Path], progress: &dyn Fn(u64, u64)) {
+    use std::io::Read;
+    let files: Vec<PathBuf> = paths.iter().flat_map(|p| weight_files(p)).collect();
+    let total: u64 = files.iter().filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.len()).sum();
+    let mut done = 0u64;
+    let mut buf = vec![0u8; 8 << 20];
+    progress(0, total);
+    for f in files {
+        let Ok(mut file) = std::fs::File::open(&f) else { continue };
+        while let Ok(n) = file.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            done += n as u64;
+            progress(done.min(total), total);
+        }
+    }
+}
+
+/// The store of a daemon in `mode` when the config names none.
+pub fn default_dir(mode: super::config::Mode) -> PathBuf {
+    match mode {
+        super::config::Mode::System => PathBuf::from("/var/lib/inferd/models"),
+        super::config::Mode::User => inferctl::pull::user_store(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_store_lists_gguf_files_and_model_directories_only() {
+        let dir = std::env::temp_dir().join(format!("inferd-store-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("Qwen2.5-0.5B")).unwrap();
+        std::fs::write(dir.join("Qwen2.5-0.5B/config.json"), "{}").unwrap();
+        std::fs::write(dir.join("Qwen2.5-0.5B/model.safetensors"), "").unwrap();
+        std::fs::create_dir_all(dir.join("empty-dir")).unwrap();
+        for f in ["b.Q4_K_M.gguf", "a.gguf", "c.gguf.partial", "notes.txt", ".hidden.gguf"] {
+            std::fs::write(dir.join(f), "").unwrap();
+        }
+        let names: Vec<String> = scan(&dir).into_iter().map(|(n, _)| n).collect();
+        assert_eq!(names, ["Qwen2.5-0.5B", "a", "b.Q4_K_M"]);
+        assert!(scan(&dir.join("missing")).is_empty());
+        remove(&dir.join("Qwen2.5-0.5B")).unwrap();
+        remove(&dir.join("a.gguf")).unwrap();
+        assert_eq!(scan(&dir).len(), 1);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,286 @@
+//! Models that come and go: the model store listed loaded or not, loads on first use with their
+//! progress in the stream, a memory budget that unloads the least recently used model, SIGHUP
+//! picking up changed `[[model]]` entries without dropping requests, and `pull` / `rm` against a
+//! Hugging Face-shaped server on 127.0.0.1 with an interrupted transfer to resume.
+
+use super::*;
+
+/// Gemma 3 270M Q4_K_M beside the default model (tests/run fetches both).
+fn gemma() -> PathBuf {
+    Path::new(&model()).with_file_name("gemma-3-270m-Q4_K_M.gguf")
+}
+
+fn models(d: &Daemon) -> Value {
+    serde_json::from_str(&d.http("GET", "/v1/models", "").1).unwrap()
+}
+
+fn loaded(d: &Daemon, name: &str) -> bool {
+    d.status()["models"].as_array().unwrap().iter().any(|m| m["name"] == name && m["loaded"] == true)
+}
+
+fn ids(d: &Daemon) -> Vec<String> {
+    models(d)["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap().to_string()).collect()
+}
+
+#[test]
+fn the_model_store_is_listed_loaded_or_not_and_loads_on_use_within_a_memory_budget() {
+    let dir = scratch("store");
+    let store = dir.join("store");
+    std::fs::create_dir_all(&store).unwrap();
+    std::os::unix::fs::symlink(model(), store.join("SmolLM2-135M-Instruct.Q4_1.gguf")).unwrap();
+    std::os::unix::fs::symlink(gemma(), store.join("gemma-3-270m-Q4_K_M.gguf")).unwrap();
+    std::fs::write(store.join("half.gguf.partial"), "not yet").unwrap();
+    // SmolLM2 takes 94 + 512 MiB, Gemma 241 + 512: not both in 900.
+    let cfg = format!("[server]\nmodel_store = \"{}\"\nmemory_budget_mib = 900\n", store.display());
+    let d = Daemon::start(&dir, &cfg, &[]);
+    let rss_idle = rss_mib(d.child.id());
+
+    // Listed with what their files say, none loaded.
+    let v = models(&d);
+    let data = v["data"].as_array().unwrap();
+    assert_eq!(ids(&d), ["SmolLM2-135M-Instruct.Q4_1", "gemma-3-270m-Q4_K_M"], "the default model first: {v}");
+    let (smol, gem) = (&data[0]["inferd"], &data[1]["inferd"]);
+    assert!(data.iter().all(|m| m["loaded"] == false), "{v}");
+    assert_eq!(smol["size"], std::fs::metadata(model()).unwrap().len());
+    assert!(smol["file_type"] == "Q4_1" && smol["architecture"] == "llama" && smol["trained_context_length"] == 8192);
+    assert!(gem["file_type"] == "Q4_K_M" && gem["architecture"] == "gemma3" && gem["trained_context_length"] == 32768);
+    let p = gem["parameters"].as_u64().unwrap();
+    assert!((260_000_000..280_000_000).contains(&p), "{p}");
+    let tags: Value = serde_json::from_str(&d.http("GET", "/api/tags", "").1).unwrap();
+    assert_eq!(tags["models"][1]["name"], "gemma-3-270m-Q4_K_M:latest");
+    assert_eq!(tags["models"][1]["details"]["quantization_level"], "Q4_K_M");
+    assert_eq!(tags["models"][1]["details"]["family"], "gemma3");
+
+    // A streaming request without a model loads the default one, its progress as SSE comments
+    // before the tokens.
+    let (st, body) = d.http(
+        "POST",
+        "/v1/completions",
+        r#"{"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0, "stream": true}"#,
+    );
+    assert_eq!(st, 200, "{body}");
+    let first_data = body.find("data: ").unwrap();
+    assert!(body[..first_data].contains(": loading SmolLM2-135M-Instruct.Q4_1 100%"), "{body}");
+    assert_eq!(sse_text(&body), " Paris.\n[DONE]");
+    assert!(loaded(&d, "SmolLM2-135M-Instruct.Q4_1"));
+    let rss_loaded = rss_mib(d.child.id());
+    eprintln!("RSS: {rss_idle} MiB with nothing loaded, {rss_loaded} MiB with SmolLM2 (94 MiB of weights)");
+    assert!(rss_loaded > rss_idle + 60, "{rss_idle} -> {rss_loaded}");
+
+    // Gemma does not fit beside it: SmolLM2, idle, is unloaded first. Ollama's stream carries
+    // the load as status lines.
+    let (st, body) = d.http(
+        "POST",
+        "/api/generate",
+        r#"{"model": "gemma-3-270m-Q4_K_M", "prompt": "Hi", "options": {"num_predict": 3, "temperature": 0}}"#,
+    );
+    assert_eq!(st, 200, "{body}");
+    let lines: Vec<Value> =
+        body.lines().filter_map(|l| serde_json::from_str::<Value>(l).ok()).filter(Value::is_object).collect();
+    let status: Vec<&Value> = lines.iter().filter(|l| l.get("status").is_some()).collect();
+    assert!(status.len() >= 2, "{body}");
+    assert_eq!(status[0]["status"], "loading gemma-3-270m-Q4_K_M");
+    let last = status.last().unwrap();
+    assert!(last["completed"] == last["total"] && last["total"] == gem["size"], "{body}");
+    assert!(lines.last().unwrap()["done"] == true && lines.last().unwrap()["eval_count"] == 3, "{body}");
+    assert!(loaded(&d, "gemma-3-270m-Q4_K_M"));
+    assert!(!loaded(&d, "SmolLM2-135M-Instruct.Q4_1"), "the least recently used model made room");
+
+    // A file put in the store is listed at the next look; a removed one goes.
+    std::os::unix::fs::symlink(model(), store.join("copy.gguf")).unwrap();
+    assert!(ids(&d).contains(&"copy".to_string()), "{:?}", ids(&d));
+    let (st, b) = d.http(
+        "POST",
+        "/v1/completions",
+        r#"{"model": "copy", "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}"#,
+    );
+    assert!(st == 200 && b.contains(" Paris."), "{st} {b}");
+    let (st, b) = d.http("DELETE", "/v1/models/copy", "");
+    assert!(st == 200 && b.contains(r#""deleted":true"#), "{st} {b}");
+    assert!(!store.join("copy.gguf").exists() && !ids(&d).contains(&"copy".to_string()));
+    let (st, b) = d.http("DELETE", "/api/delete", r#"{"model": "copy:latest"}"#);
+    assert!(st == 404 && b.contains("unknown model"), "{st} {b}");
+    let (st, b) = d.http("POST", "/v1/completions", r#"{"model": "nope", "prompt": "x"}"#);
+    assert!(st == 404 && b.contains("gemma-3-270m-Q4_K_M"), "{st} {b}");
+    drop(d);
+
+    // A model larger than the whole budget: refused with the sizes, the daemon unharmed.
+    let small = format!("[server]\nmodel_store = \"{}\"\nmemory_budget_mib = 300\n", store.display());
+    let d = Daemon::start(&dir, &small, &[]);
+    let (st, b) = d.http("POST", "/v1/completions", r#"{"prompt": "x", "max_tokens": 1}"#);
+    assert_eq!(st, 507, "{b}");
+    assert!(
+        b.contains("needs 606 MiB (94 MiB of weights, 512 MiB of KV cache), more than memory_budget_mib = 300"),
+        "{b}"
+    );
+    assert_eq!(d.http("GET", "/health", "").0, 200);
+    drop(d);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A request to model "a" for `tokens` tokens (no end of text), running when this returns.
+fn run_long(d: &Daemon, tokens: u32) -> std::thread::JoinHandle<(u16, String)> {
+    let socket = d.socket.clone();
+    let body = format!(
+        r#"{{"model": "a", "prompt": "Once upon a time", "max_tokens": {tokens}, "temperature": 0, "logit_bias": {{"0": -100, "1": -100, "2": -100}}}}"#
+    );
+    let long = std::thread::spawn(move || http(&socket, "POST", "/v1/completions", &body));
+    wait_for("the request to run", Duration::from_secs(10), || d.status()["models"][0]["requests"]["running"] == 1);
+    long
+}
+
+#[test]
+fn sighup_adds_removes_and_replaces_configured_models_without_dropping_requests() {
+    let dir = scratch("reload-models");
+    let m = model();
+    let entry =
+        |name: &str, extra: &str| format!("[[model]]\npath = \"{m}\"\nname = \"{name}\"\nkv_cache_mib = 64\n{extra}\n");
+    let d = Daemon::start(&dir, &(entry("a", "") + &entry("b", "")), &[]);
+    assert_eq!(ids(&d), ["a", "b"]);
+    // A long request to "a" runs across the reload.
+    let long = run_long(&d, 300);
+    std::fs::write(dir.join("inferd.toml"), entry("a", "") + &entry("c", "context_len = 512")).unwrap();
+    d.signal("HUP");
+    wait_for("c to load", Duration::from_secs(20), || loaded(&d, "c"));
+    assert_eq!(ids(&d), ["a", "c"]);
+    let (st, b) = d.http("POST", "/v1/completions", r#"{"model": "b", "prompt": "x"}"#);
+    assert_eq!(st, 404, "{b}");
+    let (st, b) = long.join().unwrap();
+    assert_eq!(st, 200, "{b}");
+    let v: Value = serde_json::from_str(&b).unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 300, "the request to the model that stayed ran to the end: {b}");
+    let loads = |name: &str| {
+        d.status()["models"].as_array().unwrap().iter().find(|m| m["name"] == name).unwrap()["loads"].as_u64().unwrap()
+    };
+    assert_eq!(loads("a"), 1, "an unchanged model is not reloaded");
+    // A changed entry replaces its model; its request in flight finishes on the old one.
+    let long = run_long(&d, 200);
+    std::fs::write(dir.join("inferd.toml"), entry("a", "context_len = 256") + &entry("c", "context_len = 512"))
+        .unwrap();
+    d.signal("HUP");
+    let context = |d: &Daemon| {
+        models(d)["data"].as_array().unwrap().iter().find(|m| m["id"] == "a").map(|a| a["context_length"].clone())
+    };
+    wait_for("the new a to load", Duration::from_secs(20), || context(&d) == Some(serde_json::json!(256)));
+    assert_eq!(loads("a"), 1, "the new a's first load");
+    let (st, b) = long.join().unwrap();
+    assert_eq!(st, 200, "{b}");
+    assert_eq!(serde_json::from_str::<Value>(&b).unwrap()["usage"]["completion_tokens"], 200, "{b}");
+    let (st, b) = d.http(
+        "POST",
+        "/v1/completions",
+        &format!(r#"{{"model": "a", "prompt": "{}", "max_tokens": 4}}"#, "hello ".repeat(300)),
+    );
+    assert_eq!(st, 413, "the new entry's context serves: {b}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Starts tests/python/hf_server.py on `root`; returns it and its base URL.
+fn hub(root: &Path, cut: Option<u64>) -> (Child, String) {
+    let port_file = root.join("port");
+    let mut cmd = Command::new("python3");
+    cmd.arg(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/python/hf_server.py")).arg(root).arg(&port_file);
+    if let Some(n) = cut {
+        cmd.args(["--cut", &n.to_string()]);
+    }
+    let child = cmd.spawn().unwrap();
+    wait_for("the hub server", Duration::from_secs(10), || port_file.exists());
+    let port = std::fs::read_to_string(&port_file).unwrap();
+    (child, format!("http://127.0.0.1:{port}"))
+}
+
+fn pull(args: &[&str], endpoint: &str, socket: &Path) -> (bool, String, String) {
+    let out = Command::new(Path::new(env!("CARGO_BIN_EXE_inferd")).with_file_name("inferctl"))
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .env("HF_ENDPOINT", endpoint)
+        .env_remove("HF_TOKEN")
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn pull_installs_from_a_hub_resuming_an_interrupted_transfer_and_rm_removes() {
+    let dir = scratch("pull");
+    let root = dir.join("hub");
+    std::fs::create_dir_all(root.join("org/smol-GGUF")).unwrap();
+    std::fs::create_dir_all(root.join("org/bad-GGUF")).unwrap();
+    std::fs::copy(model(), root.join("org/smol-GGUF/smol-Q4_1.gguf")).unwrap();
+    std::fs::write(root.join("org/smol-GGUF/README.md"), "# smol\n").unwrap();
+    std::fs::write(root.join("org/bad-GGUF/bad-Q4_1.gguf"), vec![7u8; 3 << 20]).unwrap();
+    std::fs::write(root.join("org/bad-GGUF/bad-Q4_1.gguf.sha256"), "ab".repeat(32)).unwrap();
+    let cut = 20_000_000u64;
+    let (mut server, endpoint) = hub(&root, Some(cut));
+    let store = dir.join("store");
+    let cfg = format!("[server]\nmodel_store = \"{}\"\n", store.display());
+    let d = Daemon::start(&dir, &cfg, &[]);
+    assert!(ids(&d).is_empty());
+
+    // The first transfer is cut: the partial file stays, nothing is installed.
+    let (ok, out, err) = pull(&["pull", "hf:org/smol-GGUF:Q4_1"], &endpoint, &d.socket);
+    assert!(!ok && err.contains("run the same pull again to resume"), "{out}{err}");
+    let partial = store.join("smol-Q4_1.gguf.partial");
+    let got = std::fs::metadata(&partial).unwrap().len();
+    assert!(got > 0 && got <= cut, "{got}");
+    assert!(ids(&d).is_empty(), "a partial file is no model");
+    // The second resumes from there, checks size and SHA-256, and installs it.
+    let (ok, out, err) = pull(&["pull", "hf:org/smol-GGUF:Q4_1"], &endpoint, &d.socket);
+    assert!(ok && out.starts_with("smol-Q4_1: installed at "), "{out}{err}");
+    assert!(err.contains("[##############################] 100%"), "a progress bar: {err}");
+    let log = std::fs::read_to_string(root.join("requests.log")).unwrap();
+    assert!(log.contains(&format!("GET /org/smol-GGUF/resolve/main/smol-Q4_1.gguf range=bytes={got}-")), "{log}");
+    assert!(std::fs::read(store.join("smol-Q4_1.gguf")).unwrap() == std::fs::read(model()).unwrap());
+    assert!(!partial.exists());
+    assert_eq!(ids(&d), ["smol-Q4_1"]);
+    let (st, b) = d.http(
+        "POST",
+        "/v1/completions",
+        r#"{"model": "smol-Q4_1", "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}"#,
+    );
+    assert!(st == 200 && b.contains(" Paris."), "{st} {b}");
+    let (ok, out, _) = pull(&["pull", "hf:org/smol-GGUF"], &endpoint, &d.socket);
+    assert!(ok && out.starts_with("smol-Q4_1: already installed"), "the only GGUF file, already there: {out}");
+
+    // A file whose hash is not the published one is refused and removed; a missing quant names
+    // what there is.
+    let (ok, _, err) = pull(&["pull", "hf:org/bad-GGUF"], &endpoint, &d.socket);
+    assert!(!ok && err.contains("bad-Q4_1 is corrupt: SHA-256") && err.contains("where the hub lists abab"), "{err}");
+    assert!(!store.join("bad-Q4_1.gguf.partial").exists() && !store.join("bad-Q4_1.gguf").exists());
+    let (ok, _, err) = pull(&["pull", "hf:org/smol-GGUF:Q8_0"], &endpoint, &d.socket);
+    assert!(!ok && err.contains("has no Q8_0 file; it has: smol-Q4_1.gguf"), "{err}");
+    let (ok, _, err) = pull(&["pull", "hf:org/none"], &endpoint, &d.socket);
+    assert!(!ok && err.contains("answered 404"), "{err}");
+
+    // `inferd pull` without a daemon, into a store of its own.
+    let other = dir.join("other-store");
+    let out = Command::new(env!("CARGO_BIN_EXE_inferd"))
+        .args([
+            "pull",
+            "--store",
+            other.to_str().unwrap(),
+            &format!("{endpoint}/org/smol-GGUF/resolve/main/smol-Q4_1.gguf"),
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        std::fs::metadata(other.join("smol-Q4_1.gguf")).unwrap().len() == std::fs::metadata(model()).unwrap().len()
+    );
+
+    // rm: unloaded and deleted; a second rm is an error.
+    let (ok, out, err) = pull(&["rm", "smol-Q4_1"], &endpoint, &d.socket);
+    assert!(ok && out == "smol-Q4_1: removed\n", "{out}{err}");
+    assert!(!store.join("smol-Q4_1.gguf").exists() && ids(&d).is_empty());
+    let (ok, _, err) = pull(&["rm", "smol-Q4_1"], &endpoint, &d.socket);
+    assert!(!ok && err.contains("404"), "{err}");
+    let _ = server.kill();
+    let _ = server.wait();
+    drop(d);
+    let _ = std::fs::remove_dir_all(dir);
+}
