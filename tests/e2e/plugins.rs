@@ -624,7 +624,14 @@ fn sessions_batched_together_decode_as_they_do_alone() {
         engine_loop(
             store,
             &rx,
-            &LoopConfig { token_budget: 256, max_running: 64, eos: eos.clone(), monitor: None, vocabulary: None },
+            &LoopConfig {
+                token_budget: 256,
+                max_running: 64,
+                eos: eos.clone(),
+                monitor: None,
+                vocabulary: None,
+                kv_release_after: None,
+            },
         );
         outs.into_iter().map(|r| r.try_iter().collect()).collect()
     };

@@ -46,6 +46,7 @@ fn start_with_budget(
                 eos: model.tokenizer.eos().to_vec(),
                 monitor: None,
                 vocabulary: None,
+                kv_release_after: None,
             },
         );
         (stats, engine.kv.sequences())
@@ -263,7 +264,14 @@ fn admission_order(reqs: &[(u32, inferd_engine::sched::Priority)], max_running: 
     engine_loop(
         &mut store,
         &rx,
-        &LoopConfig { token_budget: 256, max_running, eos: Vec::new(), monitor: None, vocabulary: None },
+        &LoopConfig {
+            token_budget: 256,
+            max_running,
+            eos: Vec::new(),
+            monitor: None,
+            vocabulary: None,
+            kv_release_after: None,
+        },
     );
     let mut order = Vec::new();
     for (i, e) in erx.iter() {
@@ -399,6 +407,7 @@ fn a_shared_prompt_arriving_twice_at_once_is_prefilled_once() {
                 eos: m.tokenizer.eos().to_vec(),
                 monitor: Some(mon),
                 vocabulary: None,
+                kv_release_after: None,
             },
         )
     });
@@ -450,7 +459,14 @@ fn submissions_that_meet_a_shutdown_are_told_so() {
     engine_loop(
         &mut store,
         &rx,
-        &LoopConfig { token_budget: 64, max_running: 4, eos: Vec::new(), monitor: None, vocabulary: None },
+        &LoopConfig {
+            token_budget: 64,
+            max_running: 4,
+            eos: Vec::new(),
+            monitor: None,
+            vocabulary: None,
+            kv_release_after: None,
+        },
     );
     for (i, erx) in events.iter().enumerate() {
         match erx.try_recv() {
@@ -579,6 +595,7 @@ fn several_choices_and_beams_in_a_small_cache_all_succeed_and_leave_the_cache_cl
             eos: m.tokenizer.eos().to_vec(),
             monitor: None,
             vocabulary: None,
+            kv_release_after: None,
         };
         let stats = engine_loop(&mut EngineStore::new(&mut engine), &rx, &cfg);
         (stats, engine)

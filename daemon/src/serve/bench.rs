@@ -27,7 +27,14 @@ fn workload(model: &Model, reg: &Registry, threads: usize, batch: usize, groups:
     let (tx, rx) = channel();
     let (done_tx, done_rx) = channel::<(usize, f64, usize)>();
     let start = Instant::now();
-    let cfg = LoopConfig { token_budget: 512, max_running: batch, eos: Vec::new(), monitor: None, vocabulary: None };
+    let cfg = LoopConfig {
+        token_budget: 512,
+        max_running: batch,
+        eos: Vec::new(),
+        monitor: None,
+        vocabulary: None,
+        kv_release_after: None,
+    };
     let mut engine = Engine::cpu(model, &EngineOptions { threads, ..EngineOptions::default() })?;
     std::thread::scope(|scope| -> anyhow::Result<Value> {
         scope.spawn(move || {

@@ -65,7 +65,14 @@ fn engine_only(model: &Model, reg: &Registry, threads: usize) -> anyhow::Result<
             engine_loop(
                 &mut EngineStore::new(engine),
                 &rx,
-                &LoopConfig { token_budget: 512, max_running: 64, eos, monitor: None, vocabulary: None },
+                &LoopConfig {
+                    token_budget: 512,
+                    max_running: 64,
+                    eos,
+                    monitor: None,
+                    vocabulary: None,
+                    kv_release_after: None,
+                },
             )
         });
         for (i, p) in prompts().iter().enumerate() {

@@ -129,11 +129,14 @@ pub struct Scheduler {
     pub token_budget: usize,
     /// Requests running at once per model.
     pub max_running: usize,
+    /// Seconds a model's engine stays idle before the memory of its free KV blocks goes back
+    /// to the system (their cached prefixes are forgotten); 0 never.
+    pub kv_release_secs: u64,
 }
 
 impl Default for Scheduler {
     fn default() -> Self {
-        Scheduler { token_budget: 512, max_running: 64 }
+        Scheduler { token_budget: 512, max_running: 64, kv_release_secs: 60 }
     }
 }
 

@@ -220,6 +220,7 @@ fn load(
         eos: model.tokenizer.eos().to_vec(),
         monitor: Some(Arc::clone(&monitor)),
         vocabulary: vocabulary.clone(),
+        kv_release_after: (lo.kv_release_secs > 0).then(|| Duration::from_secs(lo.kv_release_secs)),
     };
     // The engines are built here, so a model the backend cannot run fails the start.
     let (kind, why) = inferd_engine::backend::choose(mc.backend_kind());
@@ -311,6 +312,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
             threads: cfg.server.threads,
             token_budget: cfg.scheduler.token_budget,
             max_running: cfg.scheduler.max_running,
+            kv_release_secs: cfg.scheduler.kv_release_secs,
         },
         // `--model` serves that model alone; otherwise the store's models are listed too.
         store: args

@@ -32,6 +32,8 @@ pub struct LoadOptions {
     pub threads: usize,
     pub token_budget: usize,
     pub max_running: usize,
+    /// Seconds an idle engine waits before the free KV blocks' memory goes back (0: never).
+    pub kv_release_secs: u64,
 }
 
 /// Where a model's entry comes from.
@@ -476,17 +478,21 @@ impl Models {
         for slot in &old {
             match new.iter().find(|n| n.name == slot.name) {
                 Some(n) if n.config == slot.config => kept.push(slot.name.clone()),
-                found => {
-                    changes.push((if found.is_some() { "changed" } else { "removed" }, slot.name.clone()));
-                    if let (Some(h), Ok(mut r)) = (slot.take(), self.retired.lock()) {
-                        r.push(h);
-                    }
-                }
+                found => changes.push((if found.is_some() { "changed" } else { "removed" }, slot.name.clone())),
             }
         }
-        all.retain(|s| s.source == Source::Store || kept.contains(&s.name));
-        // A configured name hides a store model of that name.
-        all.retain(|s| s.source == Source::Configured || !new.iter().any(|n| n.name == s.name));
+        // What goes: configured entries not kept, and store models a configured name now hides;
+        // a loaded one is retired (stopped once its requests end).
+        let goes = |s: &Arc<Slot>| match s.source {
+            Source::Configured => !kept.contains(&s.name),
+            Source::Store => new.iter().any(|n| n.name == s.name),
+        };
+        for slot in all.iter().filter(|s| goes(s)) {
+            if let (Some(h), Ok(mut r)) = (slot.take(), self.retired.lock()) {
+                r.push(h);
+            }
+        }
+        all.retain(|s| !goes(s));
         for slot in new {
             if !kept.contains(&slot.name) {
                 if !old.iter().any(|o| o.name == slot.name) {

@@ -253,6 +253,25 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn release_blocks(&mut self, blocks: &[crate::kv::BlockId]) {
+        // Runs of adjacent blocks, so pages spanning two blocks of a run go back too.
+        let n = self.cfg.kv_dim() * self.block_size;
+        let mut ids: Vec<usize> = blocks.iter().map(|&b| b as usize).filter(|&b| b < self.kv_blocks).collect();
+        ids.sort_unstable();
+        let mut i = 0;
+        while i < ids.len() {
+            let mut j = i + 1;
+            while j < ids.len() && ids[j] == ids[j - 1] + 1 {
+                j += 1;
+            }
+            let (from, to) = (ids[i] * n, (ids[j - 1] + 1) * n);
+            for cache in self.k_cache.iter_mut().chain(self.v_cache.iter_mut()) {
+                crate::model::mmap::release_pages(&mut cache[from..to]);
+            }
+            i = j;
+        }
+    }
+
     fn forward(&mut self, batch: &[SeqBatch<'_>], logits: &mut Vec<f32>) -> Result<(), BackendError> {
         self.run(batch, logits, false)
     }

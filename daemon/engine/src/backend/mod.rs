@@ -121,6 +121,9 @@ pub trait Backend: Send {
     fn block_size(&self) -> usize;
     /// Copies whole blocks (all layers, K and V): copy-on-write for forked sequences.
     fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), BackendError>;
+    /// Gives the memory of `blocks` (free; their contents no longer needed) back to the system
+    /// where the backend can (the CPU's pool pages); a later write takes it again.
+    fn release_blocks(&mut self, _blocks: &[BlockId]) {}
     /// Device memory the weights and the KV pool take, where the backend keeps them apart from
     /// the host's memory (a GPU's).
     fn device_memory(&self) -> Option<DeviceMemory> {

@@ -74,6 +74,11 @@ pub trait SeqStore {
     fn pending(&self, _s: StoreSeq) -> usize {
         0
     }
+    /// Gives the memory of free KV blocks back to the system (an idle engine's; their cached
+    /// prefixes are forgotten). Returns the blocks released.
+    fn release_free(&mut self) -> usize {
+        0
+    }
     /// [`SeqStore::run`], and in the same forward pass the first `k` pending tokens of each
     /// `(seq, k)` in `prefill` (chunked prefill: no logits; the rest stays pending). A store
     /// without pending tokens runs `items` alone.
@@ -173,6 +178,16 @@ impl SeqStore for EngineStore<'_> {
 
     fn capacity(&self) -> Option<(usize, usize)> {
         Some((self.engine.kv.stats().free, self.engine.kv.block_size()))
+    }
+
+    fn release_free(&mut self) -> usize {
+        let mut n = 0;
+        for e in std::iter::once(&mut *self.engine).chain(self.draft.as_deref_mut()) {
+            let blocks = e.kv.take_dirty_free();
+            e.backend.release_blocks(&blocks);
+            n += blocks.len();
+        }
+        n
     }
 
     fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, StoreError> {

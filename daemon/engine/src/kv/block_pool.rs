@@ -26,6 +26,8 @@ struct Meta {
     prev: u32,
     next: u32,
     in_free: bool,
+    /// Handed out since the last [`BlockPool::take_dirty_free`]: its memory may be resident.
+    dirty: bool,
 }
 
 /// The block pool. All operations are O(1) except hash-map work.
@@ -41,7 +43,11 @@ pub struct BlockPool {
 impl BlockPool {
     pub fn new(n_blocks: usize) -> Self {
         let n = u32::try_from(n_blocks).unwrap_or(u32::MAX - 1) as usize;
-        let meta = vec![Meta { refs: 0, hash: None, tokens: Vec::new(), prev: NIL, next: NIL, in_free: false }; n];
+        let meta =
+            vec![
+                Meta { refs: 0, hash: None, tokens: Vec::new(), prev: NIL, next: NIL, in_free: false, dirty: false };
+                n
+            ];
         let mut p = BlockPool { meta, head: NIL, tail: NIL, n_free: 0, cache: HashMap::new() };
         for b in 0..n as u32 {
             p.push_back(b);
@@ -131,7 +137,25 @@ impl BlockPool {
         self.unlink(b);
         self.uncache(b);
         self.meta[b as usize].refs = 1;
+        self.meta[b as usize].dirty = true;
         Some(b)
+    }
+
+    /// Every free block written since it was last taken here, its prefix-cache entry dropped:
+    /// the blocks whose memory the backend may hand back to the system (their contents are
+    /// forgotten; a later hit on their prefix computes it again). Marks them clean.
+    pub fn take_dirty_free(&mut self) -> Vec<BlockId> {
+        let mut out = Vec::new();
+        let mut b = self.head;
+        while b != NIL {
+            if self.meta[b as usize].dirty {
+                self.uncache(b);
+                self.meta[b as usize].dirty = false;
+                out.push(b);
+            }
+            b = self.meta[b as usize].next;
+        }
+        out
     }
 
     /// Adds a reference to a block (fork, prefix hit).
@@ -189,6 +213,24 @@ impl BlockPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dirty_free_blocks_are_taken_once_and_leave_the_prefix_cache() {
+        let mut p = BlockPool::new(4);
+        let (a, b, c) = (p.allocate().unwrap(), p.allocate().unwrap(), p.allocate().unwrap());
+        p.cache(a, 7, &[1, 2]);
+        p.release(a);
+        p.release(b);
+        // c is in use, the fourth block was never written.
+        let mut taken = p.take_dirty_free();
+        taken.sort();
+        assert_eq!(taken, [a, b]);
+        assert!(p.lookup(7, &[1, 2]).is_none(), "its contents are gone, so is its cache entry");
+        assert!(p.take_dirty_free().is_empty(), "taken once");
+        assert_eq!(p.free(), 3);
+        p.release(c);
+        assert_eq!(p.take_dirty_free(), [c]);
+    }
 
     #[test]
     fn allocate_release_and_lru_eviction() {

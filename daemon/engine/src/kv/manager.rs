@@ -410,6 +410,12 @@ impl KvCacheManager {
     }
 
     /// Number of live sequences.
+    /// The free blocks written since the last call (prefix-cache entries dropped), whose memory
+    /// may go back to the system: [`BlockPool::take_dirty_free`].
+    pub fn take_dirty_free(&mut self) -> Vec<BlockId> {
+        self.pool.take_dirty_free()
+    }
+
     pub fn sequences(&self) -> usize {
         self.seqs.len()
     }

@@ -52,6 +52,35 @@ pub fn trim_heap() {
     }
 }
 
+/// Hands the whole pages inside `buf` back to the kernel (`madvise(MADV_DONTNEED)`): they stop
+/// counting as resident and read as zeros (+0.0) when next touched; the partial pages at either
+/// end are left alone. For buffers from the global allocator (anonymous private memory, where a
+/// dropped page comes back zero-filled), such as the CPU backend's KV pool. Does nothing
+/// elsewhere than on Linux.
+pub fn release_pages(buf: &mut [half::f16]) {
+    #[cfg(target_os = "linux")]
+    {
+        extern "C" {
+            fn madvise(addr: *mut std::ffi::c_void, len: usize, advice: i32) -> i32;
+        }
+        const MADV_DONTNEED: i32 = 4;
+        const PAGE: usize = 4096;
+        let start = buf.as_mut_ptr() as usize;
+        let end = start + std::mem::size_of_val(buf);
+        let (first, last) = (start.next_multiple_of(PAGE), end / PAGE * PAGE);
+        if last > first {
+            // SAFETY: [first, last) lies inside `buf`, which this call borrows exclusively (no
+            // other reference reads or writes it meanwhile), and is page-aligned as madvise
+            // wants. The memory is anonymous and private (the global allocator's), so the
+            // dropped pages come back as zeros: all-zero bytes are a valid f16 (+0.0), and the
+            // slice stays valid and initialized. The pages stay mapped; only residency changes.
+            unsafe {
+                madvise(first as *mut std::ffi::c_void, last - first, MADV_DONTNEED);
+            }
+        }
+    }
+}
+
 /// Bytes a tensor lives in: a mapped file, or an owned buffer (models built in memory, tests).
 #[derive(Clone)]
 pub struct Blob(Arc<dyn Deref<Target = [u8]> + Send + Sync>);

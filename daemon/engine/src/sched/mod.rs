@@ -136,11 +136,21 @@ pub struct LoopConfig {
     pub monitor: Option<Arc<Monitor>>,
     /// The model's vocabulary, for the plugins' `token_bytes`.
     pub vocabulary: Option<Arc<crate::constraint::Vocabulary>>,
+    /// After this long with nothing to do, the loop gives the memory of the free KV blocks
+    /// back to the system ([`SeqStore::release_free`]; their cached prefixes are forgotten).
+    pub kv_release_after: Option<Duration>,
 }
 
 impl Default for LoopConfig {
     fn default() -> Self {
-        LoopConfig { token_budget: 512, max_running: 64, eos: Vec::new(), monitor: None, vocabulary: None }
+        LoopConfig {
+            token_budget: 512,
+            max_running: 64,
+            eos: Vec::new(),
+            monitor: None,
+            vocabulary: None,
+            kv_release_after: None,
+        }
     }
 }
 
@@ -160,6 +170,9 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
     let monitor = cfg.monitor.as_deref();
     let mut disconnected = false;
     report(monitor, store, &mut sched, 0);
+    // Since when the loop has had nothing to do, and whether the free KV blocks' memory went
+    // back since.
+    let (mut idle_since, mut released) = (std::time::Instant::now(), false);
     loop {
         if let Some(m) = monitor {
             m.beat();
@@ -167,9 +180,20 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
         // Commands: block (a second at a time, to keep the heartbeat) only when idle.
         let mut cmds = Vec::new();
         if sched.is_idle() {
-            match rx.recv_timeout(Duration::from_secs(1)) {
+            let wait = match cfg.kv_release_after {
+                Some(after) if !released => after.saturating_sub(idle_since.elapsed()).min(Duration::from_secs(1)),
+                _ => Duration::from_secs(1),
+            };
+            match rx.recv_timeout(wait) {
                 Ok(c) => cmds.push(c),
-                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Timeout) => {
+                    if cfg.kv_release_after.is_some_and(|a| !released && idle_since.elapsed() >= a) {
+                        store.release_free();
+                        released = true;
+                        report(monitor, store, &mut sched, 0);
+                    }
+                    continue;
+                }
                 Err(RecvTimeoutError::Disconnected) => return sched.stats().clone(),
             }
         }
@@ -197,6 +221,9 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
         }
         let out = sched.step(store);
         report(monitor, store, &mut sched, out.emitted);
+        if !sched.is_idle() || out.emitted > 0 {
+            (idle_since, released) = (std::time::Instant::now(), false);
+        }
         if disconnected && sched.is_idle() {
             return sched.stats().clone();
         }

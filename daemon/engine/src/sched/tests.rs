@@ -71,6 +71,7 @@ impl Harness {
                 eos: vec![EOS],
                 monitor: None,
                 vocabulary: None,
+                kv_release_after: None,
             }),
             store: model().with_blocks(blocks, block_size),
             reg: crate::plugin::tests::registry(),
