@@ -545,6 +545,36 @@ impl Inference {
         self.sh.registry().names()
     }
 
+    /// Every model the daemon serves, loaded or not, as its file says: `name`, `loaded`,
+    /// `source` ("config" or "store"), `path`, `size` (bytes), `file_type`, `architecture`,
+    /// `context_length` (trained), `parameters`.
+    #[zbus(property)]
+    async fn model_details(&self) -> Vec<HashMap<String, OwnedValue>> {
+        self.sh.models.rescan();
+        let detail = |slot: &super::models::Slot| {
+            let mut d: HashMap<String, OwnedValue> = HashMap::new();
+            let mut put = |k: &str, v: Value<'_>| {
+                if let Ok(o) = OwnedValue::try_from(v) {
+                    d.insert(k.to_owned(), o);
+                }
+            };
+            put("name", Value::from(slot.name.as_str()));
+            put("loaded", Value::from(slot.loaded().is_some()));
+            let source = if slot.source == super::models::Source::Store { "store" } else { "config" };
+            put("source", Value::from(source));
+            put("path", Value::from(slot.config.path.display().to_string()));
+            if let Some(f) = &slot.facts {
+                put("size", Value::from(f.size));
+                put("file_type", Value::from(f.file_type.as_str()));
+                put("architecture", Value::from(f.architecture.as_str()));
+                put("context_length", Value::from(f.context_len));
+                put("parameters", Value::from(f.parameters));
+            }
+            d
+        };
+        self.sh.models.slots().iter().map(|s| detail(s)).collect()
+    }
+
     #[zbus(property)]
     async fn status(&self) -> HashMap<String, OwnedValue> {
         let mut st: HashMap<String, OwnedValue> = HashMap::new();

@@ -572,8 +572,34 @@ fn dbus_loads_and_unloads_models_with_progress_to_the_caller() {
                 r.body().deserialize::<bool>().unwrap()
             }
         };
+        // Every model with what its file says, loaded or not.
+        let details = |c: &zbus::Connection| {
+            let c = c.clone();
+            async move {
+                let r = c
+                    .call_method(
+                        Some("org.inferd.Inference1"),
+                        "/org/inferd/Inference1",
+                        Some("org.freedesktop.DBus.Properties"),
+                        "Get",
+                        &("org.inferd.Inference1", "ModelDetails"),
+                    )
+                    .await
+                    .unwrap();
+                let v: zbus::zvariant::OwnedValue = r.body().deserialize().unwrap();
+                Vec::<std::collections::HashMap<String, zbus::zvariant::OwnedValue>>::try_from(v).unwrap()
+            }
+        };
+        let m = details(&caller).await;
+        assert_eq!(m.len(), 1);
+        let text = |k: &str| String::try_from(m[0][k].clone()).unwrap();
+        assert!(text("name") == name && text("file_type") == "Q4_1" && text("architecture") == "llama");
+        assert_eq!(u64::try_from(&m[0]["size"]).unwrap(), size);
+        assert_eq!(u64::try_from(&m[0]["context_length"]).unwrap(), 8192);
+        assert!(bool::try_from(&m[0]["loaded"]).unwrap());
         assert!(unload(&caller).await, "it was loaded");
         wait_for("the unload", Duration::from_secs(10), || d.status()["models"][0]["loaded"] == false);
+        assert!(!bool::try_from(&details(&caller).await[0]["loaded"]).unwrap());
         let (mut mine, mut theirs) = (zbus::MessageStream::from(&caller), zbus::MessageStream::from(&other));
         call(&caller, "LoadModel", ("", "-1")).await.unwrap();
         let p = load_progress(&mut mine).await;

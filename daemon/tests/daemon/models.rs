@@ -148,9 +148,9 @@ fn idle_models_unload_and_load_again_on_use() {
     assert_eq!(st, 200, "{first}");
     let loaded_rss = rss_mib(d.child.id());
     wait_for("the idle model to unload", Duration::from_secs(10), || slot(&d)["loaded"] == false);
-    let unloaded_rss = rss_mib(d.child.id());
-    eprintln!("RSS: {loaded_rss} MiB loaded after a request, {unloaded_rss} MiB unloaded");
-    assert!(loaded_rss >= unloaded_rss + 60, "the weights left memory: {loaded_rss} -> {unloaded_rss} MiB");
+    // Its engine thread ends and the memory goes back just after it leaves the listing.
+    wait_for("the weights to leave memory", Duration::from_secs(10), || rss_mib(d.child.id()) + 60 <= loaded_rss);
+    eprintln!("RSS: {loaded_rss} MiB loaded after a request, {} MiB unloaded", rss_mib(d.child.id()));
     let (_, listed) = d.http("GET", "/v1/models", "");
     assert!(listed.contains(r#""loaded":false"#), "{listed}");
 
