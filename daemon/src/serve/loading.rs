@@ -36,25 +36,17 @@ pub fn routes() -> Router<Arc<Shared>> {
         .route("/api/delete", delete(remove_ollama))
 }
 
-/// What a body names and whether it streams.
-struct Asked {
-    model: Option<String>,
-    stream: bool,
-}
-
-fn asked(body: &[u8], ollama: bool) -> Option<Asked> {
-    let v: Value = serde_json::from_slice(body).ok()?;
-    let model = v.get("model").or_else(|| if ollama { v.get("name") } else { None });
-    let model = match model {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) => Some(s.strip_suffix(":latest").unwrap_or(s).to_string()).filter(|s| !s.is_empty()),
-        Some(_) => return None,
-    };
-    let stream = match v.get("stream").and_then(Value::as_bool) {
-        Some(s) => s,
-        None => ollama,
-    };
-    Some(Asked { model, stream })
+/// Whether a body asks for a stream (Ollama's endpoints stream unless told not to).
+fn streams(body: &[u8], ollama: bool) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Stream {
+        stream: Option<Value>,
+    }
+    match serde_json::from_slice::<Stream>(body) {
+        Ok(Stream { stream: Some(Value::Bool(s)) }) => s,
+        Ok(_) => ollama,
+        Err(_) => false,
+    }
 }
 
 fn percent(p: &LoadProgress) -> f64 {
@@ -76,9 +68,10 @@ pub async fn progress(State(sh): State<Arc<Shared>>, req: Request, next: Next) -
     let ollama = parts.uri.path().starts_with("/api/");
     // Only a well-formed request for a known model that is not loaded: anything the route
     // refuses is refused with its status, before a 200 goes out.
-    let cold = asked(&bytes, ollama)
-        .filter(|a| a.stream && sh.wanted(&bytes, ollama).is_ok())
-        .and_then(|a| sh.models.slot(a.model.as_deref()).ok())
+    let cold = streams(&bytes, ollama)
+        .then(|| sh.wanted(&bytes, ollama).ok().flatten())
+        .flatten()
+        .and_then(|(model, _)| sh.models.slot(model.as_deref()).ok())
         .filter(|slot| slot.loaded().is_none());
     let Some(slot) = cold else {
         return next.run(Request::from_parts(parts, Body::from(bytes))).await;
@@ -231,7 +224,7 @@ async fn remove_openai(State(sh): State<Arc<Shared>>, Path(name): Path<String>) 
 
 /// Ollama's `DELETE /api/delete` with `{"model": NAME}`: 200 with no body, 404 if unknown.
 async fn remove_ollama(State(sh): State<Arc<Shared>>, body: Bytes) -> Response {
-    let Some(Asked { model: Some(name), .. }) = asked(&body, true) else {
+    let Ok(Some((Some(name), _))) = sh.wanted(&body, true) else {
         return (StatusCode::BAD_REQUEST, Json(json!({ "error": "model is required" }))).into_response();
     };
     match sh.models.remove(&name) {

@@ -62,6 +62,8 @@ pub struct Slot {
     pub source: Source,
     /// What its file says (none when its header cannot be read: loading it says why).
     pub facts: Option<Facts>,
+    /// Bytes of its draft model's weights on disk (0: no draft, or one that cannot be read).
+    draft_bytes: u64,
     /// The device its weights and KV cache take memory on ("cpu", "cuda").
     pub device: &'static str,
     handle: Mutex<Option<Arc<ModelHandle>>>,
@@ -84,6 +86,7 @@ pub struct Slot {
 impl Slot {
     fn new(name: String, config: ModelConfig, source: Source, keep_alive: Option<Duration>) -> Slot {
         let facts = Facts::read(&config.path).ok();
+        let draft_bytes = config.draft.as_deref().and_then(|d| Facts::read(d).ok()).map_or(0, |f| f.size);
         let device = match inferd_engine::backend::choose(config.backend_kind()).0 {
             inferd_engine::backend::BackendKind::Cuda => "cuda",
             _ => "cpu",
@@ -93,6 +96,7 @@ impl Slot {
             config,
             source,
             facts,
+            draft_bytes,
             device,
             handle: Mutex::new(None),
             loading: tokio::sync::Mutex::new(()),
@@ -138,7 +142,7 @@ impl Slot {
     /// caches it reserves.
     pub fn footprint(&self) -> u64 {
         let weights = self.weight_bytes();
-        let draft = self.config.draft.as_deref().and_then(|d| Facts::read(d).ok()).map_or(0, |f| f.size);
+        let draft = self.draft_bytes;
         let kv = (self.config.kv_cache_mib as u64) << 20;
         let draft_kv = if self.config.draft.is_some() { kv / 2 } else { 0 };
         weights + draft + kv + draft_kv
@@ -219,6 +223,10 @@ impl Models {
             retired: Mutex::new(Vec::new()),
         };
         let slots = models.configured(configs)?;
+        if let Ok(mut all) = models.slots.write() {
+            all.extend(slots.iter().cloned());
+            sort(&mut all);
+        }
         for slot in &slots {
             if let Some(b) = models.budget {
                 let loaded: u64 = models.loaded_slots(slot.device).iter().map(|s| s.footprint()).sum();
@@ -235,17 +243,6 @@ impl Models {
             if let Ok(mut g) = slot.handle.lock() {
                 *g = Some(Arc::new(h));
             }
-            if let Ok(mut all) = models.slots.write() {
-                all.push(Arc::clone(slot));
-            }
-        }
-        if let Ok(mut all) = models.slots.write() {
-            for slot in slots {
-                if !all.iter().any(|s| Arc::ptr_eq(s, &slot)) {
-                    all.push(slot);
-                }
-            }
-            sort(&mut all);
         }
         models.rescan();
         Ok(models)

@@ -543,50 +543,26 @@ fn dbus_loads_and_unloads_models_with_progress_to_the_caller() {
         let connect =
             || async { zbus::connection::Builder::address(bus.address.as_str()).unwrap().build().await.unwrap() };
         let (caller, other) = (connect().await, connect().await);
+        const IFACE: &str = "org.inferd.Inference1";
         let call = |c: &zbus::Connection, method: &'static str, body: (&'static str, &'static str)| {
             let c = c.clone();
-            async move {
-                c.call_method(
-                    Some("org.inferd.Inference1"),
-                    "/org/inferd/Inference1",
-                    Some("org.inferd.Inference1"),
-                    method,
-                    &body,
-                )
-                .await
-            }
+            async move { c.call_method(Some(IFACE), "/org/inferd/Inference1", Some(IFACE), method, &body).await }
         };
         let unload = |c: &zbus::Connection| {
             let c = c.clone();
             async move {
-                let r = c
-                    .call_method(
-                        Some("org.inferd.Inference1"),
-                        "/org/inferd/Inference1",
-                        Some("org.inferd.Inference1"),
-                        "UnloadModel",
-                        &(name,),
-                    )
-                    .await
-                    .unwrap();
-                r.body().deserialize::<bool>().unwrap()
+                let r =
+                    c.call_method(Some(IFACE), "/org/inferd/Inference1", Some(IFACE), "UnloadModel", &(name,)).await;
+                r.unwrap().body().deserialize::<bool>().unwrap()
             }
         };
         // Every model with what its file says, loaded or not.
         let details = |c: &zbus::Connection| {
             let c = c.clone();
             async move {
-                let r = c
-                    .call_method(
-                        Some("org.inferd.Inference1"),
-                        "/org/inferd/Inference1",
-                        Some("org.freedesktop.DBus.Properties"),
-                        "Get",
-                        &("org.inferd.Inference1", "ModelDetails"),
-                    )
-                    .await
-                    .unwrap();
-                let v: zbus::zvariant::OwnedValue = r.body().deserialize().unwrap();
+                let props = Some("org.freedesktop.DBus.Properties");
+                let r = c.call_method(Some(IFACE), "/org/inferd/Inference1", props, "Get", &(IFACE, "ModelDetails"));
+                let v: zbus::zvariant::OwnedValue = r.await.unwrap().body().deserialize().unwrap();
                 Vec::<std::collections::HashMap<String, zbus::zvariant::OwnedValue>>::try_from(v).unwrap()
             }
         };
@@ -617,17 +593,9 @@ fn dbus_loads_and_unloads_models_with_progress_to_the_caller() {
             ("max_tokens", zbus::zvariant::Value::U32(3)),
             ("temperature", zbus::zvariant::Value::F64(0.0)),
         ]);
-        let r = caller
-            .call_method(
-                Some("org.inferd.Inference1"),
-                "/org/inferd/Inference1",
-                Some("org.inferd.Inference1"),
-                "Complete",
-                &(name, "The capital of France is", &opts),
-            )
-            .await
-            .unwrap();
-        assert_eq!(r.body().deserialize::<String>().unwrap(), " Paris.\n");
+        let body = (name, "The capital of France is", &opts);
+        let r = caller.call_method(Some(IFACE), "/org/inferd/Inference1", Some(IFACE), "Complete", &body).await;
+        assert_eq!(r.unwrap().body().deserialize::<String>().unwrap(), " Paris.\n");
         assert_eq!(load_progress(&mut mine).await.last().map(|x| x.1), Some(size));
         let refused = call(&caller, "LoadModel", ("nope", "")).await.unwrap_err();
         assert!(refused.to_string().contains("unknown model"), "{refused}");
