@@ -12,9 +12,35 @@ use serde::Serialize;
 /// ChatML, used when a model ships no template.
 pub const CHATML: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
 
+/// Template instructions one rendering may run: a template's loops are bounded by its input
+/// in practice (a few hundred instructions per message), and a file whose template loops
+/// without end (two nested `range(100000)`) is stopped after a third of a second's work.
+pub const FUEL: u64 = 20_000_000;
+
+/// The longest text a template may render (a generous bound on any prompt: a million-token
+/// context is a few MiB of text).
+pub const MAX_RENDERED: usize = 64 << 20;
+
 #[derive(Debug, thiserror::Error)]
 #[error("chat template: {0}")]
 pub struct TemplateError(String);
+
+/// The rendering's output, failing past [`MAX_RENDERED`] bytes.
+struct Capped(Vec<u8>);
+
+impl std::io::Write for Capped {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.0.len() + buf.len() > MAX_RENDERED {
+            return Err(std::io::Error::other(format!("the rendered prompt passes {MAX_RENDERED} bytes")));
+        }
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
 
 /// One message of a conversation.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -158,6 +184,7 @@ impl ChatTemplate {
     /// Compiles `source` (or ChatML when `None`).
     pub fn new(source: Option<&str>, bos: String, eos: String) -> Result<Self, TemplateError> {
         let mut env = minijinja::Environment::new();
+        env.set_fuel(Some(FUEL));
         env.add_function("raise_exception", raise_exception);
         env.add_filter("tojson", tojson);
         // Python's str and dict methods (`startswith`, `split`, `strip`, `items`, ...), which
@@ -185,14 +212,16 @@ impl ChatTemplate {
         let tmpl = self.env.get_template("chat").map_err(|e| TemplateError(e.to_string()))?;
         let tools: Option<Vec<serde_json::Value>> =
             (!tools.is_empty()).then(|| tools.iter().map(Tool::to_openai).collect());
-        tmpl.render(minijinja::context! {
+        let ctx = minijinja::context! {
             messages => messages,
             tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos,
             eos_token => &self.eos,
-        })
-        .map_err(|e| TemplateError(e.to_string()))
+        };
+        let mut out = Capped(Vec::new());
+        tmpl.render_captured_to(ctx, &mut out).map_err(|e| TemplateError(e.to_string()))?;
+        String::from_utf8(out.0).map_err(|e| TemplateError(e.to_string()))
     }
 }
 
@@ -240,6 +269,26 @@ mod tests {
         assert_eq!(s, want);
         let bad = ChatTemplate::new(Some("{{ 1 | tojson(colour=1) }}"), String::new(), String::new()).unwrap();
         assert!(bad.env.get_template("chat").unwrap().render(minijinja::context! {}).is_err());
+    }
+
+    /// A template that would loop for hours runs out of fuel; one that would render gigabytes
+    /// stops at the cap; both are errors, and the stock templates' work fits many times over.
+    #[test]
+    fn runaway_templates_stop_with_an_error() {
+        let spin = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}";
+        let t = ChatTemplate::new(Some(spin), String::new(), String::new()).unwrap();
+        let t0 = std::time::Instant::now();
+        let e = t.render(&[], false).unwrap_err();
+        assert!(e.to_string().contains("fuel"), "{e}");
+        eprintln!("out of fuel after {:.2} s", t0.elapsed().as_secs_f64());
+        let big = "{% for i in range(100) %}{{ 'x' * 10000000 }}{% endfor %}";
+        let t = ChatTemplate::new(Some(big), String::new(), String::new()).unwrap();
+        let e = t.render(&[], false).unwrap_err();
+        assert!(e.to_string().contains("failed to write output"), "{e}");
+        // A thousand-turn conversation through ChatML renders.
+        let msgs: Vec<ChatMessage> = (0..1000).map(|i| ChatMessage::new("user", &format!("turn {i}"))).collect();
+        let t = ChatTemplate::new(None, String::new(), String::new()).unwrap();
+        assert!(t.render(&msgs, true).unwrap().ends_with("<|im_start|>assistant\n"));
     }
 
     #[test]

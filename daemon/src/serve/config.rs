@@ -81,6 +81,15 @@ pub struct Server {
     /// An additional HTTP listener on a loopback address ("127.0.0.1:8080"); off by default.
     /// It has no peer credentials: its requests count as one anonymous user.
     pub tcp: Option<String>,
+    /// Host names, besides the loopback ones, that requests to the TCP listener may name in
+    /// `Host` (a name the machine's own DNS maps to 127.0.0.1, say).
+    pub tcp_hosts: Vec<String>,
+    /// Web origins ("http://localhost:3000") whose pages may call the TCP listener from a
+    /// browser (CORS); any other `Origin` is refused.
+    pub cors_origins: Vec<String>,
+    /// A file holding a key that TCP requests must present as `Authorization: Bearer KEY`
+    /// (empty: none asked).
+    pub tcp_key_file: Option<PathBuf>,
     /// Serve `org.inferd.Inference1` on the mode's bus.
     pub dbus: bool,
     /// Compute threads per model; 0 means one per core.
@@ -111,6 +120,9 @@ impl Default for Server {
             socket_mode: "0660".into(),
             socket_group: None,
             tcp: None,
+            tcp_hosts: Vec::new(),
+            cors_origins: Vec::new(),
+            tcp_key_file: None,
             dbus: true,
             threads: 0,
             shutdown_grace_secs: 10,
@@ -147,11 +159,17 @@ pub struct Limits {
     pub max_requests_per_user: usize,
     /// Most new tokens one request may ask for (also capped by the context length).
     pub max_tokens: u32,
+    /// Connections one user (peer uid; all of loopback TCP counts as one) may hold open at
+    /// once; the next gets a 503 and is closed.
+    pub max_connections_per_user: usize,
+    /// Seconds a client has to send a request's headers, and again its body; also how long an
+    /// idle keep-alive connection stays open.
+    pub request_timeout_secs: u64,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_requests_per_user: 16, max_tokens: 4096 }
+        Limits { max_requests_per_user: 16, max_tokens: 4096, max_connections_per_user: 64, request_timeout_secs: 30 }
     }
 }
 

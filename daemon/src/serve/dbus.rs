@@ -183,25 +183,35 @@ struct Started {
 
 impl Inference {
     /// Checks and submits a request for `sender`; `prompt` builds the prompt once the request
-    /// is known (a chat's tools may shape it).
+    /// is known (a chat's tools may shape it). The options, the prompt and the checks are
+    /// worked out off the runtime ([`Shared::cpu`]).
     async fn start(
         &self,
         conn: &Connection,
         hdr: &Header<'_>,
-        options: &HashMap<String, OwnedValue>,
-        prompt: impl FnOnce(&mut Request) -> Result<Prompt, ApiError>,
+        options: HashMap<String, OwnedValue>,
+        prompt: impl FnOnce(&Shared, &HashMap<String, OwnedValue>, &mut Request) -> Result<Prompt, ApiError>
+            + Send
+            + 'static,
     ) -> fdo::Result<Started> {
         let sender = hdr.sender().ok_or_else(|| fdo::Error::Failed("a call without a sender".into()))?.to_owned();
         let uid = caller_uid(conn, &sender).await?;
-        let mut req = options_request(options).map_err(failed)?;
-        let (handle, ids, format) = prompt(&mut req).map_err(failed)?;
-        let p = request::prepare(&self.sh, handle, req, ids).map_err(failed)?;
+        let sh = Arc::clone(&self.sh);
+        let (p, format) = self
+            .sh
+            .cpu(move || {
+                let mut req = options_request(&options)?;
+                let (handle, ids, format) = prompt(&sh, &options, &mut req)?;
+                Ok((request::prepare(&sh, handle, req, ids)?, format))
+            })
+            .await
+            .map_err(failed)?;
         let logprobs = p.logprobs.is_some();
         let mut out = Output::new(1, p.stop.clone());
         if format.is_some() {
             out = out.keeping_special();
         }
-        let sub = request::submit(&self.sh, p, uid).map_err(failed)?;
+        let sub = request::submit(&self.sh, p, uid, None).map_err(failed)?;
         if let Ok(mut o) = self.owners.lock() {
             o.entry(sender.to_string()).or_default().push((Arc::clone(&sub.model), sub.id));
         }
@@ -209,24 +219,29 @@ impl Inference {
     }
 
     /// `prompt` as token ids (tool options belong to Chat).
-    fn prompt_ids(&self, model: &str, prompt: &str, options: &HashMap<String, OwnedValue>) -> Result<Prompt, ApiError> {
+    fn prompt_ids(
+        sh: &Shared,
+        model: &str,
+        prompt: &str,
+        options: &HashMap<String, OwnedValue>,
+    ) -> Result<Prompt, ApiError> {
         if let Some(k) = ["tools", "tool_choice", "parallel_tool_calls"].iter().find(|k| options.contains_key(**k)) {
             return Err(ApiError::bad(format!("{k} is an option of Chat"), "tools"));
         }
-        let h = self.sh.model(Some(model))?;
+        let h = sh.model(Some(model))?;
         let ids = request::encode_prompt(&h.model, prompt)?;
         Ok((h, ids, None))
     }
 
     /// A chat's messages rendered with its tools; a required or named call constrains `req`.
     fn chat_ids(
-        &self,
+        sh: &Shared,
         model: &str,
         messages: &[HashMap<String, String>],
         options: &HashMap<String, OwnedValue>,
         req: &mut Request,
     ) -> Result<Prompt, ApiError> {
-        let h = self.sh.model(Some(model))?;
+        let h = sh.model(Some(model))?;
         let body = chat_body(messages, options)?;
         let tools = Tools::of(&body, &h.model)?;
         let ids = chat::encode(&h.model, &chat::messages(&body)?, Some(&tools))?;
@@ -363,7 +378,7 @@ async fn forward(conn: &Connection, path: &ObjectPath<'_>, started: Started) {
             reason
         }
     };
-    while let Some(ev) = sub.events.recv().await {
+    while let Some(ev) = sub.recv().await {
         for piece in out.on_event(&model.model, ev) {
             let sent = match piece {
                 Piece::Text { text, token, logprobs: lps, .. } => {
@@ -389,9 +404,7 @@ async fn forward(conn: &Connection, path: &ObjectPath<'_>, started: Started) {
             }
         }
         if out.all_stopped() {
-            if let Ok(tx) = sub.model.engine.lock() {
-                let _ = tx.send(Command::Stop(sub.id));
-            }
+            sub.stop();
             if let Piece::Done { completion_tokens, .. } = out.done_by_stop() {
                 let usage = usage(sub.prompt_tokens, completion_tokens);
                 let _ = RequestObject::finished(&emitter, called(&tools, "stop"), usage).await;
@@ -416,7 +429,11 @@ impl Inference {
         options: HashMap<String, OwnedValue>,
     ) -> fdo::Result<OwnedObjectPath> {
         self.load(conn, &hdr, model).await?;
-        let started = self.start(conn, &hdr, &options, |_| self.prompt_ids(model, prompt, &options)).await?;
+        let (model, prompt) = (model.to_owned(), prompt.to_owned());
+        let ids = move |sh: &Shared, o: &HashMap<String, OwnedValue>, _: &mut Request| {
+            Inference::prompt_ids(sh, &model, &prompt, o)
+        };
+        let started = self.start(conn, &hdr, options, ids).await?;
         self.stream(conn, started).await
     }
 
@@ -432,7 +449,11 @@ impl Inference {
         options: HashMap<String, OwnedValue>,
     ) -> fdo::Result<OwnedObjectPath> {
         self.load(conn, &hdr, model).await?;
-        let started = self.start(conn, &hdr, &options, |req| self.chat_ids(model, &messages, &options, req)).await?;
+        let model = model.to_owned();
+        let ids = move |sh: &Shared, o: &HashMap<String, OwnedValue>, req: &mut Request| {
+            Inference::chat_ids(sh, &model, &messages, o, req)
+        };
+        let started = self.start(conn, &hdr, options, ids).await?;
         self.stream(conn, started).await
     }
 
@@ -447,11 +468,14 @@ impl Inference {
         options: HashMap<String, OwnedValue>,
     ) -> fdo::Result<String> {
         self.load(conn, &hdr, model).await?;
-        let Started { mut sub, mut out, sender, .. } =
-            self.start(conn, &hdr, &options, |_| self.prompt_ids(model, prompt, &options)).await?;
+        let (model, prompt) = (model.to_owned(), prompt.to_owned());
+        let ids = move |sh: &Shared, o: &HashMap<String, OwnedValue>, _: &mut Request| {
+            Inference::prompt_ids(sh, &model, &prompt, o)
+        };
+        let Started { mut sub, mut out, sender, .. } = self.start(conn, &hdr, options, ids).await?;
         let mut text = String::new();
         let result = 'events: loop {
-            let Some(ev) = sub.events.recv().await else { break Err(fdo::Error::Failed("the engine stopped".into())) };
+            let Some(ev) = sub.recv().await else { break Err(fdo::Error::Failed("the engine stopped".into())) };
             for piece in out.on_event(&sub.model.model, ev) {
                 match piece {
                     Piece::Text { text: t, .. } | Piece::End { text: t, .. } => text.push_str(&t),
@@ -460,9 +484,7 @@ impl Inference {
                 }
             }
             if out.all_stopped() {
-                if let Ok(tx) = sub.model.engine.lock() {
-                    let _ = tx.send(Command::Stop(sub.id));
-                }
+                sub.stop();
                 break Ok(());
             }
         };
@@ -502,7 +524,7 @@ impl Inference {
         self.load(conn, &hdr, model).await?;
         let h = self.sh.model(Some(model)).map_err(failed)?;
         let inputs = inputs.into_iter().map(super::embed::Input::Text).collect();
-        let (v, _) = super::embed::embed(&h, inputs, false).await.map_err(failed)?;
+        let (v, _) = super::embed::embed(&self.sh, &h, inputs, false).await.map_err(failed)?;
         Ok(v.into_iter().map(|e| e.into_iter().map(f64::from).collect()).collect())
     }
 

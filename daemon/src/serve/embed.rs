@@ -53,10 +53,34 @@ pub fn inputs(v: Option<&Value>) -> Result<Vec<Input>, ApiError> {
 /// The vectors of `inputs` by `model`, and the tokens they took. `truncate`: a text longer
 /// than the context keeps its start (Ollama's default) instead of being refused.
 pub async fn embed(
+    sh: &Shared,
     model: &Arc<ModelHandle>,
     inputs: Vec<Input>,
     truncate: bool,
 ) -> Result<(Vec<Vec<f32>>, usize), ApiError> {
+    let m = Arc::clone(model);
+    let ids = sh.cpu(move || token_lists(&m, inputs, truncate)).await?;
+    let tokens = ids.iter().map(Vec::len).sum();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let cmd = Command::Embed(Embedding {
+        inputs: ids,
+        reply: Box::new(move |r| {
+            let _ = tx.send(r);
+        }),
+    });
+    let sent = model.engine.lock().map(|e| e.send(cmd).is_ok()).unwrap_or(false);
+    if !sent {
+        return Err(ApiError::new(503, "the engine stopped", None));
+    }
+    match rx.await {
+        Ok(Ok(v)) => Ok((v, tokens)),
+        Ok(Err(e)) => Err(ApiError::new(503, format!("embedding failed: {e}"), None)),
+        Err(_) => Err(ApiError::new(503, "the engine stopped", None)),
+    }
+}
+
+/// Each input's tokens (texts tokenized), checked against the vocabulary and the context.
+fn token_lists(model: &ModelHandle, inputs: Vec<Input>, truncate: bool) -> Result<Vec<Vec<u32>>, ApiError> {
     let (ctx, vocab) = (model.context_len(), model.model.config.vocab);
     let mut ids = Vec::with_capacity(inputs.len());
     for (i, input) in inputs.into_iter().enumerate() {
@@ -87,23 +111,7 @@ pub async fn embed(
         }
         ids.push(t);
     }
-    let tokens = ids.iter().map(Vec::len).sum();
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let cmd = Command::Embed(Embedding {
-        inputs: ids,
-        reply: Box::new(move |r| {
-            let _ = tx.send(r);
-        }),
-    });
-    let sent = model.engine.lock().map(|e| e.send(cmd).is_ok()).unwrap_or(false);
-    if !sent {
-        return Err(ApiError::new(503, "the engine stopped", None));
-    }
-    match rx.await {
-        Ok(Ok(v)) => Ok((v, tokens)),
-        Ok(Err(e)) => Err(ApiError::new(503, format!("embedding failed: {e}"), None)),
-        Err(_) => Err(ApiError::new(503, "the engine stopped", None)),
-    }
+    Ok(ids)
 }
 
 /// Little-endian f32 bytes in standard base64 (OpenAI's `encoding_format: "base64"`).

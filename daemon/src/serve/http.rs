@@ -3,62 +3,26 @@
 //! ([`ollama`](super::ollama)), `/tokenize`,
 //! `/detokenize`, `/health`, `/v1/models`, `/v1/status` and Prometheus `/metrics`. The JSON is
 //! parsed here; checking and submitting are the shared [`request`](super::request) path. The
-//! peer's uid comes from SO_PEERCRED on the connection ([`Peer`]).
+//! peer's uid comes from SO_PEERCRED on the connection ([`Peer`], [`conn`](super::conn)).
 
 use super::chat::{self, Tools};
+pub use super::conn::Peer;
 use super::fields::{self, Field, FIELDS};
 use super::request::{self, ApiError, Output, Piece, Scored};
 use super::Shared;
-use axum::extract::connect_info::Connected;
 use axum::extract::{ConnectInfo, State};
 use axum::http::StatusCode;
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::serve::IncomingStream;
 use axum::{Json, Router};
 use inferd_engine::plugin::session::MAX_TOP_LOGPROBS;
 use inferd_engine::request::Request;
-use inferd_engine::sched::Command;
 use inferd_engine::tools::parse::{Delta, ToolStream};
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc::unbounded_channel;
-
-/// Who is on the other end of a connection: the uid from SO_PEERCRED on the Unix socket; none
-/// on loopback TCP (those requests share [`ANONYMOUS_UID`] for the limits).
-#[derive(Clone, Copy, Debug)]
-pub struct Peer {
-    pub uid: Option<u32>,
-}
-
-/// The uid a TCP client counts as (the conventional `nobody`).
-pub const ANONYMOUS_UID: u32 = 65534;
-
-impl Connected<IncomingStream<'_, tokio::net::UnixListener>> for Peer {
-    fn connect_info(stream: IncomingStream<'_, tokio::net::UnixListener>) -> Self {
-        Peer { uid: stream.io().peer_cred().ok().map(|c| c.uid()) }
-    }
-}
-
-impl Connected<IncomingStream<'_, super::gate::Gate>> for Peer {
-    fn connect_info(stream: IncomingStream<'_, super::gate::Gate>) -> Self {
-        Peer { uid: stream.io().io.peer_cred().ok().map(|c| c.uid()) }
-    }
-}
-
-impl Connected<IncomingStream<'_, tokio::net::TcpListener>> for Peer {
-    fn connect_info(_: IncomingStream<'_, tokio::net::TcpListener>) -> Self {
-        Peer { uid: None }
-    }
-}
-
-impl Peer {
-    pub(super) fn uid(&self) -> u32 {
-        self.uid.unwrap_or(ANONYMOUS_UID)
-    }
-}
 
 /// Responses per route and status, for `/metrics`.
 #[derive(Debug, Default)]
@@ -103,6 +67,7 @@ pub fn router(sh: Arc<Shared>) -> Router {
         .route("/detokenize", post(detokenize))
         .merge(super::loading::routes())
         .layer(axum::middleware::from_fn_with_state(Arc::clone(&sh), count))
+        .layer(axum::middleware::from_fn_with_state(Arc::clone(&sh), super::conn::read_body))
         .with_state(sh)
 }
 
@@ -227,8 +192,24 @@ pub fn status_json(sh: &Shared) -> Value {
     })
 }
 
-async fn status(State(sh): State<Arc<Shared>>) -> Json<Value> {
-    Json(status_json(&sh))
+/// The status; to a peer that is not a local user (loopback TCP), without what would tell a
+/// web page about the machine: file paths, plugin paths, uids.
+async fn status(State(sh): State<Arc<Shared>>, ConnectInfo(peer): ConnectInfo<Peer>) -> Json<Value> {
+    let mut v = status_json(&sh);
+    if !peer.local() {
+        if let Some(o) = v.as_object_mut() {
+            for k in ["model_store", "plugins_refused", "requests_per_user"] {
+                o.remove(k);
+            }
+        }
+        for s in v["strategies"].as_array_mut().into_iter().flatten() {
+            s.as_object_mut().map(|o| o.remove("path"));
+        }
+        for m in v["models"].as_array_mut().into_iter().flatten() {
+            m["file"].as_object_mut().map(|o| o.remove("path"));
+        }
+    }
+    Json(v)
 }
 
 async fn metrics(State(sh): State<Arc<Shared>>) -> Response {
@@ -257,41 +238,48 @@ async fn tokenize(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Res
     if let Err(e) = sh.warm(&body, false).await {
         return error(e);
     }
-    let run = || -> Result<Value, ApiError> {
-        let m = object(&body)?;
-        let model = sh.model(model_field(&m)?)?;
-        let text = m
-            .get("content")
-            .and_then(Value::as_str)
-            .ok_or_else(|| ApiError::bad("content must be a string", "content"))?;
-        let special = m.get("add_special").and_then(Value::as_bool).unwrap_or(false);
-        let ids = model.model.tokenizer.encode(text, special).map_err(|e| ApiError::bad(e.to_string(), "content"))?;
-        Ok(json!({ "tokens": ids }))
+    let run = {
+        let (sh, body) = (Arc::clone(&sh), body.clone());
+        move || -> Result<Value, ApiError> {
+            let m = object(&body)?;
+            let model = sh.model(model_field(&m)?)?;
+            let text = m
+                .get("content")
+                .and_then(Value::as_str)
+                .ok_or_else(|| ApiError::bad("content must be a string", "content"))?;
+            let special = m.get("add_special").and_then(Value::as_bool).unwrap_or(false);
+            let ids =
+                model.model.tokenizer.encode(text, special).map_err(|e| ApiError::bad(e.to_string(), "content"))?;
+            Ok(json!({ "tokens": ids }))
+        }
     };
-    run().map_or_else(error, |v| Json(v).into_response())
+    sh.cpu(run).await.map_or_else(error, |v| Json(v).into_response())
 }
 
 async fn detokenize(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
     if let Err(e) = sh.warm(&body, false).await {
         return error(e);
     }
-    let run = || -> Result<Value, ApiError> {
-        let m = object(&body)?;
-        let model = sh.model(model_field(&m)?)?;
-        let ids = m
-            .get("tokens")
-            .and_then(Value::as_array)
-            .ok_or_else(|| ApiError::bad("tokens must be an array of token ids", "tokens"))?;
-        let vocab = model.model.config.vocab as u64;
-        let ids: Vec<u32> = ids
-            .iter()
-            .map(|v| v.as_u64().filter(|&t| t < vocab).map(|t| t as u32))
-            .collect::<Option<_>>()
-            .ok_or_else(|| ApiError::bad(format!("tokens must be ids below {vocab}"), "tokens"))?;
-        let text = model.model.tokenizer.decode(&ids, false).map_err(|e| ApiError::bad(e.to_string(), "tokens"))?;
-        Ok(json!({ "content": text }))
+    let run = {
+        let (sh, body) = (Arc::clone(&sh), body.clone());
+        move || -> Result<Value, ApiError> {
+            let m = object(&body)?;
+            let model = sh.model(model_field(&m)?)?;
+            let ids = m
+                .get("tokens")
+                .and_then(Value::as_array)
+                .ok_or_else(|| ApiError::bad("tokens must be an array of token ids", "tokens"))?;
+            let vocab = model.model.config.vocab as u64;
+            let ids: Vec<u32> = ids
+                .iter()
+                .map(|v| v.as_u64().filter(|&t| t < vocab).map(|t| t as u32))
+                .collect::<Option<_>>()
+                .ok_or_else(|| ApiError::bad(format!("tokens must be ids below {vocab}"), "tokens"))?;
+            let text = model.model.tokenizer.decode(&ids, false).map_err(|e| ApiError::bad(e.to_string(), "tokens"))?;
+            Ok(json!({ "content": text }))
+        }
     };
-    run().map_or_else(error, |v| Json(v).into_response())
+    sh.cpu(run).await.map_or_else(error, |v| Json(v).into_response())
 }
 
 /// Keys of OpenAI's request bodies that inferd accepts and ignores: bookkeeping for OpenAI's
@@ -487,20 +475,23 @@ async fn completions(
     if let Err(e) = sh.warm(&body, false).await {
         return error(e);
     }
-    let start = || -> Result<(request::Prepared, Map<String, Value>), ApiError> {
-        let m = object(&body)?;
-        let model = sh.model(model_field(&m)?)?;
-        let prompt = m
-            .get("prompt")
-            .and_then(Value::as_str)
-            .ok_or_else(|| ApiError::bad("prompt must be a string", "prompt"))?;
-        known_keys(&m, "prompt")?;
-        include_usage(&m)?;
-        let ids = request::encode_prompt(&model.model, prompt)?;
-        let req = Request { logprobs: wants_logprobs(&m, false)?, ..typed_request(&m)? };
-        Ok((request::prepare(&sh, model, req, ids)?, m))
+    let start = {
+        let (sh, body) = (Arc::clone(&sh), body.clone());
+        move || -> Result<(request::Prepared, Map<String, Value>), ApiError> {
+            let m = object(&body)?;
+            let model = sh.model(model_field(&m)?)?;
+            let prompt = m
+                .get("prompt")
+                .and_then(Value::as_str)
+                .ok_or_else(|| ApiError::bad("prompt must be a string", "prompt"))?;
+            known_keys(&m, "prompt")?;
+            include_usage(&m)?;
+            let ids = request::encode_prompt(&model.model, prompt)?;
+            let req = Request { logprobs: wants_logprobs(&m, false)?, ..typed_request(&m)? };
+            Ok((request::prepare(&sh, model, req, ids)?, m))
+        }
     };
-    match start() {
+    match sh.cpu(start).await {
         Ok((p, m)) => respond(sh, p, &m, peer, false, None).await,
         Err(e) => error(e),
     }
@@ -514,18 +505,21 @@ async fn chat_completions(
     if let Err(e) = sh.warm(&body, false).await {
         return error(e);
     }
-    let start = || -> Result<(request::Prepared, Map<String, Value>, Tools), ApiError> {
-        let m = object(&body)?;
-        let model = sh.model(model_field(&m)?)?;
-        known_keys(&m, "messages")?;
-        include_usage(&m)?;
-        let tools = Tools::of(&m, &model.model)?;
-        let ids = chat::encode(&model.model, &chat::messages(&m)?, Some(&tools))?;
-        let mut req = Request { logprobs: wants_logprobs(&m, true)?, ..typed_request(&m)? };
-        tools.constrain(&mut req, model.vocabulary.as_deref())?;
-        Ok((request::prepare(&sh, model, req, ids)?, m, tools))
+    let start = {
+        let (sh, body) = (Arc::clone(&sh), body.clone());
+        move || -> Result<(request::Prepared, Map<String, Value>, Tools), ApiError> {
+            let m = object(&body)?;
+            let model = sh.model(model_field(&m)?)?;
+            known_keys(&m, "messages")?;
+            include_usage(&m)?;
+            let tools = Tools::of(&m, &model.model)?;
+            let ids = chat::encode(&model.model, &chat::messages(&m)?, Some(&tools))?;
+            let mut req = Request { logprobs: wants_logprobs(&m, true)?, ..typed_request(&m)? };
+            tools.constrain(&mut req, model.vocabulary.as_deref())?;
+            Ok((request::prepare(&sh, model, req, ids)?, m, tools))
+        }
     };
-    match start() {
+    match sh.cpu(start).await {
         Ok((p, m, tools)) => respond(sh, p, &m, peer, true, tools.active().then_some(tools)).await,
         Err(e) => error(e),
     }
@@ -540,7 +534,7 @@ async fn embeddings(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> R
         let m = object(&body)?;
         let model = super::embed::model_of(&sh, &m)?;
         let (inputs, b64) = super::embed::openai_body(&m, model.model.config.hidden)?;
-        let (vectors, tokens) = super::embed::embed(&model, inputs, false).await?;
+        let (vectors, tokens) = super::embed::embed(&sh, &model, inputs, false).await?;
         Ok::<_, ApiError>(super::embed::openai_reply(&model.name, &vectors, tokens, b64))
     };
     match run.await {
@@ -568,7 +562,7 @@ async fn respond(
         out = out.keeping_special();
     }
     let format = tools.as_ref().map(|t| t.format);
-    let mut sub = match request::submit(&sh, p, peer.uid()) {
+    let mut sub = match request::submit(&sh, p, peer.uid(), Some(Arc::clone(&peer.hangup))) {
         Ok(s) => s,
         Err(e) => return error(e),
     };
@@ -622,7 +616,7 @@ async fn respond(
                 })
                 .collect()
         };
-        while let Some(ev) = sub.events.recv().await {
+        while let Some(ev) = sub.recv().await {
             for piece in out.on_event(&sub.model.model, ev) {
                 match piece {
                     Piece::Text { choice, text, logprobs, .. } => {
@@ -642,7 +636,7 @@ async fn respond(
                 }
             }
             if out.all_stopped() {
-                stop(&sub);
+                sub.stop();
                 let Piece::Done { completion_tokens, .. } = out.done_by_stop() else { break };
                 let choices = choices(&mut texts, &mut reasons, &lps);
                 return Json(json!({ "id": cid, "object": object, "created": created, "model": model_name, "choices": choices, "usage": usage(completion_tokens), "inferd": { "decoder": decoder } })).into_response();
@@ -711,7 +705,7 @@ async fn respond(
             json!({ "id": cid, "object": object, "created": created, "model": model_name, "choices": [], "usage": usage(completion) })
                 .to_string()
         };
-        'events: while let Some(ev) = sub.events.recv().await {
+        'events: while let Some(ev) = sub.recv().await {
             for piece in out.on_event(&sub.model.model, ev) {
                 let ok = match piece {
                     Piece::Text { text, logprobs, .. } if text.is_empty() && logprobs.is_empty() => true,
@@ -743,7 +737,7 @@ async fn respond(
                 }
             }
             if out.all_stopped() {
-                stop(&sub);
+                sub.stop();
                 if let (true, Piece::Done { completion_tokens, .. }) = (with_usage, out.done_by_stop()) {
                     send(usage_chunk(completion_tokens));
                 }
@@ -761,12 +755,4 @@ async fn respond(
         Ok::<_, std::convert::Infallible>(SseEvent::default().data(s))
     });
     Sse::new(events).into_response()
-}
-
-/// Tells the engine a request has what it wants (a stop string matched): it ends as finished
-/// and its blocks are freed in the next step.
-fn stop(sub: &request::Submitted) {
-    if let Ok(tx) = sub.model.engine.lock() {
-        let _ = tx.send(Command::Stop(sub.id));
-    }
 }

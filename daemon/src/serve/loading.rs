@@ -26,8 +26,7 @@ use serde_json::{json, Value};
 use std::sync::Arc;
 use tokio::sync::mpsc;
 
-/// The largest request body the progress layer reads ahead (the routes' own limit is lower).
-const BODY_LIMIT: usize = 64 << 20;
+use super::conn::BODY_LIMIT;
 
 pub fn routes() -> Router<Arc<Shared>> {
     Router::new()

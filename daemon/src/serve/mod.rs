@@ -9,10 +9,12 @@ pub mod bench;
 pub mod bench_clients;
 pub mod chat;
 pub mod config;
+pub mod conn;
 pub mod dbus;
 pub mod embed;
 pub mod fields;
 pub mod gate;
+pub mod guard;
 pub mod http;
 pub mod loading;
 pub mod metrics;
@@ -83,6 +85,8 @@ pub struct Shared {
     pub http: http::HttpCounters,
     /// Plugin files refused at the last scan, with the reason.
     pub refused: Mutex<Vec<String>>,
+    /// Permits for requests' CPU work off the runtime ([`Shared::cpu`]): one per core.
+    pub cpu_permits: tokio::sync::Semaphore,
 }
 
 impl Shared {
@@ -333,6 +337,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         started: Instant::now(),
         http: http::HttpCounters::default(),
         refused: Mutex::new(refused),
+        cpu_permits: tokio::sync::Semaphore::new(std::thread::available_parallelism().map_or(2, |n| n.get())),
     });
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let result = rt.block_on(serve(Arc::clone(&shared), args, cfg));
@@ -362,26 +367,29 @@ async fn serve(sh: Arc<Shared>, args: &ServeArgs, cfg: Config) -> anyhow::Result
         .map_err(|e| anyhow::anyhow!("server.idle_exit: {e}"))?
         .filter(|d| !d.is_zero() && activated);
     let stop = Arc::new(tokio::sync::Notify::new());
-    let router = http::router(Arc::clone(&sh));
-    let s = Arc::clone(&stop);
     let mut servers = tokio::task::JoinSet::new();
-    servers.spawn(async move {
-        axum::serve(listener, router.clone().into_make_service_with_connect_info::<http::Peer>())
-            .with_graceful_shutdown(async move { s.notified().await })
-            .await
-    });
+    let conn_limits = |sh: &Arc<Shared>| {
+        let sh = Arc::clone(sh);
+        move || {
+            let l = sh.limits();
+            conn::ConnLimits {
+                header_timeout: Duration::from_secs(l.request_timeout_secs.max(1)),
+                per_peer: l.max_connections_per_user.max(1),
+            }
+        }
+    };
+    servers.spawn(conn::serve(listener, http::router(Arc::clone(&sh)), conn_limits(&sh), Arc::clone(&stop)));
     if let Some(addr) = &cfg.server.tcp {
         let tcp = tokio::net::TcpListener::bind(addr).await.map_err(|e| anyhow::anyhow!("server.tcp {addr}: {e}"))?;
         let local = tcp.local_addr()?;
         if !local.ip().is_loopback() {
             anyhow::bail!("server.tcp must be a loopback address, not {local}");
         }
-        let (s, r) = (Arc::clone(&stop), http::router(Arc::clone(&sh)));
-        servers.spawn(async move {
-            axum::serve(tcp, r.into_make_service_with_connect_info::<http::Peer>())
-                .with_graceful_shutdown(async move { s.notified().await })
-                .await
-        });
+        let s = &cfg.server;
+        let g = Arc::new(guard::Guard::new(&s.tcp_hosts, &s.cors_origins, s.tcp_key_file.as_deref())?);
+        let r =
+            http::router(Arc::clone(&sh)).layer(g.cors()).layer(axum::middleware::from_fn_with_state(g, guard::check));
+        servers.spawn(conn::serve(tcp, r, conn_limits(&sh), Arc::clone(&stop)));
     }
     let bus = if cfg.server.dbus {
         match dbus::serve(Arc::clone(&sh), args.mode).await {
@@ -428,8 +436,7 @@ async fn serve(sh: Arc<Shared>, args: &ServeArgs, cfg: Config) -> anyhow::Result
             Some(r) = servers.join_next() => {
                 // A listener ended by itself: that is an error worth exiting for.
                 match r {
-                    Ok(Ok(())) => anyhow::bail!("the HTTP listener stopped"),
-                    Ok(Err(e)) => anyhow::bail!("the HTTP listener failed: {e}"),
+                    Ok(()) => anyhow::bail!("the HTTP listener stopped"),
                     Err(e) => anyhow::bail!("the HTTP listener panicked: {e}"),
                 }
             }

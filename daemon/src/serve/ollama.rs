@@ -19,7 +19,6 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use inferd_engine::sched::Command;
 use inferd_engine::tools::parse::{Delta, ToolStream};
 use serde_json::{json, Map, Value};
 use std::path::Path;
@@ -208,7 +207,7 @@ async fn embed(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Respon
         super::embed::check_body(&m, &known, h.model.config.hidden)?;
         let truncate = m.get("truncate").and_then(Value::as_bool) != Some(false);
         let inputs = super::embed::inputs(m.get("input"))?;
-        let (vectors, tokens) = super::embed::embed(&h, inputs, truncate).await?;
+        let (vectors, tokens) = super::embed::embed(&sh, &h, inputs, truncate).await?;
         Ok(json!({
             "model": tagged(&h),
             "embeddings": vectors,
@@ -364,38 +363,41 @@ async fn generate(
     if let Err(e) = sh.warm(&body, true).await {
         return error(e);
     }
-    let ask = || -> Result<Ask, ApiError> {
-        let m = super::http::object(&body)?;
-        check_keys(&m, &["prompt", "system", "context", "raw"])?;
-        let h = model(&sh, &m)?;
-        let prompt = string(&m, "prompt")?.unwrap_or_default();
-        let raw = m.get("raw").and_then(Value::as_bool).unwrap_or(false);
-        // As Ollama does: the prompt goes through the model's chat template (with `system`)
-        // unless `raw`; `context` (what an earlier answer returned) comes first.
-        let mut ids: Vec<u32> = match m.get("context") {
-            None | Some(Value::Null) => Vec::new(),
-            Some(Value::Array(a)) => a
-                .iter()
-                .map(|x| x.as_u64().filter(|&t| t < h.model.config.vocab as u64).map(|t| t as u32))
-                .collect::<Option<_>>()
-                .ok_or_else(|| ApiError::bad("context must be token ids of the model", "context"))?,
-            Some(_) => return Err(ApiError::bad("context must be an array of token ids", "context")),
-        };
-        if prompt.is_empty() && ids.is_empty() {
-            // Nothing to generate from: a request to load the model.
-        } else if raw {
-            ids.extend(request::encode_prompt(&h.model, &prompt)?);
-        } else {
-            let mut msgs = Vec::new();
-            if let Some(system) = string(&m, "system")? {
-                msgs.push(("system".to_owned(), system));
+    let ask = {
+        let (sh, body) = (Arc::clone(&sh), body.clone());
+        move || -> Result<Ask, ApiError> {
+            let m = super::http::object(&body)?;
+            check_keys(&m, &["prompt", "system", "context", "raw"])?;
+            let h = model(&sh, &m)?;
+            let prompt = string(&m, "prompt")?.unwrap_or_default();
+            let raw = m.get("raw").and_then(Value::as_bool).unwrap_or(false);
+            // As Ollama does: the prompt goes through the model's chat template (with `system`)
+            // unless `raw`; `context` (what an earlier answer returned) comes first.
+            let mut ids: Vec<u32> = match m.get("context") {
+                None | Some(Value::Null) => Vec::new(),
+                Some(Value::Array(a)) => a
+                    .iter()
+                    .map(|x| x.as_u64().filter(|&t| t < h.model.config.vocab as u64).map(|t| t as u32))
+                    .collect::<Option<_>>()
+                    .ok_or_else(|| ApiError::bad("context must be token ids of the model", "context"))?,
+                Some(_) => return Err(ApiError::bad("context must be an array of token ids", "context")),
+            };
+            if prompt.is_empty() && ids.is_empty() {
+                // Nothing to generate from: a request to load the model.
+            } else if raw {
+                ids.extend(request::encode_prompt(&h.model, &prompt)?);
+            } else {
+                let mut msgs = Vec::new();
+                if let Some(system) = string(&m, "system")? {
+                    msgs.push(("system".to_owned(), system));
+                }
+                msgs.push(("user".to_owned(), prompt));
+                ids.extend(request::encode_chat(&h.model, &msgs)?);
             }
-            msgs.push(("user".to_owned(), prompt));
-            ids.extend(request::encode_chat(&h.model, &msgs)?);
+            Ask::new(h, ids, &m)
         }
-        Ask::new(h, ids, &m)
     };
-    let ask = ask();
+    let ask = sh.cpu(ask).await;
     reply(sh, ask, peer, false).await
 }
 
@@ -407,16 +409,19 @@ async fn chat(
     if let Err(e) = sh.warm(&body, true).await {
         return error(e);
     }
-    let ask = || -> Result<Ask, ApiError> {
-        let m = super::http::object(&body)?;
-        check_keys(&m, &["messages", "tools"])?;
-        let h = model(&sh, &m)?;
-        let msgs = super::chat::messages(&m)?;
-        let tools = Tools::of(&m, &h.model)?;
-        let ids = if msgs.is_empty() { Vec::new() } else { super::chat::encode(&h.model, &msgs, Some(&tools))? };
-        Ok(Ask { tools: tools.active().then_some(tools), ..Ask::new(h, ids, &m)? })
+    let ask = {
+        let (sh, body) = (Arc::clone(&sh), body.clone());
+        move || -> Result<Ask, ApiError> {
+            let m = super::http::object(&body)?;
+            check_keys(&m, &["messages", "tools"])?;
+            let h = model(&sh, &m)?;
+            let msgs = super::chat::messages(&m)?;
+            let tools = Tools::of(&m, &h.model)?;
+            let ids = if msgs.is_empty() { Vec::new() } else { super::chat::encode(&h.model, &msgs, Some(&tools))? };
+            Ok(Ask { tools: tools.active().then_some(tools), ..Ask::new(h, ids, &m)? })
+        }
     };
-    let ask = ask();
+    let ask = sh.cpu(ask).await;
     reply(sh, ask, peer, true).await
 }
 
@@ -448,7 +453,7 @@ async fn answer(sh: Arc<Shared>, a: Ask, peer: Peer, chat: bool) -> Response {
     if split.is_some() {
         out = out.keeping_special();
     }
-    let mut sub = match request::submit(&sh, p, peer.uid()) {
+    let mut sub = match request::submit(&sh, p, peer.uid(), Some(Arc::clone(&peer.hangup))) {
         Ok(s) => s,
         Err(e) => return error(e),
     };
@@ -468,7 +473,7 @@ async fn answer(sh: Arc<Shared>, a: Ask, peer: Peer, chat: bool) -> Response {
         let (mut first, mut text, mut reason, mut generated) = (None, String::new(), "stop", Vec::new());
         let mut calls: Vec<Value> = Vec::new();
         let (mut failed, mut done) = (None, false);
-        'events: while let Some(ev) = sub.events.recv().await {
+        'events: while let Some(ev) = sub.recv().await {
             if let inferd_engine::sched::Event::Token { token, .. } = &ev {
                 generated.push(*token);
             }
@@ -528,9 +533,7 @@ async fn answer(sh: Arc<Shared>, a: Ask, peer: Peer, chat: bool) -> Response {
                 }
             }
             if out.all_stopped() {
-                if let Ok(tx) = sub.model.engine.lock() {
-                    let _ = tx.send(Command::Stop(sub.id));
-                }
+                sub.stop();
                 done = true;
                 break;
             }

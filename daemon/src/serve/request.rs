@@ -5,6 +5,7 @@
 //! per choice, with stop strings applied. Errors are [`ApiError`]s, which each edge renders in
 //! its own protocol (the OpenAI error object, a D-Bus error).
 
+use super::conn::Hangup;
 use super::{ModelHandle, Shared};
 use inferd_engine::constraint::Grammar;
 use inferd_engine::model::Model;
@@ -65,6 +66,21 @@ pub struct Prepared {
 }
 
 impl Shared {
+    /// Runs a request's CPU work (parsing its JSON, tokenizing, rendering a chat template,
+    /// compiling a grammar) on the blocking pool, one job per core at a time, so that the
+    /// runtime's two workers only move bytes: a client sending megabytes of prompt delays
+    /// nobody's `/health` or token stream.
+    pub async fn cpu<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let _permit =
+            self.cpu_permits.acquire().await.map_err(|_| ApiError::new(503, "the daemon is shutting down", None))?;
+        tokio::task::spawn_blocking(f)
+            .await
+            .unwrap_or_else(|e| Err(ApiError::new(500, format!("internal error preparing the request: {e}"), None)))
+    }
+
     /// The model a request names (`model` field), or the first one configured, if it is
     /// loaded (the routes load it first, [`Shared::warm`]).
     pub fn model(&self, name: Option<&str>) -> Result<Arc<ModelHandle>, ApiError> {
@@ -267,17 +283,71 @@ impl UserLimits {
     }
 }
 
-/// A submitted request: its id (for cancelling), its user slot, its events.
+/// A submitted request: its id (for cancelling), its user slot, its events. Dropped before
+/// its last event (a client gone, a handler that stopped listening), it cancels the request.
 pub struct Submitted {
     pub id: RequestId,
     pub model: Arc<ModelHandle>,
     pub slot: Slot,
     pub prompt_tokens: usize,
-    pub events: tokio::sync::mpsc::UnboundedReceiver<Event>,
+    events: tokio::sync::mpsc::UnboundedReceiver<Event>,
+    /// The HTTP client's connection: when it goes, the request is cancelled.
+    hangup: Option<Arc<Hangup>>,
+    /// A last event (finished or failed) arrived, or the cancel was sent.
+    over: bool,
 }
 
-/// Takes a place under `uid`'s limit (429 past it) and hands the request to its engine thread.
-pub fn submit(sh: &Arc<Shared>, p: Prepared, uid: u32) -> Result<Submitted, ApiError> {
+impl Submitted {
+    /// The next event; once the client has gone, the request is cancelled (the engine drops
+    /// it at its next step and answers with a last `Failed` event).
+    pub async fn recv(&mut self) -> Option<Event> {
+        let ev = match self.hangup.clone() {
+            Some(h) if !self.over => tokio::select! {
+                ev = self.events.recv() => ev,
+                _ = h.wait() => {
+                    self.cancel();
+                    self.events.recv().await
+                }
+            },
+            _ => self.events.recv().await,
+        };
+        if matches!(ev, None | Some(Event::Finished(_)) | Some(Event::Failed(_))) {
+            self.over = true;
+        }
+        ev
+    }
+
+    /// Tells the engine the request has what it wants (a stop string matched): it ends as
+    /// finished and its blocks are freed at the next step.
+    pub fn stop(&mut self) {
+        if !self.over {
+            self.over = true;
+            if let Ok(tx) = self.model.engine.lock() {
+                let _ = tx.send(Command::Stop(self.id));
+            }
+        }
+    }
+
+    /// Cancels the request (its blocks are freed at the engine's next step).
+    pub fn cancel(&mut self) {
+        if !self.over {
+            self.over = true;
+            if let Ok(tx) = self.model.engine.lock() {
+                let _ = tx.send(Command::Cancel(self.id));
+            }
+        }
+    }
+}
+
+impl Drop for Submitted {
+    fn drop(&mut self) {
+        self.cancel();
+    }
+}
+
+/// Takes a place under `uid`'s limit (429 past it) and hands the request to its engine thread;
+/// it is cancelled when `hangup` trips.
+pub fn submit(sh: &Arc<Shared>, p: Prepared, uid: u32, hangup: Option<Arc<Hangup>>) -> Result<Submitted, ApiError> {
     if sh.draining.load(Ordering::Relaxed) {
         return Err(ApiError::new(503, "the daemon is shutting down", None));
     }
@@ -316,7 +386,7 @@ pub fn submit(sh: &Arc<Shared>, p: Prepared, uid: u32) -> Result<Submitted, ApiE
     if !sent {
         return Err(ApiError::new(503, "the engine is not running", None));
     }
-    Ok(Submitted { id, model: p.model, slot, prompt_tokens, events })
+    Ok(Submitted { id, model: p.model, slot, prompt_tokens, events, hangup, over: false })
 }
 
 /// What a client hears, choice by choice, once tokens are text.

@@ -7,6 +7,7 @@
 
 mod clients;
 mod dbus;
+mod hostile;
 mod http;
 mod models;
 mod store;

@@ -1,0 +1,211 @@
+//! Clients that leave, stall, flood or come from a web page: a departed client's request is
+//! cancelled at the next step (whole or streamed, beam search and long prefills included); the
+//! loopback TCP listener refuses what a browser could send for another site; slow and idle
+//! connections are closed and a user holds a bounded number; megabyte prompts are worked on
+//! off the runtime, so `/health` still answers at once.
+
+use super::*;
+use std::net::TcpStream;
+
+/// The first model's request counters and KV blocks: (running + waiting, cancelled, free +
+/// cached == total).
+fn engine_state(d: &Daemon) -> (u64, u64, bool, Value) {
+    let s = d.status();
+    let m = &s["models"][0];
+    let r = &m["requests"];
+    let kv = &m["kv_blocks"];
+    let busy = r["running"].as_u64().unwrap() + r["waiting"].as_u64().unwrap();
+    let whole = kv["free"].as_u64().unwrap() + kv["cached"].as_u64().unwrap() >= kv["total"].as_u64().unwrap();
+    (busy, r["cancelled"].as_u64().unwrap(), whole, s["requests_per_user"].clone())
+}
+
+#[test]
+fn a_departed_client_cancels_its_request_at_the_next_step() {
+    let dir = scratch("departed");
+    let d = Daemon::start(&dir, "[scheduler]\ntoken_budget = 32\n\n[limits]\nmax_requests_per_user = 2\n", &[]);
+    // A beam search answers at its end and a prompt of 6,000 tokens prefills for seconds:
+    // neither sends a byte before its client leaves.
+    let beam =
+        r#"{"prompt": "Once upon a time", "max_tokens": 3000, "decoder": "beam", "decoder_params": {"beam_width": 8}}"#
+            .to_string();
+    let long = format!(r#"{{"prompt": "{}", "max_tokens": 50, "stream": true}}"#, "word ".repeat(6000));
+    for (i, (what, body)) in [("a whole beam search", beam), ("a streamed long prefill", long)].into_iter().enumerate()
+    {
+        let mut s = UnixStream::connect(&d.socket).unwrap();
+        write!(s, "POST /v1/completions HTTP/1.1\r\nHost: inferd\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+        wait_for("the request to run", Duration::from_secs(20), || engine_state(&d).0 == 1);
+        std::thread::sleep(Duration::from_millis(300));
+        drop(s);
+        let t0 = Instant::now();
+        wait_for(what, Duration::from_secs(5), || {
+            let (busy, cancelled, whole, users) = engine_state(&d);
+            busy == 0 && cancelled == i as u64 + 1 && whole && users.as_object().unwrap().is_empty()
+        });
+        eprintln!("{what}: cancelled {:.0} ms after its client left", t0.elapsed().as_secs_f64() * 1e3);
+    }
+    // The user's places came back: two requests at once are both served.
+    let both: Vec<_> = (0..2)
+        .map(|_| {
+            let socket = d.socket.clone();
+            std::thread::spawn(move || {
+                http(
+                    &socket,
+                    "POST",
+                    "/v1/completions",
+                    r#"{"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}"#,
+                )
+            })
+        })
+        .collect();
+    for t in both {
+        let (st, body) = t.join().unwrap();
+        assert_eq!(st, 200, "{body}");
+    }
+    drop(d);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A free loopback port (free when asked; the daemon binds it right after).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// One raw HTTP/1.1 exchange on loopback TCP: (status, the whole response).
+fn tcp_exchange(port: u16, request: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.write_all(request.as_bytes()).unwrap();
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).unwrap();
+    let out = String::from_utf8_lossy(&out).into_owned();
+    (out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0), out)
+}
+
+#[test]
+fn the_loopback_tcp_listener_refuses_what_a_web_page_could_send() {
+    let dir = scratch("tcp-guard");
+    let port = free_port();
+    std::fs::write(dir.join("key"), "sekret\n").unwrap();
+    let cfg = format!(
+        "[server]\ntcp = \"127.0.0.1:{port}\"\ncors_origins = [\"http://localhost:3000\"]\ntcp_key_file = \"{}\"\n",
+        dir.join("key").display()
+    );
+    let d = Daemon::start(&dir, &cfg, &[]);
+    let body = r#"{"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}"#;
+    let post = |host: &str, extra: &str| {
+        let req = format!("POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n{extra}Content-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
+        tcp_exchange(port, &req)
+    };
+    let json = "Content-Type: application/json\r\n";
+    let key = "Authorization: Bearer sekret\r\n";
+    let local = format!("127.0.0.1:{port}");
+    for (host, extra, status, says) in [
+        ("evil.example", format!("{json}{key}"), 403, "not a loopback name"),
+        (
+            local.as_str(),
+            format!("Origin: http://evil.example\r\nContent-Type: text/plain\r\n{key}"),
+            403,
+            "web origin",
+        ),
+        (local.as_str(), format!("Content-Type: text/plain\r\n{key}"), 415, "application/json"),
+        (local.as_str(), json.to_string(), 401, "API key"),
+        (local.as_str(), format!("{json}Authorization: Bearer wrong\r\n"), 401, "API key"),
+    ] {
+        let (st, out) = post(host, &extra);
+        assert!(st == status && out.contains(says), "{host} {extra:?}: {out}");
+    }
+    assert_eq!(d.status()["models"][0]["requests"]["finished"], 0, "nothing refused ran");
+    let (st, out) = post(&format!("localhost:{port}"), &format!("{json}{key}"));
+    assert!(st == 200 && out.contains(" Paris.\\n"), "{out}");
+    // A configured origin: its preflight is answered and its request carries CORS headers.
+    let origin = "Origin: http://localhost:3000\r\n";
+    let (st, out) = tcp_exchange(port, &format!("OPTIONS /v1/completions HTTP/1.1\r\nHost: {local}\r\n{origin}Access-Control-Request-Method: POST\r\nAccess-Control-Request-Headers: content-type, authorization\r\nConnection: close\r\n\r\n"));
+    let lower = out.to_ascii_lowercase();
+    assert!(st == 200 && lower.contains("access-control-allow-origin: http://localhost:3000"), "{out}");
+    let (st, out) = post(&local, &format!("{origin}{json}{key}"));
+    assert!(
+        st == 200 && out.to_ascii_lowercase().contains("access-control-allow-origin: http://localhost:3000"),
+        "{out}"
+    );
+    // Status over TCP tells no paths and no uids; a local user on the socket sees them.
+    let (st, out) =
+        tcp_exchange(port, &format!("GET /v1/status HTTP/1.1\r\nHost: {local}\r\n{key}Connection: close\r\n\r\n"));
+    let tcp: Value = serde_json::from_str(out.split_once("\r\n\r\n").unwrap().1).unwrap();
+    assert_eq!(st, 200);
+    assert!(tcp.get("requests_per_user").is_none() && tcp["strategies"][0].get("path").is_none(), "{tcp}");
+    assert!(tcp["models"][0]["file"].get("path").is_none(), "{tcp}");
+    let unix = d.status();
+    assert!(unix["requests_per_user"].is_object() && unix["strategies"][0]["path"].is_string(), "{unix}");
+    drop(d);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn slow_and_idle_connections_are_closed_and_a_user_holds_a_bounded_number() {
+    let dir = scratch("conn-limits");
+    let d = Daemon::start(&dir, "[limits]\nrequest_timeout_secs = 1\nmax_connections_per_user = 3\n", &[]);
+    // Silent after connecting: closed after the timeout.
+    let t0 = Instant::now();
+    let mut idle = UnixStream::connect(&d.socket).unwrap();
+    idle.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut out = Vec::new();
+    idle.read_to_end(&mut out).unwrap();
+    let waited = t0.elapsed();
+    assert!(waited < Duration::from_secs(5), "an idle connection stayed open {waited:?}");
+    // Headers, then a body that never completes: 408.
+    let mut slow = UnixStream::connect(&d.socket).unwrap();
+    write!(slow, "POST /v1/completions HTTP/1.1\r\nHost: inferd\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"prompt\"").unwrap();
+    let mut out = String::new();
+    slow.read_to_string(&mut out).unwrap();
+    assert!(out.starts_with("HTTP/1.1 408") && out.contains("request_timeout_secs"), "{out}");
+    // Three connections held open: the fourth is told why and closed.
+    let held: Vec<UnixStream> = (0..3).map(|_| UnixStream::connect(&d.socket).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let (st, body) = d.http("GET", "/health", "");
+    assert!(st == 503 && body.contains("max_connections_per_user"), "{st} {body}");
+    drop(held);
+    wait_for("the held connections to close", Duration::from_secs(5), || d.http("GET", "/health", "").0 == 200);
+    drop(d);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn megabyte_prompts_do_not_stall_the_runtime() {
+    let dir = scratch("big-prompts");
+    let d = Daemon::start(&dir, "", &[]);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Two clients sending 1.9 MB prompts over and over (each is tokenized, then refused as
+    // longer than the context).
+    let body = format!(r#"{{"prompt": "{}", "max_tokens": 1}}"#, "hello world, ".repeat(150_000));
+    let flood: Vec<_> = (0..2)
+        .map(|_| {
+            let (socket, body, stop) = (d.socket.clone(), body.clone(), std::sync::Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let mut n = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let (st, out) = http(&socket, "POST", "/v1/completions", &body);
+                    assert_eq!(st, 413, "{out}");
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let mut times: Vec<Duration> = (0..20)
+        .map(|_| {
+            std::thread::sleep(Duration::from_millis(100));
+            let t0 = Instant::now();
+            assert_eq!(d.http("GET", "/health", "").0, 200);
+            t0.elapsed()
+        })
+        .collect();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let sent: usize = flood.into_iter().map(|t| t.join().unwrap()).sum();
+    times.sort();
+    let median = times[times.len() / 2];
+    eprintln!("/health under {sent} 1.9 MB prompts: median {median:?}, worst {:?}", times[times.len() - 1]);
+    assert!(sent >= 2, "the prompts were worked on");
+    assert!(median < Duration::from_millis(250), "/health took {median:?} (median) beside the big prompts");
+    drop(d);
+    let _ = std::fs::remove_dir_all(dir);
+}
