@@ -125,7 +125,7 @@ pub fn facts_json(slot: &super::models::Slot) -> Value {
     v
 }
 
-async fn models(State(sh): State<Arc<Shared>>) -> Json<Value> {
+async fn models(State(sh): State<Arc<Shared>>, ConnectInfo(peer): ConnectInfo<Peer>) -> Json<Value> {
     sh.models.rescan();
     let mut data = Vec::new();
     for slot in &sh.models.slots() {
@@ -144,6 +144,12 @@ async fn models(State(sh): State<Arc<Shared>>) -> Json<Value> {
             data.push(
                 json!({ "id": d, "object": "model", "owned_by": "inferd", "roles": ["draft"], "draft_for": m.name }),
             );
+        }
+    }
+    if !peer.local() {
+        // Over loopback TCP: no file paths (a web page may be asking).
+        for m in &mut data {
+            m["inferd"].as_object_mut().map(|o| o.remove("path"));
         }
     }
     Json(json!({ "object": "list", "data": data }))

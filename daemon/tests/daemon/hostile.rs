@@ -133,6 +133,13 @@ fn the_loopback_tcp_listener_refuses_what_a_web_page_could_send() {
     assert_eq!(st, 200);
     assert!(tcp.get("requests_per_user").is_none() && tcp["strategies"][0].get("path").is_none(), "{tcp}");
     assert!(tcp["models"][0]["file"].get("path").is_none(), "{tcp}");
+    let (_, out) =
+        tcp_exchange(port, &format!("GET /v1/models HTTP/1.1\r\nHost: {local}\r\n{key}Connection: close\r\n\r\n"));
+    let listed: Value = serde_json::from_str(out.split_once("\r\n\r\n").unwrap().1).unwrap();
+    assert!(
+        listed["data"][0]["inferd"]["size"].is_u64() && listed["data"][0]["inferd"].get("path").is_none(),
+        "{listed}"
+    );
     let unix = d.status();
     assert!(unix["requests_per_user"].is_object() && unix["strategies"][0]["path"].is_string(), "{unix}");
     drop(d);
