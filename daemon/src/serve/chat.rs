@@ -7,6 +7,7 @@ use super::request::ApiError;
 use inferd_engine::chat::{ChatMessage, ChatTemplate};
 use inferd_engine::model::Model;
 use inferd_engine::request::Request;
+use inferd_engine::tokenizer::literal::Literals;
 use inferd_engine::tools::{Tool, ToolCall, ToolChoice, ToolFormat};
 use serde_json::{json, Map, Value};
 
@@ -195,7 +196,9 @@ pub fn messages(m: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError> {
 
 /// Chat messages rendered with the model's own template (and the request's tools), as token
 /// ids. A template that does not render tools gets them described in a system message, and
-/// earlier calls and tool results written as text in the same syntax.
+/// earlier calls and tool results written as text in the same syntax. What the client wrote
+/// (roles, contents, names, calls, tool definitions) is text even where it spells a special
+/// token: only the template's own markup is special ([`Literals`]).
 pub fn encode(model: &Model, messages: &[ChatMessage], tools: Option<&Tools>) -> Result<Vec<u32>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::bad("messages is empty", "messages"));
@@ -207,8 +210,35 @@ pub fn encode(model: &Model, messages: &[ChatMessage], tools: Option<&Tools>) ->
         Some(t) if t.choice != ToolChoice::None => &t.tools,
         _ => &[],
     };
+    let mut lit = Literals::default();
+    let shown: Vec<Tool> = shown
+        .iter()
+        .map(|t| Tool {
+            name: lit.hide(tok, &t.name),
+            description: t.description.as_deref().map(|d| lit.hide(tok, d)),
+            parameters: lit.hide_json(tok, &t.parameters),
+        })
+        .collect();
+    let shown = shown.as_slice();
     let format = tools.map_or_else(|| ToolFormat::detect(model.chat_template.as_deref()), |t| t.format);
-    let mut msgs: Vec<ChatMessage> = messages.to_vec();
+    let mut msgs: Vec<ChatMessage> = messages
+        .iter()
+        .map(|m| ChatMessage {
+            role: lit.hide(tok, &m.role),
+            content: lit.hide(tok, &m.content),
+            tool_calls: m
+                .tool_calls
+                .iter()
+                .map(|c| ToolCall {
+                    id: lit.hide(tok, &c.id),
+                    name: lit.hide(tok, &c.name),
+                    arguments: lit.hide(tok, &c.arguments),
+                })
+                .collect(),
+            tool_call_id: m.tool_call_id.as_deref().map(|x| lit.hide(tok, x)),
+            name: m.name.as_deref().map(|x| lit.hide(tok, x)),
+        })
+        .collect();
     if !format.native {
         for m in &mut msgs {
             if !m.tool_calls.is_empty() {
@@ -231,7 +261,7 @@ pub fn encode(model: &Model, messages: &[ChatMessage], tools: Option<&Tools>) ->
     let text = ChatTemplate::new(model.chat_template.as_deref(), bos, eos)
         .and_then(|t| t.render_with_tools(&msgs, shown, true))
         .map_err(|e| ApiError::bad(format!("the chat template failed: {e}"), "messages"))?;
-    tok.encode(&text, true).map_err(|e| ApiError::bad(e.to_string(), "messages"))
+    lit.encode(tok, &text).map_err(|e| ApiError::bad(e.to_string(), "messages"))
 }
 
 /// A call as OpenAI writes it in a message (`index` for stream deltas).

@@ -6,6 +6,7 @@
 //! emitting a broken UTF-8 sequence.
 
 pub mod gguf_vocab;
+pub mod literal;
 pub mod stream;
 
 use std::collections::HashSet;
@@ -44,6 +45,8 @@ pub struct Tokenizer {
     add_eos: bool,
     eos: Vec<u32>,
     specials: HashSet<u32>,
+    /// The special tokens' text, to find in what a user wrote ([`literal`]).
+    special_text: literal::SpecialText,
     bytes: Vec<Vec<u8>>,
 }
 
@@ -106,8 +109,10 @@ impl Tokenizer {
         plain.set_encode_special_tokens(true);
         let inverse: std::collections::HashMap<char, u8> =
             byte_to_char().iter().enumerate().map(|(b, c)| (*c, b as u8)).collect();
-        let specials: HashSet<u32> =
-            special.get_added_tokens_decoder().iter().filter(|(_, t)| t.special).map(|(id, _)| *id).collect();
+        let added = special.get_added_tokens_decoder();
+        let specials: HashSet<u32> = added.iter().filter(|(_, t)| t.special).map(|(id, _)| *id).collect();
+        let special_text =
+            literal::SpecialText::new(added.iter().filter(|(_, t)| t.special).map(|(id, t)| (t.content.clone(), *id)));
         let bytes =
             vocab
                 .iter()
@@ -124,7 +129,7 @@ impl Tokenizer {
         if bos.is_some_and(|b| b >= n) || eos.iter().any(|&e| e >= n) {
             return Err(TokenizerError::Invalid(format!("BOS/EOS ids {bos:?}/{eos:?} outside a vocabulary of {n}")));
         }
-        Ok(Tokenizer { special, plain, bos, add_bos, add_eos: false, eos, specials, bytes })
+        Ok(Tokenizer { special, plain, bos, add_bos, add_eos: false, eos, specials, special_text, bytes })
     }
 
     /// Writes the tokenizer as a Hugging Face `tokenizer.json` (with its special tokens).
@@ -179,6 +184,25 @@ impl Tokenizer {
             ids.extend(self.bos);
         }
         ids.extend_from_slice(enc.get_ids());
+        if self.add_eos {
+            ids.extend(self.eos.first());
+        }
+        Ok(ids)
+    }
+
+    /// Token ids for `pieces` in order, as [`Tokenizer::encode`] gives for one text: each piece
+    /// with special-token parsing or without. The pieces are tokenized apart, so they should be
+    /// cut where the tokenizer cuts anyway (at special tokens).
+    pub fn encode_pieces(&self, pieces: &[(&str, bool)]) -> Result<Vec<u32>, TokenizerError> {
+        let mut ids = Vec::new();
+        if self.add_bos {
+            ids.extend(self.bos);
+        }
+        for &(text, parse_special) in pieces.iter().filter(|p| !p.0.is_empty()) {
+            let tk = if parse_special { &self.special } else { &self.plain };
+            let enc = tk.encode_fast(text, false).map_err(|e| TokenizerError::Encode(e.to_string()))?;
+            ids.extend_from_slice(enc.get_ids());
+        }
         if self.add_eos {
             ids.extend(self.eos.first());
         }
