@@ -631,6 +631,7 @@ fn sessions_batched_together_decode_as_they_do_alone() {
                 monitor: None,
                 vocabulary: None,
                 kv_release_after: None,
+                prefix_sharing: Default::default(),
             },
         );
         outs.into_iter().map(|r| r.try_iter().collect()).collect()

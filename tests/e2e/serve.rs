@@ -47,6 +47,7 @@ fn start_with_budget(
                 monitor: None,
                 vocabulary: None,
                 kv_release_after: None,
+                prefix_sharing: Default::default(),
             },
         );
         (stats, engine.kv.sequences())
@@ -271,6 +272,7 @@ fn admission_order(reqs: &[(u32, inferd_engine::sched::Priority)], max_running: 
             monitor: None,
             vocabulary: None,
             kv_release_after: None,
+            prefix_sharing: Default::default(),
         },
     );
     let mut order = Vec::new();
@@ -408,6 +410,7 @@ fn a_shared_prompt_arriving_twice_at_once_is_prefilled_once() {
                 monitor: Some(mon),
                 vocabulary: None,
                 kv_release_after: None,
+                prefix_sharing: Default::default(),
             },
         )
     });
@@ -466,6 +469,7 @@ fn submissions_that_meet_a_shutdown_are_told_so() {
             monitor: None,
             vocabulary: None,
             kv_release_after: None,
+            prefix_sharing: Default::default(),
         },
     );
     for (i, erx) in events.iter().enumerate() {
@@ -596,6 +600,7 @@ fn several_choices_and_beams_in_a_small_cache_all_succeed_and_leave_the_cache_cl
             monitor: None,
             vocabulary: None,
             kv_release_after: None,
+            prefix_sharing: Default::default(),
         };
         let stats = engine_loop(&mut EngineStore::new(&mut engine), &rx, &cfg);
         (stats, engine)

@@ -34,6 +34,7 @@ fn workload(model: &Model, reg: &Registry, threads: usize, batch: usize, groups:
         monitor: None,
         vocabulary: None,
         kv_release_after: None,
+        prefix_sharing: Default::default(),
     };
     let mut engine = Engine::cpu(model, &EngineOptions { threads, ..EngineOptions::default() })?;
     std::thread::scope(|scope| -> anyhow::Result<Value> {

@@ -72,6 +72,7 @@ fn engine_only(model: &Model, reg: &Registry, threads: usize) -> anyhow::Result<
                     monitor: None,
                     vocabulary: None,
                     kv_release_after: None,
+                    prefix_sharing: Default::default(),
                 },
             )
         });

@@ -198,6 +198,10 @@ pub struct ModelConfig {
     pub chat_template: Option<PathBuf>,
     /// This model's `keep_alive` (default: `server.keep_alive`).
     pub keep_alive: Option<String>,
+    /// Whether requests of different users reuse each other's cached prompt prefixes
+    /// (default: yes for a user's daemon, no for the system's, where one user could time
+    /// another's prompts).
+    pub share_prefix_cache: Option<bool>,
 }
 
 fn default_kv_mib() -> usize {
@@ -221,6 +225,7 @@ impl ModelConfig {
             draft_backend: None,
             chat_template: None,
             keep_alive: None,
+            share_prefix_cache: None,
         }
     }
 

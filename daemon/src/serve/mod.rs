@@ -30,7 +30,7 @@ use inferd_engine::engine::{Engine, EngineOptions};
 use inferd_engine::model::Model;
 use inferd_engine::plugin::{Registry, TrustPolicy};
 use inferd_engine::sched::monitor::Monitor;
-use inferd_engine::sched::{engine_loop, Command, LoopConfig};
+use inferd_engine::sched::{engine_loop, Command, LoopConfig, PrefixSharing};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -225,6 +225,11 @@ fn load(
         monitor: Some(Arc::clone(&monitor)),
         vocabulary: vocabulary.clone(),
         kv_release_after: (lo.kv_release_secs > 0).then(|| Duration::from_secs(lo.kv_release_secs)),
+        prefix_sharing: if mc.share_prefix_cache.unwrap_or(lo.share_prefix_cache) {
+            PrefixSharing::Shared
+        } else {
+            PrefixSharing::PerUser
+        },
     };
     // The engines are built here, so a model the backend cannot run fails the start.
     let (kind, why) = inferd_engine::backend::choose(mc.backend_kind());
@@ -317,6 +322,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
             token_budget: cfg.scheduler.token_budget,
             max_running: cfg.scheduler.max_running,
             kv_release_secs: cfg.scheduler.kv_release_secs,
+            share_prefix_cache: args.mode == Mode::User,
         },
         // `--model` serves that model alone; otherwise the store's models are listed too.
         store: args

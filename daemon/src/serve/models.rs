@@ -34,6 +34,9 @@ pub struct LoadOptions {
     pub max_running: usize,
     /// Seconds an idle engine waits before the free KV blocks' memory goes back (0: never).
     pub kv_release_secs: u64,
+    /// Whether users share cached prompt prefixes unless a model says otherwise (a user's
+    /// daemon: yes; the system's: no).
+    pub share_prefix_cache: bool,
 }
 
 /// Where a model's entry comes from.

@@ -273,3 +273,60 @@ fn special_tokens_in_message_content_are_text() {
     drop(d);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// With `share_prefix_cache = false` (the system daemon's default) a user's prompt reuses only
+/// that user's cached prefixes, so nobody can time another user's prompts; shared (a user's
+/// daemon's default) it reuses anyone's. The TCP listener's requests count as another user.
+#[test]
+fn the_prefix_cache_is_partitioned_by_user_unless_shared() {
+    let dir = scratch("prefix-partition");
+    let port = free_port();
+    let m = model();
+    let cfg = format!(
+        "[server]\ntcp = \"127.0.0.1:{port}\"\n\n[[model]]\npath = \"{m}\"\nname = \"private\"\nshare_prefix_cache = false\n\n[[model]]\npath = \"{m}\"\nname = \"shared\"\n"
+    );
+    let d = Daemon::start(&dir, &cfg, &[]);
+    let prompt = "The history of the printing press begins in ".repeat(60);
+    let cached = |name: &str| -> u64 {
+        let s = d.status();
+        let m = s["models"].as_array().unwrap().iter().find(|x| x["name"] == name).unwrap().clone();
+        m["tokens"]["prompt_cached"].as_u64().unwrap()
+    };
+    let body = |name: &str| serde_json::json!({ "model": name, "prompt": prompt, "max_tokens": 1 }).to_string();
+    let over_tcp = |name: &str| {
+        let b = body(name);
+        let req = format!("POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{b}", b.len());
+        let t0 = Instant::now();
+        let (st, out) = tcp_exchange(port, &req);
+        assert_eq!(st, 200, "{out}");
+        t0.elapsed()
+    };
+    let over_unix = |name: &str| {
+        let t0 = Instant::now();
+        let (st, out) = d.http("POST", "/v1/completions", &body(name));
+        assert_eq!(st, 200, "{out}");
+        t0.elapsed()
+    };
+    for name in ["private", "shared"] {
+        let cold = over_unix(name);
+        let before = cached(name);
+        let other = over_tcp(name);
+        let crossed = cached(name) - before;
+        let again = over_tcp(name);
+        let own = cached(name) - before - crossed;
+        eprintln!(
+            "{name}: cold {:.0} ms, another user's next {:.0} ms ({crossed} tokens reused), that user again {:.0} ms ({own} reused)",
+            cold.as_secs_f64() * 1e3,
+            other.as_secs_f64() * 1e3,
+            again.as_secs_f64() * 1e3
+        );
+        assert!(own > 400, "{name}: a user reuses its own prefix ({own} tokens)");
+        if name == "private" {
+            assert_eq!(crossed, 0, "another user's prompt reused nothing");
+        } else {
+            assert!(crossed > 400, "shared: another user's prompt was reused ({crossed} tokens)");
+        }
+    }
+    drop(d);
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -79,6 +79,10 @@ pub trait SeqStore {
     fn release_free(&mut self) -> usize {
         0
     }
+    /// The prefix-cache partition the sequences created from now on are cached in and match
+    /// against (`None`: the shared one); the scheduler sets it to the request whose session
+    /// it calls.
+    fn set_partition(&mut self, _partition: Option<u64>) {}
     /// [`SeqStore::run`], and in the same forward pass the first `k` pending tokens of each
     /// `(seq, k)` in `prefill` (chunked prefill: no logits; the rest stays pending). A store
     /// without pending tokens runs `items` alone.
@@ -121,6 +125,8 @@ pub struct EngineStore<'e> {
     pending: HashMap<StoreSeq, Vec<u32>>,
     prompt_tokens: u64,
     cached_prompt_tokens: u64,
+    /// Where new sequences go in the prefix cache ([`SeqStore::set_partition`]).
+    partition: Option<u64>,
 }
 
 /// Marks a draft-model sequence in a [`StoreSeq`].
@@ -128,12 +134,26 @@ pub const DRAFT_BIT: StoreSeq = 1 << 31;
 
 impl<'e> EngineStore<'e> {
     pub fn new(engine: &'e mut Engine) -> Self {
-        EngineStore { engine, draft: None, pending: HashMap::new(), prompt_tokens: 0, cached_prompt_tokens: 0 }
+        EngineStore {
+            engine,
+            draft: None,
+            pending: HashMap::new(),
+            prompt_tokens: 0,
+            cached_prompt_tokens: 0,
+            partition: None,
+        }
     }
 
     /// With a draft model (same vocabulary) for `abi::ROLE_DRAFT` sequences.
     pub fn with_draft(engine: &'e mut Engine, draft: &'e mut Engine) -> Self {
-        EngineStore { engine, draft: Some(draft), pending: HashMap::new(), prompt_tokens: 0, cached_prompt_tokens: 0 }
+        EngineStore {
+            engine,
+            draft: Some(draft),
+            pending: HashMap::new(),
+            prompt_tokens: 0,
+            cached_prompt_tokens: 0,
+            partition: None,
+        }
     }
 
     /// The engine holding `s`, and its id there.
@@ -180,6 +200,10 @@ impl SeqStore for EngineStore<'_> {
         Some((self.engine.kv.stats().free, self.engine.kv.block_size()))
     }
 
+    fn set_partition(&mut self, partition: Option<u64>) {
+        self.partition = partition;
+    }
+
     fn release_free(&mut self) -> usize {
         let mut n = 0;
         for e in std::iter::once(&mut *self.engine).chain(self.draft.as_deref_mut()) {
@@ -208,7 +232,7 @@ impl SeqStore for EngineStore<'_> {
             abi::ROLE_DRAFT => (self.draft.as_deref_mut().ok_or(StoreError::NoDraftModel)?, DRAFT_BIT),
             r => return Err(StoreError::UnknownRole(r)),
         };
-        let s = engine.kv.create();
+        let s = engine.kv.create_in(self.partition);
         let cached = engine.kv.match_prefix(s, prompt);
         if bit == 0 {
             self.prompt_tokens += prompt.len() as u64;

@@ -73,6 +73,8 @@ struct Sequence {
     computed: usize,
     /// Chain hashes of the full blocks registered so far (`hashes[i]` covers block `i`).
     hashes: Vec<BlockHash>,
+    /// The parent of its first block's hash: its prefix-cache partition (none: shared).
+    salt: Option<BlockHash>,
 }
 
 /// The KV cache manager; see the module docs.
@@ -124,13 +126,23 @@ impl KvCacheManager {
         }
     }
 
-    /// A new empty sequence.
+    /// A new empty sequence, in the shared part of the prefix cache.
     pub fn create(&mut self) -> SeqId {
+        self.create_in(None)
+    }
+
+    /// A new empty sequence whose full blocks are cached in `partition` (a user's, say) and
+    /// match only blocks cached there; `None` is the shared part. Each partition's blocks hash
+    /// from their own root, so a prompt matches nothing another partition cached.
+    pub fn create_in(&mut self, partition: Option<u64>) -> SeqId {
         let id = SeqId(self.next_id);
         self.next_id = self.next_id.wrapping_add(1);
         let groups = self.windows.len();
-        self.seqs
-            .insert(id, Sequence { tables: vec![Vec::new(); groups], floor: vec![0; groups], ..Sequence::default() });
+        let salt = partition.map(|p| self.hasher.hash_one(("partition", p)));
+        self.seqs.insert(
+            id,
+            Sequence { tables: vec![Vec::new(); groups], floor: vec![0; groups], salt, ..Sequence::default() },
+        );
         id
     }
 
@@ -206,7 +218,7 @@ impl KvCacheManager {
         let max_blocks = prompt.len().saturating_sub(1) / bs;
         let chunks: Vec<&[u32]> = prompt.chunks_exact(bs).take(max_blocks).collect();
         let mut hashes = Vec::with_capacity(chunks.len());
-        let mut parent = None;
+        let mut parent = self.seq(id).salt;
         for chunk in &chunks {
             let h = self.chain_hash(parent, chunk);
             hashes.push(h);
@@ -326,7 +338,7 @@ impl KvCacheManager {
         };
         for i in start..full {
             let s = &self.seqs[&id];
-            let parent = i.checked_sub(1).map(|p| s.hashes[p]);
+            let parent = i.checked_sub(1).map(|p| s.hashes[p]).or(s.salt);
             let chunk = s.tokens[i * bs..(i + 1) * bs].to_vec();
             let h = self.chain_hash(parent, &chunk);
             let blocks: Vec<(usize, BlockId)> = s.tables.iter().map(|t| t[i]).enumerate().collect();

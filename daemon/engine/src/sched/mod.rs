@@ -139,6 +139,19 @@ pub struct LoopConfig {
     /// After this long with nothing to do, the loop gives the memory of the free KV blocks
     /// back to the system ([`SeqStore::release_free`]; their cached prefixes are forgotten).
     pub kv_release_after: Option<Duration>,
+    /// Whose cached prompt prefixes a request may reuse.
+    pub prefix_sharing: PrefixSharing,
+}
+
+/// Whose cached prompt prefixes a request may reuse. Shared across users, one user could tell
+/// from the time to first token that another recently sent the same prefix.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PrefixSharing {
+    /// Every request's (one user's daemon; a system prompt an administrator publishes).
+    #[default]
+    Shared,
+    /// Only those of requests by the same user.
+    PerUser,
 }
 
 impl Default for LoopConfig {
@@ -150,6 +163,7 @@ impl Default for LoopConfig {
             monitor: None,
             vocabulary: None,
             kv_release_after: None,
+            prefix_sharing: Default::default(),
         }
     }
 }

@@ -25,7 +25,7 @@
 
 use super::budget::{decide, Decision, PlanSize};
 use super::queue::{Candidate, Turns};
-use super::{Command, Event, LoopConfig, LoopStats, RequestId, Submission};
+use super::{Command, Event, LoopConfig, LoopStats, PrefixSharing, RequestId, RequestMeta, Submission};
 use crate::decode::store::{SeqStore, StoreError, StoreRun, StoreSeq};
 use crate::decode::Generation;
 use crate::engine::EngineError;
@@ -181,6 +181,14 @@ enum Exit {
     Finished(Generation),
     Cancelled,
     Failed(String),
+}
+
+/// The prefix-cache partition of a request's sequences: its user's, unless shared.
+fn partition(sharing: PrefixSharing, meta: &RequestMeta) -> Option<u64> {
+    match sharing {
+        PrefixSharing::Shared => None,
+        PrefixSharing::PerUser => Some(u64::from(meta.uid)),
+    }
 }
 
 /// The scheduler of one engine; see the module docs.
@@ -408,6 +416,7 @@ impl Scheduler {
                 grammar: w.req.sub.grammar.as_ref(),
             };
             // (Creating a session emits nothing.)
+            store.set_partition(partition(self.cfg.prefix_sharing, &w.req.sub.meta));
             match Session::create(Arc::clone(&w.req.sub.strategy), store, &req, &mut |_, _, _, _| {}) {
                 Ok(session) => {
                     self.out.admitted.push(w.req.sub.id);
@@ -462,8 +471,10 @@ impl Scheduler {
         done: &mut Vec<(usize, Result<(), String>)>,
     ) -> Vec<(usize, Vec<StoreRun>)> {
         let mut plans = Vec::new();
+        let sharing = self.cfg.prefix_sharing;
         for (i, r) in self.running.iter_mut().enumerate() {
             let Running { req, session, resume, emitted, gone, diverged, .. } = r;
+            store.set_partition(partition(sharing, &req.sub.meta));
             let mut emit =
                 Emit { req, resume: *resume, emitted, gone, diverged, sent: &mut *sent, ttft: &mut self.seen.ttft };
             match session.plan(store, &mut |c, t, lp, top| emit.token(c, t, lp, top)) {
@@ -539,6 +550,7 @@ impl Scheduler {
         };
         for ((i, range), rows) in b.parts.iter().zip(results) {
             let Running { req, session, resume, emitted, gone, diverged, prefilled, .. } = &mut self.running[*i];
+            store.set_partition(partition(self.cfg.prefix_sharing, &req.sub.meta));
             *prefilled = true;
             let mut emit =
                 Emit { req, resume: *resume, emitted, gone, diverged, sent: &mut *sent, ttft: &mut self.seen.ttft };

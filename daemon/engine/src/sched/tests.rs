@@ -72,6 +72,7 @@ impl Harness {
                 monitor: None,
                 vocabulary: None,
                 kv_release_after: None,
+                prefix_sharing: Default::default(),
             }),
             store: model().with_blocks(blocks, block_size),
             reg: crate::plugin::tests::registry(),

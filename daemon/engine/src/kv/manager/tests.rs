@@ -219,3 +219,33 @@ fn a_prefix_hit_on_a_windowed_model_takes_only_the_window_blocks() {
     m.free(b);
     assert_eq!(m.stats().free, 200);
 }
+
+#[test]
+fn prefix_cache_partitions_match_only_their_own_blocks() {
+    let mut m = KvCacheManager::new(16, 4);
+    let prompt = toks(10, 3);
+    let fill = |m: &mut KvCacheManager, partition: Option<u64>| {
+        let s = m.create_in(partition);
+        let hit = m.match_prefix(s, &prompt);
+        m.append(s, &prompt[hit..]).unwrap();
+        m.commit(s, 10);
+        m.free(s);
+        hit
+    };
+    assert_eq!(fill(&mut m, Some(1000)), 0, "user 1000 prefills");
+    assert_eq!(fill(&mut m, Some(1000)), 8, "and finds it cached again");
+    assert_eq!(fill(&mut m, Some(1001)), 0, "user 1001 finds nothing of user 1000's");
+    assert_eq!(fill(&mut m, None), 0, "nor does the shared part");
+    assert_eq!(fill(&mut m, None), 8, "which caches its own");
+    // Forks stay in their sequence's partition: a fork's blocks committed later are found by
+    // the same partition only.
+    let a = m.create_in(Some(7));
+    m.append(a, &prompt[..2]).unwrap();
+    let b = m.fork(a);
+    m.append(b, &prompt[2..]).unwrap();
+    m.commit(b, 10);
+    m.free(a);
+    m.free(b);
+    let (p7, p8) = (m.create_in(Some(7)), m.create_in(Some(8)));
+    assert_eq!((m.match_prefix(p7, &prompt), m.match_prefix(p8, &prompt)), (8, 0));
+}
