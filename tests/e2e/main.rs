@@ -8,6 +8,7 @@ mod corrupt;
 mod cuda_host;
 mod dequant;
 mod embed;
+mod fuzz;
 mod golden;
 mod plugins;
 mod reference;

@@ -1,6 +1,8 @@
 //! Support for the end-to-end tests: tiny random-weight Llama models written to disk in both
 //! supported formats, and the location of the real default model.
 
+pub mod fuzz;
+
 use inferd_engine::model::gguf_writer::{GgufWriter, MetaValue};
 use inferd_kernels::DType;
 use std::collections::BTreeMap;

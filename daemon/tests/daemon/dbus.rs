@@ -606,3 +606,83 @@ fn dbus_loads_and_unloads_models_with_progress_to_the_caller() {
     drop(bus);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A D-Bus option dictionary from a JSON object: strings, booleans, integers (u32 when they
+/// fit, else i64), floats, arrays of strings; anything else as its JSON text.
+fn options_of(v: &Value) -> std::collections::HashMap<String, zbus::zvariant::Value<'static>> {
+    use zbus::zvariant::Value as V;
+    let one = |x: &Value| -> V<'static> {
+        match x {
+            Value::String(s) => V::from(s.clone()),
+            Value::Bool(b) => V::Bool(*b),
+            Value::Number(n) => match (n.as_u64(), n.as_i64(), n.as_f64()) {
+                (Some(u), _, _) if u <= u64::from(u32::MAX) => V::U32(u as u32),
+                (_, Some(i), _) => V::I64(i),
+                (_, _, Some(f)) => V::F64(f),
+                _ => V::from(n.to_string()),
+            },
+            Value::Array(a) if a.iter().all(Value::is_string) => {
+                V::from(a.iter().map(|s| s.as_str().unwrap_or("").to_string()).collect::<Vec<String>>())
+            }
+            other => V::from(other.to_string()),
+        }
+    };
+    v.as_object().map(|o| o.iter().map(|(k, x)| (k.clone(), one(x))).collect()).unwrap_or_default()
+}
+
+/// Mutated option dictionaries (`tests/fuzz/corpus/dbus_options`: every option, typed as
+/// clients send them, and mistyped) on Complete: each call is answered, text or a D-Bus error,
+/// and the daemon serves on.
+#[test]
+fn fuzzed_dbus_options_get_answers() {
+    use inferd_e2e::fuzz;
+    let dir = scratch("fuzz-dbus");
+    let bus = Bus::start(&dir);
+    let d = Daemon::start(&dir, "[limits]\nmax_tokens = 4\n", &[("DBUS_SESSION_BUS_ADDRESS", &bus.address)]);
+    bus.wait_for_name();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let conn =
+        rt.block_on(async { zbus::connection::Builder::address(bus.address.as_str()).unwrap().build().await.unwrap() });
+    let (ok, refused, unparsed) = (std::cell::Cell::new(0), std::cell::Cell::new(0), std::cell::Cell::new(0));
+    let dict: &[&[u8]] = &[b"\"decoder\"", b"\"beam\"", b"\"n\"", b"\"grammar\"", b"\"tools\""];
+    let report = fuzz::run(
+        "dbus_options",
+        &fuzz::corpus("dbus_options"),
+        dict,
+        fuzz::execs(1500),
+        &dir.join("crashes"),
+        |input| {
+            let Ok(v) = serde_json::from_slice::<Value>(input) else {
+                unparsed.set(unparsed.get() + 1);
+                return;
+            };
+            let opts = options_of(&v);
+            let body = ("", "Hi", &opts);
+            let call = conn.call_method(
+                Some("org.inferd.Inference1"),
+                "/org/inferd/Inference1",
+                Some("org.inferd.Inference1"),
+                "Complete",
+                &body,
+            );
+            match rt.block_on(async { tokio::time::timeout(Duration::from_secs(30), call).await }) {
+                Ok(Ok(_)) => ok.set(ok.get() + 1),
+                Ok(Err(zbus::Error::MethodError(..))) => refused.set(refused.get() + 1),
+                Ok(Err(e)) => panic!("{v}: not a D-Bus error reply: {e}"),
+                Err(_) => panic!("{v}: no answer in 30 s"),
+            }
+        },
+    );
+    eprintln!(
+        "dbus options: {} answered, {} refused with an error, {} inputs not JSON",
+        ok.get(),
+        refused.get(),
+        unparsed.get()
+    );
+    assert!(report.crashes.is_empty(), "{:?}", report.crashes);
+    assert!(ok.get() > 0 && refused.get() > 0);
+    wait_for("every request done", Duration::from_secs(10), || d.status()["models"][0]["requests"]["running"] == 0);
+    drop(d);
+    drop(bus);
+    let _ = std::fs::remove_dir_all(dir);
+}

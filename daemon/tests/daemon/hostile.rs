@@ -330,3 +330,62 @@ fn the_prefix_cache_is_partitioned_by_user_unless_shared() {
     drop(d);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Mutated request bodies (`tests/fuzz/corpus/http_body`, every field of both APIs, decoder
+/// parameters of each strategy) on every generation route: each gets an answer with a status,
+/// never a dropped connection or a server error, and the daemon serves on with its blocks back.
+#[test]
+fn fuzzed_request_bodies_get_answers() {
+    use inferd_e2e::fuzz;
+    let dir = scratch("fuzz-http");
+    let d = Daemon::start(&dir, "[limits]\nmax_tokens = 4\n", &[]);
+    // A body goes to the routes of its kind, each API in turn (and now and then elsewhere).
+    let routes = |chat: bool, k: usize| match (k % 5, chat) {
+        (4, _) => ["/tokenize", "/v1/embeddings"][k % 2],
+        (0 | 2, true) => "/v1/chat/completions",
+        (_, true) => "/api/chat",
+        (0 | 2, false) => "/v1/completions",
+        (_, false) => "/api/generate",
+    };
+    let dict: &[&[u8]] = &[
+        b"\"stream\": true",
+        b"\"n\": 3",
+        b"\"decoder\": \"beam\"",
+        b"\"decoder_params\": {",
+        b"null",
+        b"-1",
+        b"1e309",
+        b"\"\\u0000\"",
+        b"[[[[",
+        b"\"max_tokens\": 0",
+    ];
+    let statuses = std::sync::Mutex::new(std::collections::BTreeMap::<u16, usize>::new());
+    let bad = std::sync::Mutex::new(Vec::new());
+    let route = std::cell::Cell::new(0usize);
+    let report =
+        fuzz::run("http_body", &fuzz::corpus("http_body"), dict, fuzz::execs(3000), &dir.join("crashes"), |body| {
+            let body = String::from_utf8_lossy(body);
+            let path = routes(body.contains("\"messages\""), route.get());
+            route.set(route.get() + 1);
+            let (st, out) = http(&d.socket, "POST", path, &body);
+            *statuses.lock().unwrap().entry(st).or_default() += 1;
+            if st == 0 || (st >= 500 && st != 503) {
+                bad.lock().unwrap().push(format!("{path} {body} -> {st} {out}"));
+            }
+        });
+    eprintln!("statuses: {:?}", statuses.lock().unwrap());
+    let bad = bad.into_inner().unwrap();
+    assert!(report.crashes.is_empty() && bad.is_empty(), "{} bad answers, first: {:?}", bad.len(), bad.first());
+    wait_for("every block back", Duration::from_secs(10), || {
+        let (busy, _, whole, users) = engine_state(&d);
+        busy == 0 && whole && users.as_object().unwrap().is_empty()
+    });
+    let (st, body) = d.http(
+        "POST",
+        "/v1/completions",
+        r#"{"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}"#,
+    );
+    assert!(st == 200 && body.contains(" Paris."), "{body}");
+    drop(d);
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -157,8 +157,12 @@ impl Tokenizer {
         eos: Vec<u32>,
         add_bos: bool,
     ) -> Result<Tokenizer, TokenizerError> {
-        let tk = tokenizers::Tokenizer::from_file(path)
-            .map_err(|e| TokenizerError::Invalid(format!("{}: {e}", path.display())))?;
+        // The `tokenizers` crate panics on some malformed files (an `expect` in its decoder
+        // deserializer, found by fuzzing): a bad file is an error, not the daemon's end.
+        let read = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_file(path)).map_err(|_| {
+            TokenizerError::Invalid(format!("{}: malformed (the tokenizers library gave up on it)", path.display()))
+        })?;
+        let tk = read.map_err(|e| TokenizerError::Invalid(format!("{}: {e}", path.display())))?;
         let size = tk.get_vocab_size(true);
         let mut vocab = vec![String::new(); size];
         for (t, id) in tk.get_vocab(true) {
