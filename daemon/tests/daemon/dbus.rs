@@ -4,14 +4,14 @@
 use super::*;
 
 /// A session `dbus-daemon` for one test, stopped when dropped.
-struct Bus {
+pub(crate) struct Bus {
     child: Child,
-    address: String,
+    pub(crate) address: String,
 }
 
 impl Bus {
     /// Waits until the daemon owns its name on this bus.
-    fn wait_for_name(&self) {
+    pub(crate) fn wait_for_name(&self) {
         wait_for("the bus name", Duration::from_secs(20), || {
             Command::new("busctl")
                 .arg(format!("--address={}", self.address))
@@ -21,7 +21,7 @@ impl Bus {
         });
     }
 
-    fn start(dir: &Path) -> Bus {
+    pub(crate) fn start(dir: &Path) -> Bus {
         let path = dir.join("bus");
         let address = format!("unix:path={}", path.display());
         let child = Command::new("dbus-daemon")

@@ -15,7 +15,7 @@ fn engine_state(d: &Daemon) -> (u64, u64, bool, Value) {
     let r = &m["requests"];
     let kv = &m["kv_blocks"];
     let busy = r["running"].as_u64().unwrap() + r["waiting"].as_u64().unwrap();
-    let whole = kv["free"].as_u64().unwrap() + kv["cached"].as_u64().unwrap() >= kv["total"].as_u64().unwrap();
+    let whole = kv["free"] == kv["total"]; // (free counts the cached blocks, which are evictable)
     (busy, r["cancelled"].as_u64().unwrap(), whole, s["requests_per_user"].clone())
 }
 

@@ -10,6 +10,7 @@ mod dbus;
 mod hostile;
 mod http;
 mod models;
+mod soak;
 mod store;
 mod systemd;
 

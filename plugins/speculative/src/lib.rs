@@ -293,8 +293,9 @@ impl Strategy for Speculative {
                 let mut items = vec![PlanItem { seq: self.target, tokens: Vec::new(), n_logits: 1 }];
                 if let Some(d) = self.draft {
                     // Prefill the draft's copy of the context; its last token waits for drafting.
+                    // (A plan changes nothing: the host may ask for it again before observe.)
                     let n = self.draft_pending.len().saturating_sub(1);
-                    let toks: Vec<u32> = self.draft_pending.drain(..n).collect();
+                    let toks: Vec<u32> = self.draft_pending[..n].to_vec();
                     if !toks.is_empty() {
                         items.push(PlanItem { seq: d, tokens: toks, n_logits: 0 });
                     }
@@ -303,7 +304,7 @@ impl Strategy for Speculative {
             }
             Phase::Drafting => {
                 let d = self.draft.ok_or("drafting without a draft sequence")?;
-                Plan::Run(vec![PlanItem { seq: d, tokens: std::mem::take(&mut self.draft_pending), n_logits: 1 }])
+                Plan::Run(vec![PlanItem { seq: d, tokens: self.draft_pending.clone(), n_logits: 1 }])
             }
             Phase::Verify => {
                 let mut tokens = vec![self.last];
@@ -334,6 +335,8 @@ impl Strategy for Speculative {
                 Ok(())
             }
             Phase::Drafting => {
+                // The draft ran what it had pending.
+                self.draft_pending.clear();
                 let mut hist = self.history.clone();
                 hist.extend(&self.proposal);
                 let q = self.cfg.sampling.distribution(rows[0], &hist);
