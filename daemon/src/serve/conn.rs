@@ -87,12 +87,13 @@ pub struct ConnLimits {
 type Counts = Arc<Mutex<HashMap<Option<u32>, usize>>>;
 
 /// A connection's socket: reading its end (EOF) or failing trips the hangup, as does closing
-/// it; it counts against its peer's connections while open.
+/// it; it counts against its peer's connections while open (and in its gate's count).
 struct Watched<S> {
     io: S,
     hangup: Arc<Hangup>,
     counts: Counts,
     uid: Option<u32>,
+    _open: Option<super::gate::Open>,
 }
 
 impl<S> Drop for Watched<S> {
@@ -157,51 +158,73 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
     }
 }
 
-/// A listener's connections: the uid of each (none on TCP).
-pub trait Identify: axum::serve::Listener {
-    fn uid(io: &Self::Io) -> Option<u32>;
+/// A connection as a listener accepts it.
+pub struct Accepted<S> {
+    io: S,
+    /// The peer's uid (none on TCP).
+    uid: Option<u32>,
+    /// What the connection holds while open (the Unix socket gate's count).
+    open: Option<super::gate::Open>,
 }
 
-impl Identify for super::gate::Gate {
-    fn uid(io: &super::gate::Conn) -> Option<u32> {
-        io.io.peer_cred().ok().map(|c| c.uid())
+/// The listeners [`serve`] takes.
+pub trait Accept: Send + 'static {
+    type Io: AsyncRead + AsyncWrite + Unpin + Send + 'static;
+    fn poll_next(&self, cx: &mut Context<'_>) -> Poll<std::io::Result<Accepted<Self::Io>>>;
+}
+
+impl Accept for super::gate::Gate {
+    type Io = tokio::net::UnixStream;
+
+    fn poll_next(&self, cx: &mut Context<'_>) -> Poll<std::io::Result<Accepted<Self::Io>>> {
+        self.poll_accept(cx).map_ok(|(io, open)| Accepted {
+            uid: io.peer_cred().ok().map(|c| c.uid()),
+            io,
+            open: Some(open),
+        })
     }
 }
 
-impl Identify for tokio::net::TcpListener {
-    fn uid(_: &tokio::net::TcpStream) -> Option<u32> {
-        None
+impl Accept for tokio::net::TcpListener {
+    type Io = tokio::net::TcpStream;
+
+    fn poll_next(&self, cx: &mut Context<'_>) -> Poll<std::io::Result<Accepted<Self::Io>>> {
+        self.poll_accept(cx).map_ok(|(io, _)| Accepted { io, uid: None, open: None })
     }
 }
 
 /// Serves `router` on `listener` until `stop`; then lets every open connection finish its
 /// response (graceful shutdown) and returns once they have. `limits` is read at each accept
 /// (a reload changes it).
-pub async fn serve<L>(mut listener: L, router: Router, limits: impl Fn() -> ConnLimits, stop: Arc<Notify>)
-where
-    L: Identify,
-    L::Io: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-{
+pub async fn serve(listener: impl Accept, router: Router, limits: impl Fn() -> ConnLimits, stop: Arc<Notify>) {
     let counts: Counts = Arc::default();
     let (closing, _) = tokio::sync::watch::channel(false);
     let mut conns = tokio::task::JoinSet::new();
     let stopped = stop.notified();
     tokio::pin!(stopped);
     loop {
-        let io = tokio::select! {
-            (io, _) = listener.accept() => io,
+        let accepted = tokio::select! {
+            r = std::future::poll_fn(|cx| listener.poll_next(cx)) => r,
             _ = &mut stopped => break,
             Some(_) = conns.join_next(), if !conns.is_empty() => continue,
         };
+        let Accepted { io, uid, open } = match accepted {
+            Ok(a) => a,
+            Err(e) => {
+                // A peer gone before its accept, out of descriptors: log and go on.
+                eprintln!("inferd: accepting a connection: {e}");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
         let limits = limits();
-        let uid = L::uid(&io);
         let over = counts.lock().map_or(true, |mut c| {
             let n = c.entry(uid).or_default();
             *n += 1;
             *n > limits.per_peer
         });
         let hangup = Arc::new(Hangup::default());
-        let io = Watched { io, hangup: Arc::clone(&hangup), counts: Arc::clone(&counts), uid };
+        let io = Watched { io, hangup: Arc::clone(&hangup), counts: Arc::clone(&counts), uid, _open: open };
         let peer = Peer { uid, hangup };
         let router = router.clone();
         let mut closing = closing.subscribe();

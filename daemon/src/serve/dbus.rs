@@ -295,6 +295,15 @@ impl Inference {
     }
 }
 
+/// The prompt of Generate and Complete (text, no tools), for [`Inference::start`].
+fn plain_prompt(
+    model: &str,
+    prompt: &str,
+) -> impl FnOnce(&Shared, &HashMap<String, OwnedValue>, &mut Request) -> Result<Prompt, ApiError> + Send + 'static {
+    let (model, prompt) = (model.to_owned(), prompt.to_owned());
+    move |sh, o, _| Inference::prompt_ids(sh, &model, &prompt, o)
+}
+
 /// Drops a finished request from its owner's list.
 fn forget(owners: &Owners, sender: &str, path: &ObjectPath<'_>) {
     let id: Option<RequestId> = path.as_str().rsplit('/').next().and_then(|s| s.parse().ok());
@@ -429,11 +438,7 @@ impl Inference {
         options: HashMap<String, OwnedValue>,
     ) -> fdo::Result<OwnedObjectPath> {
         self.load(conn, &hdr, model).await?;
-        let (model, prompt) = (model.to_owned(), prompt.to_owned());
-        let ids = move |sh: &Shared, o: &HashMap<String, OwnedValue>, _: &mut Request| {
-            Inference::prompt_ids(sh, &model, &prompt, o)
-        };
-        let started = self.start(conn, &hdr, options, ids).await?;
+        let started = self.start(conn, &hdr, options, plain_prompt(model, prompt)).await?;
         self.stream(conn, started).await
     }
 
@@ -468,11 +473,8 @@ impl Inference {
         options: HashMap<String, OwnedValue>,
     ) -> fdo::Result<String> {
         self.load(conn, &hdr, model).await?;
-        let (model, prompt) = (model.to_owned(), prompt.to_owned());
-        let ids = move |sh: &Shared, o: &HashMap<String, OwnedValue>, _: &mut Request| {
-            Inference::prompt_ids(sh, &model, &prompt, o)
-        };
-        let Started { mut sub, mut out, sender, .. } = self.start(conn, &hdr, options, ids).await?;
+        let Started { mut sub, mut out, sender, .. } =
+            self.start(conn, &hdr, options, plain_prompt(model, prompt)).await?;
         let mut text = String::new();
         let result = 'events: loop {
             let Some(ev) = sub.recv().await else { break Err(fdo::Error::Failed("the engine stopped".into())) };

@@ -1,17 +1,14 @@
-//! The door of the Unix socket: accepts connections for axum (`axum::serve::Listener`),
-//! counts the ones open, and can close for good when the daemon is idle, atomically with the
-//! accepts: once [`GateState::close_if_idle`] says yes, no connection is ever accepted again,
+//! The door of the Unix socket: accepts connections (for [`conn`](super::conn)), counts the
+//! ones open (each holds an [`Open`] until it closes), and can close for good when the daemon
+//! is idle, atomically with the accepts: once [`GateState::close_if_idle`] says yes, no connection is ever accepted again,
 //! and every connection a client makes from then on waits in the socket's backlog. Under socket
 //! activation that backlog belongs to systemd's socket, which starts the daemon again for it:
 //! the idle exit loses no request.
 
 use std::os::unix::net::UnixListener;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::unix::SocketAddr;
 use tokio::net::UnixStream;
 
 #[derive(Debug)]
@@ -56,8 +53,8 @@ impl Gate {
 
     /// Polls for the next connection under the gate's lock, so that closing and accepting
     /// exclude each other: closed, it stays pending for good; a connection is counted open
-    /// before the lock is let go.
-    fn poll_accept(&self, cx: &mut Context<'_>) -> Poll<std::io::Result<(UnixStream, SocketAddr)>> {
+    /// before the lock is let go, and stays counted while its [`Open`] lives.
+    pub fn poll_accept(&self, cx: &mut Context<'_>) -> Poll<std::io::Result<(UnixStream, Open)>> {
         let Ok(mut d) = self.state.0.lock() else { return Poll::Pending };
         if d.closed {
             return Poll::Pending;
@@ -66,75 +63,18 @@ impl Gate {
         if let Poll::Ready(Ok(_)) = &r {
             d.open += 1;
         }
-        r
+        r.map_ok(|(io, _)| (io, Open(Arc::clone(&self.state))))
     }
 }
 
-/// A connection through the gate; closing it is counted.
-pub struct Conn {
-    pub io: UnixStream,
-    state: Arc<GateState>,
-}
+/// A connection through the gate, counted open until this is dropped.
+pub struct Open(Arc<GateState>);
 
-impl Drop for Conn {
+impl Drop for Open {
     fn drop(&mut self) {
-        if let Ok(mut d) = self.state.0.lock() {
+        if let Ok(mut d) = self.0 .0.lock() {
             d.open = d.open.saturating_sub(1);
             d.last = Instant::now();
         }
-    }
-}
-
-impl AsyncRead for Conn {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.io).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for Conn {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.io).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.io).poll_shutdown(cx)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
-    }
-}
-
-impl axum::serve::Listener for Gate {
-    type Io = Conn;
-    type Addr = SocketAddr;
-
-    async fn accept(&mut self) -> (Conn, SocketAddr) {
-        loop {
-            match std::future::poll_fn(|cx| self.poll_accept(cx)).await {
-                Ok((io, addr)) => return (Conn { io, state: Arc::clone(&self.state) }, addr),
-                Err(e) => {
-                    // A peer gone before its accept, out of descriptors: log and go on.
-                    eprintln!("inferd: accepting a connection: {e}");
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-            }
-        }
-    }
-
-    fn local_addr(&self) -> std::io::Result<SocketAddr> {
-        self.listener.local_addr()
     }
 }

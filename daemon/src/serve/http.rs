@@ -244,48 +244,41 @@ async fn tokenize(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Res
     if let Err(e) = sh.warm(&body, false).await {
         return error(e);
     }
-    let run = {
-        let (sh, body) = (Arc::clone(&sh), body.clone());
-        move || -> Result<Value, ApiError> {
-            let m = object(&body)?;
-            let model = sh.model(model_field(&m)?)?;
-            let text = m
-                .get("content")
-                .and_then(Value::as_str)
-                .ok_or_else(|| ApiError::bad("content must be a string", "content"))?;
-            let special = m.get("add_special").and_then(Value::as_bool).unwrap_or(false);
-            let ids =
-                model.model.tokenizer.encode(text, special).map_err(|e| ApiError::bad(e.to_string(), "content"))?;
-            Ok(json!({ "tokens": ids }))
-        }
+    let run = |sh: &Arc<Shared>, body: &[u8]| -> Result<Value, ApiError> {
+        let m = object(body)?;
+        let model = sh.model(model_field(&m)?)?;
+        let text = m
+            .get("content")
+            .and_then(Value::as_str)
+            .ok_or_else(|| ApiError::bad("content must be a string", "content"))?;
+        let special = m.get("add_special").and_then(Value::as_bool).unwrap_or(false);
+        let ids = model.model.tokenizer.encode(text, special).map_err(|e| ApiError::bad(e.to_string(), "content"))?;
+        Ok(json!({ "tokens": ids }))
     };
-    sh.cpu(run).await.map_or_else(error, |v| Json(v).into_response())
+    sh.cpu_with(&body, run).await.map_or_else(error, |v| Json(v).into_response())
 }
 
 async fn detokenize(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
     if let Err(e) = sh.warm(&body, false).await {
         return error(e);
     }
-    let run = {
-        let (sh, body) = (Arc::clone(&sh), body.clone());
-        move || -> Result<Value, ApiError> {
-            let m = object(&body)?;
-            let model = sh.model(model_field(&m)?)?;
-            let ids = m
-                .get("tokens")
-                .and_then(Value::as_array)
-                .ok_or_else(|| ApiError::bad("tokens must be an array of token ids", "tokens"))?;
-            let vocab = model.model.config.vocab as u64;
-            let ids: Vec<u32> = ids
-                .iter()
-                .map(|v| v.as_u64().filter(|&t| t < vocab).map(|t| t as u32))
-                .collect::<Option<_>>()
-                .ok_or_else(|| ApiError::bad(format!("tokens must be ids below {vocab}"), "tokens"))?;
-            let text = model.model.tokenizer.decode(&ids, false).map_err(|e| ApiError::bad(e.to_string(), "tokens"))?;
-            Ok(json!({ "content": text }))
-        }
+    let run = |sh: &Arc<Shared>, body: &[u8]| -> Result<Value, ApiError> {
+        let m = object(body)?;
+        let model = sh.model(model_field(&m)?)?;
+        let ids = m
+            .get("tokens")
+            .and_then(Value::as_array)
+            .ok_or_else(|| ApiError::bad("tokens must be an array of token ids", "tokens"))?;
+        let vocab = model.model.config.vocab as u64;
+        let ids: Vec<u32> = ids
+            .iter()
+            .map(|v| v.as_u64().filter(|&t| t < vocab).map(|t| t as u32))
+            .collect::<Option<_>>()
+            .ok_or_else(|| ApiError::bad(format!("tokens must be ids below {vocab}"), "tokens"))?;
+        let text = model.model.tokenizer.decode(&ids, false).map_err(|e| ApiError::bad(e.to_string(), "tokens"))?;
+        Ok(json!({ "content": text }))
     };
-    sh.cpu(run).await.map_or_else(error, |v| Json(v).into_response())
+    sh.cpu_with(&body, run).await.map_or_else(error, |v| Json(v).into_response())
 }
 
 /// Keys of OpenAI's request bodies that inferd accepts and ignores: bookkeeping for OpenAI's
@@ -481,23 +474,20 @@ async fn completions(
     if let Err(e) = sh.warm(&body, false).await {
         return error(e);
     }
-    let start = {
-        let (sh, body) = (Arc::clone(&sh), body.clone());
-        move || -> Result<(request::Prepared, Map<String, Value>), ApiError> {
-            let m = object(&body)?;
-            let model = sh.model(model_field(&m)?)?;
-            let prompt = m
-                .get("prompt")
-                .and_then(Value::as_str)
-                .ok_or_else(|| ApiError::bad("prompt must be a string", "prompt"))?;
-            known_keys(&m, "prompt")?;
-            include_usage(&m)?;
-            let ids = request::encode_prompt(&model.model, prompt)?;
-            let req = Request { logprobs: wants_logprobs(&m, false)?, ..typed_request(&m)? };
-            Ok((request::prepare(&sh, model, req, ids)?, m))
-        }
+    let start = |sh: &Arc<Shared>, body: &[u8]| -> Result<(request::Prepared, Map<String, Value>), ApiError> {
+        let m = object(body)?;
+        let model = sh.model(model_field(&m)?)?;
+        let prompt = m
+            .get("prompt")
+            .and_then(Value::as_str)
+            .ok_or_else(|| ApiError::bad("prompt must be a string", "prompt"))?;
+        known_keys(&m, "prompt")?;
+        include_usage(&m)?;
+        let ids = request::encode_prompt(&model.model, prompt)?;
+        let req = Request { logprobs: wants_logprobs(&m, false)?, ..typed_request(&m)? };
+        Ok((request::prepare(sh, model, req, ids)?, m))
     };
-    match sh.cpu(start).await {
+    match sh.cpu_with(&body, start).await {
         Ok((p, m)) => respond(sh, p, &m, peer, false, None).await,
         Err(e) => error(e),
     }
@@ -511,21 +501,18 @@ async fn chat_completions(
     if let Err(e) = sh.warm(&body, false).await {
         return error(e);
     }
-    let start = {
-        let (sh, body) = (Arc::clone(&sh), body.clone());
-        move || -> Result<(request::Prepared, Map<String, Value>, Tools), ApiError> {
-            let m = object(&body)?;
-            let model = sh.model(model_field(&m)?)?;
-            known_keys(&m, "messages")?;
-            include_usage(&m)?;
-            let tools = Tools::of(&m, &model.model)?;
-            let ids = chat::encode(&model.model, &chat::messages(&m)?, Some(&tools))?;
-            let mut req = Request { logprobs: wants_logprobs(&m, true)?, ..typed_request(&m)? };
-            tools.constrain(&mut req, model.vocabulary.as_deref())?;
-            Ok((request::prepare(&sh, model, req, ids)?, m, tools))
-        }
+    let start = |sh: &Arc<Shared>, body: &[u8]| -> Result<(request::Prepared, Map<String, Value>, Tools), ApiError> {
+        let m = object(body)?;
+        let model = sh.model(model_field(&m)?)?;
+        known_keys(&m, "messages")?;
+        include_usage(&m)?;
+        let tools = Tools::of(&m, &model.model)?;
+        let ids = chat::encode(&model.model, &chat::messages(&m)?, Some(&tools))?;
+        let mut req = Request { logprobs: wants_logprobs(&m, true)?, ..typed_request(&m)? };
+        tools.constrain(&mut req, model.vocabulary.as_deref())?;
+        Ok((request::prepare(sh, model, req, ids)?, m, tools))
     };
-    match sh.cpu(start).await {
+    match sh.cpu_with(&body, start).await {
         Ok((p, m, tools)) => respond(sh, p, &m, peer, true, tools.active().then_some(tools)).await,
         Err(e) => error(e),
     }

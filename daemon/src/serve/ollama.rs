@@ -363,41 +363,38 @@ async fn generate(
     if let Err(e) = sh.warm(&body, true).await {
         return error(e);
     }
-    let ask = {
-        let (sh, body) = (Arc::clone(&sh), body.clone());
-        move || -> Result<Ask, ApiError> {
-            let m = super::http::object(&body)?;
-            check_keys(&m, &["prompt", "system", "context", "raw"])?;
-            let h = model(&sh, &m)?;
-            let prompt = string(&m, "prompt")?.unwrap_or_default();
-            let raw = m.get("raw").and_then(Value::as_bool).unwrap_or(false);
-            // As Ollama does: the prompt goes through the model's chat template (with `system`)
-            // unless `raw`; `context` (what an earlier answer returned) comes first.
-            let mut ids: Vec<u32> = match m.get("context") {
-                None | Some(Value::Null) => Vec::new(),
-                Some(Value::Array(a)) => a
-                    .iter()
-                    .map(|x| x.as_u64().filter(|&t| t < h.model.config.vocab as u64).map(|t| t as u32))
-                    .collect::<Option<_>>()
-                    .ok_or_else(|| ApiError::bad("context must be token ids of the model", "context"))?,
-                Some(_) => return Err(ApiError::bad("context must be an array of token ids", "context")),
-            };
-            if prompt.is_empty() && ids.is_empty() {
-                // Nothing to generate from: a request to load the model.
-            } else if raw {
-                ids.extend(request::encode_prompt(&h.model, &prompt)?);
-            } else {
-                let mut msgs = Vec::new();
-                if let Some(system) = string(&m, "system")? {
-                    msgs.push(("system".to_owned(), system));
-                }
-                msgs.push(("user".to_owned(), prompt));
-                ids.extend(request::encode_chat(&h.model, &msgs)?);
+    let ask = |sh: &Arc<Shared>, body: &[u8]| -> Result<Ask, ApiError> {
+        let m = super::http::object(body)?;
+        check_keys(&m, &["prompt", "system", "context", "raw"])?;
+        let h = model(sh, &m)?;
+        let prompt = string(&m, "prompt")?.unwrap_or_default();
+        let raw = m.get("raw").and_then(Value::as_bool).unwrap_or(false);
+        // As Ollama does: the prompt goes through the model's chat template (with `system`)
+        // unless `raw`; `context` (what an earlier answer returned) comes first.
+        let mut ids: Vec<u32> = match m.get("context") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|x| x.as_u64().filter(|&t| t < h.model.config.vocab as u64).map(|t| t as u32))
+                .collect::<Option<_>>()
+                .ok_or_else(|| ApiError::bad("context must be token ids of the model", "context"))?,
+            Some(_) => return Err(ApiError::bad("context must be an array of token ids", "context")),
+        };
+        if prompt.is_empty() && ids.is_empty() {
+            // Nothing to generate from: a request to load the model.
+        } else if raw {
+            ids.extend(request::encode_prompt(&h.model, &prompt)?);
+        } else {
+            let mut msgs = Vec::new();
+            if let Some(system) = string(&m, "system")? {
+                msgs.push(("system".to_owned(), system));
             }
-            Ask::new(h, ids, &m)
+            msgs.push(("user".to_owned(), prompt));
+            ids.extend(request::encode_chat(&h.model, &msgs)?);
         }
+        Ask::new(h, ids, &m)
     };
-    let ask = sh.cpu(ask).await;
+    let ask = sh.cpu_with(&body, ask).await;
     reply(sh, ask, peer, false).await
 }
 
@@ -409,19 +406,16 @@ async fn chat(
     if let Err(e) = sh.warm(&body, true).await {
         return error(e);
     }
-    let ask = {
-        let (sh, body) = (Arc::clone(&sh), body.clone());
-        move || -> Result<Ask, ApiError> {
-            let m = super::http::object(&body)?;
-            check_keys(&m, &["messages", "tools"])?;
-            let h = model(&sh, &m)?;
-            let msgs = super::chat::messages(&m)?;
-            let tools = Tools::of(&m, &h.model)?;
-            let ids = if msgs.is_empty() { Vec::new() } else { super::chat::encode(&h.model, &msgs, Some(&tools))? };
-            Ok(Ask { tools: tools.active().then_some(tools), ..Ask::new(h, ids, &m)? })
-        }
+    let ask = |sh: &Arc<Shared>, body: &[u8]| -> Result<Ask, ApiError> {
+        let m = super::http::object(body)?;
+        check_keys(&m, &["messages", "tools"])?;
+        let h = model(sh, &m)?;
+        let msgs = super::chat::messages(&m)?;
+        let tools = Tools::of(&m, &h.model)?;
+        let ids = if msgs.is_empty() { Vec::new() } else { super::chat::encode(&h.model, &msgs, Some(&tools))? };
+        Ok(Ask { tools: tools.active().then_some(tools), ..Ask::new(h, ids, &m)? })
     };
-    let ask = sh.cpu(ask).await;
+    let ask = sh.cpu_with(&body, ask).await;
     reply(sh, ask, peer, true).await
 }
 

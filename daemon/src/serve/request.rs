@@ -81,6 +81,16 @@ impl Shared {
             .unwrap_or_else(|e| Err(ApiError::new(500, format!("internal error preparing the request: {e}"), None)))
     }
 
+    /// [`Shared::cpu`] on a request's body: `f` gets the daemon's state and the body.
+    pub async fn cpu_with<T: Send + 'static>(
+        self: &Arc<Self>,
+        body: &axum::body::Bytes,
+        f: impl FnOnce(&Arc<Shared>, &[u8]) -> Result<T, ApiError> + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let (sh, body) = (Arc::clone(self), body.clone());
+        self.cpu(move || f(&sh, &body)).await
+    }
+
     /// The model a request names (`model` field), or the first one configured, if it is
     /// loaded (the routes load it first, [`Shared::warm`]).
     pub fn model(&self, name: Option<&str>) -> Result<Arc<ModelHandle>, ApiError> {
@@ -301,15 +311,19 @@ impl Submitted {
     /// The next event; once the client has gone, the request is cancelled (the engine drops
     /// it at its next step and answers with a last `Failed` event).
     pub async fn recv(&mut self) -> Option<Event> {
-        let ev = match self.hangup.clone() {
+        let ev = match &self.hangup {
             Some(h) if !self.over => tokio::select! {
-                ev = self.events.recv() => ev,
-                _ = h.wait() => {
-                    self.cancel();
-                    self.events.recv().await
-                }
+                ev = self.events.recv() => Some(ev),
+                _ = h.wait() => None,
             },
-            _ => self.events.recv().await,
+            _ => Some(self.events.recv().await),
+        };
+        let ev = match ev {
+            Some(ev) => ev,
+            None => {
+                self.cancel();
+                self.events.recv().await
+            }
         };
         if matches!(ev, None | Some(Event::Finished(_)) | Some(Event::Failed(_))) {
             self.over = true;
@@ -320,20 +334,20 @@ impl Submitted {
     /// Tells the engine the request has what it wants (a stop string matched): it ends as
     /// finished and its blocks are freed at the next step.
     pub fn stop(&mut self) {
-        if !self.over {
-            self.over = true;
-            if let Ok(tx) = self.model.engine.lock() {
-                let _ = tx.send(Command::Stop(self.id));
-            }
-        }
+        self.end(Command::Stop);
     }
 
     /// Cancels the request (its blocks are freed at the engine's next step).
     pub fn cancel(&mut self) {
+        self.end(Command::Cancel);
+    }
+
+    /// Sends the engine the request's last command, unless its end is already known.
+    fn end(&mut self, command: fn(RequestId) -> Command) {
         if !self.over {
             self.over = true;
             if let Ok(tx) = self.model.engine.lock() {
-                let _ = tx.send(Command::Cancel(self.id));
+                let _ = tx.send(command(self.id));
             }
         }
     }

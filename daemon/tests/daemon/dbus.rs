@@ -607,6 +607,17 @@ fn dbus_loads_and_unloads_models_with_progress_to_the_caller() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// `Complete` on the default model: the whole text, or the daemon's error.
+pub(crate) async fn complete(
+    conn: &zbus::Connection,
+    prompt: &str,
+    options: std::collections::HashMap<String, zbus::zvariant::Value<'_>>,
+) -> zbus::Result<String> {
+    let iface = Some("org.inferd.Inference1");
+    let r = conn.call_method(iface, "/org/inferd/Inference1", iface, "Complete", &("", prompt, &options)).await?;
+    r.body().deserialize::<String>()
+}
+
 /// A D-Bus option dictionary from a JSON object: strings, booleans, integers (u32 when they
 /// fit, else i64), floats, arrays of strings; anything else as its JSON text.
 fn options_of(v: &Value) -> std::collections::HashMap<String, zbus::zvariant::Value<'static>> {
@@ -656,15 +667,7 @@ fn fuzzed_dbus_options_get_answers() {
                 unparsed.set(unparsed.get() + 1);
                 return;
             };
-            let opts = options_of(&v);
-            let body = ("", "Hi", &opts);
-            let call = conn.call_method(
-                Some("org.inferd.Inference1"),
-                "/org/inferd/Inference1",
-                Some("org.inferd.Inference1"),
-                "Complete",
-                &body,
-            );
+            let call = complete(&conn, "Hi", options_of(&v));
             match rt.block_on(async { tokio::time::timeout(Duration::from_secs(30), call).await }) {
                 Ok(Ok(_)) => ok.set(ok.get() + 1),
                 Ok(Err(zbus::Error::MethodError(..))) => refused.set(refused.get() + 1),

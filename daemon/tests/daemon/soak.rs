@@ -115,20 +115,12 @@ fn a_soak_of_mixed_clients_loses_nothing_and_leaks_nothing() {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let conn =
         rt.block_on(async { zbus::connection::Builder::address(bus.address.as_str()).unwrap().build().await.unwrap() });
-    let dbus_opts = std::collections::HashMap::from([
-        ("max_tokens", zbus::zvariant::Value::U32(20)),
-        ("temperature", zbus::zvariant::Value::F64(0.0)),
-    ]);
     let complete = |conn: &zbus::Connection| {
-        let body = ("", "The capital of France is", &dbus_opts);
-        let call = conn.call_method(
-            Some("org.inferd.Inference1"),
-            "/org/inferd/Inference1",
-            Some("org.inferd.Inference1"),
-            "Complete",
-            &body,
-        );
-        rt.block_on(call).map(|r| r.body().deserialize::<String>().unwrap())
+        let opts = std::collections::HashMap::from([
+            ("max_tokens".to_string(), zbus::zvariant::Value::U32(20)),
+            ("temperature".to_string(), zbus::zvariant::Value::F64(0.0)),
+        ]);
+        rt.block_on(super::dbus::complete(conn, "The capital of France is", opts))
     };
     let dbus_alone = complete(&conn).unwrap();
     let long = serde_json::json!({ "prompt": "word ".repeat(2000), "max_tokens": 8 }).to_string();

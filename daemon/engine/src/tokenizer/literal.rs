@@ -10,7 +10,7 @@
 //! more `▁` after a hidden token: the hidden text still cannot act as markup).
 
 use super::{Tokenizer, TokenizerError};
-use std::collections::HashMap;
+use std::collections::HashSet;
 
 /// Opens and closes a placeholder (private-use code points, which no tokenizer treats as
 /// markup); the number between is the hidden text's index.
@@ -21,7 +21,7 @@ const CLOSE: char = '\u{F8F1}';
 /// added-vocabulary split does.
 #[derive(Debug)]
 pub struct SpecialText {
-    texts: HashMap<String, u32>,
+    texts: HashSet<String>,
     /// Every length (in bytes) a special token's text has, longest first.
     lengths: Vec<usize>,
     /// Bytes a special token's text begins with.
@@ -29,13 +29,13 @@ pub struct SpecialText {
 }
 
 impl SpecialText {
-    pub fn new(texts: impl IntoIterator<Item = (String, u32)>) -> SpecialText {
-        let mut s = SpecialText { texts: HashMap::new(), lengths: Vec::new(), first: [false; 256] };
-        for (t, id) in texts {
+    pub fn new(texts: impl IntoIterator<Item = String>) -> SpecialText {
+        let mut s = SpecialText { texts: HashSet::new(), lengths: Vec::new(), first: [false; 256] };
+        for t in texts {
             if let Some(&b) = t.as_bytes().first() {
                 s.first[b as usize] = true;
                 s.lengths.push(t.len());
-                s.texts.insert(t, id);
+                s.texts.insert(t);
             }
         }
         s.lengths.sort_unstable_by(|a, b| b.cmp(a));
@@ -50,8 +50,7 @@ impl SpecialText {
         let mut i = 0;
         while i < bytes.len() {
             if self.first[bytes[i] as usize] && text.is_char_boundary(i) {
-                let hit =
-                    self.lengths.iter().find(|&&l| text.get(i..i + l).is_some_and(|t| self.texts.contains_key(t)));
+                let hit = self.lengths.iter().find(|&&l| text.get(i..i + l).is_some_and(|t| self.texts.contains(t)));
                 if let Some(&l) = hit {
                     out.push(i..i + l);
                     i += l;
@@ -137,7 +136,7 @@ mod tests {
 
     #[test]
     fn special_text_is_found_leftmost_longest() {
-        let s = SpecialText::new([("<|a|>".to_string(), 1), ("<|a|>x".to_string(), 2), ("<b>".to_string(), 3)]);
+        let s = SpecialText::new(["<|a|>".to_string(), "<|a|>x".to_string(), "<b>".to_string()]);
         let text = "x<|a|>xy <b><|a|> <|a <b";
         let found: Vec<&str> = s.find(text).into_iter().map(|r| &text[r]).collect();
         assert_eq!(found, ["<|a|>x", "<b>", "<|a|>"]);

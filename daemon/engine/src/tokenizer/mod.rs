@@ -111,8 +111,7 @@ impl Tokenizer {
             byte_to_char().iter().enumerate().map(|(b, c)| (*c, b as u8)).collect();
         let added = special.get_added_tokens_decoder();
         let specials: HashSet<u32> = added.iter().filter(|(_, t)| t.special).map(|(id, _)| *id).collect();
-        let special_text =
-            literal::SpecialText::new(added.iter().filter(|(_, t)| t.special).map(|(id, t)| (t.content.clone(), *id)));
+        let special_text = literal::SpecialText::new(added.values().filter(|t| t.special).map(|t| t.content.clone()));
         let bytes =
             vocab
                 .iter()
