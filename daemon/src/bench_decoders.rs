@@ -3,7 +3,8 @@
 //! - `abi_overhead`: greedy decoding through the greedy plugin against the engine's in-process
 //!   argmax, end to end at batch 1 (interleaved repetitions), and the plugin round trip alone
 //!   per token (plan + observe + argmax on a mock model with the real vocabulary) against the
-//!   argmax alone, as a share of a decode step.
+//!   argmax alone, as a share of a decode step; and the same library in a helper process (how
+//!   third-party libraries run in the daemon), end to end and per round trip.
 //! - `speculative`: speed-up over greedy decoding at batch 1 on an input-grounded task (rewrite a
 //!   paragraph with one word changed), acceptance rate, and whether the output is identical;
 //!   with prompt lookup, and with a draft model when one is given.
@@ -17,7 +18,7 @@ use inferd_engine::decode::store::{EngineStore, MockStore, SeqStore, StoreError,
 use inferd_engine::decode::{generate, generate_with_stats};
 use inferd_engine::engine::{argmax, Engine, EngineOptions};
 use inferd_engine::model::Model;
-use inferd_engine::plugin::{Registry, SessionRequest};
+use inferd_engine::plugin::{Isolate, Isolation, Registry, SessionRequest, TrustPolicy};
 use serde_json::{json, Value};
 use std::time::Instant;
 
@@ -80,9 +81,21 @@ pub fn run(
     let eos = model.tokenizer.eos().to_vec();
     let reps = repeat.max(1);
     let greedy = reg.get("greedy")?;
+    // The same library in a helper process, the way third-party libraries run in the daemon.
+    let mut apart = Registry::isolating(
+        Isolate::All,
+        Isolation {
+            exe: std::env::current_exe()?,
+            call_timeout: std::time::Duration::from_secs(10),
+            memory_mib: 1024,
+            quarantine: None,
+        },
+    );
+    apart.load_file(&greedy.path, TrustPolicy::User)?;
+    let isolated = apart.get("greedy")?;
 
     // ABI overhead, end to end: 128 tokens after a 128-token prompt, interleaved.
-    let (mut inproc, mut plugin) = (Vec::new(), Vec::new());
+    let (mut inproc, mut plugin, mut helper) = (Vec::new(), Vec::new(), Vec::new());
     for r in 0..reps {
         let p = tokens(128, 100 + r as u64, vocab);
         let t = Instant::now();
@@ -104,8 +117,11 @@ pub fn run(
         let t = Instant::now();
         generate(&greedy, &mut EngineStore::new(&mut engine), &req, &mut |_, _| {})?;
         plugin.push(127.0 / t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        generate(&isolated, &mut EngineStore::new(&mut engine), &req, &mut |_, _| {})?;
+        helper.push(127.0 / t.elapsed().as_secs_f64());
     }
-    let (inproc, plugin) = (median(inproc), median(plugin));
+    let (inproc, plugin, helper) = (median(inproc), median(plugin), median(helper));
     // The plugin round trip alone: a mock model returning a real-sized row of logits.
     let row: Vec<f32> = (0..vocab).map(|i| ((i * 7919) % 1000) as f32 / 100.0).collect();
     // Alternating runs of 500 tokens each, medians (the machine is noisy).
@@ -124,11 +140,14 @@ pub fn run(
         vocabulary: None,
         grammar: None,
     };
-    let (mut via_plugin, mut argmax_only) = (Vec::new(), Vec::new());
+    let (mut via_plugin, mut via_helper, mut argmax_only) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..5 {
         let t = Instant::now();
         generate(&greedy, &mut mock, &req, &mut |_, _| {})?;
         via_plugin.push(t.elapsed().as_secs_f64() * 1e6 / f64::from(n));
+        let t = Instant::now();
+        generate(&isolated, &mut mock, &req, &mut |_, _| {})?;
+        via_helper.push(t.elapsed().as_secs_f64() * 1e6 / f64::from(n));
         let t = Instant::now();
         for _ in 0..n {
             std::hint::black_box(argmax(std::hint::black_box(&row)));
@@ -136,6 +155,7 @@ pub fn run(
         argmax_only.push(t.elapsed().as_secs_f64() * 1e6 / f64::from(n));
     }
     let (per_token_plugin_us, per_token_argmax_us) = (median(via_plugin), median(argmax_only));
+    let per_token_helper_us = median(via_helper);
     let step_us = 1e6 / inproc;
     let abi = json!({
         "decode_tok_s_in_engine_argmax": inproc,
@@ -144,6 +164,10 @@ pub fn run(
         "plugin_round_trip_us_per_token": per_token_plugin_us,
         "in_engine_argmax_us_per_token": per_token_argmax_us,
         "abi_overhead_pct_of_decode_step": (per_token_plugin_us - per_token_argmax_us) / step_us * 100.0,
+        "decode_tok_s_isolated_greedy": helper,
+        "isolated_end_to_end_overhead_pct": (inproc / helper - 1.0) * 100.0,
+        "isolated_round_trip_us_per_token": per_token_helper_us,
+        "isolation_overhead_pct_of_decode_step": (per_token_helper_us - per_token_argmax_us) / step_us * 100.0,
     });
 
     // Speculative decoding on an input-grounded task.

@@ -112,6 +112,16 @@ enum Cmd {
     /// inferctl(1), into DIR (packaging/man holds them; a test keeps them current).
     #[command(hide = true)]
     Man { dir: PathBuf },
+    /// The helper process of an isolated plugin library, started by the daemon with its
+    /// socket and logits memory as standard input and output; not for people.
+    #[command(hide = true, name = "plugin-host")]
+    PluginHost {
+        file: PathBuf,
+        #[arg(long)]
+        memory_mib: u64,
+        #[arg(long)]
+        parent: u32,
+    },
     /// Decoder plugins: check a file, probe a strategy.
     Plugin {
         #[command(subcommand)]
@@ -426,6 +436,9 @@ fn main() -> Result<()> {
             std::fs::create_dir_all(&dir)?;
             write_man_pages(&dir, Cli::command(), "8")?;
             write_man_pages(&dir, inferctl::Cli::command(), "1")
+        }
+        Cmd::PluginHost { file, memory_mib, parent } => {
+            std::process::exit(inferd_engine::plugin::helper::main(&file, memory_mib, parent))
         }
         Cmd::Plugin { cmd: PluginCmd::Check { file, system } } => plugin_check(&file, system),
         Cmd::Plugin { cmd: PluginCmd::Probe { name, logits, history, params, draws, seed, plugins } } => {

@@ -10,6 +10,7 @@ mod dequant;
 mod embed;
 mod fuzz;
 mod golden;
+mod isolation;
 mod plugins;
 mod reference;
 mod serve;

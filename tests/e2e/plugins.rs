@@ -10,10 +10,9 @@ use inferd_engine::plugin::{FinishReason, PluginError, Registry, SessionRequest,
 use inferd_plugin_api::params::Params;
 use inferd_plugin_api::sampling::{Accept, Sampling};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 /// Where cargo put the plugin libraries: the profile directory above this test's `deps/`.
-fn build_dir() -> PathBuf {
+pub fn build_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("test executable");
     let dir = exe.parent().and_then(Path::parent).expect("target/<profile>").to_path_buf();
     assert!(
@@ -34,26 +33,13 @@ fn builtin() -> Registry {
 }
 
 /// Compiles tests/plugins/greedy.c into `dir/lib<name>.so` with `defines`.
-fn compile_c(dir: &Path, name: &str, defines: &[&str]) -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("repository root").to_path_buf();
-    let out = dir.join(format!("lib{name}.so"));
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let st = Command::new(&cc)
-        .args(["-shared", "-fPIC", "-std=c99", "-Wall", "-Werror", "-O2", "-I"])
-        .arg(root.join("plugin-api/include"))
-        .args(defines.iter().map(|d| format!("-D{d}")))
-        .arg(root.join("tests/plugins/greedy.c"))
-        .arg("-o")
-        .arg(&out)
-        .status()
-        .unwrap_or_else(|e| panic!("running {cc}: {e} (install gcc)"));
-    assert!(st.success(), "compiling the C plugin with {defines:?}");
-    out
+pub fn compile_c(dir: &Path, name: &str, defines: &[&str]) -> PathBuf {
+    inferd_e2e::compile_c_plugin(dir, name, defines)
 }
 
 /// A mock model over 16 tokens whose logits depend on the whole prefix (a hash), so any
 /// decoding difference shows.
-fn hashed_model() -> MockStore {
+pub fn hashed_model() -> MockStore {
     MockStore::new(
         16,
         Box::new(|prefix: &[u32]| {
@@ -66,7 +52,7 @@ fn hashed_model() -> MockStore {
     )
 }
 
-fn req<'a>(prompt: &'a [u32], params: &'a str, max_tokens: u32, n: u32, seed: u64) -> SessionRequest<'a> {
+pub fn req<'a>(prompt: &'a [u32], params: &'a str, max_tokens: u32, n: u32, seed: u64) -> SessionRequest<'a> {
     SessionRequest {
         logprobs: None,
         prompt,
@@ -170,7 +156,7 @@ fn a_failing_c_plugin_fails_its_own_requests_until_quarantined() {
             5
         );
     }
-    assert!(matches!(reg.get("c-greedy"), Err(PluginError::Quarantined(_))));
+    assert!(matches!(reg.get("c-greedy"), Err(PluginError::Quarantined(..))));
 
     // A plan naming a sequence the plugin never received is refused, not obeyed.
     let dir2 = inferd_e2e::temp_dir("badhandle-plugins");

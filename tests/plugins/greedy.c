@@ -12,10 +12,31 @@
  *   FAULT_OLD_SIZE    declares a strategy struct smaller than ABI 1.0's
  *   FAULT_BAD_HANDLE  plans with a sequence handle it never received
  *   FAULT_FAIL_PLAN   fails every plan with an error message
+ * and, for the isolation of plugins in a helper process, once two tokens have gone out:
+ *   FAULT_SEGV        writes through a null pointer in observe
+ *   FAULT_ABORT       calls abort() in observe
+ *   FAULT_HANG        never returns from plan
+ *   FAULT_HUGE_ALLOC  allocates and fills 20 GiB in observe (an error when refused)
+ * or when it starts:
+ *   FAULT_CRASH_LOAD  writes through a null pointer in its entry point
+ *   FAULT_ESCAPE      in create, tries to open a file, to open an IP socket and to signal the
+ *                     process that started it; it fails the request naming what worked
  */
+#ifdef FAULT_ESCAPE
+#define _POSIX_C_SOURCE 200809L
+#endif
 #include <stdlib.h>
 #include <string.h>
 #include "inferd_plugin.h"
+#ifdef FAULT_ESCAPE
+#include <signal.h>
+#include <stdio.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#endif
+
+/* Once two tokens have gone out: the moment the fault macros strike. */
+#define STRIKE(s) ((s)->emitted == 2)
 
 static const struct inferd_host_api *api;
 
@@ -37,6 +58,24 @@ static int32_t validate(inferd_call *call, const struct inferd_session_init *ini
 }
 
 static int32_t create(inferd_call *call, const struct inferd_session_init *init, void **out) {
+#ifdef FAULT_ESCAPE
+    FILE *f = fopen("/etc/hostname", "r");
+    if (f) {
+        fclose(f);
+        api->set_error(call, "escaped: opened /etc/hostname");
+        return INFERD_ERR;
+    }
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd >= 0) {
+        close(fd);
+        api->set_error(call, "escaped: opened an IP socket");
+        return INFERD_ERR;
+    }
+    if (kill(getppid(), 0) == 0) {
+        api->set_error(call, "escaped: may signal the process that started it");
+        return INFERD_ERR;
+    }
+#endif
     struct session *s = calloc(1, sizeof *s);
     if (!s) {
         api->set_error(call, "out of memory");
@@ -58,6 +97,13 @@ static int32_t plan(inferd_call *call, void *session, struct inferd_plan *plan) 
     return INFERD_ERR;
 #endif
     (void)call;
+#ifdef FAULT_HANG
+    if (STRIKE(s)) {
+        volatile int spin = 1;
+        while (spin) {
+        }
+    }
+#endif
     if (s->done) {
         plan->done = 1;
         plan->n_items = 0;
@@ -83,6 +129,24 @@ static int32_t observe(inferd_call *call, void *session, const struct inferd_log
         api->set_error(call, "expected one row of logits");
         return INFERD_ERR;
     }
+#ifdef FAULT_SEGV
+    if (STRIKE(s)) *(volatile int *)(uintptr_t)0 = 1;
+#endif
+#ifdef FAULT_ABORT
+    if (STRIKE(s)) abort();
+#endif
+#ifdef FAULT_HUGE_ALLOC
+    if (STRIKE(s)) {
+        size_t huge = (size_t)20 << 30;
+        char *p = malloc(huge);
+        if (!p) {
+            api->set_error(call, "could not allocate 20 GiB");
+            return INFERD_ERR_NO_MEMORY;
+        }
+        memset(p, 1, huge);
+        free(p);
+    }
+#endif
     const float *row = logits->rows[0];
     int32_t best = 0;
     for (uint32_t i = 1; i < logits->vocab_size; i++)
@@ -160,6 +224,9 @@ const struct inferd_plugin_info *inferd_plugin_entry_v1(const struct inferd_host
 const struct inferd_plugin_info *inferd_plugin_entry_v1(const struct inferd_host_info *host) {
     if (host->abi_major != INFERD_ABI_MAJOR || host->header.size < sizeof *host) return NULL;
     api = host->api;
+#ifdef FAULT_CRASH_LOAD
+    *(volatile int *)(uintptr_t)0 = 1;
+#endif
 #ifdef FAULT_REFUSE
     api->log(NULL, INFERD_LOG_ERROR, "c-greedy refuses every host");
     return NULL;

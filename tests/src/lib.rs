@@ -318,3 +318,22 @@ pub fn run_python(script: &str, args: &[&std::ffi::OsStr]) {
 pub fn golden_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("golden")
 }
+
+/// Compiles the C test plugin (tests/plugins/greedy.c) into `dir/lib<name>.so` with the C
+/// preprocessor `defines` (its FAULT_* variants), with the system C compiler (`$CC`, else `cc`).
+pub fn compile_c_plugin(dir: &Path, name: &str, defines: &[&str]) -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("repository root").to_path_buf();
+    let out = dir.join(format!("lib{name}.so"));
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let st = std::process::Command::new(&cc)
+        .args(["-shared", "-fPIC", "-std=c99", "-Wall", "-Werror", "-O2", "-I"])
+        .arg(root.join("plugin-api/include"))
+        .args(defines.iter().map(|d| format!("-D{d}")))
+        .arg(root.join("tests/plugins/greedy.c"))
+        .arg("-o")
+        .arg(&out)
+        .status()
+        .unwrap_or_else(|e| panic!("running {cc}: {e} (install gcc)"));
+    assert!(st.success(), "compiling the C plugin with {defines:?}");
+    out
+}

@@ -67,16 +67,33 @@ pub fn cache_dir() -> PathBuf {
 
 /// [`cache_dir`] for the environment `env`.
 fn cache_dir_in(env: &dyn Fn(&str) -> Option<std::ffi::OsString>) -> PathBuf {
-    if let Some(d) = env("CACHE_DIRECTORY").filter(|d| !d.is_empty()) {
+    service_dir_in(env, ("CACHE_DIRECTORY", "XDG_CACHE_HOME", ".cache", "/var/cache/inferd"))
+}
+
+/// Where the daemon keeps what must outlive it (the plugin quarantine and crash record): the
+/// system service's state directory (`$STATE_DIRECTORY`, systemd's `StateDirectory=inferd`:
+/// /var/lib/inferd), else the user's `$XDG_STATE_HOME/inferd` (`~/.local/state/inferd`), else
+/// /var/lib/inferd.
+pub fn state_dir() -> PathBuf {
+    service_dir_in(&|k| std::env::var_os(k), ("STATE_DIRECTORY", "XDG_STATE_HOME", ".local/state", "/var/lib/inferd"))
+}
+
+/// The service's directory (`unit` variable), else the user's (`xdg` variable, or `home_sub`
+/// under $HOME) with `inferd` under it, else `fallback`.
+fn service_dir_in(
+    env: &dyn Fn(&str) -> Option<std::ffi::OsString>,
+    (unit, xdg, home_sub, fallback): (&str, &str, &str, &str),
+) -> PathBuf {
+    if let Some(d) = env(unit).filter(|d| !d.is_empty()) {
         // systemd may list several, colon-separated; the unit names one.
         return std::env::split_paths(&d).next().unwrap_or_default();
     }
-    env("XDG_CACHE_HOME")
+    env(xdg)
         .filter(|d| !d.is_empty())
         .map(PathBuf::from)
-        .or_else(|| env("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .or_else(|| env("HOME").map(|h| PathBuf::from(h).join(home_sub)))
         .map(|d| d.join("inferd"))
-        .unwrap_or_else(|| PathBuf::from("/var/cache/inferd"))
+        .unwrap_or_else(|| PathBuf::from(fallback))
 }
 
 #[cfg(test)]

@@ -64,6 +64,7 @@ pub struct Config {
     pub limits: Limits,
     /// Plugin directories searched for decoding strategies (empty: the built-in search path).
     pub plugin_dirs: Vec<PathBuf>,
+    pub plugins: Plugins,
     /// The models to load, one engine thread each; empty means the default model.
     #[serde(rename = "model")]
     pub models: Vec<ModelConfig>,
@@ -130,6 +131,46 @@ impl Default for Server {
             model_store: None,
             memory_budget_mib: 0,
             idle_exit: "10m".into(),
+        }
+    }
+}
+
+/// Which decoding-strategy libraries run in a sandboxed helper process.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum IsolateSetting {
+    /// Every library but inferd's own five.
+    #[default]
+    ThirdParty,
+    All,
+    None,
+}
+
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Plugins {
+    /// Which libraries run in a helper process: "third-party", "all" or "none".
+    pub isolate: IsolateSetting,
+    /// How long one call into an isolated library may run, in milliseconds; past it the
+    /// helper is killed, its requests fail and the library is quarantined.
+    pub call_timeout_ms: u64,
+    /// An isolated library's address-space limit, in MiB.
+    pub memory_limit_mib: u64,
+}
+
+impl Default for Plugins {
+    fn default() -> Self {
+        Plugins { isolate: IsolateSetting::ThirdParty, call_timeout_ms: 1000, memory_limit_mib: 1024 }
+    }
+}
+
+impl Plugins {
+    pub fn isolate(&self) -> inferd_engine::plugin::Isolate {
+        use inferd_engine::plugin::Isolate;
+        match self.isolate {
+            IsolateSetting::ThirdParty => Isolate::ThirdParty,
+            IsolateSetting::All => Isolate::All,
+            IsolateSetting::None => Isolate::None,
         }
     }
 }

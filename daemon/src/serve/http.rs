@@ -184,7 +184,7 @@ pub fn status_json(sh: &Shared) -> Value {
         })
         .collect();
     let reg = sh.registry();
-    let strategies: Vec<Value> = reg.strategies().iter().map(|s| json!({ "name": s.name(), "plugin": s.plugin_name, "version": s.plugin_version, "path": s.path, "quarantined": s.quarantined() })).collect();
+    let strategies: Vec<Value> = reg.strategies().iter().map(|s| json!({ "name": s.name(), "plugin": s.plugin_name, "version": s.plugin_version, "path": s.path, "isolated": s.isolated(), "quarantined": s.quarantined() })).collect();
     let refused = sh.refused.lock().map(|r| r.clone()).unwrap_or_default();
     json!({
         "status": if sh.draining.load(std::sync::atomic::Ordering::Relaxed) { "stopping" } else { "ready" },

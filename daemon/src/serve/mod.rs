@@ -28,7 +28,7 @@ use config::{Config, Limits, Mode};
 use inferd_engine::decode::store::EngineStore;
 use inferd_engine::engine::{Engine, EngineOptions};
 use inferd_engine::model::Model;
-use inferd_engine::plugin::{Registry, TrustPolicy};
+use inferd_engine::plugin::{recorder, Isolation, Quarantine, Registry, TrustPolicy};
 use inferd_engine::sched::monitor::Monitor;
 use inferd_engine::sched::{engine_loop, Command, LoopConfig, PrefixSharing};
 use std::path::{Path, PathBuf};
@@ -87,6 +87,8 @@ pub struct Shared {
     pub refused: Mutex<Vec<String>>,
     /// Permits for requests' CPU work off the runtime ([`Shared::cpu`]): one per core.
     pub cpu_permits: tokio::sync::Semaphore,
+    /// Plugin libraries that crashed or hung, kept across restarts.
+    pub quarantine: Arc<Quarantine>,
 }
 
 impl Shared {
@@ -153,12 +155,24 @@ impl ServeArgs {
     }
 }
 
-fn load_plugins(cfg: &Config, mode: Mode) -> (Registry, Vec<String>) {
+/// Loads the plugin directories: inferd's own libraries in this process, the others (unless
+/// configured otherwise) each in a sandboxed helper process, quarantined ones not at all.
+fn load_plugins(cfg: &Config, mode: Mode, quarantine: &Arc<Quarantine>) -> (Registry, Vec<String>) {
     let policy = match mode {
         Mode::System => TrustPolicy::System,
         Mode::User => TrustPolicy::User,
     };
-    let (reg, refused) = Registry::load_dirs(&inferd_engine::paths::plugin_dirs(&cfg.plugin_dirs), policy);
+    let p = &cfg.plugins;
+    let isolation = Isolation {
+        // The running executable even when an upgrade has replaced the file on disk: the
+        // helper must speak this daemon's protocol.
+        exe: PathBuf::from("/proc/self/exe"),
+        call_timeout: Duration::from_millis(p.call_timeout_ms.max(1)),
+        memory_mib: p.memory_limit_mib.max(64),
+        quarantine: Some(Arc::clone(quarantine)),
+    };
+    let mut reg = Registry::isolating(p.isolate(), isolation);
+    let refused = reg.load_dirs_into(&inferd_engine::paths::plugin_dirs(&cfg.plugin_dirs), policy);
     for r in &refused {
         eprintln!("inferd: plugin refused: {r}");
     }
@@ -313,7 +327,8 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     // Models come and go: what one allocated must go back to the kernel when it is unloaded.
     inferd_engine::model::mmap::map_large_allocations();
     let cfg = args.config()?;
-    let (reg, refused) = load_plugins(&cfg, args.mode);
+    let quarantine = Arc::new(recover_plugins(&cfg));
+    let (reg, refused) = load_plugins(&cfg, args.mode, &quarantine);
     let keep_alive =
         models::parse_keep_alive(&cfg.server.keep_alive).map_err(|e| anyhow::anyhow!("server.keep_alive: {e}"))?;
     let settings = models::Settings {
@@ -344,19 +359,69 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         http: http::HttpCounters::default(),
         refused: Mutex::new(refused),
         cpu_permits: tokio::sync::Semaphore::new(std::thread::available_parallelism().map_or(2, |n| n.get())),
+        quarantine,
     });
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let call_limit = Duration::from_millis(cfg.plugins.call_timeout_ms.max(1));
     let result = rt.block_on(serve(Arc::clone(&shared), args, cfg));
-    // The engines end with their senders; wait for them so no request is cut mid-step.
+    // The engines end with their senders; wait for them so no request is cut mid-step, but
+    // not for ever: an engine inside a call that never returns (a plugin in this process)
+    // must not keep the daemon from stopping.
+    let deadline = Instant::now() + ENGINE_STOP;
+    let mut stuck = Vec::new();
     for m in shared.models.loaded() {
         if let Ok(tx) = m.engine.lock() {
             let _ = tx.send(Command::Shutdown);
         }
         if let Some(t) = m.thread.lock().ok().and_then(|mut t| t.take()) {
-            let _ = t.join();
+            while !t.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if t.is_finished() {
+                let _ = t.join();
+            } else {
+                stuck.push(m.name.clone());
+            }
         }
     }
+    if !stuck.is_empty() {
+        for (lib, open) in recorder::hung(call_limit) {
+            let why = format!(
+                "one call into it had not returned after {:.1} s when the daemon had to stop",
+                open.as_secs_f64()
+            );
+            eprintln!("inferd: plugin {}: {why}: quarantined", lib.display());
+            let _ = shared.quarantine.add(&lib, &why);
+        }
+        anyhow::bail!(
+            "the engine of {} did not stop within {} s; exiting without it",
+            stuck.join(", "),
+            ENGINE_STOP.as_secs()
+        );
+    }
     result
+}
+
+/// How long the engines get to stop once the requests have drained or been cancelled.
+const ENGINE_STOP: Duration = Duration::from_secs(5);
+
+/// Opens the plugin quarantine and starts the crash recorder; a library the last run's record
+/// blames (it crashed the daemon, or hung it until it was killed) joins the quarantine.
+fn recover_plugins(cfg: &Config) -> Quarantine {
+    let state = inferd_engine::paths::state_dir();
+    let quarantine = Quarantine::open(&state.join("plugin-quarantine"));
+    match recorder::install(&state.join("plugin-calls"), Duration::from_millis(cfg.plugins.call_timeout_ms.max(1))) {
+        Ok(blamed) => {
+            for (lib, why) in blamed {
+                eprintln!("inferd: plugin {}: {why}: quarantined", lib.display());
+                if let Err(e) = quarantine.add(&lib, &why) {
+                    eprintln!("inferd: recording the quarantine in {}: {e}", quarantine.file().display());
+                }
+            }
+        }
+        Err(e) => eprintln!("inferd: no plugin crash record in {} ({e})", state.display()),
+    }
+    quarantine
 }
 
 async fn serve(sh: Arc<Shared>, args: &ServeArgs, cfg: Config) -> anyhow::Result<()> {
@@ -483,7 +548,7 @@ async fn reload(sh: &Arc<Shared>, args: &ServeArgs) {
     notify::reloading();
     match args.config() {
         Ok(cfg) => {
-            let (reg, refused) = load_plugins(&cfg, args.mode);
+            let (reg, refused) = load_plugins(&cfg, args.mode, &sh.quarantine);
             if let Ok(mut r) = sh.registry.write() {
                 *r = Arc::new(reg);
             }

@@ -9,6 +9,7 @@ mod clients;
 mod dbus;
 mod hostile;
 mod http;
+mod isolation;
 mod models;
 mod soak;
 mod store;
@@ -61,6 +62,7 @@ impl Daemon {
         cmd.args(["--socket", socket.to_str().unwrap(), "--threads", "2"]);
         // The user's model store is this test's directory (empty unless the test fills it).
         cmd.env("XDG_DATA_HOME", dir)
+            .env("XDG_STATE_HOME", dir)
             .env_remove("NOTIFY_SOCKET")
             .env_remove("LISTEN_FDS")
             .env_remove("WATCHDOG_USEC")

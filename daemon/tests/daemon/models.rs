@@ -24,6 +24,7 @@ fn several_models_each_with_its_engine_and_a_bound_draft_model() {
         ])
         .env("DBUS_SESSION_BUS_ADDRESS", "unix:path=/nonexistent")
         .env("XDG_DATA_HOME", &dir)
+        .env("XDG_STATE_HOME", &dir)
         .spawn()
         .unwrap();
     let d = Daemon { child, socket };

@@ -131,6 +131,7 @@ fn an_idle_socket_activated_daemon_exits_and_loses_no_request() {
             .stderr(Stdio::piped())
             .env("DBUS_SESSION_BUS_ADDRESS", "unix:path=/nonexistent")
             .env("XDG_DATA_HOME", &dir)
+            .env("XDG_STATE_HOME", &dir)
             .env_remove("NOTIFY_SOCKET")
             .env_remove("WATCHDOG_USEC")
             .spawn()

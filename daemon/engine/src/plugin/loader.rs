@@ -46,6 +46,27 @@ pub struct Declaration {
     pub strategies: Vec<StrategyDecl>,
 }
 
+impl Declaration {
+    /// What it declares, without its entry points.
+    pub fn declared(&self) -> super::Declared {
+        super::Declared {
+            name: self.name.clone(),
+            version: self.version.clone(),
+            abi_minor: self.abi_minor,
+            strategies: self
+                .strategies
+                .iter()
+                .map(|s| super::StrategyInfo {
+                    name: s.name.clone(),
+                    description: s.description.clone(),
+                    params_doc: s.params_doc.clone(),
+                    flags: s.flags,
+                })
+                .collect(),
+        }
+    }
+}
+
 const KNOWN_FLAGS: u32 = abi::STRATEGY_NEEDS_DRAFT;
 const MAX_STRATEGIES: u32 = 64;
 

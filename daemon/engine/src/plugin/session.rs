@@ -7,23 +7,17 @@
 //! `max_tokens`. A failing call fails this request only and counts toward the strategy's
 //! quarantine; the caller then [`Session::close`]s it, which frees every sequence it still holds.
 
-#![allow(unsafe_code)]
-
-use super::host::{CallCtx, HostErr, HostSide};
+use super::host::{HostErr, HostSide};
+use super::runner::{CallError, Handle, MAX_ITEMS, MAX_LOGITS};
+use super::wire::{InitData, RawPlan};
 use super::{philox, LoadedStrategy, PluginError};
 use crate::constraint::mask::Masker;
 use crate::constraint::{Grammar, Vocabulary};
 use crate::decode::store::{SeqStore, StoreRun, StoreSeq};
 use inferd_plugin_api::abi;
 use std::collections::{BTreeMap, HashMap};
-use std::ffi::{c_void, CString};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-
-/// Plan items per round and logits rows per item, at most (a runaway plugin's plan is refused
-/// rather than allocated).
-const MAX_ITEMS: u32 = 4096;
-const MAX_LOGITS: u32 = 1024;
 
 /// Alternatives per token, at most (OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: u32 = 20;
@@ -267,34 +261,21 @@ impl HostSide for Side<'_> {
     }
 }
 
-/// A session-init struct and the memory it points to.
-struct Init {
-    _params: CString,
-    _eos: Vec<i32>,
-    raw: abi::SessionInit,
-}
-
-fn init_for(req: &SessionRequest<'_>, vocab: u32, roles: u32, seq: abi::Seq) -> Result<Init, String> {
-    let params = CString::new(req.params).map_err(|_| "parameters contain a NUL byte".to_string())?;
-    let eos: Vec<i32> = req.eos.iter().map(|&t| t as i32).collect();
-    let raw = abi::SessionInit {
-        header: abi::Header::new::<abi::SessionInit>(abi::TYPE_SESSION_INIT),
-        params_json: params.as_ptr(),
+fn init_for(req: &SessionRequest<'_>, vocab: u32, roles: u32, seq: abi::Seq) -> InitData {
+    InitData {
+        params: req.params.to_owned(),
         seq,
         prompt_len: req.prompt.len() as u32,
-        vocab_size: vocab,
+        vocab,
         max_tokens: req.max_tokens,
         n: req.n,
-        eos: eos.as_ptr(),
-        n_eos: eos.len() as u32,
+        eos: req.eos.iter().map(|&t| t as i32).collect(),
         roles,
         seed: req.seed,
         logprobs: u32::from(req.logprobs.is_some()),
-        reserved: 0,
         constrained: u32::from(req.grammar.is_some()),
         top_logprobs: req.logprobs.unwrap_or(0),
-    };
-    Ok(Init { _params: params, _eos: eos, raw })
+    }
 }
 
 /// A run of sequence work the session asked for, in store terms.
@@ -303,7 +284,7 @@ pub type Work = Vec<StoreRun>;
 /// A live session of one strategy for one request.
 pub struct Session {
     strategy: Arc<LoadedStrategy>,
-    ptr: *mut c_void,
+    handle: Option<Handle>,
     st: State,
     failed: bool,
 }
@@ -315,6 +296,13 @@ impl Session {
             self.strategy.failed();
         }
         PluginError::Failed { strategy: self.strategy.name().to_owned(), message }
+    }
+
+    fn call_failed(&mut self, e: CallError) -> PluginError {
+        match e {
+            CallError::Failed(m) => self.fail(m),
+            CallError::Fault(m) => self.fail(format!("its process failed: {m}")),
+        }
     }
 
     /// Admission check: the strategy accepts the parameters and the request (no sequences yet).
@@ -339,7 +327,7 @@ impl Session {
             }
             _ => {}
         }
-        let init = init_for(req, vocab, roles, 0).map_err(invalid)?;
+        let init = init_for(req, vocab, roles, 0);
         let mut st = State {
             strategy: strategy.name().to_owned(),
             stats: BTreeMap::new(),
@@ -354,14 +342,13 @@ impl Session {
         };
         let mut nothing = |_: u32, _: u32, _: f32, _: &[(u32, f32)]| {};
         let mut side = Side { st: &mut st, store: None, on_token: &mut nothing };
-        let mut ctx = CallCtx::new(&mut side);
-        // SAFETY: a validated entry point of a loaded plugin, with a live call context and an
-        // init struct whose pointers outlive the call.
-        let status = unsafe { (strategy.decl.fns.validate)(ctx.as_call(), &init.raw) };
-        if status == abi::OK {
-            Ok(())
-        } else {
-            Err(invalid(ctx.message(status)))
+        match strategy.runner.validate(&strategy.path, &mut side, &init) {
+            Ok(()) => Ok(()),
+            Err(CallError::Failed(m)) => Err(invalid(m)),
+            Err(CallError::Fault(m)) => Err(PluginError::Failed {
+                strategy: strategy.name().to_owned(),
+                message: format!("its process failed: {m}"),
+            }),
         }
     }
 
@@ -388,7 +375,7 @@ impl Session {
                 masker: None,
             },
             strategy,
-            ptr: std::ptr::null_mut(),
+            handle: None,
             failed: false,
         };
         let full: Vec<u32> = req.prompt.iter().chain(req.generated).copied().collect();
@@ -407,77 +394,53 @@ impl Session {
                 }
             }
         }
-        let init = match init_for(req, vocab, roles, h) {
-            Ok(i) => i,
-            Err(e) => {
-                store.free(seq);
-                return Err(s.fail(e));
-            }
-        };
-        let mut out: *mut c_void = std::ptr::null_mut();
-        let status = {
+        let init = init_for(req, vocab, roles, h);
+        let strategy = Arc::clone(&s.strategy);
+        let created = {
             let mut side = Side { st: &mut s.st, store: Some(&mut *store), on_token };
-            let mut ctx = CallCtx::new(&mut side);
-            // SAFETY: as in `validate`; `out` is a valid pointer for the plugin's session.
-            let status = unsafe { (s.strategy.decl.fns.create)(ctx.as_call(), &init.raw, &mut out) };
-            (status, if status == abi::OK { String::new() } else { ctx.message(status) })
+            strategy.runner.create(&strategy.path, &mut side, &init)
         };
-        s.ptr = out;
-        if status.0 != abi::OK || out.is_null() {
-            let msg = if status.0 == abi::OK { "create returned no session".to_string() } else { status.1 };
-            s.release(store);
-            return Err(s.fail(msg));
+        match created {
+            Ok(handle) => {
+                s.handle = Some(handle);
+                Ok(s)
+            }
+            Err(e) => {
+                s.release(store);
+                Err(s.call_failed(e))
+            }
         }
-        Ok(s)
     }
 
     /// The session's next work, or `None` when every choice is done.
     pub fn plan(&mut self, store: &mut dyn SeqStore, on_token: OnToken<'_>) -> Result<Option<Work>, PluginError> {
-        let mut plan = abi::Plan {
-            header: abi::Header::new::<abi::Plan>(abi::TYPE_PLAN),
-            items: std::ptr::null(),
-            n_items: 0,
-            item_size: 0,
-            done: 0,
-            reserved: 0,
-        };
-        let (status, msg) = {
+        let Some(handle) = &mut self.handle else { return Err(self.fail("the session is closed".into())) };
+        let planned = {
             let mut side = Side { st: &mut self.st, store: Some(&mut *store), on_token };
-            let mut ctx = CallCtx::new(&mut side);
-            // SAFETY: `ptr` is this strategy's live session (never used concurrently); `plan`
-            // is a valid struct for the plugin to fill.
-            let status = unsafe { (self.strategy.decl.fns.plan)(ctx.as_call(), self.ptr, &mut plan) };
-            (status, if status == abi::OK { String::new() } else { ctx.message(status) })
+            self.strategy.runner.plan(&self.strategy.path, &mut side, handle)
         };
-        if status != abi::OK {
-            return Err(self.fail(msg));
-        }
-        if plan.done != 0 {
+        let plan = match planned {
+            Ok(p) => p,
+            Err(e) => return Err(self.call_failed(e)),
+        };
+        if plan.done {
             return Ok(None);
         }
-        match self.read_plan(&plan) {
+        match self.check_plan(plan) {
             Ok(w) if w.is_empty() => Err(self.fail("plan asked for nothing but is not done".into())),
             Ok(w) => Ok(Some(w)),
             Err(e) => Err(self.fail(e)),
         }
     }
 
-    fn read_plan(&self, plan: &abi::Plan) -> Result<Work, String> {
-        if plan.n_items > MAX_ITEMS {
-            return Err(format!("plan has {} items (at most {MAX_ITEMS})", plan.n_items));
+    /// The plan in store terms, every item checked: the request's own live handles, each
+    /// once, tokens in the vocabulary, rows within bounds.
+    fn check_plan(&self, plan: RawPlan) -> Result<Work, String> {
+        if plan.items.len() > MAX_ITEMS as usize {
+            return Err(format!("plan has {} items (at most {MAX_ITEMS})", plan.items.len()));
         }
-        if plan.n_items > 0
-            && (plan.items.is_null() || (plan.item_size as usize) < std::mem::size_of::<abi::PlanItem>())
-        {
-            return Err("plan items missing or of the wrong size".into());
-        }
-        let mut work: Work = Vec::with_capacity(plan.n_items as usize);
-        for i in 0..plan.n_items as usize {
-            // SAFETY: the plugin declares `n_items` items of `item_size` bytes at `items`, valid
-            // until the next call into the session; we read the ABI 1.0 prefix of each.
-            let it = unsafe {
-                plan.items.cast::<u8>().add(i * plan.item_size as usize).cast::<abi::PlanItem>().read_unaligned()
-            };
+        let mut work: Work = Vec::with_capacity(plan.items.len());
+        for (i, it) in plan.items.into_iter().enumerate() {
             let seq =
                 *self.st.handles.get(&it.seq).ok_or_else(|| {
                     format!("plan item {i} names sequence handle {} which is not this request's", it.seq)
@@ -488,20 +451,10 @@ impl Session {
             if it.n_logits > MAX_LOGITS {
                 return Err(format!("plan item {i} asks for {} logits rows (at most {MAX_LOGITS})", it.n_logits));
             }
-            let tokens: Vec<u32> = if it.n_tokens == 0 {
-                Vec::new()
-            } else if it.tokens.is_null() {
-                return Err(format!("plan item {i} has {} tokens at a null pointer", it.n_tokens));
-            } else {
-                // SAFETY: as above, `n_tokens` tokens at `tokens`.
-                unsafe { std::slice::from_raw_parts(it.tokens, it.n_tokens as usize) }
-                    .iter()
-                    .map(|&t| t as u32)
-                    .collect()
-            };
-            if let Some(&bad) = tokens.iter().find(|&&t| t >= self.st.vocab) {
-                return Err(format!("plan item {i} appends token {} outside the vocabulary", bad as i32));
+            if let Some(&bad) = it.tokens.iter().find(|&&t| t < 0 || t as u32 >= self.st.vocab) {
+                return Err(format!("plan item {i} appends token {bad} outside the vocabulary"));
             }
+            let tokens = it.tokens.into_iter().map(|t| t as u32).collect();
             work.push(StoreRun { seq, tokens, n_logits: it.n_logits as usize });
         }
         Ok(work)
@@ -520,27 +473,14 @@ impl Session {
         if let Err(e) = self.mask(store, work, rows, vocab) {
             return Err(PluginError::Invalid { strategy: self.strategy.name().to_owned(), message: e });
         }
-        let ptrs: Vec<*const f32> = rows.iter().map(|r| r.as_ptr()).collect();
         let counts: Vec<u32> =
             work.iter().zip(rows.iter()).map(|(w, r)| (w.n_logits.min(r.len() / vocab.max(1))) as u32).collect();
-        let logits = abi::Logits {
-            header: abi::Header::new::<abi::Logits>(abi::TYPE_LOGITS),
-            n_items: rows.len() as u32,
-            vocab_size: vocab as u32,
-            rows: ptrs.as_ptr(),
-            n_logits: counts.as_ptr(),
-        };
-        let (status, msg) = {
+        let Some(handle) = &mut self.handle else { return Err(self.fail("the session is closed".into())) };
+        let observed = {
             let mut side = Side { st: &mut self.st, store: Some(&mut *store), on_token };
-            let mut ctx = CallCtx::new(&mut side);
-            // SAFETY: as in `plan`; `logits` and the rows it points to outlive the call.
-            let status = unsafe { (self.strategy.decl.fns.observe)(ctx.as_call(), self.ptr, &logits) };
-            (status, if status == abi::OK { String::new() } else { ctx.message(status) })
+            self.strategy.runner.observe(&self.strategy.path, &mut side, handle, rows, &counts, vocab)
         };
-        if status != abi::OK {
-            return Err(self.fail(msg));
-        }
-        Ok(())
+        observed.map_err(|e| self.call_failed(e))
     }
 
     /// Applies the response format's mask to every constrained row, and counts its cost in
@@ -567,10 +507,8 @@ impl Session {
 
     /// Destroys the plugin session and frees every sequence it still holds.
     fn release(&mut self, store: &mut dyn SeqStore) {
-        if !self.ptr.is_null() {
-            // SAFETY: the live session of this strategy, destroyed exactly once.
-            unsafe { (self.strategy.decl.fns.destroy)(self.ptr) };
-            self.ptr = std::ptr::null_mut();
+        if let Some(h) = self.handle.take() {
+            self.strategy.runner.destroy(&self.strategy.path, h);
         }
         for (_, s) in self.st.handles.drain() {
             store.free(s);
@@ -599,10 +537,10 @@ impl Session {
 
 impl Drop for Session {
     fn drop(&mut self) {
-        if !self.ptr.is_null() {
-            // SAFETY: as in `release` (a session dropped without `close` still frees the
-            // plugin's state; its sequences belong to a store we no longer see).
-            unsafe { (self.strategy.decl.fns.destroy)(self.ptr) };
+        // A session dropped without `close` still frees the plugin's state; its sequences
+        // belong to a store we no longer see.
+        if let Some(h) = self.handle.take() {
+            self.strategy.runner.destroy(&self.strategy.path, h);
         }
     }
 }

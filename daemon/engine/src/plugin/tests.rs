@@ -206,7 +206,7 @@ fn a_panicking_plugin_fails_its_request_only_and_is_quarantined_after_repeated_f
         assert_eq!(ok[0].tokens, vec![1, 2, 3]);
         assert_eq!(reg.get("test-panicky").is_err(), i + 1 == QUARANTINE_AFTER);
     }
-    assert!(matches!(reg.get("test-panicky"), Err(PluginError::Quarantined(_))));
+    assert!(matches!(reg.get("test-panicky"), Err(PluginError::Quarantined(..))));
 }
 
 #[test]
