@@ -68,6 +68,23 @@ pub struct Config {
     /// The models to load, one engine thread each; empty means the default model.
     #[serde(rename = "model")]
     pub models: Vec<ModelConfig>,
+    /// The `[[model]]` entries served by an upstream server (`upstream = "..."`), taken out of
+    /// `models` when the file is read.
+    #[serde(skip)]
+    pub remotes: Vec<RemoteConfig>,
+}
+
+/// A model served by an OpenAI-compatible server elsewhere.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RemoteConfig {
+    /// The name requests use.
+    pub name: String,
+    /// The server's OpenAI base URL ("https://host:port/v1").
+    pub upstream: String,
+    /// A file holding the upstream's API key (sent as a bearer token).
+    pub key_file: Option<PathBuf>,
+    /// The model's name at the upstream (default: `name`).
+    pub upstream_model: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Deserialize)]
@@ -217,8 +234,15 @@ impl Default for Limits {
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
-    /// A GGUF file or a Hugging Face directory.
+    /// A GGUF file or a Hugging Face directory (none for a remote model).
+    #[serde(default)]
     pub path: PathBuf,
+    /// An OpenAI-compatible server that serves this model instead ("http://host:port/v1").
+    pub upstream: Option<String>,
+    /// A file holding the upstream's API key, readable only by the daemon's user.
+    pub upstream_key_file: Option<PathBuf>,
+    /// The model's name at the upstream (default: `name`).
+    pub upstream_model: Option<String>,
     /// The name requests use (default: the model's own name).
     pub name: Option<String>,
     /// Memory for this model's KV cache, in MiB.
@@ -258,6 +282,9 @@ impl ModelConfig {
     pub fn for_path(path: PathBuf) -> ModelConfig {
         ModelConfig {
             path,
+            upstream: None,
+            upstream_key_file: None,
+            upstream_model: None,
             name: None,
             kv_cache_mib: default_kv_mib(),
             context_len: 0,
@@ -304,9 +331,37 @@ impl Config {
     /// Parses the text of `path` (named in errors) and checks the values.
     pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
         // toml's message names the unknown key and shows the line it is on.
-        let cfg: Config = toml::from_str(text)
+        let mut cfg: Config = toml::from_str(text)
             .map_err(|e| ConfigError::Parse { path: path.to_owned(), message: e.to_string().trim_end().to_owned() })?;
         let invalid = |message: String| ConfigError::Invalid { path: path.to_owned(), message };
+        let (remote, local): (Vec<ModelConfig>, Vec<ModelConfig>) =
+            std::mem::take(&mut cfg.models).into_iter().partition(|m| m.upstream.is_some());
+        cfg.models = local;
+        for m in remote {
+            let (Some(upstream), Some(name)) = (m.upstream.clone(), m.name.clone()) else {
+                return Err(invalid("a model with an upstream needs a name".into()));
+            };
+            if !m.path.as_os_str().is_empty() {
+                return Err(invalid(format!("model {name}: a path and an upstream; give one")));
+            }
+            if !(upstream.starts_with("http://") || upstream.starts_with("https://")) {
+                return Err(invalid(format!(
+                    "model {name}: upstream must be an http:// or https:// URL, not {upstream:?}"
+                )));
+            }
+            cfg.remotes.push(RemoteConfig {
+                upstream_model: m.upstream_model.clone().unwrap_or_else(|| name.clone()),
+                upstream: upstream.trim_end_matches('/').to_owned(),
+                key_file: m.upstream_key_file.clone(),
+                name,
+            });
+        }
+        if let Some(m) = cfg.models.iter().find(|m| m.path.as_os_str().is_empty()) {
+            return Err(invalid(format!(
+                "model {}: a path or an upstream is needed",
+                m.name.as_deref().unwrap_or("?")
+            )));
+        }
         cfg.socket_mode().map_err(invalid)?;
         if cfg.scheduler.token_budget == 0 || cfg.scheduler.max_running == 0 {
             return Err(invalid("scheduler.token_budget and scheduler.max_running must be at least 1".into()));
@@ -417,5 +472,34 @@ mod tests {
     fn group_ids_come_from_etc_group() {
         assert_eq!(group_id("root"), Some(0));
         assert_eq!(group_id("no-such-group-here"), None);
+    }
+
+    #[test]
+    fn a_model_with_an_upstream_is_remote_and_needs_a_name_and_no_path() {
+        let p = Path::new("inferd.toml");
+        let cfg = Config::parse(
+            "[[model]]\nname = \"big\"\nupstream = \"https://gpu:8000/v1/\"\n\n[[model]]\npath = \"/m.gguf\"\n",
+            p,
+        )
+        .unwrap();
+        assert_eq!(cfg.models.len(), 1);
+        assert_eq!(
+            cfg.remotes,
+            [RemoteConfig {
+                name: "big".into(),
+                upstream: "https://gpu:8000/v1".into(),
+                key_file: None,
+                upstream_model: "big".into()
+            }]
+        );
+        for (text, why) in [
+            ("[[model]]\nupstream = \"http://h/v1\"\n", "needs a name"),
+            ("[[model]]\nname = \"x\"\npath = \"/m\"\nupstream = \"http://h/v1\"\n", "a path and an upstream"),
+            ("[[model]]\nname = \"x\"\nupstream = \"ftp://h\"\n", "http:// or https://"),
+            ("[[model]]\nname = \"x\"\n", "a path or an upstream is needed"),
+        ] {
+            let e = Config::parse(text, p).unwrap_err().to_string();
+            assert!(e.contains(why), "{text}: {e}");
+        }
     }
 }

@@ -146,10 +146,13 @@ async fn models(State(sh): State<Arc<Shared>>, ConnectInfo(peer): ConnectInfo<Pe
             );
         }
     }
+    for r in sh.remotes.read().map(|r| r.clone()).unwrap_or_default() {
+        data.push(json!({ "id": r.name, "object": "model", "owned_by": "remote", "remote": true, "inferd": { "upstream": r.upstream } }));
+    }
     if !peer.local() {
-        // Over loopback TCP: no file paths (a web page may be asking).
+        // Over loopback TCP: no file paths or upstream addresses (a web page may be asking).
         for m in &mut data {
-            m["inferd"].as_object_mut().map(|o| o.remove("path"));
+            m["inferd"].as_object_mut().map(|o| (o.remove("path"), o.remove("upstream")));
         }
     }
     Json(json!({ "object": "list", "data": data }))
@@ -471,6 +474,9 @@ async fn completions(
     ConnectInfo(peer): ConnectInfo<Peer>,
     body: axum::body::Bytes,
 ) -> Response {
+    if let Some(r) = sh.remote_for(&body) {
+        return r.forward(&sh, "/completions", &body, peer).await;
+    }
     if let Err(e) = sh.warm(&body, false).await {
         return error(e);
     }
@@ -498,6 +504,9 @@ async fn chat_completions(
     ConnectInfo(peer): ConnectInfo<Peer>,
     body: axum::body::Bytes,
 ) -> Response {
+    if let Some(r) = sh.remote_for(&body) {
+        return r.forward(&sh, "/chat/completions", &body, peer).await;
+    }
     if let Err(e) = sh.warm(&body, false).await {
         return error(e);
     }
@@ -519,7 +528,14 @@ async fn chat_completions(
 }
 
 /// OpenAI's embeddings: the loaded model's mean-pooled, normalized final hidden states.
-async fn embeddings(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
+async fn embeddings(
+    State(sh): State<Arc<Shared>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    body: axum::body::Bytes,
+) -> Response {
+    if let Some(r) = sh.remote_for(&body) {
+        return r.forward(&sh, "/embeddings", &body, peer).await;
+    }
     if let Err(e) = sh.warm(&body, false).await {
         return error(e);
     }

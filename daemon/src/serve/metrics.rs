@@ -4,6 +4,7 @@
 use super::Shared;
 use inferd_engine::sched::monitor::{Histogram, BUCKETS};
 use std::fmt::Write;
+use std::sync::atomic::Ordering::Relaxed;
 
 /// Label values are quoted; backslash, quote and newline are escaped.
 fn label(v: &str) -> String {
@@ -123,6 +124,25 @@ pub fn prometheus(sh: &Shared) -> String {
     o.head("inferd_http_responses_total", "counter", "HTTP responses by route and status.");
     for ((route, status), v) in sh.http.snapshot() {
         o.sample("inferd_http_responses_total", &format!("route=\"{}\",status=\"{status}\"", label(&route)), v);
+    }
+    let remotes = sh.remotes.read().map(|r| r.clone()).unwrap_or_default();
+    o.head("inferd_upstream_requests_total", "counter", "Requests forwarded to a remote model's upstream.");
+    for r in &remotes {
+        o.sample("inferd_upstream_requests_total", &format!("model=\"{}\"", label(&r.name)), r.requests.load(Relaxed));
+    }
+    o.head(
+        "inferd_upstream_errors_total",
+        "counter",
+        "Forwarded requests that failed (refused, unreachable, upstream errors).",
+    );
+    for r in &remotes {
+        o.sample("inferd_upstream_errors_total", &format!("model=\"{}\"", label(&r.name)), r.errors.load(Relaxed));
+    }
+    o.head("inferd_upstream_response_seconds", "summary", "Time to the upstream's response headers.");
+    for r in &remotes {
+        let l = format!("model=\"{}\"", label(&r.name));
+        o.sample("inferd_upstream_response_seconds_sum", &l, r.latency_us.load(Relaxed) as f64 / 1e6);
+        o.sample("inferd_upstream_response_seconds_count", &l, r.answered.load(Relaxed));
     }
     o.head("inferd_uptime_seconds", "gauge", "Seconds since the daemon started.");
     let _ = writeln!(o.0, "inferd_uptime_seconds {}", sh.started.elapsed().as_secs_f64());

@@ -23,6 +23,7 @@ pub mod notify;
 pub mod ollama;
 pub mod request;
 pub mod store;
+pub mod upstream;
 
 use config::{Config, Limits, Mode};
 use inferd_engine::decode::store::EngineStore;
@@ -89,6 +90,8 @@ pub struct Shared {
     pub cpu_permits: tokio::sync::Semaphore,
     /// Plugin libraries that crashed or hung, kept across restarts.
     pub quarantine: Arc<Quarantine>,
+    /// The models an upstream server serves.
+    pub remotes: RwLock<Vec<Arc<upstream::Remote>>>,
 }
 
 impl Shared {
@@ -360,6 +363,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         refused: Mutex::new(refused),
         cpu_permits: tokio::sync::Semaphore::new(std::thread::available_parallelism().map_or(2, |n| n.get())),
         quarantine,
+        remotes: RwLock::new(remotes(&cfg)?),
     });
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let call_limit = Duration::from_millis(cfg.plugins.call_timeout_ms.max(1));
@@ -400,6 +404,11 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         );
     }
     result
+}
+
+/// The remote models of `cfg`.
+fn remotes(cfg: &Config) -> anyhow::Result<Vec<Arc<upstream::Remote>>> {
+    cfg.remotes.iter().map(|r| upstream::Remote::new(r).map(Arc::new).map_err(|e| anyhow::anyhow!(e))).collect()
 }
 
 /// How long the engines get to stop once the requests have drained or been cancelled.
@@ -557,6 +566,14 @@ async fn reload(sh: &Arc<Shared>, args: &ServeArgs) {
             }
             if let Ok(mut l) = sh.limits.write() {
                 *l = cfg.limits.clone();
+            }
+            match remotes(&cfg) {
+                Ok(r) => {
+                    if let Ok(mut old) = sh.remotes.write() {
+                        *old = r;
+                    }
+                }
+                Err(e) => eprintln!("inferd: keeping the remote models: {e:#}"),
             }
             let changes = sh.models.reconfigure(cfg.models.clone()).unwrap_or_else(|e| {
                 eprintln!("inferd: keeping the running models: {e:#}");

@@ -361,24 +361,28 @@ impl Drop for Submitted {
 
 /// Takes a place under `uid`'s limit (429 past it) and hands the request to its engine thread;
 /// it is cancelled when `hangup` trips.
-pub fn submit(sh: &Arc<Shared>, p: Prepared, uid: u32, hangup: Option<Arc<Hangup>>) -> Result<Submitted, ApiError> {
+/// A place under user `uid`'s limit for one request, unless the daemon is draining or the
+/// user has `limits.max_requests_per_user` in flight.
+pub fn user_place(sh: &Arc<Shared>, uid: u32) -> Result<Slot, ApiError> {
     if sh.draining.load(Ordering::Relaxed) {
         return Err(ApiError::new(503, "the daemon is shutting down", None));
     }
     let max = sh.limits().max_requests_per_user;
-    {
-        let mut a = sh.users.active.lock().map_err(|_| ApiError::new(500, "internal error: poisoned lock", None))?;
-        let c = a.entry(uid).or_default();
-        if *c >= max {
-            return Err(ApiError::new(
-                429,
-                format!("user {uid} already has {max} requests in flight (limits.max_requests_per_user)"),
-                None,
-            ));
-        }
-        *c += 1;
+    let mut a = sh.users.active.lock().map_err(|_| ApiError::new(500, "internal error: poisoned lock", None))?;
+    let c = a.entry(uid).or_default();
+    if *c >= max {
+        return Err(ApiError::new(
+            429,
+            format!("user {uid} already has {max} requests in flight (limits.max_requests_per_user)"),
+            None,
+        ));
     }
-    let slot = Slot { owner: Arc::clone(sh), uid };
+    *c += 1;
+    Ok(Slot { owner: Arc::clone(sh), uid })
+}
+
+pub fn submit(sh: &Arc<Shared>, p: Prepared, uid: u32, hangup: Option<Arc<Hangup>>) -> Result<Submitted, ApiError> {
+    let slot = user_place(sh, uid)?;
     let prompt_tokens = p.prompt.len();
     let id = sh.next_id.fetch_add(1, Ordering::Relaxed);
     let (tx, events) = tokio::sync::mpsc::unbounded_channel::<Event>();

@@ -11,6 +11,7 @@ mod hostile;
 mod http;
 mod isolation;
 mod models;
+mod remote;
 mod soak;
 mod store;
 mod systemd;
