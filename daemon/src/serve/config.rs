@@ -85,6 +85,8 @@ pub struct RemoteConfig {
     pub key_file: Option<PathBuf>,
     /// The model's name at the upstream (default: `name`).
     pub upstream_model: String,
+    /// A local model that answers instead while the upstream is unreachable or failing.
+    pub fallback: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Deserialize)]
@@ -243,6 +245,8 @@ pub struct ModelConfig {
     pub upstream_key_file: Option<PathBuf>,
     /// The model's name at the upstream (default: `name`).
     pub upstream_model: Option<String>,
+    /// For a remote model: a local model that answers while the upstream is down.
+    pub fallback: Option<String>,
     /// The name requests use (default: the model's own name).
     pub name: Option<String>,
     /// Memory for this model's KV cache, in MiB.
@@ -285,6 +289,7 @@ impl ModelConfig {
             upstream: None,
             upstream_key_file: None,
             upstream_model: None,
+            fallback: None,
             name: None,
             kv_cache_mib: default_kv_mib(),
             context_len: 0,
@@ -353,6 +358,7 @@ impl Config {
                 upstream_model: m.upstream_model.clone().unwrap_or_else(|| name.clone()),
                 upstream: upstream.trim_end_matches('/').to_owned(),
                 key_file: m.upstream_key_file.clone(),
+                fallback: m.fallback.clone(),
                 name,
             });
         }
@@ -489,7 +495,8 @@ mod tests {
                 name: "big".into(),
                 upstream: "https://gpu:8000/v1".into(),
                 key_file: None,
-                upstream_model: "big".into()
+                upstream_model: "big".into(),
+                fallback: None,
             }]
         );
         for (text, why) in [

@@ -474,9 +474,10 @@ async fn completions(
     ConnectInfo(peer): ConnectInfo<Peer>,
     body: axum::body::Bytes,
 ) -> Response {
-    if let Some(r) = sh.remote_for(&body) {
-        return r.forward(&sh, "/completions", &body, peer).await;
-    }
+    let body = match remote(&sh, "/completions", body, &peer).await {
+        Ok(b) => b,
+        Err(answer) => return answer,
+    };
     if let Err(e) = sh.warm(&body, false).await {
         return error(e);
     }
@@ -504,9 +505,10 @@ async fn chat_completions(
     ConnectInfo(peer): ConnectInfo<Peer>,
     body: axum::body::Bytes,
 ) -> Response {
-    if let Some(r) = sh.remote_for(&body) {
-        return r.forward(&sh, "/chat/completions", &body, peer).await;
-    }
+    let body = match remote(&sh, "/chat/completions", body, &peer).await {
+        Ok(b) => b,
+        Err(answer) => return answer,
+    };
     if let Err(e) = sh.warm(&body, false).await {
         return error(e);
     }
@@ -527,15 +529,31 @@ async fn chat_completions(
     }
 }
 
+/// A request for a remote model goes to its upstream: `Err` with the answer; `Ok` with the
+/// body to serve here (a local model's request, or a fallback's while the upstream is down).
+async fn remote(
+    sh: &Arc<Shared>,
+    route: &str,
+    body: axum::body::Bytes,
+    peer: &Peer,
+) -> Result<axum::body::Bytes, Response> {
+    let Some(r) = sh.remote_for(&body) else { return Ok(body) };
+    match r.forward(sh, route, &body, peer.clone()).await {
+        super::upstream::Forwarded::Answer(a) => Err(a),
+        super::upstream::Forwarded::Fallback(b) => Ok(b),
+    }
+}
+
 /// OpenAI's embeddings: the loaded model's mean-pooled, normalized final hidden states.
 async fn embeddings(
     State(sh): State<Arc<Shared>>,
     ConnectInfo(peer): ConnectInfo<Peer>,
     body: axum::body::Bytes,
 ) -> Response {
-    if let Some(r) = sh.remote_for(&body) {
-        return r.forward(&sh, "/embeddings", &body, peer).await;
-    }
+    let body = match remote(&sh, "/embeddings", body, &peer).await {
+        Ok(b) => b,
+        Err(answer) => return answer,
+    };
     if let Err(e) = sh.warm(&body, false).await {
         return error(e);
     }

@@ -138,6 +138,14 @@ pub fn prometheus(sh: &Shared) -> String {
     for r in &remotes {
         o.sample("inferd_upstream_errors_total", &format!("model=\"{}\"", label(&r.name)), r.errors.load(Relaxed));
     }
+    o.head("inferd_upstream_fallbacks_total", "counter", "Requests a remote model's fallback answered.");
+    for r in &remotes {
+        o.sample(
+            "inferd_upstream_fallbacks_total",
+            &format!("model=\"{}\"", label(&r.name)),
+            r.fallbacks.load(Relaxed),
+        );
+    }
     o.head("inferd_upstream_response_seconds", "summary", "Time to the upstream's response headers.");
     for r in &remotes {
         let l = format!("model=\"{}\"", label(&r.name));

@@ -8,6 +8,8 @@
 //! whose client closed. Failure is explicit: an upstream that cannot be reached, or answers
 //! with a server error, gives the client a 502 with the upstream's message (a 504 when it does
 //! not answer in time); a connection that fails before anything was sent is tried once more.
+//! A remote model with a `fallback` has that local model answer instead when the upstream is
+//! unreachable, too slow to answer or failing, as long as nothing was sent to the client.
 
 use super::config::RemoteConfig;
 use super::conn::Peer;
@@ -25,11 +27,20 @@ const CONNECT: Duration = Duration::from_secs(10);
 /// How long it may take to start answering (a long prompt's prefill included).
 const FIRST_BYTE: Duration = Duration::from_secs(300);
 
+/// What became of a forwarded request.
+pub enum Forwarded {
+    /// The answer for the client (the upstream's, or an error).
+    Answer(Response),
+    /// The upstream is down: the body, renamed for the fallback model, to answer locally.
+    Fallback(Bytes),
+}
+
 /// A remote model and its counters.
 pub struct Remote {
     pub name: String,
     pub upstream: String,
     upstream_model: String,
+    fallback: Option<String>,
     key: Option<String>,
     client: reqwest::Client,
     pub requests: AtomicU64,
@@ -38,6 +49,8 @@ pub struct Remote {
     /// microseconds.
     pub latency_us: AtomicU64,
     pub answered: AtomicU64,
+    /// Requests the fallback model answered.
+    pub fallbacks: AtomicU64,
 }
 
 impl std::fmt::Debug for Remote {
@@ -66,28 +79,43 @@ impl Remote {
             name: c.name.clone(),
             upstream: c.upstream.clone(),
             upstream_model: c.upstream_model.clone(),
+            fallback: c.fallback.clone(),
             key,
             client,
             requests: AtomicU64::new(0),
             errors: AtomicU64::new(0),
             latency_us: AtomicU64::new(0),
             answered: AtomicU64::new(0),
+            fallbacks: AtomicU64::new(0),
         })
     }
 
-    fn failed(&self, e: ApiError) -> Response {
+    fn failed(&self, e: ApiError) -> Forwarded {
         self.errors.fetch_add(1, Ordering::Relaxed);
-        super::http::error(e)
+        Forwarded::Answer(super::http::error(e))
+    }
+
+    /// The upstream failed before anything went to the client: the fallback answers, when
+    /// there is one.
+    fn down(&self, e: ApiError, m: &serde_json::Map<String, serde_json::Value>) -> Forwarded {
+        let Some(f) = &self.fallback else { return self.failed(e) };
+        self.errors.fetch_add(1, Ordering::Relaxed);
+        self.fallbacks.fetch_add(1, Ordering::Relaxed);
+        eprintln!("inferd: {}: {}; {f} answers instead", self.name, e.message);
+        let mut m = m.clone();
+        m.insert("model".into(), f.clone().into());
+        Forwarded::Fallback(Bytes::from(serde_json::Value::Object(m).to_string()))
     }
 
     /// Forwards an OpenAI request `body` to the upstream's `route` ("/chat/completions") and
     /// relays the answer.
-    pub async fn forward(self: Arc<Self>, sh: &Arc<Shared>, route: &str, body: &[u8], peer: Peer) -> Response {
+    pub async fn forward(self: Arc<Self>, sh: &Arc<Shared>, route: &str, body: &[u8], peer: Peer) -> Forwarded {
         self.requests.fetch_add(1, Ordering::Relaxed);
         let mut m = match serde_json::from_slice::<serde_json::Value>(body) {
             Ok(serde_json::Value::Object(m)) => m,
             _ => return self.failed(ApiError::bad("the body must be a JSON object", "body")),
         };
+        let original = m.clone();
         m.insert("model".into(), self.upstream_model.clone().into());
         let body = serde_json::Value::Object(m).to_string();
         let place = match request::user_place(sh, peer.uid()) {
@@ -117,11 +145,8 @@ impl Remote {
                 // Nothing was sent yet: a connection that failed is tried once more.
                 Ok(Err(e)) if e.is_connect() && tries < 2 => continue,
                 Ok(Err(e)) => {
-                    return self.failed(ApiError::new(
-                        502,
-                        format!("upstream {} for {}: {e}", self.upstream, self.name),
-                        None,
-                    ))
+                    let why = format!("upstream {} for {}: {e}", self.upstream, self.name);
+                    return self.down(ApiError::new(502, why, None), &original);
                 }
                 Err(_) => {
                     let why = format!(
@@ -130,7 +155,7 @@ impl Remote {
                         self.name,
                         FIRST_BYTE.as_secs()
                     );
-                    return self.failed(ApiError::new(504, why, None));
+                    return self.down(ApiError::new(504, why, None), &original);
                 }
             }
         };
@@ -141,7 +166,7 @@ impl Remote {
             let text = resp.text().await.unwrap_or_default();
             let why =
                 format!("upstream {} for {} answered {status}: {}", self.upstream, self.name, upstream_message(&text));
-            return self.failed(ApiError::new(502, why, None));
+            return self.down(ApiError::new(502, why, None), &original);
         }
         let kind = resp
             .headers()
@@ -157,7 +182,7 @@ impl Remote {
             };
             drop(place);
             return match body {
-                Ok(b) => (code, [(header::CONTENT_TYPE, kind)], b).into_response(),
+                Ok(b) => Forwarded::Answer((code, [(header::CONTENT_TYPE, kind)], b).into_response()),
                 Err(e) => {
                     self.failed(ApiError::new(502, format!("upstream {} for {}: {e}", self.upstream, self.name), None))
                 }
@@ -190,8 +215,8 @@ impl Remote {
                 }
             }
         });
-        (code, [(header::CONTENT_TYPE, kind)], Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx)))
-            .into_response()
+        let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
+        Forwarded::Answer((code, [(header::CONTENT_TYPE, kind)], body).into_response())
     }
 }
 

@@ -28,6 +28,7 @@ fn a_remote_model_answers_as_its_upstream_does_and_cancels_there() {
         &format!(
             "[[model]]\nname = \"far\"\nupstream = \"http://127.0.0.1:{port}/v1/\"\nupstream_model = \"{up_name}\"\n\n\
              [[model]]\nname = \"gone\"\nupstream = \"http://127.0.0.1:{dead}/v1\"\n\n\
+             [[model]]\nname = \"spare\"\nupstream = \"http://127.0.0.1:{dead}/v1\"\nfallback = \"{up_name}\"\n\n\
              [[model]]\npath = \"{}\"\n\n[limits]\nmax_requests_per_user = 2\n",
             model()
         ),
@@ -91,12 +92,17 @@ fn a_remote_model_answers_as_its_upstream_does_and_cancels_there() {
     assert_eq!(code, 502, "{body}");
     assert!(body.contains(&format!("127.0.0.1:{dead}")), "{body}");
     assert!(t0.elapsed() < Duration::from_secs(5));
+    // With a fallback, the local model answers while the upstream is down.
+    let (code, body) = front.http("POST", "/v1/completions", &completion("spare"));
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(text(&body), text(&front.http("POST", "/v1/completions", &completion(&up_name)).1));
     // Per remote model in /metrics: requests, errors, time to the upstream's answer.
     let metrics = front.http("GET", "/metrics", "").1;
     for line in ["inferd_upstream_requests_total{model=\"gone\"} 1", "inferd_upstream_errors_total{model=\"gone\"} 1"] {
         assert!(metrics.contains(line), "{line} in {metrics}");
     }
     assert!(metrics.contains("inferd_upstream_response_seconds_count{model=\"far\"} 5"), "{metrics}");
+    assert!(metrics.contains("inferd_upstream_fallbacks_total{model=\"spare\"} 1"), "{metrics}");
     // The local model is served beside them.
     assert_eq!(front.http("POST", "/v1/completions", &completion(&up_name)).0, 200);
 }
