@@ -31,5 +31,6 @@ pub mod paths;
 pub mod plugin;
 pub mod request;
 pub mod sched;
+pub mod time;
 pub mod tokenizer;
 pub mod tools;

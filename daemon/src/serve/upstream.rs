@@ -97,8 +97,8 @@ impl Remote {
 
     /// The upstream failed before anything went to the client: the fallback answers, when
     /// there is one.
-    fn down(&self, e: ApiError, m: &serde_json::Map<String, serde_json::Value>) -> Forwarded {
-        let Some(f) = &self.fallback else { return self.failed(e) };
+    fn down(&self, e: ApiError, m: &Option<serde_json::Map<String, serde_json::Value>>) -> Forwarded {
+        let (Some(f), Some(m)) = (&self.fallback, m) else { return self.failed(e) };
         self.errors.fetch_add(1, Ordering::Relaxed);
         self.fallbacks.fetch_add(1, Ordering::Relaxed);
         eprintln!("inferd: {}: {}; {f} answers instead", self.name, e.message);
@@ -115,7 +115,8 @@ impl Remote {
             Ok(serde_json::Value::Object(m)) => m,
             _ => return self.failed(ApiError::bad("the body must be a JSON object", "body")),
         };
-        let original = m.clone();
+        // The client's own body, for the fallback, should the upstream be down.
+        let original = self.fallback.is_some().then(|| m.clone());
         m.insert("model".into(), self.upstream_model.clone().into());
         let body = serde_json::Value::Object(m).to_string();
         let place = match request::user_place(sh, peer.uid()) {

@@ -15,7 +15,7 @@
 use super::host::{CallCtx, HostErr, HostSide};
 use super::loader::{self, Declaration, StrategyFns};
 use super::philox;
-use super::runner::{raw_init, read_raw_plan};
+use super::runner::{empty_plan, raw_init, read_raw_plan};
 use super::sandbox;
 use super::wire::{self, Answer, Callback, FromHelper, RawPlan, ToHelper};
 use inferd_plugin_api::abi;
@@ -204,14 +204,7 @@ pub fn main(path: &Path, memory_mib: u64, parent: u32) -> i32 {
 /// with the answer: plan is pure (ABI rule: it changes nothing, and the same plan comes back
 /// until observe), so the daemon's next plan call needs no round trip.
 fn plan(sock: &mut UnixStream, l: &Live) -> Result<RawPlan, (i32, String)> {
-    let mut plan = abi::Plan {
-        header: abi::Header::new::<abi::Plan>(abi::TYPE_PLAN),
-        items: std::ptr::null(),
-        n_items: 0,
-        item_size: 0,
-        done: 0,
-        reserved: 0,
-    };
+    let mut plan = empty_plan();
     let (fns, ptr) = (l.fns, l.ptr);
     // SAFETY: the session's live pointer; `plan` is valid for the plugin to fill.
     let (status, message) = run(sock, l.seed, |c| unsafe { (fns.plan)(c, ptr, &mut plan) });

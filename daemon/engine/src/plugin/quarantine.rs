@@ -67,7 +67,7 @@ impl Quarantine {
         let e = entries.iter().find(|e| e.path == path && (e.size, e.mtime) == id)?;
         Some(format!(
             "quarantined since {} UTC: {}; install another version of the file, or delete its line from {}, to load it again",
-            utc(e.since),
+            crate::time::utc(e.since as i64),
             e.reason,
             self.file.display()
         ))
@@ -94,21 +94,6 @@ impl Quarantine {
     }
 }
 
-/// `YYYY-MM-DD HH:MM:SS` for seconds since the epoch (civil from days, proleptic Gregorian).
-fn utc(secs: u64) -> String {
-    let (days, rem) = ((secs / 86400) as i64, secs % 86400);
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -131,12 +116,5 @@ mod tests {
         std::fs::write(&lib, b"version two").unwrap();
         assert_eq!(Quarantine::open(&list).check(&lib), None);
         std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn dates_are_civil() {
-        assert_eq!(utc(0), "1970-01-01 00:00:00");
-        assert_eq!(utc(951_782_400), "2000-02-29 00:00:00");
-        assert_eq!(utc(1_796_083_199), "2026-11-30 23:59:59");
     }
 }

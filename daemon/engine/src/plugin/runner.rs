@@ -57,7 +57,7 @@ pub enum CallError {
 }
 
 impl CallError {
-    pub fn message(&self) -> &str {
+    pub fn into_message(self) -> String {
         match self {
             CallError::Failed(m) | CallError::Fault(m) => m,
         }
@@ -92,6 +92,18 @@ pub fn raw_init(d: &InitData) -> Result<RawInit<'_>, String> {
         top_logprobs: d.top_logprobs,
     };
     Ok(RawInit { _params: params, raw, _eos: std::marker::PhantomData })
+}
+
+/// A plan struct for the plugin to fill.
+pub fn empty_plan() -> abi::Plan {
+    abi::Plan {
+        header: abi::Header::new::<abi::Plan>(abi::TYPE_PLAN),
+        items: std::ptr::null(),
+        n_items: 0,
+        item_size: 0,
+        done: 0,
+        reserved: 0,
+    }
 }
 
 /// Copies a plan out of the plugin's memory, its sizes bounded.
@@ -201,14 +213,7 @@ impl Runner {
     pub fn plan(&self, path: &Path, side: &mut dyn HostSide, h: &mut Handle) -> Result<RawPlan, CallError> {
         match (self, h) {
             (Runner::InProcess(fns), Handle::Ptr(p)) => {
-                let mut plan = abi::Plan {
-                    header: abi::Header::new::<abi::Plan>(abi::TYPE_PLAN),
-                    items: std::ptr::null(),
-                    n_items: 0,
-                    item_size: 0,
-                    done: 0,
-                    reserved: 0,
-                };
+                let mut plan = empty_plan();
                 let p = *p;
                 // SAFETY: `p` is this strategy's live session (never used concurrently); `plan`
                 // is a valid struct for the plugin to fill.

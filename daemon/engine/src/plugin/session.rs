@@ -299,10 +299,7 @@ impl Session {
     }
 
     fn call_failed(&mut self, e: CallError) -> PluginError {
-        match e {
-            CallError::Failed(m) => self.fail(m),
-            CallError::Fault(m) => self.fail(format!("its process failed: {m}")),
-        }
+        self.fail(e.into_message())
     }
 
     /// Admission check: the strategy accepts the parameters and the request (no sequences yet).
@@ -345,10 +342,7 @@ impl Session {
         match strategy.runner.validate(&strategy.path, &mut side, &init) {
             Ok(()) => Ok(()),
             Err(CallError::Failed(m)) => Err(invalid(m)),
-            Err(CallError::Fault(m)) => Err(PluginError::Failed {
-                strategy: strategy.name().to_owned(),
-                message: format!("its process failed: {m}"),
-            }),
+            Err(CallError::Fault(m)) => Err(PluginError::Failed { strategy: strategy.name().to_owned(), message: m }),
         }
     }
 

@@ -158,11 +158,23 @@ fn bad(what: impl Into<String>) -> WireError {
     WireError(what.into())
 }
 
-/// Writes fields into a frame.
-#[derive(Default)]
+/// Writes fields into a frame, after room for its length.
 struct Out(Vec<u8>);
 
+impl Default for Out {
+    fn default() -> Self {
+        Out(vec![0; 4])
+    }
+}
+
 impl Out {
+    /// The frame: its length, then the fields.
+    fn frame(mut self) -> Vec<u8> {
+        let n = (self.0.len() - 4) as u32;
+        self.0[..4].copy_from_slice(&n.to_le_bytes());
+        self.0
+    }
+
     fn u8(&mut self, v: u8) -> &mut Self {
         self.0.push(v);
         self
@@ -290,6 +302,7 @@ fn get_init(r: &mut In<'_>) -> Result<InitData, WireError> {
 }
 
 impl ToHelper {
+    /// The message's frame.
     fn encode(&self) -> Vec<u8> {
         let mut o = Out::default();
         match self {
@@ -319,7 +332,7 @@ impl ToHelper {
                 };
             }
         }
-        o.0
+        o.frame()
     }
 
     fn decode(b: &[u8]) -> Result<ToHelper, WireError> {
@@ -346,6 +359,7 @@ impl ToHelper {
 }
 
 impl FromHelper {
+    /// The message's frame.
     fn encode(&self) -> Vec<u8> {
         let mut o = Out::default();
         match self {
@@ -393,7 +407,7 @@ impl FromHelper {
                 };
             }
         }
-        o.0
+        o.frame()
     }
 
     fn decode(b: &[u8]) -> Result<FromHelper, WireError> {
@@ -488,13 +502,6 @@ impl Read for Spinning<'_> {
     }
 }
 
-fn write_frame(w: &mut impl Write, body: &[u8]) -> std::io::Result<()> {
-    let mut frame = Vec::with_capacity(4 + body.len());
-    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    frame.extend_from_slice(body);
-    w.write_all(&frame)
-}
-
 /// Why a frame could not be read.
 #[derive(Debug)]
 pub enum ReadError {
@@ -515,7 +522,7 @@ fn read_frame(r: &mut impl Read) -> Result<Vec<u8>, ReadError> {
 }
 
 pub fn send_to_helper(w: &mut impl Write, m: &ToHelper) -> std::io::Result<()> {
-    write_frame(w, &m.encode())
+    w.write_all(&m.encode())
 }
 
 pub fn recv_from_daemon(r: &mut impl Read) -> Result<ToHelper, ReadError> {
@@ -523,7 +530,7 @@ pub fn recv_from_daemon(r: &mut impl Read) -> Result<ToHelper, ReadError> {
 }
 
 pub fn send_to_daemon(w: &mut impl Write, m: &FromHelper) -> std::io::Result<()> {
-    write_frame(w, &m.encode())
+    w.write_all(&m.encode())
 }
 
 pub fn recv_from_helper(r: &mut impl Read) -> Result<FromHelper, ReadError> {
