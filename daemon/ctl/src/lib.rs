@@ -39,7 +39,8 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
-    /// The models the daemon serves (its model store's and the configured ones), loaded or not.
+    /// The models the daemon serves (its model store's and the configured ones), loaded or not, and the
+    /// remote ones its upstreams serve (state "remote").
     Models,
     /// Load model NAME now, with a progress bar (a request would load it on first use).
     Load {
@@ -208,7 +209,11 @@ fn run(client: &Client, cmd: Cmd) -> Result<(), Error> {
             writeln!(out, "NAME\tSTATE\tSIZE\tTYPE\tARCH\tCONTEXT\tROLES")?;
             for m in v["data"].as_array().into_iter().flatten() {
                 let roles: Vec<&str> = m["roles"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
-                let state = if m["loaded"] == false { "not-loaded" } else { "loaded" };
+                let state = match (m["remote"] == true, m["loaded"] == false) {
+                    (true, _) => "remote",
+                    (false, true) => "not-loaded",
+                    (false, false) => "loaded",
+                };
                 let f = &m["inferd"];
                 let size = f["size"].as_u64().map_or_else(|| "-".into(), |b| format!("{:.1}MiB", b as f64 / 1048576.0));
                 let text = |k: &str| f[k].as_str().unwrap_or("-").to_string();

@@ -33,7 +33,8 @@ pub struct Hangup {
 }
 
 impl Hangup {
-    fn trip(&self) {
+    /// Marks the client gone, waking whoever waits for that.
+    pub fn trip(&self) {
         if !self.gone.swap(true, Ordering::SeqCst) {
             self.notify.notify_waiters();
         }

@@ -5,25 +5,27 @@
 //! other user reads the text); `Complete` answers with the whole text. The caller's uid (bus
 //! credentials) counts against the same per-user limit as a socket peer's, and a caller that
 //! leaves the bus has its requests cancelled. Options (`a{sv}`) carry the HTTP fields; they
-//! convert straight into the typed request and go through the same checks (`fields.rs`,
-//! [`request`](super::request)). A chat's `tools` and its messages' tool calls take the HTTP
-//! edge's path too (a JSON body built from them, `chat.rs`); calls come back as `ToolCall`
-//! signals, log-probabilities as `Logprobs` signals before the text they belong to.
+//! convert straight into the typed request and go through the same checks (`dbus_options.rs`,
+//! `fields.rs`, [`request`](super::request)). A chat's `tools` and its messages' tool calls
+//! take the HTTP edge's path too (a JSON body built from them, `chat.rs`); calls come back as
+//! `ToolCall` signals, log-probabilities as `Logprobs` signals before the text they belong to.
+//! A remote model's calls go to its upstream and come back as the same signals
+//! ([`remote::dbus`](super::remote::dbus)).
 //!
 //! The introspection data is checked in (`daemon/dbus/org.inferd.Inference1.xml`); a test
 //! compares it with what the daemon serves.
 
 use super::chat::{self, Tools};
 use super::config::Mode;
-use super::fields::{self, Field};
+use super::conn::Hangup;
+use super::dbus_options::{chat_body, options_request};
+use super::remote::dbus::{self as remote, Routed};
 use super::request::{self, ApiError, Output, Piece, Scored};
 use super::{ModelHandle, Shared};
-use inferd_engine::plugin::session::MAX_TOP_LOGPROBS;
 use inferd_engine::request::Request;
 use inferd_engine::sched::{Command, RequestId};
 use inferd_engine::tools::parse::{Delta, ToolStream};
 use inferd_engine::tools::ToolFormat;
-use serde_json::{Map, Value as Json};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use zbus::fdo;
@@ -37,14 +39,41 @@ pub const NAME: &str = "org.inferd.Inference1";
 pub const PATH: &str = "/org/inferd/Inference1";
 
 /// Requests in flight per caller (unique bus name), to cancel when the caller leaves.
-type Owners = Arc<Mutex<HashMap<String, Vec<(Arc<ModelHandle>, RequestId)>>>>;
+pub(crate) type Owners = Arc<Mutex<HashMap<String, Vec<Stop>>>>;
 
-pub struct Inference {
-    sh: Arc<Shared>,
-    owners: Owners,
+/// How a request in flight is stopped: a local one by its engine, a remote one by ending its
+/// forwarding (which closes the upstream's connection).
+#[derive(Clone)]
+pub(crate) enum Stop {
+    Engine(Arc<ModelHandle>, RequestId),
+    Upstream(RequestId, Arc<Hangup>),
 }
 
-fn failed(e: ApiError) -> fdo::Error {
+impl Stop {
+    fn id(&self) -> RequestId {
+        match self {
+            Stop::Engine(_, id) | Stop::Upstream(id, _) => *id,
+        }
+    }
+
+    fn stop(&self) {
+        match self {
+            Stop::Engine(model, id) => {
+                if let Ok(tx) = model.engine.lock() {
+                    let _ = tx.send(Command::Cancel(*id));
+                }
+            }
+            Stop::Upstream(_, hangup) => hangup.trip(),
+        }
+    }
+}
+
+pub struct Inference {
+    pub(crate) sh: Arc<Shared>,
+    pub(crate) owners: Owners,
+}
+
+pub(crate) fn failed(e: ApiError) -> fdo::Error {
     match e.status {
         400 | 404 | 413 => fdo::Error::InvalidArgs(e.message),
         429 => fdo::Error::LimitsExceeded(e.message),
@@ -52,119 +81,8 @@ fn failed(e: ApiError) -> fdo::Error {
     }
 }
 
-/// An `a{sv}` option as a request [`Field`]: the D-Bus types map straight onto the fields'
-/// (integers, doubles, strings, string arrays); `decoder_params`, `logit_bias` and
-/// `response_format` travel as JSON text, as the interface documents.
-fn option_field(key: &str, v: &Value<'_>) -> Result<Field, ApiError> {
-    Ok(match v {
-        Value::Value(inner) => return option_field(key, inner),
-        Value::Bool(b) => Field::Bool(*b),
-        Value::U8(x) => Field::Int((*x).into()),
-        Value::I16(x) => Field::Int((*x).into()),
-        Value::U16(x) => Field::Int((*x).into()),
-        Value::I32(x) => Field::Int((*x).into()),
-        Value::U32(x) => Field::Int((*x).into()),
-        Value::I64(x) => Field::Int((*x).into()),
-        Value::U64(x) => Field::Int((*x).into()),
-        Value::F64(x) => Field::Number(*x),
-        Value::Str(s) if key == "decoder_params" || key == "response_format" => Field::Object(s.to_string()),
-        Value::Str(s) if key == "logit_bias" => {
-            let bias: HashMap<String, f64> = serde_json::from_str(s)
-                .map_err(|e| ApiError::bad(format!("logit_bias is not a JSON object of numbers: {e}"), "logit_bias"))?;
-            let mut list = bias
-                .into_iter()
-                .map(|(t, b)| t.parse::<u32>().map(|t| (t, b)))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|_| ApiError::bad("logit_bias maps token ids to numbers", "logit_bias"))?;
-            list.sort_by_key(|e| e.0);
-            Field::Bias(list)
-        }
-        Value::Str(s) => Field::Str(s.to_string()),
-        Value::Array(a) => {
-            match a.iter().map(|x| if let Value::Str(s) = x { Some(s.to_string()) } else { None }).collect() {
-                Some(strs) => Field::Strs(strs),
-                None => Field::Other("an array"),
-            }
-        }
-        _ => Field::Other("another type"),
-    })
-}
-
-/// Options that are no request field: log-probabilities, and a chat's tools.
-const CALL_OPTIONS: [&str; 5] = ["logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"];
-
-/// The `a{sv}` options of a call as a typed request, checked like the HTTP fields.
-fn options_request(options: &HashMap<String, OwnedValue>) -> Result<Request, ApiError> {
-    let fields = options
-        .iter()
-        .filter(|(k, _)| !CALL_OPTIONS.contains(&k.as_str()))
-        .map(|(k, v)| option_field(k, v).map(|f| (k.clone(), f)))
-        .collect::<Result<Vec<_>, _>>()?;
-    let mut req = fields::build(fields)?;
-    if req.n.is_some_and(|n| n != 1) {
-        return Err(ApiError::bad("over D-Bus a request has one choice (n = 1)", "n"));
-    }
-    let get = |k: &str| options.get(k).map(|v| option_field(k, v)).transpose();
-    let top = match get("top_logprobs")? {
-        None => None,
-        Some(Field::Int(k)) if (0..=i128::from(MAX_TOP_LOGPROBS)).contains(&k) => Some(k as u32),
-        Some(_) => {
-            let why = format!("top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}");
-            return Err(ApiError::bad(why, "top_logprobs"));
-        }
-    };
-    req.logprobs = match (get("logprobs")?, top) {
-        (Some(Field::Bool(true)), k) => Some(k.unwrap_or(0)),
-        (None | Some(Field::Bool(false)), Some(k)) if k > 0 => {
-            return Err(ApiError::bad("top_logprobs needs logprobs: true", "top_logprobs"))
-        }
-        (None | Some(Field::Bool(false)), _) => None,
-        (Some(_), _) => return Err(ApiError::bad("logprobs must be a boolean", "logprobs")),
-    };
-    Ok(req)
-}
-
-/// A chat call as the JSON body the HTTP edge reads: each message's `role`, `content`,
-/// `tool_calls` (JSON text), `tool_call_id` and `name`; the options `tools` (JSON text),
-/// `tool_choice` ("auto", "none", "required" or JSON text naming a function) and
-/// `parallel_tool_calls`.
-fn chat_body(
-    messages: &[HashMap<String, String>],
-    options: &HashMap<String, OwnedValue>,
-) -> Result<Map<String, Json>, ApiError> {
-    let mut list = Vec::with_capacity(messages.len());
-    for (i, m) in messages.iter().enumerate() {
-        let mut msg = Map::new();
-        for (k, v) in m {
-            let value = match k.as_str() {
-                "role" | "content" | "tool_call_id" | "name" => Json::String(v.clone()),
-                "tool_calls" => serde_json::from_str(v)
-                    .map_err(|e| ApiError::bad(format!("messages[{i}].tool_calls is not JSON: {e}"), "messages"))?,
-                _ => return Err(ApiError::bad(format!("messages[{i}] has an unknown key {k:?}"), "messages")),
-            };
-            msg.insert(k.clone(), value);
-        }
-        list.push(Json::Object(msg));
-    }
-    let mut body = Map::new();
-    body.insert("messages".into(), Json::Array(list));
-    for key in ["tools", "tool_choice", "parallel_tool_calls"] {
-        let Some(v) = options.get(key) else { continue };
-        let json = match option_field(key, v)? {
-            Field::Bool(b) if key == "parallel_tool_calls" => Json::Bool(b),
-            Field::Str(s) if key == "tool_choice" && !s.trim_start().starts_with('{') => Json::String(s),
-            Field::Str(s) if key != "parallel_tool_calls" => {
-                serde_json::from_str(&s).map_err(|e| ApiError::bad(format!("{key} is not JSON: {e}"), "tools"))?
-            }
-            _ => return Err(ApiError::bad(format!("{key} has the wrong type"), "tools")),
-        };
-        body.insert(key.into(), json);
-    }
-    Ok(body)
-}
-
 /// The uid of a bus connection, from the bus.
-async fn caller_uid(conn: &Connection, sender: &UniqueName<'_>) -> fdo::Result<u32> {
+pub(crate) async fn caller_uid(conn: &Connection, sender: &UniqueName<'_>) -> fdo::Result<u32> {
     let proxy = fdo::DBusProxy::new(conn).await?;
     proxy.get_connection_unix_user(BusName::Unique(sender.clone())).await
 }
@@ -213,7 +131,7 @@ impl Inference {
         }
         let sub = request::submit(&self.sh, p, uid, None).map_err(failed)?;
         if let Ok(mut o) = self.owners.lock() {
-            o.entry(sender.to_string()).or_default().push((Arc::clone(&sub.model), sub.id));
+            o.entry(sender.to_string()).or_default().push(Stop::Engine(Arc::clone(&sub.model), sub.id));
         }
         Ok(Started { sub, out, sender: sender.to_string(), format, logprobs })
     }
@@ -281,13 +199,26 @@ impl Inference {
     /// Exports a request object and streams its signals to `sender` from a task.
     async fn stream(&self, conn: &Connection, started: Started) -> fdo::Result<OwnedObjectPath> {
         let (sub, sender) = (&started.sub, started.sender.clone());
-        let path = OwnedObjectPath::try_from(format!("{PATH}/request/{}", sub.id))
+        let stop = Stop::Engine(Arc::clone(&sub.model), sub.id);
+        self.export(conn, stop, sender, move |conn, p| async move { forward(&conn, &p, started).await }).await
+    }
+
+    /// Exports request object `stop` of `sender` and runs `signals` (which sends its signals)
+    /// in a task, removing the object once it is done.
+    pub(crate) async fn export<F: std::future::Future<Output = ()> + Send + 'static>(
+        &self,
+        conn: &Connection,
+        stop: Stop,
+        sender: String,
+        signals: impl FnOnce(Connection, OwnedObjectPath) -> F + Send + 'static,
+    ) -> fdo::Result<OwnedObjectPath> {
+        let path = OwnedObjectPath::try_from(format!("{PATH}/request/{}", stop.id()))
             .map_err(|e| fdo::Error::Failed(e.to_string()))?;
-        let obj = RequestObject { model: Arc::clone(&sub.model), id: sub.id, owner: sender.clone() };
+        let obj = RequestObject { stop, owner: sender.clone() };
         conn.object_server().at(&path, obj).await?;
         let (conn, p, owners) = (conn.clone(), path.clone(), Arc::clone(&self.owners));
         tokio::spawn(async move {
-            forward(&conn, &p, started).await;
+            signals(conn.clone(), p.clone()).await;
             let _ = conn.object_server().remove::<RequestObject, _>(&p).await;
             forget(&owners, &sender, &p);
         });
@@ -307,9 +238,16 @@ fn plain_prompt(
 /// Drops a finished request from its owner's list.
 fn forget(owners: &Owners, sender: &str, path: &ObjectPath<'_>) {
     let id: Option<RequestId> = path.as_str().rsplit('/').next().and_then(|s| s.parse().ok());
-    if let (Ok(mut o), Some(id)) = (owners.lock(), id) {
+    if let Some(id) = id {
+        forget_id(owners, sender, id);
+    }
+}
+
+/// Drops request `id` from its owner's list.
+pub(crate) fn forget_id(owners: &Owners, sender: &str, id: RequestId) {
+    if let Ok(mut o) = owners.lock() {
         if let Some(list) = o.get_mut(sender) {
-            list.retain(|(_, r)| *r != id);
+            list.retain(|s| s.id() != id);
             if list.is_empty() {
                 o.remove(sender);
             }
@@ -318,7 +256,7 @@ fn forget(owners: &Owners, sender: &str, path: &ObjectPath<'_>) {
 }
 
 /// Token counts as the `Finished` signal's `usage`.
-fn usage(prompt: usize, completion: usize) -> HashMap<&'static str, Value<'static>> {
+pub(crate) fn usage(prompt: usize, completion: usize) -> HashMap<&'static str, Value<'static>> {
     HashMap::from([
         ("prompt_tokens", Value::from(prompt as u32)),
         ("completion_tokens", Value::from(completion as u32)),
@@ -437,8 +375,12 @@ impl Inference {
         prompt: &str,
         options: HashMap<String, OwnedValue>,
     ) -> fdo::Result<OwnedObjectPath> {
-        self.load(conn, &hdr, model).await?;
-        let started = self.start(conn, &hdr, options, plain_prompt(model, prompt)).await?;
+        let model = match self.route(conn, &hdr, model, || remote::completion(prompt, &options)).await? {
+            Routed::Remote(fw) => return self.stream_remote(conn, fw).await,
+            Routed::Local(m) => m,
+        };
+        self.load(conn, &hdr, &model).await?;
+        let started = self.start(conn, &hdr, options, plain_prompt(&model, prompt)).await?;
         self.stream(conn, started).await
     }
 
@@ -453,8 +395,11 @@ impl Inference {
         messages: Vec<HashMap<String, String>>,
         options: HashMap<String, OwnedValue>,
     ) -> fdo::Result<OwnedObjectPath> {
-        self.load(conn, &hdr, model).await?;
-        let model = model.to_owned();
+        let model = match self.route(conn, &hdr, model, || remote::chat(&messages, &options)).await? {
+            Routed::Remote(fw) => return self.stream_remote(conn, fw).await,
+            Routed::Local(m) => m,
+        };
+        self.load(conn, &hdr, &model).await?;
         let ids = move |sh: &Shared, o: &HashMap<String, OwnedValue>, req: &mut Request| {
             Inference::chat_ids(sh, &model, &messages, o, req)
         };
@@ -472,9 +417,13 @@ impl Inference {
         prompt: &str,
         options: HashMap<String, OwnedValue>,
     ) -> fdo::Result<String> {
-        self.load(conn, &hdr, model).await?;
+        let model = match self.route(conn, &hdr, model, || remote::completion(prompt, &options)).await? {
+            Routed::Remote(fw) => return self.complete_remote(fw).await,
+            Routed::Local(m) => m,
+        };
+        self.load(conn, &hdr, &model).await?;
         let Started { mut sub, mut out, sender, .. } =
-            self.start(conn, &hdr, options, plain_prompt(model, prompt)).await?;
+            self.start(conn, &hdr, options, plain_prompt(&model, prompt)).await?;
         let mut text = String::new();
         let result = 'events: loop {
             let Some(ev) = sub.recv().await else { break Err(fdo::Error::Failed("the engine stopped".into())) };
@@ -490,14 +439,7 @@ impl Inference {
                 break Ok(());
             }
         };
-        if let Ok(mut o) = self.owners.lock() {
-            if let Some(list) = o.get_mut(&sender) {
-                list.retain(|(_, r)| *r != sub.id);
-                if list.is_empty() {
-                    o.remove(&sender);
-                }
-            }
-        }
+        forget_id(&self.owners, &sender, sub.id);
         result.map(|()| text)
     }
 
@@ -509,6 +451,9 @@ impl Inference {
         model: &str,
         text: &str,
     ) -> fdo::Result<Vec<u32>> {
+        if self.sh.remote_named(model).is_some() {
+            return Err(fdo::Error::InvalidArgs(format!("{model} is a remote model: its tokenizer is its upstream's")));
+        }
         self.load(conn, &hdr, model).await?;
         let h = self.sh.model(Some(model)).map_err(failed)?;
         h.model.tokenizer.encode(text, false).map_err(|e| fdo::Error::InvalidArgs(e.to_string()))
@@ -523,6 +468,16 @@ impl Inference {
         model: &str,
         inputs: Vec<String>,
     ) -> fdo::Result<Vec<Vec<f64>>> {
+        let mut model = model.to_owned();
+        if let Some(r) = self.sh.remote_named(&model) {
+            let sender = hdr.sender().ok_or_else(|| fdo::Error::Failed("a call without a sender".into()))?;
+            let uid = caller_uid(conn, sender).await?;
+            match remote::embed(&self.sh, &r, uid, inputs.clone()).await? {
+                Ok(v) => return Ok(v),
+                Err(fallback) => model = fallback,
+            }
+        }
+        let model = model.as_str();
         self.load(conn, &hdr, model).await?;
         let h = self.sh.model(Some(model)).map_err(failed)?;
         let inputs = inputs.into_iter().map(super::embed::Input::Text).collect();
@@ -539,6 +494,9 @@ impl Inference {
         model: &str,
         keep_alive: &str,
     ) -> fdo::Result<()> {
+        if self.sh.remote_named(model).is_some() {
+            return Ok(()); // nothing to load here: its upstream serves it
+        }
         let keep = match keep_alive {
             "" => None,
             k => Some(super::models::parse_keep_alive(k).map_err(fdo::Error::InvalidArgs)?),
@@ -551,6 +509,9 @@ impl Inference {
     /// Unloads `model` as soon as no request holds it; answers whether it was loaded.
     #[zbus(out_args("was_loaded"))]
     async fn unload_model(&self, model: &str) -> fdo::Result<bool> {
+        if self.sh.remote_named(model).is_some() {
+            return Ok(false);
+        }
         self.sh.models.unload(model).map_err(failed)
     }
 
@@ -561,7 +522,9 @@ impl Inference {
     #[zbus(property)]
     async fn models(&self) -> Vec<String> {
         self.sh.models.rescan();
-        self.sh.models.slots().iter().map(|m| m.name.clone()).collect()
+        let mut names: Vec<String> = self.sh.models.slots().iter().map(|m| m.name.clone()).collect();
+        names.extend(self.sh.remote_models().iter().map(|r| r.name.clone()));
+        names
     }
 
     #[zbus(property)]
@@ -571,7 +534,8 @@ impl Inference {
 
     /// Every model the daemon serves, loaded or not, as its file says: `name`, `loaded`,
     /// `source` ("config" or "store"), `path`, `size` (bytes), `file_type`, `architecture`,
-    /// `context_length` (trained), `parameters`.
+    /// `context_length` (trained), `parameters`; a remote model has `name`, `loaded` (false),
+    /// `source` ("remote"), `upstream` and `upstream_model`.
     #[zbus(property)]
     async fn model_details(&self) -> Vec<HashMap<String, OwnedValue>> {
         self.sh.models.rescan();
@@ -596,7 +560,26 @@ impl Inference {
             }
             d
         };
-        self.sh.models.slots().iter().map(|s| detail(s)).collect()
+        let mut list: Vec<_> = self.sh.models.slots().iter().map(|s| detail(s)).collect();
+        for r in self.sh.remote_models() {
+            let mut d: HashMap<String, OwnedValue> = HashMap::new();
+            let fields = [
+                ("name", r.name.as_str()),
+                ("source", "remote"),
+                ("upstream", r.upstream.as_str()),
+                ("upstream_model", r.upstream_model.as_str()),
+            ];
+            for (k, v) in fields {
+                if let Ok(o) = OwnedValue::try_from(Value::from(v)) {
+                    d.insert(k.to_owned(), o);
+                }
+            }
+            if let Ok(o) = OwnedValue::try_from(Value::from(false)) {
+                d.insert("loaded".to_owned(), o);
+            }
+            list.push(d);
+        }
+        list
     }
 
     #[zbus(property)]
@@ -632,8 +615,7 @@ impl Inference {
 
 /// One request in flight, as a D-Bus object.
 pub struct RequestObject {
-    model: Arc<ModelHandle>,
-    id: RequestId,
+    stop: Stop,
     owner: String,
 }
 
@@ -644,15 +626,13 @@ impl RequestObject {
         if hdr.sender().map(|s| s.as_str()) != Some(self.owner.as_str()) {
             return Err(fdo::Error::AccessDenied("only the caller that started a request may cancel it".into()));
         }
-        if let Ok(tx) = self.model.engine.lock() {
-            let _ = tx.send(Command::Cancel(self.id));
-        }
+        self.stop.stop();
         Ok(())
     }
 
     /// A piece of text and the token that completed it.
     #[zbus(signal)]
-    async fn token(emitter: &SignalEmitter<'_>, text: &str, token_id: u32) -> zbus::Result<()>;
+    pub(crate) async fn token(emitter: &SignalEmitter<'_>, text: &str, token_id: u32) -> zbus::Result<()>;
 
     /// The log-probabilities of the tokens whose text the next `Token` signal carries (only
     /// for a request with the `logprobs` option): per token its id, text and log-probability,
@@ -663,15 +643,24 @@ impl RequestObject {
     /// A tool call of a chat answer (a chat with `tools`): its id, the function's name and the
     /// arguments as JSON text.
     #[zbus(signal)]
-    async fn tool_call(emitter: &SignalEmitter<'_>, id: &str, name: &str, arguments: &str) -> zbus::Result<()>;
+    pub(crate) async fn tool_call(
+        emitter: &SignalEmitter<'_>,
+        id: &str,
+        name: &str,
+        arguments: &str,
+    ) -> zbus::Result<()>;
 
     /// The request ended: `reason` is "stop", "length" or "tool_calls"; `usage` has the token
     /// counts.
     #[zbus(signal)]
-    async fn finished(emitter: &SignalEmitter<'_>, reason: &str, usage: HashMap<&str, Value<'_>>) -> zbus::Result<()>;
+    pub(crate) async fn finished(
+        emitter: &SignalEmitter<'_>,
+        reason: &str,
+        usage: HashMap<&str, Value<'_>>,
+    ) -> zbus::Result<()>;
 
     #[zbus(signal)]
-    async fn failed(emitter: &SignalEmitter<'_>, message: &str) -> zbus::Result<()>;
+    pub(crate) async fn failed(emitter: &SignalEmitter<'_>, message: &str) -> zbus::Result<()>;
 }
 
 /// Connects to the mode's bus, serves the interface and owns the name; a task cancels the
@@ -695,10 +684,8 @@ pub async fn serve(sh: Arc<Shared>, mode: Mode) -> zbus::Result<Connection> {
             }
             let name = args.name().to_string();
             let left = owners.lock().ok().and_then(|mut o| o.remove(&name));
-            for (model, id) in left.into_iter().flatten() {
-                if let Ok(tx) = model.engine.lock() {
-                    let _ = tx.send(Command::Cancel(id));
-                }
+            for stop in left.into_iter().flatten() {
+                stop.stop();
             }
         }
     });

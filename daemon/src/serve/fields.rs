@@ -45,6 +45,22 @@ pub enum Field {
     Other(&'static str),
 }
 
+impl Field {
+    /// The value as JSON, for a request forwarded to a remote model.
+    pub fn to_json(&self) -> Value {
+        match self {
+            Field::Int(x) => i64::try_from(*x).map_or_else(|_| Value::from(*x as f64), Value::from),
+            Field::Number(x) => Value::from(*x),
+            Field::Bool(b) => Value::Bool(*b),
+            Field::Str(s) => Value::String(s.clone()),
+            Field::Strs(v) => Value::from(v.clone()),
+            Field::Object(text) => serde_json::from_str(text).unwrap_or_else(|_| Value::String(text.clone())),
+            Field::Bias(list) => Value::Object(list.iter().map(|(t, b)| (t.to_string(), Value::from(*b))).collect()),
+            Field::Other(_) => Value::Null,
+        }
+    }
+}
+
 fn want(key: &str, what: &str) -> ApiError {
     ApiError::bad(format!("{key} must be {what}"), param(key))
 }

@@ -539,8 +539,8 @@ async fn remote(
 ) -> Result<axum::body::Bytes, Response> {
     let Some(r) = sh.remote_for(&body) else { return Ok(body) };
     match r.forward(sh, route, &body, peer.clone()).await {
-        super::upstream::Forwarded::Answer(a) => Err(a),
-        super::upstream::Forwarded::Fallback(b) => Ok(b),
+        super::remote::openai::Forwarded::Answer(a) => Err(a),
+        super::remote::openai::Forwarded::Fallback(b) => Ok(b),
     }
 }
 

@@ -11,6 +11,7 @@ pub mod chat;
 pub mod config;
 pub mod conn;
 pub mod dbus;
+pub mod dbus_options;
 pub mod embed;
 pub mod fields;
 pub mod gate;
@@ -21,9 +22,9 @@ pub mod metrics;
 pub mod models;
 pub mod notify;
 pub mod ollama;
+pub mod remote;
 pub mod request;
 pub mod store;
-pub mod upstream;
 
 use config::{Config, Limits, Mode};
 use inferd_engine::decode::store::EngineStore;
@@ -91,7 +92,7 @@ pub struct Shared {
     /// Plugin libraries that crashed or hung, kept across restarts.
     pub quarantine: Arc<Quarantine>,
     /// The models an upstream server serves.
-    pub remotes: RwLock<Vec<Arc<upstream::Remote>>>,
+    pub remotes: RwLock<Vec<Arc<remote::Remote>>>,
 }
 
 impl Shared {
@@ -407,8 +408,8 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
 }
 
 /// The remote models of `cfg`.
-fn remotes(cfg: &Config) -> anyhow::Result<Vec<Arc<upstream::Remote>>> {
-    cfg.remotes.iter().map(|r| upstream::Remote::new(r).map(Arc::new).map_err(|e| anyhow::anyhow!(e))).collect()
+fn remotes(cfg: &Config) -> anyhow::Result<Vec<Arc<remote::Remote>>> {
+    cfg.remotes.iter().map(|r| remote::Remote::new(r).map(Arc::new).map_err(|e| anyhow::anyhow!(e))).collect()
 }
 
 /// How long the engines get to stop once the requests have drained or been cancelled.
@@ -483,10 +484,9 @@ async fn serve(sh: Arc<Shared>, args: &ServeArgs, cfg: Config) -> anyhow::Result
         None
     };
     let where_ = path.as_ref().map_or_else(|| "the socket systemd passed".to_string(), |p| p.display().to_string());
-    eprintln!(
-        "inferd: serving {} on {where_}",
-        sh.models.slots().iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", ")
-    );
+    let mut names: Vec<String> = sh.models.slots().iter().map(|m| m.name.clone()).collect();
+    names.extend(sh.remote_models().iter().map(|r| format!("{} (remote, {})", r.name, r.upstream)));
+    eprintln!("inferd: serving {} on {where_}", names.join(", "));
     notify::ready(&sh.summary());
     let watchdog = notify::watchdog(Arc::clone(&sh));
 

@@ -6,12 +6,14 @@
 //! `num_thread`, `num_gpu`, ...) are accepted and ignored, as is a sampling option at its
 //! neutral value; `keep_alive` sets how long the model stays loaded once idle; anything else
 //! inferd does not implement is a 400 naming it.
-//! Model names may carry Ollama's `:latest` tag.
+//! Model names may carry Ollama's `:latest` tag. A remote model's requests go to its upstream
+//! ([`remote::ollama`]).
 
 use super::chat::Tools;
 use super::fields::{self, Field};
 use super::http::Peer;
 use super::models::Slot;
+use super::remote::{self, ollama::Route};
 use super::request::{self, ApiError, Output, Piece};
 use super::{ModelHandle, Shared};
 use axum::extract::{ConnectInfo, State};
@@ -42,7 +44,7 @@ pub fn routes() -> Router<Arc<Shared>> {
 }
 
 /// Ollama's error shape: `{"error": message}` with the status.
-fn error(e: ApiError) -> Response {
+pub fn error(e: ApiError) -> Response {
     let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     (status, Json(json!({ "error": e.message }))).into_response()
 }
@@ -115,9 +117,9 @@ async fn version() -> Json<Value> {
     Json(json!({ "version": OLLAMA_API_VERSION }))
 }
 
-async fn tags(State(sh): State<Arc<Shared>>) -> Json<Value> {
+async fn tags(State(sh): State<Arc<Shared>>, ConnectInfo(peer): ConnectInfo<Peer>) -> Json<Value> {
     sh.models.rescan();
-    let models: Vec<Value> = sh
+    let mut models: Vec<Value> = sh
         .models
         .slots()
         .iter()
@@ -129,6 +131,7 @@ async fn tags(State(sh): State<Arc<Shared>>) -> Json<Value> {
             json!({ "name": name, "model": name, "modified_at": rfc3339(modified), "size": size, "digest": digest(path), "details": details(slot) })
         })
         .collect();
+    models.extend(remote::ollama::tags(&sh, peer.local()));
     Json(json!({ "models": models }))
 }
 
@@ -154,7 +157,14 @@ async fn ps(State(sh): State<Arc<Shared>>) -> Json<Value> {
     Json(json!({ "models": models }))
 }
 
-async fn show(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
+async fn show(
+    State(sh): State<Arc<Shared>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    body: axum::body::Bytes,
+) -> Response {
+    if let Some(r) = sh.remote_for(&body) {
+        return Json(remote::ollama::show(&r, peer.local())).into_response();
+    }
     if let Err(e) = sh.warm(&body, true).await {
         return error(e);
     }
@@ -184,12 +194,31 @@ async fn show(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Respons
     run().map_or_else(error, |v| Json(v).into_response())
 }
 
+/// The body a route answers here, its model loaded: `Err` with the answer when the body names
+/// a remote model (which its upstream gave, unless it is down and a fallback answers here) or
+/// the model cannot load.
+async fn local(
+    sh: &Arc<Shared>,
+    route: Route,
+    body: axum::body::Bytes,
+    peer: &Peer,
+) -> Result<axum::body::Bytes, Response> {
+    let body = remote::ollama::serve(sh, route, body, peer).await?;
+    sh.warm(&body, true).await.map_err(error)?;
+    Ok(body)
+}
+
 /// Ollama's `/api/embed`: `input` (a string or strings), `truncate` (default true: a text
 /// longer than the context keeps its start), `dimensions` (the model's own only).
-async fn embed(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
-    if let Err(e) = sh.warm(&body, true).await {
-        return error(e);
-    }
+async fn embed(
+    State(sh): State<Arc<Shared>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    body: axum::body::Bytes,
+) -> Response {
+    let body = match local(&sh, Route::Embed, body, &peer).await {
+        Ok(b) => b,
+        Err(answer) => return answer,
+    };
     let t0 = Instant::now();
     let run = async {
         let m = super::http::object(&body)?;
@@ -227,7 +256,7 @@ fn format_field(m: &Map<String, Value>) -> Result<Option<(String, Field)>, ApiEr
 }
 
 /// Ollama's `options` (and the top-level fields that set the same things) as request fields.
-fn options(m: &Map<String, Value>) -> Result<Vec<(String, Field)>, ApiError> {
+pub fn options(m: &Map<String, Value>) -> Result<Vec<(String, Field)>, ApiError> {
     let mut out: Vec<(String, Field)> = format_field(m)?.into_iter().collect();
     let Some(o) = m.get("options").filter(|v| !v.is_null()) else { return Ok(out) };
     let o = o.as_object().ok_or_else(|| bad("options must be an object"))?;
@@ -351,9 +380,10 @@ async fn generate(
     ConnectInfo(peer): ConnectInfo<Peer>,
     body: axum::body::Bytes,
 ) -> Response {
-    if let Err(e) = sh.warm(&body, true).await {
-        return error(e);
-    }
+    let body = match local(&sh, Route::Generate, body, &peer).await {
+        Ok(b) => b,
+        Err(answer) => return answer,
+    };
     let ask = |sh: &Arc<Shared>, body: &[u8]| -> Result<Ask, ApiError> {
         let m = super::http::object(body)?;
         check_keys(&m, &["prompt", "system", "context", "raw"])?;
@@ -394,9 +424,10 @@ async fn chat(
     ConnectInfo(peer): ConnectInfo<Peer>,
     body: axum::body::Bytes,
 ) -> Response {
-    if let Err(e) = sh.warm(&body, true).await {
-        return error(e);
-    }
+    let body = match local(&sh, Route::Chat, body, &peer).await {
+        Ok(b) => b,
+        Err(answer) => return answer,
+    };
     let ask = |sh: &Arc<Shared>, body: &[u8]| -> Result<Ask, ApiError> {
         let m = super::http::object(body)?;
         check_keys(&m, &["messages", "tools"])?;
@@ -552,6 +583,12 @@ async fn answer(sh: Arc<Shared>, a: Ask, peer: Peer, chat: bool) -> Response {
         }
         let _ = tx.send(last);
     });
+    lines(rx, stream, StatusCode::INTERNAL_SERVER_ERROR).await
+}
+
+/// An answer's lines as the response: NDJSON while streaming; otherwise its one object, or
+/// its error with status `failed`.
+pub async fn lines(mut rx: tokio::sync::mpsc::UnboundedReceiver<Value>, stream: bool, failed: StatusCode) -> Response {
     if stream {
         let lines = tokio_stream::StreamExt::map(tokio_stream::wrappers::UnboundedReceiverStream::new(rx), |v| {
             Ok::<_, std::convert::Infallible>(format!("{v}\n"))
@@ -559,9 +596,8 @@ async fn answer(sh: Arc<Shared>, a: Ask, peer: Peer, chat: bool) -> Response {
         return ([(axum::http::header::CONTENT_TYPE, "application/x-ndjson")], axum::body::Body::from_stream(lines))
             .into_response();
     }
-    let mut rx = rx;
     match rx.recv().await {
-        Some(v) if v.get("error").is_some() => (StatusCode::INTERNAL_SERVER_ERROR, Json(v)).into_response(),
+        Some(v) if v.get("error").is_some() => (failed, Json(v)).into_response(),
         Some(v) => Json(v).into_response(),
         None => error(ApiError::new(503, "the engine stopped", None)),
     }

@@ -359,8 +359,6 @@ impl Drop for Submitted {
     }
 }
 
-/// Takes a place under `uid`'s limit (429 past it) and hands the request to its engine thread;
-/// it is cancelled when `hangup` trips.
 /// A place under user `uid`'s limit for one request, unless the daemon is draining or the
 /// user has `limits.max_requests_per_user` in flight.
 pub fn user_place(sh: &Arc<Shared>, uid: u32) -> Result<Slot, ApiError> {
@@ -381,6 +379,8 @@ pub fn user_place(sh: &Arc<Shared>, uid: u32) -> Result<Slot, ApiError> {
     Ok(Slot { owner: Arc::clone(sh), uid })
 }
 
+/// Takes a place under `uid`'s limit (429 past it) and hands the request to its engine thread;
+/// it is cancelled when `hangup` trips.
 pub fn submit(sh: &Arc<Shared>, p: Prepared, uid: u32, hangup: Option<Arc<Hangup>>) -> Result<Submitted, ApiError> {
     let slot = user_place(sh, uid)?;
     let prompt_tokens = p.prompt.len();

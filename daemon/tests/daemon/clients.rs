@@ -336,7 +336,7 @@ fn the_official_ollama_python_client_works_unchanged() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-fn inferctl(socket: &Path, args: &[&str], stdin: &str) -> (bool, String, String) {
+pub(crate) fn inferctl(socket: &Path, args: &[&str], stdin: &str) -> (bool, String, String) {
     // inferctl is another package of the workspace: its binary lies beside inferd's (tests/run
     // builds the whole workspace first).
     let mut child = Command::new(Path::new(env!("CARGO_BIN_EXE_inferd")).with_file_name("inferctl"))

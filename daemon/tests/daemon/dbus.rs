@@ -334,24 +334,24 @@ fn dbus_generate_complete_properties_unicast_and_introspection() {
 }
 
 /// A `Logprobs` signal's entry: a token's id, text and log-probability, and its alternatives.
-type Entry = (u32, String, f64, Vec<(u32, String, f64)>);
+pub(crate) type Entry = (u32, String, f64, Vec<(u32, String, f64)>);
 
 /// What the caller heard of one request: its object, text and token ids, `Logprobs` entries,
 /// `ToolCall`s, the reason and the completion tokens `Finished` reported.
 #[derive(Default)]
-struct Heard {
-    path: String,
-    text: String,
-    ids: Vec<u32>,
-    logprobs: Vec<Entry>,
-    calls: Vec<(String, String, String)>,
-    reason: String,
-    completion_tokens: u32,
+pub(crate) struct Heard {
+    pub(crate) path: String,
+    pub(crate) text: String,
+    pub(crate) ids: Vec<u32>,
+    pub(crate) logprobs: Vec<Entry>,
+    pub(crate) calls: Vec<(String, String, String)>,
+    pub(crate) reason: String,
+    pub(crate) completion_tokens: u32,
 }
 
 /// Calls `method` (Generate or Chat) with `body` and collects the request's signals until
 /// `Finished`.
-async fn signals<B>(caller: &zbus::Connection, method: &str, body: &B) -> Heard
+pub(crate) async fn signals<B>(caller: &zbus::Connection, method: &str, body: &B) -> Heard
 where
     B: serde::Serialize + zbus::zvariant::DynamicType,
 {
