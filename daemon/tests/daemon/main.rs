@@ -129,8 +129,18 @@ fn http(socket: &Path, method: &str, path: &str, body: &str) -> (u16, String) {
 
 /// A streaming request left open: the connection, after the response headers.
 fn open_stream(socket: &Path, body: &str) -> UnixStream {
+    open_stream_at(socket, "/v1/completions", body)
+}
+
+/// [`open_stream`] on another route.
+fn open_stream_at(socket: &Path, route: &str, body: &str) -> UnixStream {
     let mut s = UnixStream::connect(socket).unwrap();
-    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: inferd\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+    write!(
+        s,
+        "POST {route} HTTP/1.1\r\nHost: inferd\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
     let mut head = Vec::new();
     let mut b = [0u8; 1];
     while !head.ends_with(b"\r\n\r\n") {

@@ -359,6 +359,7 @@ fn llama_server_upstream_streams_cancels_and_dies_explicitly() {
         return;
     };
     let dir = scratch("remote-llama");
+    let bus = super::dbus::Bus::start(&dir);
     let port = free_port();
     let log = std::fs::File::create(dir.join("llama-server.log")).unwrap();
     let mut server = Command::new(&bin)
@@ -372,7 +373,7 @@ fn llama_server_upstream_streams_cancels_and_dies_explicitly() {
     let front = Daemon::start(
         &dir,
         &format!("[[model]]\nname = \"cpp\"\nupstream = \"http://127.0.0.1:{port}/v1\"\nupstream_model = \"smol\"\n"),
-        &[],
+        &[("DBUS_SESSION_BUS_ADDRESS", &bus.address)],
     );
     // The same stream as llama-server's own, through OpenAI's route and Ollama's.
     let chat = |model: &str, stream: bool| {
@@ -411,6 +412,30 @@ fn llama_server_upstream_streams_cancels_and_dies_explicitly() {
     wait_for("llama-server's slot to free", Duration::from_secs(10), || busy() == 0);
     eprintln!("remote: llama-server freed its slot {:?} after the client left", t0.elapsed());
     wait_for("the front to free the user's place", Duration::from_secs(5), || in_flight(&front) == 0);
+    // So does an Ollama client, and a D-Bus caller that cancels its request.
+    let ollama_long = r#"{"model": "cpp", "raw": true, "prompt": "Count from one to one thousand: one, two, three,",
+        "options": {"temperature": 0, "num_predict": 2000}}"#;
+    let mut s = open_stream_at(&front.socket, "/api/generate", ollama_long);
+    s.read_exact(&mut first).unwrap();
+    assert_eq!(busy(), 1);
+    drop(s);
+    wait_for("llama-server's slot to free (Ollama)", Duration::from_secs(10), || busy() == 0);
+    bus.wait_for_name();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        use zbus::zvariant::Value as V;
+        let caller = zbus::connection::Builder::address(bus.address.as_str()).unwrap().build().await.unwrap();
+        let iface = Some("org.inferd.Inference1");
+        let opts = std::collections::HashMap::from([("max_tokens", V::U32(2000)), ("temperature", V::F64(0.0))]);
+        let prompt = "Count from one to one thousand: one, two, three,";
+        let r = caller.call_method(iface, "/org/inferd/Inference1", iface, "Generate", &("cpp", prompt, &opts)).await;
+        let path: zbus::zvariant::OwnedObjectPath = r.unwrap().body().deserialize().unwrap();
+        wait_for("llama-server to take the D-Bus request", Duration::from_secs(10), || busy() == 1);
+        let request = Some("org.inferd.Inference1.Request");
+        caller.call_method(iface, path.as_str(), request, "Cancel", &()).await.unwrap();
+        wait_for("llama-server's slot to free (D-Bus)", Duration::from_secs(10), || busy() == 0);
+    });
+    wait_for("the front to free the user's places", Duration::from_secs(5), || in_flight(&front) == 0);
 
     // llama-server killed mid-stream: the stream ends with an error event, not [DONE], and the
     // next request is a 502 at once.
@@ -441,5 +466,6 @@ fn llama_server_upstream_streams_cancels_and_dies_explicitly() {
     let metrics = front.http("GET", "/metrics", "").1;
     assert!(metrics.contains("inferd_upstream_errors_total{model=\"cpp\"} 3"), "{metrics}");
     drop(front);
+    drop(bus);
     let _ = std::fs::remove_dir_all(dir);
 }
