@@ -4,10 +4,10 @@
 //! Weights are row-major as GGUF and safetensors store them: row `r` (one output feature) holds
 //! `cols` input weights. Activations come as `tokens` rows of `cols` floats, and for quantized
 //! weights also pre-quantized to [`BlockQ8`] (quantize once, reuse for Q/K/V or gate/up).
-//! Each task owns a chunk of weight rows and runs every token against it, four tokens per weight
-//! unpack, so a chunk is read from memory once per call whatever the batch size.
+//! Each task owns a chunk of weight rows and runs every token against it, up to 16 tokens per
+//! weight unpack, so a chunk is read from memory once per call whatever the batch size.
 
-use crate::cpu::{Kernels, GEMV_TOKENS};
+use crate::cpu::{Acts, Kernels, GEMV_TOKENS};
 use crate::packed::{Packed16, LANES};
 use crate::pool::{SyncPtr, ThreadPool};
 use crate::quant::{BlockQ8, DType, FloatType, QuantType, WeightClass, QK};
@@ -59,19 +59,16 @@ pub fn matmul(pool: &ThreadPool, k: &Kernels, w: &Matrix<'_>, x: &Input<'_>, y: 
 pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<'_>, ys: &mut [&mut [f32]]) {
     assert_eq!(ws.len(), ys.len(), "one output per matrix");
     let t = x.tokens;
-    // Up to 5 tokens go through the 16-row kernel (rows unpacked once per group of up to 4
-    // tokens) when the ISA has one. Measured decode tok/s against the 16-lane kernel: 4 tokens
-    // 344 vs 266, 5 tokens 325 vs 302, 6 tokens 336 vs 338, 8 tokens 355 vs 390.
-    let small = t < 6 || k.gemm16.is_none();
-    // The 16-lane kernels serve the types they were written for; the others take the dots.
-    let lanes = |w: &Matrix<'_>| match w.dtype.class() {
-        WeightClass::Quantized(_) => true,
-        WeightClass::Float(_) => false,
-    };
+    // The 16-row kernel takes every batch of the types it has (16 rows unpacked once per group
+    // of up to 16 tokens); the 16-lane kernel the other quantized types from 4 tokens on; the
+    // dots the rest. Measured against the 16-lane kernel (GMAC/s, 2 threads, Sapphire Rapids):
+    // 8 tokens Q8_0 170 vs 114, Q4_K 164 vs 50; 64 tokens Q8_0 206 vs 145, Q5_0 195 vs 121,
+    // Q4_K 202 vs 95, Q6_K 152 vs 89.
     let gemv = |w: &Matrix<'_>| match w.dtype.class() {
-        WeightClass::Quantized(q) => k.gemv16_for(q).filter(|_| small),
+        WeightClass::Quantized(q) => k.gemv16_for(q),
         WeightClass::Float(_) => None,
     };
+    let lanes = |w: &Matrix<'_>| w.dtype.is_quantized() && gemv(w).is_none();
     let align = |w: &Matrix<'_>| if gemv(w).is_some() { 16 } else { 1 };
     let mut first_task = Vec::with_capacity(ws.len() + 1);
     let mut tasks = 0;
@@ -89,7 +86,7 @@ pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<
     // Larger batches go through the 16-token kernel when the ISA has one (measured: faster
     // than single-token dots from 4 tokens on), unless the 16-row kernel takes them.
     let packed: Vec<Packed16> = match k.gemm16 {
-        Some(_) if t >= 4 && !small && ws.iter().any(lanes) => {
+        Some(_) if t >= 4 && ws.iter().any(lanes) => {
             let nb = x.q8.len() / t;
             let rows: Vec<&[BlockQ8]> = x.q8.chunks_exact(nb).collect();
             // A group of at most 8 tokens fills the lanes with two weight rows per call, every
@@ -106,6 +103,8 @@ pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<
         }
         _ => Vec::new(),
     };
+    // The 16-row kernel's per-block activation sums, once for every task.
+    let halves = if ws.iter().any(|w| gemv(w).is_some()) { Acts::half_sums(x.q8) } else { Vec::new() };
     let outs: Vec<SyncPtr<f32>> = ys.iter_mut().map(|y| SyncPtr(y.as_mut_ptr())).collect();
     let task = |i: usize| {
         let m = first_task.partition_point(|&f| f <= i) - 1;
@@ -122,7 +121,7 @@ pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<
             unsafe { *out.get().add(tok * n + r) = v };
         };
         match (w.dtype.class(), gemv(w)) {
-            (WeightClass::Quantized(q), Some(gemv)) => rows_times_token(k, gemv, q, w, x, r0, r1, &store),
+            (WeightClass::Quantized(q), Some(gemv)) => rows_times_token(k, gemv, q, w, x, &halves, r0, r1, &store),
             (WeightClass::Quantized(q), None) => quantized_rows(k, q, w, x, &packed, r0, r1, &store),
             (WeightClass::Float(f), _) => float_rows(k, f, w, x, r0, r1, &store),
         }
@@ -138,13 +137,15 @@ fn rows_times_token(
     q: QuantType,
     w: &Matrix<'_>,
     x: &Input<'_>,
+    halves: &[[i32; 2]],
     r0: usize,
     r1: usize,
     store: &dyn Fn(usize, usize, f32),
 ) {
     let (one, _) = k.quant_dots(q);
     let (nb, rb) = (w.cols / QK, w.row_bytes());
-    let acts: Vec<&[BlockQ8]> = x.q8.chunks_exact(nb).collect();
+    let acts: Vec<Acts<'_>> =
+        x.q8.chunks_exact(nb).zip(halves.chunks_exact(nb)).map(|(q8, halves)| Acts { q8, halves }).collect();
     // Tokens in groups: each 16-row block is unpacked once per group.
     for (g, group) in acts.chunks(GEMV_TOKENS).enumerate() {
         let mut out = [[0f32; 16]; GEMV_TOKENS];
@@ -161,7 +162,7 @@ fn rows_times_token(
         }
         for r in r..r1 {
             for (j, act) in group.iter().enumerate() {
-                store(g * GEMV_TOKENS + j, r, one(w.row(r), act));
+                store(g * GEMV_TOKENS + j, r, one(w.row(r), act.q8));
             }
         }
     }
@@ -262,10 +263,11 @@ mod tests {
 
     fn a_tokens_result_does_not_depend_on_its_batch(kern: &Kernels) {
         // Alone and in batches of 2 to 24 tokens, every kernel table must give every token
-        // bit-identical outputs. AVX-512 covers each path: 16 rows against groups of up to 4
-        // tokens below 6 (5: a group of 4 and one of 1), two rows against 8 doubled tokens up
-        // to 8, 16 tokens per call above, a padded last group (21), a group of at most 8 after
-        // a full one (24), and rows past the last 16 (19 rows).
+        // bit-identical outputs. AVX-512 covers each path: for the 16-row kernel's types the
+        // row-order layout alone and the weight-stationary one in batches, groups of 16 and a
+        // rest (21, 24), and rows past the last 16 (19 rows); for the other quantized types
+        // two rows against 8 doubled tokens up to 8, 16 tokens per call above, a padded last
+        // group (21) and a group of at most 8 after a full one (24).
         let pool = ThreadPool::new(2);
         let rows = 19;
         // Every type; rows of 96 weights, or 256 for the super-block formats.

@@ -6,7 +6,7 @@
 //! `INFERD_ISA=scalar` forces the reference (useful to bisect a numerical difference),
 //! `INFERD_ISA=avx2` the AVX2 table on an AVX-512 machine.
 
-use crate::quant::{BlockQ8, FloatType, QuantType};
+use crate::quant::{BlockQ8, FloatType, QuantType, QK};
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
@@ -95,10 +95,27 @@ pub struct Kernels {
 pub type Gemm16 = fn(QuantType, &[&[u8]], &crate::packed::Packed16) -> [f32; 16];
 
 /// See [`Kernels::gemv16`]: `(type, rows, rb, tokens' activations, out)`, one output per token.
-pub type Gemv16 = fn(QuantType, &[u8], usize, &[&[BlockQ8]], &mut [[f32; 16]]);
+pub type Gemv16 = fn(QuantType, &[u8], usize, &[Acts<'_>], &mut [[f32; 16]]);
 
 /// The most tokens one [`Kernels::gemv16`] call takes.
-pub const GEMV_TOKENS: usize = 4;
+pub const GEMV_TOKENS: usize = 16;
+
+/// One token's activations for [`Kernels::gemv16`]: its 8-bit blocks and each block's integer
+/// sums of its two halves (the kernel takes them from the products where a format's quants are
+/// offset; computed once per product, not per 16 rows).
+#[derive(Clone, Copy, Debug)]
+pub struct Acts<'a> {
+    pub q8: &'a [BlockQ8],
+    pub halves: &'a [[i32; 2]],
+}
+
+impl Acts<'_> {
+    /// The integer sums of the halves of each block of `q8`.
+    pub fn half_sums(q8: &[BlockQ8]) -> Vec<[i32; 2]> {
+        let sum = |q: &[i8]| q.iter().map(|&v| i32::from(v)).sum();
+        q8.iter().map(|b| [sum(&b.qs[..QK / 2]), sum(&b.qs[QK / 2..])]).collect()
+    }
+}
 /// See [`Kernels::attn_scores`]: `(k, q, hd, g, scale, out)`.
 pub type AttnScores = fn(&[half::f16], &[f32], usize, usize, f32, &mut [f32]);
 /// See [`Kernels::attn_values`]: `(v, p, hd, g, out)`.

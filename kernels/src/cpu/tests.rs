@@ -253,7 +253,8 @@ proptest! {
             let per = q.block_len() / QK;
             let (len, n) = if per > 1 { (16 * QK, per * (1 + blocks % 2)) } else { (7 * QK, blocks) };
             let acts: Vec<Vec<BlockQ8>> = xs.iter().map(|x| q8(&x[..n * QK])).collect();
-            let act_refs: Vec<&[BlockQ8]> = acts.iter().map(Vec::as_slice).collect();
+            let halves: Vec<Vec<[i32; 2]>> = acts.iter().map(|a| super::Acts::half_sums(a)).collect();
+            let act_refs: Vec<super::Acts<'_>> = acts.iter().zip(&halves).map(|(q8, halves)| super::Acts { q8, halves }).collect();
             let (one, _) = k.quant_dots(q);
             let dt = q.dtype();
             let rb = dt.bytes_for(len).unwrap();
