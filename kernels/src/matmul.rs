@@ -41,11 +41,15 @@ pub struct Input<'a> {
     pub tokens: usize,
 }
 
-/// Rows per task: enough tasks to balance across threads, few enough to keep dispatch cheap;
-/// a multiple of 16 where the 16-row kernel runs.
+/// Rows per task: two tasks per thread, so a thread that falls behind is balanced by the
+/// others, and each task streams a long run of rows (every task start is a cold stream for the
+/// prefetchers and two claims on the shared counters); a multiple of 16 where the 16-row
+/// kernel runs. Measured against 8 tasks per thread of at most 256 rows, same run: decode at
+/// batch 1 SmolLM2 Q4_1 165 -> 196 tok/s, Gemma 3 270M 67 -> 70 (its 262,144-row output
+/// projection 9.4 -> 8.8 ms a token), batch 8 +7-9%, prefill unchanged.
 fn chunk_rows(rows: usize, threads: usize, align: usize) -> usize {
-    let target_tasks = threads * 8;
-    (rows.div_ceil(target_tasks)).clamp(4, 256).next_multiple_of(align)
+    let target_tasks = threads * 2;
+    (rows.div_ceil(target_tasks)).clamp(4, 4096).next_multiple_of(align)
 }
 
 /// `y[t * w.rows + r] = Σ_c w[r][c] * x[t][c]` for every token `t` and row `r`.
@@ -83,11 +87,12 @@ pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<
         tasks += w.rows.div_ceil(chunk_rows(w.rows, pool.threads(), align(w)));
     }
     first_task.push(tasks);
+    // Activation blocks per token.
+    let nb = x.q8.len() / t.max(1);
     // Larger batches go through the 16-token kernel when the ISA has one (measured: faster
     // than single-token dots from 4 tokens on), unless the 16-row kernel takes them.
     let packed: Vec<Packed16> = match k.gemm16 {
         Some(_) if t >= 4 && ws.iter().any(lanes) => {
-            let nb = x.q8.len() / t;
             let rows: Vec<&[BlockQ8]> = x.q8.chunks_exact(nb).collect();
             // A group of at most 8 tokens fills the lanes with two weight rows per call, every
             // token packed twice (see `Kernels::gemm16`).
@@ -103,8 +108,13 @@ pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<
         }
         _ => Vec::new(),
     };
-    // The 16-row kernel's per-block activation sums, once for every task.
+    // The 16-row kernel's tokens with their per-block activation sums, once for every task.
     let halves = if ws.iter().any(|w| gemv(w).is_some()) { Acts::half_sums(x.q8) } else { Vec::new() };
+    let acts: Vec<Acts<'_>> = if halves.is_empty() {
+        Vec::new()
+    } else {
+        x.q8.chunks_exact(nb).zip(halves.chunks_exact(nb)).map(|(q8, halves)| Acts { q8, halves }).collect()
+    };
     let outs: Vec<SyncPtr<f32>> = ys.iter_mut().map(|y| SyncPtr(y.as_mut_ptr())).collect();
     let task = |i: usize| {
         let m = first_task.partition_point(|&f| f <= i) - 1;
@@ -121,7 +131,7 @@ pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<
             unsafe { *out.get().add(tok * n + r) = v };
         };
         match (w.dtype.class(), gemv(w)) {
-            (WeightClass::Quantized(q), Some(gemv)) => rows_times_token(k, gemv, q, w, x, &halves, r0, r1, &store),
+            (WeightClass::Quantized(q), Some(gemv)) => rows_times_token(k, gemv, q, w, &acts, r0, r1, &store),
             (WeightClass::Quantized(q), None) => quantized_rows(k, q, w, x, &packed, r0, r1, &store),
             (WeightClass::Float(f), _) => float_rows(k, f, w, x, r0, r1, &store),
         }
@@ -136,16 +146,13 @@ fn rows_times_token(
     gemv: crate::cpu::Gemv16,
     q: QuantType,
     w: &Matrix<'_>,
-    x: &Input<'_>,
-    halves: &[[i32; 2]],
+    acts: &[Acts<'_>],
     r0: usize,
     r1: usize,
     store: &dyn Fn(usize, usize, f32),
 ) {
     let (one, _) = k.quant_dots(q);
-    let (nb, rb) = (w.cols / QK, w.row_bytes());
-    let acts: Vec<Acts<'_>> =
-        x.q8.chunks_exact(nb).zip(halves.chunks_exact(nb)).map(|(q8, halves)| Acts { q8, halves }).collect();
+    let rb = w.row_bytes();
     // Tokens in groups: each 16-row block is unpacked once per group.
     for (g, group) in acts.chunks(GEMV_TOKENS).enumerate() {
         let mut out = [[0f32; 16]; GEMV_TOKENS];
