@@ -283,16 +283,23 @@ unsafe fn gemv16_kind<const KIND: u8, const WIDE: bool>(w: &[u8], rb: usize, a: 
             *off = _mm512_fmadd_ps(m, _mm512_set1_ps(t.q8[c].s), *off);
         }
     };
-    // The next 16 rows are fetched while these are computed, a share per block pair.
+    // 16 rows ahead are fetched while these are computed, a share per block pair: for several
+    // tokens the next 16 into L1; one token is through its rows sooner, so the 16 after those
+    // into L2 (measured, same run: batch-1 decode 4% faster that way, batch 8 3% slower).
     let (lines, steps) = (16 * rb / 64, nb.div_ceil(2));
-    let next = w.as_ptr().wrapping_add(16 * rb);
+    let next = w.as_ptr().wrapping_add(if WIDE { 16 * rb } else { 32 * rb });
     let mut b = 0;
     while b < nb {
         let pair = b + 1 < nb;
         let s = b / 2;
         for l in s * lines / steps..(s + 1) * lines / steps {
             // A prefetch never faults: the address may lie past `w`.
-            _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(l * 64).cast());
+            let at = next.wrapping_add(l * 64).cast();
+            if WIDE {
+                _mm_prefetch::<_MM_HINT_T0>(at);
+            } else {
+                _mm_prefetch::<_MM_HINT_T1>(at);
+            }
         }
         // Scales first: the gathers' latency hides behind the integer work.
         if matches!(KIND, Q4K | Q5K) && b % 8 == 0 {
