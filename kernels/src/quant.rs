@@ -293,6 +293,8 @@ impl QuantType {
                 | QuantType::Q4K
                 | QuantType::Q5K
                 | QuantType::Q6K
+                | QuantType::IQ4NL
+                | QuantType::IQ4XS
         )
     }
 }

@@ -27,8 +27,8 @@ pub(super) const Q4K: u8 = 4;
 pub(super) const Q5K: u8 = 5;
 pub(super) const Q6K: u8 = 6;
 pub(super) const Q5_1: u8 = 7;
-const IQ4NL: u8 = 8;
-const IQ4XS: u8 = 9;
+pub(super) const IQ4NL: u8 = 8;
+pub(super) const IQ4XS: u8 = 9;
 const Q3K: u8 = 10;
 const Q2K: u8 = 11;
 
@@ -174,7 +174,7 @@ pub(super) const fn has_offset(kind: u8) -> bool {
 
 /// True for the kinds whose quants are signed bytes (the products take `q + 128` and subtract
 /// `128 Σa`, or move the sign onto the activations).
-const fn signed(kind: u8) -> bool {
+pub(super) const fn signed(kind: u8) -> bool {
     matches!(kind, Q8_0 | IQ4NL | IQ4XS)
 }
 

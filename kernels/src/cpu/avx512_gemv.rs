@@ -11,8 +11,8 @@
 //! and the lanes end as the rows' exact integer sums of each block: no reduction across lanes.
 
 use super::avx2_group::q6k_quants;
-use super::avx512::{groups, has_offset, layout, row_bytes};
-use super::avx512::{Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
+use super::avx512::{groups, has_offset, layout, row_bytes, signed};
+use super::avx512::{IQ4NL, IQ4XS, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
 use super::{Acts, GEMV_TOKENS};
 use crate::quant::QuantType;
 use std::arch::x86_64::*;
@@ -42,8 +42,12 @@ pub(super) unsafe fn gemv16(dt: QuantType, w: &[u8], rb: usize, a: &[Acts<'_>], 
         QuantType::Q6K => unsafe { gemv16_tokens::<Q6K>(w, rb, a, out) },
         // SAFETY: as above.
         QuantType::Q5_1 => unsafe { gemv16_tokens::<Q5_1>(w, rb, a, out) },
+        // SAFETY: as above.
+        QuantType::IQ4NL => unsafe { gemv16_tokens::<IQ4NL>(w, rb, a, out) },
+        // SAFETY: as above.
+        QuantType::IQ4XS => unsafe { gemv16_tokens::<IQ4XS>(w, rb, a, out) },
         q => panic!(
-            "gemv16 takes Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K, not {q:?} (see QuantType::has_gemv16)"
+            "gemv16 takes Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS, not {q:?} (see QuantType::has_gemv16)"
         ),
     }
 }
@@ -80,8 +84,14 @@ unsafe fn weight_pair<const KIND: u8>(row: *const u8, b: usize, pair: bool) -> _
         let bit = _mm512_inserti64x4::<1>(_mm512_set1_epi8(1 << j), _mm256_set1_epi8(1 << (j + 1)));
         return _mm512_or_si512(x, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, bit), _mm512_set1_epi8(0x10)));
     }
-    let p0 = row.wrapping_add(b * bb + q);
-    let p1 = p0.wrapping_add(bb);
+    // IQ4_XS: groups j and j + 1 (j even) are 16 bytes each, back to back in the super-block.
+    let (p0, p1) = if KIND == IQ4XS {
+        let p0 = row.wrapping_add(b / 8 * bb + q + 16 * (b % 8));
+        (p0, p0.wrapping_add(16))
+    } else {
+        let p0 = row.wrapping_add(b * bb + q);
+        (p0, p0.wrapping_add(bb))
+    };
     if KIND == Q8_0 {
         // SAFETY: the caller guarantees 32 quant bytes at p0.
         let lo = unsafe { _mm256_loadu_si256(p0.cast()) };
@@ -104,6 +114,11 @@ unsafe fn weight_pair<const KIND: u8>(row: *const u8, b: usize, pair: bool) -> _
             };
             let high = if pair { qh(p0) | (qh(p1) << 32) } else { qh(p0) };
             _mm512_or_si512(low, _mm512_maskz_mov_epi8(high, _mm512_set1_epi8(0x10)))
+        } else if matches!(KIND, IQ4NL | IQ4XS) {
+            // The code book's signed values, biased by +128 as Q8_0's quants.
+            // SAFETY: IQ4_VALUES is 16 bytes.
+            let book = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(crate::quant::IQ4_VALUES.as_ptr().cast()) });
+            _mm512_xor_si512(_mm512_shuffle_epi8(book, low), _mm512_set1_epi8(-128))
         } else {
             low
         }
@@ -240,6 +255,18 @@ unsafe fn gemv16_kind<const KIND: u8, const WIDE: bool>(w: &[u8], rb: usize, a: 
             // d is the high half of the dword at 206 (the block's last 4 bytes).
             return (f16_at(_mm512_srli_epi32::<16>(sbd[0])), _mm512_setzero_ps());
         }
+        if KIND == IQ4XS {
+            // d | scales_h in sbd[0], scales_l in sbd[1]: the group's 6-bit scale less 32.
+            let j = c % 8;
+            let low = _mm512_srl_epi32(sbd[1], _mm_cvtsi32_si128((8 * (j / 2) + 4 * (j % 2)) as i32));
+            let high = _mm512_srl_epi32(sbd[0], _mm_cvtsi32_si128((16 + 2 * j) as i32));
+            let ls = _mm512_or_si512(
+                _mm512_and_si512(low, _mm512_set1_epi32(0xf)),
+                _mm512_slli_epi32::<4>(_mm512_and_si512(high, _mm512_set1_epi32(3))),
+            );
+            let sc = _mm512_sub_epi32(ls, _mm512_set1_epi32(32));
+            return (_mm512_mul_ps(f16_at(sbd[0]), _mm512_cvtepi32_ps(sc)), _mm512_setzero_ps());
+        }
         if matches!(KIND, Q4K | Q5K) {
             let j = c % 8;
             let byte = |x: __m512i, k: usize| {
@@ -263,14 +290,14 @@ unsafe fn gemv16_kind<const KIND: u8, const WIDE: bool>(w: &[u8], rb: usize, a: 
             ));
             return (d, _mm512_mul_ps(neg_dmin, _mm512_cvtepi32_ps(mn)));
         }
-        // Q4_0/Q8_0: d and 2 quant bytes; Q4_1: d and m; Q5_0: d and half of qh.
+        // Q4_0/Q8_0/IQ4_NL: d and 2 quant bytes; Q4_1: d and m; Q5_0: d and half of qh.
         let g = gather(c * bb);
         let d = f16_at(g);
         let m = match KIND {
             Q4_1 | Q5_1 => f16_at(_mm512_srli_epi32::<16>(g)),
             // As `scales`: the quants' offset times d.
             Q5_0 => _mm512_mul_ps(_mm512_set1_ps(-16.0), d),
-            Q8_0 => _mm512_setzero_ps(),
+            Q8_0 | IQ4NL => _mm512_setzero_ps(),
             _ => _mm512_mul_ps(_mm512_set1_ps(-8.0), d),
         };
         (d, m)
@@ -304,6 +331,9 @@ unsafe fn gemv16_kind<const KIND: u8, const WIDE: bool>(w: &[u8], rb: usize, a: 
         // Scales first: the gathers' latency hides behind the integer work.
         if matches!(KIND, Q4K | Q5K) && b % 8 == 0 {
             sbd = std::array::from_fn(|i| gather(b / 8 * bb + 4 * i));
+        }
+        if KIND == IQ4XS && b % 8 == 0 {
+            (sbd[0], sbd[1]) = (gather(b / 8 * bb), gather(b / 8 * bb + 4));
         }
         if KIND == Q6K && b % 8 == 0 {
             sbd[0] = gather(b / 8 * bb + 206);
@@ -342,7 +372,7 @@ unsafe fn gemv16_kind<const KIND: u8, const WIDE: bool>(w: &[u8], rb: usize, a: 
             let act = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
             let (mut s0, mut s1) =
                 reduce16(&std::array::from_fn(|i| _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[i], act)));
-            if KIND == Q8_0 {
+            if signed(KIND) {
                 // The quants were biased by +128: take 128 Σa back.
                 let bias = |c: usize| {
                     let [lo, hi] = at.halves[c];
@@ -393,7 +423,7 @@ unsafe fn gemv16_kind<const KIND: u8, const WIDE: bool>(w: &[u8], rb: usize, a: 
             } else {
                 let block = |c: usize| {
                     let sum = chunk(c + 1, chunk(c, zero));
-                    if KIND == Q8_0 {
+                    if signed(KIND) {
                         // The quants were biased by +128: take 128 Σa back.
                         let [lo, hi] = at.halves[b + c / 2];
                         _mm512_sub_epi32(sum, _mm512_set1_epi32((lo + hi) << 7))
