@@ -295,6 +295,8 @@ impl QuantType {
                 | QuantType::Q6K
                 | QuantType::IQ4NL
                 | QuantType::IQ4XS
+                | QuantType::Q3K
+                | QuantType::Q2K
         )
     }
 }

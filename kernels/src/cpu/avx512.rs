@@ -29,8 +29,8 @@ pub(super) const Q6K: u8 = 6;
 pub(super) const Q5_1: u8 = 7;
 pub(super) const IQ4NL: u8 = 8;
 pub(super) const IQ4XS: u8 = 9;
-const Q3K: u8 = 10;
-const Q2K: u8 = 11;
+pub(super) const Q3K: u8 = 10;
+pub(super) const Q2K: u8 = 11;
 
 /// Evaluates `$body` with `$k` the kernel kind of the quantized type `$q` (a `const`, usable as
 /// a const generic argument).
@@ -180,7 +180,7 @@ pub(super) const fn signed(kind: u8) -> bool {
 
 /// The kinds with a scale per 16 weights: their stored quants are this much above the signed
 /// weights (Q2_K's are not signed: 0; its mins are a separate term).
-const fn half_offset(kind: u8) -> Option<i32> {
+pub(super) const fn half_offset(kind: u8) -> Option<i32> {
     match kind {
         Q6K => Some(32),
         Q3K => Some(4),

@@ -10,9 +10,9 @@
 //! from). A token then costs one `vpdpbusd` per weight dword, its activation dword broadcast,
 //! and the lanes end as the rows' exact integer sums of each block: no reduction across lanes.
 
-use super::avx2_group::q6k_quants;
-use super::avx512::{groups, has_offset, layout, row_bytes, signed};
-use super::avx512::{IQ4NL, IQ4XS, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
+use super::avx2_group::{bits, load32, q3k_quants, q6k_quants};
+use super::avx512::{groups, half_offset, has_offset, layout, row_bytes, signed};
+use super::avx512::{IQ4NL, IQ4XS, Q2K, Q3K, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
 use super::{Acts, GEMV_TOKENS};
 use crate::quant::QuantType;
 use std::arch::x86_64::*;
@@ -46,9 +46,10 @@ pub(super) unsafe fn gemv16(dt: QuantType, w: &[u8], rb: usize, a: &[Acts<'_>], 
         QuantType::IQ4NL => unsafe { gemv16_tokens::<IQ4NL>(w, rb, a, out) },
         // SAFETY: as above.
         QuantType::IQ4XS => unsafe { gemv16_tokens::<IQ4XS>(w, rb, a, out) },
-        q => panic!(
-            "gemv16 takes Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS, not {q:?} (see QuantType::has_gemv16)"
-        ),
+        // SAFETY: as above.
+        QuantType::Q3K => unsafe { gemv16_tokens::<Q3K>(w, rb, a, out) },
+        // SAFETY: as above.
+        QuantType::Q2K => unsafe { gemv16_tokens::<Q2K>(w, rb, a, out) },
     }
 }
 
@@ -60,11 +61,17 @@ pub(super) unsafe fn gemv16(dt: QuantType, w: &[u8], rb: usize, a: &[Acts<'_>], 
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn weight_pair<const KIND: u8>(row: *const u8, b: usize, pair: bool) -> __m512i {
     let (bb, q) = layout(KIND);
-    if KIND == Q6K {
+    if matches!(KIND, Q6K | Q3K | Q2K) {
         let (blk, j) = (row.wrapping_add(b / 8 * bb), b % 8);
         // SAFETY: the caller guarantees the super-block (bb bytes) lies inside the row.
         let blk = unsafe { std::slice::from_raw_parts(blk, bb) };
-        return _mm512_inserti64x4::<1>(_mm512_castsi256_si512(q6k_quants(blk, j)), q6k_quants(blk, j + 1));
+        let group = |j: usize| match KIND {
+            Q6K => q6k_quants(blk, j),
+            Q3K => q3k_quants(blk, j),
+            // Q2_K: bits 2 (j % 4) of the 32 bytes at q + 32 (j / 4).
+            _ => bits(load32(&blk[q + 32 * (j / 4)..]), 2 * (j % 4), 3),
+        };
+        return _mm512_inserti64x4::<1>(_mm512_castsi256_si512(group(j)), group(j + 1));
     }
     if matches!(KIND, Q4K | Q5K) {
         // Groups j and j + 1 (j even) of a super-block are the low and high nibbles of the
@@ -182,7 +189,7 @@ fn transpose_dwords(x: [__m512i; 4]) -> [__m512i; 4] {
 }
 
 /// [`gemv16_kind`] in the layout that is faster for `a`: weight-stationary (`WIDE`) for several
-/// tokens and for Q6_K, else one `vpdpbusd` per row and block pair and a reduction across lanes
+/// tokens and for the kinds with a scale per 16 weights (Q6_K, Q3_K, Q2_K), else one `vpdpbusd` per row and block pair and a reduction across lanes
 /// (measured: 12% faster decode at batch 1 on SmolLM2 Q4_1, where the transposition does not
 /// pay for itself).
 ///
@@ -190,7 +197,7 @@ fn transpose_dwords(x: [__m512i; 4]) -> [__m512i; 4] {
 /// The CPU must support the features of `avx512::kernels`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn gemv16_tokens<const KIND: u8>(w: &[u8], rb: usize, a: &[Acts<'_>], out: &mut [[f32; 16]]) {
-    if a.len() > 1 || KIND == Q6K {
+    if a.len() > 1 || half_offset(KIND).is_some() {
         // SAFETY: same features as this function's caller guarantees.
         unsafe { gemv16_kind::<KIND, true>(w, rb, a, out) }
     } else {
@@ -212,7 +219,7 @@ unsafe fn gemv16_kind<const KIND: u8, const WIDE: bool>(w: &[u8], rb: usize, a: 
     let (bb, _) = layout(KIND);
     let n = a.len();
     assert!((1..=GEMV_TOKENS).contains(&n) && out.len() == n, "1 to {GEMV_TOKENS} tokens, one output each");
-    assert!(WIDE || (n == 1 && KIND != Q6K), "the row-order layout takes one token, not Q6_K");
+    assert!(WIDE || (n == 1 && half_offset(KIND).is_none()), "the row-order layout takes one token, no per-16 scales");
     let nb = a[0].q8.len();
     assert!(
         a.iter().all(|t| t.q8.len() == nb && t.halves.len() == nb)
@@ -251,9 +258,17 @@ unsafe fn gemv16_kind<const KIND: u8, const WIDE: bool>(w: &[u8], rb: usize, a: 
     // (d, m) of every row's group c, the values `group` computes for it.
     let scales16 = |c: usize, sbd: &[__m512i; 4]| -> (__m512, __m512) {
         let f16_at = |x: __m512i| _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x));
-        if KIND == Q6K {
-            // d is the high half of the dword at 206 (the block's last 4 bytes).
+        if matches!(KIND, Q6K | Q3K) {
+            // d is the high half of the block's last 4 bytes (gathered into sbd[0]).
             return (f16_at(_mm512_srli_epi32::<16>(sbd[0])), _mm512_setzero_ps());
+        }
+        if KIND == Q2K {
+            // d | dmin; the mins' factor is -dmin.
+            let neg_dmin = _mm512_castsi512_ps(_mm512_xor_si512(
+                _mm512_castps_si512(f16_at(_mm512_srli_epi32::<16>(sbd[0]))),
+                _mm512_set1_epi32(i32::MIN),
+            ));
+            return (f16_at(sbd[0]), neg_dmin);
         }
         if KIND == IQ4XS {
             // d | scales_h in sbd[0], scales_l in sbd[1]: the group's 6-bit scale less 32.
@@ -335,22 +350,48 @@ unsafe fn gemv16_kind<const KIND: u8, const WIDE: bool>(w: &[u8], rb: usize, a: 
         if KIND == IQ4XS && b % 8 == 0 {
             (sbd[0], sbd[1]) = (gather(b / 8 * bb), gather(b / 8 * bb + 4));
         }
-        if KIND == Q6K && b % 8 == 0 {
-            sbd[0] = gather(b / 8 * bb + 206);
+        if matches!(KIND, Q6K | Q3K) && b % 8 == 0 {
+            sbd[0] = gather(b / 8 * bb + bb - 4);
+        }
+        if KIND == Q3K && b % 8 == 0 {
+            // The 12 bytes of packed 6-bit scales.
+            (sbd[1], sbd[2], sbd[3]) = (gather(b / 8 * bb + 96), gather(b / 8 * bb + 100), gather(b / 8 * bb + 104));
+        }
+        if KIND == Q2K && b % 8 == 0 {
+            sbd[0] = gather(b / 8 * bb + 80);
         }
         let g0 = scales16(b, &sbd);
         let g1 = if pair { scales16(b + 1, &sbd) } else { (_mm512_setzero_ps(), _mm512_setzero_ps()) };
-        // Q6_K: each row's integer scales of the pair's four halves (signed bytes), in lane order.
-        let q6_scales: [__m512i; 4] = if KIND == Q6K {
-            let four = gather(b / 8 * bb + 192 + 2 * (b % 8));
-            [
-                _mm512_srai_epi32::<24>(_mm512_slli_epi32::<24>(four)),
-                _mm512_srai_epi32::<24>(_mm512_slli_epi32::<16>(four)),
-                _mm512_srai_epi32::<24>(_mm512_slli_epi32::<8>(four)),
-                _mm512_srai_epi32::<24>(four),
-            ]
-        } else {
-            [_mm512_setzero_si512(); 4]
+        // The per-16 kinds: each row's integer scales of the pair's four halves (half i of the
+        // super-block is 2 (b % 8) + c), in lane order; Q2_K's mins too, as floats (exact).
+        let shift = |x: __m512i, by: usize| _mm512_srl_epi32(x, _mm_cvtsi32_si128(by as i32));
+        let mask = |x: __m512i, m: i32| _mm512_and_si512(x, _mm512_set1_epi32(m));
+        let (half_scales, half_mins): ([__m512i; 4], [__m512; 4]) = match KIND {
+            Q6K => {
+                // Signed bytes at 192.
+                let four = gather(b / 8 * bb + 192 + 2 * (b % 8));
+                let sc =
+                    |c: usize| _mm512_srai_epi32::<24>(_mm512_sll_epi32(four, _mm_cvtsi32_si128(24 - 8 * c as i32)));
+                ([sc(0), sc(1), sc(2), sc(3)], [_mm512_setzero_ps(); 4])
+            }
+            Q3K => {
+                // Low 4 bits from byte i % 8 (nibble i / 8), high 2 from byte 8 + i % 4, less 32.
+                let sc = |c: usize| {
+                    let i = 2 * (b % 8) + c;
+                    let low = mask(shift(if i % 8 < 4 { sbd[1] } else { sbd[2] }, 8 * (i % 4) + 4 * (i / 8)), 0xf);
+                    let high = mask(shift(sbd[3], 8 * (i % 4) + 2 * (i / 4)), 3);
+                    _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32::<4>(high)), _mm512_set1_epi32(32))
+                };
+                ([sc(0), sc(1), sc(2), sc(3)], [_mm512_setzero_ps(); 4])
+            }
+            Q2K => {
+                // Byte 2 (b % 8) + c: the scale in its low nibble, the min in its high one.
+                let four = gather(b / 8 * bb + 2 * (b % 8));
+                let sc = |c: usize| mask(shift(four, 8 * c), 0xf);
+                let mn = |c: usize| _mm512_cvtepi32_ps(mask(shift(four, 8 * c + 4), 0xf));
+                ([sc(0), sc(1), sc(2), sc(3)], [mn(0), mn(1), mn(2), mn(3)])
+            }
+            _ => ([_mm512_setzero_si512(); 4], [_mm512_setzero_ps(); 4]),
         };
         // b is even: its accumulator is 0 or 2, b + 1's the next one.
         let k = b % 4;
@@ -412,11 +453,16 @@ unsafe fn gemv16_kind<const KIND: u8, const WIDE: bool>(w: &[u8], rb: usize, a: 
                 })
             };
             let zero = _mm512_setzero_si512();
-            let (s0, s1) = if KIND == Q6K {
-                // Per half: (Σ q a - 32 Σ a) times the half's scale, as the single-token dot.
+            let (s0, s1) = if let Some(o) = half_offset(KIND) {
+                // Per half: (Σ q a - o Σ a) times the half's scale, as the single-token dot.
                 let half = |c: usize| {
-                    let asum = at.halves[b + c / 2][c % 2] << 5;
-                    _mm512_mullo_epi32(_mm512_sub_epi32(chunk(c, zero), _mm512_set1_epi32(asum)), q6_scales[c])
+                    let sum = chunk(c, zero);
+                    let sum = if o == 0 {
+                        sum
+                    } else {
+                        _mm512_sub_epi32(sum, _mm512_set1_epi32(at.halves[b + c / 2][c % 2] * o))
+                    };
+                    _mm512_mullo_epi32(sum, half_scales[c])
                 };
                 let s0 = _mm512_add_epi32(half(0), half(1));
                 (s0, if pair { _mm512_add_epi32(half(2), half(3)) } else { zero })
@@ -438,6 +484,20 @@ unsafe fn gemv16_kind<const KIND: u8, const WIDE: bool>(w: &[u8], rb: usize, a: 
             step(at, b, g0, s0, &mut a0[k], &mut o0[k]);
             if pair {
                 step(at, b + 1, g1, s1, &mut a1[0], &mut o1[0]);
+            }
+            if KIND == Q2K {
+                // The mins' term: d_act * -dmin times Σ_h mins_h Σ_h a (exact as floats).
+                let mins = |c: usize, (_, m): (__m512, __m512), off: &mut __m512| {
+                    let [lo, hi] = at.halves[b + c / 2];
+                    let msum = _mm512_fmadd_ps(
+                        half_mins[c],
+                        _mm512_set1_ps(lo as f32),
+                        _mm512_mul_ps(half_mins[c + 1], _mm512_set1_ps(hi as f32)),
+                    );
+                    *off = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(at.q8[b + c / 2].d), m), msum, *off);
+                };
+                mins(0, g0, &mut o0[k]);
+                mins(2, g1, &mut o1[0]);
             }
         }
         b += 2;
