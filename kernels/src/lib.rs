@@ -25,7 +25,6 @@ pub mod cuda;
 pub mod group;
 pub mod matmul;
 pub mod ops;
-pub mod packed;
 pub mod pool;
 pub mod quant;
 pub mod quantize;

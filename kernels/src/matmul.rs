@@ -8,7 +8,6 @@
 //! weight unpack, so a chunk is read from memory once per call whatever the batch size.
 
 use crate::cpu::{Acts, Kernels, GEMV_TOKENS};
-use crate::packed::{Packed16, LANES};
 use crate::pool::{SyncPtr, ThreadPool};
 use crate::quant::{BlockQ8, DType, FloatType, QuantType, WeightClass, QK};
 
@@ -63,16 +62,15 @@ pub fn matmul(pool: &ThreadPool, k: &Kernels, w: &Matrix<'_>, x: &Input<'_>, y: 
 pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<'_>, ys: &mut [&mut [f32]]) {
     assert_eq!(ws.len(), ys.len(), "one output per matrix");
     let t = x.tokens;
-    // The 16-row kernel takes every batch of the types it has (16 rows unpacked once per group
-    // of up to 16 tokens); the 16-lane kernel the other quantized types from 4 tokens on; the
-    // dots the rest. Measured against the 16-lane kernel (GMAC/s, 2 threads, Sapphire Rapids):
-    // 8 tokens Q8_0 170 vs 114, Q4_K 164 vs 50; 64 tokens Q8_0 206 vs 145, Q5_0 195 vs 121,
-    // Q4_K 202 vs 95, Q6_K 152 vs 89.
+    // The 16-row kernel, where the table has one, takes every batch of quantized weights (16
+    // rows unpacked once per group of up to 16 tokens); the dots the rest. Measured against the
+    // 16-token kernel it replaced (GMAC/s, 2 threads, Sapphire Rapids): 8 tokens Q8_0 170 vs
+    // 114, Q4_K 164 vs 50; 64 tokens Q8_0 206 vs 145, Q5_0 195 vs 121, Q4_K 202 vs 95, Q6_K
+    // 152 vs 89.
     let gemv = |w: &Matrix<'_>| match w.dtype.class() {
-        WeightClass::Quantized(q) => k.gemv16_for(q),
+        WeightClass::Quantized(_) => k.gemv16,
         WeightClass::Float(_) => None,
     };
-    let lanes = |w: &Matrix<'_>| w.dtype.is_quantized() && gemv(w).is_none();
     let align = |w: &Matrix<'_>| if gemv(w).is_some() { 16 } else { 1 };
     let mut first_task = Vec::with_capacity(ws.len() + 1);
     let mut tasks = 0;
@@ -89,25 +87,6 @@ pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<
     first_task.push(tasks);
     // Activation blocks per token.
     let nb = x.q8.len() / t.max(1);
-    // Larger batches go through the 16-token kernel when the ISA has one (measured: faster
-    // than single-token dots from 4 tokens on), unless the 16-row kernel takes them.
-    let packed: Vec<Packed16> = match k.gemm16 {
-        Some(_) if t >= 4 && ws.iter().any(lanes) => {
-            let rows: Vec<&[BlockQ8]> = x.q8.chunks_exact(nb).collect();
-            // A group of at most 8 tokens fills the lanes with two weight rows per call, every
-            // token packed twice (see `Kernels::gemm16`).
-            rows.chunks(LANES)
-                .map(|g| {
-                    if g.len() <= LANES / 2 {
-                        Packed16::pack(&g.iter().flat_map(|&r| [r, r]).collect::<Vec<_>>())
-                    } else {
-                        Packed16::pack(g)
-                    }
-                })
-                .collect()
-        }
-        _ => Vec::new(),
-    };
     // The 16-row kernel's tokens with their per-block activation sums, once for every task.
     let halves = if ws.iter().any(|w| gemv(w).is_some()) { Acts::half_sums(x.q8) } else { Vec::new() };
     let acts: Vec<Acts<'_>> = if halves.is_empty() {
@@ -132,7 +111,7 @@ pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<
         };
         match (w.dtype.class(), gemv(w)) {
             (WeightClass::Quantized(q), Some(gemv)) => rows_times_token(k, gemv, q, w, &acts, r0, r1, &store),
-            (WeightClass::Quantized(q), None) => quantized_rows(k, q, w, x, &packed, r0, r1, &store),
+            (WeightClass::Quantized(q), None) => quantized_rows(k, q, w, x, r0, r1, &store),
             (WeightClass::Float(f), _) => float_rows(k, f, w, x, r0, r1, &store),
         }
     };
@@ -175,38 +154,18 @@ fn rows_times_token(
     }
 }
 
-/// Quantized rows `r0..r1` against every token: 16 tokens per `gemm16` call where `packed`
-/// holds them, else four tokens per weight unpack.
+/// Quantized rows `r0..r1` against every token, four tokens per weight unpack.
 #[allow(clippy::too_many_arguments)]
 fn quantized_rows(
     k: &Kernels,
     q: QuantType,
     w: &Matrix<'_>,
     x: &Input<'_>,
-    packed: &[Packed16],
     r0: usize,
     r1: usize,
     store: &dyn Fn(usize, usize, f32),
 ) {
     let t = x.tokens;
-    if let (Some(gemm), false) = (k.gemm16, packed.is_empty()) {
-        for (g, p) in packed.iter().enumerate() {
-            // Rows per call: 2 when the group holds every token twice (the last row of an odd
-            // range is passed twice and stored once).
-            let per = if (t - g * LANES).min(LANES) <= LANES / 2 { 2 } else { 1 };
-            for r in (r0..r1).step_by(per) {
-                let rows = [w.row(r), w.row((r + 1).min(r1 - 1))];
-                let v = gemm(q, &rows[..per], p);
-                for (lane, &vl) in v.iter().enumerate().take(p.tokens) {
-                    let (tok, rr) = (g * LANES + lane / per, r + lane % per);
-                    if rr < r1 {
-                        store(tok, rr, vl);
-                    }
-                }
-            }
-        }
-        return;
-    }
     let (one, four) = k.quant_dots(q);
     let nb = w.cols / QK;
     let act = |tok: usize| &x.q8[tok * nb..(tok + 1) * nb];
@@ -270,11 +229,10 @@ mod tests {
 
     fn a_tokens_result_does_not_depend_on_its_batch(kern: &Kernels) {
         // Alone and in batches of 2 to 24 tokens, every kernel table must give every token
-        // bit-identical outputs. AVX-512 covers each path: for the 16-row kernel's types the
-        // row-order layout alone and the weight-stationary one in batches, groups of 16 and a
-        // rest (21, 24), and rows past the last 16 (19 rows); for the other quantized types
-        // two rows against 8 doubled tokens up to 8, 16 tokens per call above, a padded last
-        // group (21) and a group of at most 8 after a full one (24).
+        // bit-identical outputs. AVX-512 covers each path of the 16-row kernel: the row-order
+        // layout alone and the weight-stationary one in batches, groups of 16 and a rest (21,
+        // 24), and rows past the last 16 (19 rows); AVX2 and the reference the four-token
+        // dots and a rest.
         let pool = ThreadPool::new(2);
         let rows = 19;
         // Every type; rows of 96 weights, or 256 for the super-block formats.

@@ -280,25 +280,6 @@ impl QuantType {
             QuantType::IQ4XS => DType::IQ4XS,
         }
     }
-
-    /// True for the types the 16-row AVX-512 kernel (`Kernels::gemv16`) takes.
-    pub const fn has_gemv16(self) -> bool {
-        matches!(
-            self,
-            QuantType::Q8_0
-                | QuantType::Q4_0
-                | QuantType::Q4_1
-                | QuantType::Q5_0
-                | QuantType::Q5_1
-                | QuantType::Q4K
-                | QuantType::Q5K
-                | QuantType::Q6K
-                | QuantType::IQ4NL
-                | QuantType::IQ4XS
-                | QuantType::Q3K
-                | QuantType::Q2K
-        )
-    }
 }
 
 impl DType {

@@ -47,7 +47,6 @@ pub fn kernels() -> Option<Kernels> {
         exp: |x| unsafe { exp(x) },
         // SAFETY: as above.
         geglu: |g, u| unsafe { geglu(g, u) },
-        gemm16: None,
         gemv16: None,
     })
 }

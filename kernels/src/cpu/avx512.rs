@@ -1,12 +1,11 @@
 //! AVX-512 VNNI kernels for quantized products (x86-64 with AVX512F/BW/VL and VNNI), on top of
 //! the AVX2 table.
 //!
-//! [`gemm16`] computes one weight row against 16 tokens at once: the tokens are the lanes
-//! ([`Packed16`]), each 4-byte group of the unpacked weight block is broadcast, and `vpdpbusd`
-//! accumulates the exact integer dot product of every token with that block in 8 instructions.
+//! This file holds the single-token dots and the per-type unpacking the 16-row kernel
+//! (`avx512_gemv.rs`) shares with them.
 //!
-//! Batch invariance: a token must get bit-identical results alone or in a batch, so the
-//! single-token dots of this table follow the same arithmetic as one `gemm16` lane: per block the
+//! Batch invariance: a token must get bit-identical results alone or in a batch, so every
+//! product of this table follows one lane arithmetic, the single-token dot's: per block the
 //! exact integer sum, then `acc[b % 4] = fma(isum, d_act * d_w, acc[b % 4])` and
 //! `off[b % 4] = fma(m_w, s_act, off[b % 4])`, finally `(acc0 + acc1) + (acc2 + acc3)` plus the
 //! same for `off`. Integer sums are exact in any order; every float operation happens in the same
@@ -15,8 +14,7 @@
 use super::avx2::prefetch;
 use super::avx2_group::{bits, fifth_bits, iq4, k_quants, load32, nibbles, q3k_quants, q6k_quants, q6k_scales};
 use super::{Isa, Kernels};
-use crate::packed::{Packed16, LANES};
-use crate::quant::{BlockQ8, QuantType, QK};
+use crate::quant::{BlockQ8, QuantType};
 use std::arch::x86_64::*;
 
 pub(super) const Q4_0: u8 = 0;
@@ -108,8 +106,6 @@ pub fn kernels() -> Option<Kernels> {
         // SAFETY: features detected above.
         quant: QuantType::ALL.map(quant_dots),
         // SAFETY: as above.
-        gemm16: Some(|dt, rows, p| unsafe { gemm16(dt, rows, p) }),
-        // SAFETY: as above.
         gemv16: Some(|dt, w, rb, a, out| unsafe { super::avx512_gemv::gemv16(dt, w, rb, a, out) }),
         // SAFETY: as above.
         attn_scores: |k, q, hd, g, scale, out| unsafe { super::avx512_attn::attn_scores(k, q, hd, g, scale, out) },
@@ -119,12 +115,12 @@ pub fn kernels() -> Option<Kernels> {
     })
 }
 
-/// The products of every quantized type, in the lane arithmetic of `gemm16` (module docs).
+/// The products of every quantized type, in the lane arithmetic (module docs).
 fn quant_dots(q: QuantType) -> super::QuantDots {
     with_kind!(q, K => lane_dots::<K>())
 }
 
-/// [`dot`] of `KIND` for one token and for four (four tokens go through `gemm16`, see
+/// [`dot`] of `KIND` for one token and for four (batches go through the 16-row kernel, see
 /// `matmul`; `four` only serves other callers).
 fn lane_dots<const KIND: u8>() -> super::QuantDots {
     super::QuantDots {
@@ -297,7 +293,7 @@ fn scales<const KIND: u8>(blk: &[u8]) -> (f32, f32) {
     }
 }
 
-/// One weight row against one token, in the lane arithmetic of [`gemm16`] (module docs).
+/// One weight row against one token, in the lane arithmetic (module docs).
 ///
 /// # Safety
 /// The CPU must support the features of [`kernels`].
@@ -362,154 +358,4 @@ unsafe fn dot<const KIND: u8>(w: &[u8], a: &[BlockQ8]) -> f32 {
         _mm_storeu_ps(o.as_mut_ptr(), off);
     }
     ((l[0] + l[1]) + (l[2] + l[3])) + ((o[0] + o[1]) + (o[2] + o[3]))
-}
-
-/// One or two weight rows against a packed group of 16 lanes: lane `l` is token `l / R` against
-/// row `l % R` (`R = rows.len()`; for two rows the caller packs every token twice).
-///
-/// # Safety
-/// The CPU must support the features of [`kernels`].
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn gemm16(dt: QuantType, rows: &[&[u8]], p: &Packed16) -> [f32; 16] {
-    with_kind!(dt, K => match *rows {
-        // SAFETY: same features as this function's caller guarantees.
-        [w] => unsafe { gemm16_kind::<K, 1>([w], p) },
-        // SAFETY: as above.
-        [w0, w1] => unsafe { gemm16_kind::<K, 2>([w0, w1], p) },
-        _ => panic!("gemm16 takes one or two rows of {dt:?}, not {}", rows.len()),
-    })
-}
-
-/// Two i32s as one 64-bit pattern broadcast to all lanes: `[x, y, x, y, ...]`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-fn pair_epi32(x: i32, y: i32) -> __m512i {
-    _mm512_set1_epi64(i64::from(x as u32) | (i64::from(y as u32) << 32))
-}
-
-/// Two f32s as one 64-bit pattern broadcast to all lanes: `[x, y, x, y, ...]`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-fn pair_ps(x: f32, y: f32) -> __m512 {
-    _mm512_castpd_ps(_mm512_set1_pd(f64::from_bits(u64::from(x.to_bits()) | (u64::from(y.to_bits()) << 32))))
-}
-
-/// # Safety
-/// The CPU must support the features of [`kernels`].
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn gemm16_kind<const KIND: u8, const R: usize>(w: [&[u8]; R], p: &Packed16) -> [f32; 16] {
-    let nb = p.blocks;
-    assert!(
-        w.iter().all(|w| w.len() >= row_bytes(KIND, nb))
-            && p.qs.len() >= nb * QK * LANES
-            && p.d.len() >= nb * LANES
-            && p.s.len() >= nb * LANES
-            && p.isum.len() >= nb * LANES
-            && p.isum_lo.len() >= nb * LANES
-    );
-    let mut acc = [_mm512_setzero_ps(); 4];
-    let mut off = [_mm512_setzero_ps(); 4];
-    // Weight quants of the block, dword j of row r at j * R + r.
-    let mut wb = [0i32; 16];
-    let mut step = |b: usize, acc: &mut __m512, off: &mut __m512| {
-        let unpack = |w: &[u8]| {
-            prefetch(w, block_at(KIND, b));
-            let g = group::<KIND>(w, b);
-            // Signed quants + 128 are unsigned bytes; 128 * Σa is subtracted below.
-            let wq = if signed(KIND) { _mm256_xor_si256(g.q, _mm256_set1_epi8(-128)) } else { g.q };
-            ((g.d, g.m, g.sc, g.mins), wq)
-        };
-        let ((d0, m0, sc0, mn0), wq0) = unpack(w[0]);
-        let (d, m, sc, mins) = if R == 1 {
-            // SAFETY: `wb` is 16 i32s.
-            unsafe { _mm256_storeu_si256(wb.as_mut_ptr().cast(), wq0) };
-            (
-                _mm512_set1_ps(d0),
-                _mm512_set1_ps(m0),
-                (_mm512_set1_epi32(sc0.0), _mm512_set1_epi32(sc0.1)),
-                (_mm512_set1_epi32(mn0.0), _mm512_set1_epi32(mn0.1)),
-            )
-        } else {
-            let ((d1, m1, sc1, mn1), wq1) = unpack(w[R - 1]);
-            let (x, y) = (_mm256_unpacklo_epi32(wq0, wq1), _mm256_unpackhi_epi32(wq0, wq1));
-            // SAFETY: `wb` is 16 i32s = 64 bytes.
-            unsafe {
-                _mm256_storeu_si256(wb.as_mut_ptr().cast(), _mm256_permute2x128_si256::<0x20>(x, y));
-                _mm256_storeu_si256(wb.as_mut_ptr().add(8).cast(), _mm256_permute2x128_si256::<0x31>(x, y));
-            }
-            (
-                pair_ps(d0, d1),
-                pair_ps(m0, m1),
-                (pair_epi32(sc0.0, sc1.0), pair_epi32(sc0.1, sc1.1)),
-                (pair_epi32(mn0.0, mn1.0), pair_epi32(mn0.1, mn1.1)),
-            )
-        };
-        // The broadcasts below must be loads from memory (load ports) rather than register
-        // shuffles (the one shuffle port), so the compiler may not see through the store.
-        let wb = std::hint::black_box(&mut wb);
-        // Two chains of four: the products of a block are not one long dependency chain. Q6_K's
-        // are its two halves, each with its own scale.
-        let mut isum = [_mm512_setzero_si512(); 2];
-        for j in 0..8 {
-            // SAFETY: 64 bytes at ((b * 8 + j) * 16) * 4 lie inside `qs` (asserted length).
-            let act = unsafe { _mm512_loadu_si512(p.qs.as_ptr().add((b * 8 + j) * LANES * 4).cast()) };
-            let four = if R == 1 {
-                _mm512_set1_epi32(wb[j])
-            } else {
-                // SAFETY: dwords 2j and 2j + 1 of `wb`.
-                _mm512_set1_epi64(unsafe { wb.as_ptr().add(2 * j).cast::<i64>().read_unaligned() })
-            };
-            let chain = if half_offset(KIND).is_some() { j / 4 } else { j % 2 };
-            isum[chain] = _mm512_dpbusd_epi32(isum[chain], four, act);
-        }
-        let [isum0, isum1] = isum;
-        let mut isum = _mm512_add_epi32(isum0, isum1);
-        // SAFETY: 16 values at b * 16 in each per-lane array (asserted lengths).
-        let (da, sa, asum) = unsafe {
-            (
-                _mm512_loadu_ps(p.d.as_ptr().add(b * LANES)),
-                _mm512_loadu_ps(p.s.as_ptr().add(b * LANES)),
-                _mm512_loadu_si512(p.isum.as_ptr().add(b * LANES).cast()),
-            )
-        };
-        if signed(KIND) {
-            isum = _mm512_sub_epi32(isum, _mm512_slli_epi32::<7>(asum));
-        }
-        // The activations' sums of the block's two halves (per-16 kinds).
-        // SAFETY: 16 values at b * 16 (asserted length).
-        let lo = unsafe { _mm512_loadu_si512(p.isum_lo.as_ptr().add(b * LANES).cast()) };
-        let hi = _mm512_sub_epi32(asum, lo);
-        if let Some(o) = half_offset(KIND) {
-            // sc0 (Σ₀ q a - o Σ₀ a) + sc1 (Σ₁ q a - o Σ₁ a), as the single-token dot's dwords.
-            let ov = _mm512_set1_epi32(o);
-            let h0 = _mm512_mullo_epi32(_mm512_sub_epi32(isum0, _mm512_mullo_epi32(lo, ov)), sc.0);
-            let h1 = _mm512_mullo_epi32(_mm512_sub_epi32(isum1, _mm512_mullo_epi32(hi, ov)), sc.1);
-            isum = _mm512_add_epi32(h0, h1);
-        }
-        let sc = _mm512_mul_ps(da, d);
-        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, *acc);
-        if has_offset(KIND) {
-            *off = _mm512_fmadd_ps(m, sa, *off);
-        }
-        if KIND == Q2K {
-            let msum = _mm512_add_epi32(_mm512_mullo_epi32(lo, mins.0), _mm512_mullo_epi32(hi, mins.1));
-            *off = _mm512_fmadd_ps(_mm512_mul_ps(da, m), _mm512_cvtepi32_ps(msum), *off);
-        }
-    };
-    // Blocks in fours, so each accumulator index is a constant (registers, not the stack).
-    let mut b = 0;
-    while b < nb {
-        for j in 0..4 {
-            if b + j < nb {
-                step(b + j, &mut acc[j], &mut off[j]);
-            }
-        }
-        b += 4;
-    }
-    let a = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-    let o = _mm512_add_ps(_mm512_add_ps(off[0], off[1]), _mm512_add_ps(off[2], off[3]));
-    let mut out = [0f32; 16];
-    // SAFETY: 16 f32s.
-    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(a, o)) };
-    out
 }

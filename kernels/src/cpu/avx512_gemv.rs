@@ -317,7 +317,7 @@ unsafe fn gemv16_kind<const KIND: u8, const WIDE: bool>(w: &[u8], rb: usize, a: 
         };
         (d, m)
     };
-    // Block `c`'s float step for the 16 rows and one token, as one gemm16 lane.
+    // Block `c`'s float step for the 16 rows and one token, as the single-token dot's.
     let step = |t: &Acts<'_>, c: usize, (d, m): (__m512, __m512), isum: __m512i, acc: &mut __m512, off: &mut __m512| {
         let sc = _mm512_mul_ps(_mm512_set1_ps(t.q8[c].d), d);
         *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, *acc);

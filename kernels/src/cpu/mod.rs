@@ -79,20 +79,12 @@ pub struct Kernels {
     /// the reference is [`crate::ops::geglu`], the AVX2 version `x · σ(2y)` through the vector
     /// `exp`).
     pub geglu: fn(&mut [f32], &[f32]),
-    /// One quantized weight row against a group of 16 packed tokens, or two rows against 8
-    /// tokens packed twice each (lane `l`: token `l / R`, row `l % R`), when the ISA has a
-    /// kernel for it. Its per-lane arithmetic is exactly that of the single-token dots of the
-    /// same table, so a token's result never depends on its batch.
-    pub gemm16: Option<Gemm16>,
     /// Sixteen consecutive quantized weight rows (`rb` bytes each) against 1 to
     /// [`GEMV_TOKENS`] tokens, each row's blocks unpacked once for all of them, when the ISA has
     /// a kernel for it; `out[t][i]` equals the single-token dot of row `i` with token `t` bit
     /// for bit.
     pub gemv16: Option<Gemv16>,
 }
-
-/// See [`Kernels::gemm16`].
-pub type Gemm16 = fn(QuantType, &[&[u8]], &crate::packed::Packed16) -> [f32; 16];
 
 /// See [`Kernels::gemv16`]: `(type, rows, rb, tokens' activations, out)`, one output per token.
 pub type Gemv16 = fn(QuantType, &[u8], usize, &[Acts<'_>], &mut [[f32; 16]]);
@@ -134,11 +126,6 @@ impl Kernels {
         (d.one, d.four)
     }
 
-    /// The 16-row kernel for `q`, where the table has one for it.
-    pub fn gemv16_for(&self, q: QuantType) -> Option<Gemv16> {
-        self.gemv16.filter(|_| q.has_gemv16())
-    }
-
     /// The products of a float weight type: one token, and four tokens where there is a
     /// kernel for it.
     pub fn float_dots(&self, f: FloatType) -> (DotF, Option<DotFx4>) {
@@ -166,7 +153,6 @@ impl Kernels {
             attn_values: scalar::attn_values,
             exp: scalar::exp,
             geglu: crate::ops::geglu,
-            gemm16: None,
             gemv16: None,
         }
     }

@@ -33,7 +33,7 @@ fn quantize_q8_matches(k: &Kernels, x: &[f32]) -> Result<(), TestCaseError> {
     Ok(())
 }
 
-/// Single, four-token and (AVX-512) gemm16 dots against the reference.
+/// Single and four-token dots against the reference.
 fn quantized_dots_match(k: &Kernels, w: &[f32], xs: &[Vec<f32>]) -> Result<(), TestCaseError> {
     let acts: Vec<Vec<BlockQ8>> = xs.iter().map(|x| q8(x)).collect();
     let a4 = [&acts[0][..], &acts[1][..], &acts[2][..], &acts[3][..]];
@@ -49,36 +49,6 @@ fn quantized_dots_match(k: &Kernels, w: &[f32], xs: &[Vec<f32>]) -> Result<(), T
             let scale: f32 = w.iter().zip(&xs[r]).map(|(a, b)| (a * b).abs()).sum();
             prop_assert!(close(want, one(&wb, &acts[r]), scale), "{:?} {:?} single", k.isa, dt);
             prop_assert!(close(want, got4[r], scale), "{:?} {:?} x4 row {}", k.isa, dt, r);
-        }
-        if let Some(gemm) = k.gemm16 {
-            let rows: Vec<&[BlockQ8]> = acts.iter().map(Vec::as_slice).collect();
-            let got = gemm(q, &[&wb], &crate::packed::Packed16::pack(&rows));
-            for r in 0..4 {
-                prop_assert_eq!(got[r], one(&wb, &acts[r]), "{:?} {:?} gemm16 lane {} is the single dot", k.isa, dt, r);
-            }
-            // Two weight rows (the second the first reversed), every token packed twice.
-            let mut wrev = Vec::new();
-            quantize_row(dt, &w.iter().rev().copied().collect::<Vec<_>>(), &mut wrev);
-            let twice: Vec<&[BlockQ8]> = rows.iter().flat_map(|&r| [r, r]).collect();
-            let got = gemm(q, &[&wb, &wrev], &crate::packed::Packed16::pack(&twice));
-            for r in 0..4 {
-                prop_assert_eq!(
-                    got[2 * r],
-                    one(&wb, &acts[r]),
-                    "{:?} {:?} two-row gemm16, row 0 token {}",
-                    k.isa,
-                    dt,
-                    r
-                );
-                prop_assert_eq!(
-                    got[2 * r + 1],
-                    one(&wrev, &acts[r]),
-                    "{:?} {:?} two-row gemm16, row 1 token {}",
-                    k.isa,
-                    dt,
-                    r
-                );
-            }
         }
     }
     Ok(())
@@ -249,7 +219,7 @@ proptest! {
         // single-token dot with that token.
         let k = super::table(super::Isa::Avx512Vnni);
         let gemv = k.gemv16.expect("the AVX-512 table has gemv16");
-        for q in QuantType::ALL.into_iter().filter(|q| q.has_gemv16()) {
+        for q in QuantType::ALL {
             let per = q.block_len() / QK;
             let (len, n) = if per > 1 { (16 * QK, per * (1 + blocks % 2)) } else { (7 * QK, blocks) };
             let acts: Vec<Vec<BlockQ8>> = xs.iter().map(|x| q8(&x[..n * QK])).collect();
