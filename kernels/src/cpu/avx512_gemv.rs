@@ -189,9 +189,9 @@ fn transpose_dwords(x: [__m512i; 4]) -> [__m512i; 4] {
 }
 
 /// [`gemv16_kind`] in the layout that is faster for `a`: weight-stationary (`WIDE`) for several
-/// tokens and for the kinds with a scale per 16 weights (Q6_K, Q3_K, Q2_K), else one `vpdpbusd` per row and block pair and a reduction across lanes
-/// (measured: 12% faster decode at batch 1 on SmolLM2 Q4_1, where the transposition does not
-/// pay for itself).
+/// tokens and for the kinds with a scale per 16 weights (Q6_K, Q3_K, Q2_K), else one
+/// `vpdpbusd` per row and block pair and a reduction across lanes (measured: 12% faster decode
+/// at batch 1 on SmolLM2 Q4_1, where the transposition does not pay for itself).
 ///
 /// # Safety
 /// The CPU must support the features of `avx512::kernels`.
@@ -209,7 +209,7 @@ unsafe fn gemv16_tokens<const KIND: u8>(w: &[u8], rb: usize, a: &[Acts<'_>], out
 /// Sixteen rows against the tokens `a`: each block pair of the rows is loaded, unpacked
 /// (`WIDE`: and transposed) and its scales gathered once, then multiplied with every token;
 /// per token the arithmetic is exactly the single-token one (module docs). Without `WIDE`
-/// (one token, not Q6_K) the lanes are the rows in order and each block pair's products are
+/// (one token, no per-16 scales) the lanes are the rows in order and each block pair's products are
 /// summed across lanes.
 ///
 /// # Safety
@@ -393,6 +393,11 @@ unsafe fn gemv16_kind<const KIND: u8, const WIDE: bool>(w: &[u8], rb: usize, a: 
             }
             _ => ([_mm512_setzero_si512(); 4], [_mm512_setzero_ps(); 4]),
         };
+        // Signed kinds: their quants were biased by +128, so 128 Σa of block c comes back off.
+        let bias = |at: &Acts<'_>, c: usize| {
+            let [lo, hi] = at.halves[c];
+            _mm512_set1_epi32((lo + hi) << 7)
+        };
         // b is even: its accumulator is 0 or 2, b + 1's the next one.
         let k = b % 4;
         if !WIDE {
@@ -414,13 +419,8 @@ unsafe fn gemv16_kind<const KIND: u8, const WIDE: bool>(w: &[u8], rb: usize, a: 
             let (mut s0, mut s1) =
                 reduce16(&std::array::from_fn(|i| _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[i], act)));
             if signed(KIND) {
-                // The quants were biased by +128: take 128 Σa back.
-                let bias = |c: usize| {
-                    let [lo, hi] = at.halves[c];
-                    _mm512_set1_epi32((lo + hi) << 7)
-                };
-                s0 = _mm512_sub_epi32(s0, bias(b));
-                s1 = if pair { _mm512_sub_epi32(s1, bias(b + 1)) } else { s1 };
+                s0 = _mm512_sub_epi32(s0, bias(at, b));
+                s1 = if pair { _mm512_sub_epi32(s1, bias(at, b + 1)) } else { s1 };
             }
             let [acc, off] = &mut sums[0];
             let ((a0, a1), (o0, o1)) = (acc.split_at_mut(k + 1), off.split_at_mut(k + 1));
@@ -470,9 +470,7 @@ unsafe fn gemv16_kind<const KIND: u8, const WIDE: bool>(w: &[u8], rb: usize, a: 
                 let block = |c: usize| {
                     let sum = chunk(c + 1, chunk(c, zero));
                     if signed(KIND) {
-                        // The quants were biased by +128: take 128 Σa back.
-                        let [lo, hi] = at.halves[b + c / 2];
-                        _mm512_sub_epi32(sum, _mm512_set1_epi32((lo + hi) << 7))
+                        _mm512_sub_epi32(sum, bias(at, b + c / 2))
                     } else {
                         sum
                     }

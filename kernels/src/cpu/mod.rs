@@ -108,6 +108,7 @@ impl Acts<'_> {
         q8.iter().map(|b| [sum(&b.qs[..QK / 2]), sum(&b.qs[QK / 2..])]).collect()
     }
 }
+
 /// See [`Kernels::attn_scores`]: `(k, q, hd, g, scale, out)`.
 pub type AttnScores = fn(&[half::f16], &[f32], usize, usize, f32, &mut [f32]);
 /// See [`Kernels::attn_values`]: `(v, p, hd, g, out)`.
