@@ -13,7 +13,7 @@
 //! - [`matmul`]: the multi-threaded matrix product driver over a [`pool::ThreadPool`].
 //! - [`ops`]: the small per-row operations of a transformer block (RMSNorm, RoPE, SwiGLU, softmax).
 //! - [`attention`]: attention over a paged K/V cache.
-//! - [`packed`]: activations laid out 16 tokens side by side for the AVX-512 VNNI kernel.
+//! - [`pack`]: weights repacked at load time, 16 rows interleaved, for the AVX-512 VNNI kernel.
 //!
 //! No kernel allocates on the hot path; callers own every buffer.
 
@@ -25,6 +25,7 @@ pub mod cuda;
 pub mod group;
 pub mod matmul;
 pub mod ops;
+pub mod pack;
 pub mod pool;
 pub mod quant;
 pub mod quantize;

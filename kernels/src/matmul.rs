@@ -8,6 +8,7 @@
 //! weight unpack, so a chunk is read from memory once per call whatever the batch size.
 
 use crate::cpu::{Acts, Kernels, GEMV_TOKENS};
+use crate::pack::Layout;
 use crate::pool::{SyncPtr, ThreadPool};
 use crate::quant::{BlockQ8, DType, FloatType, QuantType, WeightClass, QK};
 
@@ -18,6 +19,8 @@ pub struct Matrix<'a> {
     pub rows: usize,
     pub cols: usize,
     pub data: &'a [u8],
+    /// How the rows lie in `data`: as the file stores them, or packed for the 16-row kernel.
+    pub layout: Layout,
 }
 
 impl Matrix<'_> {
@@ -25,7 +28,10 @@ impl Matrix<'_> {
         self.dtype.bytes_for(self.cols).unwrap_or(0)
     }
 
+    /// The bytes of row `r`; of a packed matrix, only the rows past its last group of 16 (the
+    /// others are interleaved, see [`crate::pack`]).
     pub fn row(&self, r: usize) -> &[u8] {
+        debug_assert!(self.layout == Layout::Rows || r >= self.rows / 16 * 16, "row {r} is packed");
         let rb = self.row_bytes();
         &self.data[r * rb..(r + 1) * rb]
     }
@@ -67,9 +73,11 @@ pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<
     // 16-token kernel it replaced (GMAC/s, 2 threads, Sapphire Rapids): 8 tokens Q8_0 170 vs
     // 114, Q4_K 164 vs 50; 64 tokens Q8_0 206 vs 145, Q5_0 195 vs 121, Q4_K 202 vs 95, Q6_K
     // 152 vs 89.
-    let gemv = |w: &Matrix<'_>| match w.dtype.class() {
-        WeightClass::Quantized(_) => k.gemv16,
-        WeightClass::Float(_) => None,
+    // Packed matrices take the kernel of their layout.
+    let gemv = |w: &Matrix<'_>| match (w.dtype.class(), w.layout) {
+        (WeightClass::Quantized(_), Layout::Rows) => k.gemv16,
+        (WeightClass::Quantized(_), Layout::Packed16) => k.gemv16_packed,
+        (WeightClass::Float(_), _) => None,
     };
     let align = |w: &Matrix<'_>| if gemv(w).is_some() { 16 } else { 1 };
     let mut first_task = Vec::with_capacity(ws.len() + 1);
@@ -78,6 +86,7 @@ pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<
         assert_eq!(y.len(), w.rows * t, "output shape");
         assert_eq!(x.f32.len(), t * w.cols, "input shape");
         assert!(w.data.len() >= w.rows * w.row_bytes(), "weight bytes");
+        assert!(w.layout == Layout::Rows || k.packs(w.dtype), "{:?} has no kernel for packed {:?}", k.isa, w.dtype);
         if w.dtype.is_quantized() {
             assert_eq!(x.q8.len(), t * w.cols / QK, "quantized input shape");
         }
@@ -232,7 +241,8 @@ mod tests {
         // bit-identical outputs. AVX-512 covers each path of the 16-row kernel: the row-order
         // layout alone and the weight-stationary one in batches, groups of 16 and a rest (21,
         // 24), and rows past the last 16 (19 rows); AVX2 and the reference the four-token
-        // dots and a rest.
+        // dots and a rest. Where the table packs the type, the packed matrix must give the
+        // same bits as the unpacked one alone, at every batch size (1 included).
         let pool = ThreadPool::new(2);
         let rows = 19;
         // Every type; rows of 96 weights, or 256 for the super-block formats.
@@ -245,13 +255,15 @@ mod tests {
                 for r in 0..rows {
                     quantize_row(dt, &wf[r * cols..(r + 1) * cols], &mut data);
                 }
-                let w = Matrix { dtype: dt, rows, cols, data: &data };
-                let run = |tokens: usize| {
+                let w = Matrix { dtype: dt, rows, cols, data: &data, layout: Layout::Rows };
+                let packed = kern.packs(dt).then(|| crate::pack::pack(dt, rows, cols, &data)).flatten();
+                let packed = packed.as_ref().map(|p| Matrix { data: p, layout: Layout::Packed16, ..w });
+                let run = |w: &Matrix<'_>, tokens: usize| {
                     let xs = &x[..tokens * cols];
                     let mut q8 = vec![BlockQ8::default(); tokens * cols / QK];
                     (kern.quantize_q8)(xs, &mut q8);
                     let mut y = vec![0.0; rows * tokens];
-                    matmul(&pool, kern, &w, &Input { f32: xs, q8: &q8, tokens }, &mut y);
+                    matmul(&pool, kern, w, &Input { f32: xs, q8: &q8, tokens }, &mut y);
                     y
                 };
                 let alone: Vec<Vec<f32>> = (0..24)
@@ -264,16 +276,22 @@ mod tests {
                         y
                     })
                     .collect();
-                for tokens in [2, 3, 4, 5, 6, 8, 9, 21, 24] {
-                    let y = run(tokens);
+                let batches = [(&w, 2), (&w, 3), (&w, 4), (&w, 5), (&w, 6), (&w, 8), (&w, 9), (&w, 21), (&w, 24)];
+                let packed_batches = packed.iter().flat_map(|p| [1, 2, 5, 16, 21].map(|n| (p, n)));
+                for (w, tokens) in batches.into_iter().chain(packed_batches) {
+                    let y = run(w, tokens);
                     for t in 0..tokens {
                         assert_eq!(
                             &y[t * rows..(t + 1) * rows],
                             &alone[t][..],
-                            "{:?} {dt:?}: token {t} of {tokens}",
-                            kern.isa
+                            "{:?} {dt:?} {:?}: token {t} of {tokens}",
+                            kern.isa,
+                            w.layout
                         );
                     }
+                }
+                if kern.isa == crate::Isa::Avx512Vnni && dt == DType::Q8_0 {
+                    assert!(packed.is_some(), "the AVX-512 table packs Q8_0");
                 }
             }
         }
@@ -291,7 +309,7 @@ mod tests {
                 for r in 0..rows {
                     quantize_row(dt, &wf[r * cols..(r + 1) * cols], &mut data);
                 }
-                let w = Matrix { dtype: dt, rows, cols, data: &data };
+                let w = Matrix { dtype: dt, rows, cols, data: &data, layout: Layout::Rows };
                 let mut q8 = vec![BlockQ8::default(); tokens * cols / QK];
                 (kern.quantize_q8)(&x, &mut q8);
                 let mut y = vec![0.0; rows * tokens];

@@ -48,6 +48,7 @@ pub fn kernels() -> Option<Kernels> {
         // SAFETY: as above.
         geglu: |g, u| unsafe { geglu(g, u) },
         gemv16: None,
+        gemv16_packed: None,
     })
 }
 

@@ -108,6 +108,8 @@ pub fn kernels() -> Option<Kernels> {
         // SAFETY: as above.
         gemv16: Some(|dt, w, rb, a, out| unsafe { super::avx512_gemv::gemv16(dt, w, rb, a, out) }),
         // SAFETY: as above.
+        gemv16_packed: Some(|dt, w, rb, a, out| unsafe { super::avx512_packed::gemv16_packed(dt, w, rb, a, out) }),
+        // SAFETY: as above.
         attn_scores: |k, q, hd, g, scale, out| unsafe { super::avx512_attn::attn_scores(k, q, hd, g, scale, out) },
         // SAFETY: as above.
         attn_values: |v, p, hd, g, out| unsafe { super::avx512_attn::attn_values(v, p, hd, g, out) },

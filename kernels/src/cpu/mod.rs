@@ -18,6 +18,8 @@ pub mod avx512;
 mod avx512_attn;
 #[cfg(target_arch = "x86_64")]
 mod avx512_gemv;
+#[cfg(target_arch = "x86_64")]
+mod avx512_packed;
 pub mod scalar;
 
 /// The instruction set a kernel table was built for.
@@ -84,6 +86,9 @@ pub struct Kernels {
     /// a kernel for it; `out[t][i]` equals the single-token dot of row `i` with token `t` bit
     /// for bit.
     pub gemv16: Option<Gemv16>,
+    /// [`Kernels::gemv16`] on a group of 16 rows in the packed layout ([`crate::pack`]), for
+    /// the types that have one; the same results bit for bit.
+    pub gemv16_packed: Option<Gemv16>,
 }
 
 /// See [`Kernels::gemv16`]: `(type, rows, rb, tokens' activations, out)`, one output per token.
@@ -137,6 +142,12 @@ impl Kernels {
         }
     }
 
+    /// Whether matrices of `dt` are worth packing for this table: it has the packed kernel and
+    /// the type a packed layout ([`crate::pack::pack`]).
+    pub fn packs(&self, dt: crate::quant::DType) -> bool {
+        self.gemv16_packed.is_some() && crate::pack::has_layout(dt)
+    }
+
     /// The scalar reference table.
     pub fn scalar() -> Self {
         Kernels {
@@ -155,6 +166,7 @@ impl Kernels {
             exp: scalar::exp,
             geglu: crate::ops::geglu,
             gemv16: None,
+            gemv16_packed: None,
         }
     }
 

@@ -129,6 +129,27 @@ fn zeroed(n: usize) -> Vec<f16> {
     vec![0u16; n].reinterpret_into()
 }
 
+/// `w` with every matrix whose type the kernels read faster packed ([`Kernels::packs`]) in
+/// the packed layout, in memory of the backend's own; the embedding stays as the file has it
+/// (a lookup reads single rows), even where the output projection is the same tensor. The
+/// file's pages of what was packed are let go, so the process holds the weights once (a tied
+/// embedding's pages come back row by row as lookups read them).
+fn pack_weights(mut w: LlamaWeights, k: &Kernels) -> LlamaWeights {
+    let pack = |t: &mut Tensor| {
+        if let Some(p) = k.packs(t.dtype).then(|| t.packed()).flatten() {
+            t.release();
+            *t = p;
+        }
+    };
+    for l in &mut w.layers {
+        for t in [&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.w_gate, &mut l.w_up, &mut l.w_down] {
+            pack(t);
+        }
+    }
+    pack(&mut w.output);
+    w
+}
+
 impl CpuBackend {
     /// A backend for `model` with its KV pool sized from `opts.kv_budget_bytes` (one block at
     /// least) on `opts.threads()` threads; refused when the model's architecture asks for
@@ -162,6 +183,8 @@ impl CpuBackend {
             .into_iter()
             .map(|(freq, scale)| Rope::with_frequencies(cfg.rope_style, freq).scaled(scale))
             .collect();
+        let kernels = Kernels::detect();
+        let w = pack_weights(w, &kernels);
         CpuBackend {
             k_cache: (0..groups.slots).map(|_| zeroed(per_slot)).collect(),
             v_cache: (0..groups.slots).map(|_| zeroed(per_slot)).collect(),
@@ -169,7 +192,7 @@ impl CpuBackend {
             cfg,
             arch,
             w,
-            kernels: Kernels::detect(),
+            kernels,
             pool: ThreadPool::new(threads.max(1)),
             ropes,
             rope_of,

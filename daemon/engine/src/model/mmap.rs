@@ -81,13 +81,17 @@ pub fn release_pages(buf: &mut [half::f16]) {
     }
 }
 
-/// Bytes a tensor lives in: a mapped file, or an owned buffer (models built in memory, tests).
+/// Bytes a tensor lives in: a mapped file, or an owned buffer (models built in memory, tests,
+/// weights a backend rearranged at load).
 #[derive(Clone)]
-pub struct Blob(Arc<dyn Deref<Target = [u8]> + Send + Sync>);
+pub enum Blob {
+    Map(Arc<memmap2::Mmap>),
+    Owned(Arc<dyn Deref<Target = [u8]> + Send + Sync>),
+}
 
 impl std::fmt::Debug for Blob {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Blob({} bytes)", self.0.len())
+        write!(f, "Blob({} bytes)", self.bytes().len())
     }
 }
 
@@ -101,14 +105,44 @@ impl Blob {
         // length and offset read from them is checked before use, so the worst case is wrong
         // numbers or SIGBUS, the same contract every mmap-based loader (llama.cpp) has.
         let map = unsafe { memmap2::MmapOptions::new().map(&file)? };
-        Ok(Blob(Arc::new(map)))
+        Ok(Blob::Map(Arc::new(map)))
     }
 
     pub fn from_vec(v: Vec<u8>) -> Blob {
-        Blob(Arc::new(v))
+        Blob::Owned(Arc::new(v))
+    }
+
+    /// Bytes of any owner.
+    pub fn from_bytes(v: impl Deref<Target = [u8]> + Send + Sync + 'static) -> Blob {
+        Blob::Owned(Arc::new(v))
     }
 
     pub fn bytes(&self) -> &[u8] {
-        &self.0
+        match self {
+            Blob::Map(m) => m,
+            Blob::Owned(v) => v,
+        }
+    }
+
+    /// Says the whole pages of `bytes()[offset..offset + len]` of a mapped file will not be
+    /// read for a while (a backend copied them into a layout of its own): they stop counting
+    /// as this process's resident memory and are read from the page cache or the file again
+    /// if touched. Does nothing to an owned buffer, or elsewhere than on Linux.
+    pub fn release(&self, offset: usize, len: usize) {
+        #[cfg(target_os = "linux")]
+        if let Blob::Map(m) = self {
+            const PAGE: usize = 4096;
+            let start = m.as_ptr() as usize;
+            let end = offset.saturating_add(len).min(m.len());
+            let (first, last) = ((start + offset).next_multiple_of(PAGE) - start, (start + end) / PAGE * PAGE - start);
+            if last > first {
+                // SAFETY: the range lies inside the map (clamped to its length) and is
+                // page-aligned. The map is a read-only view of a file that this process never
+                // writes, so a dropped page reads back as the same bytes from the page cache
+                // or the file: no reference into the map sees a change. Only residency
+                // changes; the advice failing changes nothing.
+                let _ = unsafe { m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, first, last - first) };
+            }
+        }
     }
 }

@@ -8,6 +8,7 @@ use super::config::LlamaConfig;
 use super::mmap::Blob;
 use super::ModelError;
 use inferd_kernels::matmul::Matrix;
+use inferd_kernels::pack::Layout;
 use inferd_kernels::quant::dequantize_row;
 use inferd_kernels::DType;
 
@@ -20,6 +21,8 @@ pub struct Tensor {
     pub cols: usize,
     blob: Blob,
     offset: usize,
+    /// How the rows lie in the bytes: as the file stores them, or packed by the CPU backend.
+    layout: Layout,
 }
 
 impl Tensor {
@@ -40,7 +43,7 @@ impl Tensor {
         if offset.checked_add(len).is_none_or(|end| end > blob.bytes().len()) {
             return Err(bad());
         }
-        Ok(Tensor { name: name.to_string(), dtype, rows, cols, blob, offset })
+        Ok(Tensor { name: name.to_string(), dtype, rows, cols, blob, offset, layout: Layout::Rows })
     }
 
     pub fn bytes(&self) -> &[u8] {
@@ -49,12 +52,34 @@ impl Tensor {
     }
 
     pub fn matrix(&self) -> Matrix<'_> {
-        Matrix { dtype: self.dtype, rows: self.rows, cols: self.cols, data: self.bytes() }
+        Matrix { dtype: self.dtype, rows: self.rows, cols: self.cols, data: self.bytes(), layout: self.layout }
+    }
+
+    /// This tensor in the layout the 16-row kernel reads fastest, in memory of its own
+    /// ([`inferd_kernels::pack`]); `None` when its type has no packed layout.
+    pub fn packed(&self) -> Option<Tensor> {
+        let bytes = inferd_kernels::pack::pack(self.dtype, self.rows, self.cols, self.bytes())?;
+        let blob = Blob::from_bytes(bytes);
+        let (name, dtype, rows, cols) = (self.name.clone(), self.dtype, self.rows, self.cols);
+        Some(Tensor { name, dtype, rows, cols, blob, offset: 0, layout: Layout::Packed16 })
+    }
+
+    /// Says this tensor's bytes in the file will not be read for a while ([`Blob::release`]):
+    /// after it was packed, for instance.
+    pub fn release(&self) {
+        self.blob.release(self.offset, self.bytes().len());
     }
 
     /// Dequantizes row `r` into `out` (`cols` floats): embedding lookups.
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
-        dequantize_row(self.dtype, self.matrix().row(r), out);
+        let m = self.matrix();
+        if self.layout == Layout::Packed16 {
+            let mut row = vec![0; m.row_bytes()];
+            inferd_kernels::pack::unpack_row(self.dtype, m.data, m.row_bytes(), r, &mut row);
+            dequantize_row(self.dtype, &row, out);
+        } else {
+            dequantize_row(self.dtype, m.row(r), out);
+        }
     }
 
     /// The whole tensor as f32 (for small vectors such as norm weights).
@@ -66,8 +91,10 @@ impl Tensor {
         v
     }
 
-    /// Rows `r0..r1` of this tensor (one part of a fused matrix), still in place.
+    /// Rows `r0..r1` of this tensor (one part of a fused matrix), still in place; of a tensor
+    /// in the file's layout (fused matrices are split at load, before any packing).
     pub fn rows_of(&self, r0: usize, r1: usize) -> Tensor {
+        assert_eq!(self.layout, Layout::Rows, "rows of a packed tensor");
         let rb = self.dtype.bytes_for(self.cols).unwrap_or(0);
         let (r0, r1) = (r0.min(self.rows), r1.min(self.rows).max(r0.min(self.rows)));
         Tensor {
@@ -77,6 +104,7 @@ impl Tensor {
             cols: self.cols,
             blob: self.blob.clone(),
             offset: self.offset + r0 * rb,
+            layout: Layout::Rows,
         }
     }
 
@@ -295,5 +323,28 @@ impl LlamaWeights {
         };
         let output_norm = norm(naming.global(if hf { "norm" } else { "output_norm" }), h)?;
         Ok(LlamaWeights { token_embd, layers, output_norm, output })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_packed_tensor_keeps_its_rows() {
+        // 35 rows: two packed groups of 16 and three rows as they were.
+        let (rows, cols) = (35, 64);
+        let wf: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 113) as f32 / 56.0 - 1.0).collect();
+        let mut data = Vec::new();
+        for r in wf.chunks_exact(cols) {
+            inferd_kernels::quant::quantize_row(DType::Q8_0, r, &mut data);
+        }
+        let t = Tensor::new("w", DType::Q8_0, rows, cols, Blob::from_vec(data), 0).unwrap();
+        let p = t.packed().unwrap();
+        assert_eq!((p.matrix().layout, p.bytes().len()), (Layout::Packed16, t.bytes().len()));
+        assert_ne!(p.bytes(), t.bytes(), "the rows are rearranged");
+        assert_eq!(p.to_f32(), t.to_f32());
+        let f16 = Tensor::new("f", DType::F16, 16, 8, Blob::from_vec(vec![0; 256]), 0).unwrap();
+        assert!(f16.packed().is_none(), "float weights are not packed");
     }
 }
