@@ -7,19 +7,49 @@
 //! 64-byte vector carries one dword of every row, row `i` in lane `i`. The rows past the last
 //! whole group stay as they were, so [`crate::matmul::Matrix::row`] still finds them.
 //!
-//! Types with a packed layout ([`has_layout`]):
-//! - Q8_0, for each pair of blocks `b`, `b + 1` of the group (at byte `544 b`): the 16 rows'
-//!   f16 scales of block `b` (32 bytes), those of `b + 1` (32), then block `b`'s quants as 8
-//!   vectors (vector `m`: bytes `4m..4m + 4` of every row, biased by +128 as `vpdpbusd`'s
-//!   unsigned operand wants them), then block `b + 1`'s. A last block without a pair is its
-//!   scales, then its 8 vectors.
+//! The layout, per type: a block is a list of fields ([`fields`]). The blocks of 32 weights
+//! go in pairs `b`, `b + 1` (the kernel's step), a super-block alone; a unit starts at byte
+//! `16 * block_bytes * b` of the group and holds its blocks field by field: field `k` of its
+//! first block for the 16 rows, of its second, then field `k + 1`. Inside, a 2-byte field (an
+//! f16 scale) is the 16 rows side by side (one `vcvtph2ps` load), a longer one is stored by
+//! dword: vector `m` holds dword `m` of the field of every row. Two fields are stored in the
+//! form the kernel wants rather than the file's: Q8_0's quants biased by +128 (`vpdpbusd`'s
+//! unsigned operand), and Q5_0's and Q5_1's fifth bits reordered so that one shift brings
+//! those of four consecutive weights to the four bytes of a dword ([`fifth_bit_at`]).
 
-use crate::quant::{DType, QuantType};
+use crate::quant::{DType, QuantType, WeightClass};
 use std::ops::Deref;
+
+/// The fields of a block of `q` in file order, in bytes, where `q` has a packed layout.
+fn fields(q: QuantType) -> Option<&'static [usize]> {
+    Some(match q {
+        QuantType::Q8_0 => &[2, 32],
+        QuantType::Q4_0 | QuantType::IQ4NL => &[2, 16],
+        QuantType::Q4_1 => &[2, 2, 16],
+        QuantType::Q5_0 => &[2, 4, 16],
+        QuantType::Q5_1 => &[2, 2, 4, 16],
+        _ => return None,
+    })
+}
 
 /// Whether `dt` has a packed layout (module docs).
 pub fn has_layout(dt: DType) -> bool {
-    dt == QuantType::Q8_0.dtype()
+    matches!(dt.class(), WeightClass::Quantized(q) if fields(q).is_some())
+}
+
+/// The byte of the unit starting at block `b0` (`n` blocks: 1 or 2) where field `k` of its
+/// block `b0 + c` starts for the 16 rows (module docs); the kernel's addresses.
+pub(crate) fn field_at(q: QuantType, n: usize, k: usize, c: usize) -> usize {
+    let f = fields(q).unwrap_or(&[]);
+    16 * (n * f[..k].iter().sum::<usize>() + c * f[k])
+}
+
+/// Where Q5_0's and Q5_1's fifth bit of weight `e` (bit `e` of the file's `qh`) is kept: bit
+/// `8 k + 2 m + h` for weight `16 h + 4 m + k`, so that a shift by `2 m + h` brings the bits of
+/// the four weights of quant dword `m`'s low (`h = 0`) or high (`h = 1`) nibbles to bit 0 of
+/// the dword's four bytes.
+pub(crate) const fn fifth_bit_at(e: usize) -> usize {
+    8 * (e % 4) + 2 * (e % 16 / 4) + e / 16
 }
 
 /// How a matrix's rows lie in its bytes.
@@ -54,24 +84,44 @@ impl std::fmt::Debug for PackedBytes {
     }
 }
 
-/// Where byte `j` of block `b` of row `i` of a Q8_0 group (`nb` blocks a row) lies in the
-/// packed group, and whether it is a quant (stored biased by +128).
-fn q8_0_place(nb: usize, i: usize, b: usize, j: usize) -> (usize, bool) {
-    const BLOCK: usize = 34;
-    let pair = 16 * BLOCK * (b & !1);
-    let (scales, quants) =
-        if (b | 1) < nb { (pair + 32 * (b % 2), pair + 64 + 512 * (b % 2)) } else { (pair, pair + 32) };
-    if j < 2 {
-        (scales + 2 * i + j, false)
-    } else {
-        let q = j - 2;
-        (quants + 64 * (q / 4) + 4 * i + q % 4, true)
+/// Where byte `j` of block `b` of row `i` lies in its packed group (`nb` blocks a row).
+fn place(q: QuantType, nb: usize, i: usize, b: usize, j: usize) -> usize {
+    let per = if q.block_len() == 32 { 2 } else { 1 };
+    let b0 = b / per * per;
+    let n = per.min(nb - b0);
+    let f = fields(q).unwrap_or(&[]);
+    let (mut k, mut start) = (0, 0);
+    while j >= start + f[k] {
+        start += f[k];
+        k += 1;
+    }
+    let at = 16 * q.block_bytes() * b0 + field_at(q, n, k, b - b0);
+    let o = j - start;
+    at + if f[k] == 2 { 2 * i + o } else { 64 * (o / 4) + 4 * i + o % 4 }
+}
+
+/// A block of `q` between the file's form and the kernel's (module docs), in place; `to_kernel`
+/// picks the direction.
+fn convert(q: QuantType, block: &mut [u8], to_kernel: bool) {
+    match q {
+        QuantType::Q8_0 => block[2..].iter_mut().for_each(|v| *v ^= 0x80),
+        QuantType::Q5_0 | QuantType::Q5_1 => {
+            let at = if q == QuantType::Q5_0 { 2 } else { 4 };
+            let qh = u32::from_le_bytes([block[at], block[at + 1], block[at + 2], block[at + 3]]);
+            let moved = (0..32).fold(0u32, |v, e| {
+                let (from, to) = if to_kernel { (e, fifth_bit_at(e)) } else { (fifth_bit_at(e), e) };
+                v | ((qh >> from) & 1) << to
+            });
+            block[at..at + 4].copy_from_slice(&moved.to_le_bytes());
+        }
+        _ => {}
     }
 }
 
 /// `data` (`rows` rows of `cols` weights of type `dt`, row after row) in the packed layout, or
 /// `None` when `dt` has none ([`has_layout`]) or the shape does not fit the type.
 pub fn pack(dt: DType, rows: usize, cols: usize, data: &[u8]) -> Option<PackedBytes> {
+    let WeightClass::Quantized(q) = dt.class() else { return None };
     let rb = dt.bytes_for(cols)?;
     if !has_layout(dt) || data.len() < rows.checked_mul(rb)? {
         return None;
@@ -81,13 +131,15 @@ pub fn pack(dt: DType, rows: usize, cols: usize, data: &[u8]) -> Option<PackedBy
     let start = buf.as_ptr().align_offset(64).min(63);
     let out = &mut buf[start..start + len];
     let whole = rows / 16 * 16;
-    let nb = rb / dt.block_bytes();
+    let (bb, nb) = (q.block_bytes(), rb / q.block_bytes());
+    let mut block = vec![0u8; bb];
     for (group, dst) in data[..whole * rb].chunks_exact(16 * rb).zip(out.chunks_exact_mut(16 * rb)) {
         for i in 0..16 {
-            for (b, block) in group[i * rb..(i + 1) * rb].chunks_exact(dt.block_bytes()).enumerate() {
+            for (b, src) in group[i * rb..(i + 1) * rb].chunks_exact(bb).enumerate() {
+                block.copy_from_slice(src);
+                convert(q, &mut block, true);
                 for (j, &v) in block.iter().enumerate() {
-                    let (at, quant) = q8_0_place(nb, i, b, j);
-                    dst[at] = if quant { v ^ 0x80 } else { v };
+                    dst[place(q, nb, i, b, j)] = v;
                 }
             }
         }
@@ -99,6 +151,7 @@ pub fn pack(dt: DType, rows: usize, cols: usize, data: &[u8]) -> Option<PackedBy
 /// The bytes of row `r` of a packed matrix (`data`, rows of `rb` bytes of type `dt`) as the
 /// file stored them, into `out` (`rb` bytes).
 pub fn unpack_row(dt: DType, data: &[u8], rb: usize, r: usize, out: &mut [u8]) {
+    let WeightClass::Quantized(q) = dt.class() else { panic!("{dt:?} is not packed") };
     assert!(has_layout(dt) && out.len() == rb, "a row of a packed type");
     let (group, i) = (r / 16, r % 16);
     let g = &data[group * 16 * rb..];
@@ -107,12 +160,12 @@ pub fn unpack_row(dt: DType, data: &[u8], rb: usize, r: usize, out: &mut [u8]) {
         out.copy_from_slice(&g[i * rb..(i + 1) * rb]);
         return;
     }
-    let nb = rb / dt.block_bytes();
-    for (b, block) in out.chunks_exact_mut(dt.block_bytes()).enumerate() {
+    let nb = rb / q.block_bytes();
+    for (b, block) in out.chunks_exact_mut(q.block_bytes()).enumerate() {
         for (j, v) in block.iter_mut().enumerate() {
-            let (at, quant) = q8_0_place(nb, i, b, j);
-            *v = if quant { g[at] ^ 0x80 } else { g[at] };
+            *v = g[place(q, nb, i, b, j)];
         }
+        convert(q, block, false);
     }
 }
 
@@ -124,28 +177,39 @@ mod tests {
     fn every_row_unpacks_to_its_bytes_and_the_packing_moves_every_byte() {
         // Odd and even block counts, whole groups and a rest of rows: each row must come back
         // as it was, and the packing must be a permutation (no two bytes to one place).
-        let dt = QuantType::Q8_0.dtype();
-        for (rows, blocks) in [(16, 2), (16, 3), (35, 1), (48, 4), (7, 2)] {
-            let rb = blocks * dt.block_bytes();
-            let data: Vec<u8> = (0..rows * rb).map(|i| (i * 7919 % 251) as u8).collect();
-            let packed = pack(dt, rows, blocks * 32, &data).unwrap();
-            assert_eq!(packed.len(), data.len());
-            assert_eq!(packed.as_ptr() as usize % 64, 0, "the packed bytes start on a cache line");
-            let mut row = vec![0u8; rb];
-            for r in 0..rows {
-                unpack_row(dt, &packed, rb, r, &mut row);
-                assert_eq!(row, data[r * rb..(r + 1) * rb], "{rows} rows of {blocks} blocks: row {r}");
-            }
-            let mut hit = vec![false; 16 * rb];
-            for i in 0..16 {
-                for b in 0..blocks {
-                    for j in 0..dt.block_bytes() {
-                        let (at, _) = q8_0_place(blocks, i, b, j);
-                        assert!(!std::mem::replace(&mut hit[at], true), "byte {at} taken twice");
+        for q in QuantType::ALL.into_iter().filter(|q| has_layout(q.dtype())) {
+            let dt = q.dtype();
+            for (rows, blocks) in [(16, 2), (16, 3), (35, 1), (48, 4), (7, 2)] {
+                let rb = blocks * dt.block_bytes();
+                let data: Vec<u8> = (0..rows * rb).map(|i| (i * 7919 % 251) as u8).collect();
+                let packed = pack(dt, rows, blocks * dt.block_len(), &data).unwrap();
+                assert_eq!(packed.len(), data.len());
+                assert_eq!(packed.as_ptr() as usize % 64, 0, "the packed bytes start on a cache line");
+                let mut row = vec![0u8; rb];
+                for r in 0..rows {
+                    unpack_row(dt, &packed, rb, r, &mut row);
+                    assert_eq!(row, data[r * rb..(r + 1) * rb], "{q:?}: {rows} rows of {blocks} blocks: row {r}");
+                }
+                let mut hit = vec![false; 16 * rb];
+                for i in 0..16 {
+                    for b in 0..blocks {
+                        for j in 0..dt.block_bytes() {
+                            let at = place(q, blocks, i, b, j);
+                            assert!(!std::mem::replace(&mut hit[at], true), "{q:?}: byte {at} taken twice");
+                        }
                     }
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_fifth_bits_are_a_permutation() {
+        let mut seen = 0u32;
+        for e in 0..32 {
+            seen |= 1 << fifth_bit_at(e);
+        }
+        assert_eq!(seen, u32::MAX);
     }
 
     #[test]

@@ -5,8 +5,9 @@
 //! exactly the float arithmetic of the single-token dot (`avx512.rs`), so the result equals
 //! that dot on the unpacked row bit for bit.
 
-use super::avx512::Q8_0;
+use super::avx512::{has_offset, signed, IQ4NL, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 use super::{Acts, GEMV_TOKENS};
+use crate::pack::field_at;
 use crate::quant::QuantType;
 use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
@@ -20,87 +21,187 @@ use std::mem::MaybeUninit;
 pub(super) unsafe fn gemv16_packed(dt: QuantType, w: &[u8], rb: usize, a: &[Acts<'_>], out: &mut [[f32; 16]]) {
     match dt {
         // SAFETY: same features as this function's caller guarantees.
-        QuantType::Q8_0 => unsafe { packed_kind::<Q8_0>(w, rb, a, out) },
+        QuantType::Q8_0 => unsafe { packed_kind::<Q8_0>(dt, w, rb, a, out) },
+        // SAFETY: as above.
+        QuantType::Q4_0 => unsafe { packed_kind::<Q4_0>(dt, w, rb, a, out) },
+        // SAFETY: as above.
+        QuantType::Q4_1 => unsafe { packed_kind::<Q4_1>(dt, w, rb, a, out) },
+        // SAFETY: as above.
+        QuantType::Q5_0 => unsafe { packed_kind::<Q5_0>(dt, w, rb, a, out) },
+        // SAFETY: as above.
+        QuantType::Q5_1 => unsafe { packed_kind::<Q5_1>(dt, w, rb, a, out) },
+        // SAFETY: as above.
+        QuantType::IQ4NL => unsafe { packed_kind::<IQ4NL>(dt, w, rb, a, out) },
         _ => panic!("{dt:?} has no packed layout"),
     }
 }
 
-/// See [`gemv16_packed`].
+/// See [`gemv16_packed`]: the types of 32-weight blocks (`q` is `KIND`'s type).
 ///
 /// # Safety
 /// The CPU must support the features of `avx512::kernels`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn packed_kind<const KIND: u8>(w: &[u8], rb: usize, a: &[Acts<'_>], out: &mut [[f32; 16]]) {
-    const BLOCK: usize = 34;
+unsafe fn packed_kind<const KIND: u8>(q: QuantType, w: &[u8], rb: usize, a: &[Acts<'_>], out: &mut [[f32; 16]]) {
+    let bb = q.block_bytes();
     let n = a.len();
     assert!((1..=GEMV_TOKENS).contains(&n) && out.len() == n, "1 to {GEMV_TOKENS} tokens, one output each");
     let nb = a[0].q8.len();
     assert!(
-        a.iter().all(|t| t.q8.len() == nb && t.halves.len() == nb) && rb == nb * BLOCK && w.len() >= 16 * rb,
+        a.iter().all(|t| t.q8.len() == nb && t.halves.len() == nb) && rb == nb * bb && w.len() >= 16 * rb,
         "16 packed rows of {nb} blocks"
     );
-    // Per token, the four block accumulators (the single-token dot's `acc[b % 4]`); zeroed for
-    // the tokens of the call only.
-    let mut sums = [const { MaybeUninit::<[__m512; 4]>::uninit() }; GEMV_TOKENS];
+    // Per token, the four block accumulators of the products and of the offsets (the
+    // single-token dot's `acc[b % 4]`, `off[b % 4]`); zeroed for the tokens of the call only.
+    let mut sums = [const { MaybeUninit::<[[__m512; 4]; 2]>::uninit() }; GEMV_TOKENS];
     for s in &mut sums[..n] {
-        s.write([_mm512_setzero_ps(); 4]);
+        s.write([[_mm512_setzero_ps(); 4]; 2]);
     }
     // SAFETY: the first n elements were initialized just above, and MaybeUninit<T> has the
     // layout of T.
-    let sums: &mut [[__m512; 4]] = unsafe { std::slice::from_raw_parts_mut(sums.as_mut_ptr().cast(), n) };
+    let sums: &mut [[[__m512; 4]; 2]] = unsafe { std::slice::from_raw_parts_mut(sums.as_mut_ptr().cast(), n) };
+    // The field layout's last field is the quants; Q5's fifth bits come before them.
+    let (quants, fifth) = match KIND {
+        Q4_1 => (2, 0),
+        Q5_0 => (2, 1),
+        Q5_1 => (3, 2),
+        _ => (1, 0),
+    };
+    // Where field k of a unit's block c starts, for a pair and for a lone last block.
+    let offsets = |n: usize| -> [[usize; 2]; 4] {
+        std::array::from_fn(|k| std::array::from_fn(|c| if k <= quants && c < n { field_at(q, n, k, c) } else { 0 }))
+    };
+    let (at2, at1) = (offsets(2), offsets(1));
     // The next group is fetched into L2 while this one is computed, a share per block pair.
     let (lines, steps) = (16 * rb / 64, nb.div_ceil(2));
     let next = w.as_ptr().wrapping_add(16 * rb);
     let mut b = 0;
     while b < nb {
-        let pair = b + 1 < nb;
+        let pair = 1 + usize::from(b + 1 < nb);
         let s = b / 2;
         for l in s * lines / steps..(s + 1) * lines / steps {
             // A prefetch never faults: the address may lie past `w`.
             _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(l * 64).cast());
         }
-        let at = 16 * BLOCK * b;
-        // The 16 rows' scales of blocks b and b + 1, then their quants (`pack` module docs).
-        let load_scales = |off: usize| {
-            // SAFETY: 32 bytes of scales at `at + off`, inside the group (asserted length).
-            _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(w.as_ptr().add(at + off).cast()) })
-        };
-        let (d, quants) = if pair {
-            ([load_scales(0), load_scales(32)], [at + 64, at + 64 + 512])
-        } else {
-            ([load_scales(0), _mm512_setzero_ps()], [at + 32, at + 32])
-        };
-        let wq: [[__m512i; 8]; 2] = std::array::from_fn(|c| {
-            std::array::from_fn(|m| {
-                // SAFETY: 8 vectors of quants at `quants[c]`, inside the group (`pack` module
-                // docs; asserted length). Block b's are loaded twice for a lone block.
-                unsafe { _mm512_loadu_si512(w.as_ptr().add(quants[c] + 64 * m).cast()) }
-            })
-        });
-        for (t, at) in a.iter().enumerate() {
-            for c in 0..1 + usize::from(pair) {
-                let blk = &at.q8[b + c];
-                let q = blk.qs.as_ptr();
-                let isum = (0..8).fold(_mm512_setzero_si512(), |sum, m| {
-                    // SAFETY: `qs` is 32 bytes.
-                    let four = unsafe { q.add(4 * m).cast::<i32>().read_unaligned() };
-                    _mm512_dpbusd_epi32(sum, wq[c][m], _mm512_set1_epi32(four))
-                });
-                // The quants were biased by +128: 128 Σa comes back off.
-                let [lo, hi] = at.halves[b + c];
-                let isum = _mm512_sub_epi32(isum, _mm512_set1_epi32((lo + hi) << 7));
-                let acc = &mut sums[t][(b + c) % 4];
-                let sc = _mm512_mul_ps(_mm512_set1_ps(blk.d), d[c]);
-                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, *acc);
+        // SAFETY: the unit's blocks b .. b + pair of the 16 rows lie inside `w` (asserted
+        // length; `pack` module docs), and the features are this function's.
+        unsafe {
+            let unit = w.as_ptr().add(16 * bb * b);
+            if pair == 2 {
+                unit_of::<KIND, 2>(unit, &at2, (quants, fifth), a, b, sums);
+            } else {
+                unit_of::<KIND, 1>(unit, &at1, (quants, fifth), a, b, sums);
             }
         }
-        b += 2;
+        b += pair;
     }
-    for (out, acc) in out.iter_mut().zip(sums.iter()) {
+    for (out, [acc, off]) in out.iter_mut().zip(sums.iter()) {
         let s = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-        // The offsets' sum, zero for Q8_0, is added as the single-token dot adds it (so that a
-        // -0.0 sum comes out +0.0 there too).
+        let o = _mm512_add_ps(_mm512_add_ps(off[0], off[1]), _mm512_add_ps(off[2], off[3]));
         // SAFETY: 16 f32s.
-        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(s, _mm512_setzero_ps())) };
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(s, o)) };
+    }
+}
+
+/// One unit of [`packed_kind`]: blocks `b .. b + N` of the 16 rows (a pair, or a lone last
+/// block), starting at `unit`, against every token, into the tokens' accumulators.
+///
+/// # Safety
+/// The CPU must support the features of `avx512::kernels`, and the unit's `N` blocks of the
+/// 16 rows must lie at `unit` (`at`: where each field of each block starts in it).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn unit_of<const KIND: u8, const N: usize>(
+    unit: *const u8,
+    at: &[[usize; 2]; 4],
+    (quants, fifth): (usize, usize),
+    a: &[Acts<'_>],
+    b: usize,
+    sums: &mut [[[__m512; 4]; 2]],
+) {
+    let nib = _mm512_set1_epi8(0x0f);
+    // Field k of block b + c for the 16 rows (`pack` module docs); every offset lies
+    // inside the group (asserted length) by the layout's construction.
+    let field = |k: usize, c: usize| unit.wrapping_add(at[k][c]);
+    let f16s = |k: usize, c: usize| {
+        // SAFETY: 16 f16s at field k (module docs of `pack`).
+        _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(field(k, c).cast()) })
+    };
+    let vector = |k: usize, c: usize, m: usize| {
+        // SAFETY: dword m of field k of the 16 rows, inside the group as above.
+        unsafe { _mm512_loadu_si512(field(k, c).add(64 * m).cast()) }
+    };
+    // Per block of the pair: the weights' scale d and offset factor m (as `scales16` of
+    // the unpacked kernel computes them), and the quants: wq[c][h][m] holds the bytes of
+    // weights 16 h + 4 m .. 16 h + 4 m + 4 of every row.
+    let mut d = [_mm512_setzero_ps(); N];
+    let mut off = [_mm512_setzero_ps(); N];
+    let mut wq = [[[_mm512_setzero_si512(); 4]; 2]; N];
+    // Plain indexed loops: written with `array::from_fn` and closures this measured 40% slower
+    // (a product of one token on Q4_1), the vectors going through memory.
+    #[allow(clippy::needless_range_loop)]
+    for c in 0..N {
+        d[c] = f16s(0, c);
+        off[c] = match KIND {
+            Q4_1 | Q5_1 => f16s(1, c),
+            Q5_0 => _mm512_mul_ps(_mm512_set1_ps(-16.0), d[c]),
+            Q4_0 => _mm512_mul_ps(_mm512_set1_ps(-8.0), d[c]),
+            _ => _mm512_setzero_ps(),
+        };
+        if KIND == Q8_0 {
+            for m in 0..4 {
+                wq[c][0][m] = vector(quants, c, m);
+                wq[c][1][m] = vector(quants, c, 4 + m);
+            }
+            continue;
+        }
+        // Quant dword m of every row: weights 4 m .. 4 m + 4 in its low nibbles, 16 + 4 m ..
+        // in its high ones.
+        for m in 0..4 {
+            let v = vector(quants, c, m);
+            let mut lh = [_mm512_and_si512(v, nib), _mm512_and_si512(_mm512_srli_epi16::<4>(v), nib)];
+            if matches!(KIND, Q5_0 | Q5_1) {
+                // The fifth bits of these weights sit at bits 8 k + 2 m + h (`pack`).
+                let qh = vector(fifth, c, 0);
+                for (h, x) in lh.iter_mut().enumerate() {
+                    let at = _mm512_srl_epi32(qh, _mm_cvtsi32_si128((2 * m + h) as i32));
+                    let bit = _mm512_slli_epi32::<4>(_mm512_and_si512(at, _mm512_set1_epi8(1)));
+                    *x = _mm512_or_si512(*x, bit);
+                }
+            }
+            if KIND == IQ4NL {
+                // The code book's signed values, biased by +128 as Q8_0's quants.
+                // SAFETY: IQ4_VALUES is 16 bytes.
+                let book = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(crate::quant::IQ4_VALUES.as_ptr().cast()) });
+                lh = lh.map(|x| _mm512_xor_si512(_mm512_shuffle_epi8(book, x), _mm512_set1_epi8(-128)));
+            }
+            wq[c][0][m] = lh[0];
+            wq[c][1][m] = lh[1];
+        }
+    }
+    for (t, at) in a.iter().enumerate() {
+        for c in 0..N {
+            let blk = &at.q8[b + c];
+            let q8 = blk.qs.as_ptr();
+            let mut isum = _mm512_setzero_si512();
+            for (h, wh) in wq[c].iter().enumerate() {
+                for (m, &wv) in wh.iter().enumerate() {
+                    // SAFETY: `qs` is 32 bytes; 16 h + 4 m + 4 <= 32.
+                    let four = unsafe { q8.add(16 * h + 4 * m).cast::<i32>().read_unaligned() };
+                    isum = _mm512_dpbusd_epi32(isum, wv, _mm512_set1_epi32(four));
+                }
+            }
+            if signed(KIND) {
+                // The quants were biased by +128: 128 Σa comes back off.
+                let [lo, hi] = at.halves[b + c];
+                isum = _mm512_sub_epi32(isum, _mm512_set1_epi32((lo + hi) << 7));
+            }
+            let [acc, offs] = &mut sums[t];
+            let k = (b + c) % 4;
+            let sc = _mm512_mul_ps(_mm512_set1_ps(blk.d), d[c]);
+            acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, acc[k]);
+            if has_offset(KIND) {
+                offs[k] = _mm512_fmadd_ps(off[c], _mm512_set1_ps(blk.s), offs[k]);
+            }
+        }
     }
 }
