@@ -28,6 +28,9 @@ fn fields(q: QuantType) -> Option<&'static [usize]> {
         QuantType::Q4_1 => &[2, 2, 16],
         QuantType::Q5_0 => &[2, 4, 16],
         QuantType::Q5_1 => &[2, 2, 4, 16],
+        QuantType::Q4K => &[4, 12, 128],
+        QuantType::Q5K => &[4, 12, 32, 128],
+        QuantType::Q6K => &[128, 64, 16, 2],
         _ => return None,
     })
 }
@@ -214,7 +217,10 @@ mod tests {
 
     #[test]
     fn types_without_a_layout_are_not_packed() {
-        assert!(pack(QuantType::Q4K.dtype(), 16, 256, &[0; 16 * 144]).is_none());
+        for q in QuantType::ALL.into_iter().filter(|q| !has_layout(q.dtype())) {
+            assert!(pack(q.dtype(), 16, q.block_len(), &vec![0; 16 * q.block_bytes()]).is_none(), "{q:?}");
+        }
+        assert!(pack(DType::F16, 16, 32, &[0; 1024]).is_none());
         assert!(pack(QuantType::Q8_0.dtype(), 16, 32, &[0; 16 * 33]).is_none(), "too few bytes");
     }
 }

@@ -188,6 +188,36 @@ fn transpose_dwords(x: [__m512i; 4]) -> [__m512i; 4] {
     ]
 }
 
+/// Q4_K's and Q5_K's `(d, m)` of group `j` of a super-block for 16 rows, from its d|dmin
+/// dwords (`sbd[0]`) and its 12 scale bytes as three dwords (`sbd[1..4]`), lane by lane: the
+/// weights' scale `d sc_j` and the offset factor `-dmin mn_j`, as the single-token dot
+/// computes them.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) fn k_scales(sbd: &[__m512i; 4], j: usize) -> (__m512, __m512) {
+    let f16_at = |x: __m512i| _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x));
+    let byte = |x: __m512i, k: usize| {
+        _mm512_and_si512(_mm512_srl_epi32(x, _mm_cvtsi32_si128(8 * k as i32)), _mm512_set1_epi32(0xff))
+    };
+    let low6 = _mm512_set1_epi32(63);
+    let top2 = |x: __m512i| _mm512_slli_epi32::<4>(_mm512_srli_epi32::<6>(x));
+    let (sc, mn) = if j < 4 {
+        (_mm512_and_si512(byte(sbd[1], j), low6), _mm512_and_si512(byte(sbd[2], j), low6))
+    } else {
+        let hi = byte(sbd[3], j - 4);
+        (
+            _mm512_or_si512(_mm512_and_si512(hi, _mm512_set1_epi32(0xf)), top2(byte(sbd[1], j - 4))),
+            _mm512_or_si512(_mm512_srli_epi32::<4>(hi), top2(byte(sbd[2], j - 4))),
+        )
+    };
+    let d = _mm512_mul_ps(f16_at(sbd[0]), _mm512_cvtepi32_ps(sc));
+    let neg_dmin = _mm512_castsi512_ps(_mm512_xor_si512(
+        _mm512_castps_si512(f16_at(_mm512_srli_epi32::<16>(sbd[0]))),
+        _mm512_set1_epi32(i32::MIN),
+    ));
+    (d, _mm512_mul_ps(neg_dmin, _mm512_cvtepi32_ps(mn)))
+}
+
 /// [`gemv16_kind`] in the layout that is faster for `a`: weight-stationary (`WIDE`) for several
 /// tokens and for the kinds with a scale per 16 weights (Q6_K, Q3_K, Q2_K), else one
 /// `vpdpbusd` per row and block pair and a reduction across lanes (measured: 12% faster decode
@@ -283,27 +313,7 @@ unsafe fn gemv16_kind<const KIND: u8, const WIDE: bool>(w: &[u8], rb: usize, a: 
             return (_mm512_mul_ps(f16_at(sbd[0]), _mm512_cvtepi32_ps(sc)), _mm512_setzero_ps());
         }
         if matches!(KIND, Q4K | Q5K) {
-            let j = c % 8;
-            let byte = |x: __m512i, k: usize| {
-                _mm512_and_si512(_mm512_srl_epi32(x, _mm_cvtsi32_si128(8 * k as i32)), _mm512_set1_epi32(0xff))
-            };
-            let low6 = _mm512_set1_epi32(63);
-            let top2 = |x: __m512i| _mm512_slli_epi32::<4>(_mm512_srli_epi32::<6>(x));
-            let (sc, mn) = if j < 4 {
-                (_mm512_and_si512(byte(sbd[1], j), low6), _mm512_and_si512(byte(sbd[2], j), low6))
-            } else {
-                let hi = byte(sbd[3], j - 4);
-                (
-                    _mm512_or_si512(_mm512_and_si512(hi, _mm512_set1_epi32(0xf)), top2(byte(sbd[1], j - 4))),
-                    _mm512_or_si512(_mm512_srli_epi32::<4>(hi), top2(byte(sbd[2], j - 4))),
-                )
-            };
-            let d = _mm512_mul_ps(f16_at(sbd[0]), _mm512_cvtepi32_ps(sc));
-            let neg_dmin = _mm512_castsi512_ps(_mm512_xor_si512(
-                _mm512_castps_si512(f16_at(_mm512_srli_epi32::<16>(sbd[0]))),
-                _mm512_set1_epi32(i32::MIN),
-            ));
-            return (d, _mm512_mul_ps(neg_dmin, _mm512_cvtepi32_ps(mn)));
+            return k_scales(sbd, c % 8);
         }
         // Q4_0/Q8_0/IQ4_NL: d and 2 quant bytes; Q4_1: d and m; Q5_0: d and half of qh.
         let g = gather(c * bb);
