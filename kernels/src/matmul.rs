@@ -256,7 +256,7 @@ mod tests {
                     quantize_row(dt, &wf[r * cols..(r + 1) * cols], &mut data);
                 }
                 let w = Matrix { dtype: dt, rows, cols, data: &data, layout: Layout::Rows };
-                let packed = kern.packs(dt).then(|| crate::pack::pack(dt, rows, cols, &data)).flatten();
+                let packed = kern.packs(dt).then(|| crate::pack::pack(&pool, dt, rows, cols, &data)).flatten();
                 let packed = packed.as_ref().map(|p| Matrix { data: p, layout: Layout::Packed16, ..w });
                 let run = |w: &Matrix<'_>, tokens: usize| {
                     let xs = &x[..tokens * cols];

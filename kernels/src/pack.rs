@@ -17,8 +17,10 @@
 //! unsigned operand), and Q5_0's and Q5_1's fifth bits reordered so that one shift brings
 //! those of four consecutive weights to the four bytes of a dword ([`fifth_bit_at`]).
 
+use crate::pool::ThreadPool;
 use crate::quant::{DType, QuantType, WeightClass};
 use std::ops::Deref;
+use std::sync::{Mutex, PoisonError};
 
 /// The fields of a block of `q` in file order, in bytes, where `q` has a packed layout.
 fn fields(q: QuantType) -> Option<&'static [usize]> {
@@ -122,8 +124,10 @@ fn convert(q: QuantType, block: &mut [u8], to_kernel: bool) {
 }
 
 /// `data` (`rows` rows of `cols` weights of type `dt`, row after row) in the packed layout, or
-/// `None` when `dt` has none ([`has_layout`]) or the shape does not fit the type.
-pub fn pack(dt: DType, rows: usize, cols: usize, data: &[u8]) -> Option<PackedBytes> {
+/// `None` when `dt` has none ([`has_layout`]) or the shape does not fit the type. The groups
+/// are packed on `pool`'s threads (a model's matrices are packed at load, where an 8B model's
+/// 5 GB would take seconds on one thread).
+pub fn pack(pool: &ThreadPool, dt: DType, rows: usize, cols: usize, data: &[u8]) -> Option<PackedBytes> {
     let WeightClass::Quantized(q) = dt.class() else { return None };
     let rb = dt.bytes_for(cols)?;
     if !has_layout(dt) || data.len() < rows.checked_mul(rb)? {
@@ -134,21 +138,55 @@ pub fn pack(dt: DType, rows: usize, cols: usize, data: &[u8]) -> Option<PackedBy
     let start = buf.as_ptr().align_offset(64).min(63);
     let out = &mut buf[start..start + len];
     let whole = rows / 16 * 16;
+    out[whole * rb..].copy_from_slice(&data[whole * rb..len]);
+    // Tasks of a run of groups each, a few per thread; each packs into its own part of `out`.
+    let groups_per_task = (whole / 16).div_ceil(4 * pool.threads()).max(1);
+    let parts: Vec<Mutex<&mut [u8]>> =
+        out[..whole * rb].chunks_mut(groups_per_task * 16 * rb).map(Mutex::new).collect();
+    pool.run(parts.len(), &|t| {
+        let mut part = parts[t].lock().unwrap_or_else(PoisonError::into_inner);
+        let from = t * groups_per_task * 16 * rb;
+        pack_groups(q, rb, &data[from..from + part.len()], &mut part);
+    });
+    drop(parts);
+    Some(PackedBytes { buf, start, len })
+}
+
+/// Whole groups of 16 rows of `rb` bytes from `src` into `dst` in the packed layout.
+fn pack_groups(q: QuantType, rb: usize, src: &[u8], dst: &mut [u8]) {
     let (bb, nb) = (q.block_bytes(), rb / q.block_bytes());
+    let per = if q.block_len() == 32 { 2 } else { 1 };
+    let f = fields(q).unwrap_or(&[]);
+    // Where each field of a unit's block c starts, for a whole unit and a lone last block
+    // (`place`, a field at a time: the same places, tested as its inverse).
+    let starts = |n: usize| -> Vec<[usize; 2]> {
+        (0..f.len()).map(|k| [field_at(q, n, k, 0), if n > 1 { field_at(q, n, k, 1) } else { 0 }]).collect()
+    };
+    let (whole_unit, lone) = (starts(per), starts(1));
     let mut block = vec![0u8; bb];
-    for (group, dst) in data[..whole * rb].chunks_exact(16 * rb).zip(out.chunks_exact_mut(16 * rb)) {
+    for (group, dst) in src.chunks_exact(16 * rb).zip(dst.chunks_exact_mut(16 * rb)) {
         for i in 0..16 {
-            for (b, src) in group[i * rb..(i + 1) * rb].chunks_exact(bb).enumerate() {
-                block.copy_from_slice(src);
+            for (b, row_block) in group[i * rb..(i + 1) * rb].chunks_exact(bb).enumerate() {
+                block.copy_from_slice(row_block);
                 convert(q, &mut block, true);
-                for (j, &v) in block.iter().enumerate() {
-                    dst[place(q, nb, i, b, j)] = v;
+                let b0 = b / per * per;
+                let at = if per.min(nb - b0) == per { &whole_unit } else { &lone };
+                let mut from = 0;
+                for (k, &size) in f.iter().enumerate() {
+                    let to = 16 * bb * b0 + at[k][b - b0];
+                    let field = &block[from..from + size];
+                    if size == 2 {
+                        dst[to + 2 * i..to + 2 * i + 2].copy_from_slice(field);
+                    } else {
+                        for (o, four) in field.chunks_exact(4).enumerate() {
+                            dst[to + 64 * o + 4 * i..to + 64 * o + 4 * i + 4].copy_from_slice(four);
+                        }
+                    }
+                    from += size;
                 }
             }
         }
     }
-    out[whole * rb..].copy_from_slice(&data[whole * rb..len]);
-    Some(PackedBytes { buf, start, len })
 }
 
 /// The bytes of row `r` of a packed matrix (`data`, rows of `rb` bytes of type `dt`) as the
@@ -185,7 +223,7 @@ mod tests {
             for (rows, blocks) in [(16, 2), (16, 3), (35, 1), (48, 4), (7, 2)] {
                 let rb = blocks * dt.block_bytes();
                 let data: Vec<u8> = (0..rows * rb).map(|i| (i * 7919 % 251) as u8).collect();
-                let packed = pack(dt, rows, blocks * dt.block_len(), &data).unwrap();
+                let packed = pack(&ThreadPool::new(2), dt, rows, blocks * dt.block_len(), &data).unwrap();
                 assert_eq!(packed.len(), data.len());
                 assert_eq!(packed.as_ptr() as usize % 64, 0, "the packed bytes start on a cache line");
                 let mut row = vec![0u8; rb];
@@ -217,10 +255,11 @@ mod tests {
 
     #[test]
     fn types_without_a_layout_are_not_packed() {
+        let pool = ThreadPool::new(1);
         for q in QuantType::ALL.into_iter().filter(|q| !has_layout(q.dtype())) {
-            assert!(pack(q.dtype(), 16, q.block_len(), &vec![0; 16 * q.block_bytes()]).is_none(), "{q:?}");
+            assert!(pack(&pool, q.dtype(), 16, q.block_len(), &vec![0; 16 * q.block_bytes()]).is_none(), "{q:?}");
         }
-        assert!(pack(DType::F16, 16, 32, &[0; 1024]).is_none());
-        assert!(pack(QuantType::Q8_0.dtype(), 16, 32, &[0; 16 * 33]).is_none(), "too few bytes");
+        assert!(pack(&pool, DType::F16, 16, 32, &[0; 1024]).is_none());
+        assert!(pack(&pool, QuantType::Q8_0.dtype(), 16, 32, &[0; 16 * 33]).is_none(), "too few bytes");
     }
 }

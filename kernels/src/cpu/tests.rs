@@ -266,7 +266,7 @@ proptest! {
             let halves: Vec<Vec<[i32; 2]>> = acts.iter().map(|a| super::Acts::half_sums(a)).collect();
             let act_refs: Vec<super::Acts<'_>> = acts.iter().zip(&halves).map(|(q8, halves)| super::Acts { q8, halves }).collect();
             let rows: Vec<u8> = (0..16).flat_map(|r| crate::quantize::random_blocks(q, n * QK / q.block_len(), seed * 16 + r)).collect();
-            let packed = crate::pack::pack(dt, 16, n * QK, &rows).unwrap();
+            let packed = crate::pack::pack(&crate::pool::ThreadPool::new(1), dt, 16, n * QK, &rows).unwrap();
             let mut got = vec![[0f32; 16]; acts.len()];
             gemv(q, &packed, rb, &act_refs, &mut got);
             let (one, _) = k.quant_dots(q);

@@ -134,9 +134,9 @@ fn zeroed(n: usize) -> Vec<f16> {
 /// (a lookup reads single rows), even where the output projection is the same tensor. The
 /// file's pages of what was packed are let go, so the process holds the weights once (a tied
 /// embedding's pages come back row by row as lookups read them).
-fn pack_weights(mut w: LlamaWeights, k: &Kernels) -> LlamaWeights {
+fn pack_weights(mut w: LlamaWeights, k: &Kernels, pool: &ThreadPool) -> LlamaWeights {
     let pack = |t: &mut Tensor| {
-        if let Some(p) = k.packs(t.dtype).then(|| t.packed()).flatten() {
+        if let Some(p) = k.packs(t.dtype).then(|| t.packed(pool)).flatten() {
             t.release();
             *t = p;
         }
@@ -184,7 +184,8 @@ impl CpuBackend {
             .map(|(freq, scale)| Rope::with_frequencies(cfg.rope_style, freq).scaled(scale))
             .collect();
         let kernels = Kernels::detect();
-        let w = pack_weights(w, &kernels);
+        let pool = ThreadPool::new(threads.max(1));
+        let w = pack_weights(w, &kernels, &pool);
         CpuBackend {
             k_cache: (0..groups.slots).map(|_| zeroed(per_slot)).collect(),
             v_cache: (0..groups.slots).map(|_| zeroed(per_slot)).collect(),
@@ -193,7 +194,7 @@ impl CpuBackend {
             arch,
             w,
             kernels,
-            pool: ThreadPool::new(threads.max(1)),
+            pool,
             ropes,
             rope_of,
             block_size,

@@ -56,9 +56,10 @@ impl Tensor {
     }
 
     /// This tensor in the layout the 16-row kernel reads fastest, in memory of its own
-    /// ([`inferd_kernels::pack`]); `None` when its type has no packed layout.
-    pub fn packed(&self) -> Option<Tensor> {
-        let bytes = inferd_kernels::pack::pack(self.dtype, self.rows, self.cols, self.bytes())?;
+    /// ([`inferd_kernels::pack`], on `pool`'s threads); `None` when its type has no packed
+    /// layout.
+    pub fn packed(&self, pool: &inferd_kernels::pool::ThreadPool) -> Option<Tensor> {
+        let bytes = inferd_kernels::pack::pack(pool, self.dtype, self.rows, self.cols, self.bytes())?;
         let blob = Blob::from_bytes(bytes);
         let (name, dtype, rows, cols) = (self.name.clone(), self.dtype, self.rows, self.cols);
         Some(Tensor { name, dtype, rows, cols, blob, offset: 0, layout: Layout::Packed16 })
@@ -340,11 +341,12 @@ mod tests {
             inferd_kernels::quant::quantize_row(DType::Q8_0, r, &mut data);
         }
         let t = Tensor::new("w", DType::Q8_0, rows, cols, Blob::from_vec(data), 0).unwrap();
-        let p = t.packed().unwrap();
+        let pool = inferd_kernels::pool::ThreadPool::new(2);
+        let p = t.packed(&pool).unwrap();
         assert_eq!((p.matrix().layout, p.bytes().len()), (Layout::Packed16, t.bytes().len()));
         assert_ne!(p.bytes(), t.bytes(), "the rows are rearranged");
         assert_eq!(p.to_f32(), t.to_f32());
         let f16 = Tensor::new("f", DType::F16, 16, 8, Blob::from_vec(vec![0; 256]), 0).unwrap();
-        assert!(f16.packed().is_none(), "float weights are not packed");
+        assert!(f16.packed(&pool).is_none(), "float weights are not packed");
     }
 }
