@@ -218,6 +218,23 @@ pub(super) fn k_scales(sbd: &[__m512i; 4], j: usize) -> (__m512, __m512) {
     (d, _mm512_mul_ps(neg_dmin, _mm512_cvtepi32_ps(mn)))
 }
 
+/// IQ4_XS's weight scale of group `j` of a super-block for 16 rows, from its d|scales_h
+/// dwords (`sbd[0]`) and scales_l dwords (`sbd[1]`): `d` times the 6-bit scale less 32, as
+/// the single-token dot computes it.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) fn iq4xs_scale(sbd: &[__m512i; 4], j: usize) -> __m512 {
+    let f16_at = |x: __m512i| _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x));
+    let low = _mm512_srl_epi32(sbd[1], _mm_cvtsi32_si128((8 * (j / 2) + 4 * (j % 2)) as i32));
+    let high = _mm512_srl_epi32(sbd[0], _mm_cvtsi32_si128((16 + 2 * j) as i32));
+    let ls = _mm512_or_si512(
+        _mm512_and_si512(low, _mm512_set1_epi32(0xf)),
+        _mm512_slli_epi32::<4>(_mm512_and_si512(high, _mm512_set1_epi32(3))),
+    );
+    let sc = _mm512_sub_epi32(ls, _mm512_set1_epi32(32));
+    _mm512_mul_ps(f16_at(sbd[0]), _mm512_cvtepi32_ps(sc))
+}
+
 /// [`gemv16_kind`] in the layout that is faster for `a`: weight-stationary (`WIDE`) for several
 /// tokens and for the kinds with a scale per 16 weights (Q6_K, Q3_K, Q2_K), else one
 /// `vpdpbusd` per row and block pair and a reduction across lanes (measured: 12% faster decode
@@ -301,16 +318,7 @@ unsafe fn gemv16_kind<const KIND: u8, const WIDE: bool>(w: &[u8], rb: usize, a: 
             return (f16_at(sbd[0]), neg_dmin);
         }
         if KIND == IQ4XS {
-            // d | scales_h in sbd[0], scales_l in sbd[1]: the group's 6-bit scale less 32.
-            let j = c % 8;
-            let low = _mm512_srl_epi32(sbd[1], _mm_cvtsi32_si128((8 * (j / 2) + 4 * (j % 2)) as i32));
-            let high = _mm512_srl_epi32(sbd[0], _mm_cvtsi32_si128((16 + 2 * j) as i32));
-            let ls = _mm512_or_si512(
-                _mm512_and_si512(low, _mm512_set1_epi32(0xf)),
-                _mm512_slli_epi32::<4>(_mm512_and_si512(high, _mm512_set1_epi32(3))),
-            );
-            let sc = _mm512_sub_epi32(ls, _mm512_set1_epi32(32));
-            return (_mm512_mul_ps(f16_at(sbd[0]), _mm512_cvtepi32_ps(sc)), _mm512_setzero_ps());
+            return (iq4xs_scale(sbd, c % 8), _mm512_setzero_ps());
         }
         if matches!(KIND, Q4K | Q5K) {
             return k_scales(sbd, c % 8);

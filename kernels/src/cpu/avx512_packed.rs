@@ -5,8 +5,8 @@
 //! exactly the float arithmetic of the single-token dot (`avx512.rs`), so the result equals
 //! that dot on the unpacked row bit for bit.
 
-use super::avx512::{has_offset, signed, IQ4NL, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
-use super::avx512_gemv::k_scales;
+use super::avx512::{has_offset, signed, IQ4NL, IQ4XS, Q2K, Q3K, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
+use super::avx512_super::{super_block, super_block_16};
 use super::{Acts, GEMV_TOKENS};
 use crate::pack::field_at;
 use crate::quant::QuantType;
@@ -39,7 +39,12 @@ pub(super) unsafe fn gemv16_packed(dt: QuantType, w: &[u8], rb: usize, a: &[Acts
         QuantType::Q5K => unsafe { packed_kind::<Q5K>(dt, w, rb, a, out) },
         // SAFETY: as above.
         QuantType::Q6K => unsafe { packed_kind::<Q6K>(dt, w, rb, a, out) },
-        _ => panic!("{dt:?} has no packed layout"),
+        // SAFETY: as above.
+        QuantType::Q3K => unsafe { packed_kind::<Q3K>(dt, w, rb, a, out) },
+        // SAFETY: as above.
+        QuantType::Q2K => unsafe { packed_kind::<Q2K>(dt, w, rb, a, out) },
+        // SAFETY: as above.
+        QuantType::IQ4XS => unsafe { packed_kind::<IQ4XS>(dt, w, rb, a, out) },
     }
 }
 
@@ -78,12 +83,17 @@ unsafe fn packed_kind<const KIND: u8>(q: QuantType, w: &[u8], rb: usize, a: &[Ac
         Q5_1 => (3, 2),
         Q4K => (2, 0),
         Q5K => (3, 2),
-        // Q6_K's low bits, then its high bits.
-        Q6K => (0, 1),
+        IQ4XS => (2, 0),
+        // The per-16 kinds read their fields by number (`avx512_super`).
+        Q6K | Q3K | Q2K => (0, 0),
         _ => (1, 0),
     };
     // Where field k of a unit's block c starts, for a pair and for a lone last block.
-    let fields = if KIND == Q6K { 4 } else { quants + 1 };
+    let fields = match KIND {
+        Q6K | Q3K => 4,
+        Q2K => 3,
+        _ => quants + 1,
+    };
     let offsets = |n: usize| -> [[usize; 2]; 4] {
         std::array::from_fn(|k| std::array::from_fn(|c| if k < fields && c < n { field_at(q, n, k, c) } else { 0 }))
     };
@@ -104,8 +114,8 @@ unsafe fn packed_kind<const KIND: u8>(q: QuantType, w: &[u8], rb: usize, a: &[Ac
         // length; `pack` module docs), and the features are this function's.
         unsafe {
             let unit = w.as_ptr().add(16 * bb * (b / g));
-            if KIND == Q6K {
-                super_block_q6k(unit, &at1, a, b, sums);
+            if matches!(KIND, Q6K | Q3K | Q2K) {
+                super_block_16::<KIND>(unit, &at1, a, b, sums);
                 b += g;
                 continue;
             }
@@ -229,139 +239,6 @@ unsafe fn unit_of<const KIND: u8, const N: usize>(
             acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, acc[k]);
             if has_offset(KIND) {
                 offs[k] = _mm512_fmadd_ps(off[c], _mm512_set1_ps(blk.s), offs[k]);
-            }
-        }
-    }
-}
-
-/// One super-block of [`packed_kind`] (Q4_K, Q5_K): groups `b .. b + 8` of the 16 rows,
-/// starting at `unit`, against every token. Groups `2p` and `2p + 1` are the low and high
-/// nibbles of the same 32 quant bytes (Q5_K: their fifth bits bits `2p` and `2p + 1` of the 32
-/// `qh` bytes), their scales from the 12 scale bytes as the single-token dot decodes them.
-///
-/// # Safety
-/// The CPU must support the features of `avx512::kernels`, and the super-block of the 16
-/// rows must lie at `unit` (`at`: where each field starts in it).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn super_block<const KIND: u8>(
-    unit: *const u8,
-    at: &[[usize; 2]; 4],
-    (quants, fifth): (usize, usize),
-    a: &[Acts<'_>],
-    b: usize,
-    sums: &mut [[[__m512; 4]; 2]],
-) {
-    let nib = _mm512_set1_epi8(0x0f);
-    let vector = |k: usize, m: usize| {
-        // SAFETY: dword m of field k of the 16 rows, inside the super-block (`pack`).
-        unsafe { _mm512_loadu_si512(unit.add(at[k][0] + 64 * m).cast()) }
-    };
-    // d|dmin and the 12 scale bytes as three dwords, for the 16 rows.
-    let sbd = [vector(0, 0), vector(1, 0), vector(1, 1), vector(1, 2)];
-    for p in 0..4 {
-        let scales = [k_scales(&sbd, 2 * p), k_scales(&sbd, 2 * p + 1)];
-        let mut wq = [[_mm512_setzero_si512(); 8]; 2];
-        // An indexed loop, as in `unit_of`.
-        #[allow(clippy::needless_range_loop)]
-        for m in 0..8 {
-            let v = vector(quants, 8 * p + m);
-            let mut lh = [_mm512_and_si512(v, nib), _mm512_and_si512(_mm512_srli_epi16::<4>(v), nib)];
-            if KIND == Q5K {
-                let qh = vector(fifth, m);
-                for (h, x) in lh.iter_mut().enumerate() {
-                    let at = _mm512_srl_epi32(qh, _mm_cvtsi32_si128((2 * p + h) as i32));
-                    *x = _mm512_or_si512(*x, _mm512_slli_epi32::<4>(_mm512_and_si512(at, _mm512_set1_epi8(1))));
-                }
-            }
-            wq[0][m] = lh[0];
-            wq[1][m] = lh[1];
-        }
-        for (t, at) in a.iter().enumerate() {
-            for (c, (wc, (d, off))) in wq.iter().zip(scales).enumerate() {
-                let blk = &at.q8[b + 2 * p + c];
-                let q8 = blk.qs.as_ptr();
-                let mut isum = _mm512_setzero_si512();
-                for (m, &wv) in wc.iter().enumerate() {
-                    // SAFETY: `qs` is 32 bytes.
-                    let four = unsafe { q8.add(4 * m).cast::<i32>().read_unaligned() };
-                    isum = _mm512_dpbusd_epi32(isum, wv, _mm512_set1_epi32(four));
-                }
-                let [acc, offs] = &mut sums[t];
-                let k = (b + 2 * p + c) % 4;
-                acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(_mm512_set1_ps(blk.d), d), acc[k]);
-                offs[k] = _mm512_fmadd_ps(off, _mm512_set1_ps(blk.s), offs[k]);
-            }
-        }
-    }
-}
-
-/// One Q6_K super-block of [`packed_kind`]: groups `b .. b + 8` of the 16 rows, starting at
-/// `unit`, against every token. Group `j = 4 h + s` takes nibble `s / 2` of the 32 low-bit
-/// bytes at `64 h + 32 (s % 2)` and bits `2 s` of the 32 high-bit bytes at `32 h` (the file's
-/// layout, stored by dword), so groups `s` and `s + 2` share their loads. As the single-token
-/// dot: per 16-weight half `(Σ q a - 32 Σ a)` times the half's signed scale, exact in 32 bits,
-/// then the group's float step with `d`.
-///
-/// # Safety
-/// The CPU must support the features of `avx512::kernels`, and the super-block of the 16
-/// rows must lie at `unit` (`at`: where each field starts in it).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn super_block_q6k(
-    unit: *const u8,
-    at: &[[usize; 2]; 4],
-    a: &[Acts<'_>],
-    b: usize,
-    sums: &mut [[[__m512; 4]; 2]],
-) {
-    let nib = _mm512_set1_epi8(0x0f);
-    let vector = |k: usize, m: usize| {
-        // SAFETY: dword m of field k of the 16 rows, inside the super-block (`pack`).
-        unsafe { _mm512_loadu_si512(unit.add(at[k][0] + 64 * m).cast()) }
-    };
-    // SAFETY: the 16 rows' f16 d, 32 bytes at field 3.
-    let d = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(unit.add(at[3][0]).cast()) });
-    for h in 0..2 {
-        let high: [__m512i; 8] = std::array::from_fn(|m| vector(1, 8 * h + m));
-        for r in 0..2 {
-            let low: [__m512i; 8] = std::array::from_fn(|m| vector(0, 16 * h + 8 * r + m));
-            for s in [r, r + 2] {
-                let j = 4 * h + s;
-                let mut wq = [_mm512_setzero_si512(); 8];
-                for m in 0..8 {
-                    let lo = if s < 2 { low[m] } else { _mm512_srli_epi16::<4>(low[m]) };
-                    let hi = _mm512_srl_epi32(high[m], _mm_cvtsi32_si128(2 * s as i32));
-                    wq[m] = _mm512_or_si512(
-                        _mm512_and_si512(lo, nib),
-                        _mm512_slli_epi32::<4>(_mm512_and_si512(hi, _mm512_set1_epi8(3))),
-                    );
-                }
-                // The signed scales of the group's halves: bytes 2j and 2j + 1 of the 16.
-                let four = vector(2, j / 2);
-                let scale = |c: usize| {
-                    let byte = 2 * (j % 2) + c;
-                    _mm512_srai_epi32::<24>(_mm512_sll_epi32(four, _mm_cvtsi32_si128(24 - 8 * byte as i32)))
-                };
-                let scales = [scale(0), scale(1)];
-                for (t, at) in a.iter().enumerate() {
-                    let blk = &at.q8[b + j];
-                    let q8 = blk.qs.as_ptr();
-                    let mut isum = _mm512_setzero_si512();
-                    for (c, sc) in scales.iter().enumerate() {
-                        let mut half = _mm512_setzero_si512();
-                        for (m, &wv) in wq.iter().enumerate().skip(4 * c).take(4) {
-                            // SAFETY: `qs` is 32 bytes.
-                            let four = unsafe { q8.add(4 * m).cast::<i32>().read_unaligned() };
-                            half = _mm512_dpbusd_epi32(half, wv, _mm512_set1_epi32(four));
-                        }
-                        let half = _mm512_sub_epi32(half, _mm512_set1_epi32(at.halves[b + j][c] * 32));
-                        isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(half, *sc));
-                    }
-                    let [acc, _] = &mut sums[t];
-                    let k = (b + j) % 4;
-                    acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(_mm512_set1_ps(blk.d), d), acc[k]);
-                }
             }
         }
     }

@@ -20,6 +20,8 @@ mod avx512_attn;
 mod avx512_gemv;
 #[cfg(target_arch = "x86_64")]
 mod avx512_packed;
+#[cfg(target_arch = "x86_64")]
+mod avx512_super;
 pub mod scalar;
 
 /// The instruction set a kernel table was built for.
