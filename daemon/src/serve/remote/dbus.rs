@@ -218,7 +218,7 @@ async fn signals(conn: &Connection, path: &OwnedObjectPath, fw: Forwarding) {
             }
             Some(Ok(Event::Reasoning(_))) => Ok(()),
             Some(Err(m)) => {
-                r.failed(ApiError::new(502, m.clone(), None));
+                r.count_error();
                 let _ = RequestObject::failed(&emitter, &format!("upstream for {}: {m}", r.name)).await;
                 return;
             }

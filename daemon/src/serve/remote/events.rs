@@ -126,13 +126,10 @@ impl Reader {
         if let Some(c) = v["choices"].get(0) {
             // A stream's `delta`, a whole chat answer's `message`; a completion's `text`.
             let d = c.get("delta").or_else(|| c.get("message")).unwrap_or(&Value::Null);
-            for (key, event) in
-                [("reasoning_content", Event::Reasoning as fn(String) -> Event), ("reasoning", Event::Reasoning)]
-            {
-                if let Some(t) = d[key].as_str().filter(|t| !t.is_empty()) {
-                    self.out.push_back(Ok(event(t.to_owned())));
-                    break;
-                }
+            // vLLM's and llama-server's key, or SGLang's.
+            let reasoning = ["reasoning_content", "reasoning"].map(|key| d[key].as_str().filter(|t| !t.is_empty()));
+            if let Some(t) = reasoning.into_iter().flatten().next() {
+                self.out.push_back(Ok(Event::Reasoning(t.to_owned())));
             }
             if let Some(t) = d["content"].as_str().or_else(|| c["text"].as_str()).filter(|t| !t.is_empty()) {
                 self.out.push_back(Ok(Event::Text(t.to_owned())));

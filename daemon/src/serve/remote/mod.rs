@@ -111,8 +111,14 @@ impl Remote {
 
     /// An error in a forwarded answer, counted.
     pub fn failed(&self, e: ApiError) -> ApiError {
-        self.errors.fetch_add(1, Ordering::Relaxed);
+        self.count_error();
         e
+    }
+
+    /// Counts an error in a forwarded answer that reaches the client some other way (a
+    /// stream's last line, a D-Bus signal).
+    pub fn count_error(&self) {
+        self.errors.fetch_add(1, Ordering::Relaxed);
     }
 
     /// What a failure leaves the client: `Ok` with the fallback model's name, when the upstream

@@ -345,7 +345,7 @@ async fn relay(
                 None => break,
                 Some(Ok(ev)) => ev,
                 Some(Err(m)) => {
-                    r.failed(ApiError::new(502, m.clone(), None));
+                    r.count_error();
                     let _ = tx.send(json!({ "error": format!("upstream {} for {}: {m}", r.upstream, r.name) }));
                     return;
                 }
