@@ -2,7 +2,7 @@
 //! output rows.
 //!
 //! Weights are row-major as GGUF and safetensors store them: row `r` (one output feature) holds
-//! `cols` input weights. Activations come as `tokens` rows of `cols` floats, and for quantized
+//! `cols` input weights; or packed for the 16-row kernel ([`Layout::Packed16`], [`crate::pack`]). Activations come as `tokens` rows of `cols` floats, and for quantized
 //! weights also pre-quantized to [`BlockQ8`] (quantize once, reuse for Q/K/V or gate/up).
 //! Each task owns a chunk of weight rows and runs every token against it, up to 16 tokens per
 //! weight unpack, so a chunk is read from memory once per call whatever the batch size.

@@ -7,10 +7,12 @@
 //! 64-byte vector carries one dword of every row, row `i` in lane `i`. The rows past the last
 //! whole group stay as they were, so [`crate::matmul::Matrix::row`] still finds them.
 //!
-//! The layout, per type: a block is a list of fields ([`fields`]). The blocks of 32 weights
-//! go in pairs `b`, `b + 1` (the kernel's step), a super-block alone; a unit starts at byte
-//! `16 * block_bytes * b` of the group and holds its blocks field by field: field `k` of its
-//! first block for the 16 rows, of its second, then field `k + 1`. Inside, a 2-byte field (an
+//! The layout, per type: a block is a list of fields ([`fields`]). The blocks go in units of
+//! [`unit_blocks`]: pairs `b`, `b + 1` of the blocks of 32 weights (the kernel's step) and of
+//! the super-blocks whose 16 rows are not whole cache lines (Q6_K's 3,360 bytes, Q3_K's 1,760),
+//! so that every unit starts on a cache line; the other super-blocks alone. A unit starts at
+//! byte `16 * block_bytes * b` of the group and holds its blocks field by field: field `k` of
+//! its first block for the 16 rows, of its second, then field `k + 1`. Inside, a 2-byte field (an
 //! f16 scale) is the 16 rows side by side (one `vcvtph2ps` load), a longer one is stored by
 //! dword: vector `m` holds dword `m` of the field of every row. Two fields are stored in the
 //! form the kernel wants rather than the file's: Q8_0's quants biased by +128 (`vpdpbusd`'s
@@ -44,6 +46,15 @@ pub fn has_layout(dt: DType) -> bool {
     matches!(dt.class(), WeightClass::Quantized(_))
 }
 
+/// How many of `q`'s blocks a unit holds (module docs).
+pub(crate) fn unit_blocks(q: QuantType) -> usize {
+    if q.block_len() == 32 || !(16 * q.block_bytes()).is_multiple_of(64) {
+        2
+    } else {
+        1
+    }
+}
+
 /// The byte of the unit starting at block `b0` (`n` blocks: 1 or 2) where field `k` of its
 /// block `b0 + c` starts for the 16 rows (module docs); the kernel's addresses.
 pub(crate) fn field_at(q: QuantType, n: usize, k: usize, c: usize) -> usize {
@@ -69,8 +80,10 @@ pub enum Layout {
     Packed16,
 }
 
-/// The packed bytes of a matrix, starting on a 64-byte boundary (a cache line, and the
-/// kernel's vector loads then never straddle two).
+/// The packed bytes of a matrix, starting on a 64-byte boundary (a cache line: the kernel's
+/// vector loads then never straddle two, as long as each group of 16 rows holds whole units;
+/// a row of an odd number of 32-weight blocks, or of Q6_K or Q3_K super-blocks, leaves the
+/// next group half a line off).
 pub struct PackedBytes {
     buf: Vec<u8>,
     start: usize,
@@ -93,7 +106,7 @@ impl std::fmt::Debug for PackedBytes {
 
 /// Where byte `j` of block `b` of row `i` lies in its packed group (`nb` blocks a row).
 fn place(q: QuantType, nb: usize, i: usize, b: usize, j: usize) -> usize {
-    let per = if q.block_len() == 32 { 2 } else { 1 };
+    let per = unit_blocks(q);
     let b0 = b / per * per;
     let n = per.min(nb - b0);
     let f = fields(q);
@@ -157,7 +170,7 @@ pub fn pack(pool: &ThreadPool, dt: DType, rows: usize, cols: usize, data: &[u8])
 /// Whole groups of 16 rows of `rb` bytes from `src` into `dst` in the packed layout.
 fn pack_groups(q: QuantType, rb: usize, src: &[u8], dst: &mut [u8]) {
     let (bb, nb) = (q.block_bytes(), rb / q.block_bytes());
-    let per = if q.block_len() == 32 { 2 } else { 1 };
+    let per = unit_blocks(q);
     let f = fields(q);
     // Where each field of a unit's block c starts, for a whole unit and a lone last block
     // (`place`, a field at a time: the same places, tested as its inverse).

@@ -1,6 +1,7 @@
 //! The 16-row AVX-512 VNNI kernel on packed weights ([`crate::pack`]): the weight-stationary
 //! product of `avx512_gemv.rs` with its unpacking and transposition done once at load time.
-//! A block of the 16 rows is then a few aligned vector loads, and a token one `vpdpbusd` per
+//! A block of the 16 rows is then a few vector loads (on whole cache lines wherever the rows
+//! hold whole units, `crate::pack`), and a token one `vpdpbusd` per
 //! weight dword with its activation dword broadcast. Lane `i` is row `i`, and every lane does
 //! exactly the float arithmetic of the single-token dot (`avx512.rs`), so the result equals
 //! that dot on the unpacked row bit for bit.
@@ -8,7 +9,7 @@
 use super::avx512::{has_offset, signed, IQ4NL, IQ4XS, Q2K, Q3K, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
 use super::avx512_super::{super_block, super_block_16};
 use super::{Acts, GEMV_TOKENS};
-use crate::pack::field_at;
+use crate::pack::{field_at, unit_blocks};
 use crate::quant::QuantType;
 use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
@@ -76,7 +77,8 @@ unsafe fn packed_kind<const KIND: u8>(q: QuantType, w: &[u8], rb: usize, a: &[Ac
     // SAFETY: the first n elements were initialized just above, and MaybeUninit<T> has the
     // layout of T.
     let sums: &mut [[[__m512; 4]; 2]] = unsafe { std::slice::from_raw_parts_mut(sums.as_mut_ptr().cast(), n) };
-    // The field layout's last field is the quants; Q5's fifth bits come before them.
+    // Which field holds the quants, and Q5's fifth bits (the per-16 kinds name theirs in
+    // `avx512_super`).
     let (quants, fifth) = match KIND {
         Q4_1 => (2, 0),
         Q5_0 => (2, 1),
@@ -113,12 +115,16 @@ unsafe fn packed_kind<const KIND: u8>(q: QuantType, w: &[u8], rb: usize, a: &[Ac
         // SAFETY: the unit's blocks b .. b + pair of the 16 rows lie inside `w` (asserted
         // length; `pack` module docs), and the features are this function's.
         unsafe {
-            let unit = w.as_ptr().add(16 * bb * (b / g));
             if matches!(KIND, Q6K | Q3K | Q2K) {
-                super_block_16::<KIND>(unit, &at1, a, b, sums);
+                // Super-block `sb` is block c of its unit (Q6_K and Q3_K: pairs).
+                let (sb, per) = (b / g, unit_blocks(q));
+                let (u0, c) = (sb / per * per, sb % per);
+                let at = if per.min(nb / g - u0) == 2 { &at2 } else { &at1 };
+                super_block_16::<KIND>(w.as_ptr().add(16 * bb * u0), at, c, a, b, sums);
                 b += g;
                 continue;
             }
+            let unit = w.as_ptr().add(16 * bb * (b / g));
             if g > 1 {
                 super_block::<KIND>(unit, &at1, (quants, fifth), a, b, sums);
                 b += g;

@@ -122,13 +122,15 @@ pub(super) unsafe fn super_block<const KIND: u8>(
 /// in 32 bits; Q2_K's mins a term of their own, as the single-token dot.
 ///
 /// # Safety
-/// The CPU must support the features of `avx512::kernels`, and the super-block of the 16
-/// rows must lie at `unit` (`at`: where each field starts in it).
+/// The CPU must support the features of `avx512::kernels`, and the unit of the 16 rows
+/// holding this super-block as its block `c` must lie at `unit` (`at`: where each field of
+/// each of its blocks starts in it).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(super) unsafe fn super_block_16<const KIND: u8>(
     unit: *const u8,
     at: &[[usize; 2]; 4],
+    c: usize,
     a: &[Acts<'_>],
     b: usize,
     sums: &mut [[[__m512; 4]; 2]],
@@ -136,7 +138,7 @@ pub(super) unsafe fn super_block_16<const KIND: u8>(
     let o = half_offset(KIND).unwrap_or(0);
     let vector = |k: usize, m: usize| {
         // SAFETY: dword m of field k of the 16 rows, inside the super-block (`pack`).
-        unsafe { _mm512_loadu_si512(unit.add(at[k][0] + 64 * m).cast()) }
+        unsafe { _mm512_loadu_si512(unit.add(at[k][c] + 64 * m).cast()) }
     };
     let f16_at = |x: __m512i| _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x));
     // d, and Q2_K's -dmin (its d|dmin dwords are field 2); Q6_K's and Q3_K's d is field 3.
@@ -149,7 +151,7 @@ pub(super) unsafe fn super_block_16<const KIND: u8>(
         (f16_at(dd), neg)
     } else {
         // SAFETY: the 16 rows' f16 d, 32 bytes at field 3.
-        (_mm512_cvtph_ps(unsafe { _mm256_loadu_si256(unit.add(at[3][0]).cast()) }), _mm512_setzero_ps())
+        (_mm512_cvtph_ps(unsafe { _mm256_loadu_si256(unit.add(at[3][c]).cast()) }), _mm512_setzero_ps())
     };
     // The quant vectors a group shares with others, loaded once: Q6_K's low bits (groups s
     // and s + 2) and high bits (the 4 groups of a half), Q3_K's and Q2_K's 2-bit quants (4

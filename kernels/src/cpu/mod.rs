@@ -89,7 +89,7 @@ pub struct Kernels {
     /// for bit.
     pub gemv16: Option<Gemv16>,
     /// [`Kernels::gemv16`] on a group of 16 rows in the packed layout ([`crate::pack`]), for
-    /// the types that have one; the same results bit for bit.
+    /// every quantized type; the same results bit for bit.
     pub gemv16_packed: Option<Gemv16>,
 }
 

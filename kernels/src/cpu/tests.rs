@@ -252,15 +252,15 @@ proptest! {
 
     #[test]
     #[cfg_attr(not(host_avx512vnni), ignore = "this processor lacks AVX-512 VNNI")]
-    fn packed_gemv16_lanes_are_the_single_dots(xs in proptest::collection::vec(row(16 * QK), 1..=crate::cpu::GEMV_TOKENS), blocks in 1usize..=8, seed in 0u64..1000) {
+    fn packed_gemv16_lanes_are_the_single_dots(xs in proptest::collection::vec(row(24 * QK), 1..=crate::cpu::GEMV_TOKENS), blocks in 1usize..=8, seed in 0u64..1000) {
         // Sixteen packed rows of random bits, an odd or even number of blocks, against 1 to 16
         // tokens: every lane must equal the single-token dot of the unpacked row.
         let k = super::table(super::Isa::Avx512Vnni);
         let gemv = k.gemv16_packed.expect("the AVX-512 table has the packed kernel");
         for q in QuantType::ALL.into_iter().filter(|q| k.packs(q.dtype())) {
             let dt = q.dtype();
-            // Blocks of 32 weights each; super-blocks: one or two.
-            let n = if q.block_len() > QK { q.block_len() / QK * (1 + blocks % 2) } else { blocks };
+            // Blocks of 32 weights each; super-blocks: one to three (a whole unit and a rest).
+            let n = if q.block_len() > QK { q.block_len() / QK * (1 + blocks % 3) } else { blocks };
             let rb = dt.bytes_for(n * QK).unwrap();
             let acts: Vec<Vec<BlockQ8>> = xs.iter().map(|x| q8(&x[..n * QK])).collect();
             let halves: Vec<Vec<[i32; 2]>> = acts.iter().map(|a| super::Acts::half_sums(a)).collect();

@@ -37,6 +37,8 @@ struct Weight<S: Stream> {
 
 impl<S: Stream> Weight<S> {
     fn upload(s: &S, t: &Tensor) -> Result<Self, GpuError> {
+        // The model's own weights, never a CPU backend's packed copy: the kernels read rows.
+        debug_assert_eq!(t.layout(), inferd_kernels::pack::Layout::Rows, "{} is packed", t.name);
         let row_bytes = t.dtype.bytes_for(t.cols).unwrap_or(0);
         let shape = WeightShape { ggml_type: t.dtype.ggml_type(), row_bytes, rows: t.rows, cols: t.cols };
         Ok(Weight { data: s.upload(t.bytes())?, shape })

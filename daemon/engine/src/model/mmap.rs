@@ -99,7 +99,7 @@ impl Blob {
     /// Maps `path` read-only.
     pub fn map(path: &Path) -> std::io::Result<Blob> {
         let file = File::open(path)?;
-        // SAFETY: the map is read-only and private. Another process truncating or rewriting the
+        // SAFETY: the map is read-only (and shared: no write of ours could reach the file). Another process truncating or rewriting the
         // file while it is mapped could change or fault the bytes under us; model files are
         // installed as whole files (package manager, fetch script renames into place), and every
         // length and offset read from them is checked before use, so the worst case is wrong

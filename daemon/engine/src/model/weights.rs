@@ -12,7 +12,8 @@ use inferd_kernels::pack::Layout;
 use inferd_kernels::quant::dequantize_row;
 use inferd_kernels::DType;
 
-/// A 2-D weight: `rows` output features of `cols` inputs each, row-major.
+/// A 2-D weight: `rows` output features of `cols` inputs each, row-major as the file has it,
+/// or packed by the CPU backend ([`Tensor::layout`]).
 #[derive(Clone, Debug)]
 pub struct Tensor {
     pub name: String,
@@ -46,6 +47,12 @@ impl Tensor {
         Ok(Tensor { name: name.to_string(), dtype, rows, cols, blob, offset, layout: Layout::Rows })
     }
 
+    /// How the rows lie in [`Tensor::bytes`].
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    /// The tensor's bytes, in its [`Tensor::layout`].
     pub fn bytes(&self) -> &[u8] {
         let len = self.dtype.bytes_for(self.cols).unwrap_or(0) * self.rows;
         &self.blob.bytes()[self.offset..self.offset + len]
@@ -57,8 +64,11 @@ impl Tensor {
 
     /// This tensor in the layout the 16-row kernel reads fastest, in memory of its own
     /// ([`inferd_kernels::pack`], on `pool`'s threads); `None` when its type has no packed
-    /// layout.
+    /// layout or it is packed already.
     pub fn packed(&self, pool: &inferd_kernels::pool::ThreadPool) -> Option<Tensor> {
+        if self.layout != Layout::Rows {
+            return None;
+        }
         let bytes = inferd_kernels::pack::pack(pool, self.dtype, self.rows, self.cols, self.bytes())?;
         let blob = Blob::from_bytes(bytes);
         let (name, dtype, rows, cols) = (self.name.clone(), self.dtype, self.rows, self.cols);
@@ -163,7 +173,8 @@ pub struct LlamaWeights {
     pub token_embd: Tensor,
     pub layers: Vec<LayerWeights>,
     pub output_norm: Vec<f32>,
-    /// The output projection; the embedding matrix itself when the model ties them.
+    /// The output projection; the embedding matrix itself when the model ties them (the CPU
+    /// backend packs a copy of its own, the embedding stays as it is).
     pub output: Tensor,
 }
 
@@ -345,6 +356,7 @@ mod tests {
         let p = t.packed(&pool).unwrap();
         assert_eq!((p.matrix().layout, p.bytes().len()), (Layout::Packed16, t.bytes().len()));
         assert_ne!(p.bytes(), t.bytes(), "the rows are rearranged");
+        assert!(p.packed(&pool).is_none(), "a packed tensor is not packed again");
         assert_eq!(p.to_f32(), t.to_f32());
         let f16 = Tensor::new("f", DType::F16, 16, 8, Blob::from_vec(vec![0; 256]), 0).unwrap();
         assert!(f16.packed(&pool).is_none(), "float weights are not packed");
