@@ -2,8 +2,9 @@
 //! output rows.
 //!
 //! Weights are row-major as GGUF and safetensors store them: row `r` (one output feature) holds
-//! `cols` input weights; or packed for the 16-row kernel ([`Layout::Packed16`], [`crate::pack`]). Activations come as `tokens` rows of `cols` floats, and for quantized
-//! weights also pre-quantized to [`BlockQ8`] (quantize once, reuse for Q/K/V or gate/up).
+//! `cols` input weights; or packed for the 16-row kernel ([`Layout::Packed16`], [`crate::pack`]).
+//! Activations come as `tokens` rows of `cols` floats, and for quantized weights also
+//! pre-quantized to [`BlockQ8`] (quantize once, reuse for Q/K/V or gate/up).
 //! Each task owns a chunk of weight rows and runs every token against it, up to 16 tokens per
 //! weight unpack, so a chunk is read from memory once per call whatever the batch size.
 
@@ -69,11 +70,11 @@ pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<
     assert_eq!(ws.len(), ys.len(), "one output per matrix");
     let t = x.tokens;
     // The 16-row kernel, where the table has one, takes every batch of quantized weights (16
-    // rows unpacked once per group of up to 16 tokens); the dots the rest. Measured against the
+    // rows unpacked once per group of up to 16 tokens; packed matrices the kernel of their
+    // layout); the dots the rest. Measured against the
     // 16-token kernel it replaced (GMAC/s, 2 threads, Sapphire Rapids): 8 tokens Q8_0 170 vs
     // 114, Q4_K 164 vs 50; 64 tokens Q8_0 206 vs 145, Q5_0 195 vs 121, Q4_K 202 vs 95, Q6_K
     // 152 vs 89.
-    // Packed matrices take the kernel of their layout.
     let gemv = |w: &Matrix<'_>| match (w.dtype.class(), w.layout) {
         (WeightClass::Quantized(_), Layout::Rows) => k.gemv16,
         (WeightClass::Quantized(_), Layout::Packed16) => k.gemv16_packed,

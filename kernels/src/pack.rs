@@ -56,10 +56,17 @@ pub(crate) fn unit_blocks(q: QuantType) -> usize {
 }
 
 /// The byte of the unit starting at block `b0` (`n` blocks: 1 or 2) where field `k` of its
-/// block `b0 + c` starts for the 16 rows (module docs); the kernel's addresses.
-pub(crate) fn field_at(q: QuantType, n: usize, k: usize, c: usize) -> usize {
+/// block `b0 + c` starts for the 16 rows (module docs).
+fn field_at(q: QuantType, n: usize, k: usize, c: usize) -> usize {
     let f = fields(q);
     16 * (n * f[..k].iter().sum::<usize>() + c * f[k])
+}
+
+/// Where each field `k` of a unit of `n` blocks (1 or 2) starts for its block `c`: `[k][c]`,
+/// zero past the type's fields and the unit's blocks (every type has at most four fields).
+pub(crate) fn unit_offsets(q: QuantType, n: usize) -> [[usize; 2]; 4] {
+    let f = fields(q);
+    std::array::from_fn(|k| std::array::from_fn(|c| if k < f.len() && c < n { field_at(q, n, k, c) } else { 0 }))
 }
 
 /// Where Q5_0's and Q5_1's fifth bit of weight `e` (bit `e` of the file's `qh`) is kept: bit
@@ -174,10 +181,7 @@ fn pack_groups(q: QuantType, rb: usize, src: &[u8], dst: &mut [u8]) {
     let f = fields(q);
     // Where each field of a unit's block c starts, for a whole unit and a lone last block
     // (`place`, a field at a time: the same places, tested as its inverse).
-    let starts = |n: usize| -> Vec<[usize; 2]> {
-        (0..f.len()).map(|k| [field_at(q, n, k, 0), if n > 1 { field_at(q, n, k, 1) } else { 0 }]).collect()
-    };
-    let (whole_unit, lone) = (starts(per), starts(1));
+    let (whole_unit, lone) = (unit_offsets(q, per), unit_offsets(q, 1));
     let mut block = vec![0u8; bb];
     for (group, dst) in src.chunks_exact(16 * rb).zip(dst.chunks_exact_mut(16 * rb)) {
         for i in 0..16 {

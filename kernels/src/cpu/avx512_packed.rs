@@ -7,9 +7,9 @@
 //! that dot on the unpacked row bit for bit.
 
 use super::avx512::{has_offset, signed, IQ4NL, IQ4XS, Q2K, Q3K, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
-use super::avx512_super::{super_block, super_block_16};
+use super::avx512_super::{act, super_block, super_block_16};
 use super::{Acts, GEMV_TOKENS};
-use crate::pack::{field_at, unit_blocks};
+use crate::pack::{unit_blocks, unit_offsets};
 use crate::quant::QuantType;
 use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
@@ -91,15 +91,7 @@ unsafe fn packed_kind<const KIND: u8>(q: QuantType, w: &[u8], rb: usize, a: &[Ac
         _ => (1, 0),
     };
     // Where field k of a unit's block c starts, for a pair and for a lone last block.
-    let fields = match KIND {
-        Q6K | Q3K => 4,
-        Q2K => 3,
-        _ => quants + 1,
-    };
-    let offsets = |n: usize| -> [[usize; 2]; 4] {
-        std::array::from_fn(|k| std::array::from_fn(|c| if k < fields && c < n { field_at(q, n, k, c) } else { 0 }))
-    };
-    let (at2, at1) = (offsets(2), offsets(1));
+    let (at2, at1) = (unit_offsets(q, 2), unit_offsets(q, 1));
     // The next group is fetched into L2 while this one is computed, a share per unit.
     let per = if g == 1 { 2 } else { g };
     let (lines, steps) = (16 * rb / 64, nb.div_ceil(per));
@@ -225,13 +217,10 @@ unsafe fn unit_of<const KIND: u8, const N: usize>(
     for (t, at) in a.iter().enumerate() {
         for c in 0..N {
             let blk = &at.q8[b + c];
-            let q8 = blk.qs.as_ptr();
             let mut isum = _mm512_setzero_si512();
             for (h, wh) in wq[c].iter().enumerate() {
                 for (m, &wv) in wh.iter().enumerate() {
-                    // SAFETY: `qs` is 32 bytes; 16 h + 4 m + 4 <= 32.
-                    let four = unsafe { q8.add(16 * h + 4 * m).cast::<i32>().read_unaligned() };
-                    isum = _mm512_dpbusd_epi32(isum, wv, _mm512_set1_epi32(four));
+                    isum = _mm512_dpbusd_epi32(isum, wv, act(blk, 4 * h + m));
                 }
             }
             if signed(KIND) {

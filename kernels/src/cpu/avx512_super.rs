@@ -19,7 +19,7 @@ fn bits(x: __m512i, by: usize, mask: i8) -> __m512i {
 /// The dword of the token's block `blk` at weights `4 m .. 4 m + 4`, broadcast.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-fn act(blk: &crate::quant::BlockQ8, m: usize) -> __m512i {
+pub(super) fn act(blk: &crate::quant::BlockQ8, m: usize) -> __m512i {
     let q = &blk.qs[4 * m..4 * m + 4];
     _mm512_set1_epi32(i32::from_le_bytes([q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8]))
 }
