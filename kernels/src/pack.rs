@@ -16,7 +16,7 @@
 //! f16 scale) is the 16 rows side by side (one `vcvtph2ps` load), a longer one is stored by
 //! dword: vector `m` holds dword `m` of the field of every row. Two fields are stored in the
 //! form the kernel wants rather than the file's: Q8_0's quants biased by +128 (`vpdpbusd`'s
-//! unsigned operand), and Q5_0's and Q5_1's fifth bits reordered so that one shift brings
+//! unsigned operand; the AVX2 kernel, eight rows to a half vector, takes them back), and Q5_0's and Q5_1's fifth bits reordered so that one shift brings
 //! those of four consecutive weights to the four bytes of a dword ([`fifth_bit_at`]).
 
 use crate::pool::ThreadPool;

@@ -1,14 +1,13 @@
 //! AVX2 + FMA + F16C kernels (x86-64), selected at run time by [`kernels`].
 //!
-//! The integer products follow the llama.cpp ggml-cpu scheme: 4-bit weights are unpacked to
-//! unsigned bytes and multiplied with signed 8-bit activations by `vpmaddubsw`, pairs summed to
-//! i32 by `vpmaddwd`, then scaled per block in f32. Sums are exact in i32, so results differ from
-//! the scalar reference only by the f32 accumulation order.
+//! This file holds the float kernels (dots of f32/f16/bf16 rows, attention, `exp`, GeGLU) and
+//! the activations' 8-bit quantizer. The quantized products are the lane arithmetic's
+//! single-row dots (`lane.rs`) and the 16-row kernel on packed weights (`avx2_packed.rs`).
 //!
 //! Every function here is `#[target_feature(enable = "avx2,fma,f16c")]`; the safe wrappers in the
 //! table returned by [`kernels`] are only reachable after [`kernels`] has checked those features.
 
-use super::{Isa, Kernels, QuantDots};
+use super::{Isa, Kernels};
 use crate::quant::{BlockQ8, QuantType, QK};
 use half::f16;
 use std::arch::x86_64::*;
@@ -24,7 +23,7 @@ pub fn kernels() -> Option<Kernels> {
         isa: Isa::Avx2,
         // SAFETY: AVX2/FMA/F16C were detected above.
         quantize_q8: |x, out| unsafe { quantize_q8(x, out) },
-        quant: QuantType::ALL.map(quant_dots),
+        quant: QuantType::ALL.map(super::lane::quant_dots),
         // SAFETY: as above.
         dot_f32: |w, x| unsafe { dot_f32(w, x) },
         // SAFETY: as above.
@@ -48,42 +47,9 @@ pub fn kernels() -> Option<Kernels> {
         // SAFETY: as above.
         geglu: |g, u| unsafe { geglu(g, u) },
         gemv16: None,
-        gemv16_packed: None,
+        // SAFETY: as above.
+        gemv16_packed: Some(|dt, w, rb, a, out| unsafe { super::avx2_packed::gemv16_packed(dt, w, rb, a, out) }),
     })
-}
-
-/// The products of `q`: Q4_0, Q4_1 and Q8_0 here, the other types in `avx2_group`.
-fn quant_dots(q: QuantType) -> QuantDots {
-    use super::avx2_group::dots;
-    match q {
-        QuantType::Q4_0 => QuantDots {
-            // SAFETY: the table that holds these exists only where AVX2/FMA/F16C were detected.
-            one: |w, a| unsafe { dot_q4_x4::<false, 1>(w, [a, a, a, a])[0] },
-            // SAFETY: as above.
-            four: |w, a| unsafe { dot_q4_x4::<false, 4>(w, a) },
-        },
-        QuantType::Q4_1 => QuantDots {
-            // SAFETY: as above.
-            one: |w, a| unsafe { dot_q4_x4::<true, 1>(w, [a, a, a, a])[0] },
-            // SAFETY: as above.
-            four: |w, a| unsafe { dot_q4_x4::<true, 4>(w, a) },
-        },
-        QuantType::Q8_0 => QuantDots {
-            // SAFETY: as above.
-            one: |w, a| unsafe { dot_q8_0_x4::<1>(w, [a, a, a, a])[0] },
-            // SAFETY: as above.
-            four: |w, a| unsafe { dot_q8_0_x4::<4>(w, a) },
-        },
-        QuantType::Q5_0 => dots::<{ QuantType::Q5_0 as u8 }>(),
-        QuantType::Q5_1 => dots::<{ QuantType::Q5_1 as u8 }>(),
-        QuantType::Q2K => dots::<{ QuantType::Q2K as u8 }>(),
-        QuantType::Q3K => dots::<{ QuantType::Q3K as u8 }>(),
-        QuantType::Q4K => dots::<{ QuantType::Q4K as u8 }>(),
-        QuantType::Q5K => dots::<{ QuantType::Q5K as u8 }>(),
-        QuantType::Q6K => dots::<{ QuantType::Q6K as u8 }>(),
-        QuantType::IQ4NL => dots::<{ QuantType::IQ4NL as u8 }>(),
-        QuantType::IQ4XS => dots::<{ QuantType::IQ4XS as u8 }>(),
-    }
 }
 
 #[inline]
@@ -95,11 +61,6 @@ pub(super) fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
     _mm_cvtss_f32(s)
-}
-
-#[inline]
-pub(super) fn f16_at(b: &[u8], at: usize) -> f32 {
-    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
 /// How far ahead of the current weight block to prefetch. Weight rows are streamed once per
@@ -150,79 +111,6 @@ unsafe fn quantize_q8(x: &[f32], out: &mut [BlockQ8]) {
         blk.d = d;
         blk.s = d * _mm_cvtsi128_si32(s4) as f32;
     }
-}
-
-/// Q4_0 (`OFFSET == false`) or Q4_1 (`OFFSET == true`) weights against up to four activation rows
-/// (`N` of them are used; the rest are ignored).
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q4_x4<const OFFSET: bool, const N: usize>(w: &[u8], a: [&[BlockQ8]; 4]) -> [f32; 4] {
-    let nb = a[0].len();
-    let bb = if OFFSET { 20 } else { 18 };
-    assert!(w.len() >= nb * bb && a[..N].iter().all(|r| r.len() == nb));
-    let low = _mm_set1_epi8(0x0f);
-    let ones = _mm256_set1_epi16(1);
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let mut off = [0f32; 4];
-    for i in 0..nb {
-        prefetch(w, i * bb);
-        let blk = &w[i * bb..i * bb + bb];
-        let d = f16_at(blk, 0);
-        let (m, qs) = if OFFSET { (f16_at(blk, 2), &blk[4..20]) } else { (-8.0 * d, &blk[2..18]) };
-        // SAFETY: `qs` is 16 bytes.
-        let q = unsafe { _mm_loadu_si128(qs.as_ptr().cast()) };
-        let lo = _mm_and_si128(q, low);
-        let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), low);
-        let wq = _mm256_set_m128i(hi, lo);
-        for r in 0..N {
-            let ab = &a[r][i];
-            // SAFETY: `ab.qs` is 32 bytes.
-            let aq = unsafe { _mm256_loadu_si256(ab.qs.as_ptr().cast()) };
-            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, aq), ones);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * ab.d), _mm256_cvtepi32_ps(p), acc[r]);
-            off[r] += m * ab.s;
-        }
-    }
-    let mut out = [0f32; 4];
-    for r in 0..N {
-        out[r] = hsum(acc[r]) + off[r];
-    }
-    out
-}
-
-/// Q8_0 weights against up to four activation rows.
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q8_0_x4<const N: usize>(w: &[u8], a: [&[BlockQ8]; 4]) -> [f32; 4] {
-    let nb = a[0].len();
-    assert!(w.len() >= nb * 34 && a[..N].iter().all(|r| r.len() == nb));
-    let ones = _mm256_set1_epi16(1);
-    let mut acc = [_mm256_setzero_ps(); 4];
-    for i in 0..nb {
-        prefetch(w, i * 34);
-        let blk = &w[i * 34..i * 34 + 34];
-        let d = f16_at(blk, 0);
-        // SAFETY: `blk[2..34]` is 32 bytes.
-        let wq = unsafe { _mm256_loadu_si256(blk[2..].as_ptr().cast()) };
-        // |w| as unsigned, sign moved onto the activation: vpmaddubsw needs one unsigned operand.
-        let aw = _mm256_sign_epi8(wq, wq);
-        for r in 0..N {
-            let ab = &a[r][i];
-            // SAFETY: `ab.qs` is 32 bytes.
-            let aq = unsafe { _mm256_loadu_si256(ab.qs.as_ptr().cast()) };
-            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(aq, wq)), ones);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * ab.d), _mm256_cvtepi32_ps(p), acc[r]);
-        }
-    }
-    let mut out = [0f32; 4];
-    for r in 0..N {
-        out[r] = hsum(acc[r]);
-    }
-    out
 }
 
 /// # Safety

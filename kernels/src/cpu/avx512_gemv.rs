@@ -11,8 +11,8 @@
 //! and the lanes end as the rows' exact integer sums of each block: no reduction across lanes.
 
 use super::avx2_group::{bits, load32, q3k_quants, q6k_quants};
-use super::avx512::{groups, half_offset, has_offset, layout, row_bytes, signed};
-use super::avx512::{IQ4NL, IQ4XS, Q2K, Q3K, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
+use super::lane::{groups, half_offset, has_offset, layout, row_bytes, signed};
+use super::lane::{IQ4NL, IQ4XS, Q2K, Q3K, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
 use super::{Acts, GEMV_TOKENS};
 use crate::quant::QuantType;
 use std::arch::x86_64::*;

@@ -4,8 +4,8 @@
 //! (`avx512.rs`): the group's exact integer sum (per 16-weight half for Q6_K, Q3_K and Q2_K,
 //! times the half's scale), then the float step of the group.
 
-use super::avx512::{half_offset, IQ4XS, Q2K, Q3K, Q5K, Q6K};
 use super::avx512_gemv::{iq4xs_scale, k_scales};
+use super::lane::{half_offset, IQ4XS, Q2K, Q3K, Q5K, Q6K};
 use super::Acts;
 use std::arch::x86_64::*;
 

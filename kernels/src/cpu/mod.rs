@@ -13,6 +13,10 @@ pub mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx2_group;
 #[cfg(target_arch = "x86_64")]
+mod avx2_packed;
+#[cfg(target_arch = "x86_64")]
+mod avx2_super;
+#[cfg(target_arch = "x86_64")]
 pub mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod avx512_attn;
@@ -22,6 +26,8 @@ mod avx512_gemv;
 mod avx512_packed;
 #[cfg(target_arch = "x86_64")]
 mod avx512_super;
+#[cfg(target_arch = "x86_64")]
+mod lane;
 pub mod scalar;
 
 /// The instruction set a kernel table was built for.

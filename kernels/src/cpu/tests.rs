@@ -251,28 +251,33 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(100))]
 
     #[test]
-    #[cfg_attr(not(host_avx512vnni), ignore = "this processor lacks AVX-512 VNNI")]
+    #[cfg_attr(not(host_avx2), ignore = "this processor lacks AVX2, FMA or F16C")]
     fn packed_gemv16_lanes_are_the_single_dots(xs in proptest::collection::vec(row(24 * QK), 1..=crate::cpu::GEMV_TOKENS), blocks in 1usize..=8, seed in 0u64..1000) {
         // Sixteen packed rows of random bits, an odd or even number of blocks, against 1 to 16
-        // tokens: every lane must equal the single-token dot of the unpacked row.
-        let k = super::table(super::Isa::Avx512Vnni);
-        let gemv = k.gemv16_packed.expect("the AVX-512 table has the packed kernel");
-        for q in QuantType::ALL.into_iter().filter(|q| k.packs(q.dtype())) {
-            let dt = q.dtype();
-            // Blocks of 32 weights each; super-blocks: one to three (a whole unit and a rest).
-            let n = if q.block_len() > QK { q.block_len() / QK * (1 + blocks % 3) } else { blocks };
-            let rb = dt.bytes_for(n * QK).unwrap();
-            let acts: Vec<Vec<BlockQ8>> = xs.iter().map(|x| q8(&x[..n * QK])).collect();
-            let halves: Vec<Vec<[i32; 2]>> = acts.iter().map(|a| super::Acts::half_sums(a)).collect();
-            let act_refs: Vec<super::Acts<'_>> = acts.iter().zip(&halves).map(|(q8, halves)| super::Acts { q8, halves }).collect();
-            let rows: Vec<u8> = (0..16).flat_map(|r| crate::quantize::random_blocks(q, n * QK / q.block_len(), seed * 16 + r)).collect();
-            let packed = crate::pack::pack(&crate::pool::ThreadPool::new(1), dt, 16, n * QK, &rows).unwrap();
-            let mut got = vec![[0f32; 16]; acts.len()];
-            gemv(q, &packed, rb, &act_refs, &mut got);
-            let (one, _) = k.quant_dots(q);
-            for (t, (out, act)) in got.iter().zip(&acts).enumerate() {
-                for (r, &g) in out.iter().enumerate() {
-                    prop_assert_eq!(g.to_bits(), one(&rows[r * rb..(r + 1) * rb], act).to_bits(), "{:?} token {} lane {} of {} blocks", dt, t, r, n);
+        // tokens, on every table with a packed kernel (AVX2, and AVX-512 where the processor
+        // has it): every lane must equal the single-token dot of the unpacked row.
+        let tables: Vec<Kernels> = Kernels::all().into_iter().filter(|k| k.gemv16_packed.is_some()).collect();
+        prop_assert!(tables.iter().any(|k| k.isa == super::Isa::Avx2), "the AVX2 table has the packed kernel");
+        for k in tables {
+            let gemv = k.gemv16_packed.expect("filtered above");
+            for q in QuantType::ALL {
+                prop_assert!(k.packs(q.dtype()), "{:?} packs {:?}", k.isa, q);
+                let dt = q.dtype();
+                // Blocks of 32 weights each; super-blocks: one to three (a whole unit and a rest).
+                let n = if q.block_len() > QK { q.block_len() / QK * (1 + blocks % 3) } else { blocks };
+                let rb = dt.bytes_for(n * QK).unwrap();
+                let acts: Vec<Vec<BlockQ8>> = xs.iter().map(|x| q8(&x[..n * QK])).collect();
+                let halves: Vec<Vec<[i32; 2]>> = acts.iter().map(|a| super::Acts::half_sums(a)).collect();
+                let act_refs: Vec<super::Acts<'_>> = acts.iter().zip(&halves).map(|(q8, halves)| super::Acts { q8, halves }).collect();
+                let rows: Vec<u8> = (0..16).flat_map(|r| crate::quantize::random_blocks(q, n * QK / q.block_len(), seed * 16 + r)).collect();
+                let packed = crate::pack::pack(&crate::pool::ThreadPool::new(1), dt, 16, n * QK, &rows).unwrap();
+                let mut got = vec![[0f32; 16]; acts.len()];
+                gemv(q, &packed, rb, &act_refs, &mut got);
+                let (one, _) = k.quant_dots(q);
+                for (t, (out, act)) in got.iter().zip(&acts).enumerate() {
+                    for (r, &g) in out.iter().enumerate() {
+                        prop_assert_eq!(g.to_bits(), one(&rows[r * rb..(r + 1) * rb], act).to_bits(), "{:?} {:?} token {} lane {} of {} blocks", k.isa, dt, t, r, n);
+                    }
                 }
             }
         }
