@@ -104,19 +104,27 @@ parsed = client.chat.completions.parse(
 p = parsed.choices[0].message.parsed
 out["parse"] = {"type": type(p).__name__, "pets": len(p.pets) if p else None, "finish": parsed.choices[0].finish_reason}
 
-# Any JSON object.
-c = client.chat.completions.create(
-    model=model,
-    messages=[{"role": "user", "content": "List three colours as JSON."}],
-    response_format={"type": "json_object"},
-    temperature=0.7,
-    seed=1,
-    max_tokens=300,
-)
-try:
-    out["json_object"] = {"is_object": isinstance(json.loads(c.choices[0].message.content), dict), "finish": c.choices[0].finish_reason}
-except ValueError as e:
-    out["json_object"] = {"error": str(e), "text": c.choices[0].message.content}
+# Any JSON object, sampled as the corpus is: up to four seeds until an answer ends (a small
+# model can repeat array items until max_tokens); every answer that ended must parse as an object.
+tries = []
+for seed in range(1, 5):
+    c = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "List three colours as JSON."}],
+        response_format={"type": "json_object"},
+        temperature=0.7,
+        frequency_penalty=0.5,
+        seed=seed,
+        max_tokens=300,
+    )
+    text, finish = c.choices[0].message.content, c.choices[0].finish_reason
+    try:
+        tries.append({"seed": seed, "finish": finish, "is_object": isinstance(json.loads(text), dict)})
+    except ValueError as e:
+        tries.append({"seed": seed, "finish": finish, "error": str(e), "text": text})
+    if finish == "stop":
+        break
+out["json_object"] = tries
 
 # A schema the engine cannot enforce: a 400 that names the field.
 try:

@@ -82,7 +82,15 @@ history = ask + [
     {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"city": "Paris", "weather": "sunny", "temperature": 18})},
 ]
 r = client.chat.completions.create(model=model, messages=history, tools=[weather], tool_choice="none", temperature=0, max_tokens=60)
-out["round_trip"] = {"finish": r.choices[0].finish_reason, "content": r.choices[0].message.content, "calls": len(r.choices[0].message.tool_calls or [])}
+empty = history[:-1] + [dict(history[-1], content="")]
+e = client.chat.completions.create(model=model, messages=empty, tools=[weather], tool_choice="none", temperature=0, max_tokens=1)
+out["round_trip"] = {
+    "finish": r.choices[0].finish_reason,
+    "content": r.choices[0].message.content,
+    "calls": len(r.choices[0].message.tool_calls or []),
+    "prompt_tokens": r.usage.prompt_tokens,
+    "prompt_tokens_empty_result": e.usage.prompt_tokens,
+}
 # Auto: the model decides; whatever it does comes back as text or as calls that parse.
 r = client.chat.completions.create(model=model, messages=ask, tools=[weather], temperature=0, max_tokens=100)
 m = r.choices[0].message

@@ -137,7 +137,11 @@ fn structured_output_validates_through_the_official_clients() {
     assert_eq!(v["strategies"].as_object().unwrap().len(), 4);
     assert_eq!(v["strategies"]["speculative"]["text"], stream["text"], "speculative at temperature 0 is greedy");
     assert_eq!(v["parse"], serde_json::json!({ "type": "Owner", "pets": 2, "finish": "stop" }));
-    assert_eq!(v["json_object"], serde_json::json!({ "is_object": true, "finish": "stop" }));
+    let tries = v["json_object"].as_array().unwrap();
+    assert_eq!(tries.last().unwrap()["finish"], "stop", "json_object: no answer ended: {tries:?}");
+    for t in tries.iter().filter(|t| t["finish"] == "stop") {
+        assert_eq!(t["is_object"], true, "json_object: {t}");
+    }
     let u = &v["unenforceable"];
     assert!(u["status"] == 400 && u["param"] == "response_format", "{u}");
     assert!(u["message"].as_str().unwrap().contains("minimum (5) is greater than maximum (1)"), "{u}");
@@ -179,7 +183,12 @@ fn tool_calls_round_trip_through_the_official_clients() {
     assert_eq!(v["stream"]["finish"], "tool_calls");
     let rt = &v["round_trip"];
     assert!(rt["finish"] == "stop" && rt["calls"] == 0, "{rt}");
-    assert!(rt["content"].as_str().unwrap().contains("sunny"), "the tool's result reached the model: {rt}");
+    // The tool's result is in the prompt the model saw: the same conversation with an empty
+    // result is that many tokens shorter (what the 135M model then says of it depends on
+    // rounding: it may quote the weather or echo the call).
+    let (with, without) = (rt["prompt_tokens"].as_u64().unwrap(), rt["prompt_tokens_empty_result"].as_u64().unwrap());
+    assert!(with >= without + 10, "the tool's result reached the model: {rt}");
+    assert!(!rt["content"].as_str().unwrap_or_default().is_empty(), "{rt}");
     let auto = &v["auto"];
     assert!(auto["calls"].as_array().unwrap().iter().all(|c| c["error"].is_null()), "{auto}");
     assert!(!auto["content"].as_str().unwrap_or_default().is_empty() || auto["finish"] == "tool_calls", "{auto}");
