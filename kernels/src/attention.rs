@@ -35,11 +35,92 @@ impl PagedKv<'_> {
     }
 }
 
+/// Positions per piece: a query attends to its context a piece of this many positions at a
+/// time, each piece a task of its own, and the pieces are merged in order (split-K attention, as
+/// FlashDecoding and vLLM's PagedAttention v2 do). A batch of one token then keeps every thread
+/// busy even with fewer KV heads than threads (SmolLM2 has 3, Gemma 3 270M one), and a long
+/// context is spread over all of them. How a range is split depends on the range alone, never on
+/// the batch, so a token's result is the same in any batch, bit for bit.
+pub const PIECE: usize = 64;
+
+/// The pieces the range `start..ctx_len` is attended in.
+fn pieces(c: &QueryCtx<'_>) -> usize {
+    (c.ctx_len - c.start).div_ceil(PIECE)
+}
+
+/// The block runs of positions `lo..hi` of KV head `kv_head`: (pool offset, index from `lo`,
+/// count) for each block the range touches.
+fn spans<'t>(
+    kv: &PagedKv<'_>,
+    table: &'t [u32],
+    (lo, hi): (usize, usize),
+    kv_head: usize,
+) -> impl Iterator<Item = (usize, usize, usize)> + 't {
+    let (bs, hd, nkv) = (kv.block_size, kv.head_dim, kv.n_kv_heads);
+    (lo / bs..hi.div_ceil(bs)).map(move |b| {
+        let (from, to) = ((b * bs).max(lo), ((b + 1) * bs).min(hi));
+        (PagedKv::offset(bs, nkv, hd, table[b] as usize, kv_head, from - b * bs), from - lo, to - from)
+    })
+}
+
+/// The `g` heads' scores over positions `lo..hi` (`scores`, `[position][head]`), shifted by
+/// each head's maximum and exponentiated; returns each head's maximum and sum of exponentials.
+#[allow(clippy::too_many_arguments)]
+fn weights(
+    k: &Kernels,
+    kv: &PagedKv<'_>,
+    table: &[u32],
+    range: (usize, usize),
+    kv_head: usize,
+    q: &[f32],
+    g: usize,
+    scale: f32,
+    scores: &mut [f32],
+) -> ([f32; 64], [f32; 64]) {
+    let hd = kv.head_dim;
+    for (o, at, n) in spans(kv, table, range, kv_head) {
+        (k.attn_scores)(&kv.k[o..o + n * hd], q, hd, g, scale, &mut scores[at * g..(at + n) * g]);
+    }
+    // Each head's column (stride g): shift by the column max, one vector exp over everything.
+    let mut max = [f32::NEG_INFINITY; 64];
+    for row in scores.chunks_exact(g) {
+        max[..g].iter_mut().zip(row).for_each(|(m, &v)| *m = m.max(v));
+    }
+    for row in scores.chunks_exact_mut(g) {
+        row.iter_mut().zip(&max[..g]).for_each(|(v, m)| *v -= m);
+    }
+    (k.exp)(scores);
+    let mut sum = [0f32; 64];
+    for row in scores.chunks_exact(g) {
+        sum[..g].iter_mut().zip(row).for_each(|(s, &v)| *s += v);
+    }
+    (max, sum)
+}
+
+/// `out` (`g × head_dim`, zeroed first) = the values of positions `lo..hi` weighted by `p`.
+#[allow(clippy::too_many_arguments)]
+fn weighted_values(
+    k: &Kernels,
+    kv: &PagedKv<'_>,
+    table: &[u32],
+    range: (usize, usize),
+    kv_head: usize,
+    p: &[f32],
+    g: usize,
+    out: &mut [f32],
+) {
+    let hd = kv.head_dim;
+    out.fill(0.0);
+    for (o, at, n) in spans(kv, table, range, kv_head) {
+        (k.attn_values)(&kv.v[o..o + n * hd], &p[at * g..(at + n) * g], hd, g, out);
+    }
+}
+
 /// Causal attention of the `g` query heads that share KV head `kv_head` (GQA), over positions
 /// `start..ctx_len` of the sequence whose blocks are `table` (`start > 0` for a sliding
-/// window). `q` holds the `g` rotated query vectors back to back (`g × head_dim`); the results go
-/// to `out` in the same layout. `scores` is scratch of at least `(ctx_len - start) * g`. Each key
-/// and value is converted from f16 once per group.
+/// window), in one piece. `q` holds the `g` rotated query vectors back to back (`g × head_dim`);
+/// the results go to `out` in the same layout. `scores` is scratch of at least `(ctx_len -
+/// start) * g`. Each key and value is converted from f16 once per group.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_group(
     k: &Kernels,
@@ -53,43 +134,55 @@ pub fn attend_group(
     scores: &mut [f32],
     out: &mut [f32],
 ) {
-    let (bs, hd) = (kv.block_size, kv.head_dim);
     assert!((1..=64).contains(&g), "at most 64 query heads per KV head");
     assert!(start < ctx_len, "a query sees at least its own position");
     let scores = &mut scores[..(ctx_len - start) * g];
-    // Block b's positions in the range: (pool offset, index in `scores`, count).
-    let span = |b: usize| {
-        let (lo, hi) = ((b * bs).max(start), ((b + 1) * bs).min(ctx_len));
-        let o = PagedKv::offset(bs, kv.n_kv_heads, hd, table[b] as usize, kv_head, lo - b * bs);
-        (o, lo - start, hi - lo)
-    };
-    let blocks = start / bs..ctx_len.div_ceil(bs);
-    for b in blocks.clone() {
-        let (o, at, n) = span(b);
-        (k.attn_scores)(&kv.k[o..o + n * hd], q, hd, g, scale, &mut scores[at * g..(at + n) * g]);
-    }
-    // Softmax of each head's column (stride g): shift by the column max, one vector exp over
-    // everything, normalize.
-    let mut max = [f32::NEG_INFINITY; 64];
-    let g_max = &mut max[..g];
-    for row in scores.chunks_exact(g) {
-        g_max.iter_mut().zip(row).for_each(|(m, &v)| *m = m.max(v));
-    }
-    for row in scores.chunks_exact_mut(g) {
-        row.iter_mut().zip(g_max.iter()).for_each(|(v, m)| *v -= m);
-    }
-    (k.exp)(scores);
-    let mut sum = [0f32; 64];
-    for row in scores.chunks_exact(g) {
-        sum[..g].iter_mut().zip(row).for_each(|(s, &v)| *s += v);
-    }
+    let (_, sum) = weights(k, kv, table, (start, ctx_len), kv_head, q, g, scale, scores);
     for row in scores.chunks_exact_mut(g) {
         row.iter_mut().zip(&sum[..g]).for_each(|(v, s)| *v /= s);
     }
-    out.fill(0.0);
-    for b in blocks {
-        let (o, at, n) = span(b);
-        (k.attn_values)(&kv.v[o..o + n * hd], &scores[at * g..(at + n) * g], hd, g, out);
+    weighted_values(k, kv, table, (start, ctx_len), kv_head, scores, g, out);
+}
+
+/// One piece of a split query (see [`PIECE`]): `out` gets the `g` heads' values over `lo..hi`
+/// weighted by unnormalized exponentials, then each head's maximum and sum of exponentials.
+#[allow(clippy::too_many_arguments)]
+fn attend_piece(
+    k: &Kernels,
+    kv: &PagedKv<'_>,
+    table: &[u32],
+    (lo, hi): (usize, usize),
+    kv_head: usize,
+    q: &[f32],
+    g: usize,
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    let hd = kv.head_dim;
+    let scores = &mut scores[..(hi - lo) * g];
+    let (max, sum) = weights(k, kv, table, (lo, hi), kv_head, q, g, scale, scores);
+    let (values, stats) = out.split_at_mut(g * hd);
+    weighted_values(k, kv, table, (lo, hi), kv_head, scores, g, values);
+    stats[..g].copy_from_slice(&max[..g]);
+    stats[g..2 * g].copy_from_slice(&sum[..g]);
+}
+
+/// Merges the pieces of one query's `g` heads in order (each `g × head_dim` values, `g` maxima,
+/// `g` sums, as [`attend_piece`] wrote them): every piece is rescaled to the overall maximum.
+fn merge_pieces(pieces: &[f32], g: usize, hd: usize, out: &mut [f32]) {
+    let slot = g * hd + 2 * g;
+    for j in 0..g {
+        let max = pieces.chunks_exact(slot).map(|p| p[g * hd + j]).fold(f32::NEG_INFINITY, f32::max);
+        let o = &mut out[j * hd..(j + 1) * hd];
+        o.fill(0.0);
+        let mut sum = 0.0;
+        for p in pieces.chunks_exact(slot) {
+            let f = (p[g * hd + j] - max).exp();
+            sum += f * p[g * hd + g + j];
+            o.iter_mut().zip(&p[j * hd..(j + 1) * hd]).for_each(|(o, &v)| *o += f * v);
+        }
+        o.iter_mut().for_each(|v| *v /= sum);
     }
 }
 
@@ -106,11 +199,13 @@ pub struct QueryCtx<'a> {
 
 thread_local! {
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// The calling thread's slots for the pieces of split queries, kept between calls.
+    static PARTIALS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Attention for a whole batch: `q` is `[tokens][n_heads * head_dim]`, `ctx[t]` says what token
-/// `t` sees, `out` has the shape of `q`; scores are `scale * q · k`. Parallel over (token,
-/// KV head) pairs.
+/// `t` sees, `out` has the shape of `q`; scores are `scale * q · k`. Parallel over (token, KV
+/// head, piece) triples ([`PIECE`]), then over the split pairs' merges.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_batch(
     pool: &ThreadPool,
@@ -140,24 +235,71 @@ pub fn attend_batch(
             "block id outside the pool"
         );
     }
-    let dst = SyncPtr(out.as_mut_ptr());
     let nkv = kv.n_kv_heads;
-    let task = |i: usize| {
-        let (t, g) = (i / nkv, i % nkv);
-        let c = ctx[t];
-        let off = t * qdim + g * group * hd;
-        let len = group * hd;
-        // SAFETY: task (t, g) is the only writer of out[off..off + len] (the query heads of KV
-        // head g for token t), which lies inside `out` (asserted shape); `out` outlives `pool.run`.
-        let o = unsafe { std::slice::from_raw_parts_mut(dst.get().add(off), len) };
-        SCORES.with_borrow_mut(|scores| {
-            if scores.len() < (c.ctx_len - c.start) * group {
-                scores.resize((c.ctx_len - c.start) * group, 0.0);
+    // Tasks: for each token, for each KV head, for each piece of its range. `first[t]` is token
+    // t's first task.
+    let mut first = Vec::with_capacity(ctx.len() + 1);
+    let mut tasks = 0;
+    for c in ctx {
+        first.push(tasks);
+        tasks += nkv * pieces(c);
+    }
+    first.push(tasks);
+    let split = tasks > ctx.len() * nkv;
+    // A split query's pieces each fill a slot of `partial` (indexed by task).
+    let slot = group * hd + 2 * group;
+    PARTIALS.with_borrow_mut(|partial| {
+        if split && partial.len() < tasks * slot {
+            partial.resize(tasks * slot, 0.0);
+        }
+        let (dst, pieces_at) = (SyncPtr(out.as_mut_ptr()), SyncPtr(partial.as_mut_ptr()));
+        let task = |i: usize| {
+            let t = first.partition_point(|&f| f <= i) - 1;
+            let (c, n) = (ctx[t], (first[t + 1] - first[t]) / nkv);
+            let (g, piece) = ((i - first[t]) / n, (i - first[t]) % n);
+            let off = t * qdim + g * group * hd;
+            let len = group * hd;
+            SCORES.with_borrow_mut(|scores| {
+                if scores.len() < PIECE.max(c.ctx_len - c.start) * group {
+                    scores.resize(PIECE.max(c.ctx_len - c.start) * group, 0.0);
+                }
+                let q = &q[off..off + len];
+                if n == 1 {
+                    // SAFETY: task (t, g) is the only writer of out[off..off + len] (the query
+                    // heads of KV head g for token t), which lies inside `out` (asserted shape);
+                    // `out` outlives `pool.run`.
+                    let o = unsafe { std::slice::from_raw_parts_mut(dst.get().add(off), len) };
+                    attend_group(k, kv, c.table, (c.start, c.ctx_len), g, q, group, scale, scores, o);
+                } else {
+                    // SAFETY: task i is the only writer of slot i, which lies inside `partial`
+                    // (sized to `tasks` slots above when any query is split); `partial` outlives
+                    // `pool.run`.
+                    let o = unsafe { std::slice::from_raw_parts_mut(pieces_at.get().add(i * slot), slot) };
+                    let lo = c.start + piece * PIECE;
+                    attend_piece(k, kv, c.table, (lo, (lo + PIECE).min(c.ctx_len)), g, q, group, scale, scores, o);
+                }
+            });
+        };
+        pool.run(tasks, &task);
+        if !split {
+            return;
+        }
+        // Merge each split (token, KV head) pair's pieces, in order.
+        let partial = &*partial;
+        let merge = |i: usize| {
+            let (t, g) = (i / nkv, i % nkv);
+            let n = (first[t + 1] - first[t]) / nkv;
+            if n > 1 {
+                let off = t * qdim + g * group * hd;
+                // SAFETY: pair (t, g) is the only writer of out[off..off + group * hd] (as
+                // above), and the pieces are no longer written.
+                let o = unsafe { std::slice::from_raw_parts_mut(dst.get().add(off), group * hd) };
+                let at = first[t] + g * n;
+                merge_pieces(&partial[at * slot..(at + n) * slot], group, hd, o);
             }
-            attend_group(k, kv, c.table, (c.start, c.ctx_len), g, &q[off..off + len], group, scale, scores, o);
-        });
-    };
-    pool.run(ctx.len() * nkv, &task);
+        };
+        pool.run(ctx.len() * nkv, &merge);
+    });
 }
 
 #[cfg(test)]
@@ -203,6 +345,67 @@ mod tests {
                 for i in 0..hd {
                     let want: f32 = (start..ctx).map(|p| w[p - start] * r(vals[p][i])).sum();
                     assert!((want - out[j * hd + i]).abs() < 1e-4, "start {start}: {want} vs {}", out[j * hd + i]);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn split_queries_match_the_reference_in_any_batch() {
+        // One sequence of 300 positions, two KV heads of dim 8 with two query heads each, its
+        // 19 blocks of 16 stored in shuffled order. Queries see ranges of one piece, exactly
+        // one, just over one and several, from 0 and from inside a window.
+        let (bs, hd, nkv, n_heads, len): (usize, usize, usize, usize, usize) = (16, 8, 2, 4, 300);
+        let nblocks = len.div_ceil(bs);
+        let table: Vec<u32> = (0..nblocks as u32).map(|b| (b * 7 + 3) % nblocks as u32).collect();
+        let val =
+            |p: usize, h: usize, i: usize, salt: usize| ((p * 31 + h * 17 + i * 7 + salt) % 23) as f32 / 11.0 - 1.0;
+        let mut kp = vec![f16::ZERO; nblocks * nkv * bs * hd];
+        let mut vp = kp.clone();
+        for p in 0..len {
+            for h in 0..nkv {
+                let o = PagedKv::offset(bs, nkv, hd, table[p / bs] as usize, h, p % bs);
+                for i in 0..hd {
+                    kp[o + i] = f16::from_f32(val(p, h, i, 0));
+                    vp[o + i] = f16::from_f32(val(p, h, i, 5));
+                }
+            }
+        }
+        let kv = PagedKv { k: &kp, v: &vp, block_size: bs, n_kv_heads: nkv, head_dim: hd };
+        let ranges = [(0, 1), (0, PIECE), (0, PIECE + 1), (0, 130), (0, len), (37, 230), (PIECE, 2 * PIECE + 3)];
+        let ctx: Vec<QueryCtx<'_>> =
+            ranges.iter().map(|&(start, ctx_len)| QueryCtx { table: &table, ctx_len, start }).collect();
+        let qdim = n_heads * hd;
+        let q: Vec<f32> = (0..ranges.len() * qdim).map(|i| ((i * 13) % 17) as f32 / 8.0 - 1.0).collect();
+        let pool = ThreadPool::new(2);
+        for kern in [Kernels::scalar(), Kernels::detect()] {
+            let mut all = vec![0.0; q.len()];
+            attend_batch(&pool, &kern, &kv, n_heads, 0.3, &q, &ctx, &mut all);
+            for (t, &(start, ctx_len)) in ranges.iter().enumerate() {
+                // Alone, the token's result is the batch's, bit for bit.
+                let mut alone = vec![0.0; qdim];
+                attend_batch(&pool, &kern, &kv, n_heads, 0.3, &q[t * qdim..(t + 1) * qdim], &ctx[t..t + 1], &mut alone);
+                let got = &all[t * qdim..(t + 1) * qdim];
+                assert!(alone.iter().zip(got).all(|(a, b)| a.to_bits() == b.to_bits()), "token {t} alone differs");
+                // Against softmax attention in f64 over the f16-rounded keys and values.
+                for h in 0..n_heads {
+                    let (kvh, qh) = (h / (n_heads / nkv), &q[t * qdim + h * hd..t * qdim + (h + 1) * hd]);
+                    let r = |x: f32| f64::from(f16::from_f32(x).to_f32());
+                    let s: Vec<f64> = (start..ctx_len)
+                        .map(|p| 0.3 * (0..hd).map(|i| r(val(p, kvh, i, 0)) * f64::from(qh[i])).sum::<f64>())
+                        .collect();
+                    let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let e: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
+                    let z: f64 = e.iter().sum();
+                    for i in 0..hd {
+                        let want: f64 = (start..ctx_len).map(|p| e[p - start] / z * r(val(p, kvh, i, 5))).sum();
+                        let g = got[h * hd + i];
+                        assert!(
+                            (want - f64::from(g)).abs() < 1e-5,
+                            "{:?} {start}..{ctx_len} head {h}: {want} vs {g}",
+                            kern.isa
+                        );
+                    }
                 }
             }
         }

@@ -1,8 +1,9 @@
 //! AVX2 + FMA + F16C kernels (x86-64), selected at run time by [`kernels`].
 //!
-//! This file holds the float kernels (dots of f32/f16/bf16 rows, attention, `exp`, GeGLU) and
+//! This file holds the float kernels (dots of f32/f16/bf16 rows, `exp`, GeGLU) and
 //! the activations' 8-bit quantizer. The quantized products are the lane arithmetic's
-//! single-row dots (`lane.rs`) and the 16-row kernel on packed weights (`avx2_packed.rs`).
+//! single-row dots (`lane.rs`) and the 16-row kernel on packed weights (`avx2_packed.rs`);
+//! attention is `avx2_attn.rs`.
 //!
 //! Every function here is `#[target_feature(enable = "avx2,fma,f16c")]`; the safe wrappers in the
 //! table returned by [`kernels`] are only reachable after [`kernels`] has checked those features.
@@ -39,9 +40,9 @@ pub fn kernels() -> Option<Kernels> {
         // SAFETY: as above.
         axpy_f16: |a, x, y| unsafe { axpy_f16(a, x, y) },
         // SAFETY: as above.
-        attn_scores: |k, q, hd, g, scale, out| unsafe { attn_scores(k, q, hd, g, scale, out) },
+        attn_scores: |k, q, hd, g, scale, out| unsafe { super::avx2_attn::attn_scores(k, q, hd, g, scale, out) },
         // SAFETY: as above.
-        attn_values: |v, p, hd, g, out| unsafe { attn_values(v, p, hd, g, out) },
+        attn_values: |v, p, hd, g, out| unsafe { super::avx2_attn::attn_values(v, p, hd, g, out) },
         // SAFETY: as above.
         exp: |x| unsafe { exp(x) },
         // SAFETY: as above.
@@ -270,61 +271,6 @@ unsafe fn axpy_f16(a: f32, x: &[f16], y: &mut [f32]) {
         i += 8;
     }
     super::scalar::axpy_f16(a, &x[i..n], &mut y[i..n]);
-}
-
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn attn_scores(k: &[f16], q: &[f32], hd: usize, g: usize, scale: f32, out: &mut [f32]) {
-    let n = k.len() / hd;
-    if !hd.is_multiple_of(8) || hd > 256 {
-        return super::scalar::attn_scores(k, q, hd, g, scale, out);
-    }
-    assert!(q.len() >= g * hd && out.len() >= n * g);
-    let mut kf = [_mm256_setzero_ps(); 32];
-    for i in 0..n {
-        // Convert the key once, use it for every query head of the group.
-        for (c, slot) in kf[..hd / 8].iter_mut().enumerate() {
-            // SAFETY: 8 f16 at i * hd + 8c, inside `k` (n * hd elements).
-            *slot = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(k.as_ptr().add(i * hd + 8 * c).cast())) };
-        }
-        for j in 0..g {
-            let mut acc = _mm256_setzero_ps();
-            for (c, kv) in kf[..hd / 8].iter().enumerate() {
-                // SAFETY: 8 f32 at j * hd + 8c, inside `q` (asserted).
-                acc = _mm256_fmadd_ps(*kv, unsafe { _mm256_loadu_ps(q.as_ptr().add(j * hd + 8 * c)) }, acc);
-            }
-            out[i * g + j] = scale * hsum(acc);
-        }
-    }
-}
-
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn attn_values(v: &[f16], p: &[f32], hd: usize, g: usize, out: &mut [f32]) {
-    let n = v.len() / hd;
-    if !hd.is_multiple_of(8) || hd > 256 {
-        return super::scalar::attn_values(v, p, hd, g, out);
-    }
-    assert!(p.len() >= n * g && out.len() >= g * hd);
-    let mut vf = [_mm256_setzero_ps(); 32];
-    for i in 0..n {
-        for (c, slot) in vf[..hd / 8].iter_mut().enumerate() {
-            // SAFETY: 8 f16 at i * hd + 8c, inside `v` (n * hd elements).
-            *slot = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add(i * hd + 8 * c).cast())) };
-        }
-        for j in 0..g {
-            let w = _mm256_set1_ps(p[i * g + j]);
-            for (c, vv) in vf[..hd / 8].iter().enumerate() {
-                // SAFETY: 8 f32 at j * hd + 8c, inside `out` (asserted).
-                unsafe {
-                    let o = out.as_mut_ptr().add(j * hd + 8 * c);
-                    _mm256_storeu_ps(o, _mm256_fmadd_ps(w, *vv, _mm256_loadu_ps(o)));
-                }
-            }
-        }
-    }
 }
 
 /// `exp` of 8 lanes: `2^n * e^r` with `n = round(x / ln 2)`, `|r| <= ln 2 / 2`, and a degree-6

@@ -69,7 +69,7 @@ pub(super) unsafe fn attn_scores(k: &[f16], q: &[f32], hd: usize, g: usize, scal
         // SAFETY: as above.
         256 => unsafe { scores::<16>(k, q, g, scale, out) },
         // SAFETY: as above (the AVX2 kernel needs a subset of these features).
-        _ => unsafe { super::avx2::attn_scores(k, q, hd, g, scale, out) },
+        _ => unsafe { super::avx2_attn::attn_scores(k, q, hd, g, scale, out) },
     }
 }
 
@@ -123,7 +123,7 @@ unsafe fn scores<const V: usize>(k: &[f16], q: &[f32], g: usize, scale: f32, out
 pub(super) unsafe fn attn_values(v: &[f16], p: &[f32], hd: usize, g: usize, out: &mut [f32]) {
     if !matches!(hd, 64 | 128 | 256) {
         // SAFETY: the AVX2 kernel needs a subset of the caller's features.
-        return unsafe { super::avx2::attn_values(v, p, hd, g, out) };
+        return unsafe { super::avx2_attn::attn_values(v, p, hd, g, out) };
     }
     let n = v.len() / hd;
     assert!(p.len() >= n * g && out.len() >= g * hd, "values: shapes");

@@ -11,6 +11,8 @@ use crate::quant::{BlockQ8, FloatType, QuantType, QK};
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
 #[cfg(target_arch = "x86_64")]
+mod avx2_attn;
+#[cfg(target_arch = "x86_64")]
 mod avx2_group;
 #[cfg(target_arch = "x86_64")]
 mod avx2_packed;
