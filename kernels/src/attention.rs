@@ -35,17 +35,28 @@ impl PagedKv<'_> {
     }
 }
 
-/// Positions per piece: a query attends to its context a piece of this many positions at a
-/// time, each piece a task of its own, and the pieces are merged in order (split-K attention, as
-/// FlashDecoding and vLLM's PagedAttention v2 do). A batch of one token then keeps every thread
-/// busy even with fewer KV heads than threads (SmolLM2 has 3, Gemma 3 270M one), and a long
-/// context is spread over all of them. How a range is split depends on the range alone, never on
-/// the batch, so a token's result is the same in any batch, bit for bit.
+/// Positions per piece: a query attends to its context a piece of at least this many positions
+/// at a time (at most [`MAX_PIECES`] pieces of equal length), each piece a task of its own, and
+/// the pieces are merged in order (split-K attention, as FlashDecoding and vLLM's PagedAttention
+/// v2 do). A batch of one token then keeps every thread busy even with fewer KV heads than
+/// threads (SmolLM2 has 3, Gemma 3 270M one), and a long context is spread over all of them.
+/// How a range is split depends on the range alone, never on the batch, so a token's result is
+/// the same in any batch, bit for bit.
 pub const PIECE: usize = 64;
 
-/// The pieces the range `start..ctx_len` is attended in.
-fn pieces(c: &QueryCtx<'_>) -> usize {
-    (c.ctx_len - c.start).div_ceil(PIECE)
+/// The most pieces one query's range is split into.
+pub const MAX_PIECES: usize = 16;
+
+/// Most floats of piece slots one dispatch fills (4 MiB): a larger batch is attended in waves
+/// of tokens, so a long prompt's pieces never take more memory than this.
+const WAVE_FLOATS: usize = 1 << 20;
+
+/// How the range `start..ctx_len` is split: the number of pieces and the length of each (the
+/// last may be shorter).
+fn pieces(c: &QueryCtx<'_>) -> (usize, usize) {
+    let range = c.ctx_len - c.start;
+    let n = range.div_ceil(PIECE).min(MAX_PIECES);
+    (n, range.div_ceil(n))
 }
 
 /// The block runs of positions `lo..hi` of KV head `kv_head`: (pool offset, index from `lo`,
@@ -205,7 +216,8 @@ thread_local! {
 
 /// Attention for a whole batch: `q` is `[tokens][n_heads * head_dim]`, `ctx[t]` says what token
 /// `t` sees, `out` has the shape of `q`; scores are `scale * q · k`. Parallel over (token, KV
-/// head, piece) triples ([`PIECE`]), then over the split pairs' merges.
+/// head, piece) triples ([`PIECE`]), then over the split pairs' merges, in waves of tokens
+/// whose pieces fit a bounded scratch.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_batch(
     pool: &ThreadPool,
@@ -235,14 +247,59 @@ pub fn attend_batch(
             "block id outside the pool"
         );
     }
-    let nkv = kv.n_kv_heads;
+    attend_in_waves(pool, k, kv, (n_heads, scale), q, ctx, out, WAVE_FLOATS);
+}
+
+/// [`attend_batch`] (its checks done) in waves of tokens whose piece slots fit `wave_floats`
+/// (at least one token each).
+#[allow(clippy::too_many_arguments)]
+fn attend_in_waves(
+    pool: &ThreadPool,
+    k: &Kernels,
+    kv: &PagedKv<'_>,
+    (n_heads, scale): (usize, f32),
+    q: &[f32],
+    ctx: &[QueryCtx<'_>],
+    out: &mut [f32],
+    wave_floats: usize,
+) {
+    let (hd, group) = (kv.head_dim, n_heads / kv.n_kv_heads);
+    let (qdim, slot) = (n_heads * hd, group * hd + 2 * group);
+    let mut t0 = 0;
+    while t0 < ctx.len() {
+        let (mut t1, mut floats) = (t0, 0);
+        while t1 < ctx.len() {
+            let need = kv.n_kv_heads * pieces(&ctx[t1]).0 * slot;
+            if t1 > t0 && floats + need > wave_floats {
+                break;
+            }
+            (t1, floats) = (t1 + 1, floats + need);
+        }
+        let (q, out) = (&q[t0 * qdim..t1 * qdim], &mut out[t0 * qdim..t1 * qdim]);
+        attend_wave(pool, k, kv, (n_heads, scale), q, &ctx[t0..t1], out);
+        t0 = t1;
+    }
+}
+
+/// One wave of [`attend_batch`]: a task per (token, KV head, piece), then the merges.
+fn attend_wave(
+    pool: &ThreadPool,
+    k: &Kernels,
+    kv: &PagedKv<'_>,
+    (n_heads, scale): (usize, f32),
+    q: &[f32],
+    ctx: &[QueryCtx<'_>],
+    out: &mut [f32],
+) {
+    let (hd, nkv) = (kv.head_dim, kv.n_kv_heads);
+    let (qdim, group) = (n_heads * hd, n_heads / nkv);
     // Tasks: for each token, for each KV head, for each piece of its range. `first[t]` is token
     // t's first task.
     let mut first = Vec::with_capacity(ctx.len() + 1);
     let mut tasks = 0;
     for c in ctx {
         first.push(tasks);
-        tasks += nkv * pieces(c);
+        tasks += nkv * pieces(c).0;
     }
     first.push(tasks);
     let split = tasks > ctx.len() * nkv;
@@ -255,28 +312,27 @@ pub fn attend_batch(
         let (dst, pieces_at) = (SyncPtr(out.as_mut_ptr()), SyncPtr(partial.as_mut_ptr()));
         let task = |i: usize| {
             let t = first.partition_point(|&f| f <= i) - 1;
-            let (c, n) = (ctx[t], (first[t + 1] - first[t]) / nkv);
+            let (c, (n, len)) = (ctx[t], pieces(&ctx[t]));
             let (g, piece) = ((i - first[t]) / n, (i - first[t]) % n);
             let off = t * qdim + g * group * hd;
-            let len = group * hd;
+            let q = &q[off..off + group * hd];
             SCORES.with_borrow_mut(|scores| {
-                if scores.len() < PIECE.max(c.ctx_len - c.start) * group {
-                    scores.resize(PIECE.max(c.ctx_len - c.start) * group, 0.0);
+                if scores.len() < len * group {
+                    scores.resize(len * group, 0.0);
                 }
-                let q = &q[off..off + len];
                 if n == 1 {
-                    // SAFETY: task (t, g) is the only writer of out[off..off + len] (the query
-                    // heads of KV head g for token t), which lies inside `out` (asserted shape);
-                    // `out` outlives `pool.run`.
-                    let o = unsafe { std::slice::from_raw_parts_mut(dst.get().add(off), len) };
+                    // SAFETY: task (t, g) is the only writer of out[off..off + group * hd] (the
+                    // query heads of KV head g for token t), which lies inside `out` (asserted
+                    // shape); `out` outlives `pool.run`.
+                    let o = unsafe { std::slice::from_raw_parts_mut(dst.get().add(off), group * hd) };
                     attend_group(k, kv, c.table, (c.start, c.ctx_len), g, q, group, scale, scores, o);
                 } else {
                     // SAFETY: task i is the only writer of slot i, which lies inside `partial`
                     // (sized to `tasks` slots above when any query is split); `partial` outlives
                     // `pool.run`.
                     let o = unsafe { std::slice::from_raw_parts_mut(pieces_at.get().add(i * slot), slot) };
-                    let lo = c.start + piece * PIECE;
-                    attend_piece(k, kv, c.table, (lo, (lo + PIECE).min(c.ctx_len)), g, q, group, scale, scores, o);
+                    let lo = c.start + piece * len;
+                    attend_piece(k, kv, c.table, (lo, (lo + len).min(c.ctx_len)), g, q, group, scale, scores, o);
                 }
             });
         };
@@ -288,7 +344,7 @@ pub fn attend_batch(
         let partial = &*partial;
         let merge = |i: usize| {
             let (t, g) = (i / nkv, i % nkv);
-            let n = (first[t + 1] - first[t]) / nkv;
+            let n = pieces(&ctx[t]).0;
             if n > 1 {
                 let off = t * qdim + g * group * hd;
                 // SAFETY: pair (t, g) is the only writer of out[off..off + group * hd] (as
@@ -352,10 +408,11 @@ mod tests {
 
     #[test]
     fn split_queries_match_the_reference_in_any_batch() {
-        // One sequence of 300 positions, two KV heads of dim 8 with two query heads each, its
-        // 19 blocks of 16 stored in shuffled order. Queries see ranges of one piece, exactly
-        // one, just over one and several, from 0 and from inside a window.
-        let (bs, hd, nkv, n_heads, len): (usize, usize, usize, usize, usize) = (16, 8, 2, 4, 300);
+        // One sequence of 1,300 positions, two KV heads of dim 8 with two query heads each, its
+        // 82 blocks of 16 stored in shuffled order. Queries see ranges of one piece, exactly
+        // one, just over one, several, and more than `MAX_PIECES` of `PIECE` (longer pieces),
+        // from 0 and from inside a window.
+        let (bs, hd, nkv, n_heads, len): (usize, usize, usize, usize, usize) = (16, 8, 2, 4, 1300);
         let nblocks = len.div_ceil(bs);
         let table: Vec<u32> = (0..nblocks as u32).map(|b| (b * 7 + 3) % nblocks as u32).collect();
         let val =
@@ -372,7 +429,16 @@ mod tests {
             }
         }
         let kv = PagedKv { k: &kp, v: &vp, block_size: bs, n_kv_heads: nkv, head_dim: hd };
-        let ranges = [(0, 1), (0, PIECE), (0, PIECE + 1), (0, 130), (0, len), (37, 230), (PIECE, 2 * PIECE + 3)];
+        let ranges = [
+            (0, 1),
+            (0, PIECE),
+            (0, PIECE + 1),
+            (0, 130),
+            (0, len),
+            (37, 230),
+            (PIECE, 2 * PIECE + 3),
+            (100, 100 + MAX_PIECES * PIECE + 1),
+        ];
         let ctx: Vec<QueryCtx<'_>> =
             ranges.iter().map(|&(start, ctx_len)| QueryCtx { table: &table, ctx_len, start }).collect();
         let qdim = n_heads * hd;
@@ -381,6 +447,19 @@ mod tests {
         for kern in [Kernels::scalar(), Kernels::detect()] {
             let mut all = vec![0.0; q.len()];
             attend_batch(&pool, &kern, &kv, n_heads, 0.3, &q, &ctx, &mut all);
+            // In waves of a token or two, the same bits.
+            let mut waves = vec![0.0; q.len()];
+            attend_in_waves(
+                &pool,
+                &kern,
+                &kv,
+                (n_heads, 0.3),
+                &q,
+                &ctx,
+                &mut waves,
+                2 * nkv * MAX_PIECES * (2 * hd + 4),
+            );
+            assert!(all.iter().zip(&waves).all(|(a, b)| a.to_bits() == b.to_bits()), "waves differ");
             for (t, &(start, ctx_len)) in ranges.iter().enumerate() {
                 // Alone, the token's result is the batch's, bit for bit.
                 let mut alone = vec![0.0; qdim];
