@@ -35,28 +35,40 @@ impl PagedKv<'_> {
     }
 }
 
-/// Positions per piece: a query attends to its context a piece of at least this many positions
-/// at a time (at most [`MAX_PIECES`] pieces of equal length), each piece a task of its own, and
-/// the pieces are merged in order (split-K attention, as FlashDecoding and vLLM's PagedAttention
-/// v2 do). A batch of one token then keeps every thread busy even with fewer KV heads than
-/// threads (SmolLM2 has 3, Gemma 3 270M one), and a long context is spread over all of them.
-/// How a range is split depends on the range alone, never on the batch, so a token's result is
-/// the same in any batch, bit for bit.
+/// Positions per piece: a query attends to its context a piece at a time, piece `c` being the
+/// positions `c * PIECE .. (c + 1) * PIECE` its range touches (clipped to the range), and the
+/// pieces are folded in order (split-K attention, as FlashDecoding and vLLM's PagedAttention v2
+/// do). Pieces lie at fixed positions, so the same piece of every query of a sequence reads the
+/// same keys: a small batch makes each piece a task of its own, which keeps every thread busy
+/// even with fewer KV heads than threads (SmolLM2 has 3, Gemma 3 270M one); a large batch (a
+/// prompt) runs a tile of tokens a task, piece by piece, so the tile's tokens read each piece's
+/// keys and values while they are in the cache. Either way a token gets the same pieces, folded
+/// by the same function in the same order: its result is the same in any batch, bit for bit.
 pub const PIECE: usize = 64;
 
-/// The most pieces one query's range is split into.
-pub const MAX_PIECES: usize = 16;
+/// Score rows per step of the softmax passes in [`weights`].
+const ROWS: usize = 8;
 
-/// Most floats of piece slots one dispatch fills (4 MiB): a larger batch is attended in waves
-/// of tokens, so a long prompt's pieces never take more memory than this.
+/// Tokens per task where a batch is attended in tiles ([`PIECE`]).
+const TILE: usize = 16;
+
+/// Most floats of piece slots one dispatch fills (4 MiB): a small batch whose pieces are
+/// tasks is attended in waves of tokens, so its pieces never take more memory than this.
 const WAVE_FLOATS: usize = 1 << 20;
 
-/// How the range `start..ctx_len` is split: the number of pieces and the length of each (the
-/// last may be shorter).
-fn pieces(c: &QueryCtx<'_>) -> (usize, usize) {
-    let range = c.ctx_len - c.start;
-    let n = range.div_ceil(PIECE).min(MAX_PIECES);
-    (n, range.div_ceil(n))
+/// The pieces query `c` is split into: the indices of the [`PIECE`]-long runs its range touches.
+fn pieces(c: &QueryCtx<'_>) -> std::ops::Range<usize> {
+    c.start / PIECE..c.ctx_len.div_ceil(PIECE)
+}
+
+/// The positions of piece `p` that query `c` sees.
+fn piece_range(c: &QueryCtx<'_>, p: usize) -> (usize, usize) {
+    ((p * PIECE).max(c.start), ((p + 1) * PIECE).min(c.ctx_len))
+}
+
+/// Floats of one piece's slot for `g` heads: `g × head_dim` values, `g` maxima, `g` sums.
+fn slot(g: usize, hd: usize) -> usize {
+    g * hd + 2 * g
 }
 
 /// The block runs of positions `lo..hi` of KV head `kv_head`: (pool offset, index from `lo`,
@@ -93,16 +105,33 @@ fn weights(
         (k.attn_scores)(&kv.k[o..o + n * hd], q, hd, g, scale, &mut scores[at * g..(at + n) * g]);
     }
     // Each head's column (stride g): shift by the column max, one vector exp over everything.
+    // The passes go over [`ROWS`] rows at a time, element-wise against a pattern of those rows,
+    // so they run in vectors whatever g is; the rows past the last whole run one at a time.
+    let run = ROWS * g;
+    let whole = scores.len() / run * run;
+    let mut lanes = [f32::NEG_INFINITY; 64 * ROWS];
+    let lanes = &mut lanes[..run];
+    for c in scores[..whole].chunks_exact(run) {
+        lanes.iter_mut().zip(c).for_each(|(m, &v)| *m = m.max(v));
+    }
     let mut max = [f32::NEG_INFINITY; 64];
-    for row in scores.chunks_exact(g) {
+    for row in lanes.chunks_exact(g).chain(scores[whole..].chunks_exact(g)) {
         max[..g].iter_mut().zip(row).for_each(|(m, &v)| *m = m.max(v));
     }
-    for row in scores.chunks_exact_mut(g) {
+    lanes.chunks_exact_mut(g).for_each(|row| row.copy_from_slice(&max[..g]));
+    for c in scores[..whole].chunks_exact_mut(run) {
+        c.iter_mut().zip(lanes.iter()).for_each(|(v, m)| *v -= m);
+    }
+    for row in scores[whole..].chunks_exact_mut(g) {
         row.iter_mut().zip(&max[..g]).for_each(|(v, m)| *v -= m);
     }
     (k.exp)(scores);
+    lanes.fill(0.0);
+    for c in scores[..whole].chunks_exact(run) {
+        lanes.iter_mut().zip(c).for_each(|(s, &v)| *s += v);
+    }
     let mut sum = [0f32; 64];
-    for row in scores.chunks_exact(g) {
+    for row in lanes.chunks_exact(g).chain(scores[whole..].chunks_exact(g)) {
         sum[..g].iter_mut().zip(row).for_each(|(s, &v)| *s += v);
     }
     (max, sum)
@@ -179,21 +208,29 @@ fn attend_piece(
     stats[g..2 * g].copy_from_slice(&sum[..g]);
 }
 
-/// Merges the pieces of one query's `g` heads in order (each `g × head_dim` values, `g` maxima,
-/// `g` sums, as [`attend_piece`] wrote them): every piece is rescaled to the overall maximum.
-fn merge_pieces(pieces: &[f32], g: usize, hd: usize, out: &mut [f32]) {
-    let slot = g * hd + 2 * g;
+/// Folds one more piece (a slot as [`attend_piece`] wrote it) into a query's running slot
+/// `acc`, which holds the pieces before it: both are rescaled to the larger maximum and added.
+/// The first piece is `acc` itself. Pieces are folded in position order, so a token's result
+/// does not depend on which task folds them.
+fn fold_piece(acc: &mut [f32], piece: &[f32], g: usize, hd: usize) {
+    let (values, stats) = acc.split_at_mut(g * hd);
+    let (pv, ps) = piece.split_at(g * hd);
     for j in 0..g {
-        let max = pieces.chunks_exact(slot).map(|p| p[g * hd + j]).fold(f32::NEG_INFINITY, f32::max);
-        let o = &mut out[j * hd..(j + 1) * hd];
-        o.fill(0.0);
-        let mut sum = 0.0;
-        for p in pieces.chunks_exact(slot) {
-            let f = (p[g * hd + j] - max).exp();
-            sum += f * p[g * hd + g + j];
-            o.iter_mut().zip(&p[j * hd..(j + 1) * hd]).for_each(|(o, &v)| *o += f * v);
-        }
-        o.iter_mut().for_each(|v| *v /= sum);
+        let max = stats[j].max(ps[j]);
+        let (a, b) = ((stats[j] - max).exp(), (ps[j] - max).exp());
+        stats[g + j] = stats[g + j] * a + ps[g + j] * b;
+        stats[j] = max;
+        let o = &mut values[j * hd..(j + 1) * hd];
+        o.iter_mut().zip(&pv[j * hd..(j + 1) * hd]).for_each(|(o, &v)| *o = *o * a + v * b);
+    }
+}
+
+/// A query's output from its folded slot: each head's values over its sum.
+fn finish(acc: &[f32], g: usize, hd: usize, out: &mut [f32]) {
+    let (values, stats) = acc.split_at(g * hd);
+    for j in 0..g {
+        let s = stats[g + j];
+        out[j * hd..(j + 1) * hd].iter_mut().zip(&values[j * hd..(j + 1) * hd]).for_each(|(o, &v)| *o = v / s);
     }
 }
 
@@ -212,12 +249,34 @@ thread_local! {
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// The calling thread's slots for the pieces of split queries, kept between calls.
     static PARTIALS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// A tile task's running slot for each token of its tile, then one for the current piece.
+    static TILE_SLOTS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// How a batch's tasks are cut ([`PIECE`]); both give every token the same bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Schedule {
+    /// A task per (token, KV head, piece), then a task per (token, KV head) that folds them.
+    Pieces,
+    /// A task per (tile of [`TILE`] tokens, KV head) that runs its tokens piece by piece.
+    Tiles,
+}
+
+impl Schedule {
+    /// Tiles once they make enough tasks to keep every thread busy (four a thread).
+    fn for_batch(pool: &ThreadPool, tokens: usize, n_kv_heads: usize) -> Self {
+        if tokens.div_ceil(TILE) * n_kv_heads >= 4 * pool.threads() {
+            Schedule::Tiles
+        } else {
+            Schedule::Pieces
+        }
+    }
 }
 
 /// Attention for a whole batch: `q` is `[tokens][n_heads * head_dim]`, `ctx[t]` says what token
-/// `t` sees, `out` has the shape of `q`; scores are `scale * q · k`. Parallel over (token, KV
-/// head, piece) triples ([`PIECE`]), then over the split pairs' merges, in waves of tokens
-/// whose pieces fit a bounded scratch.
+/// `t` sees, `out` has the shape of `q`; scores are `scale * q · k`. A small batch runs a task
+/// per (token, KV head, piece) and then the folds, in waves of tokens whose pieces fit a
+/// bounded scratch; a large one a task per (tile of tokens, KV head) ([`PIECE`]).
 #[allow(clippy::too_many_arguments)]
 pub fn attend_batch(
     pool: &ThreadPool,
@@ -247,11 +306,14 @@ pub fn attend_batch(
             "block id outside the pool"
         );
     }
-    attend_in_waves(pool, k, kv, (n_heads, scale), q, ctx, out, WAVE_FLOATS);
+    match Schedule::for_batch(pool, ctx.len(), kv.n_kv_heads) {
+        Schedule::Tiles => attend_tiles(pool, k, kv, (n_heads, scale), q, ctx, out),
+        Schedule::Pieces => attend_in_waves(pool, k, kv, (n_heads, scale), q, ctx, out, WAVE_FLOATS),
+    }
 }
 
-/// [`attend_batch`] (its checks done) in waves of tokens whose piece slots fit `wave_floats`
-/// (at least one token each).
+/// [`attend_batch`] (its checks done) a task per (token, KV head, piece), in waves of tokens
+/// whose piece slots fit `wave_floats` (at least one token each).
 #[allow(clippy::too_many_arguments)]
 fn attend_in_waves(
     pool: &ThreadPool,
@@ -264,12 +326,12 @@ fn attend_in_waves(
     wave_floats: usize,
 ) {
     let (hd, group) = (kv.head_dim, n_heads / kv.n_kv_heads);
-    let (qdim, slot) = (n_heads * hd, group * hd + 2 * group);
+    let (qdim, slot) = (n_heads * hd, slot(group, hd));
     let mut t0 = 0;
     while t0 < ctx.len() {
         let (mut t1, mut floats) = (t0, 0);
         while t1 < ctx.len() {
-            let need = kv.n_kv_heads * pieces(&ctx[t1]).0 * slot;
+            let need = kv.n_kv_heads * pieces(&ctx[t1]).len() * slot;
             if t1 > t0 && floats + need > wave_floats {
                 break;
             }
@@ -281,7 +343,7 @@ fn attend_in_waves(
     }
 }
 
-/// One wave of [`attend_batch`]: a task per (token, KV head, piece), then the merges.
+/// One wave of [`attend_in_waves`]: a task per (token, KV head, piece), then the folds.
 fn attend_wave(
     pool: &ThreadPool,
     k: &Kernels,
@@ -299,12 +361,12 @@ fn attend_wave(
     let mut tasks = 0;
     for c in ctx {
         first.push(tasks);
-        tasks += nkv * pieces(c).0;
+        tasks += nkv * pieces(c).len();
     }
     first.push(tasks);
     let split = tasks > ctx.len() * nkv;
     // A split query's pieces each fill a slot of `partial` (indexed by task).
-    let slot = group * hd + 2 * group;
+    let slot = slot(group, hd);
     PARTIALS.with_borrow_mut(|partial| {
         if split && partial.len() < tasks * slot {
             partial.resize(tasks * slot, 0.0);
@@ -312,15 +374,15 @@ fn attend_wave(
         let (dst, pieces_at) = (SyncPtr(out.as_mut_ptr()), SyncPtr(partial.as_mut_ptr()));
         let task = |i: usize| {
             let t = first.partition_point(|&f| f <= i) - 1;
-            let (c, (n, len)) = (ctx[t], pieces(&ctx[t]));
-            let (g, piece) = ((i - first[t]) / n, (i - first[t]) % n);
+            let (c, ps) = (ctx[t], pieces(&ctx[t]));
+            let (g, piece) = ((i - first[t]) / ps.len(), (i - first[t]) % ps.len());
             let off = t * qdim + g * group * hd;
             let q = &q[off..off + group * hd];
             SCORES.with_borrow_mut(|scores| {
-                if scores.len() < len * group {
-                    scores.resize(len * group, 0.0);
+                if scores.len() < PIECE * group {
+                    scores.resize(PIECE * group, 0.0);
                 }
-                if n == 1 {
+                if ps.len() == 1 {
                     // SAFETY: task (t, g) is the only writer of out[off..off + group * hd] (the
                     // query heads of KV head g for token t), which lies inside `out` (asserted
                     // shape); `out` outlives `pool.run`.
@@ -331,8 +393,8 @@ fn attend_wave(
                     // (sized to `tasks` slots above when any query is split); `partial` outlives
                     // `pool.run`.
                     let o = unsafe { std::slice::from_raw_parts_mut(pieces_at.get().add(i * slot), slot) };
-                    let lo = c.start + piece * len;
-                    attend_piece(k, kv, c.table, (lo, (lo + len).min(c.ctx_len)), g, q, group, scale, scores, o);
+                    let range = piece_range(&c, ps.start + piece);
+                    attend_piece(k, kv, c.table, range, g, q, group, scale, scores, o);
                 }
             });
         };
@@ -340,22 +402,97 @@ fn attend_wave(
         if !split {
             return;
         }
-        // Merge each split (token, KV head) pair's pieces, in order.
-        let partial = &*partial;
-        let merge = |i: usize| {
+        // Fold each split (token, KV head) pair's pieces, in order, into its first.
+        let fold = |i: usize| {
             let (t, g) = (i / nkv, i % nkv);
-            let n = pieces(&ctx[t]).0;
+            let n = pieces(&ctx[t]).len();
             if n > 1 {
                 let off = t * qdim + g * group * hd;
                 // SAFETY: pair (t, g) is the only writer of out[off..off + group * hd] (as
-                // above), and the pieces are no longer written.
-                let o = unsafe { std::slice::from_raw_parts_mut(dst.get().add(off), group * hd) };
-                let at = first[t] + g * n;
-                merge_pieces(&partial[at * slot..(at + n) * slot], group, hd, o);
+                // above) and the only user of its pieces' slots, which the tasks no longer
+                // write; all lie inside `out` and `partial`.
+                let (o, slots) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(dst.get().add(off), group * hd),
+                        std::slice::from_raw_parts_mut(pieces_at.get().add((first[t] + g * n) * slot), n * slot),
+                    )
+                };
+                let (acc, rest) = slots.split_at_mut(slot);
+                rest.chunks_exact(slot).for_each(|p| fold_piece(acc, p, group, hd));
+                finish(acc, group, hd, o);
             }
         };
-        pool.run(ctx.len() * nkv, &merge);
+        pool.run(ctx.len() * nkv, &fold);
     });
+}
+
+/// [`attend_batch`] (its checks done) a task per (tile of [`TILE`] tokens, KV head): the task
+/// runs its tokens piece by piece, folding each token's pieces as [`attend_wave`] does.
+fn attend_tiles(
+    pool: &ThreadPool,
+    k: &Kernels,
+    kv: &PagedKv<'_>,
+    (n_heads, scale): (usize, f32),
+    q: &[f32],
+    ctx: &[QueryCtx<'_>],
+    out: &mut [f32],
+) {
+    let (hd, nkv) = (kv.head_dim, kv.n_kv_heads);
+    let (qdim, group) = (n_heads * hd, n_heads / nkv);
+    let slot = slot(group, hd);
+    let dst = SyncPtr(out.as_mut_ptr());
+    let task = |i: usize| {
+        let (tile, g) = (i / nkv, i % nkv);
+        let tokens = tile * TILE..((tile + 1) * TILE).min(ctx.len());
+        // SAFETY: task (tile, g) is the only writer of the query heads of KV head g of its
+        // tile's tokens, out[t * qdim + g * group * hd..][..group * hd], inside `out` (asserted
+        // shape); `out` outlives `pool.run`.
+        let out_of =
+            |t: usize| unsafe { std::slice::from_raw_parts_mut(dst.get().add(t * qdim + g * group * hd), group * hd) };
+        let q_of = |t: usize| &q[t * qdim + g * group * hd..][..group * hd];
+        SCORES.with_borrow_mut(|scores| {
+            TILE_SLOTS.with_borrow_mut(|slots| {
+                if scores.len() < PIECE * group {
+                    scores.resize(PIECE * group, 0.0);
+                }
+                if slots.len() < (TILE + 1) * slot {
+                    slots.resize((TILE + 1) * slot, 0.0);
+                }
+                let (acc, cur) = slots.split_at_mut(TILE * slot);
+                let cur = &mut cur[..slot];
+                let first = tokens.clone().map(|t| pieces(&ctx[t]).start).min().unwrap_or(0);
+                let end = tokens.clone().map(|t| pieces(&ctx[t]).end).max().unwrap_or(0);
+                // Piece-major: the tile's tokens read piece p's keys one after another.
+                for p in first..end {
+                    for t in tokens.clone() {
+                        let (c, ps) = (ctx[t], pieces(&ctx[t]));
+                        if !ps.contains(&p) {
+                            continue;
+                        }
+                        if ps.len() == 1 {
+                            let range = (c.start, c.ctx_len);
+                            attend_group(k, kv, c.table, range, g, q_of(t), group, scale, scores, out_of(t));
+                            continue;
+                        }
+                        let a = &mut acc[(t - tokens.start) * slot..][..slot];
+                        let range = piece_range(&c, p);
+                        if p == ps.start {
+                            attend_piece(k, kv, c.table, range, g, q_of(t), group, scale, scores, a);
+                        } else {
+                            attend_piece(k, kv, c.table, range, g, q_of(t), group, scale, scores, cur);
+                            fold_piece(a, cur, group, hd);
+                        }
+                    }
+                }
+                for t in tokens.clone() {
+                    if pieces(&ctx[t]).len() > 1 {
+                        finish(&acc[(t - tokens.start) * slot..][..slot], group, hd, out_of(t));
+                    }
+                }
+            })
+        });
+    };
+    pool.run(ctx.len().div_ceil(TILE) * nkv, &task);
 }
 
 #[cfg(test)]
@@ -409,9 +546,9 @@ mod tests {
     #[test]
     fn split_queries_match_the_reference_in_any_batch() {
         // One sequence of 1,300 positions, two KV heads of dim 8 with two query heads each, its
-        // 82 blocks of 16 stored in shuffled order. Queries see ranges of one piece, exactly
-        // one, just over one, several, and more than `MAX_PIECES` of `PIECE` (longer pieces),
-        // from 0 and from inside a window.
+        // 82 blocks of 16 stored in shuffled order. Queries see ranges inside one piece, of
+        // exactly one, just over one, several and many, from 0 and from inside a window, across
+        // piece boundaries or not. Then a prompt's worth of tokens, tiled.
         let (bs, hd, nkv, n_heads, len): (usize, usize, usize, usize, usize) = (16, 8, 2, 4, 1300);
         let nblocks = len.div_ceil(bs);
         let table: Vec<u32> = (0..nblocks as u32).map(|b| (b * 7 + 3) % nblocks as u32).collect();
@@ -437,7 +574,8 @@ mod tests {
             (0, len),
             (37, 230),
             (PIECE, 2 * PIECE + 3),
-            (100, 100 + MAX_PIECES * PIECE + 1),
+            (100, 100 + 16 * PIECE + 1),
+            (70, 120),
         ];
         let ctx: Vec<QueryCtx<'_>> =
             ranges.iter().map(|&(start, ctx_len)| QueryCtx { table: &table, ctx_len, start }).collect();
@@ -449,17 +587,12 @@ mod tests {
             attend_batch(&pool, &kern, &kv, n_heads, 0.3, &q, &ctx, &mut all);
             // In waves of a token or two, the same bits.
             let mut waves = vec![0.0; q.len()];
-            attend_in_waves(
-                &pool,
-                &kern,
-                &kv,
-                (n_heads, 0.3),
-                &q,
-                &ctx,
-                &mut waves,
-                2 * nkv * MAX_PIECES * (2 * hd + 4),
-            );
+            attend_in_waves(&pool, &kern, &kv, (n_heads, 0.3), &q, &ctx, &mut waves, 2 * nkv * 3 * slot(2, hd));
             assert!(all.iter().zip(&waves).all(|(a, b)| a.to_bits() == b.to_bits()), "waves differ");
+            // In tiles, the same bits.
+            let mut tiles = vec![0.0; q.len()];
+            attend_tiles(&pool, &kern, &kv, (n_heads, 0.3), &q, &ctx, &mut tiles);
+            assert!(all.iter().zip(&tiles).all(|(a, b)| a.to_bits() == b.to_bits()), "tiles differ");
             for (t, &(start, ctx_len)) in ranges.iter().enumerate() {
                 // Alone, the token's result is the batch's, bit for bit.
                 let mut alone = vec![0.0; qdim];
@@ -486,6 +619,28 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+        // A prompt of 40 tokens at 980..1020 (every other one in a 300-position window) and
+        // three decode tokens: tiled, in pieces and alone, the same bits.
+        let mut ctx: Vec<QueryCtx<'_>> = (980..1020)
+            .map(|p| QueryCtx { table: &table, ctx_len: p + 1, start: if p % 2 == 0 { 0 } else { p + 1 - 300 } })
+            .collect();
+        ctx.extend([5, 640, 1299].map(|p| QueryCtx { table: &table, ctx_len: p + 1, start: 0 }));
+        let q: Vec<f32> = (0..ctx.len() * qdim).map(|i| ((i * 7) % 19) as f32 / 9.0 - 1.0).collect();
+        assert_eq!(Schedule::for_batch(&ThreadPool::new(1), ctx.len(), nkv), Schedule::Tiles);
+        assert_eq!(Schedule::for_batch(&pool, ctx.len(), nkv), Schedule::Pieces);
+        for kern in [Kernels::scalar(), Kernels::detect()] {
+            let mut tiles = vec![0.0; q.len()];
+            attend_tiles(&pool, &kern, &kv, (n_heads, 0.3), &q, &ctx, &mut tiles);
+            let mut waves = vec![0.0; q.len()];
+            attend_in_waves(&pool, &kern, &kv, (n_heads, 0.3), &q, &ctx, &mut waves, WAVE_FLOATS);
+            assert!(tiles.iter().zip(&waves).all(|(a, b)| a.to_bits() == b.to_bits()), "tiles and pieces differ");
+            for t in [0, 1, 15, 16, 17, 39, 40, 42] {
+                let mut alone = vec![0.0; qdim];
+                attend_batch(&pool, &kern, &kv, n_heads, 0.3, &q[t * qdim..][..qdim], &ctx[t..t + 1], &mut alone);
+                let got = &tiles[t * qdim..][..qdim];
+                assert!(alone.iter().zip(got).all(|(a, b)| a.to_bits() == b.to_bits()), "token {t} alone differs");
             }
         }
     }
