@@ -84,12 +84,7 @@ unsafe fn packed_kind<const KIND: u8>(q: QuantType, w: &[u8], rb: usize, a: &[Ac
         "16 packed rows of {nb} blocks"
     );
     let mut sums = [const { MaybeUninit::<Sums>::uninit() }; GEMV_TOKENS];
-    for s in &mut sums[..n] {
-        s.write([[[_mm256_setzero_ps(); 4]; 2]; 2]);
-    }
-    // SAFETY: the first n elements were initialized just above, and MaybeUninit<T> has the
-    // layout of T.
-    let sums: &mut [Sums] = unsafe { std::slice::from_raw_parts_mut(sums.as_mut_ptr().cast(), n) };
+    let sums = super::zeroed_sums(&mut sums, n, [[[_mm256_setzero_ps(); 4]; 2]; 2]);
     // Which field holds the quants, and Q5's fifth bits (the super-block units name theirs).
     let (quants, fifth) = match KIND {
         Q4_1 | Q5_0 => (2, 1),

@@ -71,12 +71,7 @@ unsafe fn packed_kind<const KIND: u8>(q: QuantType, w: &[u8], rb: usize, a: &[Ac
     // Per token, the four block accumulators of the products and of the offsets (the
     // single-token dot's `acc[b % 4]`, `off[b % 4]`); zeroed for the tokens of the call only.
     let mut sums = [const { MaybeUninit::<[[__m512; 4]; 2]>::uninit() }; GEMV_TOKENS];
-    for s in &mut sums[..n] {
-        s.write([[_mm512_setzero_ps(); 4]; 2]);
-    }
-    // SAFETY: the first n elements were initialized just above, and MaybeUninit<T> has the
-    // layout of T.
-    let sums: &mut [[[__m512; 4]; 2]] = unsafe { std::slice::from_raw_parts_mut(sums.as_mut_ptr().cast(), n) };
+    let sums = super::zeroed_sums(&mut sums, n, [[_mm512_setzero_ps(); 4]; 2]);
     // Which field holds the quants, and Q5's fifth bits (the per-16 kinds name theirs in
     // `avx512_super`).
     let (quants, fifth) = match KIND {

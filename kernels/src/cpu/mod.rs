@@ -107,6 +107,23 @@ pub type Gemv16 = fn(QuantType, &[u8], usize, &[Acts<'_>], &mut [[f32; 16]]);
 /// The most tokens one [`Kernels::gemv16`] call takes.
 pub const GEMV_TOKENS: usize = 16;
 
+/// The first `n` of a [`Kernels::gemv16`] kernel's per-token accumulators, each set to `zero`,
+/// by vector stores: written as zeros, they compiled to a `memset` call on every kernel call,
+/// 2-4% of a batch-1 decode step's samples on an AMD Zen 1 (BENCHMARKS.md).
+#[inline(always)]
+pub(crate) fn zeroed_sums<T: Copy>(sums: &mut [std::mem::MaybeUninit<T>; GEMV_TOKENS], n: usize, zero: T) -> &mut [T] {
+    assert!(n <= GEMV_TOKENS, "at most {GEMV_TOKENS} tokens");
+    // Opaque, so the writes stay copies of a value: a loop writing a constant zero becomes a
+    // `memset` call, whatever the count.
+    let zero = std::hint::black_box(zero);
+    sums[..n].iter_mut().for_each(|s| {
+        s.write(zero);
+    });
+    // SAFETY: the first n elements were written just above, and MaybeUninit<T> has the layout
+    // of T.
+    unsafe { std::slice::from_raw_parts_mut(sums.as_mut_ptr().cast(), n) }
+}
+
 /// One token's activations for [`Kernels::gemv16`]: its 8-bit blocks and each block's integer
 /// sums of its two halves (the kernel takes them from the products where a format's quants are
 /// offset; computed once per product, not per 16 rows).
