@@ -147,9 +147,21 @@ oc = ollama_client(socket)
 name = oc.list().models[0].model
 r = oc.chat(model=name, messages=[{"role": "user", "content": person["prompt"]}], format=person["schema"], options={"temperature": 0, "num_predict": 400})
 out["ollama_schema"] = {"error": check(r.message.content, person["schema"]), "done_reason": r.done_reason, "text": r.message.content}
-r = oc.generate(model=name, prompt="Three colours as a JSON object:", format="json", options={"temperature": 0, "num_predict": 300})
-try:
-    out["ollama_json"] = {"is_object": isinstance(json.loads(r.response), dict), "done_reason": r.done_reason}
-except ValueError as e:
-    out["ollama_json"] = {"error": str(e), "text": r.response}
+# "json" as json_object above: sampled with a frequency penalty, a few seeds until an answer
+# ends (greedy, this small model can repeat inside one string until the token limit).
+tries = []
+for seed in range(4):
+    r = oc.generate(
+        model=name,
+        prompt="Three colours as a JSON object:",
+        format="json",
+        options={"temperature": 0.7, "frequency_penalty": 0.5, "seed": seed, "num_predict": 300},
+    )
+    try:
+        tries.append({"seed": seed, "is_object": isinstance(json.loads(r.response), dict), "done_reason": r.done_reason})
+    except ValueError as e:
+        tries.append({"seed": seed, "done_reason": r.done_reason, "error": str(e), "text": r.response})
+    if r.done_reason == "stop":
+        break
+out["ollama_json"] = tries
 print(json.dumps(out))
