@@ -543,17 +543,18 @@ mod tests {
         }
     }
 
-    #[test]
-    fn split_queries_match_the_reference_in_any_batch() {
-        // One sequence of 1,300 positions, two KV heads of dim 8 with two query heads each, its
-        // 82 blocks of 16 stored in shuffled order. Queries see ranges inside one piece, of
-        // exactly one, just over one, several and many, from 0 and from inside a window, across
-        // piece boundaries or not. Then a prompt's worth of tokens, tiled.
-        let (bs, hd, nkv, n_heads, len): (usize, usize, usize, usize, usize) = (16, 8, 2, 4, 1300);
+    /// One sequence of `len` positions in shuffled blocks of `bs`: its block table and K and V
+    /// pools, holding `val(p, h, i, 0)` as element `i` of KV head `h`'s key at `p` and
+    /// `val(p, h, i, 5)` as the value's.
+    fn paged(
+        bs: usize,
+        hd: usize,
+        nkv: usize,
+        len: usize,
+        val: &impl Fn(usize, usize, usize, usize) -> f32,
+    ) -> (Vec<u32>, Vec<f16>, Vec<f16>) {
         let nblocks = len.div_ceil(bs);
         let table: Vec<u32> = (0..nblocks as u32).map(|b| (b * 7 + 3) % nblocks as u32).collect();
-        let val =
-            |p: usize, h: usize, i: usize, salt: usize| ((p * 31 + h * 17 + i * 7 + salt) % 23) as f32 / 11.0 - 1.0;
         let mut kp = vec![f16::ZERO; nblocks * nkv * bs * hd];
         let mut vp = kp.clone();
         for p in 0..len {
@@ -565,6 +566,76 @@ mod tests {
                 }
             }
         }
+        (table, kp, vp)
+    }
+
+    /// Softmax attention in f64 of query `qh` over positions `start..ctx_len` of KV head `kvh`
+    /// of [`paged`]'s sequence, its keys and values rounded to f16 as the pools hold them.
+    fn reference(
+        val: &impl Fn(usize, usize, usize, usize) -> f32,
+        (start, ctx_len): (usize, usize),
+        kvh: usize,
+        qh: &[f32],
+        scale: f64,
+    ) -> Vec<f64> {
+        let r = |x: f32| f64::from(f16::from_f32(x).to_f32());
+        let s: Vec<f64> = (start..ctx_len)
+            .map(|p| scale * qh.iter().enumerate().map(|(i, &q)| r(val(p, kvh, i, 0)) * f64::from(q)).sum::<f64>())
+            .collect();
+        let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
+        let z: f64 = e.iter().sum();
+        (0..qh.len()).map(|i| (start..ctx_len).map(|p| e[p - start] / z * r(val(p, kvh, i, 5))).sum()).collect()
+    }
+
+    #[test]
+    fn gemma_shaped_groups_match_the_reference() {
+        // Gemma 3 270M's shape: four query heads on one KV head of dim 256, at its scale of
+        // 1/16. Ranges inside one piece, across a piece boundary, over several from inside a
+        // window and over all, alone and as one batch.
+        let (bs, hd, nkv, n_heads, len) = (16, 256, 1, 4, 400);
+        let val =
+            |p: usize, h: usize, i: usize, salt: usize| ((p * 29 + h * 13 + i * 5 + salt) % 19) as f32 / 9.0 - 1.0;
+        let (table, kp, vp) = paged(bs, hd, nkv, len, &val);
+        let kv = PagedKv { k: &kp, v: &vp, block_size: bs, n_kv_heads: nkv, head_dim: hd };
+        let ranges = [(0, 1), (0, 7), (60, 70), (0, PIECE + 1), (10, 327), (0, len)];
+        let ctx: Vec<QueryCtx<'_>> =
+            ranges.iter().map(|&(start, ctx_len)| QueryCtx { table: &table, ctx_len, start }).collect();
+        let qdim = n_heads * hd;
+        let q: Vec<f32> = (0..ranges.len() * qdim).map(|i| ((i * 13) % 17) as f32 / 32.0 - 0.25).collect();
+        let pool = ThreadPool::new(2);
+        for kern in [Kernels::scalar(), Kernels::detect()] {
+            let mut all = vec![0.0; q.len()];
+            attend_batch(&pool, &kern, &kv, n_heads, 0.0625, &q, &ctx, &mut all);
+            for (t, &range) in ranges.iter().enumerate() {
+                let mut alone = vec![0.0; qdim];
+                attend_batch(&pool, &kern, &kv, n_heads, 0.0625, &q[t * qdim..][..qdim], &ctx[t..t + 1], &mut alone);
+                let got = &all[t * qdim..][..qdim];
+                assert!(alone.iter().zip(got).all(|(a, b)| a.to_bits() == b.to_bits()), "token {t} alone differs");
+                for h in 0..n_heads {
+                    let want = reference(&val, range, 0, &q[t * qdim + h * hd..][..hd], 0.0625);
+                    for (i, (want, &g)) in want.iter().zip(&got[h * hd..(h + 1) * hd]).enumerate() {
+                        assert!(
+                            (want - f64::from(g)).abs() < 1e-5,
+                            "{:?} {range:?} head {h} {i}: {want} vs {g}",
+                            kern.isa
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn split_queries_match_the_reference_in_any_batch() {
+        // One sequence of 1,300 positions, two KV heads of dim 8 with two query heads each, its
+        // 82 blocks of 16 stored in shuffled order. Queries see ranges inside one piece, of
+        // exactly one, just over one, several and many, from 0 and from inside a window, across
+        // piece boundaries or not. Then a prompt's worth of tokens, tiled.
+        let (bs, hd, nkv, n_heads, len): (usize, usize, usize, usize, usize) = (16, 8, 2, 4, 1300);
+        let val =
+            |p: usize, h: usize, i: usize, salt: usize| ((p * 31 + h * 17 + i * 7 + salt) % 23) as f32 / 11.0 - 1.0;
+        let (table, kp, vp) = paged(bs, hd, nkv, len, &val);
         let kv = PagedKv { k: &kp, v: &vp, block_size: bs, n_kv_heads: nkv, head_dim: hd };
         let ranges = [
             (0, 1),
@@ -602,19 +673,11 @@ mod tests {
                 // Against softmax attention in f64 over the f16-rounded keys and values.
                 for h in 0..n_heads {
                     let (kvh, qh) = (h / (n_heads / nkv), &q[t * qdim + h * hd..t * qdim + (h + 1) * hd]);
-                    let r = |x: f32| f64::from(f16::from_f32(x).to_f32());
-                    let s: Vec<f64> = (start..ctx_len)
-                        .map(|p| 0.3 * (0..hd).map(|i| r(val(p, kvh, i, 0)) * f64::from(qh[i])).sum::<f64>())
-                        .collect();
-                    let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                    let e: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
-                    let z: f64 = e.iter().sum();
-                    for i in 0..hd {
-                        let want: f64 = (start..ctx_len).map(|p| e[p - start] / z * r(val(p, kvh, i, 5))).sum();
-                        let g = got[h * hd + i];
+                    let want = reference(&val, (start, ctx_len), kvh, qh, 0.3);
+                    for (i, (want, &g)) in want.iter().zip(&got[h * hd..(h + 1) * hd]).enumerate() {
                         assert!(
                             (want - f64::from(g)).abs() < 1e-5,
-                            "{:?} {start}..{ctx_len} head {h}: {want} vs {g}",
+                            "{:?} {start}..{ctx_len} head {h} {i}: {want} vs {g}",
                             kern.isa
                         );
                     }

@@ -7,7 +7,8 @@
 //! llama.cpp by tests/reference/regen; CI only reads it.
 //!
 //! Checked per case: the prompt's tokens (text prompts), the logits at llama.cpp's top ids at
-//! several positions within a stated tolerance of llama.cpp's, and the greedy continuation
+//! several positions within a stated tolerance of llama.cpp's (at the few positions where the
+//! model is too ill-conditioned for any tolerance, `ILL_CONDITIONED`, the top id), and the greedy continuation
 //! token for token up to the first step where llama.cpp's own top two logits are within
 //! `NEAR_TIE`.
 //! Both engines quantize activations to 8 bits before the quantized products, but differently
@@ -29,12 +30,20 @@ pub(crate) const TINY_LOGIT_TOL: f64 = 0.25;
 /// 0.31 YaRN; the same files are within 0.05 of llama.cpp).
 const SHARP_HF_TOL: f64 = 0.6;
 /// The same on the real Gemma 3 file, whose activations carry outliers that make its logits
-/// sensitive to how each engine rounds activations to 8 bits. Measured: at most 1.3 at every
-/// recorded position but one, where llama.cpp's top logit is 22.68, inferd's 26.90 and a
-/// float64 forward pass over the same weights 23.52, or 26.45 with inferd's 8-bit activation
-/// rounding emulated in float64 (so inferd computes what its rounding implies there). With
-/// only the BOS token, inferd is within 0.11 of float64 and llama.cpp within 0.30.
-pub(crate) const GEMMA_LOGIT_TOL: f64 = 5.0;
+/// sensitive to how each engine rounds activations to 8 bits. Measured at every recorded
+/// position but the one of [`ILL_CONDITIONED`]: at most 1.00 with the AVX2 kernels, 0.93 with
+/// the scalar ones (AMD EPYC, Zen 1).
+pub(crate) const GEMMA_LOGIT_TOL: f64 = 2.0;
+/// Recorded positions (model, case, position) where the model itself amplifies rounding past
+/// any useful tolerance: only llama.cpp's top id is checked there, as our argmax. At Gemma 3's
+/// position 326 of its long case the feed-forward output of layers 6 to 16 nearly cancels (RMS
+/// 1e-3 to 1e-2 of unit-scale inputs) and the post-FFN norm scales it back to unit size, so
+/// rounding-level differences reach the residual stream whole: llama.cpp's top logit there is
+/// 22.68, a float64 forward pass's 23.52, inferd's 26.47 with its scalar kernels and 17.60 or
+/// 26.20 with AVX2 ones under two orders of attention sums that both agree with float64
+/// attention to 3e-5. Every engine keeps the top id, 4 or more ahead of the next; the
+/// other 15 ids' order changes.
+pub(crate) const ILL_CONDITIONED: &[(&str, usize, usize)] = &[("gemma-3-270m-Q4_K_M", 3, 326)];
 /// The same on the default model requantized by llama.cpp. Measured: at most 2.02 (Q4_K_M),
 /// 1.44 (Q5_K_M), 1.22 (Q6_K), at logits of 19 to 24. SmolLM2 amplifies how each engine rounds
 /// activations to 8 bits (llama.cpp: one f32 scale per 256 for K-quant products, f16 per 32
@@ -108,6 +117,11 @@ pub(crate) fn check_cases_on(e: &mut Engine, model: &Model, entry: &Value, tol: 
                 Some(s) => e.step(&[RunItem { seq: s, tokens: &tokens[done..=p], n_logits: 1 }]).unwrap().remove(0),
             };
             done = p + 1;
+            if ILL_CONDITIONED.contains(&(name, c, p)) {
+                assert_eq!(argmax(&logits), ids(&at["ids"])[0], "{name} case {c} position {p}: top id");
+                last = logits;
+                continue;
+            }
             for (id, want) in ids(&at["ids"]).iter().zip(at["values"].as_array().unwrap()) {
                 let (got, want) = (f64::from(logits[*id as usize]), want.as_f64().unwrap());
                 worst = worst.max((got - want).abs());
