@@ -25,7 +25,7 @@ use std::ops::Deref;
 use std::sync::{Mutex, PoisonError};
 
 /// The fields of a block of `q` in file order, in bytes.
-fn fields(q: QuantType) -> &'static [usize] {
+const fn fields(q: QuantType) -> &'static [usize] {
     match q {
         QuantType::Q8_0 => &[2, 32],
         QuantType::Q4_0 | QuantType::IQ4NL => &[2, 16],
@@ -47,7 +47,7 @@ pub fn has_layout(dt: DType) -> bool {
 }
 
 /// How many of `q`'s blocks a unit holds (module docs).
-pub(crate) fn unit_blocks(q: QuantType) -> usize {
+pub(crate) const fn unit_blocks(q: QuantType) -> usize {
     if q.block_len() == 32 || !(16 * q.block_bytes()).is_multiple_of(64) {
         2
     } else {
@@ -57,17 +57,46 @@ pub(crate) fn unit_blocks(q: QuantType) -> usize {
 
 /// The byte of the unit starting at block `b0` (`n` blocks: 1 or 2) where field `k` of its
 /// block `b0 + c` starts for the 16 rows (module docs).
-fn field_at(q: QuantType, n: usize, k: usize, c: usize) -> usize {
+const fn field_at(q: QuantType, n: usize, k: usize, c: usize) -> usize {
     let f = fields(q);
-    16 * (n * f[..k].iter().sum::<usize>() + c * f[k])
+    let (mut before, mut i) = (0, 0);
+    while i < k {
+        before += f[i];
+        i += 1;
+    }
+    16 * (n * before + c * f[k])
 }
 
 /// Where each field `k` of a unit of `n` blocks (1 or 2) starts for its block `c`: `[k][c]`,
 /// zero past the type's fields and the unit's blocks (every type has at most four fields).
-pub(crate) fn unit_offsets(q: QuantType, n: usize) -> [[usize; 2]; 4] {
-    let f = fields(q);
-    std::array::from_fn(|k| std::array::from_fn(|c| if k < f.len() && c < n { field_at(q, n, k, c) } else { 0 }))
+/// A table built at compile time: the kernels look it up on every call.
+pub(crate) fn unit_offsets(q: QuantType, n: usize) -> &'static [[usize; 2]; 4] {
+    &UNIT_OFFSETS[q.index()][n - 1]
 }
+
+/// [`unit_offsets`] of every type, for units of 1 and of 2 blocks.
+static UNIT_OFFSETS: [[[[usize; 2]; 4]; 2]; QuantType::COUNT] = {
+    let mut t = [[[[0; 2]; 4]; 2]; QuantType::COUNT];
+    let mut i = 0;
+    while i < QuantType::COUNT {
+        let q = QuantType::ALL[i];
+        let mut n = 1;
+        while n <= 2 {
+            let mut k = 0;
+            while k < fields(q).len() {
+                let mut c = 0;
+                while c < n {
+                    t[q.index()][n - 1][k][c] = field_at(q, n, k, c);
+                    c += 1;
+                }
+                k += 1;
+            }
+            n += 1;
+        }
+        i += 1;
+    }
+    t
+};
 
 /// Where Q5_0's and Q5_1's fifth bit of weight `e` (bit `e` of the file's `qh`) is kept: bit
 /// `8 k + 2 m + h` for weight `16 h + 4 m + k`, so that a shift by `2 m + h` brings the bits of
@@ -189,7 +218,7 @@ fn pack_groups(q: QuantType, rb: usize, src: &[u8], dst: &mut [u8]) {
                 block.copy_from_slice(row_block);
                 convert(q, &mut block, true);
                 let b0 = b / per * per;
-                let at = if per.min(nb - b0) == per { &whole_unit } else { &lone };
+                let at = if per.min(nb - b0) == per { whole_unit } else { lone };
                 let mut from = 0;
                 for (k, &size) in f.iter().enumerate() {
                     let to = 16 * bb * b0 + at[k][b - b0];

@@ -84,7 +84,7 @@ unsafe fn packed_kind<const KIND: u8>(q: QuantType, w: &[u8], rb: usize, a: &[Ac
         "16 packed rows of {nb} blocks"
     );
     let mut sums = [const { MaybeUninit::<Sums>::uninit() }; GEMV_TOKENS];
-    let sums = super::zeroed_sums(&mut sums, n, [[[_mm256_setzero_ps(); 4]; 2]; 2]);
+    let sums = super::zeroed_sums(&mut sums, n, _mm256_setzero_ps());
     // Which field holds the quants, and Q5's fifth bits (the super-block units name theirs).
     let (quants, fifth) = match KIND {
         Q4_1 | Q5_0 => (2, 1),
@@ -110,7 +110,7 @@ unsafe fn packed_kind<const KIND: u8>(q: QuantType, w: &[u8], rb: usize, a: &[Ac
                 // Super-block `sb` is block c of its unit (Q6_K and Q3_K: pairs).
                 let (sb, per) = (b / g, unit_blocks(q));
                 let (u0, c) = (sb / per * per, sb % per);
-                let at = if per.min(nb / g - u0) == 2 { &at2 } else { &at1 };
+                let at = if per.min(nb / g - u0) == 2 { at2 } else { at1 };
                 let unit = w.as_ptr().add(16 * bb * u0);
                 if matches!(KIND, Q6K | Q3K | Q2K) {
                     super_block_16::<KIND>(unit, at, c, a, b, sums);
@@ -122,10 +122,10 @@ unsafe fn packed_kind<const KIND: u8>(q: QuantType, w: &[u8], rb: usize, a: &[Ac
             }
             let unit = w.as_ptr().add(16 * bb * b);
             if b + 1 < nb {
-                unit_of::<KIND, 2>(unit, &at2, (quants, fifth), a, b, sums);
+                unit_of::<KIND, 2>(unit, at2, (quants, fifth), a, b, sums);
                 b += 2;
             } else {
-                unit_of::<KIND, 1>(unit, &at1, (quants, fifth), a, b, sums);
+                unit_of::<KIND, 1>(unit, at1, (quants, fifth), a, b, sums);
                 b += 1;
             }
         }

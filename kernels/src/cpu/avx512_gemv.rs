@@ -286,7 +286,7 @@ unsafe fn gemv16_kind<const KIND: u8, const WIDE: bool>(w: &[u8], rb: usize, a: 
     // Per token, the four block accumulators of the products and of the offsets. This runs
     // once per 16 rows: only the tokens' share is zeroed, not GEMV_TOKENS' (8 KB).
     let mut sums = [const { MaybeUninit::<[[__m512; 4]; 2]>::uninit() }; GEMV_TOKENS];
-    let sums = super::zeroed_sums(&mut sums, n, [[_mm512_setzero_ps(); 4]; 2]);
+    let sums = super::zeroed_sums(&mut sums, n, _mm512_setzero_ps());
     // The dword at byte `at` of every row, in lane order: one 32-bit gather.
     let gather = |at: usize| {
         // SAFETY: offsets i * rb + at + 4 <= 16 * rb are inside `w` (`at` is inside a block of

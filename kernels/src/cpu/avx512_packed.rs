@@ -71,7 +71,7 @@ unsafe fn packed_kind<const KIND: u8>(q: QuantType, w: &[u8], rb: usize, a: &[Ac
     // Per token, the four block accumulators of the products and of the offsets (the
     // single-token dot's `acc[b % 4]`, `off[b % 4]`); zeroed for the tokens of the call only.
     let mut sums = [const { MaybeUninit::<[[__m512; 4]; 2]>::uninit() }; GEMV_TOKENS];
-    let sums = super::zeroed_sums(&mut sums, n, [[_mm512_setzero_ps(); 4]; 2]);
+    let sums = super::zeroed_sums(&mut sums, n, _mm512_setzero_ps());
     // Which field holds the quants, and Q5's fifth bits (the per-16 kinds name theirs in
     // `avx512_super`).
     let (quants, fifth) = match KIND {
@@ -106,21 +106,21 @@ unsafe fn packed_kind<const KIND: u8>(q: QuantType, w: &[u8], rb: usize, a: &[Ac
                 // Super-block `sb` is block c of its unit (Q6_K and Q3_K: pairs).
                 let (sb, per) = (b / g, unit_blocks(q));
                 let (u0, c) = (sb / per * per, sb % per);
-                let at = if per.min(nb / g - u0) == 2 { &at2 } else { &at1 };
+                let at = if per.min(nb / g - u0) == 2 { at2 } else { at1 };
                 super_block_16::<KIND>(w.as_ptr().add(16 * bb * u0), at, c, a, b, sums);
                 b += g;
                 continue;
             }
             let unit = w.as_ptr().add(16 * bb * (b / g));
             if g > 1 {
-                super_block::<KIND>(unit, &at1, (quants, fifth), a, b, sums);
+                super_block::<KIND>(unit, at1, (quants, fifth), a, b, sums);
                 b += g;
                 continue;
             }
             if pair == 2 {
-                unit_of::<KIND, 2>(unit, &at2, (quants, fifth), a, b, sums);
+                unit_of::<KIND, 2>(unit, at2, (quants, fifth), a, b, sums);
             } else {
-                unit_of::<KIND, 1>(unit, &at1, (quants, fifth), a, b, sums);
+                unit_of::<KIND, 1>(unit, at1, (quants, fifth), a, b, sums);
             }
         }
         b += pair;

@@ -107,20 +107,29 @@ pub type Gemv16 = fn(QuantType, &[u8], usize, &[Acts<'_>], &mut [[f32; 16]]);
 /// The most tokens one [`Kernels::gemv16`] call takes.
 pub const GEMV_TOKENS: usize = 16;
 
-/// The first `n` of a [`Kernels::gemv16`] kernel's per-token accumulators, each set to `zero`,
-/// by vector stores: written as zeros, they compiled to a `memset` call on every kernel call,
-/// 2-4% of a batch-1 decode step's samples on an AMD Zen 1 (BENCHMARKS.md).
+/// The first `n` of a [`Kernels::gemv16`] kernel's per-token accumulators `T`, arrays of the
+/// vector `V`, set to zeros (`zero`) by one vector store each. Written as constant zeros they
+/// compiled to a `memset` call on every kernel call, and as copies of a whole opaque zero `T`
+/// to a `memcpy` of it per token, each 1-2% of a batch-1 decode step's samples on an AMD Zen 1
+/// (BENCHMARKS.md); an opaque zero vector stored `n * size_of::<T>() / size_of::<V>()` times
+/// is neither.
 #[inline(always)]
-pub(crate) fn zeroed_sums<T: Copy>(sums: &mut [std::mem::MaybeUninit<T>; GEMV_TOKENS], n: usize, zero: T) -> &mut [T] {
+pub(crate) fn zeroed_sums<T: Copy, V: Copy>(
+    sums: &mut [std::mem::MaybeUninit<T>; GEMV_TOKENS],
+    n: usize,
+    zero: V,
+) -> &mut [T] {
+    const { assert!(size_of::<T>().is_multiple_of(size_of::<V>()) && align_of::<T>() == align_of::<V>()) };
     assert!(n <= GEMV_TOKENS, "at most {GEMV_TOKENS} tokens");
-    // Opaque, so the writes stay copies of a value: a loop writing a constant zero becomes a
-    // `memset` call, whatever the count.
     let zero = std::hint::black_box(zero);
-    sums[..n].iter_mut().for_each(|s| {
-        s.write(zero);
-    });
-    // SAFETY: the first n elements were written just above, and MaybeUninit<T> has the layout
-    // of T.
+    let at = sums.as_mut_ptr().cast::<V>();
+    for i in 0..n * (size_of::<T>() / size_of::<V>()) {
+        // SAFETY: the first n elements of `sums` span `n * size_of::<T>()` bytes, whole `V`s at
+        // `V`'s alignment (the assertions above), so element i lies inside them.
+        unsafe { at.add(i).write(zero) };
+    }
+    // SAFETY: the first n elements were written above, as `V`s, which is all a `T` holds (the
+    // callers' `T` are arrays of `V`), and MaybeUninit<T> has the layout of T.
     unsafe { std::slice::from_raw_parts_mut(sums.as_mut_ptr().cast(), n) }
 }
 
