@@ -30,6 +30,20 @@ pub(super) unsafe fn gemv16_packed(dt: QuantType, w: &[u8], rb: usize, a: &[Acts
     with_kind!(dt, K => unsafe { packed_kind::<K>(dt, w, rb, a, out) })
 }
 
+/// Lines (of 64 bytes, from a pointer) to fetch into L2 ahead of their use.
+pub(super) type Ahead = (*const u8, std::ops::Range<usize>);
+
+/// Part `i` of `parts` of the lines of `ahead`, fetched into L2.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn prefetch((from, lines): &Ahead, i: usize, parts: usize) {
+    let n = lines.len();
+    for l in lines.start + i * n / parts..lines.start + (i + 1) * n / parts {
+        // A prefetch never faults: the address may lie past the weights.
+        _mm_prefetch::<_MM_HINT_T1>(from.wrapping_add(l * 64).cast());
+    }
+}
+
 /// `Σ u[m] · act(m)` per lane over the weight dwords `m` in `ms`: `u` the unsigned operands,
 /// and for the signed kinds `signs` the signed weights whose signs go onto the activations.
 /// `run` results are added in 16 bits before each widening (`lane::run`; a constant once
@@ -92,16 +106,18 @@ unsafe fn packed_kind<const KIND: u8>(q: QuantType, w: &[u8], rb: usize, a: &[Ac
         _ => (1, 0),
     };
     let (at2, at1) = (unit_offsets(q, 2), unit_offsets(q, 1));
-    // The next group is fetched into L2 while this one is computed, a share per unit.
+    // The next group is fetched into L2 while this one is computed, a share per unit (a
+    // super-block spreads its share over its groups: issued at once, the 30-odd lines of a
+    // K-quant super-block's share made its products 11-13% slower than none at all on Zen 1).
     let per = if g == 1 { 2 } else { g };
     let (lines, steps) = (16 * rb / 64, nb.div_ceil(per));
     let next = w.as_ptr().wrapping_add(16 * rb);
     let mut b = 0;
     while b < nb {
         let s = b / per;
-        for l in s * lines / steps..(s + 1) * lines / steps {
-            // A prefetch never faults: the address may lie past `w`.
-            _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(l * 64).cast());
+        let share = (next, s * lines / steps..(s + 1) * lines / steps);
+        if g == 1 {
+            prefetch(&share, 0, 1);
         }
         // SAFETY: the unit's blocks of the 16 rows lie inside `w` (asserted length; `pack`
         // module docs), and the features are this function's.
@@ -113,9 +129,9 @@ unsafe fn packed_kind<const KIND: u8>(q: QuantType, w: &[u8], rb: usize, a: &[Ac
                 let at = if per.min(nb / g - u0) == 2 { at2 } else { at1 };
                 let unit = w.as_ptr().add(16 * bb * u0);
                 if matches!(KIND, Q6K | Q3K | Q2K) {
-                    super_block_16::<KIND>(unit, at, c, a, b, sums);
+                    super_block_16::<KIND>(unit, at, c, a, (b, &share), sums);
                 } else {
-                    super_block::<KIND>(unit, at, a, b, sums);
+                    super_block::<KIND>(unit, at, a, (b, &share), sums);
                 }
                 b += g;
                 continue;

@@ -5,7 +5,7 @@
 //! exact integer sum (per 16-weight half for Q6_K, Q3_K and Q2_K, times the half's scale),
 //! then the float step of the group.
 
-use super::avx2_packed::products;
+use super::avx2_packed::{prefetch, products, Ahead};
 use super::lane::{half_offset, run, IQ4XS, Q2K, Q3K, Q5K, Q6K};
 use super::Acts;
 use crate::quant::BlockQ8;
@@ -106,7 +106,7 @@ pub(super) unsafe fn super_block<const KIND: u8>(
     unit: *const u8,
     at: &[[usize; 2]; 4],
     a: &[Acts<'_>],
-    b: usize,
+    (b, ahead): (usize, &Ahead),
     sums: &mut [Sums],
 ) {
     let nib = _mm256_set1_epi8(0x0f);
@@ -129,6 +129,9 @@ pub(super) unsafe fn super_block<const KIND: u8>(
             [vector(0, 0), vector(1, 0), vector(1, 1), vector(1, 2)]
         };
         for j in 0..8 {
+            if h == 0 {
+                prefetch(ahead, j, 8);
+            }
             let (d, off) = if KIND == IQ4XS { (iq4xs_scale(&sbd, j), _mm256_setzero_ps()) } else { k_scales(&sbd, j) };
             // w[m]: weights 4 m .. 4 m + 4 of the group for every row.
             let w: [__m256i; 8] = std::array::from_fn(|m| {
@@ -184,7 +187,7 @@ pub(super) unsafe fn super_block_16<const KIND: u8>(
     at: &[[usize; 2]; 4],
     c: usize,
     a: &[Acts<'_>],
-    b: usize,
+    (b, ahead): (usize, &Ahead),
     sums: &mut [Sums],
 ) {
     let o = half_offset(KIND).unwrap_or(0);
@@ -204,6 +207,9 @@ pub(super) unsafe fn super_block_16<const KIND: u8>(
             (_mm256_cvtph_ps(unsafe { _mm_loadu_si128(unit.add(at[3][c] + 16 * h).cast()) }), _mm256_setzero_ps())
         };
         for j in 0..8 {
+            if h == 0 {
+                prefetch(ahead, j, 8);
+            }
             let (hj, s) = (j / 4, j % 4);
             let w: [__m256i; 8] = std::array::from_fn(|m| match KIND {
                 Q6K => {
