@@ -109,10 +109,10 @@ pub const GEMV_TOKENS: usize = 16;
 
 /// The first `n` of a [`Kernels::gemv16`] kernel's per-token accumulators `T`, arrays of the
 /// vector `V`, set to zeros (`zero`) by one vector store each. Written as constant zeros they
-/// compiled to a `memset` call on every kernel call, and as copies of a whole opaque zero `T`
-/// to a `memcpy` of it per token, each 1-2% of a batch-1 decode step's samples on an AMD Zen 1
-/// (BENCHMARKS.md); an opaque zero vector stored `n * size_of::<T>() / size_of::<V>()` times
-/// is neither.
+/// compiled to a `memset` call on every kernel call (2-4% of a batch-1 decode step's samples on
+/// an AMD Zen 1), and as copies of a whole opaque zero `T` to a `memcpy` of it per token (1.5%;
+/// BENCHMARKS.md); an opaque zero vector stored `n * size_of::<T>() / size_of::<V>()` times is
+/// neither.
 #[inline(always)]
 pub(crate) fn zeroed_sums<T: Copy, V: Copy>(
     sums: &mut [std::mem::MaybeUninit<T>; GEMV_TOKENS],
