@@ -5,6 +5,7 @@
 //! 128-token prompts and 128 generated tokens per sequence. Prompts are pseudo-random ordinary
 //! tokens, each distinct so the prefix cache never shortcuts a measurement.
 
+use inferd_engine::backend::profile::{Phase, StepProfile};
 use inferd_engine::backend::BackendKind;
 use inferd_engine::engine::{argmax, Engine, EngineOptions};
 use inferd_engine::model::Model;
@@ -146,6 +147,20 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
         }
         decode.insert(b.to_string(), json!(median(rates)));
     }
+    // Where a batch-1 decode step goes, in a run of its own so the clocks cost the figures above
+    // nothing.
+    let mut profile = None;
+    if engine.backend.set_profiling(true) {
+        let (s, l) = engine.prefill(&[&prompt(args.prompt_tokens, next(), vocab, skip)])?.remove(0);
+        engine.backend.take_profile();
+        let mut tok = argmax(&l);
+        for _ in 1..args.gen_tokens {
+            tok = argmax(engine.decode(&[(s, tok)])?);
+        }
+        profile = engine.backend.take_profile();
+        engine.backend.set_profiling(false);
+        engine.release(s);
+    }
     let mut report = json!({
         "model": model.path.display().to_string(),
         "backend": engine.backend.name(),
@@ -177,10 +192,52 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
     if let Some(b1) = report["decode_tok_s"]["by_batch"]["1"].as_f64() {
         report["memory"]["decode_batch1_share_of_read_bandwidth"] = json!(b1 * bytes as f64 / 1e9 / gbs);
     }
+    if let Some(p) = profile.filter(|p| p.passes > 0) {
+        report["decode_batch1_step"] = step_report(&p, gbs);
+    }
     if let Some(dir) = &args.llama_cpp {
         report["llama_cpp"] = compare(dir, model, args, threads, &report)?;
     }
     Ok(report)
+}
+
+/// A batch-1 decode step's phases per pass: time and share of the step, the pool's dispatches
+/// and the caller's wait for its workers, and for the products the weights read and at what
+/// rate, against the machine's read bandwidth `gbs`.
+fn step_report(p: &StepProfile, gbs: f64) -> Value {
+    let passes = p.passes as f64;
+    let step = p.time().as_secs_f64();
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3 / passes;
+    let rate = |bytes: u64, d: std::time::Duration| bytes as f64 / d.as_secs_f64().max(1e-12) / 1e9;
+    let mut phases = serde_json::Map::new();
+    for ph in Phase::ALL {
+        let t = p.phase(ph);
+        let mut v = json!({
+            "ms": ms(t.time),
+            "share": t.time.as_secs_f64() / step,
+            "dispatches": t.pool.dispatches as f64 / passes,
+            "wait_ms": ms(t.pool.wait),
+        });
+        if t.weight_bytes > 0 {
+            v["weights_mb"] = json!(t.weight_bytes as f64 / passes / 1e6);
+            v["weights_gb_s"] = json!(rate(t.weight_bytes, t.time));
+        }
+        phases.insert(ph.name().into(), v);
+    }
+    let products = [Phase::QkvProjection, Phase::OutputProjection, Phase::FfnGateUp, Phase::FfnDown, Phase::Logits];
+    let products_time: std::time::Duration = products.iter().map(|&ph| p.phase(ph).time).sum();
+    let products_gb_s = rate(p.weight_bytes(), products_time);
+    let pool = p.pool();
+    json!({
+        "passes": p.passes,
+        "ms": step * 1e3 / passes,
+        "dispatches": pool.dispatches as f64 / passes,
+        "wait_ms": ms(pool.wait),
+        "phases": phases,
+        "products_weights_gb_s": products_gb_s,
+        "products_share_of_read_bandwidth": products_gb_s / gbs,
+        "step_share_of_read_bandwidth": rate(p.weight_bytes(), p.time()) / gbs,
+    })
 }
 
 /// Weights of the matrix products one token goes through (each a multiply-add per token).

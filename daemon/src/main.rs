@@ -136,7 +136,7 @@ enum Cmd {
         special: bool,
         text: String,
     },
-    /// Measure prefill and decode speed, TTFT and peak memory; print a JSON report.
+    /// Measure prefill and decode speed, TTFT, peak memory and where a decode step goes; print a JSON report.
     Bench(inferd::bench::BenchArgs),
 }
 

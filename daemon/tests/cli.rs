@@ -203,3 +203,44 @@ fn the_packaged_man_pages_match_the_command_line() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `inferd bench` reports where a batch-1 decode step goes: its phases add up to the step, every
+/// product dispatches once per layer, and the products read every weight the step reads.
+#[test]
+fn bench_reports_where_a_decode_step_goes() {
+    let out = inferd(&[
+        "bench",
+        "--model",
+        &model(),
+        "--threads",
+        "2",
+        "--repeat",
+        "1",
+        "--batches",
+        "1",
+        "--prefill-tokens",
+        "16",
+        "--prompt-tokens",
+        "16",
+        "--gen-tokens",
+        "9",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let step = &r["decode_batch1_step"];
+    assert_eq!(step["passes"], 8, "{step}");
+    let phases = step["phases"].as_object().unwrap();
+    let sum = |key: &str| phases.values().map(|p| p[key].as_f64().unwrap_or(0.0)).sum::<f64>();
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * b.abs().max(1.0);
+    assert!(close(sum("ms"), step["ms"].as_f64().unwrap()) && close(sum("share"), 1.0), "{step}");
+    assert!(close(sum("dispatches"), step["dispatches"].as_f64().unwrap()), "{step}");
+    let layers = phases["qkv_projection"]["dispatches"].as_f64().unwrap();
+    assert!(layers >= 1.0);
+    for p in ["attention_output_projection", "ffn_gate_up", "ffn_down"] {
+        assert_eq!(phases[p]["dispatches"].as_f64(), Some(layers), "{p}: {step}");
+    }
+    assert_eq!(phases["logits"]["dispatches"].as_f64(), Some(1.0));
+    assert_eq!(phases["between_dispatches"]["dispatches"].as_f64(), Some(0.0));
+    assert!(close(sum("weights_mb"), r["memory"]["weights_read_per_token_mb"].as_f64().unwrap()), "{r}");
+    assert!(step["products_share_of_read_bandwidth"].as_f64().unwrap() > 0.0);
+}

@@ -4,9 +4,12 @@
 //! workers must cost far less than that: workers spin briefly on a generation counter before they
 //! park on a condition variable (the scheme of llama.cpp's ggml threadpool). The calling thread
 //! takes part in every job. Tasks are claimed from a shared atomic counter, so uneven tasks balance.
+//!
+//! Where a step's time goes ([`ThreadPool::set_timing`], [`PoolTime`]): the calling thread's
+//! clock splits each dispatch into its own tasks and its wait for the workers to finish theirs.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering::SeqCst};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -52,12 +55,45 @@ struct Shared {
     wake: Condvar,
 }
 
+/// What the calling thread spent in the dispatches it timed ([`ThreadPool::set_timing`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolTime {
+    /// Calls of [`ThreadPool::run`] (a single-task job too: it runs on the caller alone).
+    pub dispatches: u64,
+    /// In the tasks the caller claimed.
+    pub work: Duration,
+    /// After its last task, until every worker had finished and let go of the job.
+    pub wait: Duration,
+}
+
+impl std::ops::Sub for PoolTime {
+    type Output = PoolTime;
+    /// The dispatches between two readings of [`ThreadPool::time`], `self` the later.
+    fn sub(self, earlier: PoolTime) -> PoolTime {
+        PoolTime {
+            dispatches: self.dispatches - earlier.dispatches,
+            work: self.work.saturating_sub(earlier.work),
+            wait: self.wait.saturating_sub(earlier.wait),
+        }
+    }
+}
+
+/// The caller's clock over dispatches, counted while `on`; nanoseconds.
+#[derive(Default)]
+struct Timing {
+    on: AtomicBool,
+    dispatches: AtomicU64,
+    work: AtomicU64,
+    wait: AtomicU64,
+}
+
 /// A fixed set of worker threads; see the module docs.
 pub struct ThreadPool {
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
     /// Serializes callers: one job at a time.
     running: Mutex<()>,
+    timing: Timing,
 }
 
 impl std::fmt::Debug for ThreadPool {
@@ -87,12 +123,29 @@ impl ThreadPool {
                     .expect("spawning a kernel worker thread")
             })
             .collect();
-        ThreadPool { shared, workers, running: Mutex::new(()) }
+        ThreadPool { shared, workers, running: Mutex::new(()), timing: Timing::default() }
     }
 
     /// The number of threads a job runs on, the caller included.
     pub fn threads(&self) -> usize {
         self.workers.len() + 1
+    }
+
+    /// Starts or stops timing dispatches ([`ThreadPool::time`]); off, a dispatch costs one
+    /// relaxed load more.
+    pub fn set_timing(&self, on: bool) {
+        self.timing.on.store(on, Relaxed);
+    }
+
+    /// The dispatches timed so far and the caller's time in them (readings are compared by
+    /// subtraction).
+    pub fn time(&self) -> PoolTime {
+        let t = &self.timing;
+        PoolTime {
+            dispatches: t.dispatches.load(Relaxed),
+            work: Duration::from_nanos(t.work.load(Relaxed)),
+            wait: Duration::from_nanos(t.wait.load(Relaxed)),
+        }
     }
 
     /// Runs `task(i)` for every `i < n_tasks` across the pool and returns when all have finished.
@@ -101,6 +154,22 @@ impl ThreadPool {
         if n_tasks == 0 {
             return;
         }
+        if !self.timing.on.load(Relaxed) {
+            return self.dispatch(n_tasks, task, &mut || {});
+        }
+        let start = Instant::now();
+        let mut worked = None;
+        self.dispatch(n_tasks, task, &mut || worked = Some(Instant::now()));
+        let (end, t) = (Instant::now(), &self.timing);
+        let worked = worked.unwrap_or(end);
+        let nanos = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        t.dispatches.fetch_add(1, Relaxed);
+        t.work.fetch_add(nanos(worked - start), Relaxed);
+        t.wait.fetch_add(nanos(end - worked), Relaxed);
+    }
+
+    /// [`ThreadPool::run`]'s job; `worked` is called when the caller has run out of tasks.
+    fn dispatch(&self, n_tasks: usize, task: &(dyn Fn(usize) + Sync), worked: &mut dyn FnMut()) {
         let job = Job {
             task,
             n_tasks,
@@ -110,6 +179,7 @@ impl ThreadPool {
         };
         if self.workers.is_empty() || n_tasks == 1 {
             job.work();
+            worked();
         } else {
             let _serial = self.running.lock().unwrap_or_else(|e| e.into_inner());
             self.shared.job.store(&job as *const Job<'_> as *mut (), SeqCst);
@@ -121,6 +191,7 @@ impl ThreadPool {
                 self.shared.wake.notify_all();
             }
             job.work();
+            worked();
             while job.done.load(SeqCst) < n_tasks {
                 std::hint::spin_loop();
             }
@@ -227,5 +298,26 @@ mod tests {
             count.fetch_add(1, SeqCst);
         });
         assert_eq!(count.load(SeqCst), 8);
+    }
+
+    #[test]
+    fn timing_counts_the_callers_dispatches_only_while_on() {
+        let pool = ThreadPool::new(2);
+        let nap = |_| std::thread::sleep(Duration::from_millis(10));
+        pool.run(2, &nap);
+        assert_eq!(pool.time(), PoolTime::default(), "off: nothing counted");
+        pool.set_timing(true);
+        pool.run(1, &nap);
+        let one = pool.time();
+        assert_eq!(one.dispatches, 1);
+        assert!(one.work >= Duration::from_millis(10) && one.wait < Duration::from_millis(10), "{one:?}");
+        // Two naps: the caller runs one or both, and waits for the worker's when it runs one.
+        pool.run(2, &nap);
+        let two = pool.time() - one;
+        assert_eq!(two.dispatches, 1);
+        assert!(two.work >= Duration::from_millis(10) && two.work + two.wait >= Duration::from_millis(10), "{two:?}");
+        pool.set_timing(false);
+        pool.run(2, &nap);
+        assert_eq!(pool.time() - one, two, "off again: nothing more counted");
     }
 }

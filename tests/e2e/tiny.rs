@@ -294,3 +294,54 @@ fn a_step_that_runs_out_of_blocks_on_a_later_item_changes_nothing() {
     assert!(got == want, "outputs under pressure differ from outputs with room");
     assert_eq!(tight.kv.stats().free, 7);
 }
+
+#[test]
+fn a_profiled_decode_step_is_cut_into_its_phases_and_computes_the_same() {
+    use inferd_engine::backend::profile::Phase;
+    let dir = temp_dir("profile");
+    let spec = TinySpec::default();
+    let m = Model::load(&write_tiny_gguf(&dir.join("m.gguf"), &spec, DType::Q4_1, DType::Q8_0)).unwrap();
+    let steps = 6;
+    let decode = |profiled: bool| {
+        let mut e = Engine::cpu(&m, &opts()).unwrap();
+        assert!(e.backend.take_profile().is_none(), "off until asked for");
+        let (s, l) = e.prefill(&[&prompt(11, 3)]).unwrap().remove(0);
+        assert!(e.backend.set_profiling(profiled) || !profiled);
+        let (mut tok, mut logits, t) = (argmax(&l), Vec::new(), std::time::Instant::now());
+        for _ in 0..steps {
+            logits.extend_from_slice(e.decode(&[(s, tok)]).unwrap());
+            tok = argmax(&logits[logits.len() - l.len()..]);
+        }
+        (logits, e.backend.take_profile(), t.elapsed())
+    };
+    let (plain, none, _) = decode(false);
+    assert!(none.is_none());
+    let (logits, profile, wall) = decode(true);
+    assert!(plain == logits, "the clocks change nothing computed");
+    let p = profile.unwrap();
+    assert_eq!((p.passes, p.tokens), (steps, steps));
+    // One dispatch per product per layer, attention's of its own, none between; every phase
+    // measured, and all of them within the steps' wall time.
+    let layers = spec.layers as u64;
+    for (ph, n) in [(Phase::QkvProjection, layers), (Phase::OutputProjection, layers), (Phase::FfnGateUp, layers)]
+        .into_iter()
+        .chain([(Phase::FfnDown, layers), (Phase::Logits, 1), (Phase::Between, 0)])
+    {
+        assert_eq!(p.phase(ph).pool.dispatches, n * steps, "{ph:?}");
+    }
+    assert!(p.phase(Phase::Attention).pool.dispatches >= layers * steps);
+    assert!(Phase::ALL.iter().all(|&ph| p.phase(ph).time > std::time::Duration::ZERO));
+    assert!(p.time() <= wall, "{:?} of phases in {wall:?}", p.time());
+    let pool = p.pool();
+    assert!(pool.work + pool.wait <= p.time());
+    // Each product's weights, once a pass.
+    let w = &m.weights;
+    let bytes =
+        |ts: &mut dyn Iterator<Item = &inferd_engine::model::Tensor>| ts.map(|t| t.bytes().len() as u64).sum::<u64>();
+    let qkv = bytes(&mut w.layers.iter().flat_map(|l| [&l.wq, &l.wk, &l.wv]));
+    let ffn = bytes(&mut w.layers.iter().flat_map(|l| [&l.w_gate, &l.w_up]));
+    assert_eq!(p.phase(Phase::QkvProjection).weight_bytes, qkv * steps);
+    assert_eq!(p.phase(Phase::FfnGateUp).weight_bytes, ffn * steps);
+    assert_eq!(p.phase(Phase::Logits).weight_bytes, w.output.bytes().len() as u64 * steps);
+    assert_eq!(p.phase(Phase::Attention).weight_bytes, 0);
+}

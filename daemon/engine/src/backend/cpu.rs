@@ -6,6 +6,7 @@
 //! whatever the batch size. K/V of the new tokens is written into the paged cache before
 //! attention, which then reads every position (old and new) through the block tables.
 
+use super::profile::{Laps, Phase, StepProfile};
 use super::{validate_batch, Backend, BackendError, SeqBatch};
 use crate::kv::{BlockCopy, KvGroups};
 use crate::model::arch::{Activation, Architecture, LayerAttention, NormPlacement, RopeScaling};
@@ -59,6 +60,8 @@ pub struct CpuBackend {
     k_cache: Vec<Vec<f16>>,
     v_cache: Vec<Vec<f16>>,
     s: Scratch,
+    /// The passes timed while profiling.
+    profile: Option<StepProfile>,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -200,6 +203,7 @@ impl CpuBackend {
             block_size,
             kv_blocks,
             s: Scratch::default(),
+            profile: None,
         }
     }
 
@@ -211,11 +215,14 @@ impl CpuBackend {
         self.kernels.isa
     }
 
-    /// `outs[m] = x · ws[m]ᵀ` for `tokens` rows of `x`, in one parallel dispatch; quantizes `x`
-    /// to 8-bit blocks first when any of the weights is quantized.
+    /// `outs[m] = x · ws[m]ᵀ` for `tokens` rows of `x`, in one parallel dispatch, the phase
+    /// `phase`; quantizes `x` to 8-bit blocks first when any of the weights is quantized.
+    #[allow(clippy::too_many_arguments)]
     fn project(
         pool: &ThreadPool,
         k: &Kernels,
+        phase: Phase,
+        laps: &mut Laps<'_>,
         ws: &[&Tensor],
         x: &[f32],
         tokens: usize,
@@ -226,6 +233,7 @@ impl CpuBackend {
             q8.resize(x.len() / QK, BlockQ8::default());
             (k.quantize_q8)(x, q8);
         }
+        laps.lap(Phase::Between, &[]);
         let mats: Vec<_> = ws.iter().map(|w| w.matrix()).collect();
         let mut ys: Vec<&mut [f32]> = Vec::with_capacity(outs.len());
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
@@ -233,6 +241,7 @@ impl CpuBackend {
             ys.push(out.as_mut_slice());
         }
         matmul_many(pool, k, &mats, &Input { f32: x, q8, tokens }, &mut ys);
+        laps.lap(phase, ws);
     }
 }
 
@@ -296,6 +305,16 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn set_profiling(&mut self, on: bool) -> bool {
+        self.profile = on.then(StepProfile::default);
+        self.pool.set_timing(on);
+        true
+    }
+
+    fn take_profile(&mut self) -> Option<StepProfile> {
+        self.profile.as_mut().map(std::mem::take)
+    }
+
     fn forward(&mut self, batch: &[SeqBatch<'_>], logits: &mut Vec<f32>) -> Result<(), BackendError> {
         self.run(batch, logits, false)
     }
@@ -334,6 +353,7 @@ impl CpuBackend {
         let n = tokens.len();
         let s = &mut self.s;
         let (pool, k, arch) = (&self.pool, &self.kernels, &self.arch);
+        let mut laps = Laps::start(self.profile.as_mut(), pool, n);
         let eps = cfg.rms_eps;
 
         resize(&mut s.x, n * h);
@@ -360,7 +380,17 @@ impl CpuBackend {
             for t in 0..n {
                 rms_norm(&s.x[t * h..(t + 1) * h], &lw.attn_norm, eps, &mut s.xb[t * h..(t + 1) * h]);
             }
-            Self::project(pool, k, &[&lw.wq, &lw.wk, &lw.wv], &s.xb, n, &mut s.q8, &mut [&mut s.q, &mut s.k, &mut s.v]);
+            Self::project(
+                pool,
+                k,
+                Phase::QkvProjection,
+                &mut laps,
+                &[&lw.wq, &lw.wk, &lw.wv],
+                &s.xb,
+                n,
+                &mut s.q8,
+                &mut [&mut s.q, &mut s.k, &mut s.v],
+            );
             if let Some([bq, bk, bv]) = &lw.qkv_bias {
                 for (out, b) in [(&mut s.q, bq), (&mut s.k, bk), (&mut s.v, bv)] {
                     out.chunks_exact_mut(b.len()).for_each(|row| row.iter_mut().zip(b).for_each(|(x, b)| *x += b));
@@ -392,8 +422,20 @@ impl CpuBackend {
             }
             let kv = PagedKv { k: kc, v: vc, block_size: bs, n_kv_heads: nkv, head_dim: hd };
             debug_assert_eq!(la.window, self.groups.windows[group], "a layer's group has its window");
+            laps.lap(Phase::Between, &[]);
             attend_batch(pool, k, &kv, cfg.n_heads, arch.attention_scale, &s.q, ctx, &mut s.att);
-            Self::project(pool, k, &[&lw.wo], &s.att, n, &mut s.q8, &mut [&mut s.out]);
+            laps.lap(Phase::Attention, &[]);
+            Self::project(
+                pool,
+                k,
+                Phase::OutputProjection,
+                &mut laps,
+                &[&lw.wo],
+                &s.att,
+                n,
+                &mut s.q8,
+                &mut [&mut s.out],
+            );
             if let Some(post) = &lw.attn_post_norm {
                 rms_norm_each(&mut s.out, post, eps);
             }
@@ -403,12 +445,22 @@ impl CpuBackend {
             for t in 0..n {
                 rms_norm(&s.x[t * h..(t + 1) * h], &lw.ffn_norm, eps, &mut s.xb[t * h..(t + 1) * h]);
             }
-            Self::project(pool, k, &[&lw.w_gate, &lw.w_up], &s.xb, n, &mut s.q8, &mut [&mut s.gate, &mut s.up]);
+            Self::project(
+                pool,
+                k,
+                Phase::FfnGateUp,
+                &mut laps,
+                &[&lw.w_gate, &lw.w_up],
+                &s.xb,
+                n,
+                &mut s.q8,
+                &mut [&mut s.gate, &mut s.up],
+            );
             match arch.activation {
                 Activation::SiluGated => swiglu(&mut s.gate, &s.up),
                 Activation::GeluTanhGated => (k.geglu)(&mut s.gate, &s.up),
             }
-            Self::project(pool, k, &[&lw.w_down], &s.gate, n, &mut s.q8, &mut [&mut s.out]);
+            Self::project(pool, k, Phase::FfnDown, &mut laps, &[&lw.w_down], &s.gate, n, &mut s.q8, &mut [&mut s.out]);
             if let Some(post) = &lw.ffn_post_norm {
                 rms_norm_each(&mut s.out, post, eps);
             }
@@ -430,9 +482,20 @@ impl CpuBackend {
         if rows.is_empty() || hidden {
             logits.clear();
             logits.extend_from_slice(&s.xb[..rows.len() * h]);
+            laps.lap(Phase::Between, &[]);
             return Ok(());
         }
-        Self::project(pool, k, &[&self.w.output], &s.xb[..rows.len() * h], rows.len(), &mut s.q8, &mut [logits]);
+        Self::project(
+            pool,
+            k,
+            Phase::Logits,
+            &mut laps,
+            &[&self.w.output],
+            &s.xb[..rows.len() * h],
+            rows.len(),
+            &mut s.q8,
+            &mut [logits],
+        );
         Ok(())
     }
 }

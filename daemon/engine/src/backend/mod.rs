@@ -9,6 +9,7 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod profile;
 
 use crate::engine::EngineOptions;
 use crate::kv::{BlockCopy, BlockId, KvGroups, NO_BLOCK};
@@ -127,6 +128,17 @@ pub trait Backend: Send {
     /// Device memory the weights and the KV pool take, where the backend keeps them apart from
     /// the host's memory (a GPU's).
     fn device_memory(&self) -> Option<DeviceMemory> {
+        None
+    }
+    /// Starts (a fresh profile) or stops timing forward passes by phase; false where the
+    /// backend cannot.
+    fn set_profiling(&mut self, on: bool) -> bool {
+        let _ = on;
+        false
+    }
+    /// The passes timed since profiling started ([`profile::StepProfile`]), and starts over;
+    /// `None` when not profiling.
+    fn take_profile(&mut self) -> Option<profile::StepProfile> {
         None
     }
     /// Runs the batch: writes every new token's K/V into its slot and returns, in `logits`,
