@@ -108,7 +108,9 @@ unsafe fn packed_kind<const KIND: u8>(q: QuantType, w: &[u8], rb: usize, a: &[Ac
     let (at2, at1) = (unit_offsets(q, 2), unit_offsets(q, 1));
     // The next group is fetched into L2 while this one is computed, a share per unit (a
     // super-block spreads its share over its groups: issued at once, the 30-odd lines of a
-    // K-quant super-block's share made its products 11-13% slower than none at all on Zen 1).
+    // K-quant super-block's share made its products 11-13% slower than none at all on Zen 1;
+    // Q8_0 spreads its 17 lines over the unit's four halves, 15-20% faster there, while the
+    // other pairs' 9-12 lines go out at once, as fast either way).
     let per = if g == 1 { 2 } else { g };
     let (lines, steps) = (16 * rb / 64, nb.div_ceil(per));
     let next = w.as_ptr().wrapping_add(16 * rb);
@@ -116,9 +118,6 @@ unsafe fn packed_kind<const KIND: u8>(q: QuantType, w: &[u8], rb: usize, a: &[Ac
     while b < nb {
         let s = b / per;
         let share = (next, s * lines / steps..(s + 1) * lines / steps);
-        if g == 1 {
-            prefetch(&share, 0, 1);
-        }
         // SAFETY: the unit's blocks of the 16 rows lie inside `w` (asserted length; `pack`
         // module docs), and the features are this function's.
         unsafe {
@@ -138,10 +137,10 @@ unsafe fn packed_kind<const KIND: u8>(q: QuantType, w: &[u8], rb: usize, a: &[Ac
             }
             let unit = w.as_ptr().add(16 * bb * b);
             if b + 1 < nb {
-                unit_of::<KIND, 2>(unit, at2, (quants, fifth), a, b, sums);
+                unit_of::<KIND, 2>(unit, at2, (quants, fifth), a, (b, &share), sums);
                 b += 2;
             } else {
-                unit_of::<KIND, 1>(unit, at1, (quants, fifth), a, b, sums);
+                unit_of::<KIND, 1>(unit, at1, (quants, fifth), a, (b, &share), sums);
                 b += 1;
             }
         }
@@ -157,7 +156,8 @@ unsafe fn packed_kind<const KIND: u8>(q: QuantType, w: &[u8], rb: usize, a: &[Ac
 }
 
 /// One unit of [`packed_kind`]: blocks `b .. b + N` of the 16 rows (a pair, or a lone last
-/// block), starting at `unit`, against every token, into the tokens' accumulators.
+/// block), starting at `unit`, against every token, into the tokens' accumulators, fetching
+/// the unit's share `ahead` of the next group.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C, and the unit's `N` blocks of the 16 rows must lie
@@ -169,7 +169,7 @@ unsafe fn unit_of<const KIND: u8, const N: usize>(
     at: &[[usize; 2]; 4],
     (quants, fifth): (usize, usize),
     a: &[Acts<'_>],
-    b: usize,
+    (b, ahead): (usize, &Ahead),
     sums: &mut [Sums],
 ) {
     let nib = _mm256_set1_epi8(0x0f);
@@ -177,6 +177,10 @@ unsafe fn unit_of<const KIND: u8, const N: usize>(
         // h, the half of the 16 rows, picks the loads and every token's sums alike.
         #[allow(clippy::needless_range_loop)]
         for h in 0..2 {
+            let parts = if KIND == Q8_0 { 2 * N } else { 1 };
+            if 2 * c + h < parts {
+                prefetch(ahead, 2 * c + h, parts);
+            }
             // Field k of block b + c, half h of the 16 rows (`pack` module docs); every offset
             // lies inside the group (asserted length) by the layout's construction.
             let field = |k: usize| unit.wrapping_add(at[k][c]);
