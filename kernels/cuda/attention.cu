@@ -6,24 +6,6 @@
 // Cache layout, per layer slot: [block][position in block][kv head][head_dim], f16, so a
 // block is block_size * kv_dim contiguous halves and a position's K (or V) row is contiguous.
 
-#if defined(__CUDACC_RTC__)
-__device__ __forceinline__ uint16_t f32_to_f16_bits(float x) {
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
-    return h;
-}
-
-__device__ __forceinline__ float f16_bits_to_f32(uint16_t h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-#else
-// The host build of the tests (host_shim.h): the same conversions in C++.
-static inline uint16_t f32_to_f16_bits(float x) { return f32_to_f16_rne(x); }
-static inline float f16_bits_to_f32(uint16_t h) { return f16_to_f32(h); }
-#endif
-
 // The K and V rows of n tokens (n x kv_dim f32) into cache slots slot[t] (block * block_size +
 // position in block).
 extern "C" __global__ void kv_store(const float* k, const float* v, uint16_t* k_cache, uint16_t* v_cache,

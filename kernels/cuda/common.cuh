@@ -110,6 +110,36 @@ INFERD_DEVICE float bf16_to_f32(uint16_t h) {
     return v.f;
 }
 
+#if defined(__CUDACC_RTC__)
+// Float to IEEE half bits, rounding to nearest even, and back, by the conversion instructions.
+__device__ __forceinline__ uint16_t f32_to_f16_bits(float x) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+
+__device__ __forceinline__ float f16_bits_to_f32(uint16_t h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+#else
+// The host build of the tests (host_shim.h): the same conversions in C++.
+static inline uint16_t f32_to_f16_bits(float x) { return f32_to_f16_rne(x); }
+static inline float f16_bits_to_f32(uint16_t h) { return f16_to_f32(h); }
+#endif
+
+// Float to bfloat16 bits, rounding to nearest even; a NaN stays a NaN, made quiet.
+INFERD_DEVICE uint16_t f32_to_bf16_bits(float f) {
+    union {
+        float f;
+        uint32_t u;
+    } v;
+    v.f = f;
+    if ((v.u & 0x7f800000u) == 0x7f800000u && (v.u & 0x7fffffu) != 0) return (uint16_t)((v.u >> 16) | 0x40u);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
 INFERD_DEVICE uint16_t read_u16(const uint8_t* p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 
 INFERD_DEVICE uint32_t read_u32(const uint8_t* p) {

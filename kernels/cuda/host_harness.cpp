@@ -9,6 +9,7 @@
 #include "common.cuh"
 #include "ops.cu"
 #include "matvec.cu"
+#include "gemm.cu"
 #include "attention.cu"
 
 #include <cstdio>
@@ -54,6 +55,10 @@ static bool launch(const std::string& k, dim3 grid, dim3 block) {
         });
     } else if (k == "add_bias") {
         run([] { add_bias(P<float>(0), P<float>(1), V<int>(2), V<int>(3)); });
+    } else if (k == "dequantize_half") {
+        run([] { dequantize_half(P<uint8_t>(0), V<int>(1), V<long long>(2), V<int>(3), V<int>(4), V<int>(5), P<uint16_t>(6)); });
+    } else if (k == "to_half") {
+        run([] { to_half(P<float>(0), V<long long>(1), V<int>(2), P<uint16_t>(3)); });
     } else if (k == "gather_rows") {
         run([] { gather_rows(P<float>(0), P<int>(1), V<int>(2), P<float>(3)); });
     } else if (k == "kv_store") {

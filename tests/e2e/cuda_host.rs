@@ -7,7 +7,7 @@
 use crate::reference::{check_cases_on, entry, gemma3_270m, tiny_dir, GEMMA_LOGIT_TOL, TINY_LOGIT_TOL};
 use inferd_e2e::{temp_dir, write_tiny_gguf, TinySpec};
 use inferd_engine::backend::cpu::kv_page_bytes;
-use inferd_engine::backend::cuda::CudaBackend;
+use inferd_engine::backend::cuda::{CudaBackend, GEMM_TOKENS};
 use inferd_engine::engine::{argmax, Engine, EngineOptions};
 use inferd_engine::model::Model;
 use inferd_kernels::cuda::gpu::Gpu;
@@ -91,6 +91,25 @@ fn equals_the_cpu_backend<S: Stream + Send + 'static>(on: impl Fn() -> S) {
         gpu.release(s);
     }
 
+    // A prompt of more than GEMM_TOKENS tokens in one chunk: its products are the halves' GEMM
+    // (cuBLAS on a GPU), the activations rounded to f16 on the way in, so the logits differ
+    // from the CPU backend's by that rounding; greedy tokens the same.
+    let long = EngineOptions { prefill_chunk: 64, ..opts };
+    let (mut cpu_long, mut gpu_long) = (Engine::cpu(&m, &long).unwrap(), engine(on(), &m, &long));
+    let p = prompt(GEMM_TOKENS + 13, 5);
+    let (sg, lg) = gpu_long.prefill(&[&p]).unwrap().remove(0);
+    let (sc, lc) = cpu_long.prefill(&[&p]).unwrap().remove(0);
+    let scale = lc.iter().fold(0f32, |a, v| a.max(v.abs()));
+    eprintln!(
+        "a {}-token prefill on the GEMM: largest logit difference {} (scale {scale})",
+        p.len(),
+        max_diff(&lg, &lc)
+    );
+    assert!(max_diff(&lg, &lc) < 0.01 * scale, "GEMM prefill logits: {} of {scale}", max_diff(&lg, &lc));
+    assert_eq!(argmax(&lg), argmax(&lc));
+    gpu_long.release(sg);
+    cpu_long.release(sc);
+
     // Bad input is an error that leaks nothing.
     assert!(gpu.prefill(&[&[1, 2], &[vocab as u32 + 5]]).is_err(), "out-of-vocabulary id");
     assert!(gpu.prefill(&[&prompt(300, 1)]).is_err(), "longer than the context");
@@ -105,7 +124,10 @@ fn on_the_host_the_cuda_forward_pass_matches_llama_cpp_on_every_tiny_architectur
 
 #[test]
 fn on_the_host_the_cuda_forward_pass_equals_the_cpu_backend_batched_chunked_and_forked() {
-    equals_the_cpu_backend(host);
+    // A harness of its own, so that its count of products of halves is this test's.
+    let own = Host::new(&temp_dir("cuda-host-vs-cpu")).unwrap_or_else(|e| panic!("{e}"));
+    equals_the_cpu_backend(|| own.clone());
+    assert!(own.gemms() > 0, "the long prefill took the GEMM");
 }
 
 #[test]

@@ -3,7 +3,7 @@
 //! signature wants and the geometry the kernel is written for. The unsafe launches are confined
 //! here, each beside the signature it must match.
 
-use super::stream::{Arg, GpuError, Stream};
+use super::stream::{Arg, GemmShape, GpuError, Stream};
 
 /// Blocks of 256 threads for `n` elements, capped (the kernels stride over the rest).
 fn elementwise(n: usize) -> (u32, u32) {
@@ -182,6 +182,72 @@ pub trait KernelCalls: Stream + Sized {
         // SAFETY: matvec's (uint8*, int, long long, int, int, float*, int, float*); lengths checked
         // above; blocks of 32 x 8 threads (a warp per row), a grid row per 8 tokens.
         unsafe { self.launch("matvec", g, (32, 8), &mut a) }
+    }
+
+    /// `out` = the matrix `w` decoded to halves (`rows × cols`; bf16 when `bf16`, else f16),
+    /// each weight decoded as [`KernelCalls::matvec`] decodes it and rounded once.
+    fn dequantize_half(
+        &self,
+        w: &Self::Buf<u8>,
+        shape: WeightShape,
+        bf16: bool,
+        out: &mut Self::Buf<u16>,
+    ) -> Result<(), GpuError> {
+        let WeightShape { ggml_type, row_bytes, rows, cols } = shape;
+        let n = rows * cols;
+        check("dequantize_half", Self::len(w) >= rows * row_bytes && Self::len(out) >= n, || {
+            format!("w {} out {} for {rows} x {cols}", Self::len(w), Self::len(out))
+        })?;
+        let mut a = [
+            Arg::U8(w),
+            Arg::Int(ggml_type as i32),
+            Arg::Long(row_bytes as i64),
+            Arg::Int(int("dequantize_half", "rows", rows)?),
+            Arg::Int(int("dequantize_half", "cols", cols)?),
+            Arg::Int(i32::from(bf16)),
+            Arg::U16Mut(out),
+        ];
+        // SAFETY: dequantize_half's (uint8*, int, long long, int, int, int, uint16*); `w` holds the
+        // rows and `out` rows * cols halves (checked above).
+        unsafe { self.launch("dequantize_half", elementwise(n), (256, 1), &mut a) }
+    }
+
+    /// `out[i]` = `x[i]` as a half (bf16 when `bf16`, else f16), for `i < n`.
+    fn to_half(&self, x: &Self::Buf<f32>, n: usize, bf16: bool, out: &mut Self::Buf<u16>) -> Result<(), GpuError> {
+        check("to_half", Self::len(x) >= n && Self::len(out) >= n, || {
+            format!("x {} out {} for {n}", Self::len(x), Self::len(out))
+        })?;
+        let mut a = [Arg::F32(x), Arg::Long(n as i64), Arg::Int(i32::from(bf16)), Arg::U16Mut(out)];
+        // SAFETY: to_half's (float*, long long, int, uint16*); both hold n elements (checked above).
+        unsafe { self.launch("to_half", elementwise(n), (256, 1), &mut a) }
+    }
+
+    /// `y[t * rows + r] = Σ_k w[r * cols + k] · x[t * cols + k]` over halves, accumulated in
+    /// f32 ([`Stream::gemm_half`]: cuBLAS on a GPU).
+    fn gemm(
+        &self,
+        w: &Self::Buf<u16>,
+        x: &Self::Buf<u16>,
+        shape: GemmShape,
+        y: &mut Self::Buf<f32>,
+    ) -> Result<(), GpuError> {
+        let GemmShape { tokens, rows, cols, .. } = shape;
+        check(
+            "gemm",
+            tokens > 0
+                && rows > 0
+                && cols > 0
+                && Self::len(w) >= rows * cols
+                && Self::len(x) >= tokens * cols
+                && Self::len(y) >= tokens * rows,
+            || format!("w {} x {} y {} for {shape:?}", Self::len(w), Self::len(x), Self::len(y)),
+        )?;
+        for (what, v) in [("rows", rows), ("cols", cols), ("tokens", tokens)] {
+            int("gemm", what, v)?;
+        }
+        // SAFETY: every buffer holds what `shape` says (checked above), and each dimension fits
+        // cuBLAS's int.
+        unsafe { self.gemm_half(w, x, shape, y) }
     }
 
     /// `y[t * n + i] += bias[i]`.

@@ -1,11 +1,15 @@
-//! The kernels on a GPU: [`Gpu`] holds the context, one stream and the loaded module, and is a
+//! The kernels on a GPU: [`Gpu`] holds the context, one stream, the loaded module and, where
+//! `libcublas` is installed, a cuBLAS handle on the stream (prefill's large products), and is a
 //! [`Stream`] whose buffers are device memory. Not yet run on a GPU (`tests/gpu/run` does that
 //! where one is).
 
 use super::device::{probe, CudaDevice};
 use super::nvrtc::cached_cubin;
-use super::stream::{Arg, Elem, GpuError, Stream};
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use super::stream::{Arg, Elem, GemmShape, GpuError, Stream};
+use cudarc::cublas::{sys as blas, CudaBlas};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -20,6 +24,8 @@ pub struct Gpu {
     stream: Arc<CudaStream>,
     _module: Arc<CudaModule>,
     funcs: HashMap<&'static str, CudaFunction>,
+    /// cuBLAS on `stream`; `None` without `libcublas` (the products then take `matvec`).
+    blas: Option<CudaBlas>,
 }
 
 impl Gpu {
@@ -34,7 +40,19 @@ impl Gpu {
         for name in super::KERNELS {
             funcs.insert(name, module.load_function(name).map_err(driver)?);
         }
-        Ok(Gpu { device, stream, _module: module, funcs })
+        // SAFETY: only looks for the library (loading it if present); cudarc panics on the
+        // first cuBLAS call without it, so no call is made unless it is there.
+        let blas = if unsafe { blas::is_culib_present() } {
+            Some(CudaBlas::new(stream.clone()).map_err(|e| GpuError::Driver(format!("cuBLAS: {e:?}")))?)
+        } else {
+            None
+        };
+        Ok(Gpu { device, stream, _module: module, funcs, blas })
+    }
+
+    /// Whether cuBLAS was found (`libcublas.so.12`).
+    pub fn has_cublas(&self) -> bool {
+        self.blas.is_some()
     }
 
     pub fn synchronize(&self) -> Result<(), GpuError> {
@@ -47,7 +65,8 @@ impl Stream for Gpu {
 
     fn describe(&self) -> String {
         let d = &self.device;
-        format!("{} ({}, {} MiB, driver {})", d.name, d.arch, d.memory_bytes >> 20, d.driver_version)
+        let blas = if self.blas.is_some() { "cuBLAS" } else { "no cuBLAS" };
+        format!("{} ({}, {} MiB, driver {}, {blas})", d.name, d.arch, d.memory_bytes >> 20, d.driver_version)
     }
 
     fn upload<T: Elem>(&self, data: &[T]) -> Result<CudaSlice<T>, GpuError> {
@@ -103,5 +122,60 @@ impl Stream for Gpu {
         // buffers cover what it touches on this grid (this function's contract).
         unsafe { b.launch(cfg) }.map_err(driver)?;
         Ok(())
+    }
+
+    fn has_gemm(&self) -> bool {
+        self.blas.is_some()
+    }
+
+    unsafe fn gemm_half(
+        &self,
+        w: &CudaSlice<u16>,
+        x: &CudaSlice<u16>,
+        shape: GemmShape,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        let blas_handle = self.blas.as_ref().ok_or_else(|| GpuError::Driver("cuBLAS is not installed".into()))?;
+        let GemmShape { tokens, rows, cols, bf16 } = shape;
+        let dim = |v: usize| i32::try_from(v).map_err(|_| GpuError::Driver(format!("gemm: {v} does not fit an int")));
+        let (m, n, k) = (dim(rows)?, dim(tokens)?, dim(cols)?);
+        let half = if bf16 { blas::cudaDataType::CUDA_R_16BF } else { blas::cudaDataType::CUDA_R_16F };
+        let (alpha, beta) = (1f32, 0f32);
+        // cuBLAS runs in the calling thread's current context: the engine thread's may be none.
+        self.stream.context().bind_to_thread().map_err(driver)?;
+        let (wp, _w) = w.device_ptr(&self.stream);
+        let (xp, _x) = x.device_ptr(&self.stream);
+        let (yp, _y) = y.device_ptr_mut(&self.stream);
+        // Column-major, as cuBLAS sees row-major buffers: y (tokens x rows) is yᵀ, rows x tokens
+        // with leading dimension rows; w (rows x cols) is wᵀ, cols x rows, taken transposed; x
+        // (tokens x cols) is xᵀ, cols x tokens. So yᵀ = w · xᵀ: m = rows, n = tokens, k = cols.
+        // SAFETY: the pointers are the buffers' device memory, alive for the call (their guards
+        // above); the caller guarantees they hold rows x cols, tokens x cols and tokens x rows
+        // elements (this function's contract), which these dimensions read and write; alpha and
+        // beta are host f32s, as CUBLAS_COMPUTE_32F wants.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *blas_handle.handle(),
+                blas::cublasOperation_t::CUBLAS_OP_T,
+                blas::cublasOperation_t::CUBLAS_OP_N,
+                m,
+                n,
+                k,
+                (&alpha as *const f32).cast(),
+                wp as *const std::ffi::c_void,
+                half,
+                k,
+                xp as *const std::ffi::c_void,
+                half,
+                k,
+                (&beta as *const f32).cast(),
+                yp as *mut std::ffi::c_void,
+                blas::cudaDataType::CUDA_R_32F,
+                m,
+                blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| GpuError::Driver(format!("cuBLAS gemm: {e:?}")))
     }
 }

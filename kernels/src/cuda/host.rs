@@ -5,7 +5,7 @@
 //! CUDA backend's forward pass run here exactly as they are written for the GPU, launch
 //! geometry included; only the device's own arithmetic and memory differ.
 
-use super::stream::{Arg, Elem, GpuError, Stream};
+use super::stream::{Arg, Elem, GemmShape, GpuError, Stream};
 use super::SOURCES;
 use std::io::{BufReader, Read, Write};
 use std::path::Path;
@@ -35,6 +35,7 @@ impl Drop for Session {
 pub struct Host {
     session: Arc<Mutex<Session>>,
     launches: Arc<AtomicUsize>,
+    gemms: Arc<AtomicUsize>,
 }
 
 fn io(what: &str, e: std::io::Error) -> GpuError {
@@ -67,12 +68,21 @@ impl Host {
             return Err(GpuError::Host("the harness has no pipes".into()));
         };
         let session = Session { child, to, from: BufReader::new(from) };
-        Ok(Host { session: Arc::new(Mutex::new(session)), launches: Arc::new(AtomicUsize::new(0)) })
+        Ok(Host {
+            session: Arc::new(Mutex::new(session)),
+            launches: Arc::new(AtomicUsize::new(0)),
+            gemms: Arc::new(AtomicUsize::new(0)),
+        })
     }
 
     /// How many kernels have run (on this harness, all clones together).
     pub fn launches(&self) -> usize {
         self.launches.load(Ordering::Relaxed)
+    }
+
+    /// How many products of halves have run ([`Stream::gemm_half`]), all clones together.
+    pub fn gemms(&self) -> usize {
+        self.gemms.load(Ordering::Relaxed)
     }
 }
 
@@ -175,6 +185,28 @@ impl Stream for Host {
                 Arg::U16Mut(x) => read_back(&mut session.from, x)?,
                 Arg::F32Mut(x) => read_back(&mut session.from, x)?,
                 _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    fn has_gemm(&self) -> bool {
+        true
+    }
+
+    /// cuBLAS's product, in the plain order: each output a sum over `k` in turn, in f32.
+    unsafe fn gemm_half(&self, w: &Vec<u16>, x: &Vec<u16>, shape: GemmShape, y: &mut Vec<f32>) -> Result<(), GpuError> {
+        let GemmShape { tokens, rows, cols, bf16 } = shape;
+        if w.len() < rows * cols || x.len() < tokens * cols || y.len() < tokens * rows {
+            return Err(GpuError::Shape { kernel: "gemm", message: format!("buffers too short for {shape:?}") });
+        }
+        self.gemms.fetch_add(1, Ordering::Relaxed);
+        let f = |h: u16| if bf16 { half::bf16::from_bits(h).to_f32() } else { half::f16::from_bits(h).to_f32() };
+        let (w, x): (Vec<f32>, Vec<f32>) = (w.iter().map(|&h| f(h)).collect(), x.iter().map(|&h| f(h)).collect());
+        for t in 0..tokens {
+            for r in 0..rows {
+                let (wr, xt) = (&w[r * cols..(r + 1) * cols], &x[t * cols..(t + 1) * cols]);
+                y[t * rows + r] = wr.iter().zip(xt).fold(0f32, |acc, (a, b)| acc + a * b);
             }
         }
         Ok(())

@@ -15,15 +15,16 @@ pub mod nvrtc;
 pub mod stream;
 
 /// The kernel sources, in the order they are compiled.
-pub const SOURCES: [(&str, &str); 4] = [
+pub const SOURCES: [(&str, &str); 5] = [
     ("common.cuh", include_str!("../../cuda/common.cuh")),
     ("ops.cu", include_str!("../../cuda/ops.cu")),
     ("matvec.cu", include_str!("../../cuda/matvec.cu")),
+    ("gemm.cu", include_str!("../../cuda/gemm.cu")),
     ("attention.cu", include_str!("../../cuda/attention.cu")),
 ];
 
 /// Every kernel the sources define (`extern "C" __global__`), for the loader to look up.
-pub const KERNELS: [&str; 11] = [
+pub const KERNELS: [&str; 13] = [
     "embed",
     "rms_norm",
     "rope",
@@ -32,6 +33,8 @@ pub const KERNELS: [&str; 11] = [
     "gather_rows",
     "matvec",
     "add_bias",
+    "dequantize_half",
+    "to_half",
     "kv_store",
     "kv_copy_blocks",
     "attention",

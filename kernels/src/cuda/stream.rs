@@ -61,6 +61,16 @@ pub enum Arg<'a, S: Stream + ?Sized> {
     Float(f32),
 }
 
+/// A product of halves: `y[t * rows + r] = Σ_k w[r * cols + k] · x[t * cols + k]` for `tokens`
+/// rows of `x`, the halves f16 (bf16 when `bf16`), accumulated in f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemmShape {
+    pub tokens: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub bf16: bool,
+}
+
 /// A place the kernels run, in order of launch.
 pub trait Stream {
     /// A buffer of `T`s in this stream's memory.
@@ -90,5 +100,22 @@ pub trait Stream {
         grid: (u32, u32),
         block: (u32, u32),
         args: &mut [Arg<'_, Self>],
+    ) -> Result<(), GpuError>;
+
+    /// Whether [`Stream::gemm_half`] runs here (on a GPU: cuBLAS was found).
+    fn has_gemm(&self) -> bool;
+
+    /// The product `shape` names, of `w` (`rows × cols` halves) and `x` (`tokens × cols`), into
+    /// `y` (`tokens × rows`): cuBLAS on a GPU.
+    ///
+    /// # Safety
+    /// Every buffer must hold what `shape` says it does: on a GPU a shorter one is read or
+    /// written past its end. [`super::calls::KernelCalls::gemm`] checks this first.
+    unsafe fn gemm_half(
+        &self,
+        w: &Self::Buf<u16>,
+        x: &Self::Buf<u16>,
+        shape: GemmShape,
+        y: &mut Self::Buf<f32>,
     ) -> Result<(), GpuError>;
 }

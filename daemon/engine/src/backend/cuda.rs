@@ -8,6 +8,9 @@
 //! for the GPU.
 //!
 //! A forward pass runs the whole batch through each layer together, as the CPU backend does.
+//! Products of up to [`GEMM_TOKENS`] tokens (decode, small batches) are `matvec`'s, straight
+//! from the weights' own encoding; larger ones (prefill) decode the matrix to halves and
+//! multiply on cuBLAS, where it is installed.
 //! Activations stay f32 (the CPU backend rounds them to 8 bits before quantized products), so
 //! logits differ from the CPU backend's by that rounding. Logits come back to the host for the
 //! decoding plugins, only for the positions asked for.
@@ -19,7 +22,7 @@ use crate::model::arch::{Activation, Architecture};
 use crate::model::{LlamaConfig, Model, Tensor};
 use inferd_kernels::cuda::calls::{AttentionShape, KernelCalls, WeightShape};
 use inferd_kernels::cuda::gpu::Gpu;
-use inferd_kernels::cuda::stream::{GpuError, Stream};
+use inferd_kernels::cuda::stream::{GemmShape, GpuError, Stream};
 use inferd_kernels::ops::RopeStyle;
 
 /// What `backend = "cuda"` finds on this machine: the GPU with the model on it, or why not.
@@ -28,6 +31,11 @@ pub fn open(model: &Model, opts: &EngineOptions) -> Result<Box<dyn Backend>, Bac
     let gpu = Gpu::open(&crate::paths::cache_dir().join("cuda")).map_err(|e| refuse(e.to_string()))?;
     Ok(Box::new(CudaBackend::new(gpu, model, opts).map_err(|e| refuse(e.to_string()))?))
 }
+
+/// Products of more tokens than this go to the stream's product of halves (cuBLAS), the matrix
+/// decoded to halves first; up to it `matvec` reads the weights as they are, a pass per 8
+/// tokens, fewer bytes than decoding them.
+pub const GEMM_TOKENS: usize = 32;
 
 /// A weight matrix in the stream's memory, still in its file's encoding.
 struct Weight<S: Stream> {
@@ -101,8 +109,12 @@ impl<S: Stream> CudaBackend<S> {
                 + if tied { 0 } else { w.output.bytes().len() },
             kv_bytes: 2 * groups.slots * kv_blocks * bs * cfg.kv_dim() * 2,
         };
+        // Prefill's work space: the largest matrix as halves, a chunk's activations as halves.
+        let matrices = w.layers.iter().flat_map(|l| l.matrices()).chain([&w.output]);
+        let (largest, widest) = matrices.fold((0, 0), |(n, c), t| (n.max(t.rows * t.cols), c.max(t.cols)));
+        let scratch = if s.has_gemm() { 2 * (largest + opts.prefill_chunk * widest) } else { 0 };
         if let Some((free, total)) = s.device_memory()? {
-            fits(memory, free, total).map_err(BackendError::Unsupported)?;
+            fits(memory, scratch, free, total).map_err(BackendError::Unsupported)?;
         }
         let up = |t: &Tensor| Weight::upload(&s, t);
         let vec = |v: &[f32]| s.upload(v);
@@ -166,21 +178,22 @@ pub fn headroom(total: usize) -> usize {
     (512 << 20).max(total / 20)
 }
 
-/// Whether a model's weights and KV pool fit the GPU's free memory, leaving [`headroom`]; the
-/// error says by how much they miss and what to change.
-pub fn fits(need: DeviceMemory, free: usize, total: usize) -> Result<(), String> {
+/// Whether a model's weights, KV pool and prefill's work space (`scratch` bytes) fit the GPU's
+/// free memory, leaving [`headroom`]; the error says by how much they miss and what to change.
+pub fn fits(need: DeviceMemory, scratch: usize, free: usize, total: usize) -> Result<(), String> {
     let mib = |b: usize| b >> 20;
-    let want = need.weights_bytes + need.kv_bytes + headroom(total);
+    let want = need.weights_bytes + need.kv_bytes + scratch + headroom(total);
     if want <= free {
         return Ok(());
     }
     Err(format!(
-        "the GPU has {} MiB free of {} MiB; the weights take {} MiB and the KV pool {} MiB, and {} MiB stay free \
-         for the desktop: lower kv_cache_mib, or choose a smaller model or backend = \"cpu\"",
+        "the GPU has {} MiB free of {} MiB; the weights take {} MiB, the KV pool {} MiB and prefill's work space \
+         {} MiB, and {} MiB stay free for the desktop: lower kv_cache_mib, or choose a smaller model or backend = \"cpu\"",
         mib(free),
         mib(total),
         mib(need.weights_bytes),
         mib(need.kv_bytes),
+        mib(scratch),
         mib(headroom(total))
     ))
 }
@@ -238,10 +251,22 @@ fn index(batch: &[SeqBatch<'_>], groups: &KvGroups, bs: usize) -> Result<BatchIn
 }
 
 impl<S: Stream + Send> CudaBackend<S> {
-    /// `y = x · Wᵀ` for the first `tokens` rows of `x`, into a new buffer.
+    /// `y = x · Wᵀ` for the first `tokens` rows of `x`, into a new buffer: over halves on the
+    /// stream's GEMM beyond [`GEMM_TOKENS`] tokens, else `matvec`.
     fn project(&self, w: &Weight<S>, x: &S::Buf<f32>, tokens: usize) -> Result<S::Buf<f32>, GpuError> {
-        let mut y = self.s.zeros::<f32>(tokens * w.shape.rows)?;
-        self.s.matvec(&w.data, w.shape, x, tokens, &mut y)?;
+        let s = &self.s;
+        let WeightShape { rows, cols, ggml_type, .. } = w.shape;
+        let mut y = s.zeros::<f32>(tokens * rows)?;
+        if tokens <= GEMM_TOKENS || !s.has_gemm() {
+            s.matvec(&w.data, w.shape, x, tokens, &mut y)?;
+            return Ok(y);
+        }
+        // BF16 weights stay bf16 (f16 lacks their range); every other type becomes f16.
+        let bf16 = ggml_type == inferd_kernels::DType::BF16.ggml_type();
+        let (mut w16, mut x16) = (s.zeros::<u16>(rows * cols)?, s.zeros::<u16>(tokens * cols)?);
+        s.dequantize_half(&w.data, w.shape, bf16, &mut w16)?;
+        s.to_half(x, tokens * cols, bf16, &mut x16)?;
+        s.gemm(&w16, &x16, GemmShape { tokens, rows, cols, bf16 }, &mut y)?;
         Ok(y)
     }
 
@@ -396,10 +421,15 @@ mod tests {
         let need = DeviceMemory { weights_bytes: 5 * gib, kv_bytes: 2 * gib };
         assert_eq!(headroom(8 * gib), 512 << 20);
         assert_eq!(headroom(141 * gib), 141 * gib / 20);
-        assert!(fits(need, 8 * gib, 8 * gib).is_ok());
-        let e = fits(need, 7 * gib, 8 * gib).unwrap_err();
+        assert!(fits(need, 0, 8 * gib, 8 * gib).is_ok());
+        assert!(fits(need, gib / 4, 8 * gib, 8 * gib).is_ok());
+        assert!(fits(need, gib, 8 * gib, 8 * gib).is_err(), "prefill's work space counts");
+        let e = fits(need, gib, 7 * gib, 8 * gib).unwrap_err();
         assert!(
-            e.contains("7168 MiB free of 8192") && e.contains("KV pool 2048 MiB") && e.contains("kv_cache_mib"),
+            e.contains("7168 MiB free of 8192")
+                && e.contains("KV pool 2048 MiB")
+                && e.contains("work space 1024 MiB")
+                && e.contains("kv_cache_mib"),
             "{e}"
         );
     }
