@@ -178,12 +178,14 @@ unsafe fn values_tile<const J: usize, const R: usize>(
         })
     });
     for i in 0..n {
-        // SAFETY: row i's dimensions c0..c0 + 8 R lie inside `v` (n * hd <= v.len()).
-        let vv: [__m256; R] = std::array::from_fn(|c| unsafe { load_f16(v.as_ptr().add(i * hd + c0 + 8 * c)) });
-        for (j, a) in acc.iter_mut().enumerate() {
-            let w = _mm256_set1_ps(p[i * g + j0 + j]);
-            for (a, x) in a.iter_mut().zip(&vv) {
-                *a = _mm256_fmadd_ps(w, *x, *a);
+        // The J weights first, then each 8 dimensions of the row converted and used at once:
+        // J R accumulators, J weights and one row vector fit the 16 registers.
+        let w: [__m256; J] = std::array::from_fn(|j| _mm256_set1_ps(p[i * g + j0 + j]));
+        for c in 0..R {
+            // SAFETY: row i's dimensions c0 + 8 c .. + 8 lie inside `v` (n * hd <= v.len()).
+            let x = unsafe { load_f16(v.as_ptr().add(i * hd + c0 + 8 * c)) };
+            for (a, w) in acc.iter_mut().zip(&w) {
+                a[c] = _mm256_fmadd_ps(*w, x, a[c]);
             }
         }
     }
