@@ -50,11 +50,6 @@ impl Gpu {
         Ok(Gpu { device, stream, _module: module, funcs, blas })
     }
 
-    /// Whether cuBLAS was found (`libcublas.so.12`).
-    pub fn has_cublas(&self) -> bool {
-        self.blas.is_some()
-    }
-
     pub fn synchronize(&self) -> Result<(), GpuError> {
         self.stream.synchronize().map_err(driver)
     }

@@ -242,7 +242,8 @@ fn check_matvec_embed(on: &dyn Runner) {
 /// Prefill's operands as halves and their product: every weight type decoded to f16 and bf16
 /// bit for bit as the CPU's dequantizer then one rounding (the `half` crate's), activations the
 /// same (infinities, NaNs, subnormals and ties included), and the product of halves against a
-/// float64 product of the same halves. Returns whether the product ran.
+/// float64 product of the same halves (within 1e-4 of the sum of magnitudes). Returns whether
+/// the product ran.
 fn check_halves_and_gemm(on: &dyn Runner) -> bool {
     let to_bits = |v: &[f32], bf16: bool| -> Vec<u16> {
         v.iter()
@@ -314,7 +315,8 @@ fn check_halves_and_gemm(on: &dyn Runner) -> bool {
                 let (want, mag) =
                     pairs.fold((0f64, 0f64), |(s, m), (&a, &b)| (s + f(a) * f(b), m + (f(a) * f(b)).abs()));
                 let g = f64::from(got[t * rows + r]);
-                assert!((g - want).abs() <= 1e-5 * mag + 1e-6, "{dtype:?} gemm token {t} row {r}: {g} vs {want}");
+                // Loose enough for tensor cores' f32 accumulation, tight against any layout slip.
+                assert!((g - want).abs() <= 1e-4 * mag + 1e-6, "{dtype:?} gemm token {t} row {r}: {g} vs {want}");
             }
         }
     }
