@@ -78,6 +78,15 @@ impl std::ops::Sub for PoolTime {
     }
 }
 
+impl std::ops::AddAssign for PoolTime {
+    /// Adds another stretch's dispatches to these.
+    fn add_assign(&mut self, more: PoolTime) {
+        self.dispatches += more.dispatches;
+        self.work += more.work;
+        self.wait += more.wait;
+    }
+}
+
 /// The caller's clock over dispatches, counted while `on`; nanoseconds.
 #[derive(Default)]
 struct Timing {

@@ -92,12 +92,11 @@ impl StepProfile {
 
     /// The dispatches of all phases together.
     pub fn pool(&self) -> PoolTime {
-        let add = |a: PoolTime, b: &PhaseTime| PoolTime {
-            dispatches: a.dispatches + b.pool.dispatches,
-            work: a.work + b.pool.work,
-            wait: a.wait + b.pool.wait,
-        };
-        self.phases.iter().fold(PoolTime::default(), add)
+        let mut all = PoolTime::default();
+        for p in &self.phases {
+            all += p.pool;
+        }
+        all
     }
 
     pub fn weight_bytes(&self) -> u64 {
@@ -129,11 +128,8 @@ impl<'a> Laps<'a> {
         if let Some((profile, last, pool_last)) = &mut self.on {
             let (now, pool_now) = (Instant::now(), self.pool.time());
             let p = &mut profile.phases[phase as usize];
-            let d = pool_now - *pool_last;
             p.time += now - *last;
-            p.pool.dispatches += d.dispatches;
-            p.pool.work += d.work;
-            p.pool.wait += d.wait;
+            p.pool += pool_now - *pool_last;
             p.weight_bytes += weights.iter().map(|w| w.bytes().len() as u64).sum::<u64>();
             (*last, *pool_last) = (now, pool_now);
         }
