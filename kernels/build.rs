@@ -1,6 +1,6 @@
 //! Tells the kernel tests which instruction sets the build machine has (`host_avx2`,
-//! `host_avx512vnni`), whether it has NVIDIA's runtime compiler (`host_nvrtc`: libnvrtc.so.12
-//! on LD_LIBRARY_PATH or in the system's library directories) and an NVIDIA GPU with its driver
+//! `host_avx512vnni`), whether it has NVIDIA's runtime compiler (`host_nvrtc`: libnvrtc.so.13 or
+//! .12 on LD_LIBRARY_PATH or in the system's library directories) and an NVIDIA GPU with its driver
 //! (`host_cuda`), so a test this machine cannot run is reported as ignored with the reason, not
 //! as passed. Only for native builds: when cross-compiling (TARGET differs
 //! from HOST) neither is set and those tests are ignored. Nothing outside `#[cfg(test)]` reads
@@ -21,7 +21,8 @@ fn main() {
     let dirs = std::env::split_paths(&ld).chain(
         ["/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/local/cuda/lib64", "/usr/lib"].map(std::path::PathBuf::from),
     );
-    if dirs.into_iter().any(|d| d.join("libnvrtc.so.12").exists() || d.join("libnvrtc.so").exists()) {
+    if dirs.into_iter().any(|d| ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"].iter().any(|l| d.join(l).exists()))
+    {
         println!("cargo::rustc-cfg=host_nvrtc");
     }
     if std::path::Path::new("/proc/driver/nvidia/version").exists() {

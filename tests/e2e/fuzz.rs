@@ -10,7 +10,6 @@ use inferd_engine::chat::{ChatMessage, ChatTemplate};
 use inferd_engine::model::Model;
 use inferd_engine::tokenizer::Tokenizer;
 use inferd_kernels::DType;
-use std::path::Path;
 
 /// The bytes of a file's first `head` bytes are mutated; the rest stays (the header is where a
 /// parser can go wrong; the tensor data is only ever sized and mapped).
@@ -156,5 +155,5 @@ fn the_committed_corpora_are_there() {
         let c = fuzz::corpus(t);
         assert!(c.len() >= 2 && c.iter().all(|x| !x.is_empty()), "{t}");
     }
-    assert!(Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus").is_dir());
+    assert!(inferd_e2e::tests_dir().join("fuzz/corpus").is_dir());
 }

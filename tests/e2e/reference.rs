@@ -59,7 +59,7 @@ const NEAR_TIE: f64 = 0.3;
 fn reference() -> &'static Value {
     static R: OnceLock<Value> = OnceLock::new();
     R.get_or_init(|| {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("reference/llama-cpp.json");
+        let path = inferd_e2e::tests_dir().join("reference/llama-cpp.json");
         serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
     })
 }

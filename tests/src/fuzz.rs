@@ -203,7 +203,7 @@ pub fn execs(base: usize) -> usize {
 
 /// The committed corpus of `target` (every file under `tests/fuzz/corpus/TARGET/`).
 pub fn corpus(target: &str) -> Vec<Vec<u8>> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus").join(target);
+    let dir = crate::tests_dir().join("fuzz/corpus").join(target);
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .filter_map(|e| e.ok().map(|e| e.path()))

@@ -299,7 +299,7 @@ pub fn default_model() -> PathBuf {
 pub fn run_python(script: &str, args: &[&std::ffi::OsStr]) {
     let pylib = std::env::var("INFERD_TEST_PYTHONPATH")
         .unwrap_or_else(|_| format!("{}/.cache/inferd/python", std::env::var("HOME").unwrap_or_default()));
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join(script);
+    let script = tests_dir().join(script);
     let out = std::process::Command::new("python3")
         .arg(&script)
         .args(args)
@@ -314,15 +314,22 @@ pub fn run_python(script: &str, args: &[&std::ffi::OsStr]) {
     );
 }
 
+/// The repository's `tests/` directory: where this binary was built, or `$INFERD_TESTS_DIR`
+/// when it runs on another machine (`tests/gpu/pack` builds the GPU checks for one without a
+/// Rust toolchain).
+pub fn tests_dir() -> PathBuf {
+    std::env::var_os("INFERD_TESTS_DIR").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+}
+
 /// The golden reference directory of the repository.
 pub fn golden_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("golden")
+    tests_dir().join("golden")
 }
 
 /// Compiles the C test plugin (tests/plugins/greedy.c) into `dir/lib<name>.so` with the C
 /// preprocessor `defines` (its FAULT_* variants), with the system C compiler (`$CC`, else `cc`).
 pub fn compile_c_plugin(dir: &Path, name: &str, defines: &[&str]) -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("repository root").to_path_buf();
+    let root = tests_dir().parent().expect("repository root").to_path_buf();
     let out = dir.join(format!("lib{name}.so"));
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
     let st = std::process::Command::new(&cc)

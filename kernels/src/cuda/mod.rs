@@ -1,8 +1,8 @@
 //! The CUDA kernels' sources (`kernels/cuda/*.cu`) and their compilation by NVRTC, which is
 //! loaded at run time: nothing here needs a GPU or a CUDA toolkit to build, and compiling needs
-//! only `libnvrtc.so.12` (NVIDIA's `nvidia-cuda-nvrtc-cu12` wheel carries it), not a GPU. The
-//! compiled code (a cubin per GPU architecture) is cached on disk, keyed by the sources, the
-//! architecture and the NVRTC version.
+//! only NVRTC (`libnvrtc.so.13` or `.12`; NVIDIA's `nvidia-cuda-nvrtc` wheels carry it), not a
+//! GPU. The compiled code (a cubin per GPU architecture) is cached on disk, keyed by the
+//! sources, the architecture and the NVRTC version.
 //!
 //! The kernels are one translation unit: `common.cuh` (weight decoding, shared by every kernel
 //! and tested on the host against the CPU dequantizer), then each `.cu` file.

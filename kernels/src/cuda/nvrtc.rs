@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CompileError {
-    #[error("NVRTC (libnvrtc.so.12) is not installed: it compiles the CUDA kernels (Debian: libnvrtc12; or the nvidia-cuda-nvrtc-cu12 wheel's lib directory on LD_LIBRARY_PATH)")]
+    #[error("NVRTC (libnvrtc.so.13 or .12) is not installed: it compiles the CUDA kernels (CUDA 13 or 12 runtime libraries, e.g. Debian: libnvrtc12; or the lib directory of the nvidia-cuda-nvrtc wheel on LD_LIBRARY_PATH)")]
     Missing,
     #[error("not a GPU architecture: {0:?} (want sm_XY)")]
     BadArch(String),

@@ -88,7 +88,7 @@ int main(int argc, char** argv) {
 }
 
 #[test]
-#[cfg_attr(not(host_nvrtc), ignore = "no libnvrtc.so.12 at build time (tests/run installs NVIDIA's wheel)")]
+#[cfg_attr(not(host_nvrtc), ignore = "no libnvrtc.so.13 or .12 at build time (tests/run installs NVIDIA's wheel)")]
 fn every_kernel_compiles_to_device_code_for_the_checked_architectures() {
     assert!(nvrtc::available(), "{}", nvrtc::CompileError::Missing);
     let src = translation_unit();
@@ -124,5 +124,17 @@ fn without_the_driver_the_probe_says_so_instead_of_panicking() {
         Err(CudaUnavailable::NoDriver) => assert!(!driver_present()),
         Ok(d) => assert!(d.arch.starts_with("sm_") && d.memory_bytes > 0 && !d.name.is_empty(), "{d:?}"),
         Err(e) => assert!(driver_present(), "{e}"),
+    }
+}
+
+#[test]
+fn the_runtime_libraries_of_cuda_13_and_of_cuda_12_are_both_looked_for() {
+    // A machine has one or the other (the nvidia-cuda-nvrtc wheels, a distribution's libnvrtc12,
+    // a CUDA 13 toolkit): the binary loads either, whichever cudarc's bindings were built for.
+    for lib in ["nvrtc", "cublas"] {
+        let names = cudarc::get_lib_name_candidates(lib);
+        for v in [13, 12] {
+            assert!(names.contains(&format!("lib{lib}.so.{v}")), "lib{lib}.so.{v} not among {names:?}");
+        }
     }
 }
