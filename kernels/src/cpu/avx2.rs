@@ -47,6 +47,8 @@ pub fn kernels() -> Option<Kernels> {
         exp: |x| unsafe { exp(x) },
         // SAFETY: as above.
         geglu: |g, u| unsafe { geglu(g, u) },
+        // SAFETY: as above.
+        swiglu: |g, u| unsafe { swiglu(g, u) },
         gemv16: None,
         // SAFETY: as above.
         gemv16_packed: Some(|dt, w, rb, a, out| unsafe { super::avx2_packed::gemv16_packed(dt, w, rb, a, out) }),
@@ -315,6 +317,27 @@ unsafe fn geglu(gate: &mut [f32], up: &[f32]) {
         }
     }
     crate::ops::geglu(&mut gate[n8..], &up[n8..]);
+}
+
+/// `gate = silu(gate) * up`, `silu(x) = x / (1 + e^(-x))` through [`exp8`], whose clamp keeps
+/// both tails finite (`x` far right, a signed zero far left).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn swiglu(gate: &mut [f32], up: &[f32]) {
+    assert_eq!(gate.len(), up.len(), "gate and up have one shape");
+    let n8 = gate.len() / 8 * 8;
+    let (one, sign) = (_mm256_set1_ps(1.0), _mm256_set1_ps(-0.0));
+    for i in (0..n8).step_by(8) {
+        // SAFETY: 8 f32s at i < n8 <= len in both slices.
+        unsafe {
+            let x = _mm256_loadu_ps(gate.as_ptr().add(i));
+            let silu = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_xor_ps(x, sign))));
+            _mm256_storeu_ps(gate.as_mut_ptr().add(i), _mm256_mul_ps(silu, _mm256_loadu_ps(up.as_ptr().add(i))));
+        }
+    }
+    crate::ops::swiglu(&mut gate[n8..], &up[n8..]);
 }
 
 /// # Safety

@@ -91,6 +91,9 @@ pub struct Kernels {
     /// the reference is [`crate::ops::geglu`], the AVX2 version `x · σ(2y)` through the vector
     /// `exp`).
     pub geglu: fn(&mut [f32], &[f32]),
+    /// `gate = silu(gate) * up`, in place (Llama's, Qwen's, Phi's and Mistral's feed-forward;
+    /// the reference is [`crate::ops::swiglu`], the AVX2 version through the vector `exp`).
+    pub swiglu: fn(&mut [f32], &[f32]),
     /// Sixteen consecutive quantized weight rows (`rb` bytes each) against 1 to
     /// [`GEMV_TOKENS`] tokens, each row's blocks unpacked once for all of them, when the ISA has
     /// a kernel for it; `out[t][i]` equals the single-token dot of row `i` with token `t` bit
@@ -201,6 +204,7 @@ impl Kernels {
             attn_values: scalar::attn_values,
             exp: scalar::exp,
             geglu: crate::ops::geglu,
+            swiglu: crate::ops::swiglu,
             gemv16: None,
             gemv16_packed: None,
         }

@@ -144,6 +144,21 @@ fn geglu_matches(k: &Kernels, x: &[f32]) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+fn swiglu_matches(k: &Kernels, x: &[f32]) -> Result<(), TestCaseError> {
+    let up: Vec<f32> = x.iter().map(|v| 1.5 - v / 7.0).collect();
+    let mut got = x.to_vec();
+    (k.swiglu)(&mut got, &up);
+    for ((&xi, &ui), g) in x.iter().zip(&up).zip(&got) {
+        let (x, u) = (f64::from(xi), f64::from(ui));
+        let want = x / (1.0 + (-x).exp()) * u;
+        // exp's 2e-6 relative error, where e^(-x) outweighs the 1 (x far left), and f32's
+        // roundings of the quotient and product.
+        let tol = 3e-6 * want.abs() + 1e-30;
+        prop_assert!((want - f64::from(*g)).abs() <= tol, "swiglu({}) = {} vs {}", xi, g, want);
+    }
+    Ok(())
+}
+
 /// The property tests of one fast table, ignored (with the reason) where the processor lacks it.
 macro_rules! fast_table_tests {
     ($module:ident, $isa:expr, $present:meta, $why:literal) => {
@@ -199,6 +214,12 @@ macro_rules! fast_table_tests {
                 #[cfg_attr(not($present), ignore = $why)]
                 fn geglu_matches_reference(x in proptest::collection::vec(-60.0f32..60.0, 1..40)) {
                     geglu_matches(&k(), &x)?;
+                }
+
+                #[test]
+                #[cfg_attr(not($present), ignore = $why)]
+                fn swiglu_matches_reference(x in proptest::collection::vec(-120.0f32..120.0, 1..40)) {
+                    swiglu_matches(&k(), &x)?;
                 }
             }
         }

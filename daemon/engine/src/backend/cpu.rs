@@ -15,7 +15,7 @@ use half::f16;
 use inferd_kernels::attention::{attend_batch, PagedKv, QueryCtx};
 use inferd_kernels::matmul::{matmul_many, Input};
 use inferd_kernels::ops::rms_norm_each;
-use inferd_kernels::ops::{rms_norm, swiglu, Rope};
+use inferd_kernels::ops::{rms_norm, Rope};
 use inferd_kernels::pool::ThreadPool;
 use inferd_kernels::quant::QK;
 use inferd_kernels::{BlockQ8, Kernels};
@@ -457,7 +457,7 @@ impl CpuBackend {
                 &mut [&mut s.gate, &mut s.up],
             );
             match arch.activation {
-                Activation::SiluGated => swiglu(&mut s.gate, &s.up),
+                Activation::SiluGated => (k.swiglu)(&mut s.gate, &s.up),
                 Activation::GeluTanhGated => (k.geglu)(&mut s.gate, &s.up),
             }
             Self::project(pool, k, Phase::FfnDown, &mut laps, &[&lw.w_down], &s.gate, n, &mut s.q8, &mut [&mut s.out]);
