@@ -9,6 +9,7 @@ use crate::cpu::Kernels;
 use crate::pool::{SyncPtr, ThreadPool};
 use half::f16;
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// One layer's K and V block pools.
 #[derive(Clone, Copy, Debug)]
@@ -365,8 +366,15 @@ fn attend_wave(
     }
     first.push(tasks);
     let split = tasks > ctx.len() * nkv;
-    // A split query's pieces each fill a slot of `partial` (indexed by task).
+    // A split query's pieces each fill a slot of `partial` (indexed by task); the piece that
+    // finishes last of its (token, KV head) pair folds the pair's slots, in order, in the same
+    // dispatch (a count of pieces left per pair).
     let slot = slot(group, hd);
+    let left: Vec<AtomicUsize> = if split {
+        (0..ctx.len() * nkv).map(|i| AtomicUsize::new(pieces(&ctx[i / nkv]).len())).collect()
+    } else {
+        Vec::new()
+    };
     PARTIALS.with_borrow_mut(|partial| {
         if split && partial.len() < tasks * slot {
             partial.resize(tasks * slot, 0.0);
@@ -388,29 +396,22 @@ fn attend_wave(
                     // shape); `out` outlives `pool.run`.
                     let o = unsafe { std::slice::from_raw_parts_mut(dst.get().add(off), group * hd) };
                     attend_group(k, kv, c.table, (c.start, c.ctx_len), g, q, group, scale, scores, o);
-                } else {
-                    // SAFETY: task i is the only writer of slot i, which lies inside `partial`
-                    // (sized to `tasks` slots above when any query is split); `partial` outlives
-                    // `pool.run`.
-                    let o = unsafe { std::slice::from_raw_parts_mut(pieces_at.get().add(i * slot), slot) };
-                    let range = piece_range(&c, ps.start + piece);
-                    attend_piece(k, kv, c.table, range, g, q, group, scale, scores, o);
+                    return;
                 }
+                // SAFETY: task i is the only writer of slot i, which lies inside `partial`
+                // (sized to `tasks` slots above when any query is split); `partial` outlives
+                // `pool.run`.
+                let o = unsafe { std::slice::from_raw_parts_mut(pieces_at.get().add(i * slot), slot) };
+                let range = piece_range(&c, ps.start + piece);
+                attend_piece(k, kv, c.table, range, g, q, group, scale, scores, o);
             });
-        };
-        pool.run(tasks, &task);
-        if !split {
-            return;
-        }
-        // Fold each split (token, KV head) pair's pieces, in order, into its first.
-        let fold = |i: usize| {
-            let (t, g) = (i / nkv, i % nkv);
-            let n = pieces(&ctx[t]).len();
-            if n > 1 {
-                let off = t * qdim + g * group * hd;
-                // SAFETY: pair (t, g) is the only writer of out[off..off + group * hd] (as
-                // above) and the only user of its pieces' slots, which the tasks no longer
-                // write; all lie inside `out` and `partial`.
+            if ps.len() > 1 && left[t * nkv + g].fetch_sub(1, Ordering::AcqRel) == 1 {
+                let n = ps.len();
+                // SAFETY: this task took the pair's count to zero, so it alone folds (t, g): it
+                // is the only writer of out[off..off + group * hd] (as above), and every piece
+                // of the pair has written its slot (their decrements released those writes,
+                // this one acquired them) and no longer touches it; all lie inside `out` and
+                // `partial`.
                 let (o, slots) = unsafe {
                     (
                         std::slice::from_raw_parts_mut(dst.get().add(off), group * hd),
@@ -422,7 +423,7 @@ fn attend_wave(
                 finish(acc, group, hd, o);
             }
         };
-        pool.run(ctx.len() * nkv, &fold);
+        pool.run(tasks, &task);
     });
 }
 

@@ -12,6 +12,7 @@ use crate::kv::{BlockCopy, KvGroups};
 use crate::model::arch::{Activation, Architecture, LayerAttention, NormPlacement, RopeScaling};
 use crate::model::{LlamaConfig, LlamaWeights, Tensor};
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 use inferd_kernels::attention::{attend_batch, PagedKv, QueryCtx};
 use inferd_kernels::matmul::{matmul_many, Input};
 use inferd_kernels::ops::rms_norm_each;
@@ -414,10 +415,9 @@ impl CpuBackend {
                 for g in 0..nkv {
                     let o = PagedKv::offset(bs, nkv, hd, blk, g, p % bs);
                     let src = t * kvd + g * hd;
-                    for i in 0..hd {
-                        kc[o + i] = f16::from_f32(s.k[src + i]);
-                        vc[o + i] = f16::from_f32(s.v[src + i]);
-                    }
+                    // The half crate converts slices 4 or 8 at a time where the CPU has F16C.
+                    kc[o..o + hd].convert_from_f32_slice(&s.k[src..src + hd]);
+                    vc[o..o + hd].convert_from_f32_slice(&s.v[src..src + hd]);
                 }
             }
             let kv = PagedKv { k: kc, v: vc, block_size: bs, n_kv_heads: nkv, head_dim: hd };
