@@ -6,6 +6,7 @@
 //! exactly the float arithmetic of the single-token dot (`avx512.rs`), so the result equals
 //! that dot on the unpacked row bit for bit.
 
+use super::avx2_packed::{prefetch, Ahead};
 use super::avx512_super::{act, super_block, super_block_16};
 use super::lane::{has_offset, signed, IQ4NL, IQ4XS, Q2K, Q3K, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
 use super::{Acts, GEMV_TOKENS};
@@ -87,7 +88,9 @@ unsafe fn packed_kind<const KIND: u8>(q: QuantType, w: &[u8], rb: usize, a: &[Ac
     };
     // Where field k of a unit's block c starts, for a pair and for a lone last block.
     let (at2, at1) = (unit_offsets(q, 2), unit_offsets(q, 1));
-    // The next group is fetched into L2 while this one is computed, a share per unit.
+    // The next group is fetched into L2 while this one is computed, a share per unit, spread
+    // as the AVX2 kernel's is (`avx2_packed.rs`): a super-block's share over its groups, Q8_0's
+    // over the pair's blocks; the other pairs' few lines go out at once.
     let per = if g == 1 { 2 } else { g };
     let (lines, steps) = (16 * rb / 64, nb.div_ceil(per));
     let next = w.as_ptr().wrapping_add(16 * rb);
@@ -95,10 +98,7 @@ unsafe fn packed_kind<const KIND: u8>(q: QuantType, w: &[u8], rb: usize, a: &[Ac
     while b < nb {
         let pair = 1 + usize::from(b + 1 < nb);
         let s = b / per;
-        for l in s * lines / steps..(s + 1) * lines / steps {
-            // A prefetch never faults: the address may lie past `w`.
-            _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(l * 64).cast());
-        }
+        let share = (next, s * lines / steps..(s + 1) * lines / steps);
         // SAFETY: the unit's blocks b .. b + pair of the 16 rows lie inside `w` (asserted
         // length; `pack` module docs), and the features are this function's.
         unsafe {
@@ -107,20 +107,20 @@ unsafe fn packed_kind<const KIND: u8>(q: QuantType, w: &[u8], rb: usize, a: &[Ac
                 let (sb, per) = (b / g, unit_blocks(q));
                 let (u0, c) = (sb / per * per, sb % per);
                 let at = if per.min(nb / g - u0) == 2 { at2 } else { at1 };
-                super_block_16::<KIND>(w.as_ptr().add(16 * bb * u0), at, c, a, b, sums);
+                super_block_16::<KIND>(w.as_ptr().add(16 * bb * u0), at, c, a, (b, &share), sums);
                 b += g;
                 continue;
             }
             let unit = w.as_ptr().add(16 * bb * (b / g));
             if g > 1 {
-                super_block::<KIND>(unit, at1, (quants, fifth), a, b, sums);
+                super_block::<KIND>(unit, at1, (quants, fifth), a, (b, &share), sums);
                 b += g;
                 continue;
             }
             if pair == 2 {
-                unit_of::<KIND, 2>(unit, at2, (quants, fifth), a, b, sums);
+                unit_of::<KIND, 2>(unit, at2, (quants, fifth), a, (b, &share), sums);
             } else {
-                unit_of::<KIND, 1>(unit, at1, (quants, fifth), a, b, sums);
+                unit_of::<KIND, 1>(unit, at1, (quants, fifth), a, (b, &share), sums);
             }
         }
         b += pair;
@@ -134,7 +134,8 @@ unsafe fn packed_kind<const KIND: u8>(q: QuantType, w: &[u8], rb: usize, a: &[Ac
 }
 
 /// One unit of [`packed_kind`]: blocks `b .. b + N` of the 16 rows (a pair, or a lone last
-/// block), starting at `unit`, against every token, into the tokens' accumulators.
+/// block), starting at `unit`, against every token, into the tokens' accumulators, fetching
+/// the unit's share `ahead` of the next group.
 ///
 /// # Safety
 /// The CPU must support the features of `avx512::kernels`, and the unit's `N` blocks of the
@@ -146,10 +147,13 @@ unsafe fn unit_of<const KIND: u8, const N: usize>(
     at: &[[usize; 2]; 4],
     (quants, fifth): (usize, usize),
     a: &[Acts<'_>],
-    b: usize,
+    (b, ahead): (usize, &Ahead),
     sums: &mut [[[__m512; 4]; 2]],
 ) {
     let nib = _mm512_set1_epi8(0x0f);
+    // Q8_0's share (17 lines a pair) in 2N parts, one with each block's loads and one with
+    // its products for the first token; the other kinds' few lines go out at once.
+    let parts = if KIND == Q8_0 { 2 * N } else { 1 };
     // Field k of block b + c for the 16 rows (`pack` module docs); every offset lies
     // inside the group (asserted length) by the layout's construction.
     let field = |k: usize, c: usize| unit.wrapping_add(at[k][c]);
@@ -171,6 +175,9 @@ unsafe fn unit_of<const KIND: u8, const N: usize>(
     // (a product of one token on Q4_1), the vectors going through memory.
     #[allow(clippy::needless_range_loop)]
     for c in 0..N {
+        if c < parts {
+            prefetch(ahead, c, parts);
+        }
         d[c] = f16s(0, c);
         off[c] = match KIND {
             Q4_1 | Q5_1 => f16s(1, c),
@@ -211,6 +218,9 @@ unsafe fn unit_of<const KIND: u8, const N: usize>(
     }
     for (t, at) in a.iter().enumerate() {
         for c in 0..N {
+            if t == 0 && N + c < parts {
+                prefetch(ahead, N + c, parts);
+            }
             let blk = &at.q8[b + c];
             let mut isum = _mm512_setzero_si512();
             for (h, wh) in wq[c].iter().enumerate() {

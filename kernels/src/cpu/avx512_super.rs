@@ -4,6 +4,7 @@
 //! (`avx512.rs`): the group's exact integer sum (per 16-weight half for Q6_K, Q3_K and Q2_K,
 //! times the half's scale), then the float step of the group.
 
+use super::avx2_packed::{prefetch, Ahead};
 use super::avx512_gemv::{iq4xs_scale, k_scales};
 use super::lane::{half_offset, IQ4XS, Q2K, Q3K, Q5K, Q6K};
 use super::Acts;
@@ -40,7 +41,7 @@ pub(super) unsafe fn super_block<const KIND: u8>(
     at: &[[usize; 2]; 4],
     (quants, fifth): (usize, usize),
     a: &[Acts<'_>],
-    b: usize,
+    (b, ahead): (usize, &Ahead),
     sums: &mut [[[__m512; 4]; 2]],
 ) {
     let nib = _mm512_set1_epi8(0x0f);
@@ -58,6 +59,7 @@ pub(super) unsafe fn super_block<const KIND: u8>(
     // SAFETY: IQ4_VALUES is 16 bytes.
     let book = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(crate::quant::IQ4_VALUES.as_ptr().cast()) });
     for p in 0..4 {
+        prefetch(ahead, p, 4);
         let scales = if KIND == IQ4XS {
             [(iq4xs_scale(&sbd, 2 * p), _mm512_setzero_ps()), (iq4xs_scale(&sbd, 2 * p + 1), _mm512_setzero_ps())]
         } else {
@@ -132,7 +134,7 @@ pub(super) unsafe fn super_block_16<const KIND: u8>(
     at: &[[usize; 2]; 4],
     c: usize,
     a: &[Acts<'_>],
-    b: usize,
+    (b, ahead): (usize, &Ahead),
     sums: &mut [[[__m512; 4]; 2]],
 ) {
     let o = half_offset(KIND).unwrap_or(0);
@@ -158,7 +160,8 @@ pub(super) unsafe fn super_block_16<const KIND: u8>(
     // groups). The groups go in an order that meets each load first; every accumulator still
     // takes its groups (j and j + 4) in order, so the sums are those of the single-token dot.
     let (mut low, mut high) = ([_mm512_setzero_si512(); 8], [_mm512_setzero_si512(); 8]);
-    for j in [0, 2, 1, 3, 4, 6, 5, 7] {
+    for (i, j) in [0, 2, 1, 3, 4, 6, 5, 7].into_iter().enumerate() {
+        prefetch(ahead, i, 8);
         let (h, s) = (j / 4, j % 4);
         if KIND == Q6K && s < 2 {
             low = std::array::from_fn(|m| vector(0, 16 * h + 8 * s + m));
