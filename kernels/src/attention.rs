@@ -87,6 +87,25 @@ fn spans<'t>(
     })
 }
 
+/// Fetches `len` halves at `o` of `pool` (one KV head's keys or values in a block) into L2
+/// ahead of their use. A sequence's blocks lie anywhere in the pool, so the processor's stream
+/// prefetchers, which follow addresses in order, start cold at every block.
+#[inline]
+fn fetch(pool: &[f16], o: usize, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        let at = pool.as_ptr().wrapping_add(o).cast::<i8>();
+        for byte in (0..2 * len).step_by(64) {
+            // SAFETY: SSE, the intrinsic's feature, is part of every x86-64 processor; a
+            // prefetch only hints the caches and never faults (the addresses lie in `pool`).
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(byte)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (pool, o, len);
+}
+
 /// The `g` heads' scores over positions `lo..hi` (`scores`, `[position][head]`), shifted by
 /// each head's maximum and exponentiated; returns each head's maximum and sum of exponentials.
 #[allow(clippy::too_many_arguments)]
@@ -102,7 +121,14 @@ fn weights(
     scores: &mut [f32],
 ) -> ([f32; 64], [f32; 64]) {
     let hd = kv.head_dim;
-    for (o, at, n) in spans(kv, table, range, kv_head) {
+    // While a block's keys are scored, the next block's keys and this block's values (used
+    // after the softmax) are fetched.
+    let mut blocks = spans(kv, table, range, kv_head).peekable();
+    while let Some((o, at, n)) = blocks.next() {
+        if let Some(&(next, _, m)) = blocks.peek() {
+            fetch(kv.k, next, m * hd);
+        }
+        fetch(kv.v, o, n * hd);
         (k.attn_scores)(&kv.k[o..o + n * hd], q, hd, g, scale, &mut scores[at * g..(at + n) * g]);
     }
     // Each head's column (stride g): shift by the column max, one vector exp over everything.
