@@ -92,18 +92,7 @@ fn spans<'t>(
 /// prefetchers, which follow addresses in order, start cold at every block.
 #[inline]
 fn fetch(pool: &[f16], o: usize, len: usize) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-        let at = pool.as_ptr().wrapping_add(o).cast::<i8>();
-        for byte in (0..2 * len).step_by(64) {
-            // SAFETY: SSE, the intrinsic's feature, is part of every x86-64 processor; a
-            // prefetch only hints the caches and never faults (the addresses lie in `pool`).
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(byte)) };
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (pool, o, len);
+    crate::cpu::prefetch(&(pool.as_ptr().wrapping_add(o).cast(), 0..(2 * len).div_ceil(64)), 0, 1);
 }
 
 /// The `g` heads' scores over positions `lo..hi` (`scores`, `[position][head]`), shifted by

@@ -13,7 +13,7 @@
 
 use super::avx2_super::{act, super_block, super_block_16, Sums};
 use super::lane::{has_offset, run, signed, with_kind, IQ4NL, Q2K, Q3K, Q4_0, Q4_1, Q5_0, Q5_1, Q6K, Q8_0};
-use super::{Acts, GEMV_TOKENS};
+use super::{prefetch, Acts, Ahead, GEMV_TOKENS};
 use crate::pack::{unit_blocks, unit_offsets};
 use crate::quant::{BlockQ8, QuantType};
 use std::arch::x86_64::*;
@@ -28,20 +28,6 @@ use std::mem::MaybeUninit;
 pub(super) unsafe fn gemv16_packed(dt: QuantType, w: &[u8], rb: usize, a: &[Acts<'_>], out: &mut [[f32; 16]]) {
     // SAFETY: same features as this function's caller guarantees.
     with_kind!(dt, K => unsafe { packed_kind::<K>(dt, w, rb, a, out) })
-}
-
-/// Lines (of 64 bytes, from a pointer) to fetch into L2 ahead of their use.
-pub(super) type Ahead = (*const u8, std::ops::Range<usize>);
-
-/// Part `i` of `parts` of the lines of `ahead`, fetched into L2.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn prefetch((from, lines): &Ahead, i: usize, parts: usize) {
-    let n = lines.len();
-    for l in lines.start + i * n / parts..lines.start + (i + 1) * n / parts {
-        // A prefetch never faults: the address may lie past the weights.
-        _mm_prefetch::<_MM_HINT_T1>(from.wrapping_add(l * 64).cast());
-    }
 }
 
 /// `Σ u[m] · act(m)` per lane over the weight dwords `m` in `ms`: `u` the unsigned operands,

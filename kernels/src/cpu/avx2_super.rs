@@ -5,9 +5,9 @@
 //! exact integer sum (per 16-weight half for Q6_K, Q3_K and Q2_K, times the half's scale),
 //! then the float step of the group.
 
-use super::avx2_packed::{prefetch, products, Ahead};
+use super::avx2_packed::products;
 use super::lane::{half_offset, run, IQ4XS, Q2K, Q3K, Q5K, Q6K};
-use super::Acts;
+use super::{prefetch, Acts, Ahead};
 use crate::quant::BlockQ8;
 use std::arch::x86_64::*;
 

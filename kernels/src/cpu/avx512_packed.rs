@@ -6,10 +6,9 @@
 //! exactly the float arithmetic of the single-token dot (`avx512.rs`), so the result equals
 //! that dot on the unpacked row bit for bit.
 
-use super::avx2_packed::{prefetch, Ahead};
 use super::avx512_super::{act, super_block, super_block_16};
 use super::lane::{has_offset, signed, IQ4NL, IQ4XS, Q2K, Q3K, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
-use super::{Acts, GEMV_TOKENS};
+use super::{prefetch, Acts, Ahead, GEMV_TOKENS};
 use crate::pack::{unit_blocks, unit_offsets};
 use crate::quant::QuantType;
 use std::arch::x86_64::*;

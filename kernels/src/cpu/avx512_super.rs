@@ -4,10 +4,9 @@
 //! (`avx512.rs`): the group's exact integer sum (per 16-weight half for Q6_K, Q3_K and Q2_K,
 //! times the half's scale), then the float step of the group.
 
-use super::avx2_packed::{prefetch, Ahead};
 use super::avx512_gemv::{iq4xs_scale, k_scales};
 use super::lane::{half_offset, IQ4XS, Q2K, Q3K, Q5K, Q6K};
-use super::Acts;
+use super::{prefetch, Acts, Ahead};
 use std::arch::x86_64::*;
 
 /// `x` shifted right by `by` bits in each dword, masked to `mask` in each byte.

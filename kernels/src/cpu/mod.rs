@@ -110,6 +110,25 @@ pub type Gemv16 = fn(QuantType, &[u8], usize, &[Acts<'_>], &mut [[f32; 16]]);
 /// The most tokens one [`Kernels::gemv16`] call takes.
 pub const GEMV_TOKENS: usize = 16;
 
+/// Lines (of 64 bytes, from a pointer) to fetch into L2 ahead of their use.
+pub(crate) type Ahead = (*const u8, std::ops::Range<usize>);
+
+/// Part `i` of `parts` of the lines of `ahead`, fetched into L2 (`parts` 1: all of them): the
+/// packed kernels' next group of rows, attention's next K/V block. Does nothing off x86-64.
+#[inline]
+pub(crate) fn prefetch((from, lines): &Ahead, i: usize, parts: usize) {
+    let n = lines.len();
+    #[cfg(target_arch = "x86_64")]
+    for l in lines.start + i * n / parts..lines.start + (i + 1) * n / parts {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        // SAFETY: SSE, the intrinsic's feature, is part of every x86-64 processor; a prefetch
+        // only hints the caches and never faults, so the address may lie anywhere.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(from.wrapping_add(l * 64).cast()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (from, n, i, parts);
+}
+
 /// The first `n` of a [`Kernels::gemv16`] kernel's per-token accumulators `T`, arrays of the
 /// vector `V`, set to zeros (`zero`) by one vector store each. Written as constant zeros they
 /// compiled to a `memset` call on every kernel call (2-4% of a batch-1 decode step's samples on
