@@ -6,7 +6,7 @@
 //! tokens, each distinct so the prefix cache never shortcuts a measurement.
 
 use inferd_engine::backend::profile::{Phase, StepProfile};
-use inferd_engine::backend::BackendKind;
+use inferd_engine::backend::{BackendKind, KernelTime};
 use inferd_engine::engine::{argmax, Engine, EngineOptions};
 use inferd_engine::model::Model;
 use serde_json::{json, Value};
@@ -27,6 +27,9 @@ pub struct BenchArgs {
     /// Prompt length of the prefill measurement.
     #[arg(long, default_value_t = 512)]
     pub prefill_tokens: usize,
+    /// Most prompt tokens one forward pass takes (a longer prompt is prefilled in chunks).
+    #[arg(long, default_value_t = EngineOptions::default().prefill_chunk)]
+    pub prefill_chunk: usize,
     /// Prompt length per sequence in the decode measurements.
     #[arg(long, default_value_t = 128)]
     pub prompt_tokens: usize,
@@ -92,11 +95,11 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
     let opts = EngineOptions {
         threads: args.threads,
         kv_budget_bytes: kv_tokens * inferd_engine::backend::cpu::kv_block_bytes(&model.config, 16) / 16,
+        prefill_chunk: args.prefill_chunk.max(1),
         ..EngineOptions::default()
     };
     let kind = BackendKind::parse(&args.backend)
         .ok_or_else(|| anyhow::anyhow!("--backend must be \"auto\", \"cpu\" or \"cuda\", not {:?}", args.backend))?;
-    let (kind, _) = inferd_engine::backend::choose(kind);
     let mut engine = Engine::open(model, kind, &opts)?;
     let threads = opts.threads();
     let reps = args.repeat.max(1);
@@ -149,15 +152,34 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
     }
     // Where a batch-1 decode step goes, in a run of its own so the clocks cost the figures above
     // nothing.
+    // On a GPU, the device's time per kernel (events around each launch) for one prefill and
+    // for those steps.
     let mut profile = None;
+    let mut kernels = serde_json::Map::new();
     if engine.backend.set_profiling(true) {
+        let p = prompt(args.prefill_tokens, next(), vocab, skip);
+        let t = Instant::now();
+        let (s, _) = engine.prefill(&[&p])?.remove(0);
+        let times = engine.backend.take_kernel_times()?;
+        if !times.is_empty() {
+            let passes = args.prefill_tokens.div_ceil(opts.prefill_chunk);
+            kernels.insert("prefill".into(), kernel_report(&times, passes, t.elapsed()));
+        }
+        engine.release(s);
         let (s, l) = engine.prefill(&[&prompt(args.prompt_tokens, next(), vocab, skip)])?.remove(0);
         engine.backend.take_profile();
+        engine.backend.take_kernel_times()?;
         let mut tok = argmax(&l);
+        let t = Instant::now();
         for _ in 1..args.gen_tokens {
             tok = argmax(engine.decode(&[(s, tok)])?);
         }
+        let wall = t.elapsed();
         profile = engine.backend.take_profile();
+        let times = engine.backend.take_kernel_times()?;
+        if !times.is_empty() {
+            kernels.insert("decode_batch1".into(), kernel_report(&times, args.gen_tokens - 1, wall));
+        }
         engine.backend.set_profiling(false);
         engine.release(s);
     }
@@ -184,6 +206,7 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
             "kv_bytes": d.kv_bytes,
             "decode_batch1_weights_gb_s": b1.map(|r| r * bytes as f64 / 1e9),
             "prefill_tflop_s": report["prefill_tok_s"].as_f64().map(|r| r * flop_per_token / 1e12),
+            "kernels": kernels,
         });
         return Ok(report);
     }
@@ -237,6 +260,33 @@ fn step_report(p: &StepProfile, gbs: f64) -> Value {
         "products_weights_gb_s": products_gb_s,
         "products_share_of_read_bandwidth": products_gb_s / gbs,
         "step_share_of_read_bandwidth": rate(p.weight_bytes(), p.time()) / gbs,
+    })
+}
+
+/// Where a device's passes went, per pass: the wall time (the host's launches included, and
+/// the events' own cost), the kernels' device time, and each kernel's launches and time,
+/// slowest first.
+fn kernel_report(times: &[KernelTime], passes: usize, wall: std::time::Duration) -> Value {
+    let passes = passes.max(1) as f64;
+    let total: f64 = times.iter().map(|k| k.ms).sum();
+    let mut by: Vec<&KernelTime> = times.iter().collect();
+    by.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+    let by: Vec<Value> = by
+        .iter()
+        .map(|k| {
+            json!({
+                "kernel": k.name,
+                "launches": k.launches as f64 / passes,
+                "ms": k.ms / passes,
+                "share": k.ms / total.max(1e-12),
+            })
+        })
+        .collect();
+    json!({
+        "passes": passes,
+        "wall_ms": wall.as_secs_f64() * 1e3 / passes,
+        "kernels_ms": total / passes,
+        "by_kernel": by,
     })
 }
 

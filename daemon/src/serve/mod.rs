@@ -250,16 +250,16 @@ fn load(
         },
     };
     // The engines are built here, so a model the backend cannot run fails the start.
-    let (kind, why) = inferd_engine::backend::choose(mc.backend_kind());
-    let mut engine = Engine::open(&model, kind, &opts)?;
+    let (mut engine, why) = Engine::open_with_reason(&model, mc.backend_kind(), &opts)?;
     let backend = format!("{} ({}; {why})", engine.backend.name(), engine.backend.device());
     eprintln!("inferd: {name} runs on {backend}");
     let device_memory = engine.backend.device_memory();
     let draft_engine = match &draft {
-        Some(d) => {
-            let (kind, _) = inferd_engine::backend::choose(mc.draft_backend_kind());
-            Some(Engine::open(d, kind, &EngineOptions { kv_budget_bytes: opts.kv_budget_bytes / 2, ..opts })?)
-        }
+        Some(d) => Some(Engine::open(
+            d,
+            mc.draft_backend_kind(),
+            &EngineOptions { kv_budget_bytes: opts.kv_budget_bytes / 2, ..opts },
+        )?),
         None => None,
     };
     let thread =

@@ -5,14 +5,15 @@
 
 use super::device::{probe, CudaDevice};
 use super::nvrtc::cached_cubin;
-use super::stream::{Arg, Elem, GemmShape, GpuError, Stream};
+use super::stream::{Arg, Elem, GemmShape, GpuError, KernelTime, Stream};
 use cudarc::cublas::{sys as blas, CudaBlas};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    sys::CUevent_flags, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
+    DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 fn driver(e: cudarc::driver::DriverError) -> GpuError {
     GpuError::Driver(format!("{e:?}"))
@@ -26,7 +27,12 @@ pub struct Gpu {
     funcs: HashMap<&'static str, CudaFunction>,
     /// cuBLAS on `stream`; `None` without `libcublas` (the products then take `matvec`).
     blas: Option<CudaBlas>,
+    /// While timing ([`Stream::set_timing`]): each launch's name and its start and end events.
+    timed: Mutex<Option<Vec<TimedLaunch>>>,
 }
+
+/// A launch's name and the events recorded before and after it.
+type TimedLaunch = (&'static str, CudaEvent, CudaEvent);
 
 impl Gpu {
     /// Finds the GPU, compiles the kernels for it (or reads them from `cache_dir`) and loads them.
@@ -47,11 +53,30 @@ impl Gpu {
         } else {
             None
         };
-        Ok(Gpu { device, stream, _module: module, funcs, blas })
+        Ok(Gpu { device, stream, _module: module, funcs, blas, timed: Mutex::new(None) })
     }
 
     pub fn synchronize(&self) -> Result<(), GpuError> {
         self.stream.synchronize().map_err(driver)
+    }
+
+    /// Runs `work` (one launch or product, named `name`) between two recorded events when
+    /// timing, else just runs it.
+    fn timed(&self, name: &'static str, work: impl FnOnce() -> Result<(), GpuError>) -> Result<(), GpuError> {
+        let mut timed = self.timed.lock().map_err(|_| GpuError::Driver("the timing record is poisoned".into()))?;
+        let Some(record) = timed.as_mut() else {
+            drop(timed);
+            return work();
+        };
+        let event = || {
+            let e = self.stream.context().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(driver)?;
+            e.record(&self.stream).map_err(driver)?;
+            Ok::<_, GpuError>(e)
+        };
+        let start = event()?;
+        work()?;
+        record.push((name, start, event()?));
+        Ok(())
     }
 }
 
@@ -113,10 +138,36 @@ impl Stream for Gpu {
             };
         }
         let cfg = LaunchConfig { grid_dim: (grid.0, grid.1, 1), block_dim: (block.0, block.1, 1), shared_mem_bytes: 0 };
-        // SAFETY: the caller guarantees that `args` are the kernel's parameters and that the
-        // buffers cover what it touches on this grid (this function's contract).
-        unsafe { b.launch(cfg) }.map_err(driver)?;
-        Ok(())
+        self.timed(name, || {
+            // SAFETY: the caller guarantees that `args` are the kernel's parameters and that the
+            // buffers cover what it touches on this grid (this function's contract).
+            unsafe { b.launch(cfg) }.map(drop).map_err(driver)
+        })
+    }
+
+    fn set_timing(&self, on: bool) -> bool {
+        if let Ok(mut t) = self.timed.lock() {
+            *t = on.then(Vec::new);
+        }
+        true
+    }
+
+    fn take_timings(&self) -> Result<Vec<KernelTime>, GpuError> {
+        let mut timed = self.timed.lock().map_err(|_| GpuError::Driver("the timing record is poisoned".into()))?;
+        let Some(record) = timed.as_mut() else { return Ok(Vec::new()) };
+        let mut out: Vec<KernelTime> = Vec::new();
+        for (name, start, end) in record.drain(..) {
+            // Waits for the end event: the launch has finished.
+            let ms = f64::from(start.elapsed_ms(&end).map_err(driver)?);
+            match out.iter_mut().find(|k| k.name == name) {
+                Some(k) => {
+                    k.launches += 1;
+                    k.ms += ms;
+                }
+                None => out.push(KernelTime { name, launches: 1, ms }),
+            }
+        }
+        Ok(out)
     }
 
     fn has_gemm(&self) -> bool {
@@ -144,33 +195,35 @@ impl Stream for Gpu {
         // Column-major, as cuBLAS sees row-major buffers: y (tokens x rows) is yᵀ, rows x tokens
         // with leading dimension rows; w (rows x cols) is wᵀ, cols x rows, taken transposed; x
         // (tokens x cols) is xᵀ, cols x tokens. So yᵀ = w · xᵀ: m = rows, n = tokens, k = cols.
-        // SAFETY: the pointers are the buffers' device memory, alive for the call (their guards
-        // above); the caller guarantees they hold rows x cols, tokens x cols and tokens x rows
-        // elements (this function's contract), which these dimensions read and write; alpha and
-        // beta are host f32s, as CUBLAS_COMPUTE_32F wants.
-        unsafe {
-            cudarc::cublas::result::gemm_ex(
-                *blas_handle.handle(),
-                blas::cublasOperation_t::CUBLAS_OP_T,
-                blas::cublasOperation_t::CUBLAS_OP_N,
-                m,
-                n,
-                k,
-                (&alpha as *const f32).cast(),
-                wp as *const std::ffi::c_void,
-                half,
-                k,
-                xp as *const std::ffi::c_void,
-                half,
-                k,
-                (&beta as *const f32).cast(),
-                yp as *mut std::ffi::c_void,
-                blas::cudaDataType::CUDA_R_32F,
-                m,
-                blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .map_err(|e| GpuError::Driver(format!("cuBLAS gemm: {e:?}")))
+        self.timed("gemm", || {
+            // SAFETY: the pointers are the buffers' device memory, alive for the call (their guards
+            // above); the caller guarantees they hold rows x cols, tokens x cols and tokens x rows
+            // elements (this function's contract), which these dimensions read and write; alpha and
+            // beta are host f32s, as CUBLAS_COMPUTE_32F wants.
+            unsafe {
+                cudarc::cublas::result::gemm_ex(
+                    *blas_handle.handle(),
+                    blas::cublasOperation_t::CUBLAS_OP_T,
+                    blas::cublasOperation_t::CUBLAS_OP_N,
+                    m,
+                    n,
+                    k,
+                    (&alpha as *const f32).cast(),
+                    wp as *const std::ffi::c_void,
+                    half,
+                    k,
+                    xp as *const std::ffi::c_void,
+                    half,
+                    k,
+                    (&beta as *const f32).cast(),
+                    yp as *mut std::ffi::c_void,
+                    blas::cudaDataType::CUDA_R_32F,
+                    m,
+                    blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(|e| GpuError::Driver(format!("cuBLAS gemm: {e:?}")))
+        })
     }
 }

@@ -44,6 +44,16 @@ pub const KERNELS: [&str; 13] = [
 /// L40) and Hopper (H100, H200).
 pub const CHECKED_ARCHES: [&str; 3] = ["sm_80", "sm_89", "sm_90"];
 
+/// The GPU architectures on which `tests/gpu/run` has passed, each with the GPU and the date it
+/// passed on: `backend = "auto"` takes a GPU of these kinds (one compute capability runs the
+/// same compiled kernels), and keeps the CPU on any other until its checks have passed there.
+pub const PASSED_ON: [(&str, &str); 1] = [("sm_90", "NVIDIA H200, 2026-12-04")];
+
+/// Whether `tests/gpu/run` has passed on a GPU of architecture `arch` ([`PASSED_ON`]).
+pub fn passed_on(arch: &str) -> bool {
+    PASSED_ON.iter().any(|(a, _)| *a == arch)
+}
+
 /// The whole translation unit.
 pub fn translation_unit() -> String {
     SOURCES.iter().map(|(name, src)| format!("// ---- {name}\n{src}\n")).collect()

@@ -71,6 +71,16 @@ pub struct GemmShape {
     pub bf16: bool,
 }
 
+/// One kernel's share of the launches timed ([`Stream::set_timing`]): how many ran and the
+/// device's time between their start and end events, summed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KernelTime {
+    /// The kernel's name, or `gemm` for the product of halves.
+    pub name: &'static str,
+    pub launches: usize,
+    pub ms: f64,
+}
+
 /// A place the kernels run, in order of launch.
 pub trait Stream {
     /// A buffer of `T`s in this stream's memory.
@@ -101,6 +111,19 @@ pub trait Stream {
         block: (u32, u32),
         args: &mut [Arg<'_, Self>],
     ) -> Result<(), GpuError>;
+
+    /// Starts timing every launch and product on the device (a fresh record), or stops; false
+    /// where the stream has no device clock to time with (the host emulation).
+    fn set_timing(&self, on: bool) -> bool {
+        let _ = on;
+        false
+    }
+
+    /// The launches timed since timing started or was last taken, per kernel in order of first
+    /// launch, once they have finished; the record starts over. Empty when not timing.
+    fn take_timings(&self) -> Result<Vec<KernelTime>, GpuError> {
+        Ok(Vec::new())
+    }
 
     /// Whether [`Stream::gemm_half`] runs here (on a GPU: cuBLAS was found).
     fn has_gemm(&self) -> bool;

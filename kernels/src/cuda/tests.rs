@@ -138,3 +138,11 @@ fn the_runtime_libraries_of_cuda_13_and_of_cuda_12_are_both_looked_for() {
         }
     }
 }
+
+#[test]
+fn auto_takes_only_the_kinds_of_gpu_the_checks_have_passed_on() {
+    assert!(super::passed_on("sm_90"), "tests/gpu/run passed on an H200");
+    for arch in ["sm_80", "sm_89", "sm_100", "sm_9", ""] {
+        assert!(!super::passed_on(arch), "{arch}");
+    }
+}

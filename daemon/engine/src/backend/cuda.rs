@@ -15,7 +15,7 @@
 //! logits differ from the CPU backend's by that rounding. Logits come back to the host for the
 //! decoding plugins, only for the positions asked for.
 
-use super::{validate_batch, Backend, BackendError, DeviceMemory, SeqBatch};
+use super::{validate_batch, Backend, BackendError, DeviceMemory, KernelTime, SeqBatch};
 use crate::engine::EngineOptions;
 use crate::kv::{BlockCopy, KvGroups};
 use crate::model::arch::{Activation, Architecture};
@@ -381,6 +381,14 @@ impl<S: Stream + Send> Backend for CudaBackend<S> {
 
     fn device_memory(&self) -> Option<DeviceMemory> {
         Some(self.memory)
+    }
+
+    fn set_profiling(&mut self, on: bool) -> bool {
+        self.s.set_timing(on)
+    }
+
+    fn take_kernel_times(&mut self) -> Result<Vec<KernelTime>, BackendError> {
+        Ok(self.s.take_timings()?)
     }
 
     fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), BackendError> {

@@ -15,6 +15,7 @@ use crate::engine::EngineOptions;
 use crate::kv::{BlockCopy, BlockId, KvGroups, NO_BLOCK};
 use crate::model::arch::{Architecture, RopeScaling};
 use crate::model::{LlamaConfig, Model};
+pub use inferd_kernels::cuda::stream::KernelTime;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum BackendError {
@@ -64,15 +65,23 @@ impl BackendKind {
     }
 }
 
-/// The backend `kind` resolves to on this machine, and why: `auto` takes the CPU until the
-/// CUDA backend has run on a GPU, saying whether a GPU was found.
+/// The backend `kind` resolves to on this machine, and why: `auto` takes the GPU where the
+/// CUDA backend has passed its checks on that kind of GPU
+/// ([`inferd_kernels::cuda::PASSED_ON`]), else the CPU, saying whether a GPU was found.
 pub fn choose(kind: BackendKind) -> (BackendKind, String) {
     match kind {
         BackendKind::Auto => match inferd_kernels::cuda::device::probe() {
             Err(e) => (BackendKind::Cpu, format!("auto: no usable GPU ({e})")),
-            Ok(d) => {
-                (BackendKind::Cpu, format!("auto: {} found, but the CUDA backend has not yet been checked on a GPU (backend = \"cuda\" takes it)", d.name))
+            Ok(d) if inferd_kernels::cuda::passed_on(&d.arch) => {
+                (BackendKind::Cuda, format!("auto: {} ({}), a kind of GPU the CUDA backend has passed its checks on", d.name, d.arch))
             }
+            Ok(d) => (
+                BackendKind::Cpu,
+                format!(
+                    "auto: {} found, but the CUDA backend has not yet been checked on a {} GPU (backend = \"cuda\" takes it)",
+                    d.name, d.arch
+                ),
+            ),
         },
         BackendKind::Cpu | BackendKind::Cuda => (kind, "configured".into()),
     }
@@ -82,9 +91,26 @@ pub fn choose(kind: BackendKind) -> (BackendKind, String) {
 /// this way may differ in backend (a draft model on one, its target on another): the engine
 /// holds a `Box<dyn Backend>`.
 pub fn open(kind: BackendKind, model: &Model, opts: &EngineOptions) -> Result<Box<dyn Backend>, BackendError> {
-    match kind {
-        BackendKind::Auto | BackendKind::Cpu => Ok(Box::new(cpu::CpuBackend::for_model(model, opts)?)),
-        BackendKind::Cuda => cuda::open(model, opts),
+    open_with_reason(kind, model, opts).map(|(b, _)| b)
+}
+
+/// [`open`], and why that backend ([`choose`]'s reason): where `auto` chose the GPU but the
+/// model cannot run there (NVRTC missing, too little free GPU memory), it runs on the CPU and
+/// the reason says why.
+pub fn open_with_reason(
+    kind: BackendKind,
+    model: &Model,
+    opts: &EngineOptions,
+) -> Result<(Box<dyn Backend>, String), BackendError> {
+    let (chosen, why) = choose(kind);
+    let cpu = || -> Result<Box<dyn Backend>, BackendError> { Ok(Box::new(cpu::CpuBackend::for_model(model, opts)?)) };
+    match chosen {
+        BackendKind::Auto | BackendKind::Cpu => Ok((cpu()?, why)),
+        BackendKind::Cuda => match cuda::open(model, opts) {
+            Ok(b) => Ok((b, why)),
+            Err(e) if kind == BackendKind::Auto => Ok((cpu()?, format!("{why}, but: {e}"))),
+            Err(e) => Err(e),
+        },
     }
 }
 
@@ -140,6 +166,12 @@ pub trait Backend: Send {
     /// `None` when not profiling.
     fn take_profile(&mut self) -> Option<profile::StepProfile> {
         None
+    }
+    /// The device's own time per kernel over the passes since profiling started, once they
+    /// have finished (a GPU's, timed by events around each launch), and starts over; empty
+    /// where the backend has no kernels of its own to time.
+    fn take_kernel_times(&mut self) -> Result<Vec<KernelTime>, BackendError> {
+        Ok(Vec::new())
     }
     /// Runs the batch: writes every new token's K/V into its slot and returns, in `logits`,
     /// `vocab` floats for each requested position, sequence by sequence, in position order.

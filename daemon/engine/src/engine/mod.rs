@@ -72,8 +72,17 @@ pub use inferd_plugin_api::sampling::argmax;
 impl Engine {
     /// An engine for `model` on the backend `kind` names, its KV pool sized from `opts`.
     pub fn open(model: &Model, kind: BackendKind, opts: &EngineOptions) -> Result<Self, EngineError> {
-        let backend = crate::backend::open(kind, model, opts)?;
-        Ok(Engine::new(backend, opts.prefill_chunk))
+        Ok(Self::open_with_reason(model, kind, opts)?.0)
+    }
+
+    /// [`Engine::open`], and why its backend ([`crate::backend::open_with_reason`]).
+    pub fn open_with_reason(
+        model: &Model,
+        kind: BackendKind,
+        opts: &EngineOptions,
+    ) -> Result<(Self, String), EngineError> {
+        let (backend, why) = crate::backend::open_with_reason(kind, model, opts)?;
+        Ok((Engine::new(backend, opts.prefill_chunk), why))
     }
 
     /// A CPU engine for `model` (the CPU backend exists everywhere; it refuses an architecture
