@@ -6,7 +6,7 @@
 //! tokens, each distinct so the prefix cache never shortcuts a measurement.
 
 use inferd_engine::backend::profile::{Phase, StepProfile};
-use inferd_engine::backend::{BackendKind, KernelTime};
+use inferd_engine::backend::{BackendKind, KernelProfile, KernelTime};
 use inferd_engine::engine::{argmax, Engine, EngineOptions};
 use inferd_engine::model::Model;
 use serde_json::{json, Value};
@@ -131,12 +131,14 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
         engine.release(s);
     }
     let mut decode = serde_json::Map::new();
+    let mut host_issue_b1 = None;
     for &b in &args.batches {
         let mut rates = Vec::new();
         for _ in 0..reps {
             let prompts: Vec<Vec<u32>> = (0..b).map(|_| prompt(args.prompt_tokens, next(), vocab, skip)).collect();
             let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
             let started = engine.prefill(&refs)?;
+            engine.backend.take_kernel_profile()?;
             let mut step: Vec<_> = started.iter().map(|(s, l)| (*s, argmax(l))).collect();
             let t = Instant::now();
             for _ in 1..args.gen_tokens {
@@ -146,6 +148,9 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
                 }
             }
             rates.push((b * (args.gen_tokens - 1)) as f64 / t.elapsed().as_secs_f64());
+            if let (1, Some(p)) = (b, engine.backend.take_kernel_profile()?) {
+                host_issue_b1 = Some(p.host_issue.as_secs_f64() * 1e3 / (args.gen_tokens - 1) as f64);
+            }
             started.iter().for_each(|(s, _)| engine.release(*s));
         }
         decode.insert(b.to_string(), json!(median(rates)));
@@ -160,15 +165,14 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
         let p = prompt(args.prefill_tokens, next(), vocab, skip);
         let t = Instant::now();
         let (s, _) = engine.prefill(&[&p])?.remove(0);
-        let times = engine.backend.take_kernel_times()?;
-        if !times.is_empty() {
+        if let Some(p) = engine.backend.take_kernel_profile()? {
             let passes = args.prefill_tokens.div_ceil(opts.prefill_chunk);
-            kernels.insert("prefill".into(), kernel_report(&times, passes, t.elapsed()));
+            kernels.insert("prefill".into(), kernel_report(&p, passes, t.elapsed()));
         }
         engine.release(s);
         let (s, l) = engine.prefill(&[&prompt(args.prompt_tokens, next(), vocab, skip)])?.remove(0);
         engine.backend.take_profile();
-        engine.backend.take_kernel_times()?;
+        engine.backend.take_kernel_profile()?;
         let mut tok = argmax(&l);
         let t = Instant::now();
         for _ in 1..args.gen_tokens {
@@ -176,9 +180,8 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
         }
         let wall = t.elapsed();
         profile = engine.backend.take_profile();
-        let times = engine.backend.take_kernel_times()?;
-        if !times.is_empty() {
-            kernels.insert("decode_batch1".into(), kernel_report(&times, args.gen_tokens - 1, wall));
+        if let Some(p) = engine.backend.take_kernel_profile()? {
+            kernels.insert("decode_batch1".into(), kernel_report(&p, args.gen_tokens - 1, wall));
         }
         engine.backend.set_profiling(false);
         engine.release(s);
@@ -206,6 +209,7 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
             "kv_bytes": d.kv_bytes,
             "decode_batch1_weights_gb_s": b1.map(|r| r * bytes as f64 / 1e9),
             "prefill_tflop_s": report["prefill_tok_s"].as_f64().map(|r| r * flop_per_token / 1e12),
+            "decode_batch1_host_issue_ms": host_issue_b1,
             "kernels": kernels,
         });
         return Ok(report);
@@ -264,9 +268,10 @@ fn step_report(p: &StepProfile, gbs: f64) -> Value {
 }
 
 /// Where a device's passes went, per pass: the wall time (the host's launches included, and
-/// the events' own cost), the kernels' device time, and each kernel's launches and time,
-/// slowest first.
-fn kernel_report(times: &[KernelTime], passes: usize, wall: std::time::Duration) -> Value {
+/// the events' own cost), the host's time issuing the pass, the kernels' device time, and each
+/// kernel's launches and time, slowest first.
+fn kernel_report(p: &KernelProfile, passes: usize, wall: std::time::Duration) -> Value {
+    let times = &p.kernels;
     let passes = passes.max(1) as f64;
     let total: f64 = times.iter().map(|k| k.ms).sum();
     let mut by: Vec<&KernelTime> = times.iter().collect();
@@ -285,6 +290,7 @@ fn kernel_report(times: &[KernelTime], passes: usize, wall: std::time::Duration)
     json!({
         "passes": passes,
         "wall_ms": wall.as_secs_f64() * 1e3 / passes,
+        "host_issue_ms": p.host_issue.as_secs_f64() * 1e3 / passes,
         "kernels_ms": total / passes,
         "by_kernel": by,
     })

@@ -18,7 +18,9 @@ typedef unsigned long long uint64_t;
 #define MUL(a, b) __fmul_rn((a), (b))
 #define ADD(a, b) __fadd_rn((a), (b))
 #else
+#include <math.h>
 #include <stdint.h>
+#include <string.h>
 #define INFERD_DEVICE static inline
 #define MUL(a, b) ((a) * (b))
 #define ADD(a, b) ((a) + (b))
@@ -302,4 +304,201 @@ INFERD_DEVICE float weight(int type, const uint8_t* blk, int e) {
 INFERD_DEVICE float row_weight(int type, const uint8_t* row, int k) {
     int n = block_len(type);
     return weight(type, row + (k / n) * block_bytes(type), k % n);
+}
+
+// ---- Quantized products: a 32-weight group as integers, as the CPU's group::decode reads it
+// (kernels/src/group.rs):
+//
+//     w[i] = (d * sc[i / 16]) * q[i] + dmin * m[i / 16]
+//
+// with the quants packed four to a word (weights 4k .. 4k + 3 in word k, lowest byte first), so
+// that a product with 8-bit activations is four __dp4a per half group, exact in integers.
+struct GroupQ {
+    int q[8];
+    int sc[2];
+    int m[2];
+    float d;
+    float dmin;
+    bool has_min;
+};
+
+#if defined(__CUDACC_RTC__)
+// A word at a 4-byte aligned address, at a 2-byte aligned one (two halves), a half at a 2-byte
+// aligned one; the product of four signed bytes added to c.
+INFERD_DEVICE uint32_t u32_a4(const uint8_t* p) { return *(const uint32_t*)p; }
+INFERD_DEVICE uint32_t u32_a2(const uint8_t* p) {
+    const uint16_t* h = (const uint16_t*)p;
+    return (uint32_t)h[0] | ((uint32_t)h[1] << 16);
+}
+INFERD_DEVICE float half_at(const uint8_t* p) { return f16_bits_to_f32(*(const uint16_t*)p); }
+// 16 bytes from a 16-byte aligned address to another; 4 floats at one.
+INFERD_DEVICE void copy16(void* dst, const void* src) { *(uint4*)dst = *(const uint4*)src; }
+INFERD_DEVICE float4 load_float4(const float* p) { return *(const float4*)p; }
+INFERD_DEVICE void store_float4(float* p, float4 v) { *(float4*)p = v; }
+// Four words at a 16-byte aligned address, in one load.
+INFERD_DEVICE void u32x4_a16(const uint8_t* p, uint32_t* w) {
+    uint4 v = *(const uint4*)p;
+    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+}
+INFERD_DEVICE int dot4(int a, int b, int c) { return __dp4a(a, b, c); }
+INFERD_DEVICE int round_even(float x) { return __float2int_rn(x); }
+#else
+INFERD_DEVICE uint32_t u32_a4(const uint8_t* p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+INFERD_DEVICE uint32_t u32_a2(const uint8_t* p) { return u32_a4(p); }
+INFERD_DEVICE void u32x4_a16(const uint8_t* p, uint32_t* w) { memcpy(w, p, 16); }
+INFERD_DEVICE void copy16(void* dst, const void* src) { memcpy(dst, src, 16); }
+struct float4 {
+    float x, y, z, w;
+};
+INFERD_DEVICE float4 load_float4(const float* p) {
+    float4 v;
+    memcpy(&v, p, 16);
+    return v;
+}
+INFERD_DEVICE void store_float4(float* p, float4 v) { memcpy(p, &v, 16); }
+INFERD_DEVICE float half_at(const uint8_t* p) { return read_f16(p); }
+INFERD_DEVICE int dot4(int a, int b, int c) {
+    for (int k = 0; k < 4; k++) c += (int)(int8_t)(a >> (8 * k)) * (int)(int8_t)(b >> (8 * k));
+    return c;
+}
+// Rounded to the nearest integer, ties to even (the default rounding mode).
+INFERD_DEVICE int round_even(float x) { return (int)nearbyintf(x); }
+#endif
+
+// Every byte of v (each below 128) minus k, as signed bytes, with no borrow between bytes.
+INFERD_DEVICE uint32_t sub_bytes(uint32_t v, uint32_t k) { return ((v | 0x80808080u) - k * 0x01010101u) ^ 0x80808080u; }
+
+// The low 4 bits of x, one to each byte's bit 0.
+INFERD_DEVICE uint32_t spread4(uint32_t x) { return (x & 1u) | ((x & 2u) << 7) | ((x & 4u) << 14) | ((x & 8u) << 21); }
+
+// Each byte of v (a nibble) through the IQ4 table.
+INFERD_DEVICE uint32_t iq4_bytes(uint32_t v) {
+    uint32_t out = 0;
+    for (int k = 0; k < 4; k++) out |= (uint32_t)(uint8_t)iq4_value((int)(v >> (8 * k)) & 15) << (8 * k);
+    return out;
+}
+
+// Nibble runs: the 16 bytes at p hold weights k (low nibble) and k + 16 (high) of a group.
+INFERD_DEVICE void nibble_words(uint32_t v, int k, GroupQ* o) {
+    o->q[k] = (int)(v & 0x0F0F0F0Fu);
+    o->q[k + 4] = (int)((v >> 4) & 0x0F0F0F0Fu);
+}
+
+// Group g (weights 32 g .. 32 g + 32) of a row of quantized type `type`; false for a float type.
+INFERD_DEVICE bool group_ints(int type, const uint8_t* row, int g, GroupQ* o) {
+    int per = block_len(type) / 32;
+    if (per == 0) return false;
+    const uint8_t* blk = row + (long long)(g / per) * block_bytes(type);
+    int j = g % per, h = j / 4, s = j % 4, c = j / 2, hh = j % 2;
+    o->sc[0] = o->sc[1] = 1;
+    o->m[0] = o->m[1] = 0;
+    o->dmin = 0.0f;
+    o->has_min = false;
+    switch (type) {
+        case W_Q8_0:
+            o->d = half_at(blk);
+            for (int k = 0; k < 8; k++) o->q[k] = (int)u32_a2(blk + 2 + 4 * k);
+            return true;
+        case W_Q4_0: case W_IQ4_NL:
+            o->d = half_at(blk);
+            for (int k = 0; k < 4; k++) nibble_words(u32_a2(blk + 2 + 4 * k), k, o);
+            for (int k = 0; k < 8; k++) {
+                o->q[k] = (int)(type == W_Q4_0 ? sub_bytes((uint32_t)o->q[k], 8) : iq4_bytes((uint32_t)o->q[k]));
+            }
+            return true;
+        case W_Q4_1:
+            o->d = half_at(blk);
+            o->dmin = half_at(blk + 2);
+            o->m[0] = o->m[1] = 1;
+            o->has_min = true;
+            for (int k = 0; k < 4; k++) nibble_words(u32_a4(blk + 4 + 4 * k), k, o);
+            return true;
+        case W_Q5_0: case W_Q5_1: {
+            bool one = type == W_Q5_1;
+            uint32_t qh = one ? u32_a4(blk + 4) : u32_a2(blk + 2);
+            for (int k = 0; k < 4; k++) {
+                nibble_words(one ? u32_a4(blk + 8 + 4 * k) : u32_a2(blk + 6 + 4 * k), k, o);
+                o->q[k] |= (int)(spread4(qh >> (4 * k)) << 4);
+                o->q[k + 4] |= (int)(spread4(qh >> (16 + 4 * k)) << 4);
+            }
+            o->d = half_at(blk);
+            if (one) {
+                o->dmin = half_at(blk + 2);
+                o->m[0] = o->m[1] = 1;
+                o->has_min = true;
+            } else {
+                for (int k = 0; k < 8; k++) o->q[k] = (int)sub_bytes((uint32_t)o->q[k], 16);
+            }
+            return true;
+        }
+        case W_Q2_K:
+            // Weight 128 h + 32 s + l sits in bits 2s of byte 32 h + l of qs (at 16).
+            for (int k = 0; k < 8; k++) o->q[k] = (int)((u32_a4(blk + 16 + 32 * h + 4 * k) >> (2 * s)) & 0x03030303u);
+            for (int i = 0; i < 2; i++) {
+                o->sc[i] = blk[2 * j + i] & 15;
+                o->m[i] = blk[2 * j + i] >> 4;
+            }
+            o->d = half_at(blk + 80);
+            o->dmin = -half_at(blk + 82);
+            o->has_min = true;
+            return true;
+        case W_Q3_K:
+            // The high bit of weight 32 j + l is bit j of hmask[l]; a clear bit subtracts 4.
+            for (int k = 0; k < 8; k++) {
+                uint32_t low = (u32_a2(blk + 32 + 32 * h + 4 * k) >> (2 * s)) & 0x03030303u;
+                uint32_t high = (u32_a2(blk + 4 * k) >> j) & 0x01010101u;
+                o->q[k] = (int)sub_bytes(low | (high << 2), 4);
+            }
+            for (int i = 0; i < 2; i++) o->sc[i] = q3k_scale(blk + 96, 2 * j + i);
+            o->d = half_at(blk + 108);
+            return true;
+        case W_Q4_K: case W_Q5_K: {
+            // Weight 64 c + 32 hh + l sits in nibble hh of byte 32 c + l of qs.
+            // The super-block is 144 (176) bytes and qs starts at 16 (48): 16-byte loads.
+            bool five = type == W_Q5_K;
+            const uint8_t* qs = blk + (five ? 48 : 16) + 32 * c;
+            uint32_t v[8], high[8];
+            u32x4_a16(qs, v);
+            u32x4_a16(qs + 16, v + 4);
+            if (five) {
+                u32x4_a16(blk + 16, high);
+                u32x4_a16(blk + 32, high + 4);
+            }
+            for (int k = 0; k < 8; k++) {
+                uint32_t q = (v[k] >> (4 * hh)) & 0x0F0F0F0Fu;
+                if (five) q |= ((high[k] >> j) & 0x01010101u) << 4;
+                o->q[k] = (int)q;
+            }
+            k_scale_min(blk + 4, j, &o->sc[0], &o->m[0]);
+            o->sc[1] = o->sc[0];
+            o->m[1] = o->m[0];
+            o->d = half_at(blk);
+            o->dmin = -half_at(blk + 2);
+            o->has_min = true;
+            return true;
+        }
+        case W_Q6_K:
+            for (int k = 0; k < 8; k++) {
+                uint32_t low = (u32_a2(blk + 64 * h + 32 * (s % 2) + 4 * k) >> (4 * (s / 2))) & 0x0F0F0F0Fu;
+                uint32_t high = (u32_a2(blk + 128 + 32 * h + 4 * k) >> (2 * s)) & 0x03030303u;
+                o->q[k] = (int)sub_bytes(low | (high << 4), 32);
+            }
+            for (int i = 0; i < 2; i++) o->sc[i] = (int8_t)blk[192 + 2 * j + i];
+            o->d = half_at(blk + 208);
+            return true;
+        case W_IQ4_XS: {
+            for (int k = 0; k < 4; k++) nibble_words(u32_a4(blk + 8 + 16 * j + 4 * k), k, o);
+            for (int k = 0; k < 8; k++) o->q[k] = (int)iq4_bytes((uint32_t)o->q[k]);
+            int low = (blk[4 + j / 2] >> (4 * (j % 2))) & 15;
+            int high = (read_u16(blk + 2) >> (2 * j)) & 3;
+            o->sc[0] = o->sc[1] = (low | (high << 4)) - 32;
+            o->d = half_at(blk);
+            return true;
+        }
+        default: return false;
+    }
 }

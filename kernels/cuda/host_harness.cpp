@@ -53,6 +53,13 @@ static bool launch(const std::string& k, dim3 grid, dim3 block) {
         run([] {
             matvec(P<uint8_t>(0), V<int>(1), V<long long>(2), V<int>(3), V<int>(4), P<float>(5), V<int>(6), P<float>(7));
         });
+    } else if (k == "quantize_q8") {
+        run([] { quantize_q8(P<float>(0), V<long long>(1), P<int8_t>(2), P<float>(3), P<int>(4)); });
+    } else if (k == "matvec_q8") {
+        run([] {
+            matvec_q8(P<uint8_t>(0), V<int>(1), V<long long>(2), V<int>(3), V<int>(4), P<int8_t>(5), P<float>(6), P<int>(7),
+                      V<int>(8), P<float>(9));
+        });
     } else if (k == "add_bias") {
         run([] { add_bias(P<float>(0), P<float>(1), V<int>(2), V<int>(3)); });
     } else if (k == "dequantize_half") {
@@ -67,9 +74,12 @@ static bool launch(const std::string& k, dim3 grid, dim3 block) {
         run([] { kv_copy_blocks(P<uint16_t>(0), P<uint16_t>(1), P<int>(2), V<long long>(3)); });
     } else if (k == "attention") {
         run([] {
-            attention(P<float>(0), P<uint16_t>(1), P<uint16_t>(2), P<int>(3), P<int>(4), V<int>(5), P<int>(6), V<int>(7),
-                      V<int>(8), V<int>(9), V<int>(10), V<int>(11), V<float>(12), P<float>(13));
+            attention(P<float>(0), P<uint16_t>(1), P<uint16_t>(2), P<int>(3), P<int>(4), V<int>(5), P<int>(6), P<int>(7),
+                      V<int>(8), V<int>(9), V<int>(10), V<int>(11), V<int>(12), V<int>(13), V<int>(14), V<int>(15),
+                      V<int>(16), V<float>(17), P<float>(18), P<float>(19), P<float>(20));
         });
+    } else if (k == "attention_combine") {
+        run([] { attention_combine(P<float>(0), P<float>(1), V<int>(2), V<int>(3), V<int>(4), P<float>(5)); });
     } else {
         return false;
     }

@@ -22,6 +22,9 @@
 struct dim3 {
     unsigned x = 1, y = 1, z = 1;
 };
+struct uint4 {
+    uint32_t x, y, z, w;
+};
 // One OS thread runs every fiber: the scheduler sets threadIdx before it resumes one.
 static dim3 threadIdx, blockIdx, blockDim, gridDim;
 
@@ -29,6 +32,7 @@ static dim3 threadIdx, blockIdx, blockDim, gridDim;
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 
 enum HostState { HOST_RUN, HOST_AT_BLOCK, HOST_AT_WARP, HOST_DONE };
 

@@ -39,6 +39,34 @@ pub struct WeightShape {
     pub cols: usize,
 }
 
+/// How one `attention` launch covers a batch's queries: tiles of consecutive tokens of one
+/// sequence (`tiles`: first token and count of each), `heads_per_block` of a KV head's query
+/// heads per block (`chunks` blocks for all of them), and the positions of each tile in
+/// `splits` runs of `split_len` (one when the grid is large enough without), merged after by
+/// `attention_combine`.
+pub struct AttentionPlan<S: Stream> {
+    pub tiles: S::Buf<i32>,
+    pub n_tiles: usize,
+    pub heads_per_block: usize,
+    pub chunks: usize,
+    pub splits: usize,
+    pub split_len: usize,
+}
+
+/// The (token, head) rows one attention block holds for a head size: the kernel's rows per
+/// warp (by head size, attention.cu's dispatch) times its four warps.
+pub fn attention_rows(head_dim: usize) -> usize {
+    4 * match head_dim {
+        0..=64 => 14,
+        65..=128 => 7,
+        _ => 3,
+    }
+}
+
+/// Blocks below which `attention` splits each tile's positions, to fill a large GPU (two
+/// blocks per multiprocessor of an H100 or H200).
+const ATTENTION_FILL_BLOCKS: usize = 264;
+
 /// The attention launch's shape: query and KV heads, head size, positions per block, sliding
 /// window (none: every position) and score scale.
 #[derive(Clone, Copy, Debug)]
@@ -49,6 +77,22 @@ pub struct AttentionShape {
     pub block_size: usize,
     pub window: Option<usize>,
     pub scale: f32,
+}
+
+/// Activations rounded to 8 bits for the quantized products ([`KernelCalls::quantize_q8`]):
+/// `tokens` rows of `cols` values, per group of 32 the quants, the scale and each half's sum of
+/// quants.
+pub struct Q8Activations<S: Stream> {
+    pub q: S::Buf<u8>,
+    pub d: S::Buf<f32>,
+    pub sums: S::Buf<i32>,
+    pub tokens: usize,
+    pub cols: usize,
+}
+
+/// Whether GGML type `ggml_type` is a quantized one (`matvec_q8` takes it), not F32, F16 or BF16.
+pub fn is_quantized(ggml_type: u32) -> bool {
+    crate::DType::from_ggml(ggml_type).is_some_and(|d| matches!(d.class(), crate::quant::WeightClass::Quantized(_)))
 }
 
 /// The typed kernel calls, for every [`Stream`].
@@ -95,9 +139,13 @@ pub trait KernelCalls: Stream + Sized {
             format!("x {} w {n} y {}", Self::len(x), Self::len(y))
         })?;
         let mut a = [Arg::F32(x), Arg::F32(w), Arg::F32Mut(y), Arg::Int(int("rms_norm", "n", n)?), Arg::Float(eps)];
-        // SAFETY: rms_norm's (float*, float*, float*, int, float); lengths checked above; one
-        // block per piece, 256 threads (a multiple of 32, as block_sum wants).
-        unsafe { self.launch("rms_norm", (grid_dim("rms_norm", "x", rows)?, 1), (256, 1), &mut a) }
+        // A few long pieces (a decode step's hidden states): a block of 1024 threads each, every
+        // value loaded at once; many (prefill, or QK-norm's heads): 256.
+        let threads = if rows <= 16 { 1024 } else { 256 };
+        // SAFETY: rms_norm's (float*, float*, float*, int, float); lengths checked above (the
+        // pieces start every n floats; the kernel reads 4 at a time only where n is a multiple
+        // of 4, so aligned); one block per piece, a multiple of 32 threads as block_sum wants.
+        unsafe { self.launch("rms_norm", (grid_dim("rms_norm", "x", rows)?, 1), (threads, 1), &mut a) }
     }
 
     /// Rotates the first `2 inv_freq.len()` dimensions of every head of every token (token `t`
@@ -182,6 +230,83 @@ pub trait KernelCalls: Stream + Sized {
         // SAFETY: matvec's (uint8*, int, long long, int, int, float*, int, float*); lengths checked
         // above; blocks of 32 x 8 threads (a warp per row), a grid row per 8 tokens.
         unsafe { self.launch("matvec", g, (32, 8), &mut a) }
+    }
+
+    /// The first `tokens` rows of `x` (`cols` values each, a multiple of 32) rounded to 8 bits
+    /// per group of 32, as the CPU backend rounds activations for its quantized products.
+    fn quantize_q8(&self, x: &Self::Buf<f32>, tokens: usize, cols: usize) -> Result<Q8Activations<Self>, GpuError> {
+        check("quantize_q8", tokens > 0 && cols.is_multiple_of(32) && Self::len(x) >= tokens * cols, || {
+            format!("x {} for {tokens} x {cols}", Self::len(x))
+        })?;
+        let groups = tokens * cols / 32;
+        let mut a = Q8Activations {
+            q: self.alloc::<u8>(tokens * cols)?,
+            d: self.alloc::<f32>(groups)?,
+            sums: self.alloc::<i32>(2 * groups)?,
+            tokens,
+            cols,
+        };
+        let mut args = [
+            Arg::F32(x),
+            Arg::Long(groups as i64),
+            Arg::U8Mut(&mut a.q),
+            Arg::F32Mut(&mut a.d),
+            Arg::I32Mut(&mut a.sums),
+        ];
+        // SAFETY: quantize_q8's (float*, long long, int8*, float*, int*); x holds groups * 32
+        // floats and the outputs groups * 32 bytes, groups floats and 2 groups ints (above).
+        // Blocks of 8 warps, a warp per group, striding over the rest.
+        unsafe { self.launch("quantize_q8", (groups.div_ceil(8).min(65535) as u32, 1), (32, 8), &mut args)? };
+        Ok(a)
+    }
+
+    /// [`KernelCalls::matvec`] for a quantized `w` against 8-bit activations: `y[t * rows + r]`
+    /// = row `r` of `w` against token `t` of `a`, each group's term as the CPU's product computes
+    /// it.
+    fn matvec_q8(
+        &self,
+        w: &Self::Buf<u8>,
+        shape: WeightShape,
+        a: &Q8Activations<Self>,
+        y: &mut Self::Buf<f32>,
+    ) -> Result<(), GpuError> {
+        let WeightShape { ggml_type, row_bytes, rows, cols } = shape;
+        let tokens = a.tokens;
+        check(
+            "matvec_q8",
+            is_quantized(ggml_type)
+                && a.cols == cols
+                && Self::len(&a.q) >= tokens * cols
+                && Self::len(&a.d) >= tokens * cols / 32
+                && Self::len(&a.sums) >= tokens * cols / 16
+                && Self::len(w) >= rows * row_bytes
+                && Self::len(y) >= rows * tokens,
+            || {
+                format!(
+                    "type {ggml_type}, w {} y {} for {rows} x {cols}, {tokens} tokens of {}",
+                    Self::len(w),
+                    Self::len(y),
+                    a.cols
+                )
+            },
+        )?;
+        let g = (grid_dim("matvec_q8", "x", rows.div_ceil(8))?, grid_dim("matvec_q8", "y", tokens.div_ceil(8))?);
+        let mut args = [
+            Arg::U8(w),
+            Arg::Int(ggml_type as i32),
+            Arg::Long(row_bytes as i64),
+            Arg::Int(int("matvec_q8", "rows", rows)?),
+            Arg::Int(int("matvec_q8", "cols", cols)?),
+            Arg::U8(&a.q),
+            Arg::F32(&a.d),
+            Arg::I32(&a.sums),
+            Arg::Int(int("matvec_q8", "tokens", tokens)?),
+            Arg::F32Mut(y),
+        ];
+        // SAFETY: matvec_q8's (uint8*, int, long long, int, int, int8*, float*, int*, int,
+        // float*); a quantized type (its groups decoded by group_ints) and every length checked
+        // above; blocks of 32 x 8 threads (a warp per row, MVQ_ROWS), a grid row per 8 tokens.
+        unsafe { self.launch("matvec_q8", g, (32, 8), &mut args) }
     }
 
     /// `out` = the matrix `w` decoded to halves (`rows × cols`; bf16 when `bf16`, else f16),
@@ -329,9 +454,62 @@ pub trait KernelCalls: Stream + Sized {
         unsafe { self.launch("kv_copy_blocks", g, (256, 1), &mut a) }
     }
 
-    /// Attention of every query over its sequence's blocks (see attention.cu): query `t` sits
-    /// at position `q_pos[t]` and reads table `table_of[t]` of `tables` (`table_len` entries
-    /// each).
+    /// The plan of an `attention` launch for queries of sequences `table_of` at positions
+    /// `q_pos` (host copies of the launch's arrays): runs of consecutive positions of one
+    /// sequence cut into tiles of at most [`attention_rows`] rows, and each tile's positions
+    /// split in runs of `split_len` (where `None`: split only to fill the GPU when the tiles
+    /// are few and long).
+    fn attention_plan(
+        &self,
+        table_of: &[i32],
+        q_pos: &[i32],
+        s: AttentionShape,
+        split_len: Option<usize>,
+    ) -> Result<AttentionPlan<Self>, GpuError> {
+        check(
+            "attention",
+            table_of.len() == q_pos.len() && s.kv_heads > 0 && s.q_heads.is_multiple_of(s.kv_heads) && s.head_dim > 0,
+            || format!("{} tables for {} queries", table_of.len(), q_pos.len()),
+        )?;
+        let rows = attention_rows(s.head_dim);
+        let group = s.q_heads / s.kv_heads;
+        let heads_per_block = group.min(rows);
+        let chunks = group.div_ceil(heads_per_block);
+        let per_tile = (rows / heads_per_block).max(1);
+        let (mut tiles, mut longest) = (Vec::new(), 1usize);
+        let mut t = 0;
+        while t < q_pos.len() {
+            let mut n = 1;
+            while t + n < q_pos.len()
+                && n < per_tile
+                && table_of[t + n] == table_of[t]
+                && q_pos[t + n] == q_pos[t + n - 1] + 1
+            {
+                n += 1;
+            }
+            let last = q_pos[t + n - 1].max(0) as usize;
+            let first = s.window.map_or(0, |w| (q_pos[t].max(0) as usize + 1).saturating_sub(w));
+            longest = longest.max(last + 1 - first.min(last));
+            tiles.extend([int("attention", "a token", t)?, int("attention", "a tile", n)?]);
+            t += n;
+        }
+        let n_tiles = tiles.len() / 2;
+        let blocks = n_tiles * s.kv_heads * chunks;
+        let (splits, split_len) = match split_len {
+            Some(l) => (longest.div_ceil(l.max(1)), l.max(1)),
+            None if blocks < ATTENTION_FILL_BLOCKS && longest > 128 => {
+                let splits = longest.div_ceil(64).min(ATTENTION_FILL_BLOCKS.div_ceil(blocks)).clamp(1, 32);
+                (splits, longest.div_ceil(splits).next_multiple_of(32))
+            }
+            None => (1, longest),
+        };
+        let tiles = if tiles.is_empty() { self.zeros::<i32>(2)? } else { self.upload(&tiles)? };
+        Ok(AttentionPlan { tiles, n_tiles, heads_per_block, chunks, splits, split_len })
+    }
+
+    /// Attention of every query over its sequence's blocks (see attention.cu), as `plan`
+    /// covers them: query `t` sits at position `q_pos[t]` and reads table `table_of[t]` of
+    /// `tables` (`table_len` entries each).
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -341,6 +519,7 @@ pub trait KernelCalls: Stream + Sized {
         table_of: &Self::Buf<i32>,
         table_len: usize,
         q_pos: &Self::Buf<i32>,
+        plan: &AttentionPlan<Self>,
         s: AttentionShape,
         out: &mut Self::Buf<f32>,
     ) -> Result<(), GpuError> {
@@ -348,11 +527,16 @@ pub trait KernelCalls: Stream + Sized {
         check(
             "attention",
             s.head_dim <= 256
+                && s.head_dim.is_multiple_of(2)
                 && s.kv_heads > 0
                 && s.q_heads.is_multiple_of(s.kv_heads)
                 && Self::len(q) == tokens * s.q_heads * s.head_dim
                 && Self::len(out) >= Self::len(q)
-                && Self::len(table_of) == tokens,
+                && Self::len(table_of) == tokens
+                && plan.splits > 0
+                && plan.heads_per_block > 0
+                && plan.chunks == (s.q_heads / s.kv_heads).div_ceil(plan.heads_per_block)
+                && Self::len(&plan.tiles) >= 2 * plan.n_tiles,
             || {
                 format!(
                     "q {} out {} for {tokens} queries of {} heads of {}",
@@ -363,6 +547,17 @@ pub trait KernelCalls: Stream + Sized {
                 )
             },
         )?;
+        if plan.n_tiles == 0 {
+            return Ok(());
+        }
+        let rows = tokens * s.q_heads;
+        let split = plan.splits > 1;
+        let (mut part_o, mut part_ml) = if split {
+            // Every (split, row) is written by the block that covers it, empty splits included.
+            (self.alloc::<f32>(plan.splits * rows * s.head_dim)?, self.alloc::<f32>(2 * plan.splits * rows)?)
+        } else {
+            (self.alloc::<f32>(1)?, self.alloc::<f32>(1)?)
+        };
         let i = |what, v| int("attention", what, v);
         let mut a = [
             Arg::F32(q),
@@ -372,6 +567,11 @@ pub trait KernelCalls: Stream + Sized {
             Arg::I32(table_of),
             Arg::Int(i("table_len", table_len)?),
             Arg::I32(q_pos),
+            Arg::I32(&plan.tiles),
+            Arg::Int(i("heads_per_block", plan.heads_per_block)?),
+            Arg::Int(i("splits", plan.splits)?),
+            Arg::Int(i("split_len", plan.split_len)?),
+            Arg::Int(i("tokens", tokens)?),
             Arg::Int(i("q_heads", s.q_heads)?),
             Arg::Int(i("kv_heads", s.kv_heads)?),
             Arg::Int(i("head_dim", s.head_dim)?),
@@ -379,13 +579,35 @@ pub trait KernelCalls: Stream + Sized {
             Arg::Int(i("window", s.window.unwrap_or(0))?),
             Arg::Float(s.scale),
             Arg::F32Mut(out),
+            Arg::F32Mut(&mut part_o),
+            Arg::F32Mut(&mut part_ml),
         ];
-        let g = (grid_dim("attention", "x", tokens)?, grid_dim("attention", "y", s.q_heads.div_ceil(4))?);
-        // SAFETY: attention's (float*, uint16*, uint16*, int*, int*, int, int*, int, int, int,
-        // int, int, float, float*); head_dim <= ATT_MAX_HEAD_DIM and the shapes checked above;
-        // the tables must cover every query's positions (validated by the engine first). A
-        // warp per (query, head), 4 heads per block.
-        unsafe { self.launch("attention", g, (32, 4), &mut a) }
+        let g = (
+            grid_dim("attention", "x", plan.n_tiles)?,
+            grid_dim("attention", "y", s.kv_heads * plan.chunks * plan.splits)?,
+        );
+        // SAFETY: attention's (float*, uint16*, uint16*, int*, int*, int, int*, int*, int, int,
+        // int, int, int, int, int, int, int, float, float*, float*, float*); head_dim <=
+        // ATT_MAX_HEAD_DIM and even, the shapes and the plan checked above (its tiles cut by
+        // attention_plan to at most attention_rows rows, the kernel's per block); the part
+        // buffers hold splits x rows outputs where split; the tables must cover every query's
+        // positions (validated by the engine first). Blocks of 4 warps.
+        unsafe { self.launch("attention", g, (32, 4), &mut a)? };
+        if !split {
+            return Ok(());
+        }
+        let mut a = [
+            Arg::F32(&part_o),
+            Arg::F32(&part_ml),
+            Arg::Int(i("splits", plan.splits)?),
+            Arg::Int(i("rows", rows)?),
+            Arg::Int(i("head_dim", s.head_dim)?),
+            Arg::F32Mut(out),
+        ];
+        // SAFETY: attention_combine's (float*, float*, int, int, int, float*); the part buffers
+        // hold splits x rows outputs and (max, sum) pairs, out rows x head_dim floats (checked
+        // above). A warp per row, 8 rows a block.
+        unsafe { self.launch("attention_combine", (grid_dim("attention", "x", rows.div_ceil(8))?, 1), (32, 8), &mut a) }
     }
 }
 

@@ -40,6 +40,11 @@ impl Gpu {
         let device = probe()?;
         let cubin = cached_cubin(&device.arch, cache_dir)?;
         let ctx = CudaContext::new(device.ordinal as usize).map_err(driver)?;
+        // SAFETY: turns off cudarc's per-buffer events, which order a buffer's uses across
+        // streams: every buffer, launch, copy and cuBLAS call here is on the one stream below,
+        // so its uses are ordered by the stream itself (and each buffer skips two event
+        // creations and destructions).
+        unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
         let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)).map_err(driver)?;
         let mut funcs = HashMap::new();
@@ -100,6 +105,13 @@ impl Stream for Gpu {
         self.stream.alloc_zeros(n.max(1)).map_err(driver)
     }
 
+    fn alloc<T: Elem>(&self, n: usize) -> Result<CudaSlice<T>, GpuError> {
+        // SAFETY: device memory of n elements, stream-ordered; `Elem` types are valid for any
+        // bits, and the callers' kernels write it whole before it is read (this method's
+        // contract), so nothing observes the unspecified contents as anything but numbers.
+        unsafe { self.stream.alloc(n.max(1)) }.map_err(driver)
+    }
+
     fn download<T: Elem>(&self, buf: &CudaSlice<T>) -> Result<Vec<T>, GpuError> {
         let v = self.stream.clone_dtoh(buf).map_err(driver)?;
         self.synchronize()?;
@@ -127,7 +139,9 @@ impl Stream for Gpu {
         for a in args.iter_mut() {
             match a {
                 Arg::U8(x) => b.arg(*x),
+                Arg::U8Mut(x) => b.arg(&mut **x),
                 Arg::I32(x) => b.arg(*x),
+                Arg::I32Mut(x) => b.arg(&mut **x),
                 Arg::U16(x) => b.arg(*x),
                 Arg::U16Mut(x) => b.arg(&mut **x),
                 Arg::F32(x) => b.arg(*x),

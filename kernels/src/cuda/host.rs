@@ -157,7 +157,9 @@ impl Stream for Host {
         for a in args.iter() {
             let (back, b) = match a {
                 Arg::U8(x) => (false, x.to_vec()),
+                Arg::U8Mut(x) => (true, x.to_vec()),
                 Arg::I32(x) => (false, bytes(x)),
+                Arg::I32Mut(x) => (true, bytes(x)),
                 Arg::U16(x) => (false, bytes(x)),
                 Arg::U16Mut(x) => (true, bytes(x)),
                 Arg::F32(x) => (false, bytes(x)),
@@ -182,6 +184,8 @@ impl Stream for Host {
         }
         for a in args.iter_mut() {
             match a {
+                Arg::U8Mut(x) => read_back(&mut session.from, x)?,
+                Arg::I32Mut(x) => read_back(&mut session.from, x)?,
                 Arg::U16Mut(x) => read_back(&mut session.from, x)?,
                 Arg::F32Mut(x) => read_back(&mut session.from, x)?,
                 _ => {}

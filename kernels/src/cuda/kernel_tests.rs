@@ -26,6 +26,8 @@ trait Runner {
     fn rope(&self, x: &[f32], pos: &[i32], freq: &[f32], heads: usize, hd: usize, neox: bool, scale: f32) -> Vec<f32>;
     fn gated_act(&self, gate: &[f32], up: &[f32], gelu: bool) -> Vec<f32>;
     fn matvec(&self, dtype: DType, w: &[u8], rows: usize, cols: usize, x: &[f32]) -> Vec<f32>;
+    /// `x` rounded to 8 bits (quants, scales, half sums), and a quantized `w`'s product with it.
+    fn matvec_q8(&self, dtype: DType, w: &[u8], rows: usize, cols: usize, x: &[f32]) -> (Q8Host, Vec<f32>);
     fn embed(&self, dtype: DType, table: &[u8], ids: &[i32], cols: usize, scale: f32) -> Vec<f32>;
     fn kv_attention(&self, a: &AttentionCase) -> Vec<f32>;
     fn dequantize_half(&self, dtype: DType, w: &[u8], rows: usize, cols: usize, bf16: bool) -> Vec<u16>;
@@ -33,6 +35,9 @@ trait Runner {
     /// `None` where the stream has no product of halves (a GPU without cuBLAS).
     fn gemm(&self, w: &[u16], x: &[u16], shape: GemmShape) -> Option<Vec<f32>>;
 }
+
+/// `quantize_q8`'s output, downloaded: quants, scales, half sums.
+type Q8Host = (Vec<u8>, Vec<f32>, Vec<i32>);
 
 /// Tokens' K/V stored into a pool of `blocks` blocks, then queries attending over their
 /// sequences' block tables (`table_len` entries each).
@@ -51,6 +56,8 @@ struct AttentionCase {
     blocks: usize,
     window: usize,
     scale: f32,
+    /// Positions per split of the launch's plan; `None`: the plan's own choice.
+    split_len: Option<usize>,
 }
 
 /// Every stream runs the checks through the same typed calls.
@@ -79,6 +86,15 @@ impl<S: Stream> Runner for S {
         KernelCalls::matvec(self, &dw, shape, &dx, tokens, &mut dy).unwrap();
         self.download(&dy).unwrap()
     }
+    fn matvec_q8(&self, dtype: DType, w: &[u8], rows: usize, cols: usize, x: &[f32]) -> (Q8Host, Vec<f32>) {
+        let tokens = x.len() / cols;
+        let a = KernelCalls::quantize_q8(self, &self.upload(x).unwrap(), tokens, cols).unwrap();
+        let mut dy = self.zeros::<f32>(rows * tokens).unwrap();
+        let shape = WeightShape { ggml_type: dtype.ggml_type(), row_bytes: dtype.bytes_for(cols).unwrap(), rows, cols };
+        KernelCalls::matvec_q8(self, &self.upload(w).unwrap(), shape, &a, &mut dy).unwrap();
+        let q8 = (self.download(&a.q).unwrap(), self.download(&a.d).unwrap(), self.download(&a.sums).unwrap());
+        (q8, self.download(&dy).unwrap())
+    }
     fn embed(&self, dtype: DType, table: &[u8], ids: &[i32], cols: usize, scale: f32) -> Vec<f32> {
         let mut dy = self.zeros::<f32>(ids.len() * cols).unwrap();
         let (dt, di) = (self.upload(table).unwrap(), self.upload(ids).unwrap());
@@ -103,7 +119,11 @@ impl<S: Stream> Runner for S {
             window: (a.window > 0).then_some(a.window),
             scale: a.scale,
         };
-        KernelCalls::attention(self, &dq, (&kc, &vc), &tables, &table_of, a.table_len, &q_pos, shape, &mut out)
+        let plan = KernelCalls::attention_plan(self, &a.table_of, &a.q_pos, shape, a.split_len).unwrap();
+        if let Some(l) = a.split_len {
+            assert_eq!(plan.split_len, l);
+        }
+        KernelCalls::attention(self, &dq, (&kc, &vc), &tables, &table_of, a.table_len, &q_pos, &plan, shape, &mut out)
             .unwrap();
         self.download(&out).unwrap()
     }
@@ -153,14 +173,17 @@ fn close(got: &[f32], want: &[f32], tol: f32, what: &str) {
 }
 
 fn check_norm_rope_activations(on: &dyn Runner) {
-    let (rows, n) = (3, 96);
-    let (x, w) = (values(rows * n, 1), values(n, 2));
-    let got = on.rms_norm(&x, &w, 1e-6);
-    let mut want = vec![0f32; rows * n];
-    for r in 0..rows {
-        crate::ops::rms_norm(&x[r * n..(r + 1) * n], &w, 1e-6, &mut want[r * n..(r + 1) * n]);
+    // Pieces of a multiple of 4 (read 4 at a time), one of more values than a block keeps in
+    // registers, and one of an odd size; few rows and many (the launch's two block sizes).
+    for (rows, n) in [(3, 96), (2, 90), (1, 20000), (40, 64)] {
+        let (x, w) = (values(rows * n, 1), values(n, 2));
+        let got = on.rms_norm(&x, &w, 1e-6);
+        let mut want = vec![0f32; rows * n];
+        for r in 0..rows {
+            crate::ops::rms_norm(&x[r * n..(r + 1) * n], &w, 1e-6, &mut want[r * n..(r + 1) * n]);
+        }
+        close(&got, &want, 1e-5, &format!("rms_norm {rows} x {n}"));
     }
-    close(&got, &want, 1e-5, "rms_norm");
 
     // Partial rotation (12 of 16 dimensions), both pairings, LongRoPE-style magnitude.
     let (tokens, heads, hd, pairs, scale) = (3, 4, 16, 6, 1.118f32);
@@ -216,6 +239,10 @@ fn check_matvec_embed(on: &dyn Runner) {
         }
         for tokens in [1usize, 3, 8, 11] {
             let x = values(tokens * cols, 13 + tokens as u64);
+            if let crate::quant::WeightClass::Quantized(q) = dtype.class() {
+                check_matvec_q8(on, q, &w, rows, cols, &x);
+                continue;
+            }
             let got = on.matvec(dtype, &w, rows, cols, &x);
             assert_eq!(got.len(), rows * tokens);
             for t in 0..tokens {
@@ -228,6 +255,16 @@ fn check_matvec_embed(on: &dyn Runner) {
                 }
             }
         }
+        // Rows longer than the kernel's chunk of staged activations (128 groups), the last
+        // chunk partial, and more tokens than one grid row takes.
+        if matches!(dtype, DType::Q4K | DType::Q6K | DType::Q8_0) {
+            let (rows, cols) = (5, 9728);
+            let crate::quant::WeightClass::Quantized(q) = dtype.class() else { unreachable!() };
+            let w = random_blocks(q, rows * cols / q.block_len(), 41);
+            for tokens in [1usize, 9] {
+                check_matvec_q8(on, q, &w, rows, cols, &values(tokens * cols, 42 + tokens as u64));
+            }
+        }
         // The embedding lookup of the same table: the dequantized rows, scaled.
         let ids = [3, 0, 36];
         let got = on.embed(dtype, &w, &ids, cols, 2.5);
@@ -237,6 +274,69 @@ fn check_matvec_embed(on: &dyn Runner) {
             .collect();
         assert_eq!(got, want, "{dtype:?} embedding");
     }
+}
+
+/// A quantized matrix against 8-bit activations: the activations rounded as the CPU's
+/// `quantize_q8` rounds them, bit for bit (quants, scales, each half's sum), and each product
+/// equal to the CPU's scalar product of the same operands but for the order of its groups' sum
+/// (every group's term is the same float).
+fn check_matvec_q8(on: &dyn Runner, q: QuantType, w: &[u8], rows: usize, cols: usize, x: &[f32]) {
+    use crate::cpu::scalar;
+    use crate::quant::{BlockQ8, QK};
+    let tokens = x.len() / cols;
+    let ((aq, ad, asums), got) = on.matvec_q8(q.dtype(), w, rows, cols, x);
+    assert_eq!(got.len(), rows * tokens);
+    let row_bytes = q.dtype().bytes_for(cols).unwrap();
+    let dot = scalar::quant_dots(q).one;
+    for t in 0..tokens {
+        let mut a = vec![BlockQ8::default(); cols / QK];
+        scalar::quantize_q8(&x[t * cols..(t + 1) * cols], &mut a);
+        for (gi, b) in a.iter().enumerate() {
+            let g = t * cols / QK + gi;
+            let quants: Vec<u8> = b.qs.iter().map(|&v| v as u8).collect();
+            assert_eq!(&aq[g * QK..(g + 1) * QK], &quants[..], "{q:?} token {t} group {gi}: quants");
+            assert_eq!(ad[g].to_bits(), b.d.to_bits(), "{q:?} token {t} group {gi}: scale");
+            for h in 0..2 {
+                assert_eq!(asums[2 * g + h], b_sum(b, h), "{q:?} token {t} group {gi}: sum of half {h}");
+            }
+        }
+        for r in 0..rows {
+            // Each group's term as the CPU's scalar::dot_group computes it; the GPU sums the same
+            // floats in another order, so the bound is f32 rounding of their magnitudes' sum.
+            let terms: Vec<f32> = a
+                .iter()
+                .enumerate()
+                .map(|(g, ab)| {
+                    let gr = crate::group::decode(q, &w[r * row_bytes..(r + 1) * row_bytes], g);
+                    let (mut isum, mut msum) = (0i32, 0i32);
+                    for h in 0..2 {
+                        let qa: i32 = (16 * h..16 * h + 16).map(|i| i32::from(gr.q[i]) * i32::from(ab.qs[i])).sum();
+                        isum += gr.sc[h] * qa;
+                        msum += gr.m[h] * b_sum(ab, h);
+                    }
+                    let term = (ab.d * gr.d) * isum as f32;
+                    if gr.has_min {
+                        term + (ab.d * gr.dmin) * msum as f32
+                    } else {
+                        term
+                    }
+                })
+                .collect();
+            let want: f64 = terms.iter().map(|&v| f64::from(v)).sum();
+            let mag: f64 = terms.iter().map(|&v| f64::from(v).abs()).sum();
+            let g = f64::from(got[t * rows + r]);
+            assert!((g - want).abs() <= 4e-6 * mag + 1e-7, "{q:?} token {t} row {r}: {g} vs the CPU's {want}");
+            // And the CPU backend's own product of the row (Q4_0, Q4_1 and Q8_0 fold their
+            // offsets differently, so within rounding).
+            let cpu = f64::from(dot(&w[r * row_bytes..(r + 1) * row_bytes], &a));
+            assert!((g - cpu).abs() <= 1e-5 * mag + 1e-6, "{q:?} token {t} row {r}: {g} vs the CPU's product {cpu}");
+        }
+    }
+}
+
+/// The sum of half `h` of an activation block's quants.
+fn b_sum(b: &crate::quant::BlockQ8, h: usize) -> i32 {
+    b.qs[16 * h..16 * h + 16].iter().map(|&v| i32::from(v)).sum()
 }
 
 /// Prefill's operands as halves and their product: every weight type decoded to f16 and bf16
@@ -324,71 +424,115 @@ fn check_halves_and_gemm(on: &dyn Runner) -> bool {
 }
 
 fn check_attention(on: &dyn Runner) {
-    // Two sequences in a pool of 9 blocks of 4 positions, their blocks scattered: sequence 0
-    // has 11 positions and queries its last 3 (a prefill chunk), sequence 1 has 6 and queries
-    // its last (decode). 4 query heads share 2 KV heads.
-    let (qh, kvh, bs, blocks) = (4usize, 2usize, 4usize, 9usize);
-    let tables: [[i32; 3]; 2] = [[7, 2, 5], [0, 8, 1]];
-    let lens = [11usize, 6];
-    for (hd, window) in [(64usize, 0usize), (40, 5)] {
-        let kv_dim = kvh * hd;
-        let mut slots = Vec::new();
-        let mut kv_of = Vec::new(); // (seq, pos) of each stored row
-        for (s, &len) in lens.iter().enumerate() {
-            for p in 0..len {
-                slots.push(tables[s][p / bs] * bs as i32 + (p % bs) as i32);
-                kv_of.push((s, p));
+    // Two sequences of 4 query heads on 2 KV heads in a pool of 9 blocks of 4 positions, their
+    // blocks scattered: sequence 0 has 11 positions and queries its last 3 (a prefill chunk),
+    // sequence 1 has 6 and queries its last (decode).
+    let short = |hd, window| AttentionCase {
+        heads: (4, 2),
+        hd,
+        bs: 4,
+        blocks: 9,
+        window,
+        ..attention_case(&[vec![7, 2, 5], vec![0, 8, 1]], &[11, 6], &[(0, 8), (0, 9), (0, 10), (1, 5)], (4, 2), hd, 4)
+    };
+    check_attention_case(on, &short(64, 0));
+    check_attention_case(on, &short(40, 5));
+    // Longer sequences, over several tiles of positions and of queries and split in runs of
+    // positions: Llama 3 8B's head (128, 4 query heads a KV head), Gemma's (256, one KV head
+    // for 4), a tiny model's (16), each with and without a window; a prefill chunk of 20
+    // queries of sequence 0 (more than a block's rows) and a decode query of sequence 1.
+    let tables =
+        [(0..12).map(|b| (b * 7 + 3) % 23).collect::<Vec<i32>>(), (0..11).map(|b| (b * 5 + 1) % 23 + 23).collect()];
+    let queries: Vec<(usize, usize)> = (70..90).map(|p| (0, p)).chain([(1, 83)]).collect();
+    for (heads, hd) in [((8, 2), 128), ((4, 1), 256), ((6, 3), 16)] {
+        for window in [0, 37] {
+            for split_len in [None, Some(32), Some(64)] {
+                let mut c = attention_case(&tables, &[90, 84], &queries, heads, hd, 8);
+                (c.window, c.split_len) = (window, split_len);
+                check_attention_case(on, &c);
             }
         }
-        let k = values(slots.len() * kv_dim, 21);
-        let v = values(slots.len() * kv_dim, 22);
-        let queries: Vec<(usize, usize)> = vec![(0, 8), (0, 9), (0, 10), (1, 5)];
-        let q = values(queries.len() * qh * hd, 23);
-        let scale = 1.0 / (hd as f32).sqrt();
-        let case = AttentionCase {
-            k: k.clone(),
-            v: v.clone(),
-            slots: slots.clone(),
-            q: q.clone(),
-            tables: tables.concat(),
-            table_len: 3,
-            table_of: queries.iter().map(|&(s, _)| s as i32).collect(),
-            q_pos: queries.iter().map(|&(_, p)| p as i32).collect(),
-            heads: (qh, kvh),
-            hd,
-            bs,
-            blocks,
-            window,
-            scale,
-        };
-        let got = on.kv_attention(&case);
-        let round = |x: f32| f64::from(half::f16::from_f32(x).to_f32());
-        for (i, &(s, p)) in queries.iter().enumerate() {
-            let first = if window > 0 { (p + 1).saturating_sub(window) } else { 0 };
-            for h in 0..qh {
-                let g = h / (qh / kvh);
-                let qv = &q[(i * qh + h) * hd..(i * qh + h + 1) * hd];
-                let rows: Vec<usize> =
-                    (first..=p).map(|pp| kv_of.iter().position(|&x| x == (s, pp)).unwrap()).collect();
-                let scores: Vec<f64> = rows
-                    .iter()
-                    .map(|&r| {
-                        let kr = &k[r * kv_dim + g * hd..r * kv_dim + (g + 1) * hd];
-                        qv.iter().zip(kr).map(|(a, b)| f64::from(*a) * round(*b)).sum::<f64>() * f64::from(scale)
-                    })
-                    .collect();
-                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-                let z: f64 = e.iter().sum();
-                for d in 0..hd {
-                    let want: f64 =
-                        rows.iter().zip(&e).map(|(&r, w)| w * round(v[r * kv_dim + g * hd + d])).sum::<f64>() / z;
-                    let gv = f64::from(got[(i * qh + h) * hd + d]);
-                    assert!(
-                        (gv - want).abs() <= 1e-5,
-                        "hd {hd} window {window} query {i} head {h} dim {d}: {gv} vs {want}"
-                    );
-                }
+    }
+}
+
+/// A case of random K, V and queries: sequences of `lens` positions in blocks `tables` (of
+/// `bs` positions) querying `queries` (sequence, position).
+fn attention_case(
+    tables: &[Vec<i32>],
+    lens: &[usize],
+    queries: &[(usize, usize)],
+    heads: (usize, usize),
+    hd: usize,
+    bs: usize,
+) -> AttentionCase {
+    let kv_dim = heads.1 * hd;
+    let table_len = tables.iter().map(Vec::len).max().unwrap();
+    let mut slots = Vec::new();
+    for (s, &len) in lens.iter().enumerate() {
+        for p in 0..len {
+            slots.push(tables[s][p / bs] * bs as i32 + (p % bs) as i32);
+        }
+    }
+    let flat: Vec<i32> =
+        tables.iter().flat_map(|t| t.iter().copied().chain(std::iter::repeat(-1)).take(table_len)).collect();
+    AttentionCase {
+        k: values(slots.len() * kv_dim, 21),
+        v: values(slots.len() * kv_dim, 22),
+        slots,
+        q: values(queries.len() * heads.0 * hd, 23),
+        tables: flat,
+        table_len,
+        table_of: queries.iter().map(|&(s, _)| s as i32).collect(),
+        q_pos: queries.iter().map(|&(_, p)| p as i32).collect(),
+        heads,
+        hd,
+        bs,
+        blocks: tables.iter().flatten().copied().max().unwrap() as usize + 1,
+        window: 0,
+        scale: 1.0 / (hd as f32).sqrt(),
+        split_len: None,
+    }
+}
+
+/// `case` on `on` against a float64 softmax over the f16-rounded K and V.
+fn check_attention_case(on: &dyn Runner, a: &AttentionCase) {
+    let got = on.kv_attention(a);
+    let (qh, kvh, hd) = (a.heads.0, a.heads.1, a.hd);
+    let kv_dim = kvh * hd;
+    let round = |x: f32| f64::from(half::f16::from_f32(x).to_f32());
+    // The stored row of (sequence, position): slots were written sequence by sequence.
+    let lens: Vec<usize> = (0..a.tables.len() / a.table_len)
+        .map(|s| {
+            a.slots
+                .iter()
+                .filter(|&&slot| a.tables[s * a.table_len..(s + 1) * a.table_len].contains(&(slot / a.bs as i32)))
+                .count()
+        })
+        .collect();
+    let row_of = |s: usize, p: usize| lens[..s].iter().sum::<usize>() + p;
+    let what = format!("hd {hd} heads {qh}/{kvh} window {} split {:?}", a.window, a.split_len);
+    for (i, (&s, &p)) in a.table_of.iter().zip(&a.q_pos).enumerate() {
+        let (s, p) = (s as usize, p as usize);
+        let first = if a.window > 0 { (p + 1).saturating_sub(a.window) } else { 0 };
+        for h in 0..qh {
+            let g = h / (qh / kvh);
+            let qv = &a.q[(i * qh + h) * hd..(i * qh + h + 1) * hd];
+            let rows: Vec<usize> = (first..=p).map(|pp| row_of(s, pp)).collect();
+            let scores: Vec<f64> = rows
+                .iter()
+                .map(|&r| {
+                    let kr = &a.k[r * kv_dim + g * hd..r * kv_dim + (g + 1) * hd];
+                    qv.iter().zip(kr).map(|(x, y)| f64::from(*x) * round(*y)).sum::<f64>() * f64::from(a.scale)
+                })
+                .collect();
+            let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+            let z: f64 = e.iter().sum();
+            for d in 0..hd {
+                let want: f64 =
+                    rows.iter().zip(&e).map(|(&r, w)| w * round(a.v[r * kv_dim + g * hd + d])).sum::<f64>() / z;
+                let gv = f64::from(got[(i * qh + h) * hd + d]);
+                assert!((gv - want).abs() <= 1e-5, "{what}: query {i} head {h} dim {d}: {gv} vs {want}");
             }
         }
     }

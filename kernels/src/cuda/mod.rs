@@ -24,7 +24,7 @@ pub const SOURCES: [(&str, &str); 5] = [
 ];
 
 /// Every kernel the sources define (`extern "C" __global__`), for the loader to look up.
-pub const KERNELS: [&str; 13] = [
+pub const KERNELS: [&str; 16] = [
     "embed",
     "rms_norm",
     "rope",
@@ -32,12 +32,15 @@ pub const KERNELS: [&str; 13] = [
     "add_in_place",
     "gather_rows",
     "matvec",
+    "quantize_q8",
+    "matvec_q8",
     "add_bias",
     "dequantize_half",
     "to_half",
     "kv_store",
     "kv_copy_blocks",
     "attention",
+    "attention_combine",
 ];
 
 /// The GPU architectures the kernels are checked to compile for: Ampere (A100), Ada (RTX 40,

@@ -51,7 +51,9 @@ elem!(u8, u16, i32, f32);
 /// `Mut`) or a scalar (`int`, `long long`, `float`).
 pub enum Arg<'a, S: Stream + ?Sized> {
     U8(&'a S::Buf<u8>),
+    U8Mut(&'a mut S::Buf<u8>),
     I32(&'a S::Buf<i32>),
+    I32Mut(&'a mut S::Buf<i32>),
     U16(&'a S::Buf<u16>),
     U16Mut(&'a mut S::Buf<u16>),
     F32(&'a S::Buf<f32>),
@@ -91,6 +93,12 @@ pub trait Stream {
     fn upload<T: Elem>(&self, data: &[T]) -> Result<Self::Buf<T>, GpuError>;
     /// `n` zeros (a buffer of at least one element, so that it has an address).
     fn zeros<T: Elem>(&self, n: usize) -> Result<Self::Buf<T>, GpuError>;
+    /// A buffer of `n` elements whose contents are unspecified (any bits are a valid `T`), for
+    /// a kernel's output that it writes whole before anything reads it: on a GPU, no clearing
+    /// pass. The host emulation clears it anyway.
+    fn alloc<T: Elem>(&self, n: usize) -> Result<Self::Buf<T>, GpuError> {
+        self.zeros(n)
+    }
     /// The buffer's contents, once every launch before has finished.
     fn download<T: Elem>(&self, buf: &Self::Buf<T>) -> Result<Vec<T>, GpuError>;
     fn len<T: Elem>(buf: &Self::Buf<T>) -> usize;

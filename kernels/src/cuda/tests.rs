@@ -18,21 +18,29 @@ pub(super) fn scratch(tag: &str) -> PathBuf {
 
 /// `common.cuh`'s `row_weight` over a row of `n` weights of `dtype`, run on the host.
 fn host_decode(exe: &std::path::Path, dtype: DType, bytes: &[u8], n: usize) -> Vec<f32> {
+    host_run(exe, dtype, bytes, n, false)
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// The harness's output for a row of `n` weights: the weights, or with `groups` each group as
+/// `group_ints` decodes it (15 little-endian words: 8 quant words, sc, m, d, dmin, has_min).
+fn host_run(exe: &std::path::Path, dtype: DType, bytes: &[u8], n: usize, groups: bool) -> Vec<u8> {
     use std::io::Write;
-    let mut child = Command::new(exe)
-        .args([dtype.ggml_type().to_string(), n.to_string()])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut args = vec![dtype.ggml_type().to_string(), n.to_string()];
+    if groups {
+        args.push("groups".into());
+    }
+    let mut child = Command::new(exe).args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
     child.stdin.take().unwrap().write_all(bytes).unwrap();
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success());
-    out.stdout.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    out.stdout
 }
 
 #[test]
-fn the_kernels_decode_every_weight_type_as_the_cpu_does() {
+fn the_kernels_decode_every_weight_type_and_its_groups_as_the_cpu_does() {
     let dir = scratch("cuda-host-decode");
     std::fs::write(dir.join("common.cuh"), SOURCES[0].1).unwrap();
     let harness = r#"
@@ -45,6 +53,20 @@ int main(int argc, char** argv) {
     long n = atol(argv[2]);
     std::vector<uint8_t> bytes(n / block_len(type) * block_bytes(type));
     if (fread(bytes.data(), 1, bytes.size(), stdin) != bytes.size()) return 1;
+    if (argc > 3) {  // the groups as integers: 32 quants, sc, m, d, dmin, has_min
+        for (long g = 0; g < n / 32; g++) {
+            GroupQ q;
+            if (!group_ints(type, bytes.data(), (int)g, &q)) return 2;
+            fwrite(q.q, 4, 8, stdout);
+            fwrite(q.sc, 4, 2, stdout);
+            fwrite(q.m, 4, 2, stdout);
+            fwrite(&q.d, 4, 1, stdout);
+            fwrite(&q.dmin, 4, 1, stdout);
+            int has_min = q.has_min;
+            fwrite(&has_min, 4, 1, stdout);
+        }
+        return 0;
+    }
     for (long k = 0; k < n; k++) {
         float w = row_weight(type, bytes.data(), (int)k);
         fwrite(&w, 4, 1, stdout);
@@ -71,6 +93,22 @@ int main(int argc, char** argv) {
         assert_eq!(got.len(), n);
         for (k, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!(g.to_bits(), w.to_bits(), "{q:?} weight {k}: {g} vs the CPU's {w}");
+        }
+        // The products' integer form of each group (group_ints), against the CPU's group::decode.
+        let words = host_run(&exe, q.dtype(), &bytes, n, true);
+        let words: Vec<u32> = words.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        assert_eq!(words.len(), n / 32 * 15);
+        for (g, w) in words.chunks_exact(15).enumerate() {
+            let want = crate::group::decode(q, &bytes, g);
+            let quants: Vec<i8> = w[..8].iter().flat_map(|v| v.to_le_bytes()).map(|b| b as i8).collect();
+            assert_eq!(&quants[..], &want.q[..], "{q:?} group {g}: quants");
+            assert_eq!([w[8] as i32, w[9] as i32], want.sc, "{q:?} group {g}: scales");
+            assert_eq!(w[14] != 0, want.has_min, "{q:?} group {g}: has a min");
+            if want.has_min {
+                assert_eq!([w[10] as i32, w[11] as i32], want.m, "{q:?} group {g}: mins");
+                assert_eq!(w[13], want.dmin.to_bits(), "{q:?} group {g}: dmin");
+            }
+            assert_eq!(w[12], want.d.to_bits(), "{q:?} group {g}: d");
         }
     }
     // Float types from random bits (subnormal, infinite and NaN halves included).

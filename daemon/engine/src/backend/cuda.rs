@@ -8,19 +8,21 @@
 //! for the GPU.
 //!
 //! A forward pass runs the whole batch through each layer together, as the CPU backend does.
-//! Products of up to [`GEMM_TOKENS`] tokens (decode, small batches) are `matvec`'s, straight
-//! from the weights' own encoding; larger ones (prefill) decode the matrix to halves and
-//! multiply on cuBLAS, where it is installed.
-//! Activations stay f32 (the CPU backend rounds them to 8 bits before quantized products), so
-//! logits differ from the CPU backend's by that rounding. Logits come back to the host for the
-//! decoding plugins, only for the positions asked for.
+//! Products of up to [`GEMM_TOKENS`] tokens (decode, small batches) read the weights in their
+//! own encoding: a quantized matrix against the activations rounded to 8 bits as the CPU
+//! backend rounds them (`matvec_q8`, each group's term the CPU's to the bit), a float one
+//! against f32 activations (`matvec`); larger products (prefill) decode the matrix to halves
+//! and multiply on cuBLAS, where it is installed. Attention covers the batch's queries in tiles
+//! of one sequence's consecutive tokens, and splits long ones' positions when the tiles are too
+//! few to fill the GPU (`attention_plan`, per KV group, once a pass). Logits come back to the
+//! host for the decoding plugins, only for the positions asked for.
 
-use super::{validate_batch, Backend, BackendError, DeviceMemory, KernelTime, SeqBatch};
+use super::{validate_batch, Backend, BackendError, DeviceMemory, KernelProfile, SeqBatch};
 use crate::engine::EngineOptions;
 use crate::kv::{BlockCopy, KvGroups};
 use crate::model::arch::{Activation, Architecture};
 use crate::model::{LlamaConfig, Model, Tensor};
-use inferd_kernels::cuda::calls::{AttentionShape, KernelCalls, WeightShape};
+use inferd_kernels::cuda::calls::{is_quantized, AttentionShape, KernelCalls, Q8Activations, WeightShape};
 use inferd_kernels::cuda::gpu::Gpu;
 use inferd_kernels::cuda::stream::{GemmShape, GpuError, Stream};
 use inferd_kernels::ops::RopeStyle;
@@ -36,6 +38,14 @@ pub fn open(model: &Model, opts: &EngineOptions) -> Result<Box<dyn Backend>, Bac
 /// decoded to halves first; up to it `matvec` reads the weights as they are, a pass per 8
 /// tokens, fewer bytes than decoding them.
 pub const GEMM_TOKENS: usize = 32;
+
+/// A product's input: the activations, and their 8-bit rounding where a quantized matrix's
+/// `matvec_q8` takes them.
+struct Input<'a, S: Stream> {
+    x: &'a S::Buf<f32>,
+    q8: Option<Q8Activations<S>>,
+    tokens: usize,
+}
 
 /// A weight matrix in the stream's memory, still in its file's encoding.
 struct Weight<S: Stream> {
@@ -89,6 +99,9 @@ pub struct CudaBackend<S: Stream> {
     k_cache: Vec<S::Buf<u16>>,
     v_cache: Vec<S::Buf<u16>>,
     memory: DeviceMemory,
+    /// The host's time issuing passes, up to the wait for their logits, since it was last
+    /// taken ([`Backend::take_kernel_profile`]).
+    host_issue: std::time::Duration,
 }
 
 impl<S: Stream> CudaBackend<S> {
@@ -160,6 +173,7 @@ impl<S: Stream> CudaBackend<S> {
             k_cache,
             v_cache,
             memory,
+            host_issue: std::time::Duration::ZERO,
             cfg: cfg.clone(),
             arch: model.arch.clone(),
             s,
@@ -251,28 +265,59 @@ fn index(batch: &[SeqBatch<'_>], groups: &KvGroups, bs: usize) -> Result<BatchIn
 }
 
 impl<S: Stream + Send> CudaBackend<S> {
-    /// `y = x · Wᵀ` for the first `tokens` rows of `x`, into a new buffer: over halves on the
-    /// stream's GEMM beyond [`GEMM_TOKENS`] tokens, else `matvec`.
-    fn project(&self, w: &Weight<S>, x: &S::Buf<f32>, tokens: usize) -> Result<S::Buf<f32>, GpuError> {
+    /// `x` as the input of `weights`' products: with its 8-bit rounding where one of them is
+    /// quantized and the products are `matvec`'s (up to [`GEMM_TOKENS`] tokens, or no GEMM).
+    fn input<'a>(&self, x: &'a S::Buf<f32>, tokens: usize, weights: &[&Weight<S>]) -> Result<Input<'a, S>, GpuError> {
         let s = &self.s;
+        let cols = weights.first().map_or(0, |w| w.shape.cols);
+        let small = tokens <= GEMM_TOKENS || !s.has_gemm();
+        let q8 = if small && cols.is_multiple_of(32) && weights.iter().any(|w| is_quantized(w.shape.ggml_type)) {
+            Some(s.quantize_q8(x, tokens, cols)?)
+        } else {
+            None
+        };
+        Ok(Input { x, q8, tokens })
+    }
+
+    /// `y = x · Wᵀ` for the input's tokens, into a new buffer: over halves on the stream's GEMM
+    /// beyond [`GEMM_TOKENS`] tokens, else `matvec_q8` on the 8-bit activations for a quantized
+    /// matrix and `matvec` for a float one.
+    fn project(&self, w: &Weight<S>, input: &Input<'_, S>) -> Result<S::Buf<f32>, GpuError> {
+        let s = &self.s;
+        let (x, tokens) = (input.x, input.tokens);
         let WeightShape { rows, cols, ggml_type, .. } = w.shape;
-        let mut y = s.zeros::<f32>(tokens * rows)?;
+        let mut y = s.alloc::<f32>(tokens * rows)?;
         if tokens <= GEMM_TOKENS || !s.has_gemm() {
-            s.matvec(&w.data, w.shape, x, tokens, &mut y)?;
+            match &input.q8 {
+                Some(a) if is_quantized(ggml_type) => s.matvec_q8(&w.data, w.shape, a, &mut y)?,
+                _ => s.matvec(&w.data, w.shape, x, tokens, &mut y)?,
+            }
             return Ok(y);
         }
         // BF16 weights stay bf16 (f16 lacks their range); every other type becomes f16.
         let bf16 = ggml_type == inferd_kernels::DType::BF16.ggml_type();
-        let (mut w16, mut x16) = (s.zeros::<u16>(rows * cols)?, s.zeros::<u16>(tokens * cols)?);
+        let (mut w16, mut x16) = (s.alloc::<u16>(rows * cols)?, s.alloc::<u16>(tokens * cols)?);
         s.dequantize_half(&w.data, w.shape, bf16, &mut w16)?;
         s.to_half(x, tokens * cols, bf16, &mut x16)?;
         s.gemm(&w16, &x16, GemmShape { tokens, rows, cols, bf16 }, &mut y)?;
         Ok(y)
     }
 
+    /// The attention launch's shape for the layers of KV group `group`.
+    fn attention_shape(&self, group: usize) -> AttentionShape {
+        AttentionShape {
+            q_heads: self.cfg.n_heads,
+            kv_heads: self.cfg.n_kv_heads,
+            head_dim: self.cfg.head_dim,
+            block_size: self.block_size,
+            window: self.groups.windows[group],
+            scale: self.arch.attention_scale,
+        }
+    }
+
     /// RMSNorm of each piece of `x` with weights `w`, into a new buffer.
     fn norm(&self, x: &S::Buf<f32>, w: &S::Buf<f32>) -> Result<S::Buf<f32>, GpuError> {
-        let mut y = self.s.zeros::<f32>(S::len(x))?;
+        let mut y = self.s.alloc::<f32>(S::len(x))?;
         self.s.rms_norm(x, w, &mut y, self.cfg.rms_eps)?;
         Ok(y)
     }
@@ -286,6 +331,7 @@ impl<S: Stream + Send> CudaBackend<S> {
     }
 
     fn run(&mut self, batch: &[SeqBatch<'_>], ix: &BatchIndex, logits: &mut Vec<f32>) -> Result<(), GpuError> {
+        let issued = std::time::Instant::now();
         let s = &self.s;
         let (cfg, arch) = (&self.cfg, &self.arch);
         let n = ix.ids.len();
@@ -296,13 +342,21 @@ impl<S: Stream + Send> CudaBackend<S> {
             .iter()
             .map(|(slots, tables, len)| Ok((s.upload(slots)?, s.upload(tables)?, *len)))
             .collect::<Result<Vec<_>, GpuError>>()?;
-        let mut x = s.zeros::<f32>(n * h)?;
+        // Each KV group's attention plan (its window decides how far back the queries see).
+        let plans = (0..self.groups.len())
+            .map(|g| {
+                let shape = self.attention_shape(g);
+                Ok((s.attention_plan(&ix.seq_of, &ix.pos, shape, None)?, shape))
+            })
+            .collect::<Result<Vec<_>, GpuError>>()?;
+        let mut x = s.alloc::<f32>(n * h)?;
         s.embed(&self.token_embd.data, self.token_embd.shape, &ids, arch.embedding_scale.unwrap_or(1.0), &mut x)?;
         let neox = cfg.rope_style == RopeStyle::Neox;
         for (li, l) in self.layers.iter().enumerate() {
             let xb = self.norm(&x, &l.attn_norm)?;
+            let input = self.input(&xb, n, &[&l.wq, &l.wk, &l.wv])?;
             let (mut q, mut k, v) =
-                (self.project(&l.wq, &xb, n)?, self.project(&l.wk, &xb, n)?, self.project(&l.wv, &xb, n)?);
+                (self.project(&l.wq, &input)?, self.project(&l.wk, &input)?, self.project(&l.wv, &input)?);
             let mut v = v;
             if let Some([bq, bk, bv]) = &l.qkv_bias {
                 s.add_bias(&mut q, bq)?;
@@ -320,23 +374,16 @@ impl<S: Stream + Send> CudaBackend<S> {
             let (slots, tables, table_len) = &groups[group];
             let (kc, vc) = (&mut self.k_cache[slot], &mut self.v_cache[slot]);
             s.kv_store(&k, &v, (kc, vc), slots, cfg.kv_dim())?;
-            let shape = AttentionShape {
-                q_heads: cfg.n_heads,
-                kv_heads: cfg.n_kv_heads,
-                head_dim: hd,
-                block_size: self.block_size,
-                window: self.groups.windows[group],
-                scale: arch.attention_scale,
-            };
-            let mut att = s.zeros::<f32>(n * cfg.q_dim())?;
-            s.attention(&q, (kc, vc), tables, &seq_of, *table_len, &pos, shape, &mut att)?;
-            let out = self.project(&l.wo, &att, n)?;
+            let mut att = s.alloc::<f32>(n * cfg.q_dim())?;
+            s.attention(&q, (kc, vc), tables, &seq_of, *table_len, &pos, &plans[group].0, plans[group].1, &mut att)?;
+            let out = self.project(&l.wo, &self.input(&att, n, &[&l.wo])?)?;
             self.residual(&mut x, out, l.attn_post_norm.as_ref())?;
 
             let xb = self.norm(&x, &l.ffn_norm)?;
-            let (mut gate, up) = (self.project(&l.w_gate, &xb, n)?, self.project(&l.w_up, &xb, n)?);
+            let input = self.input(&xb, n, &[&l.w_gate, &l.w_up])?;
+            let (mut gate, up) = (self.project(&l.w_gate, &input)?, self.project(&l.w_up, &input)?);
             s.gated_act(&mut gate, &up, arch.activation == Activation::GeluTanhGated)?;
-            let out = self.project(&l.w_down, &gate, n)?;
+            let out = self.project(&l.w_down, &self.input(&gate, n, &[&l.w_down])?)?;
             self.residual(&mut x, out, l.ffn_post_norm.as_ref())?;
         }
         let rows = ix.logit_rows.len();
@@ -344,11 +391,14 @@ impl<S: Stream + Send> CudaBackend<S> {
         if rows == 0 {
             return Ok(());
         }
-        let mut picked = s.zeros::<f32>(rows * h)?;
+        let mut picked = s.alloc::<f32>(rows * h)?;
         s.gather_rows(&x, &s.upload(&ix.logit_rows)?, h, &mut picked)?;
         let xn = self.norm(&picked, &self.output_norm)?;
-        let out = self.project(self.output.as_ref().unwrap_or(&self.token_embd), &xn, rows)?;
+        let output = self.output.as_ref().unwrap_or(&self.token_embd);
+        let out = self.project(output, &self.input(&xn, rows, &[output])?)?;
+        let issue = issued.elapsed();
         logits.extend_from_slice(&s.download(&out)?[..rows * cfg.vocab]);
+        self.host_issue += issue;
         debug_assert_eq!(batch.iter().map(|b| b.logits).sum::<usize>(), rows);
         Ok(())
     }
@@ -387,8 +437,9 @@ impl<S: Stream + Send> Backend for CudaBackend<S> {
         self.s.set_timing(on)
     }
 
-    fn take_kernel_times(&mut self) -> Result<Vec<KernelTime>, BackendError> {
-        Ok(self.s.take_timings()?)
+    fn take_kernel_profile(&mut self) -> Result<Option<KernelProfile>, BackendError> {
+        let host_issue = std::mem::take(&mut self.host_issue);
+        Ok(Some(KernelProfile { kernels: self.s.take_timings()?, host_issue }))
     }
 
     fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), BackendError> {

@@ -17,6 +17,15 @@ use crate::model::arch::{Architecture, RopeScaling};
 use crate::model::{LlamaConfig, Model};
 pub use inferd_kernels::cuda::stream::KernelTime;
 
+/// Where a device backend's passes went ([`Backend::take_kernel_profile`]): each kernel's
+/// device time, and the host's time issuing the passes (up to the wait for their logits), which
+/// bounds the pass from below where the host is the slower side.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct KernelProfile {
+    pub kernels: Vec<KernelTime>,
+    pub host_issue: std::time::Duration,
+}
+
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum BackendError {
     #[error("token id {0} is outside the vocabulary")]
@@ -167,11 +176,11 @@ pub trait Backend: Send {
     fn take_profile(&mut self) -> Option<profile::StepProfile> {
         None
     }
-    /// The device's own time per kernel over the passes since profiling started, once they
-    /// have finished (a GPU's, timed by events around each launch), and starts over; empty
-    /// where the backend has no kernels of its own to time.
-    fn take_kernel_times(&mut self) -> Result<Vec<KernelTime>, BackendError> {
-        Ok(Vec::new())
+    /// The host's time issuing passes since this was last called, and while profiling the
+    /// device's own time per kernel, once they have finished (a GPU's, timed by events around
+    /// each launch); starts over. `None` where the backend has no kernels of its own.
+    fn take_kernel_profile(&mut self) -> Result<Option<KernelProfile>, BackendError> {
+        Ok(None)
     }
     /// Runs the batch: writes every new token's K/V into its slot and returns, in `logits`,
     /// `vocab` floats for each requested position, sequence by sequence, in position order.
