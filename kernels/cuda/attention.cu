@@ -54,20 +54,21 @@ INFERD_DEVICE void store8(uint16_t* p, uint4 v) {
 #define ATT_TILE 32
 #define ATT_Q_FLOATS 3584
 #define ATT_WARPS 4
+// 16-byte loads per thread to stage a tile's K (or V) at the largest head size.
+#define ATT_STAGE (ATT_TILE * ATT_MAX_HEAD_DIM / 8 / (32 * ATT_WARPS))
 
 // One block per (tile of query tokens, KV head, chunk of that KV head's query heads, split of
-// the positions): the block's rows are (token, head) pairs, token-major, row r in warp r % 4
-// (at most RPW a warp); it walks the tile's positions ATT_TILE at a time, K and V of those
-// positions staged in shared memory once for all its rows (so the query heads of a KV head,
-// and the tokens of a prefill chunk, share each load). Scores are scale * q . k; a streaming
-// softmax per row, lane l taking position l of a K/V tile for the scores and output dimensions
-// l, l + 32, ... (DPL of them) for the values. Query t sits at position q_pos[t] of its
-// sequence and sees positions max(0, q_pos - window + 1) ..= q_pos (window 0: all), whose K/V
-// live in the blocks of its table (tables + table_of[t] * table_len); a tile's tokens share a
-// table. With splits > 1 the block covers positions [lo + split * split_len, lo + (split + 1)
-// * split_len) of its tile (lo the tile's first visible position) and leaves its unnormalized
-// output and its (max, sum) in part_o / part_ml for attention_combine; else it writes out:
-// (tokens, q_heads, head_dim).
+// the positions): the block's rows are (token, head) pairs, token-major, RPW of them per warp;
+// it walks the tile's positions ATT_TILE at a time, K and V of those positions staged in shared
+// memory once for all its rows (so the query heads of a KV head, and the tokens of a prefill
+// chunk, share each load). Scores are scale * q . k; a streaming softmax per row, lane l taking
+// position l of a K/V tile for the scores and output dimensions l, l + 32, ... (DPL of them)
+// for the values. Query t sits at position q_pos[t] of its sequence and sees positions
+// max(0, q_pos - window + 1) ..= q_pos (window 0: all), whose K/V live in the blocks of its
+// table (tables + table_of[t] * table_len); a tile's tokens share a table. With splits > 1 the
+// block covers positions [lo + split * split_len, lo + (split + 1) * split_len) of its tile
+// (lo the tile's first visible position) and leaves its unnormalized output and its (max, sum)
+// in part_o / part_ml for attention_combine; else it writes out: (tokens, q_heads, head_dim).
 template <int DPL, int RPW>
 __device__ void attention_block(const float* q, const uint16_t* k_cache, const uint16_t* v_cache, const int* tables,
                                 const int* table_of, int table_len, const int* q_pos, int t0, int count, int h0, int nh,
@@ -76,9 +77,6 @@ __device__ void attention_block(const float* q, const uint16_t* k_cache, const u
                                 float* part_ml, float* qs, uint32_t* ks, uint16_t* vs) {
     int lane = threadIdx.x, warp = threadIdx.y, tid = warp * 32 + lane, nthreads = 32 * ATT_WARPS;
     int rows = count * nh, kv_dim = kv_heads * head_dim, words = head_dim / 2, kstride = words + 1;
-    // This warp's rows: warp, warp + 4, ...; nv of them are real.
-    int nv = rows > warp ? (rows - warp + ATT_WARPS - 1) / ATT_WARPS : 0;
-    nv = nv < RPW ? nv : RPW;
     const int* table = tables + (long long)table_of[t0] * table_len;
     // The tile's visible positions, and this split's share of them.
     int lo = q_pos[t0], hi = q_pos[t0];
@@ -94,29 +92,27 @@ __device__ void attention_block(const float* q, const uint16_t* k_cache, const u
         int r = i / head_dim, d = i % head_dim;
         qs[i] = q[((long long)(t0 + r / nh) * q_heads + h0 + r % nh) * head_dim + d];
     }
+    // This warp's rows: their positions and visible ranges, running max and sum, outputs.
     int row_pos[RPW], row_first[RPW];
     float m[RPW], l[RPW], acc[RPW][DPL];
-#pragma unroll
     for (int rr = 0; rr < RPW; rr++) {
-        int r = warp + ATT_WARPS * rr;
-        int p = rr < nv ? q_pos[t0 + r / nh] : -1;
+        int r = warp * RPW + rr;
+        int p = r < rows ? q_pos[t0 + r / nh] : -1;
         row_pos[rr] = p;
         row_first[rr] = window > 0 && p + 1 > window ? p + 1 - window : 0;
         m[rr] = NEG_INF;
         l[rr] = 0.0f;
-#pragma unroll
         for (int i = 0; i < DPL; i++) acc[rr][i] = 0.0f;
     }
     for (int p0 = start; p0 <= end; p0 += ATT_TILE) {
         __syncthreads();
         // K and V of the tile's positions (zeros past `end` or in a released block) into shared
-        // memory: 8 halves per load where the head size allows (DPL loads of each a thread at
-        // the most, all issued before the stores), else a word per load.
+        // memory: 8 halves per load where the head size allows (every thread's loads issued
+        // before its stores), else a word per load.
         if (head_dim % 8 == 0) {
             int vecs = head_dim / 8;
-            uint4 kv[DPL], vv[DPL];
-#pragma unroll
-            for (int u = 0; u < DPL; u++) {
+            uint4 kv[ATT_STAGE], vv[ATT_STAGE];
+            for (int u = 0; u < ATT_STAGE; u++) {
                 int i = tid + u * nthreads, j = i / vecs, c = i % vecs, p = p0 + j;
                 kv[u] = vv[u] = uint4{0, 0, 0, 0};
                 int b = i < ATT_TILE * vecs && p <= end ? table[p / block_size] : -1;
@@ -126,14 +122,12 @@ __device__ void attention_block(const float* q, const uint16_t* k_cache, const u
                     vv[u] = load8(v_cache + at);
                 }
             }
-#pragma unroll
-            for (int u = 0; u < DPL; u++) {
+            for (int u = 0; u < ATT_STAGE; u++) {
                 int i = tid + u * nthreads, j = i / vecs, c = i % vecs;
-                if (i < ATT_TILE * vecs) {
-                    uint32_t* kd = ks + j * kstride + 4 * c;
-                    kd[0] = kv[u].x, kd[1] = kv[u].y, kd[2] = kv[u].z, kd[3] = kv[u].w;
-                    store8(vs + j * head_dim + 8 * c, vv[u]);
-                }
+                if (i >= ATT_TILE * vecs) break;
+                uint32_t* kd = ks + j * kstride + 4 * c;
+                kd[0] = kv[u].x, kd[1] = kv[u].y, kd[2] = kv[u].z, kd[3] = kv[u].w;
+                store8(vs + j * head_dim + 8 * c, vv[u]);
             }
         } else {
             for (int i = tid; i < ATT_TILE * words; i += nthreads) {
@@ -151,29 +145,21 @@ __device__ void attention_block(const float* q, const uint16_t* k_cache, const u
             }
         }
         __syncthreads();
-        if (nv == 0) continue;
         // Scores: lane l against position p0 + l, for every row of the warp.
         float s[RPW];
-#pragma unroll
         for (int rr = 0; rr < RPW; rr++) s[rr] = 0.0f;
+        const float* qw = qs + warp * RPW * head_dim;
         for (int w = 0; w < words; w++) {
             uint32_t kw = ks[lane * kstride + w];
             float k0 = f16_bits_to_f32((uint16_t)(kw & 0xffffu)), k1 = f16_bits_to_f32((uint16_t)(kw >> 16));
-#pragma unroll
             for (int rr = 0; rr < RPW; rr++) {
-                if (rr < nv) {
-                    const float* qr = qs + (warp + ATT_WARPS * rr) * head_dim + 2 * w;
-                    s[rr] += qr[0] * k0;
-                    s[rr] += qr[1] * k1;
-                }
+                s[rr] += qw[rr * head_dim + 2 * w] * k0;
+                s[rr] += qw[rr * head_dim + 2 * w + 1] * k1;
             }
         }
         int p = p0 + lane;
         float e[RPW];
-#pragma unroll
         for (int rr = 0; rr < RPW; rr++) {
-            e[rr] = 0.0f;
-            if (rr >= nv) continue;
             bool seen = p <= end && p <= row_pos[rr] && p >= row_first[rr];
             float sc = seen ? s[rr] * scale : NEG_INF;
             float tile_max = sc;
@@ -185,7 +171,6 @@ __device__ void attention_block(const float* q, const uint16_t* k_cache, const u
             for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
             if (new_max != NEG_INF) {
                 l[rr] = l[rr] * correction + sum;
-#pragma unroll
                 for (int i = 0; i < DPL; i++) acc[rr][i] *= correction;
                 m[rr] = new_max;
             }
@@ -194,28 +179,21 @@ __device__ void attention_block(const float* q, const uint16_t* k_cache, const u
         int in_tile = end - p0 + 1 < ATT_TILE ? end - p0 + 1 : ATT_TILE;
         for (int j = 0; j < in_tile; j++) {
             float v[DPL];
-#pragma unroll
             for (int i = 0; i < DPL; i++) {
                 int d = lane + 32 * i;
                 v[i] = d < head_dim ? f16_bits_to_f32(vs[j * head_dim + d]) : 0.0f;
             }
-#pragma unroll
             for (int rr = 0; rr < RPW; rr++) {
-                if (rr < nv) {
-                    float ej = __shfl_sync(0xffffffffu, e[rr], j);
-#pragma unroll
-                    for (int i = 0; i < DPL; i++) acc[rr][i] += ej * v[i];
-                }
+                float ej = __shfl_sync(0xffffffffu, e[rr], j);
+                for (int i = 0; i < DPL; i++) acc[rr][i] += ej * v[i];
             }
         }
     }
-#pragma unroll
     for (int rr = 0; rr < RPW; rr++) {
-        if (rr >= nv) continue;
-        int r = warp + ATT_WARPS * rr;
+        int r = warp * RPW + rr;
+        if (r >= rows) break;
         int t = t0 + r / nh, h = h0 + r % nh;
         long long row = (long long)t * q_heads + h;
-#pragma unroll
         for (int i = 0; i < DPL; i++) {
             int d = lane + 32 * i;
             if (d >= head_dim) continue;

@@ -142,45 +142,49 @@ fn on_the_gpu_the_cuda_forward_pass_equals_the_cpu_backend_batched_chunked_and_f
     equals_the_cpu_backend(gpu);
 }
 
-/// The greedy tokens of `prompt` on `e` for `n` steps, with the margin between the top two
-/// logits at each.
-fn greedy_with_margins(e: &mut Engine, prompt: &[u32], n: usize) -> Vec<(u32, f32)> {
-    let (seq, mut logits) = e.prefill(&[prompt]).unwrap().remove(0);
-    let mut out = Vec::new();
-    for _ in 0..n {
-        let t = argmax(&logits);
-        let second =
-            logits.iter().enumerate().filter(|&(i, _)| i != t as usize).map(|(_, v)| *v).fold(f32::MIN, f32::max);
-        out.push((t, logits[t as usize] - second));
-        logits = e.decode(&[(seq, t)]).unwrap().to_vec();
-    }
-    e.release(seq);
-    out
-}
+/// The largest logit difference between the CPU backend and the GPU that
+/// `on_the_gpu_the_default_model_decodes_the_cpu_backends_greedy_tokens` allows: both round
+/// the activations of quantized products to 8 bits the same way and compute each group's term
+/// to the bit, so the logits differ by the order of sums, attention's and the norms' rounding.
+const DEFAULT_MODEL_GPU_TOL: f32 = 0.25;
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: tests/gpu/run"]
 fn on_the_gpu_the_default_model_decodes_the_cpu_backends_greedy_tokens() {
-    // The CPU backend rounds activations to 8 bits before its quantized products, the GPU keeps
-    // them f32: on SmolLM2 that moves logits by up to about 1 (its golden test's tolerance), so
-    // the tokens are compared up to the CPU's first step whose top two are closer than that.
+    // Both engines follow the CPU's greedy tokens (so their histories stay the same) for 48
+    // steps of three prompts: at every step the logits agree within DEFAULT_MODEL_GPU_TOL, and
+    // wherever the CPU's top two are further apart than twice that, the GPU picks the same token.
     let m = Model::load(&inferd_e2e::default_model()).unwrap();
     let opts = EngineOptions { kv_budget_bytes: 64 << 20, ..EngineOptions::default() };
     let (mut cpu, mut gpu) = (Engine::cpu(&m, &opts).unwrap(), engine(gpu(), &m, &opts));
-    let mut compared = 0;
+    let (mut compared, mut steps, mut worst) = (0, 0, 0f32);
     for text in ["The capital of France is", "def fibonacci(n):\n", "Three primary colors are"] {
         let p = m.tokenizer.encode(text, false).unwrap();
-        let (want, got) = (greedy_with_margins(&mut cpu, &p, 48), greedy_with_margins(&mut gpu, &p, 48));
-        for (step, ((w, margin), (g, _))) in want.iter().zip(&got).enumerate() {
-            if *margin < 1.0 {
-                break;
+        let (sc, mut lc) = cpu.prefill(&[&p]).unwrap().remove(0);
+        let (sg, mut lg) = gpu.prefill(&[&p]).unwrap().remove(0);
+        for step in 0..48 {
+            let diff = max_diff(&lc, &lg);
+            worst = worst.max(diff);
+            assert!(diff <= DEFAULT_MODEL_GPU_TOL, "{text:?} step {step}: logits differ by {diff}");
+            let t = argmax(&lc);
+            let second =
+                lc.iter().enumerate().filter(|&(i, _)| i != t as usize).map(|(_, v)| *v).fold(f32::MIN, f32::max);
+            if lc[t as usize] - second > 2.0 * DEFAULT_MODEL_GPU_TOL {
+                assert_eq!(argmax(&lg), t, "{text:?}: greedy step {step}");
+                compared += 1;
             }
-            assert_eq!(g, w, "{text:?}: greedy step {step}");
-            compared += 1;
+            steps += 1;
+            lc = cpu.decode(&[(sc, t)]).unwrap().to_vec();
+            lg = gpu.decode(&[(sg, t)]).unwrap().to_vec();
         }
+        cpu.release(sc);
+        gpu.release(sg);
     }
-    eprintln!("default model: {compared} greedy tokens equal on the GPU and the CPU");
-    assert!(compared >= 8, "too few steps before a near-tie to say anything: {compared}");
+    eprintln!(
+        "default model: {compared} of {steps} greedy tokens compared (the rest near-ties), all equal on the GPU and \
+         the CPU; largest logit difference {worst:.4}"
+    );
+    assert!(compared >= steps / 3, "too few steps clear of a near-tie to say anything: {compared} of {steps}");
 }
 
 #[test]
