@@ -156,9 +156,8 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
         decode.insert(b.to_string(), json!(median(rates)));
     }
     // Where a batch-1 decode step goes, in a run of its own so the clocks cost the figures above
-    // nothing.
-    // On a GPU, the device's time per kernel (events around each launch) for one prefill and
-    // for those steps.
+    // nothing; on a GPU, the device's time per kernel (events around each launch) for one
+    // prefill and for those steps.
     let mut profile = None;
     let mut kernels = serde_json::Map::new();
     if engine.backend.set_profiling(true) {

@@ -30,24 +30,6 @@ extern "C" __global__ void kv_copy_blocks(uint16_t* k_cache, uint16_t* v_cache, 
     }
 }
 
-// 8 halves (16 bytes, aligned) loaded or stored at once.
-INFERD_DEVICE uint4 load8(const uint16_t* p) {
-#if defined(__CUDACC_RTC__)
-    return *(const uint4*)p;
-#else
-    uint4 v;
-    memcpy(&v, p, 16);
-    return v;
-#endif
-}
-INFERD_DEVICE void store8(uint16_t* p, uint4 v) {
-#if defined(__CUDACC_RTC__)
-    *(uint4*)p = v;
-#else
-    memcpy(p, &v, 16);
-#endif
-}
-
 #define ATT_MAX_HEAD_DIM 256
 #define NEG_INF __int_as_float(0xff800000)
 // Positions per K/V tile, and the query rows' floats a block holds (rows x head_dim).
@@ -118,8 +100,8 @@ __device__ void attention_block(const float* q, const uint16_t* k_cache, const u
                 int b = i < ATT_TILE * vecs && p <= end ? table[p / block_size] : -1;
                 if (b >= 0) {
                     long long at = ((long long)b * block_size + p % block_size) * kv_dim + (long long)kvh * head_dim + 8 * c;
-                    kv[u] = load8(k_cache + at);
-                    vv[u] = load8(v_cache + at);
+                    kv[u] = load16(k_cache + at);
+                    vv[u] = load16(v_cache + at);
                 }
             }
             for (int u = 0; u < ATT_STAGE; u++) {
@@ -127,7 +109,7 @@ __device__ void attention_block(const float* q, const uint16_t* k_cache, const u
                 if (i >= ATT_TILE * vecs) break;
                 uint32_t* kd = ks + j * kstride + 4 * c;
                 kd[0] = kv[u].x, kd[1] = kv[u].y, kd[2] = kv[u].z, kd[3] = kv[u].w;
-                store8(vs + j * head_dim + 8 * c, vv[u]);
+                store16(vs + j * head_dim + 8 * c, vv[u]);
             }
         } else {
             for (int i = tid; i < ATT_TILE * words; i += nthreads) {

@@ -331,15 +331,11 @@ INFERD_DEVICE uint32_t u32_a2(const uint8_t* p) {
     return (uint32_t)h[0] | ((uint32_t)h[1] << 16);
 }
 INFERD_DEVICE float half_at(const uint8_t* p) { return f16_bits_to_f32(*(const uint16_t*)p); }
-// 16 bytes from a 16-byte aligned address to another; 4 floats at one.
-INFERD_DEVICE void copy16(void* dst, const void* src) { *(uint4*)dst = *(const uint4*)src; }
+// 16 bytes at a 16-byte aligned address, loaded or stored at once (as 4 words or 4 floats).
+INFERD_DEVICE uint4 load16(const void* p) { return *(const uint4*)p; }
+INFERD_DEVICE void store16(void* p, uint4 v) { *(uint4*)p = v; }
 INFERD_DEVICE float4 load_float4(const float* p) { return *(const float4*)p; }
 INFERD_DEVICE void store_float4(float* p, float4 v) { *(float4*)p = v; }
-// Four words at a 16-byte aligned address, in one load.
-INFERD_DEVICE void u32x4_a16(const uint8_t* p, uint32_t* w) {
-    uint4 v = *(const uint4*)p;
-    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-}
 INFERD_DEVICE int dot4(int a, int b, int c) { return __dp4a(a, b, c); }
 INFERD_DEVICE int round_even(float x) { return __float2int_rn(x); }
 #else
@@ -349,11 +345,19 @@ INFERD_DEVICE uint32_t u32_a4(const uint8_t* p) {
     return v;
 }
 INFERD_DEVICE uint32_t u32_a2(const uint8_t* p) { return u32_a4(p); }
-INFERD_DEVICE void u32x4_a16(const uint8_t* p, uint32_t* w) { memcpy(w, p, 16); }
-INFERD_DEVICE void copy16(void* dst, const void* src) { memcpy(dst, src, 16); }
+// CUDA's vector types, and the 16-byte loads and stores, in plain C++.
+struct uint4 {
+    uint32_t x, y, z, w;
+};
 struct float4 {
     float x, y, z, w;
 };
+INFERD_DEVICE uint4 load16(const void* p) {
+    uint4 v;
+    memcpy(&v, p, 16);
+    return v;
+}
+INFERD_DEVICE void store16(void* p, uint4 v) { memcpy(p, &v, 16); }
 INFERD_DEVICE float4 load_float4(const float* p) {
     float4 v;
     memcpy(&v, p, 16);
@@ -461,13 +465,10 @@ INFERD_DEVICE bool group_ints(int type, const uint8_t* row, int g, GroupQ* o) {
             // The super-block is 144 (176) bytes and qs starts at 16 (48): 16-byte loads.
             bool five = type == W_Q5_K;
             const uint8_t* qs = blk + (five ? 48 : 16) + 32 * c;
-            uint32_t v[8], high[8];
-            u32x4_a16(qs, v);
-            u32x4_a16(qs + 16, v + 4);
-            if (five) {
-                u32x4_a16(blk + 16, high);
-                u32x4_a16(blk + 32, high + 4);
-            }
+            uint4 v4[2] = {load16(qs), load16(qs + 16)}, h4[2] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+            if (five) h4[0] = load16(blk + 16), h4[1] = load16(blk + 32);
+            uint32_t v[8] = {v4[0].x, v4[0].y, v4[0].z, v4[0].w, v4[1].x, v4[1].y, v4[1].z, v4[1].w};
+            uint32_t high[8] = {h4[0].x, h4[0].y, h4[0].z, h4[0].w, h4[1].x, h4[1].y, h4[1].z, h4[1].w};
             for (int k = 0; k < 8; k++) {
                 uint32_t q = (v[k] >> (4 * hh)) & 0x0F0F0F0Fu;
                 if (five) q |= ((high[k] >> j) & 0x01010101u) << 4;

@@ -7,17 +7,11 @@ INFERD_DEVICE uint16_t to_half_bits(float v, int bf16) { return bf16 ? f32_to_bf
 
 // 32 halves (64 bytes, 64-byte aligned) at out.
 INFERD_DEVICE void store_halves(uint16_t* out, const uint16_t* h) {
-#if defined(__CUDACC_RTC__)
     for (int k = 0; k < 4; k++) {
         const uint16_t* p = h + 8 * k;
-        uint4 v;
-        v.x = p[0] | ((uint32_t)p[1] << 16), v.y = p[2] | ((uint32_t)p[3] << 16);
-        v.z = p[4] | ((uint32_t)p[5] << 16), v.w = p[6] | ((uint32_t)p[7] << 16);
-        ((uint4*)out)[k] = v;
+        store16(out + 8 * k, uint4{p[0] | ((uint32_t)p[1] << 16), p[2] | ((uint32_t)p[3] << 16),
+                                   p[4] | ((uint32_t)p[5] << 16), p[6] | ((uint32_t)p[7] << 16)});
     }
-#else
-    memcpy(out, h, 64);
-#endif
 }
 
 // out[r * cols + k] = weight k of row r, as a half: the weight decoded as row_weight decodes it

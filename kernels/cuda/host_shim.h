@@ -22,9 +22,6 @@
 struct dim3 {
     unsigned x = 1, y = 1, z = 1;
 };
-struct uint4 {
-    uint32_t x, y, z, w;
-};
 // One OS thread runs every fiber: the scheduler sets threadIdx before it resumes one.
 static dim3 threadIdx, blockIdx, blockDim, gridDim;
 

@@ -65,13 +65,9 @@ extern "C" __global__ void quantize_q8(const float* x, long long groups, int8_t*
 
 // The 32 activation bytes of a group (32-byte aligned) as 8 words.
 INFERD_DEVICE void act_words(const int8_t* a, int* w) {
-#if defined(__CUDACC_RTC__)
-    int4 lo = *(const int4*)a, hi = *(const int4*)(a + 16);
-    w[0] = lo.x, w[1] = lo.y, w[2] = lo.z, w[3] = lo.w;
-    w[4] = hi.x, w[5] = hi.y, w[6] = hi.z, w[7] = hi.w;
-#else
-    memcpy(w, a, 32);
-#endif
+    uint4 lo = load16(a), hi = load16(a + 16);
+    w[0] = (int)lo.x, w[1] = (int)lo.y, w[2] = (int)lo.z, w[3] = (int)lo.w;
+    w[4] = (int)hi.x, w[5] = (int)hi.y, w[6] = (int)hi.z, w[7] = (int)hi.w;
 }
 
 // matvec_q8's blocks: MVQ_ROWS weight rows, a warp each; the activations of the block's tokens
@@ -143,7 +139,7 @@ extern "C" __global__ void matvec_q8(const uint8_t* w, int type, long long row_b
         for (int t = 0; t < tokens; t++) {
             long long g0 = (long long)(t0 + t) * groups + c0;
             for (int i = tid; i < 2 * n; i += nthreads) {  // 16 bytes of quants each
-                copy16(a.q[t] + 16 * i, xq + g0 * 32 + 16 * i);
+                store16(a.q[t] + 16 * i, load16(xq + g0 * 32 + 16 * i));
             }
             for (int i = tid; i < n; i += nthreads) {
                 a.d[t][i] = xd[g0 + i];

@@ -43,7 +43,9 @@ pub struct WeightShape {
 /// sequence (`tiles`: first token and count of each), `heads_per_block` of a KV head's query
 /// heads per block (`chunks` blocks for all of them), and the positions of each tile in
 /// `splits` runs of `split_len` (one when the grid is large enough without), merged after by
-/// `attention_combine`.
+/// `attention_combine` from `part_o` and `part_ml` (each split's unnormalized output and
+/// (max, sum) per row; allocated once for every layer that takes the plan, one element each
+/// when unsplit).
 pub struct AttentionPlan<S: Stream> {
     pub tiles: S::Buf<i32>,
     pub n_tiles: usize,
@@ -51,6 +53,8 @@ pub struct AttentionPlan<S: Stream> {
     pub chunks: usize,
     pub splits: usize,
     pub split_len: usize,
+    pub part_o: S::Buf<f32>,
+    pub part_ml: S::Buf<f32>,
 }
 
 /// The (token, head) rows one attention block holds for a head size: the kernel's rows per
@@ -504,7 +508,10 @@ pub trait KernelCalls: Stream + Sized {
             None => (1, longest),
         };
         let tiles = if tiles.is_empty() { self.zeros::<i32>(2)? } else { self.upload(&tiles)? };
-        Ok(AttentionPlan { tiles, n_tiles, heads_per_block, chunks, splits, split_len })
+        // Every (split, row) is written by the block that covers it, empty splits included.
+        let rows = if splits > 1 { q_pos.len() * s.q_heads } else { 0 };
+        let (part_o, part_ml) = (self.alloc::<f32>(splits * rows * s.head_dim)?, self.alloc::<f32>(2 * splits * rows)?);
+        Ok(AttentionPlan { tiles, n_tiles, heads_per_block, chunks, splits, split_len, part_o, part_ml })
     }
 
     /// Attention of every query over its sequence's blocks (see attention.cu), as `plan`
@@ -519,7 +526,7 @@ pub trait KernelCalls: Stream + Sized {
         table_of: &Self::Buf<i32>,
         table_len: usize,
         q_pos: &Self::Buf<i32>,
-        plan: &AttentionPlan<Self>,
+        plan: &mut AttentionPlan<Self>,
         s: AttentionShape,
         out: &mut Self::Buf<f32>,
     ) -> Result<(), GpuError> {
@@ -552,12 +559,13 @@ pub trait KernelCalls: Stream + Sized {
         }
         let rows = tokens * s.q_heads;
         let split = plan.splits > 1;
-        let (mut part_o, mut part_ml) = if split {
-            // Every (split, row) is written by the block that covers it, empty splits included.
-            (self.alloc::<f32>(plan.splits * rows * s.head_dim)?, self.alloc::<f32>(2 * plan.splits * rows)?)
-        } else {
-            (self.alloc::<f32>(1)?, self.alloc::<f32>(1)?)
-        };
+        check(
+            "attention",
+            !split
+                || (Self::len(&plan.part_o) >= plan.splits * rows * s.head_dim
+                    && Self::len(&plan.part_ml) >= 2 * plan.splits * rows),
+            || format!("the plan's split outputs are for fewer than {rows} rows"),
+        )?;
         let i = |what, v| int("attention", what, v);
         let mut a = [
             Arg::F32(q),
@@ -579,8 +587,8 @@ pub trait KernelCalls: Stream + Sized {
             Arg::Int(i("window", s.window.unwrap_or(0))?),
             Arg::Float(s.scale),
             Arg::F32Mut(out),
-            Arg::F32Mut(&mut part_o),
-            Arg::F32Mut(&mut part_ml),
+            Arg::F32Mut(&mut plan.part_o),
+            Arg::F32Mut(&mut plan.part_ml),
         ];
         let g = (
             grid_dim("attention", "x", plan.n_tiles)?,
@@ -597,8 +605,8 @@ pub trait KernelCalls: Stream + Sized {
             return Ok(());
         }
         let mut a = [
-            Arg::F32(&part_o),
-            Arg::F32(&part_ml),
+            Arg::F32(&plan.part_o),
+            Arg::F32(&plan.part_ml),
             Arg::Int(i("splits", plan.splits)?),
             Arg::Int(i("rows", rows)?),
             Arg::Int(i("head_dim", s.head_dim)?),

@@ -119,12 +119,23 @@ impl<S: Stream> Runner for S {
             window: (a.window > 0).then_some(a.window),
             scale: a.scale,
         };
-        let plan = KernelCalls::attention_plan(self, &a.table_of, &a.q_pos, shape, a.split_len).unwrap();
+        let mut plan = KernelCalls::attention_plan(self, &a.table_of, &a.q_pos, shape, a.split_len).unwrap();
         if let Some(l) = a.split_len {
             assert_eq!(plan.split_len, l);
         }
-        KernelCalls::attention(self, &dq, (&kc, &vc), &tables, &table_of, a.table_len, &q_pos, &plan, shape, &mut out)
-            .unwrap();
+        KernelCalls::attention(
+            self,
+            &dq,
+            (&kc, &vc),
+            &tables,
+            &table_of,
+            a.table_len,
+            &q_pos,
+            &mut plan,
+            shape,
+            &mut out,
+        )
+        .unwrap();
         self.download(&out).unwrap()
     }
     fn dequantize_half(&self, dtype: DType, w: &[u8], rows: usize, cols: usize, bf16: bool) -> Vec<u16> {

@@ -343,7 +343,7 @@ impl<S: Stream + Send> CudaBackend<S> {
             .map(|(slots, tables, len)| Ok((s.upload(slots)?, s.upload(tables)?, *len)))
             .collect::<Result<Vec<_>, GpuError>>()?;
         // Each KV group's attention plan (its window decides how far back the queries see).
-        let plans = (0..self.groups.len())
+        let mut plans = (0..self.groups.len())
             .map(|g| {
                 let shape = self.attention_shape(g);
                 Ok((s.attention_plan(&ix.seq_of, &ix.pos, shape, None)?, shape))
@@ -375,7 +375,8 @@ impl<S: Stream + Send> CudaBackend<S> {
             let (kc, vc) = (&mut self.k_cache[slot], &mut self.v_cache[slot]);
             s.kv_store(&k, &v, (kc, vc), slots, cfg.kv_dim())?;
             let mut att = s.alloc::<f32>(n * cfg.q_dim())?;
-            s.attention(&q, (kc, vc), tables, &seq_of, *table_len, &pos, &plans[group].0, plans[group].1, &mut att)?;
+            let (plan, shape) = &mut plans[group];
+            s.attention(&q, (kc, vc), tables, &seq_of, *table_len, &pos, plan, *shape, &mut att)?;
             let out = self.project(&l.wo, &self.input(&att, n, &[&l.wo])?)?;
             self.residual(&mut x, out, l.attn_post_norm.as_ref())?;
 
