@@ -32,6 +32,8 @@ impl Tools {
     pub fn of(m: &Map<String, Value>, model: &Model) -> Result<Tools, ApiError> {
         let bad = |m: String| ApiError::bad(m, "tools");
         let mut tools = Vec::new();
+        // The tools' schemas become one grammar when a call is required: they share its bounds.
+        let mut budget = inferd_engine::constraint::limits::SchemaBudget::default();
         match m.get("tools") {
             None | Some(Value::Null) => {}
             Some(Value::Array(list)) => {
@@ -59,6 +61,7 @@ impl Tools {
                             return Err(bad(format!("tools[{i}].function.parameters must be a JSON schema object")))
                         }
                     };
+                    budget.check(&parameters).map_err(|e| bad(format!("tools[{i}].function.parameters: {e}")))?;
                     let description = f.get("description").and_then(Value::as_str).map(str::to_owned);
                     tools.push(Tool { name: name.to_owned(), description, parameters });
                 }

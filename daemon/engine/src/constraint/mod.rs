@@ -16,6 +16,7 @@
 //! grammar, so a strategy that ignores its logits fails its request instead of breaking the
 //! format.
 
+pub mod limits;
 pub mod mask;
 
 use crate::tokenizer::Tokenizer;
@@ -67,6 +68,10 @@ impl ResponseFormat {
         }
     }
 }
+
+/// The grammar compiler's stack: address space reserved per compilation, committed only as
+/// deep as the compiler recurses (under 4 MiB for the 5,000-property schema the limits admit).
+pub const COMPILE_STACK: usize = 256 << 20;
 
 /// A model's vocabulary as the grammar engine and the plugins see it: every token's bytes, and
 /// the compiler of response formats over them. Built once per model; the compiler's token
@@ -140,16 +145,35 @@ impl Vocabulary {
         self.env.tok_trie().get_special_token(text)
     }
 
-    /// `format` compiled for this vocabulary: a schema or grammar the engine cannot enforce is
-    /// refused here, at admission, with the compiler's reason.
+    /// `format` compiled for this vocabulary: a schema or grammar the engine cannot enforce, or
+    /// one past [`limits`], is refused here, at admission, with the reason.
+    ///
+    /// The compiler recurses in proportion to a schema's size, so it runs on a thread of its own
+    /// with a [`COMPILE_STACK`] stack (reserved, touched only as deep as it goes), whatever
+    /// thread calls this: the largest schema the limits admit uses a fraction of it.
     pub fn compile(&self, format: &ResponseFormat) -> Result<Grammar, ConstraintError> {
+        match format {
+            ResponseFormat::JsonObject => {}
+            ResponseFormat::JsonSchema(s) => limits::SchemaBudget::default().check(s)?,
+            ResponseFormat::Lark(src) => limits::check_lark(src)?,
+        }
         let factory = self.factory.get_or_init(|| {
             let mut f = ParserFactory::new_simple(&self.env).map_err(|e| e.to_string())?;
             f.quiet();
             Ok(f)
         });
         let factory = factory.as_ref().map_err(|e| ConstraintError::Vocabulary(e.clone()))?;
-        let parser = factory.create_parser(format.grammar()).map_err(|e| ConstraintError::Compile(e.to_string()))?;
+        let grammar = format.grammar();
+        let parser = std::thread::scope(|s| {
+            std::thread::Builder::new()
+                .name("inferd-grammar".into())
+                .stack_size(COMPILE_STACK)
+                .spawn_scoped(s, || factory.create_parser(grammar).map_err(|e| e.to_string()))
+                .map_err(|e| ConstraintError::Compile(format!("no thread to compile it on: {e}")))?
+                .join()
+                .map_err(|_| ConstraintError::Compile("the grammar compiler failed".into()))?
+                .map_err(ConstraintError::Compile)
+        })?;
         Ok(Grammar { parser: Box::new(parser), vocab: self.size })
     }
 }

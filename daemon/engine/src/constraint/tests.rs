@@ -192,3 +192,53 @@ fn a_schema_the_engine_cannot_enforce_is_refused_with_the_reason() {
     let e = v.compile(&ResponseFormat::Lark("start: (".into())).unwrap_err();
     assert!(matches!(e, super::ConstraintError::Compile(_)), "{e}");
 }
+
+/// The largest schemas the limits admit compile, and mask their first tokens, on threads with
+/// the 2 MiB stack of the runtime's blocking pool and of an engine thread (a 4,300-property
+/// object once overflowed it and aborted the daemon); one past a limit is refused unbuilt.
+#[test]
+fn the_largest_admitted_schemas_compile_and_mask_on_a_small_stack() {
+    use super::limits::{MAX_ALTERNATIVES, MAX_DEPTH, MAX_PROPERTIES};
+    let tok = tokenizer();
+    let v = Vocabulary::new(&tok).unwrap();
+    let names: Vec<String> = (0..MAX_PROPERTIES).map(|i| format!("p{i}")).collect();
+    let props: serde_json::Map<String, serde_json::Value> =
+        names.iter().map(|n| (n.clone(), serde_json::json!({ "type": "string", "maxLength": 3 }))).collect();
+    let wide = serde_json::json!({ "type": "object", "properties": props, "required": names });
+    let mut deep = serde_json::json!({ "type": "integer" });
+    for i in 0..MAX_DEPTH / 2 - 1 {
+        deep = if i % 2 == 0 {
+            serde_json::json!({ "type": "array", "items": deep, "minItems": 1 })
+        } else {
+            serde_json::json!({ "type": "object", "properties": { "a": deep }, "required": ["a"] })
+        };
+    }
+    let choices = serde_json::json!({ "enum": (0..MAX_ALTERNATIVES).map(|i| format!("v{i}")).collect::<Vec<_>>() });
+    let alternatives = serde_json::json!({ "anyOf": (0..MAX_ALTERNATIVES).map(|i| serde_json::json!({ "const": i })).collect::<Vec<_>>() });
+    for (what, schema) in [("wide", &wide), ("deep", &deep), ("enum", &choices), ("anyOf", &alternatives)] {
+        let f = ResponseFormat::JsonSchema(schema.clone());
+        let t0 = std::time::Instant::now();
+        let small = std::thread::Builder::new().stack_size(2 << 20);
+        let masked = std::thread::scope(|s| {
+            small
+                .spawn_scoped(s, || {
+                    let g = v.compile(&f).unwrap();
+                    let compiled = t0.elapsed();
+                    let mut m = Masker::new(&g, ROOT, 3, &[], 1).unwrap();
+                    let mut row = vec![0.0f32; tok.vocab_size()];
+                    m.mask(ROOT, &[5, 6, 7], &mut row, tok.vocab_size()).unwrap();
+                    let allowed = row.iter().filter(|x| x.is_finite()).count();
+                    eprintln!("{what}: compiled in {:.2} s, first mask allows {allowed}", compiled.as_secs_f64());
+                    allowed
+                })
+                .unwrap()
+                .join()
+                .unwrap()
+        });
+        assert!(masked > 0, "{what}");
+    }
+    let mut more = wide.clone();
+    more["properties"]["one-more"] = serde_json::json!({ "type": "string" });
+    let e = v.compile(&ResponseFormat::JsonSchema(more)).unwrap_err().to_string();
+    assert!(e.contains("5000 properties"), "{e}");
+}
