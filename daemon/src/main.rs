@@ -122,6 +122,15 @@ enum Cmd {
         #[arg(long)]
         parent: u32,
     },
+    /// The helper process that renders chat templates for the daemon, started with its socket
+    /// as standard input; not for people.
+    #[command(hide = true, name = "template-host")]
+    TemplateHost {
+        #[arg(long)]
+        memory_mib: u64,
+        #[arg(long)]
+        parent: u32,
+    },
     /// Decoder plugins: check a file, probe a strategy.
     Plugin {
         #[command(subcommand)]
@@ -439,6 +448,9 @@ fn main() -> Result<()> {
         }
         Cmd::PluginHost { file, memory_mib, parent } => {
             std::process::exit(inferd_engine::plugin::helper::main(&file, memory_mib, parent))
+        }
+        Cmd::TemplateHost { memory_mib, parent } => {
+            std::process::exit(inferd_engine::template_host::main(memory_mib, parent))
         }
         Cmd::Plugin { cmd: PluginCmd::Check { file, system } } => plugin_check(&file, system),
         Cmd::Plugin { cmd: PluginCmd::Probe { name, logits, history, params, draws, seed, plugins } } => {

@@ -25,6 +25,12 @@ pub const MAX_RENDERED: usize = 64 << 20;
 #[error("chat template: {0}")]
 pub struct TemplateError(String);
 
+impl TemplateError {
+    pub fn new(why: impl Into<String>) -> TemplateError {
+        TemplateError(why.into())
+    }
+}
+
 /// The rendering's output, failing past [`MAX_RENDERED`] bytes.
 struct Capped(Vec<u8>);
 

@@ -6,6 +6,7 @@
 //!
 //! - [`model`]: loading GGUF files and Hugging Face directories (memory-mapped weights).
 //! - [`tokenizer`], [`chat`]: text <-> ids, chat templates, streaming detokenization.
+//! - [`template_host`]: chat templates rendered in a confined helper, bounded in memory.
 //! - [`kv`]: the paged KV cache bookkeeping (block pool, block tables, prefix cache).
 //! - [`backend`]: the forward pass behind the [`backend::Backend`] trait; the CPU backend.
 //! - [`engine`]: the engine step on top of backend + KV cache.
@@ -31,6 +32,7 @@ pub mod paths;
 pub mod plugin;
 pub mod request;
 pub mod sched;
+pub mod template_host;
 pub mod time;
 pub mod tokenizer;
 pub mod tools;

@@ -4,7 +4,8 @@
 //! shape.
 
 use super::request::ApiError;
-use inferd_engine::chat::{ChatMessage, ChatTemplate};
+use super::Shared;
+use inferd_engine::chat::ChatMessage;
 use inferd_engine::model::Model;
 use inferd_engine::request::Request;
 use inferd_engine::tokenizer::literal::Literals;
@@ -202,7 +203,13 @@ pub fn messages(m: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError> {
 /// earlier calls and tool results written as text in the same syntax. What the client wrote
 /// (roles, contents, names, calls, tool definitions) is text even where it spells a special
 /// token: only the template's own markup is special ([`Literals`]).
-pub fn encode(model: &Model, messages: &[ChatMessage], tools: Option<&Tools>) -> Result<Vec<u32>, ApiError> {
+/// The template runs in a helper process bounded in memory and time ([`Shared::templates`]).
+pub fn encode(
+    sh: &Shared,
+    model: &Model,
+    messages: &[ChatMessage],
+    tools: Option<&Tools>,
+) -> Result<Vec<u32>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::bad("messages is empty", "messages"));
     }
@@ -261,8 +268,9 @@ pub fn encode(model: &Model, messages: &[ChatMessage], tools: Option<&Tools>) ->
         }
     }
     let shown = if format.native { shown } else { &[] };
-    let text = ChatTemplate::new(model.chat_template.as_deref(), bos, eos)
-        .and_then(|t| t.render_with_tools(&msgs, shown, true))
+    let text = sh
+        .templates
+        .render(model.chat_template.as_deref(), &bos, &eos, &msgs, shown, true)
         .map_err(|e| ApiError::bad(format!("the chat template failed: {e}"), "messages"))?;
     lit.encode(tok, &text).map_err(|e| ApiError::bad(e.to_string(), "messages"))
 }

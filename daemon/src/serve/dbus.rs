@@ -162,7 +162,7 @@ impl Inference {
         let h = sh.model(Some(model))?;
         let body = chat_body(messages, options)?;
         let tools = Tools::of(&body, &h.model)?;
-        let ids = chat::encode(&h.model, &chat::messages(&body)?, Some(&tools))?;
+        let ids = chat::encode(sh, &h.model, &chat::messages(&body)?, Some(&tools))?;
         tools.constrain(req, h.vocabulary.as_deref())?;
         let format = tools.active().then_some(tools.format);
         Ok((h, ids, format))

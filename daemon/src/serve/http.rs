@@ -518,7 +518,7 @@ async fn chat_completions(
         known_keys(&m, "messages")?;
         include_usage(&m)?;
         let tools = Tools::of(&m, &model.model)?;
-        let ids = chat::encode(&model.model, &chat::messages(&m)?, Some(&tools))?;
+        let ids = chat::encode(sh, &model.model, &chat::messages(&m)?, Some(&tools))?;
         let mut req = Request { logprobs: wants_logprobs(&m, true)?, ..typed_request(&m)? };
         tools.constrain(&mut req, model.vocabulary.as_deref())?;
         Ok((request::prepare(sh, model, req, ids)?, m, tools))

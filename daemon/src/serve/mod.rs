@@ -91,6 +91,8 @@ pub struct Shared {
     pub cpu_permits: tokio::sync::Semaphore,
     /// Plugin libraries that crashed or hung, kept across restarts.
     pub quarantine: Arc<Quarantine>,
+    /// Chat templates render here: helper processes bounded in memory and time.
+    pub templates: inferd_engine::template_host::TemplateHost,
     /// The models an upstream server serves.
     pub remotes: RwLock<Vec<Arc<remote::Remote>>>,
 }
@@ -364,6 +366,8 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         refused: Mutex::new(refused),
         cpu_permits: tokio::sync::Semaphore::new(std::thread::available_parallelism().map_or(2, |n| n.get())),
         quarantine,
+        // The running executable, as for plugin helpers: it must speak this daemon's protocol.
+        templates: inferd_engine::template_host::TemplateHost::new(PathBuf::from("/proc/self/exe")),
         remotes: RwLock::new(remotes(&cfg)?),
     });
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;

@@ -411,7 +411,7 @@ async fn generate(
                 msgs.push(("system".to_owned(), system));
             }
             msgs.push(("user".to_owned(), prompt));
-            ids.extend(request::encode_chat(&h.model, &msgs)?);
+            ids.extend(request::encode_chat(sh, &h.model, &msgs)?);
         }
         Ask::new(h, ids, &m)
     };
@@ -434,7 +434,7 @@ async fn chat(
         let h = model(sh, &m)?;
         let msgs = super::chat::messages(&m)?;
         let tools = Tools::of(&m, &h.model)?;
-        let ids = if msgs.is_empty() { Vec::new() } else { super::chat::encode(&h.model, &msgs, Some(&tools))? };
+        let ids = if msgs.is_empty() { Vec::new() } else { super::chat::encode(sh, &h.model, &msgs, Some(&tools))? };
         Ok(Ask { tools: tools.active().then_some(tools), ..Ask::new(h, ids, &m)? })
     };
     let ask = sh.cpu_with(&body, ask).await;

@@ -158,10 +158,10 @@ pub fn encode_prompt(model: &Model, text: &str) -> Result<Vec<u32>, ApiError> {
 }
 
 /// Chat messages as (role, content) pairs (D-Bus's), rendered with the model's template.
-pub fn encode_chat(model: &Model, messages: &[(String, String)]) -> Result<Vec<u32>, ApiError> {
+pub fn encode_chat(sh: &Shared, model: &Model, messages: &[(String, String)]) -> Result<Vec<u32>, ApiError> {
     let msgs: Vec<inferd_engine::chat::ChatMessage> =
         messages.iter().map(|(r, c)| inferd_engine::chat::ChatMessage::new(r, c)).collect();
-    super::chat::encode(model, &msgs, None)
+    super::chat::encode(sh, model, &msgs, None)
 }
 
 /// Checks request `req`, whose prompt is `prompt`, for `model`: the same checks and messages

@@ -55,3 +55,97 @@ fn huge_schemas_are_compiled_safely_or_refused() {
     drop(d);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A tiny model whose chat template is `template`.
+fn model_with_template(dir: &Path, name: &str, template: &str) -> PathBuf {
+    use inferd_engine::model::gguf_writer::MetaValue;
+    use inferd_kernels::DType;
+    let spec = inferd_e2e::TinySpec::default();
+    inferd_e2e::write_tiny_gguf_with(&dir.join(name), &spec, DType::Q8_0, DType::Q8_0, |w| {
+        w.meta("tokenizer.chat_template", MetaValue::Str(template.into()));
+    })
+}
+
+/// Templates from a model file once grew to gigabytes within their step budget (a string
+/// doubled forty times) and the kernel killed the daemon; now each renders in a helper bounded
+/// in memory, the request gets an error naming the budget, and the daemon stays small.
+#[test]
+fn templates_that_grow_without_bound_fail_alone() {
+    let dir = scratch("template-bombs");
+    let doubling = "{% set ns = namespace(s='abcdefgh') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}";
+    let repeated = "{% set ns = namespace(l=['x' * 1000000]) %}{% for i in range(30) %}{% set ns.l = ns.l + ns.l %}{% endfor %}{{ ns.l | join('') | length }}";
+    let fine = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n";
+    let mut cfg = String::new();
+    for (name, t) in [("doubling", doubling), ("repeated", repeated), ("fine", fine)] {
+        let p = model_with_template(&dir, &format!("{name}.gguf"), t);
+        cfg += &format!("[[model]]\npath = \"{}\"\nname = \"{name}\"\n\n", p.display());
+    }
+    let d = Daemon::start(&dir, &cfg, &[]);
+    let chat = |model: &str| {
+        let body =
+            serde_json::json!({ "model": model, "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 1 });
+        d.http("POST", "/v1/chat/completions", &body.to_string())
+    };
+    let pid = d.child.id();
+    for model in ["doubling", "repeated"] {
+        let t0 = Instant::now();
+        let (st, out) = chat(model);
+        eprintln!("{model}: {st} in {:.2} s: {out}", t0.elapsed().as_secs_f64());
+        assert!(st == 400 && out.contains("memory budget"), "{model}: {st} {out}");
+        assert!(rss_mib(pid) < 400, "the daemon grew to {} MiB", rss_mib(pid));
+    }
+    // The same helpers go on rendering good templates, concurrently.
+    let answers: Vec<(u16, String)> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..4).map(|_| s.spawn(|| chat("fine"))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (st, out) in answers {
+        assert_eq!(st, 200, "{out}");
+    }
+    drop(d);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A helper renders exactly what the template renders in process (messages, calls, tools, key
+/// order), and what that costs per rendering once a helper is warm.
+#[test]
+fn a_helper_renders_what_the_template_renders_in_process() {
+    use inferd_engine::chat::{ChatMessage, ChatTemplate};
+    use inferd_engine::template_host::TemplateHost;
+    use inferd_engine::tools::{Tool, ToolCall};
+    let src = "{% for m in messages %}[{{ m.role }}|{{ m.content }}{% if m.tool_calls is defined %}{{ m.tool_calls | tojson }}{% endif %}{% if m.name is defined %}|{{ m.name }}{% endif %}]{% endfor %}{% if tools %}{{ tools | tojson }}{% endif %}{% if add_generation_prompt %}{{ bos_token }}>{% endif %}{{ eos_token }}";
+    let tools = vec![Tool {
+        name: "get_weather".into(),
+        description: Some("Weather é 😀".into()),
+        parameters: serde_json::from_str(
+            r#"{"type": "object", "properties": {"z": {"type": "string"}, "a": {"enum": [1, 2]}}}"#,
+        )
+        .unwrap(),
+    }];
+    let mut call = ChatMessage::new("assistant", "");
+    call.tool_calls =
+        vec![ToolCall { id: "c1".into(), name: "get_weather".into(), arguments: r#"{"z": "Paris"}"#.into() }];
+    let mut answer = ChatMessage::new("tool", "18 C");
+    answer.tool_call_id = Some("c1".into());
+    answer.name = Some("get_weather".into());
+    let msgs = vec![ChatMessage::new("system", "Be brief."), ChatMessage::new("user", "Weather?"), call, answer];
+    let here = ChatTemplate::new(Some(src), "<s>".into(), "</s>".into())
+        .unwrap()
+        .render_with_tools(&msgs, &tools, true)
+        .unwrap();
+    let host = TemplateHost::new(env!("CARGO_BIN_EXE_inferd").into());
+    let there = host.render(Some(src), "<s>", "</s>", &msgs, &tools, true).unwrap();
+    assert_eq!(here, there);
+    let chatml = host.render(None, "", "", &msgs[..2], &[], false).unwrap();
+    assert_eq!(
+        chatml,
+        ChatTemplate::new(None, String::new(), String::new()).unwrap().render(&msgs[..2], false).unwrap()
+    );
+    let e = host.render(Some("{{ raise_exception('no tools here') }}"), "", "", &msgs, &[], true).unwrap_err();
+    assert!(e.to_string().contains("no tools here"), "{e}");
+    let t0 = Instant::now();
+    for _ in 0..200 {
+        host.render(Some(src), "<s>", "</s>", &msgs, &tools, true).unwrap();
+    }
+    eprintln!("one rendering through a warm helper: {:.0} us", t0.elapsed().as_secs_f64() * 1e6 / 200.0);
+}
