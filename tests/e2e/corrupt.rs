@@ -87,3 +87,72 @@ fn hostile_counts_and_unsupported_content_are_named() {
     std::fs::create_dir_all(dir.join("emptyhf")).unwrap();
     assert!(Model::load(&dir.join("emptyhf")).unwrap_err().to_string().contains("config.json"));
 }
+
+/// A model file is parsed within budgets, checked before anything is allocated for them: a
+/// 132 MB metadata array (which once took 4.2 GB to parse, during the store listing) is
+/// refused at once by the loader and the listing alike; a token past the length bound, an
+/// infinite YaRN factor and a vocabulary that does not cover the embedding are refused by name.
+#[test]
+fn model_files_are_parsed_within_budgets() {
+    use inferd_e2e::write_tiny_gguf_with;
+    use inferd_engine::model::facts::Facts;
+    use inferd_engine::model::gguf_writer::MetaValue;
+    let dir = temp_dir("budgets");
+    let spec = TinySpec::default();
+    let with = |name: &str, extra: &dyn Fn(&mut inferd_engine::model::gguf_writer::GgufWriter)| {
+        write_tiny_gguf_with(&dir.join(name), &spec, DType::Q8_0, DType::Q8_0, |w| extra(w))
+    };
+    let big = with("big-array.gguf", &|w| {
+        w.meta("general.junk", MetaValue::I32Array(vec![7; 33 << 20]));
+    });
+    let t0 = std::time::Instant::now();
+    let e = Model::load(&big).unwrap_err().to_string();
+    assert!(e.contains("an array of 34603008 values (at most 4194304)"), "{e}");
+    assert!(Facts::read(&big).is_err());
+    eprintln!("a 132 MB metadata array refused in {:.1} ms (load and listing)", t0.elapsed().as_secs_f64() * 1e3);
+    assert!(t0.elapsed() < std::time::Duration::from_secs(2));
+    // Big vocabularies' arrays are stepped over by the listing, not kept.
+    let (tokens, _) = inferd_e2e::tiny_vocab();
+    let long = with("long-token.gguf", &|w| {
+        let mut t = tokens.clone();
+        t[1] = format!("<|{}|>", "x".repeat(1021));
+        w.meta("tokenizer.ggml.tokens", MetaValue::StrArray(t));
+    });
+    let e = Model::load(&long).unwrap_err().to_string();
+    assert!(e.contains("token 1 is 1025 bytes long (at most 1024)"), "{e}");
+    let longest = with("longest-token.gguf", &|w| {
+        let mut t = tokens.clone();
+        t[1] = format!("<|{}|>", "x".repeat(1020));
+        w.meta("tokenizer.ggml.tokens", MetaValue::StrArray(t));
+    });
+    let t0 = std::time::Instant::now();
+    let m = Model::load(&longest).unwrap();
+    eprintln!("a 1,024-byte special token: the model loads in {:.1} ms", t0.elapsed().as_secs_f64() * 1e3);
+    assert_eq!(m.tokenizer.encode(&format!("a<|{}|>b", "x".repeat(1020)), true).unwrap().len(), 3);
+    let infinite = with("yarn-inf.gguf", &|w| {
+        w.meta("llama.rope.scaling.type", MetaValue::Str("yarn".into()));
+        w.meta("llama.rope.scaling.factor", MetaValue::F32(f32::INFINITY));
+    });
+    let e = Model::load(&infinite).unwrap_err().to_string();
+    assert!(e.contains("llama.rope.scaling.factor is not a finite number"), "{e}");
+    let short = with("short-vocab.gguf", &|w| {
+        w.meta("tokenizer.ggml.tokens", MetaValue::StrArray(tokens[..tokens.len() - 6].to_vec()));
+        w.meta("tokenizer.ggml.merges", MetaValue::StrArray(Vec::new()));
+    });
+    let e = Model::load(&short).unwrap_err().to_string();
+    assert!(
+        e.contains(&format!("the vocabulary has {} tokens but the embedding {} rows", tokens.len() - 6, tokens.len())),
+        "{e}"
+    );
+    // The same bound in a Hugging Face directory's tokenizer.json, before the library reads it.
+    let hf = inferd_e2e::write_tiny_hf(&dir.join("hf"), &spec, safetensors::Dtype::F32);
+    let path = hf.join("tokenizer.json");
+    let mut j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    j["added_tokens"][0]["content"] = serde_json::json!("y".repeat(65536));
+    std::fs::write(&path, j.to_string()).unwrap();
+    let t0 = std::time::Instant::now();
+    let e = Model::load(&hf).unwrap_err().to_string();
+    assert!(e.contains("a token of 65536 bytes (at most 1024)"), "{e}");
+    assert!(t0.elapsed() < std::time::Duration::from_secs(2));
+    let _ = std::fs::remove_dir_all(dir);
+}

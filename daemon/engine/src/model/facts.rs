@@ -35,7 +35,7 @@ impl Facts {
         if meta.is_dir() {
             return directory(path);
         }
-        let g = Gguf::parse(Blob::map(path).map_err(io)?)?;
+        let g = Gguf::parse_header(Blob::map(path).map_err(io)?)?;
         let architecture = g.get("general.architecture").and_then(|v| v.as_str()).unwrap_or("unknown").to_string();
         let context_len = g.get(&format!("{architecture}.context_length")).and_then(|v| v.as_u64()).unwrap_or(0);
         let parameters = g.tensors.iter().map(|t| t.dims.iter().product::<usize>() as u64).sum();

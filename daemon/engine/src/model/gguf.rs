@@ -3,6 +3,13 @@
 //! The file is untrusted: every count, length and offset is validated before it is used, and no
 //! allocation is sized by a count that the remaining bytes could not hold, so a truncated or
 //! hostile file yields a [`GgufError`], never a panic or an absurd allocation.
+//!
+//! Metadata is parsed within budgets ([`MAX_ARRAY_LEN`], [`MAX_VALUES`], [`MAX_STRING_LEN`],
+//! [`MAX_STRING_BYTES`]), checked before anything is allocated for them: a value costs 32 bytes
+//! in memory against as little as one in the file, so a 128 MB array of bytes once took 4.2 GB.
+//! The budgets leave five to ten times the room the largest real vocabularies need (Gemma 3's
+//! 262,144 tokens with scores and types; Llama 3's 280,147 merges). [`Gguf::parse_header`]
+//! skips arrays altogether (what a store listing needs: architecture, type, tensors).
 
 use crate::model::mmap::Blob;
 use inferd_kernels::DType;
@@ -24,6 +31,15 @@ pub enum GgufError {
 fn supported_types() -> String {
     DType::ALL.iter().map(|d| d.name()).collect::<Vec<_>>().join(", ")
 }
+
+/// Elements of one metadata array.
+pub const MAX_ARRAY_LEN: usize = 4 << 20;
+/// Metadata values in one file, array elements included.
+pub const MAX_VALUES: usize = 8 << 20;
+/// Bytes of one metadata string (a chat template, an embedded `tokenizer.json`).
+pub const MAX_STRING_LEN: usize = 32 << 20;
+/// Bytes of all metadata strings of one file together.
+pub const MAX_STRING_BYTES: usize = 256 << 20;
 
 /// A metadata value.
 #[derive(Clone, Debug, PartialEq)]
@@ -96,6 +112,11 @@ pub struct Gguf {
 struct Cursor<'a> {
     b: &'a [u8],
     pos: usize,
+    /// Values and string bytes parsed so far, against the budgets.
+    values: usize,
+    string_bytes: usize,
+    /// Arrays are stepped over, not kept ([`Gguf::parse_header`]).
+    skip_arrays: bool,
 }
 
 impl<'a> Cursor<'a> {
@@ -133,11 +154,36 @@ impl<'a> Cursor<'a> {
     }
     fn string(&mut self) -> Result<String, GgufError> {
         let n = self.len("string")?;
+        if n > MAX_STRING_LEN {
+            return Err(GgufError::Corrupt(format!("a string of {n} bytes (at most {MAX_STRING_LEN})")));
+        }
+        self.string_bytes += n;
+        if self.string_bytes > MAX_STRING_BYTES {
+            return Err(GgufError::Corrupt(format!("metadata strings pass {MAX_STRING_BYTES} bytes in all")));
+        }
         let s = self.take(n)?;
         String::from_utf8(s.to_vec())
             .map_err(|_| GgufError::Corrupt(format!("string at offset {} is not UTF-8", self.pos - n)))
     }
+    /// Steps over one value of type `ty` (an array's element: no nested arrays).
+    fn skip(&mut self, ty: u32) -> Result<(), GgufError> {
+        let size = match ty {
+            0 | 1 | 7 => 1,
+            2 | 3 => 2,
+            4..=6 => 4,
+            10..=12 => 8,
+            8 => self.len("string")?,
+            9 => return Err(GgufError::Corrupt("arrays of arrays in the header".into())),
+            t => return Err(GgufError::Corrupt(format!("unknown metadata value type {t}"))),
+        };
+        self.take(size).map(|_| ())
+    }
+
     fn value(&mut self, ty: u32, depth: u32) -> Result<Value, GgufError> {
+        self.values += 1;
+        if self.values > MAX_VALUES {
+            return Err(GgufError::Corrupt(format!("more than {MAX_VALUES} metadata values")));
+        }
         Ok(match ty {
             0 => Value::U64(u64::from(self.u8()?)),
             1 => Value::I64(i64::from(self.u8()? as i8)),
@@ -160,6 +206,15 @@ impl<'a> Cursor<'a> {
                 }
                 let ety = self.u32()?;
                 let n = self.len("array")?;
+                if n > MAX_ARRAY_LEN {
+                    return Err(GgufError::Corrupt(format!("an array of {n} values (at most {MAX_ARRAY_LEN})")));
+                }
+                if self.skip_arrays && ety != 9 {
+                    for _ in 0..n {
+                        self.skip(ety)?;
+                    }
+                    return Ok(Value::Array(Vec::new()));
+                }
                 // Every element takes at least one byte, so `n <= remaining` bounds the allocation.
                 let mut v = Vec::with_capacity(n);
                 for _ in 0..n {
@@ -184,8 +239,19 @@ fn ggml_type(ty: u32) -> Result<DType, String> {
 impl Gguf {
     /// Parses the header, metadata and tensor directory of the GGUF bytes in `blob`.
     pub fn parse(blob: Blob) -> Result<Gguf, GgufError> {
+        Gguf::parse_with(blob, false)
+    }
+
+    /// [`Gguf::parse`] with every metadata array left empty (stepped over, checked only for
+    /// fitting in the file): the header's scalars and the tensor directory, fast and small
+    /// whatever the vocabulary.
+    pub fn parse_header(blob: Blob) -> Result<Gguf, GgufError> {
+        Gguf::parse_with(blob, true)
+    }
+
+    fn parse_with(blob: Blob, skip_arrays: bool) -> Result<Gguf, GgufError> {
         let b = blob.bytes();
-        let mut c = Cursor { b, pos: 0 };
+        let mut c = Cursor { b, pos: 0, values: 0, string_bytes: 0, skip_arrays };
         if c.take(4).map_err(|_| GgufError::BadMagic)? != b"GGUF" {
             return Err(GgufError::BadMagic);
         }

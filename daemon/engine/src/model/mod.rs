@@ -108,9 +108,12 @@ fn load_gguf(g: &Gguf, path: &Path, name: String) -> Result<Model, ModelError> {
     };
     arch::check_unused(g.tensors.iter().map(|t| t.name.as_str()), &used.borrow(), &read_by_arch)?;
     let tokenizer = Tokenizer::from_gguf(g)?;
-    if tokenizer.vocab_size() > config.vocab {
+    // A GGUF file's vocabulary lists every row of the embedding (padding rows as `[PAD]`
+    // tokens), as llama.cpp requires: rows without a token would be logits the model can pick
+    // and no text can stand for.
+    if tokenizer.vocab_size() != config.vocab {
         return Err(ModelError::Config(format!(
-            "tokenizer has {} tokens but the model only {}",
+            "the vocabulary has {} tokens but the embedding {} rows",
             tokenizer.vocab_size(),
             config.vocab
         )));

@@ -33,6 +33,11 @@ const GPT4O_PATTERN: &str = concat!(
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 );
 
+/// The longest token text a vocabulary may hold. Real ones stay far below (SmolLM2's longest
+/// is 162 bytes, Gemma 3's 48); the tokenizer library's build time grows with a special token's
+/// length (a 64 KiB one kept it busy for minutes, an 8 KiB one made it panic).
+pub const MAX_TOKEN_BYTES: usize = 1024;
+
 fn strings(g: &Gguf, key: &str) -> Result<Vec<String>, TokenizerError> {
     let arr = g.get(key).and_then(Value::as_array).ok_or_else(|| TokenizerError::Invalid(format!("missing {key}")))?;
     arr.iter()
@@ -115,6 +120,12 @@ impl Tokenizer {
     pub fn from_gguf(g: &Gguf) -> Result<Tokenizer, TokenizerError> {
         let model = g.get("tokenizer.ggml.model").and_then(Value::as_str).unwrap_or("");
         let tokens = strings(g, "tokenizer.ggml.tokens")?;
+        if let Some((i, t)) = tokens.iter().enumerate().find(|(_, t)| t.len() > MAX_TOKEN_BYTES) {
+            return Err(TokenizerError::Invalid(format!(
+                "token {i} is {} bytes long (at most {MAX_TOKEN_BYTES})",
+                t.len()
+            )));
+        }
         let types: Vec<i64> = match g.get("tokenizer.ggml.token_type").and_then(Value::as_array) {
             Some(a) => {
                 a.iter().map(|v| if let Value::I64(x) = v { *x } else { v.as_u64().unwrap_or(1) as i64 }).collect()

@@ -94,6 +94,33 @@ fn token_to_bytes(token: &str, enc: ByteEncoding, inverse: &std::collections::Ha
     }
 }
 
+/// The largest `tokenizer.json` read (Gemma 3's is 33 MB).
+pub const MAX_TOKENIZER_JSON: u64 = 128 << 20;
+
+/// A `tokenizer.json`'s text, once its size and every token's length are within bounds (the
+/// tokenizers library's build time grows with a special token's length: a 64 KiB one kept it
+/// busy for minutes).
+fn read_bounded_json(path: &Path) -> Result<String, TokenizerError> {
+    let bad = |why: String| TokenizerError::Invalid(format!("{}: {why}", path.display()));
+    let len = std::fs::metadata(path).map_err(|e| bad(e.to_string()))?.len();
+    if len > MAX_TOKENIZER_JSON {
+        return Err(bad(format!("{len} bytes (at most {MAX_TOKENIZER_JSON})")));
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    let added = v.get("added_tokens").and_then(|a| a.as_array()).into_iter().flatten();
+    let added = added.filter_map(|t| t.get("content").and_then(|c| c.as_str()));
+    let vocab = v.pointer("/model/vocab");
+    let keys = vocab.and_then(|m| m.as_object()).into_iter().flat_map(|m| m.keys().map(String::as_str));
+    // SentencePiece-style models list `[piece, score]` pairs.
+    let pieces = vocab.and_then(|a| a.as_array()).into_iter().flatten();
+    let pieces = pieces.filter_map(|p| p.get(0).and_then(|s| s.as_str()));
+    if let Some(t) = added.chain(keys).chain(pieces).find(|t| t.len() > gguf_vocab::MAX_TOKEN_BYTES) {
+        return Err(bad(format!("a token of {} bytes (at most {})", t.len(), gguf_vocab::MAX_TOKEN_BYTES)));
+    }
+    Ok(text)
+}
+
 impl Tokenizer {
     /// Wraps a built `tokenizers` pipeline. `vocab` lists every token string by id.
     pub(crate) fn assemble(
@@ -156,9 +183,10 @@ impl Tokenizer {
         eos: Vec<u32>,
         add_bos: bool,
     ) -> Result<Tokenizer, TokenizerError> {
+        let text = read_bounded_json(path)?;
         // The `tokenizers` crate panics on some malformed files (an `expect` in its decoder
         // deserializer, found by fuzzing): a bad file is an error, not the daemon's end.
-        let read = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_file(path)).map_err(|_| {
+        let read = std::panic::catch_unwind(|| text.parse::<tokenizers::Tokenizer>()).map_err(|_| {
             TokenizerError::Invalid(format!("{}: malformed (the tokenizers library gave up on it)", path.display()))
         })?;
         let tk = read.map_err(|e| TokenizerError::Invalid(format!("{}: {e}", path.display())))?;

@@ -53,10 +53,14 @@ impl<'a> GgufKeys<'a> {
     pub fn opt_float(&self, k: &str) -> Result<Option<f32>, ModelError> {
         match self.get(k) {
             None => Ok(None),
+            // Finite as an f32: an `inf` or NaN hyperparameter (a YaRN factor, an epsilon)
+            // would load and then compute nothing but NaN.
             Some(v) => v
                 .as_f64()
-                .map(|x| Some(x as f32))
-                .ok_or_else(|| ModelError::Config(format!("{} is not a number", self.full(k)))),
+                .map(|x| x as f32)
+                .filter(|x| x.is_finite())
+                .map(Some)
+                .ok_or_else(|| ModelError::Config(format!("{} is not a finite number", self.full(k)))),
         }
     }
 
@@ -231,7 +235,12 @@ impl<'a> HfKeys<'a> {
     pub fn opt_float(&self, k: &str) -> Result<Option<f32>, ModelError> {
         match self.get(k) {
             None => Ok(None),
-            Some(v) => v.as_f64().map(|x| Some(x as f32)).ok_or_else(|| Self::bad(k, "a number")),
+            Some(v) => v
+                .as_f64()
+                .map(|x| x as f32)
+                .filter(|x| x.is_finite())
+                .map(Some)
+                .ok_or_else(|| Self::bad(k, "a finite number")),
         }
     }
 
