@@ -269,8 +269,10 @@ fn too_many(uid: Option<u32>, max: usize) -> axum::response::Response {
     (axum::http::StatusCode::SERVICE_UNAVAILABLE, [("connection", "close")], axum::Json(body)).into_response()
 }
 
-/// The largest request body read (the routes' own limit is lower; this bounds the wait).
-pub const BODY_LIMIT: usize = 64 << 20;
+/// The largest request body read, for every route: room for a long prompt or a few images in
+/// base64, while the JSON tree a body parses into stays within a few hundred MiB at worst.
+/// (The routes' own extractor limit is lifted: this one answers in JSON.)
+pub const BODY_LIMIT: usize = 16 << 20;
 
 /// Middleware on every route: the body is read whole within `limits.request_timeout_secs`
 /// (a client trickling it in gets 408), then the route runs on it.
@@ -291,12 +293,15 @@ pub async fn read_body(
         Ok(Err(e)) => {
             let declared =
                 parts.headers.get(axum::http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse().ok());
-            let status = if declared.is_some_and(|n: usize| n > BODY_LIMIT) {
-                axum::http::StatusCode::PAYLOAD_TOO_LARGE
+            let over = declared.is_some_and(|n: usize| n > BODY_LIMIT)
+                || std::error::Error::source(&e).is_some_and(|s| s.to_string().contains("length limit"))
+                || e.to_string().contains("length limit");
+            if over {
+                let msg = format!("the request body is larger than {} MiB", BODY_LIMIT >> 20);
+                refuse(axum::http::StatusCode::PAYLOAD_TOO_LARGE, msg)
             } else {
-                axum::http::StatusCode::BAD_REQUEST
-            };
-            refuse(status, format!("reading the request body: {e}"))
+                refuse(axum::http::StatusCode::BAD_REQUEST, format!("reading the request body: {e}"))
+            }
         }
         Err(_) => refuse(
             axum::http::StatusCode::REQUEST_TIMEOUT,

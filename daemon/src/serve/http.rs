@@ -67,6 +67,9 @@ pub fn router(sh: Arc<Shared>) -> Router {
         .route("/detokenize", post(detokenize))
         .merge(super::loading::routes())
         .layer(axum::middleware::from_fn_with_state(Arc::clone(&sh), count))
+        // `read_body` bounds every body (and answers in JSON); the extractors' own 2 MiB
+        // default, with its plain-text 413, would otherwise be the limit.
+        .layer(axum::extract::DefaultBodyLimit::disable())
         .layer(axum::middleware::from_fn_with_state(Arc::clone(&sh), super::conn::read_body))
         .with_state(sh)
 }

@@ -149,3 +149,24 @@ fn a_helper_renders_what_the_template_renders_in_process() {
     }
     eprintln!("one rendering through a warm helper: {:.0} us", t0.elapsed().as_secs_f64() * 1e6 / 200.0);
 }
+
+/// Bodies up to the daemon's limit (16 MiB) are read and answered; one past it gets a JSON 413
+/// naming the limit (once an extractor's 2 MiB default answered in plain text).
+#[test]
+fn bodies_past_the_limit_get_a_json_error_naming_it() {
+    let dir = scratch("body-limit");
+    let d = Daemon::start(&dir, "", &[]);
+    let body = |mib: usize| format!(r#"{{"prompt": "{}", "max_tokens": 1}}"#, "hello world, ".repeat((mib << 20) / 13));
+    let (st, out) = d.http("POST", "/v1/completions", &body(3));
+    let e: Value = serde_json::from_str(&out).unwrap();
+    assert!(st == 413 && e["error"]["message"].as_str().unwrap().contains("context length"), "{st} {out}");
+    let (st, out) = d.http("POST", "/v1/completions", &body(17));
+    let e: Value = serde_json::from_str(&out).unwrap_or_else(|_| panic!("not JSON: {out}"));
+    assert_eq!(st, 413, "{out}");
+    assert_eq!(e["error"]["message"], "the request body is larger than 16 MiB");
+    let (st, _) = d.http("POST", "/api/generate", &body(17));
+    assert_eq!(st, 413);
+    assert_eq!(d.http("GET", "/health", "").0, 200);
+    drop(d);
+    let _ = std::fs::remove_dir_all(dir);
+}
