@@ -521,7 +521,7 @@ impl Inference {
 
     #[zbus(property)]
     async fn models(&self) -> Vec<String> {
-        self.sh.models.rescan();
+        self.sh.rescan_store().await;
         let mut names: Vec<String> = self.sh.models.slots().iter().map(|m| m.name.clone()).collect();
         names.extend(self.sh.remote_models().iter().map(|r| r.name.clone()));
         names
@@ -538,7 +538,7 @@ impl Inference {
     /// `source` ("remote"), `upstream` and `upstream_model`.
     #[zbus(property)]
     async fn model_details(&self) -> Vec<HashMap<String, OwnedValue>> {
-        self.sh.models.rescan();
+        self.sh.rescan_store().await;
         let detail = |slot: &super::models::Slot| {
             let mut d: HashMap<String, OwnedValue> = HashMap::new();
             let mut put = |k: &str, v: Value<'_>| {

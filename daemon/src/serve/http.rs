@@ -129,7 +129,7 @@ pub fn facts_json(slot: &super::models::Slot) -> Value {
 }
 
 async fn models(State(sh): State<Arc<Shared>>, ConnectInfo(peer): ConnectInfo<Peer>) -> Json<Value> {
-    sh.models.rescan();
+    sh.rescan_store().await;
     let mut data = Vec::new();
     for slot in &sh.models.slots() {
         let Some(m) = slot.loaded() else {
@@ -192,6 +192,7 @@ pub fn status_json(sh: &Shared) -> Value {
     let reg = sh.registry();
     let strategies: Vec<Value> = reg.strategies().iter().map(|s| json!({ "name": s.name(), "plugin": s.plugin_name, "version": s.plugin_version, "path": s.path, "isolated": s.isolated(), "quarantined": s.quarantined() })).collect();
     let refused = sh.refused.lock().map(|r| r.clone()).unwrap_or_default();
+    let (reloads, refusal) = sh.reloads.lock().map(|r| r.clone()).unwrap_or_default();
     json!({
         "status": if sh.draining.load(std::sync::atomic::Ordering::Relaxed) { "stopping" } else { "ready" },
         "uptime_seconds": sh.started.elapsed().as_secs_f64(),
@@ -199,6 +200,7 @@ pub fn status_json(sh: &Shared) -> Value {
         "models": models,
         "strategies": strategies,
         "plugins_refused": refused,
+        "reloads": { "count": reloads, "last_refused": refusal },
         "requests_per_user": sh.users.snapshot().into_iter().map(|(uid, n)| (uid.to_string(), json!(n))).collect::<Map<String, Value>>(),
         "limits": { "max_requests_per_user": sh.limits().max_requests_per_user, "max_tokens": sh.limits().max_tokens },
     })
@@ -210,7 +212,7 @@ async fn status(State(sh): State<Arc<Shared>>, ConnectInfo(peer): ConnectInfo<Pe
     let mut v = status_json(&sh);
     if !peer.local() {
         if let Some(o) = v.as_object_mut() {
-            for k in ["model_store", "plugins_refused", "requests_per_user"] {
+            for k in ["model_store", "plugins_refused", "requests_per_user", "reloads"] {
                 o.remove(k);
             }
         }

@@ -95,9 +95,19 @@ pub struct Shared {
     pub templates: inferd_engine::template_host::TemplateHost,
     /// The models an upstream server serves.
     pub remotes: RwLock<Vec<Arc<remote::Remote>>>,
+    /// The reloads (SIGHUP) so far, and the last one's outcome: `None` applied, or why it was
+    /// refused.
+    pub reloads: Mutex<(u64, Option<String>)>,
 }
 
 impl Shared {
+    /// Reads the model store again ([`models::Models::rescan`]) on a blocking thread, for the
+    /// handlers that list it: no header is read on an async worker.
+    pub async fn rescan_store(self: &Arc<Self>) {
+        let sh = Arc::clone(self);
+        let _ = tokio::task::spawn_blocking(move || sh.models.rescan()).await;
+    }
+
     pub fn registry(&self) -> Arc<Registry> {
         self.registry.read().map(|r| Arc::clone(&r)).unwrap_or_default()
     }
@@ -138,12 +148,17 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
-    /// The configuration: the file, then the flags on top.
-    pub fn config(&self) -> anyhow::Result<Config> {
-        let (path, required) = match &self.config {
+    /// The configuration file, and whether it must exist (it was named).
+    fn config_file(&self) -> (PathBuf, bool) {
+        match &self.config {
             Some(p) => (p.clone(), true),
             None => (self.mode.config_path(), false),
-        };
+        }
+    }
+
+    /// The configuration: the file, then the flags on top.
+    pub fn config(&self) -> anyhow::Result<Config> {
+        let (path, required) = self.config_file();
         let mut cfg = Config::load(&path, required)?;
         if let Some(m) = &self.model {
             cfg.models = vec![config::ModelConfig::for_path(m.clone())];
@@ -333,6 +348,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     // Models come and go: what one allocated must go back to the kernel when it is unloaded.
     inferd_engine::model::mmap::map_large_allocations();
     let cfg = args.config()?;
+    check(&cfg)?;
     let quarantine = Arc::new(recover_plugins(&cfg));
     let (reg, refused) = load_plugins(&cfg, args.mode, &quarantine);
     let keep_alive =
@@ -369,6 +385,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         // The running executable, as for plugin helpers: it must speak this daemon's protocol.
         templates: inferd_engine::template_host::TemplateHost::new(PathBuf::from("/proc/self/exe")),
         remotes: RwLock::new(remotes(&cfg)?),
+        reloads: Mutex::new((0, None)),
     });
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let call_limit = Duration::from_millis(cfg.plugins.call_timeout_ms.max(1));
@@ -409,6 +426,23 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         );
     }
     result
+}
+
+/// What start refuses in `cfg` beyond what parsing it checked, for reload to refuse alike:
+/// durations, the socket's mode and group, the TCP guard's settings and the remote models.
+fn check(cfg: &Config) -> anyhow::Result<()> {
+    models::parse_keep_alive(&cfg.server.keep_alive).map_err(|e| anyhow::anyhow!("server.keep_alive: {e}"))?;
+    models::parse_keep_alive(&cfg.server.idle_exit).map_err(|e| anyhow::anyhow!("server.idle_exit: {e}"))?;
+    cfg.socket_mode().map_err(|e| anyhow::anyhow!(e))?;
+    if let Some(g) = &cfg.server.socket_group {
+        config::group_id(g).ok_or_else(|| anyhow::anyhow!("server.socket_group: no group named {g:?}"))?;
+    }
+    if cfg.server.tcp.is_some() {
+        let s = &cfg.server;
+        guard::Guard::new(&s.tcp_hosts, &s.cors_origins, s.tcp_key_file.as_deref())?;
+    }
+    remotes(cfg)?;
+    Ok(())
 }
 
 /// The remote models of `cfg`.
@@ -553,14 +587,27 @@ async fn serve(sh: Arc<Shared>, args: &ServeArgs, cfg: Config) -> anyhow::Result
     Ok(())
 }
 
-/// SIGHUP: reread the config: limits apply at once; added, removed and changed `[[model]]`
-/// entries come, go and are replaced (new ones load now), the others keep serving; the store
-/// is read again; the plugin directories are rescanned. The socket and the `[server]`
-/// settings need a restart.
+/// SIGHUP: reread the config and apply it whole or not at all. It is checked as start checks
+/// it, and every `[[model]]` entry added or changed is loaded (the new model beside the old)
+/// before anything changes; then limits apply at once, the plugin directories and the store
+/// are read again, and the new models replace the old ones (which finish their requests). A
+/// file that fails any of that, or an empty one (an editor caught mid-write), leaves the running
+/// configuration as it was. The socket and the other `[server]` settings need a restart.
 async fn reload(sh: &Arc<Shared>, args: &ServeArgs) {
     notify::reloading();
-    match args.config() {
-        Ok(cfg) => {
+    let prepared = async {
+        let (path, _) = args.config_file();
+        if std::fs::read_to_string(&path).is_ok_and(|t| t.trim().is_empty()) {
+            anyhow::bail!("{} is empty", path.display());
+        }
+        let cfg = args.config()?;
+        check(&cfg)?;
+        let remotes = remotes(&cfg)?;
+        let slots = sh.models.prepare(cfg.models.clone()).await?;
+        anyhow::Ok((cfg, remotes, slots))
+    };
+    match prepared.await {
+        Ok((cfg, new_remotes, slots)) => {
             let (reg, refused) = load_plugins(&cfg, args.mode, &sh.quarantine);
             if let Ok(mut r) = sh.registry.write() {
                 *r = Arc::new(reg);
@@ -571,33 +618,23 @@ async fn reload(sh: &Arc<Shared>, args: &ServeArgs) {
             if let Ok(mut l) = sh.limits.write() {
                 *l = cfg.limits.clone();
             }
-            match remotes(&cfg) {
-                Ok(r) => {
-                    if let Ok(mut old) = sh.remotes.write() {
-                        *old = r;
-                    }
-                }
-                Err(e) => eprintln!("inferd: keeping the remote models: {e:#}"),
+            if let Ok(mut old) = sh.remotes.write() {
+                *old = new_remotes;
             }
-            let changes = sh.models.reconfigure(cfg.models.clone()).unwrap_or_else(|e| {
-                eprintln!("inferd: keeping the running models: {e:#}");
-                Vec::new()
-            });
-            // A configured model loads at start: a new or changed entry loads now.
-            for (what, name) in changes {
+            for (what, name) in sh.models.reconfigure(slots) {
                 eprintln!("inferd: model {name} {what}");
-                if what != "removed" {
-                    let sh = Arc::clone(sh);
-                    tokio::spawn(async move {
-                        if let Err(e) = sh.models.acquire(Some(&name)).await {
-                            eprintln!("inferd: {}", e.message);
-                        }
-                    });
-                }
             }
             eprintln!("inferd: reloaded the configuration and {} strategies", sh.registry().names().len());
+            if let Ok(mut r) = sh.reloads.lock() {
+                *r = (r.0 + 1, None);
+            }
         }
-        Err(e) => eprintln!("inferd: reload failed, keeping the running configuration: {e:#}"),
+        Err(e) => {
+            eprintln!("inferd: reload refused, keeping the running configuration: {e:#}");
+            if let Ok(mut r) = sh.reloads.lock() {
+                *r = (r.0 + 1, Some(format!("{e:#}")));
+            }
+        }
     }
     notify::ready(&sh.summary());
 }

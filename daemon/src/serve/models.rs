@@ -65,6 +65,9 @@ pub struct Slot {
     pub source: Source,
     /// What its file says (none when its header cannot be read: loading it says why).
     pub facts: Option<Facts>,
+    /// The file's size and modification time when `facts` was read: a store file replaced
+    /// under the same name is read again.
+    stamp: Option<(u64, std::time::SystemTime)>,
     /// Bytes of its draft model's weights on disk (0: no draft, or one that cannot be read).
     draft_bytes: u64,
     /// The device its weights and KV cache take memory on ("cpu", "cuda").
@@ -88,6 +91,7 @@ pub struct Slot {
 
 impl Slot {
     fn new(name: String, config: ModelConfig, source: Source, keep_alive: Option<Duration>) -> Slot {
+        let stamp = stamp(&config.path);
         let facts = Facts::read(&config.path).ok();
         let draft_bytes = config.draft.as_deref().and_then(|d| Facts::read(d).ok()).map_or(0, |f| f.size);
         let device = match inferd_engine::backend::choose(config.backend_kind()).0 {
@@ -99,6 +103,7 @@ impl Slot {
             config,
             source,
             facts,
+            stamp,
             draft_bytes,
             device,
             handle: Mutex::new(None),
@@ -189,7 +194,8 @@ pub struct Models {
     default_keep_alive: Option<Duration>,
     /// `server.memory_budget_mib` in bytes, per device.
     budget: Option<u64>,
-    /// Held while a load makes room and loads: one budget decision at a time.
+    /// Held while a load makes room: one budget decision at a time. The load itself runs
+    /// outside it (models load side by side), its footprint counted from the decision on.
     fit: tokio::sync::Mutex<()>,
     /// Models taken out of a slot a reload replaced or removed, stopped once idle.
     retired: Mutex<Vec<Arc<ModelHandle>>>,
@@ -287,22 +293,42 @@ impl Models {
         self.slots().into_iter().filter(|s| s.device == device && s.loaded().is_some()).collect()
     }
 
-    /// Reads the store again: new files become models, removed ones (unless loaded) go.
+    /// Reads the store again: new files become models, removed ones (unless loaded) go, and
+    /// a file replaced since its header was read (another size or time) is read again. Headers
+    /// are read before the list is locked for writing, so a slow or large one delays no request
+    /// that only looks a model up; a file's header is read once per (path, size, mtime).
     pub fn rescan(&self) {
         let Some(dir) = &self.store else { return };
         let found = super::store::scan(dir);
+        // A configured entry for a store file gives it its name and settings.
+        let known = |all: &[Arc<Slot>], name: &str, path: &Path| {
+            all.iter().any(|s| s.name == name || (s.source == Source::Configured && same_file(&s.config.path, path)))
+        };
+        // A store model not loaded whose file changed since its header was read.
+        let stale = |s: &Slot| s.source == Source::Store && s.loaded().is_none() && s.stamp != stamp(&s.config.path);
+        let fresh: Vec<Arc<Slot>> = {
+            let all = self.slots();
+            let current: Vec<Arc<Slot>> = all.iter().filter(|s| !stale(s)).cloned().collect();
+            found
+                .iter()
+                .filter(|(name, path)| !known(&current, name, path))
+                .map(|(name, path)| {
+                    let mc = ModelConfig::for_path(path.clone());
+                    Arc::new(Slot::new(name.clone(), mc, Source::Store, self.default_keep_alive))
+                })
+                .collect()
+        };
         let Ok(mut all) = self.slots.write() else { return };
         all.retain(|s| {
-            s.source == Source::Configured || s.loaded().is_some() || found.iter().any(|(_, p)| *p == s.config.path)
+            let replaced = fresh.iter().any(|f| f.name == s.name) && stale(s);
+            !replaced
+                && (s.source == Source::Configured
+                    || s.loaded().is_some()
+                    || found.iter().any(|(_, p)| *p == s.config.path))
         });
-        for (name, path) in found {
-            // A configured entry for a store file gives it its name and settings.
-            let known = all
-                .iter()
-                .any(|s| s.name == name || (s.source == Source::Configured && same_file(&s.config.path, &path)));
-            if !known {
-                let mc = ModelConfig::for_path(path);
-                all.push(Arc::new(Slot::new(name, mc, Source::Store, self.default_keep_alive)));
+        for slot in fresh {
+            if !known(&all, &slot.name, &slot.config.path) {
+                all.push(slot);
             }
         }
         sort(&mut all);
@@ -346,9 +372,10 @@ impl Models {
         if let Some(h) = slot.loaded() {
             return Ok(h);
         }
-        let _fit = self.fit.lock().await;
+        let fit = self.fit.lock().await;
         self.make_room(&slot).await?;
         slot.progress.send_replace(LoadProgress { done: 0, total: slot.weight_bytes(), loading: true });
+        drop(fit);
         let (mc, opts, s) = (slot.config.clone(), self.opts.clone(), Arc::clone(&slot));
         let started = Instant::now();
         let loaded = tokio::task::spawn_blocking(move || {
@@ -397,7 +424,14 @@ impl Models {
         let t0 = Instant::now();
         loop {
             let loaded = self.loaded_slots(slot.device);
-            let used: u64 = loaded.iter().map(|s| s.footprint()).sum();
+            // Models loading now count as loaded: their room was made before they started.
+            let loading: u64 = self
+                .slots()
+                .iter()
+                .filter(|s| s.device == slot.device && s.loaded().is_none() && s.progress.borrow().loading)
+                .map(|s| s.footprint())
+                .sum();
+            let used: u64 = loaded.iter().map(|s| s.footprint()).sum::<u64>() + loading;
             if used + need <= budget {
                 return Ok(());
             }
@@ -465,14 +499,63 @@ impl Models {
         out
     }
 
-    /// A new configuration's `[[model]]` entries: added ones come in (and load), removed ones
-    /// go, changed ones are replaced; a model that is unchanged keeps running, and a replaced
-    /// or removed model still holding requests finishes them first. Returns what changed
-    /// ("added", "changed", "removed") and the model's name.
-    pub fn reconfigure(&self, configs: Vec<ModelConfig>) -> anyhow::Result<Vec<(&'static str, String)>> {
+    /// The slots of a new configuration, checked as start checks them and made ready before
+    /// any replaces a running one: each entry added or changed is loaded now (or, when the
+    /// memory budget has no room for it beside the loaded models, its header read). A failure
+    /// leaves nothing changed: what was loaded for it is stopped.
+    pub async fn prepare(&self, configs: Vec<ModelConfig>) -> anyhow::Result<Vec<Arc<Slot>>> {
         let new = self.configured(configs)?;
+        let old = self.slots();
+        let mut fresh: Vec<Arc<Slot>> = Vec::new();
+        let result = async {
+            for slot in &new {
+                let same =
+                    |o: &Arc<Slot>| o.source == Source::Configured && o.name == slot.name && o.config == slot.config;
+                if old.iter().any(same) {
+                    continue;
+                }
+                let used: u64 = self
+                    .loaded_slots(slot.device)
+                    .iter()
+                    .filter(|s| s.name != slot.name)
+                    .map(|s| s.footprint())
+                    .sum::<u64>()
+                    + fresh.iter().filter(|s| s.device == slot.device).map(|s| s.footprint()).sum::<u64>();
+                if self.budget.is_some_and(|b| used + slot.footprint() > b) {
+                    Facts::read(&slot.config.path)
+                        .map_err(|e| anyhow::anyhow!("{}: {}: {e}", slot.name, slot.config.path.display()))?;
+                    continue;
+                }
+                let (mc, opts, name) = (slot.config.clone(), self.opts.clone(), slot.name.clone());
+                let h = tokio::task::spawn_blocking(move || super::load(&mc, &name, &opts, &|_, _| {}))
+                    .await
+                    .map_err(|e| anyhow::anyhow!("{}: the load failed: {e}", slot.name))??;
+                slot.loads.fetch_add(1, Ordering::Relaxed);
+                if let Ok(mut g) = slot.handle.lock() {
+                    *g = Some(Arc::new(h));
+                }
+                fresh.push(Arc::clone(slot));
+            }
+            anyhow::Ok(())
+        }
+        .await;
+        if let Err(e) = result {
+            for slot in fresh {
+                if let Some(h) = slot.take() {
+                    let _ = stop(h).await;
+                }
+            }
+            return Err(e);
+        }
+        Ok(new)
+    }
+
+    /// Applies a configuration [`Models::prepare`]d: entries unchanged keep their slot (and
+    /// model), changed and removed ones are retired (stopped once their requests end), added
+    /// and changed ones take their place; what changed, for the log.
+    pub fn reconfigure(&self, new: Vec<Arc<Slot>>) -> Vec<(&'static str, String)> {
         let mut changes = Vec::new();
-        let Ok(mut all) = self.slots.write() else { anyhow::bail!("the model table is poisoned") };
+        let Ok(mut all) = self.slots.write() else { return changes };
         let old: Vec<Arc<Slot>> = all.iter().filter(|s| s.source == Source::Configured).cloned().collect();
         let mut kept = Vec::new();
         for slot in &old {
@@ -504,7 +587,7 @@ impl Models {
         sort(&mut all);
         drop(all);
         self.rescan();
-        Ok(changes)
+        changes
     }
 
     /// Removes store model `name`: unloads it and deletes its file or directory.
@@ -538,6 +621,12 @@ fn sort(all: &mut [Arc<Slot>]) {
     all.sort_by_key(|s| (s.source == Source::Store, s.source == Source::Store && s.name != default));
     let store_from = all.iter().position(|s| s.source == Source::Store && s.name != default).unwrap_or(all.len());
     all[store_from..].sort_by(|a, b| a.name.cmp(&b.name));
+}
+
+/// A file's size and modification time (none when it cannot be read).
+fn stamp(path: &Path) -> Option<(u64, std::time::SystemTime)> {
+    let m = std::fs::metadata(path).ok()?;
+    Some((m.len(), m.modified().ok()?))
 }
 
 fn same_file(a: &Path, b: &Path) -> bool {

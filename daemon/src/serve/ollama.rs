@@ -118,7 +118,7 @@ async fn version() -> Json<Value> {
 }
 
 async fn tags(State(sh): State<Arc<Shared>>, ConnectInfo(peer): ConnectInfo<Peer>) -> Json<Value> {
-    sh.models.rescan();
+    sh.rescan_store().await;
     let mut models: Vec<Value> = sh
         .models
         .slots()

@@ -150,6 +150,61 @@ fn a_helper_renders_what_the_template_renders_in_process() {
     eprintln!("one rendering through a warm helper: {:.0} us", t0.elapsed().as_secs_f64() * 1e6 / 200.0);
 }
 
+/// The store listing once parsed a 128 MB metadata array (4.2 GB) under the model list's lock,
+/// and kept what it first read of a file replaced under the same name. Now headers are read
+/// within budgets, off the async workers, once per (path, size, mtime): the bomb is listed at
+/// once and refused by name on use, a replaced file is read again, and the loaded model serves
+/// throughout.
+#[test]
+fn the_store_listing_reads_headers_within_budgets_and_again_when_a_file_changes() {
+    use inferd_engine::model::gguf_writer::MetaValue;
+    use inferd_kernels::DType;
+    let dir = scratch("store-headers");
+    let store = dir.join("store");
+    std::fs::create_dir_all(&store).unwrap();
+    std::os::unix::fs::symlink(model(), store.join("SmolLM2-135M-Instruct.Q4_1.gguf")).unwrap();
+    let tiny = |path: &Path, layers: usize| {
+        let spec = inferd_e2e::TinySpec { layers, ..Default::default() };
+        inferd_e2e::write_tiny_gguf_with(path, &spec, DType::Q8_0, DType::Q8_0, |_| {})
+    };
+    tiny(&store.join("swap.gguf"), 2);
+    inferd_e2e::write_tiny_gguf_with(
+        &store.join("bomb.gguf"),
+        &inferd_e2e::TinySpec::default(),
+        DType::Q8_0,
+        DType::Q8_0,
+        |w| {
+            w.meta("general.junk", MetaValue::I32Array(vec![7; 33 << 20]));
+        },
+    );
+    let d = Daemon::start(&dir, &format!("[server]\nmodel_store = \"{}\"\n", store.display()), &[]);
+    let params = |d: &Daemon, name: &str| {
+        let t0 = Instant::now();
+        let v: Value = serde_json::from_str(&d.http("GET", "/v1/models", "").1).unwrap();
+        assert!(t0.elapsed() < Duration::from_secs(2), "the listing took {:?}", t0.elapsed());
+        let m = v["data"].as_array().unwrap().iter().find(|m| m["id"] == name).cloned();
+        m.map(|m| m["inferd"]["parameters"].clone())
+    };
+    let two = params(&d, "swap").unwrap();
+    assert!(two.as_u64().is_some(), "{two}");
+    assert_eq!(params(&d, "bomb"), Some(Value::Null), "listed, its header unread");
+    let (st, out) = d.http("POST", "/v1/completions", r#"{"model": "bomb", "prompt": "a", "max_tokens": 1}"#);
+    assert!(st >= 400 && out.contains("at most 4194304"), "{st} {out}");
+    let (st, out) = d.http(
+        "POST",
+        "/v1/completions",
+        r#"{"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}"#,
+    );
+    assert!(st == 200 && out.contains(" Paris."), "{out}");
+    // Replaced under the same name (a pull over it): its header is read again.
+    tiny(&dir.join("swap.gguf"), 4);
+    std::fs::rename(dir.join("swap.gguf"), store.join("swap.gguf")).unwrap();
+    let four = params(&d, "swap").unwrap();
+    assert!(four.as_u64() > two.as_u64(), "{two} then {four}");
+    drop(d);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// Bodies up to the daemon's limit (16 MiB) are read and answered; one past it gets a JSON 413
 /// naming the limit (once an extractor's 2 MiB default answered in plain text).
 #[test]

@@ -284,3 +284,50 @@ fn pull_installs_from_a_hub_resuming_an_interrupted_transfer_and_rm_removes() {
     drop(d);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A reload is checked as start checks it and applied whole: a `[[model]]` path that does not
+/// load once replaced the working model (503s) while the log said "reloaded"; a `keep_alive`
+/// start refuses was taken; an empty file (an editor mid-write) dropped every model. Now each
+/// is refused with the reason in the status, and the running model serves throughout.
+#[test]
+fn a_reload_start_would_refuse_changes_nothing() {
+    let dir = scratch("reload-refused");
+    let m = model();
+    let good = format!("[[model]]\npath = \"{m}\"\nname = \"a\"\nkv_cache_mib = 64\n");
+    let d = Daemon::start(&dir, &good, &[]);
+    let complete = |d: &Daemon| {
+        d.http(
+            "POST",
+            "/v1/completions",
+            r#"{"model": "a", "prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}"#,
+        )
+    };
+    let reload = |d: &Daemon, text: &str| {
+        let before = d.status()["reloads"]["count"].as_u64().unwrap();
+        std::fs::write(dir.join("inferd.toml"), text).unwrap();
+        d.signal("HUP");
+        wait_for("the reload", Duration::from_secs(30), || d.status()["reloads"]["count"].as_u64() > Some(before));
+        d.status()["reloads"]["last_refused"].as_str().map(str::to_string)
+    };
+    let missing = dir.join("missing.gguf");
+    for (text, why) in [
+        (format!("[[model]]\npath = \"{}\"\nname = \"a\"\n", missing.display()), "missing.gguf"),
+        (good.clone() + "[[model]]\npath = \"/nonexistent/b.gguf\"\nname = \"b\"\n", "b.gguf"),
+        (format!("[server]\nkeep_alive = \"soon\"\n{good}"), "server.keep_alive"),
+        (good.replace("kv_cache_mib = 64", "kv_cache_mib = 64\nkeep_alive = \"soon\""), "keep_alive"),
+        (String::new(), "is empty"),
+        ("[[model]\n".into(), "inferd.toml"),
+    ] {
+        let refused = reload(&d, &text);
+        assert!(refused.as_deref().is_some_and(|r| r.contains(why)), "{text:?}: {refused:?}");
+        assert_eq!(ids(&d), ["a"]);
+        let (st, out) = complete(&d);
+        assert!(st == 200 && out.contains(" Paris."), "after {text:?}: {st} {out}");
+    }
+    // A good file applies, and the status says so.
+    let refused = reload(&d, &(good.clone() + &good.replace("\"a\"", "\"b\"")));
+    assert_eq!(refused, None);
+    assert_eq!(ids(&d), ["a", "b"]);
+    drop(d);
+    let _ = std::fs::remove_dir_all(dir);
+}
