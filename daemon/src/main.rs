@@ -81,9 +81,14 @@ enum Cmd {
     /// Install a model into the model store: hf:ORG/REPO[:QUANT] (a GGUF file of a Hugging
     /// Face repository, checked against the hub's size and SHA-256; $HF_ENDPOINT, $HF_TOKEN) or
     /// an https:// URL. An interrupted pull resumes where it stopped. The daemon lists the model
-    /// at its next look at the store and loads it on first use.
+    /// at its next look at the store and loads it on first use. This writes the directory
+    /// itself (as root, or a user into their own store); `inferctl pull` installs through the
+    /// running daemon.
     Pull {
         reference: String,
+        /// The file's SHA-256 in hex, checked before it is installed (a hub's is checked anyway).
+        #[arg(long)]
+        sha256: Option<String>,
         /// The store (default: the config's server.model_store, else /var/lib/inferd/models
         /// with --system, $XDG_DATA_HOME/inferd/models with --user).
         #[arg(long)]
@@ -402,7 +407,7 @@ fn main() -> Result<()> {
                 threads,
             })
         }
-        Cmd::Pull { reference, store, config, system, user } => {
+        Cmd::Pull { reference, sha256, store, config, system, user } => {
             let mode = inferd::serve::config::Mode::resolve(system, user);
             let store = match store {
                 Some(s) => s,
@@ -420,7 +425,8 @@ fn main() -> Result<()> {
                 }
             };
             let mut bar = inferctl::pull::Progress::new(&reference);
-            let pulled = inferctl::pull::pull(&reference, &store, &mut |d, t| bar.update(d, t));
+            let target = inferctl::pull::Target::Dir(&store);
+            let pulled = inferctl::pull::pull(&reference, target, sha256.as_deref(), &mut |d, t| bar.update(d, t));
             bar.finish();
             let p = pulled?;
             let how = if p.already { "already installed" } else { "installed" };

@@ -6,7 +6,9 @@ reachable from the test machines). It serves ROOT/ORG/REPO/FILE the way the hub 
   GET /ORG/REPO/resolve/main/FILE      the file, with `Range: bytes=N-` answered 206
 
 A file FILE.sha256 beside FILE replaces the published hash (a hub that lists another file's
-hash: the client must refuse the download). With --cut N, the first whole-file transfer of each
+hash: the client must refuse the download). A file FILE.shift holding N makes a ranged request
+for bytes=S- answer from S+N, saying so in Content-Range (a resume that does not continue where
+it was asked to: the client must not splice it on). With --cut N, the first whole-file transfer of each
 file stops after N bytes and the connection closes: an interrupted download to resume.
 Every request is appended to ROOT/requests.log (method, path, Range header).
 
@@ -60,7 +62,7 @@ class Hub(http.server.BaseHTTPRequestHandler):
             listing = []
             for name in sorted(os.listdir(repo)):
                 path = os.path.join(repo, name)
-                if name.endswith(".sha256"):
+                if name.endswith(".sha256") or name.endswith(".shift"):
                     continue
                 size = os.path.getsize(path)
                 entry = {"type": "file", "oid": "0" * 40, "size": size, "path": name}
@@ -79,6 +81,8 @@ class Hub(http.server.BaseHTTPRequestHandler):
             rng = self.headers.get("Range")
             if rng and rng.startswith("bytes=") and rng.endswith("-"):
                 start = int(rng[6:-1])
+                if os.path.exists(path + ".shift"):
+                    start += int(open(path + ".shift").read())
                 if start >= size:
                     self.send_response(416)
                     self.send_header("Content-Range", f"bytes */{size}")

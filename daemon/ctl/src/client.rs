@@ -66,15 +66,76 @@ impl Client {
         ClientError::Io { path: self.socket.clone(), source }
     }
 
-    fn send(&self, method: &str, path: &str, body: Option<&serde_json::Value>) -> Result<Response, ClientError> {
-        let mut s = UnixStream::connect(&self.socket).map_err(|e| match e.kind() {
+    fn connect(&self) -> Result<UnixStream, ClientError> {
+        UnixStream::connect(&self.socket).map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound => ClientError::NotRunning(self.socket.clone()),
             std::io::ErrorKind::PermissionDenied => ClientError::Denied(self.socket.clone()),
             std::io::ErrorKind::ConnectionRefused => ClientError::Refused(self.socket.clone()),
             _ => self.io(e),
-        })?;
+        })
+    }
+
+    fn send(&self, method: &str, path: &str, body: Option<&serde_json::Value>) -> Result<Response, ClientError> {
+        let mut s = self.connect()?;
         let body = body.map(|b| b.to_string()).unwrap_or_default();
         write!(s, "{method} {path} HTTP/1.1\r\nHost: inferd\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).map_err(|e| self.io(e))?;
+        self.response(s)
+    }
+
+    /// Sends `len` bytes from `body` as a `PUT` to `path` with `headers`, calling `sent(n)` as
+    /// they go, and reads the JSON answer. The daemon may answer before the body is all sent
+    /// (a refusal): the answer is what counts. A failure to read `body` ends the request
+    /// unfinished (the daemon keeps what it received) and is returned as is.
+    pub fn upload(
+        &self,
+        path: &str,
+        headers: &[(&str, String)],
+        len: u64,
+        body: &mut dyn Read,
+        sent: &mut dyn FnMut(u64),
+    ) -> Result<Result<serde_json::Value, std::io::Error>, ClientError> {
+        let mut s = self.connect()?;
+        let mut head = format!(
+            "PUT {path} HTTP/1.1\r\nHost: inferd\r\nContent-Type: application/octet-stream\r\nContent-Length: {len}\r\nConnection: close\r\n"
+        );
+        for (k, v) in headers {
+            head += &format!("{k}: {v}\r\n");
+        }
+        head += "\r\n";
+        s.write_all(head.as_bytes()).map_err(|e| self.io(e))?;
+        let mut buf = vec![0u8; 1 << 20];
+        let mut done = 0u64;
+        while done < len {
+            let want = usize::try_from(len - done).unwrap_or(usize::MAX).min(buf.len());
+            let failed = match body.read(&mut buf[..want]) {
+                Ok(0) => Some(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the source ended early")),
+                Ok(n) => {
+                    if s.write_all(&buf[..n]).is_err() {
+                        break; // the daemon answered early: read why
+                    }
+                    done += n as u64;
+                    sent(n as u64);
+                    None
+                }
+                Err(e) => Some(e),
+            };
+            if let Some(e) = failed {
+                // The body ends unfinished: the daemon keeps what it received, and its answer
+                // says it has written it.
+                let _ = s.shutdown(std::net::Shutdown::Write);
+                let _ = self.response(s).and_then(|r| self.read_all(r));
+                return Ok(Err(e));
+            }
+        }
+        let (status, bytes) = self.read_all(self.response(s)?)?;
+        let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| ClientError::Protocol(e.to_string()))?;
+        if status >= 400 {
+            return Err(api_error(status, &v));
+        }
+        Ok(Ok(v))
+    }
+
+    fn response(&self, s: UnixStream) -> Result<Response, ClientError> {
         let mut r = BufReader::new(s);
         let mut line = String::new();
         r.read_line(&mut line).map_err(|e| self.io(e))?;

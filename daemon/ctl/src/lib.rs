@@ -52,11 +52,16 @@ enum Cmd {
     /// Unload model NAME as soon as no request uses it (the next request loads it again).
     Unload { name: String },
     /// Install a model into the daemon's model store: hf:ORG/REPO[:QUANT] (a GGUF file of a
-    /// Hugging Face repository, checked against the hub's SHA-256) or an https:// URL. An
-    /// interrupted pull resumes where it stopped.
+    /// Hugging Face repository, checked against the hub's SHA-256) or an https:// URL. This
+    /// client downloads and the daemon writes its store (model management: see `manage` in
+    /// inferd.toml(5)). An interrupted pull resumes where it stopped.
     Pull {
         reference: String,
-        /// The store to install into (default: the running daemon's, else the user's).
+        /// The file's SHA-256 in hex, checked before it is installed (a hub's is checked anyway).
+        #[arg(long)]
+        sha256: Option<String>,
+        /// Write into this directory instead of the daemon's store (default: the running
+        /// daemon's store, else the user's own when no daemon runs).
         #[arg(long)]
         store: Option<PathBuf>,
     },
@@ -95,7 +100,7 @@ enum Cmd {
 /// The options of `inferd run`, plus the common sampling fields.
 #[derive(Args, Clone)]
 struct GenOptions {
-    /// A loaded model's name (default: the daemon's first model).
+    /// A model's name (default: the daemon's default model, server.default_model).
     #[arg(long)]
     model: Option<String>,
     /// Most tokens to generate.
@@ -249,27 +254,25 @@ fn run(client: &Client, cmd: Cmd) -> Result<(), Error> {
                 None => return Err(Error::Usage("the daemon ended the load without an answer".into())),
             }
         }
-        Cmd::Pull { reference, store } => {
-            // The daemon's store (it never downloads itself: the system daemon has no network);
-            // the file is written as the user running inferctl, a member of its group.
-            let store = match store {
-                Some(s) => s,
-                None => match client.json("GET", "/v1/status", None) {
-                    Ok(s) => s["model_store"].as_str().map(PathBuf::from).ok_or_else(|| {
-                        Error::Usage("the daemon serves --model alone and has no model store: give --store".into())
-                    })?,
-                    Err(ClientError::NotRunning(_)) | Err(ClientError::Refused(_)) => pull::user_store(),
-                    Err(e) => return Err(e.into()),
+        Cmd::Pull { reference, sha256, store } => {
+            // The daemon never downloads (the system daemon has no network): this client does,
+            // and the daemon writes what it sends into its store.
+            let mut bar = pull::Progress::new(&reference);
+            let sha = sha256.as_deref();
+            let pulled = match store {
+                Some(dir) => pull::pull(&reference, pull::Target::Dir(&dir), sha, &mut |d, t| bar.update(d, t)),
+                None => match client.json("GET", "/health", None) {
+                    Err(ClientError::NotRunning(_)) | Err(ClientError::Refused(_)) => {
+                        let dir = pull::user_store();
+                        pull::pull(&reference, pull::Target::Dir(&dir), sha, &mut |d, t| bar.update(d, t))
+                    }
+                    _ => pull::pull(&reference, pull::Target::Daemon(client), sha, &mut |d, t| bar.update(d, t)),
                 },
             };
-            let mut bar = pull::Progress::new(&reference);
-            let pulled = pull::pull(&reference, &store, &mut |d, t| bar.update(d, t));
             bar.finish();
             let p = pulled.map_err(|e| Error::Usage(e.to_string()))?;
             let how = if p.already { "already installed" } else { "installed" };
             writeln!(out, "{}: {how} at {} ({} bytes, sha256 {})", p.name, p.path.display(), p.size, p.sha256)?;
-            // Let a running daemon see it now.
-            let _ = client.json("GET", "/v1/models", None);
         }
         Cmd::Rm { name } => {
             let name = name.strip_suffix(":latest").unwrap_or(&name).to_string();

@@ -6,10 +6,18 @@
 //! `https://huggingface.co`), with `$HF_TOKEN` for gated repositories; the file list and each
 //! file's size and SHA-256 come from its API (`/api/models/ORG/REPO/tree/main`).
 //!
-//! The transfer goes to `NAME.partial` in the store (not a model until it is whole): an
-//! interrupted pull keeps what it has and the next pull of the same file resumes from there
-//! with a range request. The whole file is checked against the size (and for hub files the
-//! SHA-256) before it is renamed into place, where the daemon's next look at the store finds it.
+//! Sources are fetched over `https://` only (`http://` is taken for 127.0.0.1 and localhost
+//! alone, where tests serve a hub), and a URL may carry the file's SHA-256 (`--sha256`).
+//!
+//! Where it goes ([`Target`]): a running daemon's store, through the daemon (`PUT
+//! /v1/store/FILE`, model management): the daemon alone writes its store, so no user can plant
+//! a file or a link there for another's pull to write through. The daemon keeps an interrupted
+//! transfer (`.FILE.partial`, hidden) and says how much it has; the next pull asks the source
+//! for the rest, checks the source's `Content-Range` says it starts there and is of the same
+//! file size, and sends it on. With no daemon running, or for `inferd pull`, the file is
+//! written into a directory of the caller's own, created without following links. Either way
+//! the whole file is checked against the size (and the SHA-256, where the source gives one)
+//! before it becomes a model.
 
 use sha2::{Digest, Sha256};
 use std::io::{Read, Write};
@@ -31,6 +39,8 @@ pub enum PullError {
     Corrupt { name: String, why: String },
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
+    #[error("{0}")]
+    Daemon(#[from] crate::client::ClientError),
 }
 
 /// A model now in the store.
@@ -141,6 +151,7 @@ fn resolve(http: &reqwest::blocking::Client, reference: &str) -> Result<Source, 
         if repo.split('/').count() != 2 || repo.split('/').any(|p| p.is_empty() || p == "..") {
             return Err(PullError::BadRef(reference.into()));
         }
+        secure(&endpoint())?;
         let url = format!("{}/api/models/{repo}/tree/main?recursive=true", endpoint());
         let resp = http.get(&url).send().map_err(|source| PullError::Http { url: url.clone(), source })?;
         if !resp.status().is_success() {
@@ -158,14 +169,29 @@ fn resolve(http: &reqwest::blocking::Client, reference: &str) -> Result<Source, 
         });
     }
     if reference.starts_with("https://") || reference.starts_with("http://") {
+        secure(reference)?;
         let path = reference.split(['?', '#']).next().unwrap_or(reference);
         let file = path.rsplit('/').next().unwrap_or_default().to_string();
-        if !file.ends_with(".gguf") {
-            return Err(PullError::Choice(format!("{reference} does not name a .gguf file")));
+        if !file.ends_with(".gguf") || file.starts_with('.') {
+            return Err(PullError::Choice(format!("{reference} does not name a .gguf file (NAME.gguf)")));
         }
         return Ok(Source { url: reference.into(), file, size: None, sha256: None });
     }
     Err(PullError::BadRef(reference.into()))
+}
+
+/// `Ok` for an `https://` URL, or an `http://` one to this machine's loopback names.
+fn secure(url: &str) -> Result<(), PullError> {
+    if url.starts_with("https://") {
+        return Ok(());
+    }
+    let host = url.strip_prefix("http://").and_then(|r| r.split(['/', '?', '#']).next()).unwrap_or("");
+    let host =
+        host.rsplit_once(':').map_or(host, |(h, port)| if port.bytes().all(|b| b.is_ascii_digit()) { h } else { host });
+    if ["127.0.0.1", "localhost", "[::1]"].contains(&host) {
+        return Ok(());
+    }
+    Err(PullError::Choice(format!("{url}: models are fetched over https:// only (http:// for 127.0.0.1 alone)")))
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -185,21 +211,169 @@ fn hash_prefix(path: &Path, len: u64, h: &mut Sha256) -> std::io::Result<()> {
     }
 }
 
-/// Fetches `reference` into `store`, calling `progress(done, total)` as bytes arrive (`total`
-/// 0 while unknown).
-pub fn pull(reference: &str, store: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<Pulled, PullError> {
+/// Where a pull installs its model.
+pub enum Target<'a> {
+    /// A running daemon's store, through the daemon.
+    Daemon(&'a crate::client::Client),
+    /// A directory written here (no daemon runs, or `inferd pull`).
+    Dir(&'a Path),
+}
+
+/// Fetches `reference` into `target`, checked against `sha256` (hex) when given, calling
+/// `progress(done, total)` as bytes arrive.
+pub fn pull(
+    reference: &str,
+    target: Target<'_>,
+    sha256: Option<&str>,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<Pulled, PullError> {
+    let http = client()?;
+    let mut src = resolve(&http, reference)?;
+    if let Some(want) = sha256.map(str::to_ascii_lowercase) {
+        if want.len() != 64 || !want.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(PullError::Choice(format!("--sha256 {want:?} is not a SHA-256 in hex")));
+        }
+        if src.sha256.as_ref().is_some_and(|s| *s != want) {
+            return Err(PullError::Choice(format!(
+                "the hub lists SHA-256 {} for {}, not {want}",
+                src.sha256.unwrap_or_default(),
+                src.file
+            )));
+        }
+        src.sha256 = Some(want);
+    }
+    match target {
+        Target::Daemon(c) => pull_through(&http, &src, c, progress),
+        Target::Dir(d) => pull_into(&http, &src, d, progress),
+    }
+}
+
+/// The source's answer for its bytes from `have` on: the response, where it starts and the
+/// whole file's size. A resumed transfer's `Content-Range` must start at `have` and be of the
+/// file the hub lists (a server that ignores the range sends it all from 0).
+fn open_at(
+    http: &reqwest::blocking::Client,
+    src: &Source,
+    have: u64,
+) -> Result<(Option<reqwest::blocking::Response>, u64, u64), PullError> {
+    let mut req = http.get(&src.url);
+    if have > 0 {
+        req = req.header(reqwest::header::RANGE, format!("bytes={have}-"));
+    }
+    let resp = req.send().map_err(|source| PullError::Http { url: src.url.clone(), source })?;
+    // Nothing is written from such an answer: what was received so far stays.
+    let corrupt = |why: String| PullError::Choice(format!("{}: {why}; nothing more was written", src.file));
+    let (start, total) = match resp.status().as_u16() {
+        206 => {
+            let range = resp.headers().get(reqwest::header::CONTENT_RANGE).and_then(|v| v.to_str().ok()).unwrap_or("");
+            let parsed = range.strip_prefix("bytes ").and_then(|r| {
+                let (span, total) = r.split_once('/')?;
+                let (first, last) = span.split_once('-')?;
+                Some((first.parse::<u64>().ok()?, last.parse::<u64>().ok()?, total.parse::<u64>().ok()?))
+            });
+            let Some((first, last, total)) = parsed else {
+                return Err(corrupt(format!("the source resumed with Content-Range {range:?}")));
+            };
+            if first != have || last + 1 != total || src.size.is_some_and(|s| s != total) {
+                return Err(corrupt(format!(
+                    "asked the source for bytes {have}- of {}, it sent {range:?}",
+                    src.size.map_or_else(|| "?".into(), |s| s.to_string())
+                )));
+            }
+            (first, total)
+        }
+        200 => {
+            let total = src.size.or(resp.content_length()).ok_or_else(|| {
+                PullError::Choice(format!("{} does not say how large the file is (no Content-Length)", src.url))
+            })?;
+            if resp.content_length().is_some_and(|n| n != total) {
+                return Err(corrupt(format!(
+                    "the source sends {:?} bytes where the hub lists {total}",
+                    resp.content_length()
+                )));
+            }
+            (0, total)
+        }
+        416 if Some(have) == src.size => return Ok((None, have, have)),
+        status => return Err(PullError::Status { url: src.url.clone(), status }),
+    };
+    Ok((Some(resp), start, total))
+}
+
+/// Through the daemon: it says what it has, the rest is sent on to it.
+fn pull_through(
+    http: &reqwest::blocking::Client,
+    src: &Source,
+    daemon: &crate::client::Client,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<Pulled, PullError> {
+    let at = format!("/v1/store/{}", src.file);
+    let there = daemon.json("GET", &at, None)?;
+    let name = src.file.strip_suffix(".gguf").unwrap_or(&src.file).to_string();
+    let store = PathBuf::from(there["store"].as_str().unwrap_or_default());
+    let num = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
+    // Already installed: the same size, and hash when the source gives one.
+    if src.size.is_some() && there["installed_size"].as_u64() == src.size {
+        let h = daemon.json("GET", &format!("{at}?hash=1"), None)?;
+        let sha = h["installed_sha256"].as_str().unwrap_or_default().to_string();
+        if src.sha256.as_ref().is_none_or(|s| *s == sha) {
+            return Ok(Pulled {
+                name,
+                path: store.join(&src.file),
+                size: num(&h["installed_size"]),
+                sha256: sha,
+                already: true,
+            });
+        }
+    }
+    let have = num(&there["received"]);
+    let (resp, start, total) = open_at(http, src, have)?;
+    let mut headers = vec![("Content-Range", format!("bytes {start}-{}/{total}", total.saturating_sub(1)))];
+    if let Some(s) = &src.sha256 {
+        headers.push(("X-Inferd-Sha256", s.clone()));
+    }
+    let mut done = start;
+    progress(done, total);
+    let mut empty = std::io::empty();
+    let body: &mut dyn Read = match resp {
+        Some(r) => &mut std::io::BufReader::with_capacity(1 << 20, r).take(total - start),
+        None => &mut empty,
+    };
+    let answer = daemon.upload(&at, &headers, total - start, body, &mut |n| {
+        done += n;
+        progress(done, total);
+    })?;
+    match answer {
+        Ok(v) => Ok(Pulled {
+            name: v["name"].as_str().unwrap_or(&name).to_string(),
+            path: PathBuf::from(v["path"].as_str().unwrap_or_default()),
+            size: num(&v["size"]),
+            sha256: v["sha256"].as_str().unwrap_or_default().to_string(),
+            already: false,
+        }),
+        Err(e) => Err(PullError::Interrupted { name, done, total: total.to_string(), why: e.to_string() }),
+    }
+}
+
+/// Into a directory of the caller's own: `.FILE.partial` beside the model, opened without
+/// following a link, renamed into place once whole and checked.
+fn pull_into(
+    http: &reqwest::blocking::Client,
+    src: &Source,
+    store: &Path,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<Pulled, PullError> {
+    use std::os::unix::fs::OpenOptionsExt;
     let io = |path: &Path| {
         let path = path.to_path_buf();
         move |source| PullError::Io { path, source }
     };
-    let http = client()?;
-    let src = resolve(&http, reference)?;
     std::fs::create_dir_all(store).map_err(io(store))?;
     let path = store.join(&src.file);
     let name = src.file.strip_suffix(".gguf").unwrap_or(&src.file).to_string();
     // Already installed: the same size (and hash, when the hub gives one).
-    if let (Ok(meta), Some(size)) = (std::fs::metadata(&path), src.size) {
-        if meta.len() == size {
+    if let (Ok(meta), Some(size)) = (std::fs::symlink_metadata(&path), src.size) {
+        if meta.is_file() && meta.len() == size {
             let mut h = Sha256::new();
             hash_prefix(&path, size, &mut h).map_err(io(&path))?;
             let sha = hex(&h.finalize());
@@ -208,43 +382,32 @@ pub fn pull(reference: &str, store: &Path, progress: &mut dyn FnMut(u64, u64)) -
             }
         }
     }
-    let part = store.join(format!("{}.partial", src.file));
-    let mut have = std::fs::metadata(&part).map_or(0, |m| m.len());
+    let part = store.join(format!(".{}.partial", src.file));
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o644)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&part)
+        .map_err(io(&part))?;
+    let mut have = file.metadata().map_or(0, |m| m.len());
     if src.size.is_some_and(|s| have > s) {
         have = 0;
     }
+    let (resp, start, total) = open_at(http, src, have)?;
+    file.set_len(start).map_err(io(&part))?;
     let mut hasher = Sha256::new();
-    hash_prefix(&part, have, &mut hasher).or_else(|e| if have == 0 { Ok(()) } else { Err(e) }).map_err(io(&part))?;
-    let mut req = http.get(&src.url);
-    if have > 0 {
-        req = req.header(reqwest::header::RANGE, format!("bytes={have}-"));
-    }
-    let mut resp = req.send().map_err(|source| PullError::Http { url: src.url.clone(), source })?;
-    let status = resp.status().as_u16();
-    match status {
-        206 => {}
-        200 => {
-            // The server sent it all: start over.
-            have = 0;
-            hasher = Sha256::new();
-        }
-        416 if Some(have) == src.size => {}
-        _ => return Err(PullError::Status { url: src.url, status }),
-    }
-    let total = src.size.or_else(|| resp.content_length().map(|n| n + have)).unwrap_or(0);
-    let mut file = std::fs::OpenOptions::new().create(true).append(true).open(&part).map_err(io(&part))?;
-    file.set_len(have).map_err(io(&part))?;
+    hash_prefix(&part, start, &mut hasher).map_err(io(&part))?;
     let mut buf = vec![0u8; 1 << 20];
-    let mut done = have;
+    let mut done = start;
     progress(done, total);
-    if status != 416 {
-        loop {
+    if let Some(mut resp) = resp {
+        while done < total {
             let n = match resp.read(&mut buf) {
                 Ok(0) => break,
-                Ok(n) => n,
+                Ok(n) => n.min(usize::try_from(total - done).unwrap_or(usize::MAX)),
                 Err(e) => {
-                    let total = if total > 0 { total.to_string() } else { "?".into() };
-                    return Err(PullError::Interrupted { name, done, total, why: e.to_string() });
+                    return Err(PullError::Interrupted { name, done, total: total.to_string(), why: e.to_string() });
                 }
             };
             file.write_all(&buf[..n]).map_err(io(&part))?;
@@ -255,19 +418,14 @@ pub fn pull(reference: &str, store: &Path, progress: &mut dyn FnMut(u64, u64)) -
     }
     file.sync_all().map_err(io(&part))?;
     drop(file);
-    if total > 0 && done < total {
+    if done < total {
         let why = "the server ended the transfer early".to_string();
         return Err(PullError::Interrupted { name, done, total: total.to_string(), why });
     }
     let sha = hex(&hasher.finalize());
-    let bad = match (&src.size, &src.sha256) {
-        (Some(s), _) if *s != done => Some(format!("{done} bytes where the hub lists {s}")),
-        (_, Some(want)) if *want != sha => Some(format!("SHA-256 {sha} where the hub lists {want}")),
-        _ => None,
-    };
-    if let Some(why) = bad {
+    if let Some(want) = src.sha256.as_ref().filter(|w| **w != sha) {
         let _ = std::fs::remove_file(&part);
-        return Err(PullError::Corrupt { name, why });
+        return Err(PullError::Corrupt { name, why: format!("SHA-256 {sha} where the source lists {want}") });
     }
     std::fs::rename(&part, &path).map_err(io(&path))?;
     Ok(Pulled { name, path, size: done, sha256: sha, already: false })

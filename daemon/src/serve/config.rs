@@ -131,6 +131,15 @@ pub struct Server {
     /// no connection before it exits (the socket starts it again on the next connection); "0"
     /// never.
     pub idle_exit: String,
+    /// Who may install, replace, remove and unload models, and set how long they stay loaded:
+    /// user names and `@group` names. Root and the daemon's own user always may; the other
+    /// users of the socket may only use the models.
+    pub manage: Vec<String>,
+    /// The model a request that names none gets (empty: the first `[[model]]` entry, else the
+    /// store's model when it holds exactly one).
+    pub default_model: Option<String>,
+    /// The largest model file the daemon installs into its store, in GiB.
+    pub max_model_gib: u64,
 }
 
 impl Default for Server {
@@ -150,6 +159,9 @@ impl Default for Server {
             model_store: None,
             memory_budget_mib: 0,
             idle_exit: "10m".into(),
+            manage: vec!["@inferd-admin".into()],
+            default_model: None,
+            max_model_gib: 256,
         }
     }
 }

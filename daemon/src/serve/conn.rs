@@ -282,6 +282,9 @@ pub async fn read_body(
     next: axum::middleware::Next,
 ) -> axum::response::Response {
     use axum::response::IntoResponse;
+    if super::upload::is_upload(req.method(), req.uri().path()) {
+        return next.run(req).await; // a model file, streamed to the store by its route
+    }
     let (parts, body) = req.into_parts();
     let limit = Duration::from_secs(sh.limits().request_timeout_secs.max(1));
     let refuse = |status: axum::http::StatusCode, msg: String| {

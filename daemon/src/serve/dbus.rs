@@ -76,6 +76,7 @@ pub struct Inference {
 pub(crate) fn failed(e: ApiError) -> fdo::Error {
     match e.status {
         400 | 404 | 413 => fdo::Error::InvalidArgs(e.message),
+        403 => fdo::Error::AccessDenied(e.message),
         429 => fdo::Error::LimitsExceeded(e.message),
         _ => fdo::Error::Failed(e.message),
     }
@@ -486,7 +487,8 @@ impl Inference {
     }
 
     /// Loads `model` now (as its first request would), keeping it for `keep_alive` ("5m", "0",
-    /// "-1"; empty: the configured one) once idle; `LoadProgress` signals come meanwhile.
+    /// "-1"; empty: the configured one) once idle; `LoadProgress` signals come meanwhile. The
+    /// `keep_alive` of a caller `server.manage` does not name is ignored.
     async fn load_model(
         &self,
         #[zbus(header)] hdr: Header<'_>,
@@ -501,14 +503,30 @@ impl Inference {
             "" => None,
             k => Some(super::models::parse_keep_alive(k).map_err(fdo::Error::InvalidArgs)?),
         };
+        // How long a model stays is model management: from anyone else it is ignored.
+        let keep = match hdr.sender() {
+            Some(s) if self.sh.managers().may(Some(caller_uid(conn, s).await?)) => keep,
+            _ => None,
+        };
         self.load(conn, &hdr, model).await?;
         self.sh.models.slot(Some(model).filter(|m| !m.is_empty())).map_err(failed)?.set_keep_alive(keep);
         Ok(())
     }
 
-    /// Unloads `model` as soon as no request holds it; answers whether it was loaded.
+    /// Unloads `model` as soon as no request holds it; answers whether it was loaded. Model
+    /// management: refused (AccessDenied) to callers `server.manage` does not name.
     #[zbus(out_args("was_loaded"))]
-    async fn unload_model(&self, model: &str) -> fdo::Result<bool> {
+    async fn unload_model(
+        &self,
+        #[zbus(header)] hdr: Header<'_>,
+        #[zbus(connection)] conn: &Connection,
+        model: &str,
+    ) -> fdo::Result<bool> {
+        let uid = match hdr.sender() {
+            Some(s) => Some(caller_uid(conn, s).await?),
+            None => None,
+        };
+        self.sh.managers().check(uid, &format!("unloading {model}")).map_err(failed)?;
         if self.sh.remote_named(model).is_some() {
             return Ok(false);
         }

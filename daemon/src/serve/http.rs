@@ -66,6 +66,7 @@ pub fn router(sh: Arc<Shared>) -> Router {
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .merge(super::loading::routes())
+        .merge(super::upload::routes())
         .layer(axum::middleware::from_fn_with_state(Arc::clone(&sh), count))
         // `read_body` bounds every body (and answers in JSON); the extractors' own 2 MiB
         // default, with its plain-text 413, would otherwise be the limit.
@@ -249,7 +250,7 @@ fn model_field(m: &Map<String, Value>) -> Result<Option<&str>, ApiError> {
 }
 
 async fn tokenize(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
-    if let Err(e) = sh.warm(&body, false).await {
+    if let Err(e) = sh.warm(&body, false, false).await {
         return error(e);
     }
     let run = |sh: &Arc<Shared>, body: &[u8]| -> Result<Value, ApiError> {
@@ -267,7 +268,7 @@ async fn tokenize(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Res
 }
 
 async fn detokenize(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
-    if let Err(e) = sh.warm(&body, false).await {
+    if let Err(e) = sh.warm(&body, false, false).await {
         return error(e);
     }
     let run = |sh: &Arc<Shared>, body: &[u8]| -> Result<Value, ApiError> {
@@ -483,7 +484,7 @@ async fn completions(
         Ok(b) => b,
         Err(answer) => return answer,
     };
-    if let Err(e) = sh.warm(&body, false).await {
+    if let Err(e) = sh.warm(&body, false, false).await {
         return error(e);
     }
     let start = |sh: &Arc<Shared>, body: &[u8]| -> Result<(request::Prepared, Map<String, Value>), ApiError> {
@@ -514,7 +515,7 @@ async fn chat_completions(
         Ok(b) => b,
         Err(answer) => return answer,
     };
-    if let Err(e) = sh.warm(&body, false).await {
+    if let Err(e) = sh.warm(&body, false, false).await {
         return error(e);
     }
     let start = |sh: &Arc<Shared>, body: &[u8]| -> Result<(request::Prepared, Map<String, Value>, Tools), ApiError> {
@@ -559,7 +560,7 @@ async fn embeddings(
         Ok(b) => b,
         Err(answer) => return answer,
     };
-    if let Err(e) = sh.warm(&body, false).await {
+    if let Err(e) = sh.warm(&body, false, false).await {
         return error(e);
     }
     let run = async {

@@ -12,11 +12,12 @@
 //! progress bar from), `DELETE /v1/models/{name}` and Ollama's `DELETE /api/delete` (removes a
 //! store model: unloaded, its file deleted).
 
+use super::conn::Peer;
 use super::models::LoadProgress;
 use super::request::ApiError;
 use super::Shared;
 use axum::body::{Body, Bytes};
-use axum::extract::{Path, Request, State};
+use axum::extract::{ConnectInfo, Path, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -65,10 +66,12 @@ pub async fn progress(State(sh): State<Arc<Shared>>, req: Request, next: Next) -
         Err(e) => return (StatusCode::PAYLOAD_TOO_LARGE, e.to_string()).into_response(),
     };
     let ollama = parts.uri.path().starts_with("/api/");
+    let peer = parts.extensions.get::<axum::extract::ConnectInfo<Peer>>().map(|c| c.0.uid);
+    let manager = sh.managers().may(peer.flatten());
     // Only a well-formed request for a known model that is not loaded: anything the route
     // refuses is refused with its status, before a 200 goes out.
     let cold = streams(&bytes, ollama)
-        .then(|| sh.wanted(&bytes, ollama).ok().flatten())
+        .then(|| sh.wanted(&bytes, ollama, manager).ok().flatten())
         .flatten()
         .and_then(|(model, _)| sh.models.slot(model.as_deref()).ok())
         .filter(|slot| slot.loaded().is_none());
@@ -95,7 +98,7 @@ pub async fn progress(State(sh): State<Arc<Shared>>, req: Request, next: Next) -
         };
         let load = {
             let (sh, bytes) = (Arc::clone(&sh), bytes.clone());
-            tokio::spawn(async move { sh.warm(&bytes, ollama).await })
+            tokio::spawn(async move { sh.warm(&bytes, ollama, manager).await })
         };
         tokio::pin!(load);
         let mut first = *watch.borrow_and_update();
@@ -210,8 +213,15 @@ async fn load(State(sh): State<Arc<Shared>>, Path(name): Path<String>, body: Byt
         .into_response()
 }
 
-/// `DELETE /v1/models/{name}`: OpenAI's shape of a deletion.
-async fn remove_openai(State(sh): State<Arc<Shared>>, Path(name): Path<String>) -> Response {
+/// `DELETE /v1/models/{name}`: OpenAI's shape of a deletion (model management).
+async fn remove_openai(
+    State(sh): State<Arc<Shared>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    Path(name): Path<String>,
+) -> Response {
+    if let Err(e) = sh.managers().check(peer.uid, &format!("removing {name}")) {
+        return super::http::error(e);
+    }
     match sh.models.remove(&name) {
         Ok(path) => {
             eprintln!("inferd: removed {name} ({})", path.display());
@@ -222,11 +232,12 @@ async fn remove_openai(State(sh): State<Arc<Shared>>, Path(name): Path<String>) 
 }
 
 /// Ollama's `DELETE /api/delete` with `{"model": NAME}`: 200 with no body, 404 if unknown.
-async fn remove_ollama(State(sh): State<Arc<Shared>>, body: Bytes) -> Response {
-    let Ok(Some((Some(name), _))) = sh.wanted(&body, true) else {
+async fn remove_ollama(State(sh): State<Arc<Shared>>, ConnectInfo(peer): ConnectInfo<Peer>, body: Bytes) -> Response {
+    let Ok(Some((Some(name), _))) = sh.wanted(&body, true, true) else {
         return (StatusCode::BAD_REQUEST, Json(json!({ "error": "model is required" }))).into_response();
     };
-    match sh.models.remove(&name) {
+    let removed = sh.managers().check(peer.uid, &format!("removing {name}")).and_then(|()| sh.models.remove(&name));
+    match removed {
         Ok(path) => {
             eprintln!("inferd: removed {name} ({})", path.display());
             StatusCode::OK.into_response()

@@ -18,6 +18,7 @@ pub mod gate;
 pub mod guard;
 pub mod http;
 pub mod loading;
+pub mod manage;
 pub mod metrics;
 pub mod models;
 pub mod notify;
@@ -25,6 +26,7 @@ pub mod ollama;
 pub mod remote;
 pub mod request;
 pub mod store;
+pub mod upload;
 
 use config::{Config, Limits, Mode};
 use inferd_engine::decode::store::EngineStore;
@@ -98,9 +100,18 @@ pub struct Shared {
     /// The reloads (SIGHUP) so far, and the last one's outcome: `None` applied, or why it was
     /// refused.
     pub reloads: Mutex<(u64, Option<String>)>,
+    /// Who may manage models (`server.manage`).
+    managers: RwLock<manage::Managers>,
+    /// Model files arriving for the store.
+    pub uploads: upload::Uploads,
 }
 
 impl Shared {
+    /// Who may manage models.
+    pub fn managers(&self) -> manage::Managers {
+        self.managers.read().map(|m| m.clone()).unwrap_or_else(|_| manage::Managers::new(&[]))
+    }
+
     /// Reads the model store again ([`models::Models::rescan`]) on a blocking thread, for the
     /// handlers that list it: no header is read on an async worker.
     pub async fn rescan_store(self: &Arc<Self>) {
@@ -349,6 +360,9 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     inferd_engine::model::mmap::map_large_allocations();
     let cfg = args.config()?;
     check(&cfg)?;
+    for name in manage::Managers::new(&cfg.server.manage).unknown() {
+        eprintln!("inferd: server.manage: no user or group {name:?} here; it grants nothing");
+    }
     let quarantine = Arc::new(recover_plugins(&cfg));
     let (reg, refused) = load_plugins(&cfg, args.mode, &quarantine);
     let keep_alive =
@@ -368,7 +382,11 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
             .then(|| cfg.server.model_store.clone().unwrap_or_else(|| store::default_dir(args.mode))),
         default_keep_alive: keep_alive,
         budget_mib: cfg.server.memory_budget_mib,
+        default_model: cfg.server.default_model.clone(),
     };
+    if let Some(dir) = &settings.store {
+        store::prepare(dir);
+    }
     let models = models::Models::start(cfg.models.clone(), settings)?;
     let shared = Arc::new(Shared {
         models,
@@ -386,6 +404,8 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         templates: inferd_engine::template_host::TemplateHost::new(PathBuf::from("/proc/self/exe")),
         remotes: RwLock::new(remotes(&cfg)?),
         reloads: Mutex::new((0, None)),
+        managers: RwLock::new(manage::Managers::new(&cfg.server.manage)),
+        uploads: upload::Uploads::new(cfg.server.max_model_gib),
     });
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let call_limit = Duration::from_millis(cfg.plugins.call_timeout_ms.max(1));
@@ -618,6 +638,11 @@ async fn reload(sh: &Arc<Shared>, args: &ServeArgs) {
             if let Ok(mut l) = sh.limits.write() {
                 *l = cfg.limits.clone();
             }
+            if let Ok(mut m) = sh.managers.write() {
+                *m = manage::Managers::new(&cfg.server.manage);
+            }
+            sh.models.set_default(cfg.server.default_model.clone());
+            sh.uploads.max_bytes.store(cfg.server.max_model_gib.saturating_mul(1 << 30), Ordering::Relaxed);
             if let Ok(mut old) = sh.remotes.write() {
                 *old = new_remotes;
             }

@@ -199,6 +199,8 @@ pub struct Models {
     fit: tokio::sync::Mutex<()>,
     /// Models taken out of a slot a reload replaced or removed, stopped once idle.
     retired: Mutex<Vec<Arc<ModelHandle>>>,
+    /// The model a request naming none gets (`server.default_model`).
+    default_model: RwLock<Option<String>>,
 }
 
 impl std::fmt::Debug for Models {
@@ -216,6 +218,8 @@ pub struct Settings {
     pub store: Option<PathBuf>,
     pub default_keep_alive: Option<Duration>,
     pub budget_mib: u64,
+    /// `server.default_model`.
+    pub default_model: Option<String>,
 }
 
 impl Models {
@@ -230,6 +234,7 @@ impl Models {
             budget: (settings.budget_mib > 0).then_some(settings.budget_mib << 20),
             fit: tokio::sync::Mutex::new(()),
             retired: Mutex::new(Vec::new()),
+            default_model: RwLock::new(settings.default_model.filter(|m| !m.is_empty())),
         };
         let slots = models.configured(configs)?;
         if let Ok(mut all) = models.slots.write() {
@@ -334,21 +339,60 @@ impl Models {
         sort(&mut all);
     }
 
-    /// The slot of model `name` (the first one when none is named).
+    /// The model a request naming none gets: `server.default_model`, else the first configured
+    /// model, else the store's one model. Never "whichever name sorts first": who can write the
+    /// store would choose it.
+    fn default_slot(&self, all: &[Arc<Slot>]) -> Result<Option<Arc<Slot>>, ApiError> {
+        if let Some(name) = self.default_model.read().ok().and_then(|d| d.clone()) {
+            return Ok(all.iter().find(|s| s.name == name).cloned());
+        }
+        if let Some(s) = all.iter().find(|s| s.source == Source::Configured) {
+            return Ok(Some(Arc::clone(s)));
+        }
+        match all {
+            [] => Ok(None),
+            [one] => Ok(Some(Arc::clone(one))),
+            many => Err(ApiError::bad(
+                format!(
+                    "name a model: the store holds {} ({}) and server.default_model names none",
+                    many.len(),
+                    many.iter().map(|s| s.name.as_str()).collect::<Vec<_>>().join(", ")
+                ),
+                "model",
+            )),
+        }
+    }
+
+    /// Sets `server.default_model` (a reload).
+    pub fn set_default(&self, name: Option<String>) {
+        if let Ok(mut d) = self.default_model.write() {
+            *d = name.filter(|n| !n.is_empty());
+        }
+    }
+
+    /// The slot of model `name` (the default one when none is named).
     pub fn slot(&self, name: Option<&str>) -> Result<Arc<Slot>, ApiError> {
         let find = || {
             let all = self.slots();
             match name {
-                None | Some("") => all.first().cloned(),
-                Some(n) => all.iter().find(|s| s.name == n).cloned(),
+                None | Some("") => self.default_slot(&all),
+                Some(n) => Ok(all.iter().find(|s| s.name == n).cloned()),
             }
         };
-        if let Some(s) = find() {
+        if let Some(s) = find()? {
             return Ok(s);
         }
         // A model installed since the last look.
         self.rescan();
-        find().ok_or_else(|| match name {
+        find()?.ok_or_else(|| match name {
+            None | Some("") if self.default_model.read().is_ok_and(|d| d.is_some()) => ApiError::new(
+                503,
+                format!(
+                    "server.default_model names {:?}, which is not installed",
+                    self.default_model.read().ok().and_then(|d| d.clone()).unwrap_or_default()
+                ),
+                None,
+            ),
             None | Some("") => ApiError::new(
                 503,
                 "no model is installed: `inferctl pull REF` installs one, or configure a [[model]]",

@@ -37,6 +37,38 @@ pub fn scan(dir: &Path) -> Vec<(String, PathBuf)> {
     found
 }
 
+/// Makes the store the daemon's own before it serves it: created if missing, and writable by
+/// its owner alone (a store other users could write would let them plant files or links that
+/// another user's transfer writes through), with transfers an earlier run left removed. A
+/// store owned by someone else is used as it is, with a warning when others may write it.
+pub fn prepare(dir: &Path) {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    if let Err(e) = std::fs::create_dir_all(dir) {
+        eprintln!("inferd: creating the model store {}: {e}", dir.display());
+        return;
+    }
+    let Ok(meta) = std::fs::metadata(dir) else { return };
+    let mode = meta.mode() & 0o7777;
+    if mode & 0o2022 != 0 {
+        if Some(meta.uid()) == super::config::effective_uid() {
+            let fixed = mode & !0o2022;
+            match std::fs::set_permissions(dir, std::fs::Permissions::from_mode(fixed)) {
+                Ok(()) => eprintln!(
+                    "inferd: the model store {} was writable by others ({mode:04o}); now {fixed:04o}: models are installed through the daemon (inferctl pull)",
+                    dir.display()
+                ),
+                Err(e) => eprintln!("inferd: restricting the model store {}: {e}", dir.display()),
+            }
+        } else {
+            eprintln!(
+                "inferd: warning: the model store {} ({mode:04o}) is not the daemon's and others may write it",
+                dir.display()
+            );
+        }
+    }
+    super::upload::clean(dir);
+}
+
 /// Deletes a store model's file or directory.
 pub fn remove(path: &Path) -> std::io::Result<()> {
     if path.is_dir() {

@@ -31,7 +31,10 @@ fn the_model_store_is_listed_loaded_or_not_and_loads_on_use_within_a_memory_budg
     std::os::unix::fs::symlink(gemma(), store.join("gemma-3-270m-Q4_K_M.gguf")).unwrap();
     std::fs::write(store.join("half.gguf.partial"), "not yet").unwrap();
     // SmolLM2 takes 94 + 512 MiB, Gemma 241 + 512: not both in 900.
-    let cfg = format!("[server]\nmodel_store = \"{}\"\nmemory_budget_mib = 900\n", store.display());
+    let cfg = format!(
+        "[server]\nmodel_store = \"{}\"\nmemory_budget_mib = 900\ndefault_model = \"SmolLM2-135M-Instruct.Q4_1\"\n",
+        store.display()
+    );
     let d = Daemon::start(&dir, &cfg, &[]);
     let rss_idle = rss_mib(d.child.id());
 
@@ -51,7 +54,7 @@ fn the_model_store_is_listed_loaded_or_not_and_loads_on_use_within_a_memory_budg
     assert_eq!(tags["models"][1]["details"]["quantization_level"], "Q4_K_M");
     assert_eq!(tags["models"][1]["details"]["family"], "gemma3");
 
-    // A streaming request without a model loads the default one, its progress as SSE comments
+    // A streaming request without a model loads the configured default one, its progress as SSE comments
     // before the tokens.
     let (st, body) = d.http(
         "POST",
@@ -105,7 +108,10 @@ fn the_model_store_is_listed_loaded_or_not_and_loads_on_use_within_a_memory_budg
     drop(d);
 
     // A model larger than the whole budget: refused with the sizes, the daemon unharmed.
-    let small = format!("[server]\nmodel_store = \"{}\"\nmemory_budget_mib = 300\n", store.display());
+    let small = format!(
+        "[server]\nmodel_store = \"{}\"\nmemory_budget_mib = 300\ndefault_model = \"SmolLM2-135M-Instruct.Q4_1\"\n",
+        store.display()
+    );
     let d = Daemon::start(&dir, &small, &[]);
     let (st, b) = d.http("POST", "/v1/completions", r#"{"prompt": "x", "max_tokens": 1}"#);
     assert_eq!(st, 507, "{b}");
@@ -225,7 +231,7 @@ fn pull_installs_from_a_hub_resuming_an_interrupted_transfer_and_rm_removes() {
     // The first transfer is cut: the partial file stays, nothing is installed.
     let (ok, out, err) = pull(&["pull", "hf:org/smol-GGUF:Q4_1"], &endpoint, &d.socket);
     assert!(!ok && err.contains("run the same pull again to resume"), "{out}{err}");
-    let partial = store.join("smol-Q4_1.gguf.partial");
+    let partial = store.join(".smol-Q4_1.gguf.partial");
     let got = std::fs::metadata(&partial).unwrap().len();
     assert!(got > 0 && got <= cut, "{got}");
     assert!(ids(&d).is_empty(), "a partial file is no model");
@@ -250,8 +256,11 @@ fn pull_installs_from_a_hub_resuming_an_interrupted_transfer_and_rm_removes() {
     // A file whose hash is not the published one is refused and removed; a missing quant names
     // what there is.
     let (ok, _, err) = pull(&["pull", "hf:org/bad-GGUF"], &endpoint, &d.socket);
-    assert!(!ok && err.contains("bad-Q4_1 is corrupt: SHA-256") && err.contains("where the hub lists abab"), "{err}");
-    assert!(!store.join("bad-Q4_1.gguf.partial").exists() && !store.join("bad-Q4_1.gguf").exists());
+    assert!(
+        !ok && err.contains("bad-Q4_1.gguf was not installed: its SHA-256 is") && err.contains("not abab"),
+        "{err}"
+    );
+    assert!(!store.join(".bad-Q4_1.gguf.partial").exists() && !store.join("bad-Q4_1.gguf").exists());
     let (ok, _, err) = pull(&["pull", "hf:org/smol-GGUF:Q8_0"], &endpoint, &d.socket);
     assert!(!ok && err.contains("has no Q8_0 file; it has: smol-Q4_1.gguf"), "{err}");
     let (ok, _, err) = pull(&["pull", "hf:org/none"], &endpoint, &d.socket);
@@ -328,6 +337,152 @@ fn a_reload_start_would_refuse_changes_nothing() {
     let refused = reload(&d, &(good.clone() + &good.replace("\"a\"", "\"b\"")));
     assert_eq!(refused, None);
     assert_eq!(ids(&d), ["a", "b"]);
+    drop(d);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// `inferctl` run as user `uid` (the test runs as root), with the hub as its endpoint.
+fn ctl_as(uid: u32, args: &[&str], endpoint: &str, socket: &Path) -> (bool, String) {
+    use std::os::unix::process::CommandExt;
+    let out = Command::new(Path::new(env!("CARGO_BIN_EXE_inferd")).with_file_name("inferctl"))
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .env("HF_ENDPOINT", endpoint)
+        .env("HOME", "/nonexistent")
+        .uid(uid)
+        .gid(uid)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+/// Model management is a right of its own and the store is the daemon's alone. Once any socket
+/// user could delete or replace a model others used, unload it, and (the store being
+/// group-writable) plant `NAME.partial -> ~victim/file` for the victim's next pull to write
+/// through; a resume took whatever range the server sent (a spliced file was installed); any
+/// `http://` source was fetched; a request without `model` got whichever name sorted first.
+#[test]
+fn model_management_is_a_right_and_the_store_the_daemons_alone() {
+    if inferd::serve::config::effective_uid() != Some(0) {
+        eprintln!("skipped: needs root to act as another user");
+        return;
+    }
+    let nobody = 65534;
+    let dir = scratch("manage");
+    let root = dir.join("hub");
+    std::fs::create_dir_all(root.join("org/smol-GGUF")).unwrap();
+    std::fs::create_dir_all(root.join("org/spliced-GGUF")).unwrap();
+    std::fs::copy(model(), root.join("org/smol-GGUF/smol-Q4_1.gguf")).unwrap();
+    std::fs::copy(model(), root.join("org/spliced-GGUF/spliced-Q4_1.gguf")).unwrap();
+    std::fs::write(root.join("org/spliced-GGUF/spliced-Q4_1.gguf.shift"), "4096").unwrap();
+    let (mut server, endpoint) = hub(&root, Some(20_000_000));
+    // A store once made group-writable and setgid for pulls by its users.
+    let store = dir.join("store");
+    std::fs::create_dir_all(&store).unwrap();
+    std::fs::set_permissions(&store, std::os::unix::fs::PermissionsExt::from_mode(0o2777)).unwrap();
+    std::os::unix::fs::symlink(model(), store.join("a.gguf")).unwrap();
+    std::os::unix::fs::symlink(model(), store.join("b.gguf")).unwrap();
+    let victim = dir.join("victim");
+    std::fs::write(&victim, "precious").unwrap();
+    std::os::unix::fs::symlink(&victim, store.join(".smol-Q4_1.gguf.partial")).unwrap();
+    let cfg = format!("[server]\nmodel_store = \"{}\"\nsocket_mode = \"0666\"\nmanage = []\n", store.display());
+    let d = Daemon::start(&dir, &cfg, &[]);
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(std::fs::metadata(&store).unwrap().mode() & 0o7777, 0o755, "the store is the daemon's alone");
+    assert!(std::fs::symlink_metadata(store.join(".smol-Q4_1.gguf.partial")).is_err(), "left transfers go at start");
+
+    // Without `model`, with two store models and no default: refused, naming them.
+    let (st, out) = d.http("POST", "/v1/completions", r#"{"prompt": "x", "max_tokens": 1}"#);
+    assert!(st == 400 && out.contains("name a model: the store holds 2 (a, b)"), "{st} {out}");
+
+    // Another user may use the models, not manage them.
+    let (ok, out) = ctl_as(
+        nobody,
+        &["generate", "--model", "a", "--max-tokens", "2", "The capital of France is"],
+        &endpoint,
+        &d.socket,
+    );
+    assert!(ok && out.contains("Paris"), "{out}");
+    for args in [&["rm", "a"][..], &["unload", "a"], &["pull", "hf:org/smol-GGUF"]] {
+        let (ok, out) = ctl_as(nobody, args, &endpoint, &d.socket);
+        assert!(!ok && out.contains("403") && out.contains("server.manage"), "{args:?}: {out}");
+    }
+    assert_eq!(ids(&d), ["a", "b"]);
+    assert!(!store.join("smol-Q4_1.gguf").exists());
+    // A request's keep_alive is management too: 0 (unload) refused, others ignored.
+    let generate = |uid: u32, keep: &str| {
+        let body = format!(r#"{{"model": "a", "prompt": "", "keep_alive": {keep}}}"#);
+        let (ok, out) = {
+            use std::os::unix::process::CommandExt;
+            let o = Command::new("python3")
+                .args(["-c", "import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); b=sys.argv[2].encode(); s.sendall(b'POST /api/generate HTTP/1.1\\r\\nHost: x\\r\\nContent-Type: application/json\\r\\nConnection: close\\r\\nContent-Length: %d\\r\\n\\r\\n' % len(b) + b); print(s.makefile('rb').read().decode())"])
+                .arg(&d.socket)
+                .arg(&body)
+                .uid(uid)
+                .gid(uid)
+                .output()
+                .unwrap();
+            (o.status.success(), String::from_utf8_lossy(&o.stdout).into_owned())
+        };
+        assert!(ok, "{out}");
+        out
+    };
+    let out = generate(nobody, "0");
+    assert!(out.starts_with("HTTP/1.1 403") && out.contains("unloading a model"), "{out}");
+    generate(nobody, "\"1s\"");
+    let keep = |d: &Daemon| {
+        d.status()["models"].as_array().unwrap().iter().find(|m| m["name"] == "a").unwrap()["keep_alive_seconds"]
+            .clone()
+    };
+    assert_eq!(keep(&d), 300.0, "nobody's keep_alive is ignored");
+    generate(0, "\"1h\"");
+    assert_eq!(keep(&d), 3600.0, "root's applies");
+
+    // Root pulls through the daemon: the planted link went at start; one planted now is not
+    // followed (the store is the daemon's, so only root could plant it).
+    std::os::unix::fs::symlink(&victim, store.join(".smol-Q4_1.gguf.partial")).unwrap();
+    let (ok, out) = ctl_as(0, &["pull", "hf:org/smol-GGUF"], &endpoint, &d.socket);
+    assert!(!ok && out.contains("Too many levels of symbolic links"), "{out}");
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+    std::fs::remove_file(store.join(".smol-Q4_1.gguf.partial")).unwrap();
+    // Cut, then resumed, through the daemon.
+    let (ok, out) = ctl_as(0, &["pull", "hf:org/smol-GGUF"], &endpoint, &d.socket);
+    assert!(!ok && out.contains("run the same pull again to resume"), "{out}");
+    let (ok, out) = ctl_as(0, &["pull", "hf:org/smol-GGUF"], &endpoint, &d.socket);
+    assert!(ok && out.contains("smol-Q4_1: installed at"), "{out}");
+    assert!(std::fs::read(store.join("smol-Q4_1.gguf")).unwrap() == std::fs::read(model()).unwrap());
+    // A resume the source answers from elsewhere is refused, not spliced on.
+    let (ok, out) = ctl_as(0, &["pull", "hf:org/spliced-GGUF"], &endpoint, &d.socket);
+    assert!(!ok && out.contains("resume"), "{out}");
+    let (ok, out) = ctl_as(0, &["pull", "hf:org/spliced-GGUF"], &endpoint, &d.socket);
+    assert!(!ok && out.contains("it sent \"bytes "), "{out}");
+    assert!(!store.join("spliced-Q4_1.gguf").exists());
+    // http:// only to this machine; names that would hide a model; the size bound.
+    let (ok, out) = ctl_as(0, &["pull", "http://example.com/m.gguf"], &endpoint, &d.socket);
+    assert!(!ok && out.contains("https:// only"), "{out}");
+    let (ok, out) = ctl_as(0, &["pull", &format!("{endpoint}/org/smol-GGUF/resolve/main/.gguf")], &endpoint, &d.socket);
+    assert!(!ok && out.contains("does not name a .gguf file"), "{out}");
+    let put = |file: &str, range: &str| {
+        let mut s = UnixStream::connect(&d.socket).unwrap();
+        write!(s, "PUT /v1/store/{file} HTTP/1.1\r\nHost: x\r\nContent-Range: {range}\r\nContent-Length: 10\r\nConnection: close\r\n\r\n0123456789").unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    };
+    let out = put("huge.gguf", "bytes 0-9/300000000000");
+    assert!(out.starts_with("HTTP/1.1 413") && out.contains("max_model_gib"), "{out}");
+    let out = put(".hidden.gguf", "bytes 0-9/10");
+    assert!(out.starts_with("HTTP/1.1 400") && out.contains("not a model file name"), "{out}");
+    let out = put("junk.gguf", "bytes 0-9/10");
+    assert!(out.starts_with("HTTP/1.1 422") && out.contains("not a model this daemon reads"), "{out}");
+    assert!(!store.join("junk.gguf").exists() && !store.join(".junk.gguf.partial").exists());
+    // Root may remove.
+    let (ok, out) = ctl_as(0, &["rm", "smol-Q4_1"], &endpoint, &d.socket);
+    assert!(ok, "{out}");
+    let _ = server.kill();
+    let _ = server.wait();
     drop(d);
     let _ = std::fs::remove_dir_all(dir);
 }
