@@ -250,7 +250,7 @@ fn model_field(m: &Map<String, Value>) -> Result<Option<&str>, ApiError> {
 }
 
 async fn tokenize(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
-    if let Err(e) = sh.warm(&body, false, false).await {
+    if let Err(e) = sh.warm(&body, false, None).await {
         return error(e);
     }
     let run = |sh: &Arc<Shared>, body: &[u8]| -> Result<Value, ApiError> {
@@ -268,7 +268,7 @@ async fn tokenize(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Res
 }
 
 async fn detokenize(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
-    if let Err(e) = sh.warm(&body, false, false).await {
+    if let Err(e) = sh.warm(&body, false, None).await {
         return error(e);
     }
     let run = |sh: &Arc<Shared>, body: &[u8]| -> Result<Value, ApiError> {
@@ -484,7 +484,7 @@ async fn completions(
         Ok(b) => b,
         Err(answer) => return answer,
     };
-    if let Err(e) = sh.warm(&body, false, false).await {
+    if let Err(e) = sh.warm(&body, false, None).await {
         return error(e);
     }
     let start = |sh: &Arc<Shared>, body: &[u8]| -> Result<(request::Prepared, Map<String, Value>), ApiError> {
@@ -515,7 +515,7 @@ async fn chat_completions(
         Ok(b) => b,
         Err(answer) => return answer,
     };
-    if let Err(e) = sh.warm(&body, false, false).await {
+    if let Err(e) = sh.warm(&body, false, None).await {
         return error(e);
     }
     let start = |sh: &Arc<Shared>, body: &[u8]| -> Result<(request::Prepared, Map<String, Value>, Tools), ApiError> {
@@ -560,7 +560,7 @@ async fn embeddings(
         Ok(b) => b,
         Err(answer) => return answer,
     };
-    if let Err(e) = sh.warm(&body, false, false).await {
+    if let Err(e) = sh.warm(&body, false, None).await {
         return error(e);
     }
     let run = async {

@@ -66,12 +66,11 @@ pub async fn progress(State(sh): State<Arc<Shared>>, req: Request, next: Next) -
         Err(e) => return (StatusCode::PAYLOAD_TOO_LARGE, e.to_string()).into_response(),
     };
     let ollama = parts.uri.path().starts_with("/api/");
-    let peer = parts.extensions.get::<axum::extract::ConnectInfo<Peer>>().map(|c| c.0.uid);
-    let manager = sh.managers().may(peer.flatten());
+    let uid = parts.extensions.get::<axum::extract::ConnectInfo<Peer>>().and_then(|c| c.0.uid);
     // Only a well-formed request for a known model that is not loaded: anything the route
     // refuses is refused with its status, before a 200 goes out.
     let cold = streams(&bytes, ollama)
-        .then(|| sh.wanted(&bytes, ollama, manager).ok().flatten())
+        .then(|| sh.wanted(&bytes, ollama, uid).ok().flatten())
         .flatten()
         .and_then(|(model, _)| sh.models.slot(model.as_deref()).ok())
         .filter(|slot| slot.loaded().is_none());
@@ -98,7 +97,7 @@ pub async fn progress(State(sh): State<Arc<Shared>>, req: Request, next: Next) -
         };
         let load = {
             let (sh, bytes) = (Arc::clone(&sh), bytes.clone());
-            tokio::spawn(async move { sh.warm(&bytes, ollama, manager).await })
+            tokio::spawn(async move { sh.warm(&bytes, ollama, uid).await })
         };
         tokio::pin!(load);
         let mut first = *watch.borrow_and_update();
@@ -233,7 +232,7 @@ async fn remove_openai(
 
 /// Ollama's `DELETE /api/delete` with `{"model": NAME}`: 200 with no body, 404 if unknown.
 async fn remove_ollama(State(sh): State<Arc<Shared>>, ConnectInfo(peer): ConnectInfo<Peer>, body: Bytes) -> Response {
-    let Ok(Some((Some(name), _))) = sh.wanted(&body, true, true) else {
+    let Ok(Some((Some(name), _))) = sh.wanted(&body, true, peer.uid) else {
         return (StatusCode::BAD_REQUEST, Json(json!({ "error": "model is required" }))).into_response();
     };
     let removed = sh.managers().check(peer.uid, &format!("removing {name}")).and_then(|()| sh.models.remove(&name));

@@ -359,7 +359,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     // Models come and go: what one allocated must go back to the kernel when it is unloaded.
     inferd_engine::model::mmap::map_large_allocations();
     let cfg = args.config()?;
-    check(&cfg)?;
+    let remote_models = check(&cfg)?;
     for name in manage::Managers::new(&cfg.server.manage).unknown() {
         eprintln!("inferd: server.manage: no user or group {name:?} here; it grants nothing");
     }
@@ -402,7 +402,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         quarantine,
         // The running executable, as for plugin helpers: it must speak this daemon's protocol.
         templates: inferd_engine::template_host::TemplateHost::new(PathBuf::from("/proc/self/exe")),
-        remotes: RwLock::new(remotes(&cfg)?),
+        remotes: RwLock::new(remote_models),
         reloads: Mutex::new((0, None)),
         managers: RwLock::new(manage::Managers::new(&cfg.server.manage)),
         uploads: upload::Uploads::new(cfg.server.max_model_gib),
@@ -449,8 +449,8 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
 }
 
 /// What start refuses in `cfg` beyond what parsing it checked, for reload to refuse alike:
-/// durations, the socket's mode and group, the TCP guard's settings and the remote models.
-fn check(cfg: &Config) -> anyhow::Result<()> {
+/// durations, the socket's mode and group, the TCP guard's settings; the remote models, made.
+fn check(cfg: &Config) -> anyhow::Result<Vec<Arc<remote::Remote>>> {
     models::parse_keep_alive(&cfg.server.keep_alive).map_err(|e| anyhow::anyhow!("server.keep_alive: {e}"))?;
     models::parse_keep_alive(&cfg.server.idle_exit).map_err(|e| anyhow::anyhow!("server.idle_exit: {e}"))?;
     cfg.socket_mode().map_err(|e| anyhow::anyhow!(e))?;
@@ -461,8 +461,7 @@ fn check(cfg: &Config) -> anyhow::Result<()> {
         let s = &cfg.server;
         guard::Guard::new(&s.tcp_hosts, &s.cors_origins, s.tcp_key_file.as_deref())?;
     }
-    remotes(cfg)?;
-    Ok(())
+    remotes(cfg)
 }
 
 /// The remote models of `cfg`.
@@ -621,8 +620,7 @@ async fn reload(sh: &Arc<Shared>, args: &ServeArgs) {
             anyhow::bail!("{} is empty", path.display());
         }
         let cfg = args.config()?;
-        check(&cfg)?;
-        let remotes = remotes(&cfg)?;
+        let remotes = check(&cfg)?;
         let slots = sh.models.prepare(cfg.models.clone()).await?;
         anyhow::Ok((cfg, remotes, slots))
     };

@@ -165,7 +165,7 @@ async fn show(
     if let Some(r) = sh.remote_for(&body) {
         return Json(remote::ollama::show(&r, peer.local())).into_response();
     }
-    if let Err(e) = sh.warm(&body, true, sh.managers().may(peer.uid)).await {
+    if let Err(e) = sh.warm(&body, true, peer.uid).await {
         return error(e);
     }
     let run = || -> Result<Value, ApiError> {
@@ -204,7 +204,7 @@ async fn local(
     peer: &Peer,
 ) -> Result<axum::body::Bytes, Response> {
     let body = remote::ollama::serve(sh, route, body, peer).await?;
-    sh.warm(&body, true, sh.managers().may(peer.uid)).await.map_err(error)?;
+    sh.warm(&body, true, peer.uid).await.map_err(error)?;
     Ok(body)
 }
 

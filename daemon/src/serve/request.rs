@@ -99,11 +99,11 @@ impl Shared {
     }
 
     /// Loads the model a JSON body names (`model`, Ollama's `name`; `:latest` dropped) unless
-    /// it is loaded; with `ollama`, the body's `keep_alive` becomes the model's when `manager`
+    /// it is loaded; with `ollama`, the body's `keep_alive` becomes the model's when user `uid`
     /// may manage models ([`Shared::wanted`]). A body that is not a JSON object is left to the
     /// route's own checks.
-    pub async fn warm(&self, body: &[u8], ollama: bool, manager: bool) -> Result<(), ApiError> {
-        match self.wanted(body, ollama, manager)? {
+    pub async fn warm(&self, body: &[u8], ollama: bool, uid: Option<u32>) -> Result<(), ApiError> {
+        match self.wanted(body, ollama, uid)? {
             Some((name, keep_alive)) => self.load(name.as_deref(), keep_alive).await,
             None => Ok(()),
         }
@@ -112,13 +112,14 @@ impl Shared {
     /// The model a JSON body names and its `keep_alive` (Ollama's routes), checked without
     /// loading anything; `None` for a body that is not a JSON object naming a model by text.
     /// How long a model stays loaded is model management (`server.manage`): from anyone else
-    /// (`manager` false) a `keep_alive` is ignored, and one of 0 (Ollama's unload) refused.
+    /// than user `uid` a `keep_alive` is ignored, and one of 0 (Ollama's unload) refused (the
+    /// right is looked up only for a body that has one).
     #[allow(clippy::type_complexity)]
     pub fn wanted(
         &self,
         body: &[u8],
         ollama: bool,
-        manager: bool,
+        uid: Option<u32>,
     ) -> Result<Option<(Option<String>, Option<Option<std::time::Duration>>)>, ApiError> {
         #[derive(serde::Deserialize)]
         struct Named {
@@ -140,10 +141,17 @@ impl Shared {
             Some(_) => Some(Err("keep_alive must be a duration or a number of seconds".into())),
         };
         let keep_alive = keep_alive.transpose().map_err(|e| ApiError::bad(format!("keep_alive: {e}"), "keep_alive"))?;
-        if !manager && keep_alive == Some(Some(std::time::Duration::ZERO)) {
-            self.managers().check(None, "unloading a model (keep_alive 0)")?;
-        }
-        Ok(Some((name, keep_alive.filter(|_| manager))))
+        let keep_alive = match keep_alive {
+            Some(k) => {
+                let managers = self.managers();
+                if k == Some(std::time::Duration::ZERO) {
+                    managers.check(uid, "unloading a model (keep_alive 0)")?;
+                }
+                Some(k).filter(|_| managers.may(uid))
+            }
+            None => None,
+        };
+        Ok(Some((name, keep_alive)))
     }
 
     /// Loads model `name` unless it is loaded. As in Ollama, each request sets how long the
