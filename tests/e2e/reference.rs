@@ -114,7 +114,7 @@ pub(crate) fn check_cases_on(e: &mut Engine, model: &Model, entry: &Value, tol: 
                     seq = Some(s);
                     l
                 }
-                Some(s) => e.step(&[RunItem { seq: s, tokens: &tokens[done..=p], n_logits: 1 }]).unwrap().remove(0),
+                Some(s) => e.step(&[RunItem::logits(s, &tokens[done..=p], 1)]).unwrap().remove(0),
             };
             done = p + 1;
             if ILL_CONDITIONED.contains(&(name, c, p)) {
@@ -276,7 +276,7 @@ fn tiny_gemma3_window_layers_give_back_their_blocks_and_keep_their_logits() {
     // A rollback within the margin recomputes the same logits; one below it is refused.
     assert!(small.kv.truncate(seq, 20).is_err());
     small.kv.truncate(seq, len - 10).unwrap();
-    let again = small.step(&[RunItem { seq, tokens: &tokens[len - 10..], n_logits: 1 }]).unwrap().remove(0);
+    let again = small.step(&[RunItem::logits(seq, &tokens[len - 10..], 1)]).unwrap().remove(0);
     assert_eq!(again, want, "after a rollback");
     // The prefix cache serves a windowed model too: the full groups' blocks and the window
     // groups' last ones, with the cold logits.

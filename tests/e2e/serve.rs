@@ -648,3 +648,68 @@ fn several_choices_and_beams_in_a_small_cache_all_succeed_and_leave_the_cache_cl
         assert_eq!(&run_alone(&mut engine, r), want, "request {} alone after the stress", r.0);
     }
 }
+
+/// Embeddings run as work of the steps, in chunks beside a request decoding (once they were
+/// a blocking call between steps that held every completion for the whole job): the vectors
+/// are bit-for-bit those of each text alone (`Engine::embed`, checked against llama.cpp in
+/// embed.rs), the request gets the tokens it gets alone and keeps streaming while the texts
+/// run, and a job cancelled in the middle of a text gives its blocks back at the next step.
+#[test]
+fn embeddings_run_in_the_steps_beside_decoding_and_are_cancelled_like_requests() {
+    use inferd_engine::sched::{Embedding, RequestMeta};
+    let model = Arc::new(Model::load(&inferd_e2e::default_model()).unwrap());
+    let reg = registry();
+    let p = |t: &str| model.tokenizer.encode(t, false).unwrap();
+    let texts: Vec<Vec<u32>> = vec![
+        p("Hello"),
+        p(&"The lighthouse keeper climbed the stairs every night. ".repeat(40)),
+        p("The cat sat on the mat."),
+    ];
+    assert!(texts[1].len() > 64 * 4, "the long text runs in several chunks");
+    let alone_vectors: Vec<Vec<f32>> = {
+        let mut e = Engine::cpu(&model, &EngineOptions { threads: 2, ..EngineOptions::default() }).unwrap();
+        texts.iter().map(|t| e.embed(t).unwrap()).collect()
+    };
+    let (tx, h) = start_with_budget(Arc::clone(&model), 512, 64);
+    let r = Req { id: 1, strategy: "greedy", params: "{}", prompt: p("A long story about a dragon:"), max_tokens: 40 };
+    let rx = submit(&tx, &reg, &r);
+    assert!(matches!(rx.recv().unwrap(), Event::Token { .. }));
+    let embed = |id: u64, inputs: Vec<Vec<u32>>| {
+        let (etx, erx) = channel();
+        let reply = Box::new(move |v| {
+            let _ = etx.send(v);
+        });
+        tx.send(Command::Embed(Embedding { id, meta: RequestMeta::default(), inputs, reply })).unwrap();
+        erx
+    };
+    let job = embed(2, texts.clone());
+    // Tokens keep coming while the job runs.
+    let (mut streamed, mut during) = (1, 0);
+    let vectors = loop {
+        if let Ok(v) = job.try_recv() {
+            break v.unwrap();
+        }
+        match rx.recv_timeout(std::time::Duration::from_secs(30)).expect("the request kept streaming") {
+            Event::Token { .. } => {
+                streamed += 1;
+                during += 1;
+            }
+            e => panic!("the request ended before the embedding: {e:?}"),
+        }
+    };
+    assert!(during >= 2, "only {during} tokens streamed while the texts ran");
+    assert_eq!(vectors, alone_vectors, "embedded in chunks beside a decode, not as alone");
+    let (rest, done) = collect(&rx);
+    assert_eq!(streamed + rest.len(), 40);
+    assert_eq!(done.unwrap(), alone(&model, &reg, &r));
+    // A job of long texts cancelled once it has started.
+    let long: Vec<Vec<u32>> = (0..4).map(|_| texts[1].clone()).collect();
+    let cancelled = embed(3, long);
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    tx.send(Command::Cancel(3)).unwrap();
+    assert_eq!(cancelled.recv().unwrap(), Err("cancelled".to_string()));
+    tx.send(Command::Shutdown).unwrap();
+    let (stats, live) = h.join().unwrap();
+    assert_eq!((stats.finished, stats.cancelled, stats.failed), (2, 1, 0));
+    assert_eq!(live, 0, "every text's sequence was freed");
+}

@@ -256,16 +256,15 @@ fn a_step_that_runs_out_of_blocks_on_a_later_item_changes_nothing() {
         let (a, _) = e.prefill(&[&p]).unwrap().remove(0); // two blocks, the last one partial
         let b = e.kv.fork(a);
         let (c, _) = e.prefill(&[&q]).unwrap().remove(0); // one full block
-        let step = |a_tok: &'static [u32], b_tok: &'static [u32]| {
-            [RunItem { seq: a, tokens: a_tok, n_logits: 1 }, RunItem { seq: b, tokens: b_tok, n_logits: 1 }]
-        };
+        let step =
+            |a_tok: &'static [u32], b_tok: &'static [u32]| [RunItem::logits(a, a_tok, 1), RunItem::logits(b, b_tok, 1)];
         if pressure {
             // a copies the shared block (1), c needs four more: 5 of the 4 free.
             assert_eq!(e.kv.stats().free, 4);
             let tables: Vec<Vec<u32>> = [a, b, c].iter().map(|&s| e.kv.block_table(s).to_vec()).collect();
             let stats = e.kv.stats();
             let [ia, ib] = step(&[7], &[9]);
-            let err = e.step(&[ia, ib, RunItem { seq: c, tokens: &long, n_logits: 1 }]).unwrap_err();
+            let err = e.step(&[ia, ib, RunItem::logits(c, &long, 1)]).unwrap_err();
             assert!(matches!(err, EngineError::OutOfBlocks(OutOfBlocks { needed: 5, free: 4 })), "{err}");
             assert_eq!(e.kv.stats(), stats, "no block moved");
             for (s, t) in [a, b, c].into_iter().zip(&tables) {
@@ -277,7 +276,7 @@ fn a_step_that_runs_out_of_blocks_on_a_later_item_changes_nothing() {
         out.extend(e.step(&step(&[11], &[13])).unwrap());
         e.release(a);
         e.release(b);
-        out.extend(e.step(&[RunItem { seq: c, tokens: &long, n_logits: 1 }]).unwrap());
+        out.extend(e.step(&[RunItem::logits(c, &long, 1)]).unwrap());
         e.release(c);
         // What the prefix cache now holds must be right too.
         out.extend(e.prefill(&[&[p.clone(), vec![7, 11]].concat()]).unwrap().into_iter().map(|(s, l)| {

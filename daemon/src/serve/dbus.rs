@@ -481,8 +481,10 @@ impl Inference {
         let model = model.as_str();
         self.load(conn, &hdr, model).await?;
         let h = self.sh.model(Some(model)).map_err(failed)?;
+        let sender = hdr.sender().ok_or_else(|| fdo::Error::Failed("a call without a sender".into()))?;
+        let uid = caller_uid(conn, sender).await?;
         let inputs = inputs.into_iter().map(super::embed::Input::Text).collect();
-        let (v, _) = super::embed::embed(&self.sh, &h, inputs, false).await.map_err(failed)?;
+        let (v, _) = super::embed::embed(&self.sh, &h, inputs, false, uid, None).await.map_err(failed)?;
         Ok(v.into_iter().map(|e| e.into_iter().map(f64::from).collect()).collect())
     }
 

@@ -1,12 +1,15 @@
 //! Embeddings from the loaded model, on every edge: OpenAI's `/v1/embeddings` (floats or
 //! base64, as its client asks by default), Ollama's `/api/embed`, D-Bus `Embed`. One path to
-//! the model's engine thread ([`embed`]): the texts' token ids go as a `Command::Embed`, and the
-//! mean-pooled, normalized vectors come back ([`inferd_engine::engine::Engine::embed`]).
+//! the model's engine thread ([`embed`]): the texts' token ids go as a `Command::Embed`, run as
+//! work of the engine's steps (`inferd_engine::sched`), and the pooled, normalized vectors come
+//! back ([`inferd_engine::engine::Pooler`]).
 
-use super::request::ApiError;
+use super::conn::Hangup;
+use super::request::{user_place, ApiError};
 use super::{ModelHandle, Shared};
-use inferd_engine::sched::{Command, Embedding};
+use inferd_engine::sched::{Command, Embedding, Priority, RequestId, RequestMeta};
 use serde_json::{json, Map, Value};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 /// Texts per request, at most.
@@ -51,18 +54,27 @@ pub fn inputs(v: Option<&Value>) -> Result<Vec<Input>, ApiError> {
 }
 
 /// The vectors of `inputs` by `model`, and the tokens they took. `truncate`: a text longer
-/// than the context keeps its start (Ollama's default) instead of being refused.
+/// than the context keeps its start (Ollama's default) instead of being refused. The job
+/// takes one of `uid`'s places (`limits.max_requests_per_user`) and runs in the engine's steps
+/// beside everyone's requests; it is cancelled when `hangup` trips or this future is dropped.
 pub async fn embed(
-    sh: &Shared,
+    sh: &Arc<Shared>,
     model: &Arc<ModelHandle>,
     inputs: Vec<Input>,
     truncate: bool,
+    uid: u32,
+    hangup: Option<Arc<Hangup>>,
 ) -> Result<(Vec<Vec<f32>>, usize), ApiError> {
+    let _slot = user_place(sh, uid)?;
     let m = Arc::clone(model);
     let ids = sh.cpu(move || token_lists(&m, inputs, truncate)).await?;
     let tokens = ids.iter().map(Vec::len).sum();
     let (tx, rx) = tokio::sync::oneshot::channel();
+    let id = sh.next_id.fetch_add(1, Ordering::Relaxed);
+    let meta = RequestMeta { uid, priority: Priority::Interactive, submitted: std::time::Instant::now() };
     let cmd = Command::Embed(Embedding {
+        id,
+        meta,
         inputs: ids,
         reply: Box::new(move |r| {
             let _ = tx.send(r);
@@ -72,10 +84,43 @@ pub async fn embed(
     if !sent {
         return Err(ApiError::new(503, "the engine stopped", None));
     }
-    match rx.await {
+    // Whatever ends this wait early (the client gone, the handler dropped) cancels the job.
+    let cancel = CancelOnDrop { model, id, armed: true };
+    let reply = match hangup {
+        Some(h) => tokio::select! {
+            r = rx => r,
+            _ = h.wait() => return Err(ApiError::new(499, "the client went away", None)),
+        },
+        None => rx.await,
+    };
+    cancel.disarm();
+    match reply {
         Ok(Ok(v)) => Ok((v, tokens)),
         Ok(Err(e)) => Err(ApiError::new(503, format!("embedding failed: {e}"), None)),
         Err(_) => Err(ApiError::new(503, "the engine stopped", None)),
+    }
+}
+
+/// Cancels an embedding job in the engine unless disarmed (its answer came).
+struct CancelOnDrop<'a> {
+    model: &'a ModelHandle,
+    id: RequestId,
+    armed: bool,
+}
+
+impl CancelOnDrop<'_> {
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for CancelOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            if let Ok(tx) = self.model.engine.lock() {
+                let _ = tx.send(Command::Cancel(self.id));
+            }
+        }
     }
 }
 

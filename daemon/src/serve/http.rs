@@ -567,7 +567,8 @@ async fn embeddings(
         let m = object(&body)?;
         let model = super::embed::model_of(&sh, &m)?;
         let (inputs, b64) = super::embed::openai_body(&m, model.model.config.hidden)?;
-        let (vectors, tokens) = super::embed::embed(&sh, &model, inputs, false).await?;
+        let (vectors, tokens) =
+            super::embed::embed(&sh, &model, inputs, false, peer.uid(), Some(Arc::clone(&peer.hangup))).await?;
         Ok::<_, ApiError>(super::embed::openai_reply(&model.name, &vectors, tokens, b64))
     };
     match run.await {

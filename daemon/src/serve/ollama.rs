@@ -227,7 +227,8 @@ async fn embed(
         super::embed::check_body(&m, &known, h.model.config.hidden)?;
         let truncate = m.get("truncate").and_then(Value::as_bool) != Some(false);
         let inputs = super::embed::inputs(m.get("input"))?;
-        let (vectors, tokens) = super::embed::embed(&sh, &h, inputs, truncate).await?;
+        let (vectors, tokens) =
+            super::embed::embed(&sh, &h, inputs, truncate, peer.uid(), Some(Arc::clone(&peer.hangup))).await?;
         Ok(json!({
             "model": tagged(&h),
             "embeddings": vectors,

@@ -65,6 +65,55 @@ fn a_departed_client_cancels_its_request_at_the_next_step() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Embeddings are work of the engine's steps: a job of eight 2,000-token texts (once it held
+/// every completion on the model for 72 s, 65 of them after its client had gone) leaves room
+/// for a completion beside it, counts as one of its user's requests, and is cancelled at the
+/// next step when its client leaves.
+#[test]
+fn embeddings_share_the_engine_and_leave_with_their_client() {
+    let dir = scratch("embed-steps");
+    let d = Daemon::start(&dir, "[limits]\nmax_requests_per_user = 2\n", &[]);
+    let text = "word ".repeat(2000);
+    let body = serde_json::json!({ "input": vec![text; 8] }).to_string();
+    let post = |body: &str| {
+        let mut s = UnixStream::connect(&d.socket).unwrap();
+        write!(s, "POST /v1/embeddings HTTP/1.1\r\nHost: inferd\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+        s
+    };
+    let job = post(&body);
+    wait_for("the embedding to run", Duration::from_secs(20), || engine_state(&d).0 == 1);
+    // A completion is answered while the texts are still running.
+    let t0 = Instant::now();
+    let (st, out) = d.http("POST", "/v1/completions", r#"{"prompt": "Hi", "max_tokens": 8, "temperature": 0}"#);
+    let waited = t0.elapsed();
+    assert_eq!(st, 200, "{out}");
+    assert_eq!(engine_state(&d).0, 1, "the completion waited for the whole embedding job");
+    eprintln!("a completion beside eight 2,000-token texts: {:.0} ms", waited.as_secs_f64() * 1e3);
+    // The job holds one of its user's two places: with a stream holding the other, a third
+    // request is refused.
+    let mut stream = UnixStream::connect(&d.socket).unwrap();
+    let long = r#"{"prompt": "Once", "max_tokens": 2000, "stream": true}"#;
+    write!(stream, "POST /v1/completions HTTP/1.1\r\nHost: inferd\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{long}", long.len()).unwrap();
+    wait_for("the stream to run", Duration::from_secs(20), || engine_state(&d).0 == 2);
+    let (st, out) = d.http("POST", "/v1/embeddings", r#"{"input": "one more"}"#);
+    assert!(st == 429 && out.contains("max_requests_per_user"), "{st} {out}");
+    drop(stream);
+    wait_for("the stream to be cancelled", Duration::from_secs(5), || engine_state(&d).0 == 1);
+    drop(job);
+    let t0 = Instant::now();
+    wait_for("the embedding to be cancelled", Duration::from_secs(5), || {
+        let (busy, cancelled, whole, users) = engine_state(&d);
+        busy == 0 && cancelled == 2 && whole && users.as_object().unwrap().is_empty()
+    });
+    eprintln!("eight 2,000-token texts: cancelled {:.0} ms after their client left", t0.elapsed().as_secs_f64() * 1e3);
+    // And a job left alone finishes with every vector.
+    let (st, out) = d.http("POST", "/v1/embeddings", r#"{"input": ["one", "two"]}"#);
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert!(st == 200 && v["data"].as_array().unwrap().len() == 2, "{st} {out}");
+    drop(d);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// A free loopback port (free when asked; the daemon binds it right after).
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()

@@ -34,6 +34,7 @@ struct Scratch {
     gate: Vec<f32>,               // (tokens, ffn)
     up: Vec<f32>,                 // (tokens, ffn)
     out: Vec<f32>,                // (tokens, hidden) projection output
+    logits: Vec<f32>,             // (rows, vocab) logits of a batch that also returns hidden rows
     angles: Vec<Vec<(f32, f32)>>, // per rotation: (tokens, rope_dim / 2) RoPE (sin, cos)
 }
 
@@ -316,19 +317,15 @@ impl Backend for CpuBackend {
         self.profile.as_mut().map(std::mem::take)
     }
 
-    fn forward(&mut self, batch: &[SeqBatch<'_>], logits: &mut Vec<f32>) -> Result<(), BackendError> {
-        self.run(batch, logits, false)
-    }
-
-    fn forward_hidden(&mut self, batch: &[SeqBatch<'_>], hidden: &mut Vec<f32>) -> Result<(), BackendError> {
-        self.run(batch, hidden, true)
+    fn forward(&mut self, batch: &[SeqBatch<'_>], rows: &mut Vec<f32>) -> Result<(), BackendError> {
+        self.run(batch, rows)
     }
 }
 
 impl CpuBackend {
-    /// The forward pass; `hidden`: the asked-for rows' normed hidden states into `out`, not
-    /// their logits.
-    fn run(&mut self, batch: &[SeqBatch<'_>], logits: &mut Vec<f32>, hidden: bool) -> Result<(), BackendError> {
+    /// The forward pass: the asked-for rows into `out`, logits or (for a sequence that asks
+    /// for them) normed hidden states.
+    fn run(&mut self, batch: &[SeqBatch<'_>], out: &mut Vec<f32>) -> Result<(), BackendError> {
         validate_batch(&self.cfg, &self.groups, self.kv_blocks, self.block_size, batch)?;
         let cfg = &self.cfg;
         let (h, hd, nkv, bs) = (cfg.hidden, cfg.head_dim, cfg.n_kv_heads, self.block_size);
@@ -467,11 +464,14 @@ impl CpuBackend {
             s.x.iter_mut().zip(&s.out).for_each(|(x, o)| *x += o);
         }
 
-        // Logits only for the positions asked for.
-        let mut rows = Vec::new();
+        // Rows only for the positions asked for; logits only for the sequences that want them.
+        let (mut rows, mut logit_rows) = (Vec::new(), Vec::new());
         let mut t0 = 0;
         for sb in batch {
             let len = sb.tokens.len();
+            if !sb.hidden {
+                logit_rows.extend(rows.len()..rows.len() + sb.logits);
+            }
             rows.extend(t0 + len - sb.logits..t0 + len);
             t0 += len;
         }
@@ -479,11 +479,31 @@ impl CpuBackend {
         for (i, &t) in rows.iter().enumerate() {
             rms_norm(&s.x[t * h..(t + 1) * h], &self.w.output_norm, cfg.rms_eps, &mut s.xb[i * h..(i + 1) * h]);
         }
-        if rows.is_empty() || hidden {
-            logits.clear();
-            logits.extend_from_slice(&s.xb[..rows.len() * h]);
+        out.clear();
+        if logit_rows.len() == rows.len() && !rows.is_empty() {
+            // Logits only (every decode step): projected straight into `out`.
+            Self::project(
+                pool,
+                k,
+                Phase::Logits,
+                &mut laps,
+                &[&self.w.output],
+                &s.xb,
+                rows.len(),
+                &mut s.q8,
+                &mut [out],
+            );
+            return Ok(());
+        }
+        if logit_rows.is_empty() {
+            out.extend_from_slice(&s.xb[..rows.len() * h]);
             laps.lap(Phase::Between, &[]);
             return Ok(());
+        }
+        // Both: the logits rows projected together, then every row placed in batch order.
+        resize(&mut s.out, logit_rows.len() * h);
+        for (j, &i) in logit_rows.iter().enumerate() {
+            s.out[j * h..(j + 1) * h].copy_from_slice(&s.xb[i * h..(i + 1) * h]);
         }
         Self::project(
             pool,
@@ -491,11 +511,22 @@ impl CpuBackend {
             Phase::Logits,
             &mut laps,
             &[&self.w.output],
-            &s.xb[..rows.len() * h],
-            rows.len(),
+            &s.out[..logit_rows.len() * h],
+            logit_rows.len(),
             &mut s.q8,
-            &mut [logits],
+            &mut [&mut s.logits],
         );
+        let vocab = cfg.vocab;
+        let mut next = logit_rows.iter().enumerate().peekable();
+        for i in 0..rows.len() {
+            match next.peek() {
+                Some(&(j, &r)) if r == i => {
+                    out.extend_from_slice(&s.logits[j * vocab..(j + 1) * vocab]);
+                    next.next();
+                }
+                _ => out.extend_from_slice(&s.xb[i * h..(i + 1) * h]),
+            }
+        }
         Ok(())
     }
 }

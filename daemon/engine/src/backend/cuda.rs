@@ -466,6 +466,9 @@ impl<S: Stream + Send> Backend for CudaBackend<S> {
 
     fn forward(&mut self, batch: &[SeqBatch<'_>], logits: &mut Vec<f32>) -> Result<(), BackendError> {
         validate_batch(&self.cfg, &self.groups, self.kv_blocks, self.block_size, batch)?;
+        if batch.iter().any(|b| b.hidden && b.logits > 0) {
+            return Err(BackendError::Unsupported("the cuda backend does not compute embeddings yet".into()));
+        }
         let ix = index(batch, &self.groups, self.block_size)?;
         self.run(batch, &ix, logits).map_err(BackendError::from)
     }

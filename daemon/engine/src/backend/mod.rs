@@ -141,6 +141,9 @@ pub struct SeqBatch<'a> {
     /// How many of the last positions want logits (1 for decode and the last prefill chunk,
     /// 0 for an earlier prefill chunk, more for speculative verification).
     pub logits: usize,
+    /// Those positions' rows are their final hidden states (after the output norm, `hidden`
+    /// floats a row) instead of logits: what an embedding pools. A batch may mix both.
+    pub hidden: bool,
 }
 
 /// A compute backend for Llama models over a paged KV cache.
@@ -182,15 +185,11 @@ pub trait Backend: Send {
     fn take_kernel_profile(&mut self) -> Result<Option<KernelProfile>, BackendError> {
         Ok(None)
     }
-    /// Runs the batch: writes every new token's K/V into its slot and returns, in `logits`,
-    /// `vocab` floats for each requested position, sequence by sequence, in position order.
-    fn forward(&mut self, batch: &[SeqBatch<'_>], logits: &mut Vec<f32>) -> Result<(), BackendError>;
-    /// [`Backend::forward`], returning for the positions asked for their final hidden state
-    /// (after the output norm, `hidden` floats a row) instead of logits: what embeddings pool.
-    fn forward_hidden(&mut self, batch: &[SeqBatch<'_>], hidden: &mut Vec<f32>) -> Result<(), BackendError> {
-        let _ = (batch, hidden);
-        Err(BackendError::Unsupported(format!("the {} backend does not compute embeddings yet", self.name())))
-    }
+    /// Runs the batch: writes every new token's K/V into its slot and returns, in `rows`, a
+    /// row for each requested position, sequence by sequence, in position order: `vocab`
+    /// logits, or `hidden` floats of final hidden state where the sequence asks for those
+    /// ([`SeqBatch::hidden`]).
+    fn forward(&mut self, batch: &[SeqBatch<'_>], rows: &mut Vec<f32>) -> Result<(), BackendError>;
 }
 
 /// The distinct rotations of `arch`'s layers (one, or a local and a global one), each as its

@@ -27,11 +27,22 @@ pub struct MockStore {
     blocks: Option<(usize, usize)>,
     /// Positions run so far, target and draft (tests measure work with it).
     pub positions_run: [usize; 2],
+    /// Sequences created for an embedding.
+    embeddings: std::collections::HashSet<StoreSeq>,
 }
 
 impl MockStore {
     pub fn new(vocab: usize, target: LogitsFn) -> Self {
-        MockStore { vocab, target, draft: None, seqs: HashMap::new(), next: 1, blocks: None, positions_run: [0; 2] }
+        MockStore {
+            vocab,
+            target,
+            draft: None,
+            seqs: HashMap::new(),
+            next: 1,
+            blocks: None,
+            positions_run: [0; 2],
+            embeddings: Default::default(),
+        }
     }
 
     pub fn with_draft(mut self, draft: LogitsFn) -> Self {
@@ -159,6 +170,27 @@ impl SeqStore for MockStore {
 
     fn free(&mut self, s: StoreSeq) {
         self.seqs.remove(&s);
+        self.embeddings.remove(&s);
+    }
+
+    /// Every token pending until it runs, bounded cache or not.
+    fn create_embedding(&mut self, tokens: &[u32]) -> Result<StoreSeq, StoreError> {
+        let s = self.next;
+        self.next += 1;
+        self.seqs.insert(s, (abi::ROLE_TARGET, tokens.to_vec(), tokens.len()));
+        self.embeddings.insert(s);
+        Ok(s)
+    }
+
+    /// The mock's embedding of a text: its length and the sum of its tokens.
+    fn finish_embedding(&mut self, s: StoreSeq) -> Result<Vec<f32>, StoreError> {
+        let seq = self.seqs.get(&s).cloned().filter(|_| self.embeddings.contains(&s));
+        self.free(s);
+        match seq {
+            Some((_, t, 0)) => Ok(vec![t.len() as f32, t.iter().sum::<u32>() as f32]),
+            Some((_, _, left)) => Err(StoreError::EmbeddingNotRun { seq: s, left }),
+            None => Err(StoreError::UnknownSequence(s)),
+        }
     }
 
     fn tokens(&self, s: StoreSeq) -> Vec<u32> {

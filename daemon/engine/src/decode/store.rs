@@ -4,7 +4,7 @@
 //! function from a token prefix to the next token's logits, for tests and `inferd plugin probe`.
 
 pub use super::mock::{LogitsFn, MockStore};
-use crate::engine::{Engine, EngineError, RunItem};
+use crate::engine::{Engine, EngineError, Pooler, RunItem};
 use crate::kv::SeqId;
 use inferd_plugin_api::abi;
 use std::collections::HashMap;
@@ -28,6 +28,8 @@ pub enum StoreError {
     Engine(#[from] EngineError),
     #[error("this store computes no embeddings")]
     NoEmbeddings,
+    #[error("embedding sequence {seq} has {left} tokens not run yet")]
+    EmbeddingNotRun { seq: StoreSeq, left: usize },
 }
 
 impl StoreError {
@@ -84,8 +86,8 @@ pub trait SeqStore {
     /// it calls.
     fn set_partition(&mut self, _partition: Option<u64>) {}
     /// [`SeqStore::run`], and in the same forward pass the first `k` pending tokens of each
-    /// `(seq, k)` in `prefill` (chunked prefill: no logits; the rest stays pending). A store
-    /// without pending tokens runs `items` alone.
+    /// `(seq, k)` in `prefill` (chunked prefill: no logits; the rest stays pending; an
+    /// embedding's chunk is pooled). A store without pending tokens runs `items` alone.
     fn run_with_prefill(
         &mut self,
         items: &[StoreRun],
@@ -94,9 +96,17 @@ pub trait SeqStore {
         let _ = prefill;
         self.run(items)
     }
-    /// The embedding of `tokens` by the target model ([`crate::engine::Engine::embed`]).
-    fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, StoreError> {
+    /// A target sequence whose tokens are pooled into an embedding as they run: all of them
+    /// pending (no cached prefix is reused, since each position's hidden state is pooled), run
+    /// in chunks given to [`SeqStore::run_with_prefill`] beside everything else.
+    fn create_embedding(&mut self, tokens: &[u32]) -> Result<StoreSeq, StoreError> {
         let _ = tokens;
+        Err(StoreError::NoEmbeddings)
+    }
+    /// The embedding of `s` once all its tokens have run ([`crate::engine::Pooler`]); `s` is
+    /// freed either way.
+    fn finish_embedding(&mut self, s: StoreSeq) -> Result<Vec<f32>, StoreError> {
+        self.free(s);
         Err(StoreError::NoEmbeddings)
     }
     /// Target-model KV cache occupancy and prefix-cache counters, when the store has a cache.
@@ -127,6 +137,8 @@ pub struct EngineStore<'e> {
     cached_prompt_tokens: u64,
     /// Where new sequences go in the prefix cache ([`SeqStore::set_partition`]).
     partition: Option<u64>,
+    /// The embeddings being pooled, by sequence ([`SeqStore::create_embedding`]).
+    pools: HashMap<StoreSeq, Pooler>,
 }
 
 /// Marks a draft-model sequence in a [`StoreSeq`].
@@ -141,6 +153,7 @@ impl<'e> EngineStore<'e> {
             prompt_tokens: 0,
             cached_prompt_tokens: 0,
             partition: None,
+            pools: HashMap::new(),
         }
     }
 
@@ -153,6 +166,7 @@ impl<'e> EngineStore<'e> {
             prompt_tokens: 0,
             cached_prompt_tokens: 0,
             partition: None,
+            pools: HashMap::new(),
         }
     }
 
@@ -172,19 +186,39 @@ impl<'e> EngineStore<'e> {
     }
 
     /// The spans `items` (their pending tokens first) and the `prefill` chunks of pending
-    /// tokens append, as `(sequence in its engine, tokens, logits rows)`.
-    fn spans(&self, items: &[&StoreRun], prefill: &[(StoreSeq, usize)]) -> Vec<(SeqId, Vec<u32>, usize)> {
+    /// tokens append (an embedding's chunk asks for every position's hidden state).
+    fn spans(&self, items: &[&StoreRun], prefill: &[(StoreSeq, usize)]) -> Vec<Span> {
         let pending = |s: &StoreSeq| self.pending.get(s).into_iter().flatten();
-        let whole = items
-            .iter()
-            .map(|it| (SeqId(it.seq & !DRAFT_BIT), pending(&it.seq).chain(&it.tokens).copied().collect(), it.n_logits));
-        let chunks = prefill.iter().map(|(s, k)| (SeqId(s & !DRAFT_BIT), pending(s).take(*k).copied().collect(), 0));
+        let whole = items.iter().map(|it| Span {
+            seq: SeqId(it.seq & !DRAFT_BIT),
+            tokens: pending(&it.seq).chain(&it.tokens).copied().collect(),
+            rows: it.n_logits,
+            hidden: false,
+        });
+        let chunks = prefill.iter().map(|(s, k)| {
+            let hidden = self.pools.contains_key(s);
+            Span {
+                seq: SeqId(s & !DRAFT_BIT),
+                tokens: pending(s).take(*k).copied().collect(),
+                rows: if hidden { *k } else { 0 },
+                hidden,
+            }
+        });
         whole.chain(chunks).collect()
     }
 }
 
-fn run_items(spans: &[(SeqId, Vec<u32>, usize)]) -> Vec<RunItem<'_>> {
-    spans.iter().map(|(seq, tokens, n_logits)| RunItem { seq: *seq, tokens, n_logits: *n_logits }).collect()
+/// A sequence's part of an engine step: its tokens, how many of the last positions return a
+/// row, and whether those rows are hidden states (an embedding's) rather than logits.
+struct Span {
+    seq: SeqId,
+    tokens: Vec<u32>,
+    rows: usize,
+    hidden: bool,
+}
+
+fn run_items(spans: &[Span]) -> Vec<RunItem<'_>> {
+    spans.iter().map(|s| RunItem { seq: s.seq, tokens: &s.tokens, n_logits: s.rows, hidden: s.hidden }).collect()
 }
 
 impl SeqStore for EngineStore<'_> {
@@ -214,8 +248,32 @@ impl SeqStore for EngineStore<'_> {
         n
     }
 
-    fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, StoreError> {
-        Ok(self.engine.embed(tokens)?)
+    fn create_embedding(&mut self, tokens: &[u32]) -> Result<StoreSeq, StoreError> {
+        // Checked here, not at its chunks' step, where one bad text would fail everyone's.
+        let (ctx, vocab) = (self.engine.backend.config().context_len, self.engine.vocab());
+        if tokens.is_empty() {
+            return Err(EngineError::EmptyPrompt.into());
+        }
+        if tokens.len() > ctx {
+            return Err(EngineError::PromptTooLong { len: tokens.len(), ctx }.into());
+        }
+        if let Some(&token) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::BadToken { token, vocab }.into());
+        }
+        let s = self.engine.kv.create_in(self.partition).0;
+        self.pending.insert(s, tokens.to_vec());
+        self.pools.insert(s, Pooler::new(self.engine.backend.config(), tokens.len()));
+        Ok(s)
+    }
+
+    fn finish_embedding(&mut self, s: StoreSeq) -> Result<Vec<f32>, StoreError> {
+        let pool = self.pools.remove(&s);
+        self.free(s);
+        match pool {
+            Some(p) if p.remaining() == 0 => Ok(p.finish()),
+            Some(p) => Err(StoreError::EmbeddingNotRun { seq: s, left: p.remaining() }),
+            None => Err(StoreError::UnknownSequence(s)),
+        }
     }
 
     fn cache_stats(&self) -> Option<CacheStats> {
@@ -266,6 +324,7 @@ impl SeqStore for EngineStore<'_> {
         let (engine, id) = self.split(s);
         engine.kv.free(id);
         self.pending.remove(&s);
+        self.pools.remove(&s);
     }
 
     fn tokens(&self, s: StoreSeq) -> Vec<u32> {
@@ -310,24 +369,29 @@ impl SeqStore for EngineStore<'_> {
                 d.check(&run_items(&d_spans))?;
             }
         }
-        let before: Vec<usize> = t_spans.iter().map(|(s, _, _)| self.engine.kv.len(*s)).collect();
+        let before: Vec<usize> = t_spans.iter().map(|s| self.engine.kv.len(s.seq)).collect();
         let mut t_out = if t_spans.is_empty() { Vec::new() } else { self.engine.step(&run_items(&t_spans))? };
         let d_out = match self.draft.as_deref_mut() {
             Some(d) if !d_spans.is_empty() => match d.step(&run_items(&d_spans)) {
                 Ok(o) => o,
                 Err(e) => {
                     // Only a backend fault gets here (both halves were checked): undo the target.
-                    for ((s, _, _), &len) in t_spans.iter().zip(&before) {
+                    for (s, &len) in t_spans.iter().zip(&before) {
                         // Refused only where the target's step moved its window past `len`;
                         // the sequence then stays run, and the error below still says why.
-                        let _ = self.engine.kv.truncate(*s, len);
+                        let _ = self.engine.kv.truncate(s.seq, len);
                     }
                     return Err(e.into());
                 }
             },
             _ => Vec::new(),
         };
-        t_out.truncate(t_items.len());
+        // Rows past the items' are the chunks': an embedding's are pooled.
+        for ((s, _), rows) in prefill.iter().zip(t_out.drain(t_items.len()..)) {
+            if let Some(p) = self.pools.get_mut(s) {
+                p.take(&rows);
+            }
+        }
         for it in items {
             self.pending.remove(&it.seq);
         }

@@ -10,12 +10,13 @@
 //! a half-applied step to roll back; the scheduler decides what to free and asks again.
 
 pub mod options;
+pub mod pooling;
 
 pub use options::EngineOptions;
+pub use pooling::Pooler;
 
 use crate::backend::{Backend, BackendError, BackendKind, SeqBatch};
 use crate::kv::{KvCacheManager, OutOfBlocks, SeqId};
-use crate::model::config::Pooling;
 use crate::model::Model;
 
 #[derive(Debug, thiserror::Error)]
@@ -39,12 +40,20 @@ pub enum EngineError {
 }
 
 /// One sequence's part of a step: append `tokens`, return the logits of the last `n_logits`
-/// of them.
+/// of them (or, `hidden`, their final hidden states: an embedding's rows).
 #[derive(Clone, Copy, Debug)]
 pub struct RunItem<'a> {
     pub seq: SeqId,
     pub tokens: &'a [u32],
     pub n_logits: usize,
+    pub hidden: bool,
+}
+
+impl<'a> RunItem<'a> {
+    /// An item whose last `n_logits` positions return logits.
+    pub fn logits(seq: SeqId, tokens: &'a [u32], n_logits: usize) -> Self {
+        RunItem { seq, tokens, n_logits, hidden: false }
+    }
 }
 
 /// A backend, its KV cache bookkeeping and reusable logits storage.
@@ -139,17 +148,26 @@ impl Engine {
     /// the batch. Checked first ([`Engine::check`]): an error there, running out of blocks
     /// included, leaves everything as it was.
     pub fn step(&mut self, items: &[RunItem<'_>]) -> Result<Vec<Vec<f32>>, EngineError> {
-        let vocab = self.vocab();
+        let widths: Vec<usize> = items.iter().map(|it| it.n_logits * self.width(it)).collect();
         self.step_flat(items)?;
         let mut at = 0;
-        Ok(items
-            .iter()
-            .map(|it| {
-                let rows = self.logits[at..at + it.n_logits * vocab].to_vec();
-                at += it.n_logits * vocab;
+        Ok(widths
+            .into_iter()
+            .map(|n| {
+                let rows = self.logits[at..at + n].to_vec();
+                at += n;
                 rows
             })
             .collect())
+    }
+
+    /// Floats in one of `it`'s rows: the vocabulary's logits, or a hidden state.
+    fn width(&self, it: &RunItem<'_>) -> usize {
+        if it.hidden {
+            self.backend.config().hidden
+        } else {
+            self.vocab()
+        }
     }
 
     /// [`Engine::step`] into the engine's own buffer, item-major.
@@ -195,7 +213,6 @@ impl Engine {
 
     /// The forwards of a reserved step, in chunks under the prefill budget.
     fn forward_all(&mut self, items: &[RunItem<'_>], start: &[usize]) -> Result<(), EngineError> {
-        let vocab = self.vocab();
         if items.iter().map(|it| it.tokens.len()).sum::<usize>() <= self.prefill_chunk {
             // One forward (every decode step): its rows, sequence by sequence, already are the
             // item-major logits, written in place.
@@ -208,6 +225,7 @@ impl Engine {
                     start_pos: s,
                     block_tables: self.kv.block_tables(it.seq),
                     logits: it.n_logits,
+                    hidden: it.hidden,
                 })
                 .collect();
             self.logits.clear();
@@ -222,9 +240,10 @@ impl Engine {
         // Where each item's rows go in `logits`, and how many it has received.
         let mut offset = Vec::with_capacity(items.len());
         let mut total = 0;
-        for it in items {
+        let widths: Vec<usize> = items.iter().map(|it| self.width(it)).collect();
+        for (it, w) in items.iter().zip(&widths) {
             offset.push(total);
-            total += it.n_logits * vocab;
+            total += it.n_logits * w;
         }
         self.logits.clear();
         self.logits.resize(total, 0.0);
@@ -252,18 +271,19 @@ impl Engine {
                     start_pos: start[i] + a,
                     block_tables: self.kv.block_tables(items[i].seq),
                     logits: rows(i, a, b),
+                    hidden: items[i].hidden,
                 })
                 .collect();
             self.backend.forward(&batch, &mut self.rows)?;
-            let mut row = 0;
+            let mut at = 0;
             for &(i, a, b) in &chunk {
                 self.kv.commit(items[i].seq, start[i] + b);
-                let r = rows(i, a, b);
+                let (r, w) = (rows(i, a, b), widths[i]);
                 // Rows this item already has: its wanted positions before `a`.
                 let placed = a.saturating_sub(items[i].tokens.len() - items[i].n_logits);
-                let dst = offset[i] + placed * vocab;
-                self.logits[dst..dst + r * vocab].copy_from_slice(&self.rows[row * vocab..(row + r) * vocab]);
-                row += r;
+                let dst = offset[i] + placed * w;
+                self.logits[dst..dst + r * w].copy_from_slice(&self.rows[at..at + r * w]);
+                at += r * w;
                 done[i] = b;
             }
         }
@@ -283,12 +303,8 @@ impl Engine {
         }
         let seqs: Vec<SeqId> = prompts.iter().map(|_| self.kv.create()).collect();
         let cached: Vec<usize> = seqs.iter().zip(prompts).map(|(&s, p)| self.kv.match_prefix(s, p)).collect();
-        let items: Vec<RunItem<'_>> = seqs
-            .iter()
-            .zip(prompts)
-            .zip(&cached)
-            .map(|((&seq, p), &c)| RunItem { seq, tokens: &p[c..], n_logits: 1 })
-            .collect();
+        let items: Vec<RunItem<'_>> =
+            seqs.iter().zip(prompts).zip(&cached).map(|((&seq, p), &c)| RunItem::logits(seq, &p[c..], 1)).collect();
         match self.step(&items) {
             Ok(logits) => Ok(seqs.into_iter().zip(logits).collect()),
             Err(e) => {
@@ -299,72 +315,33 @@ impl Engine {
     }
 
     /// A text embedding of `tokens`: their final hidden states (after the output norm) pooled
-    /// as the model says (the mean for a generative model, as Ollama's `/api/embed` gives it;
-    /// an embedding GGUF's CLS or last-token pooling), L2-normalized, as llama.cpp does. Runs
-    /// in prefill-sized chunks on a sequence of its own (its full blocks join the prefix cache
-    /// as a prompt's would), freed before it returns.
+    /// as the model says, L2-normalized ([`Pooler`]). Runs in prefill-sized steps on a
+    /// sequence of its own (its full blocks join the prefix cache as a prompt's would), freed
+    /// before it returns. The daemon does not call this: its embeddings run as work in the
+    /// scheduler's steps, batched with everything else, through the same [`RunItem::hidden`].
     pub fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
-        let (ctx, vocab) = (self.backend.config().context_len, self.vocab());
         if tokens.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
-        if tokens.len() > ctx {
-            return Err(EngineError::PromptTooLong { len: tokens.len(), ctx });
-        }
-        if let Some(&token) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(EngineError::BadToken { token, vocab });
-        }
         let seq = self.kv.create();
-        let pooled = self.pool(seq, tokens);
-        self.kv.free(seq);
-        let pooled = pooled?;
-        let norm = pooled.iter().map(|x| x * x).sum::<f64>().sqrt().max(1e-12);
-        Ok(pooled.iter().map(|x| (x / norm) as f32).collect())
-    }
-
-    /// `tokens`' final hidden states pooled as the model says (their mean, the first's or the
-    /// last's), run on the empty sequence `seq`.
-    fn pool(&mut self, seq: SeqId, tokens: &[u32]) -> Result<Vec<f64>, EngineError> {
-        let (h, pooling) = (self.backend.config().hidden, self.backend.config().pooling);
-        let last = tokens.len() - 1;
-        let mut sum = vec![0f64; h];
-        let mut start = 0;
-        for chunk in tokens.chunks(self.prefill_chunk) {
-            let copies = self.kv.append(seq, chunk)?;
-            self.backend.copy_blocks(&copies)?;
-            let batch = [SeqBatch {
-                tokens: chunk,
-                start_pos: start,
-                block_tables: self.kv.block_tables(seq),
-                logits: chunk.len(),
-            }];
-            self.backend.forward_hidden(&batch, &mut self.rows)?;
-            for (i, row) in self.rows.chunks_exact(h).enumerate() {
-                let take = match pooling {
-                    Pooling::Mean => true,
-                    Pooling::Cls => start + i == 0,
-                    Pooling::Last => start + i == last,
-                };
-                if take {
-                    sum.iter_mut().zip(row).for_each(|(s, &x)| *s += f64::from(x));
-                }
+        let mut pool = Pooler::new(self.backend.config(), tokens.len());
+        let mut run = || {
+            for chunk in tokens.chunks(self.prefill_chunk) {
+                let rows = self.step(&[RunItem { seq, tokens: chunk, n_logits: chunk.len(), hidden: true }])?;
+                pool.take(&rows[0]);
             }
-            start += chunk.len();
-            self.kv.commit(seq, start);
-            self.kv.slide(seq);
-        }
-        if pooling == Pooling::Mean {
-            sum.iter_mut().for_each(|x| *x /= tokens.len() as f64);
-        }
-        Ok(sum)
+            Ok(())
+        };
+        let ran = run();
+        self.kv.free(seq);
+        ran.map(|()| pool.finish())
     }
 
     /// One decode step: appends `token` to each sequence and returns their next-token logits,
     /// `vocab` floats per sequence in the given order.
     pub fn decode(&mut self, step: &[(SeqId, u32)]) -> Result<&[f32], EngineError> {
         let toks: Vec<[u32; 1]> = step.iter().map(|&(_, t)| [t]).collect();
-        let items: Vec<RunItem<'_>> =
-            step.iter().zip(&toks).map(|(&(seq, _), t)| RunItem { seq, tokens: t, n_logits: 1 }).collect();
+        let items: Vec<RunItem<'_>> = step.iter().zip(&toks).map(|(&(seq, _), t)| RunItem::logits(seq, t, 1)).collect();
         self.step_flat(&items)
     }
 

@@ -6,12 +6,14 @@
 //! [`Scheduler`] for one step, and reports to the [`Monitor`] (status, metrics, the watchdog's
 //! heartbeat), turning at least once a second even when idle. What runs when is the
 //! scheduler's (`scheduler.rs`, after vLLM's `Scheduler::schedule`): admission by KV blocks and
-//! fairness (`queue.rs`), the token budget of a step (`budget.rs`), preemption with recompute,
-//! and one path by which every request leaves.
+//! fairness (`queue.rs`), the token budget of a step (`budget.rs`), embeddings as prompt-like
+//! work in the same steps (`embed.rs`), preemption with recompute, and one path by which every
+//! request leaves.
 
 pub mod monitor;
 
 mod budget;
+mod embed;
 mod queue;
 mod scheduler;
 #[cfg(test)]
@@ -104,18 +106,23 @@ pub enum Event {
     Failed(String),
 }
 
-/// Where an [`Embedding`]'s vectors go, in order; an error names the first text that failed.
+/// Where an [`Embedding`]'s vectors go, in order; an error names the first text that failed
+/// ("cancelled" when its client left).
 pub type EmbedReply = Box<dyn FnOnce(Result<Vec<Vec<f32>>, String>) + Send>;
 
 /// Texts to embed (token ids) and where their vectors go.
 pub struct Embedding {
+    /// For [`Command::Cancel`]; from the same numbering as submissions.
+    pub id: RequestId,
+    pub meta: RequestMeta,
     pub inputs: Vec<Vec<u32>>,
     pub reply: EmbedReply,
 }
 
 pub enum Command {
     Submit(Submission),
-    /// Embeddings, computed between two steps (a prompt's prefill of work, run at once).
+    /// Embeddings: work in the steps like a prompt's prefill, under the same token budget
+    /// (`embed.rs`), cancelled like a request.
     Embed(Embedding),
     Cancel(RequestId),
     /// The client has what it wants (a stop string matched): end the request as finished.

@@ -21,9 +21,11 @@
 //! for it.
 //!
 //! Every request leaves through [`Scheduler::retire`]: its session closed (every sequence
-//! freed), counted once, its client told once.
+//! freed), counted once, its client told once. Embedding jobs (`embed.rs`) run their texts as
+//! prompt chunks in the same steps and leave through [`Scheduler::close_embedding`].
 
 use super::budget::{decide, Decision, PlanSize};
+use super::embed::{EmbedJob, Started};
 use super::queue::{Candidate, Turns};
 use super::{Command, Event, LoopConfig, LoopStats, PrefixSharing, RequestId, RequestMeta, Submission};
 use crate::decode::store::{SeqStore, StoreError, StoreRun, StoreSeq};
@@ -53,6 +55,8 @@ pub struct StepOutput {
     pub planned: Vec<(RequestId, usize)>,
     /// Prompt chunks that ran without their plan.
     pub chunks: Vec<(RequestId, usize)>,
+    /// Embedding chunks: (job, tokens), a text's chunk each.
+    pub embedded: Vec<(RequestId, usize)>,
     /// Tokens sent to clients.
     pub emitted: u64,
 }
@@ -173,6 +177,8 @@ struct Batch {
     items: Vec<StoreRun>,
     parts: Vec<(usize, std::ops::Range<usize>)>,
     chunks: Vec<(StoreSeq, usize)>,
+    /// Chunks of embedding texts: (job index, sequence, tokens).
+    embeds: Vec<(usize, StoreSeq, usize)>,
 }
 
 /// How a request is leaving.
@@ -199,6 +205,8 @@ pub struct Scheduler {
     /// After a preemption nothing is admitted until a request leaves.
     hold: bool,
     turns: Turns,
+    /// Embedding jobs, in arrival order.
+    embeds: Vec<EmbedJob>,
     stats: LoopStats,
     out: StepOutput,
     seen: Observations,
@@ -212,6 +220,7 @@ impl Scheduler {
             running: Vec::new(),
             hold: false,
             turns: Turns::default(),
+            embeds: Vec::new(),
             stats: LoopStats::default(),
             out: StepOutput::default(),
             seen: Observations::default(),
@@ -222,12 +231,13 @@ impl Scheduler {
         &self.stats
     }
 
+    /// Requests running, embedding jobs with texts running included.
     pub fn running(&self) -> usize {
-        self.running.len()
+        self.running.len() + self.embeds.iter().filter(|j| !j.flight.is_empty()).count()
     }
 
     pub fn waiting(&self) -> usize {
-        self.waiting.len()
+        self.waiting.len() + self.embeds.iter().filter(|j| j.flight.is_empty()).count()
     }
 
     /// Every request and where it is: the queue in order, then the running ones.
@@ -240,11 +250,15 @@ impl Scheduler {
             .running
             .iter()
             .map(|r| (r.req.sub.id, if r.prefilled { RequestState::Decoding } else { RequestState::Prefilling }));
-        waiting.chain(running).collect()
+        let embeds = self
+            .embeds
+            .iter()
+            .map(|j| (j.id, if j.flight.is_empty() { RequestState::Waiting } else { RequestState::Prefilling }));
+        waiting.chain(running).chain(embeds).collect()
     }
 
     pub fn is_idle(&self) -> bool {
-        self.running.is_empty() && self.waiting.is_empty()
+        self.running.is_empty() && self.waiting.is_empty() && self.embeds.is_empty()
     }
 
     /// What the monitor has not seen yet.
@@ -267,6 +281,9 @@ impl Scheduler {
                 }
                 if let Some(r) = self.running.iter_mut().find(|r| r.req.sub.id == id) {
                     r.gone = true;
+                }
+                if let Some(j) = self.embeds.iter_mut().find(|j| j.id == id) {
+                    j.gone = true;
                 }
             }
             Command::Stop(id) => {
@@ -291,15 +308,7 @@ impl Scheduler {
                     }
                 }
             }
-            Command::Embed(e) => {
-                let out = e
-                    .inputs
-                    .iter()
-                    .enumerate()
-                    .map(|(i, t)| store.embed(t).map_err(|err| format!("input {i}: {err}")))
-                    .collect();
-                (e.reply)(out);
-            }
+            Command::Embed(e) => self.embeds.push(EmbedJob::new(e)),
             Command::Shutdown => self.shutdown(store, Vec::new()),
         }
     }
@@ -309,9 +318,16 @@ impl Scheduler {
     pub fn shutdown(&mut self, store: &mut dyn SeqStore, late: Vec<Command>) {
         const WHY: &str = "the daemon is shutting down";
         for c in late {
-            if let Command::Submit(mut sub) = c {
-                (sub.events)(Event::Failed(WHY.into()));
+            match c {
+                Command::Submit(mut sub) => {
+                    (sub.events)(Event::Failed(WHY.into()));
+                }
+                Command::Embed(e) => (e.reply)(Err(WHY.into())),
+                _ => {}
             }
+        }
+        for j in std::mem::take(&mut self.embeds) {
+            self.close_embedding(j, Exit::Failed(WHY.into()), store);
         }
         for w in std::mem::take(&mut self.waiting) {
             self.retire(w.req, None, Exit::Failed(WHY.into()), store);
@@ -325,10 +341,84 @@ impl Scheduler {
     pub fn step(&mut self, store: &mut dyn SeqStore) -> StepOutput {
         self.retire_requested(store);
         self.admit(store);
-        if !self.running.is_empty() {
+        self.start_embeddings(store);
+        if !self.running.is_empty() || self.embeds.iter().any(|j| !j.flight.is_empty()) {
             self.run(store);
         }
+        self.finish_embeddings(store);
         std::mem::take(&mut self.out)
+    }
+
+    /// Embedding jobs start texts, first come first served, while the cache has room beside
+    /// the running requests (a block of growth per running choice) and the texts already
+    /// started (`embed.rs`).
+    fn start_embeddings(&mut self, store: &mut dyn SeqStore) {
+        let cap = store.capacity();
+        let bs = cap.map_or(1, |c| c.1);
+        let growth: usize = self.running.iter().map(|r| r.req.sub.n.max(1) as usize).sum();
+        let reserved: usize = self.embeds.iter().map(|j| j.reserved(store, bs)).sum();
+        let mut room = cap.map(|(free, _)| free.saturating_sub(growth + reserved));
+        let alone = self.running.is_empty() && reserved == 0;
+        let mut failed = Vec::new();
+        for (i, j) in self.embeds.iter_mut().enumerate() {
+            if j.gone {
+                continue;
+            }
+            store.set_partition(partition(self.cfg.prefix_sharing, &j.meta));
+            match j.start(store, &mut room, bs, self.cfg.token_budget, alone && i == 0) {
+                Started::Ok => {}
+                Started::Full => break,
+                Started::Failed(why) => failed.push((i, why)),
+            }
+        }
+        for (i, why) in failed.into_iter().rev() {
+            let j = self.embeds.remove(i);
+            self.close_embedding(j, Exit::Failed(why), store);
+        }
+    }
+
+    /// Jobs whose texts have all run answer; gone ones are cancelled.
+    fn finish_embeddings(&mut self, store: &mut dyn SeqStore) {
+        for mut j in std::mem::take(&mut self.embeds) {
+            let exit = if let Some(why) = j.failure.take() {
+                Some(Exit::Failed(why))
+            } else if j.gone {
+                Some(Exit::Cancelled)
+            } else {
+                match j.collect(store) {
+                    Err(why) => Some(Exit::Failed(why)),
+                    Ok(()) if j.done() => Some(Exit::Finished(Generation::default())),
+                    Ok(()) => None,
+                }
+            };
+            match exit {
+                Some(exit) => self.close_embedding(j, exit, store),
+                None => self.embeds.push(j),
+            }
+        }
+    }
+
+    /// The one way out of an embedding job: its texts freed, counted once, its client told
+    /// once.
+    fn close_embedding(&mut self, j: EmbedJob, exit: Exit, store: &mut dyn SeqStore) {
+        let id = j.id;
+        let (outcome, failure) = match exit {
+            Exit::Finished(_) => {
+                self.stats.finished += 1;
+                self.seen.latency.push(j.meta.submitted.elapsed().as_secs_f64());
+                (Outcome::Finished, None)
+            }
+            Exit::Cancelled => {
+                self.stats.cancelled += 1;
+                (Outcome::Cancelled, Some("cancelled".to_string()))
+            }
+            Exit::Failed(why) => {
+                self.stats.failed += 1;
+                (Outcome::Failed(why.clone()), Some(why))
+            }
+        };
+        j.close(store, failure);
+        self.out.retired.push((id, outcome));
     }
 
     /// Requests whose client stopped them (finished) or went away (cancelled).
@@ -458,7 +548,12 @@ impl Scheduler {
         let left = !done.is_empty();
         self.retire_done(store, done);
         if preempt && !left {
-            self.preempt(store);
+            // Embedding texts give their blocks back first: they start over at no client's
+            // expense.
+            match self.embeds.iter_mut().rev().find(|j| !j.flight.is_empty()) {
+                Some(j) => j.restart(store),
+                None => self.preempt(store),
+            }
         }
     }
 
@@ -501,8 +596,25 @@ impl Scheduler {
                 }
             })
             .collect();
-        let decisions = decide(&sizes, self.cfg.token_budget);
+        // Embedding texts after every request's plan: prompts without a plan of their own.
+        let texts: Vec<(usize, StoreSeq, usize)> = (self.embeds.iter().enumerate())
+            .flat_map(|(j, job)| job.flight.iter().map(move |&(_, s)| (j, s)))
+            .map(|(j, s)| (j, s, store.pending(s)))
+            .filter(|t| t.2 > 0)
+            .collect();
+        let mut sizes = sizes;
+        sizes.extend(texts.iter().map(|t| PlanSize { tokens: 0, pending: t.2, chunkable: t.2, deferred: false }));
+        let mut decisions = decide(&sizes, self.cfg.token_budget);
         let mut b = Batch::default();
+        for (&(j, s, pending), d) in texts.iter().zip(decisions.split_off(plans.len())) {
+            let k = match d {
+                Decision::Run => pending,
+                Decision::Chunk(k) => k,
+                Decision::Defer => continue,
+            };
+            b.embeds.push((j, s, k));
+            self.out.embedded.push((self.embeds[j].id, k));
+        }
         for ((i, work), (d, size)) in plans.into_iter().zip(decisions.into_iter().zip(&sizes)) {
             let id = self.running[i].req.sub.id;
             self.running[i].deferred = d == Decision::Defer;
@@ -539,14 +651,27 @@ impl Scheduler {
         sent: &mut u64,
         done: &mut Vec<(usize, Result<(), String>)>,
     ) -> bool {
-        if b.items.is_empty() && b.chunks.is_empty() {
+        if b.items.is_empty() && b.chunks.is_empty() && b.embeds.is_empty() {
             return false;
         }
         self.stats.steps += 1;
-        let results: Vec<Result<Vec<Vec<f32>>, StoreError>> = match store.run_with_prefill(&b.items, &b.chunks) {
+        let texts: Vec<(StoreSeq, usize)> = b.embeds.iter().map(|&(_, s, k)| (s, k)).collect();
+        let chunks: Vec<(StoreSeq, usize)> = b.chunks.iter().chain(&texts).copied().collect();
+        let results: Vec<Result<Vec<Vec<f32>>, StoreError>> = match store.run_with_prefill(&b.items, &chunks) {
             Ok(mut rows) => b.parts.iter().map(|(_, r)| Ok(rows.drain(..r.len()).collect())).collect(),
             Err(StoreError::Engine(EngineError::OutOfBlocks(_))) => return true,
-            Err(_) => b.parts.iter().map(|(_, r)| store.run(&b.items[r.clone()])).collect(),
+            Err(_) => {
+                // Each part alone, so only the one at fault fails; the embedding texts too
+                // (a backend without embeddings fails their jobs, nobody else).
+                if !texts.is_empty() {
+                    if let Err(e) = store.run_with_prefill(&[], &texts) {
+                        for &(j, _, _) in &b.embeds {
+                            self.embeds[j].failure.get_or_insert_with(|| format!("running the model: {e}"));
+                        }
+                    }
+                }
+                b.parts.iter().map(|(_, r)| store.run(&b.items[r.clone()])).collect()
+            }
         };
         for ((i, range), rows) in b.parts.iter().zip(results) {
             let Running { req, session, resume, emitted, gone, diverged, prefilled, .. } = &mut self.running[*i];

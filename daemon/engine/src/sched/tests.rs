@@ -426,3 +426,98 @@ fn admission_counts_choices_not_requests() {
     assert_eq!(h.sched.stats().preempted, 0);
     h.assert_clean();
 }
+
+/// What an embedding job's client heard, through a channel the harness can read.
+type EmbedHeard = Receiver<Result<Vec<Vec<f32>>, String>>;
+
+impl Harness {
+    fn embed(&mut self, id: RequestId, inputs: Vec<Vec<u32>>) -> EmbedHeard {
+        let (tx, rx) = channel();
+        let reply = Box::new(move |r| {
+            let _ = tx.send(r);
+        });
+        self.command(Command::Embed(Embedding { id, meta: RequestMeta::default(), inputs, reply }));
+        rx
+    }
+}
+
+/// The mock's vector of a text: its length and the sum of its tokens.
+fn mock_vector(t: &[u32]) -> Vec<f32> {
+    vec![t.len() as f32, t.iter().sum::<u32>() as f32]
+}
+
+#[test]
+fn embeddings_run_in_the_steps_beside_decoding_requests() {
+    // A request decoding, then three long texts to embed: every step decodes, and the texts
+    // run in chunks within the step's budget (once a blocking call held every completion for
+    // the whole job).
+    let mut h = Harness::new(1024, 4, 64, 64);
+    let s = spec(1, "test-top1", prompt(1, 8), 60, 1);
+    h.submit(&s);
+    h.step();
+    let texts: Vec<Vec<u32>> = (0..3).map(|i| prompt(i + 2, 300)).collect();
+    let heard = h.embed(2, texts.clone());
+    let (mut steps, mut job_over) = (0, false);
+    while !job_over {
+        let out = h.step();
+        steps += 1;
+        let embedded: usize = out.embedded.iter().map(|e| e.1).sum();
+        assert!(out.planned.iter().any(|p| p.0 == 1), "step {steps}: the request did not decode: {out:?}");
+        let decoded: usize = out.planned.iter().map(|p| p.1).sum();
+        assert!(embedded + decoded <= 64, "step {steps}: {embedded} embedding tokens beside {decoded}");
+        assert!(embedded > 0, "step {steps}: the embedding waited: {out:?}");
+        job_over = out.retired.iter().any(|r| r.0 == 2);
+    }
+    assert!(h.heard[&1].end.is_empty(), "the request ended before the embedding");
+    h.run_until_idle();
+    assert_finished_as_alone(&h, &s);
+    let vectors = heard.try_recv().expect("the embedding answered").unwrap();
+    assert_eq!(vectors, texts.iter().map(|t| mock_vector(t)).collect::<Vec<_>>());
+    // Alone, the job takes the whole budget, and short texts share steps.
+    let many: Vec<Vec<u32>> = (0..100).map(|i| prompt(i % 6 + 1, 5)).collect();
+    let heard = h.embed(3, many.clone());
+    let before = h.steps.len();
+    h.run_until_idle();
+    assert!(h.steps.len() - before <= 500usize.div_ceil(64) + 1, "{} steps for 500 tokens", h.steps.len() - before);
+    assert_eq!(heard.try_recv().unwrap().unwrap(), many.iter().map(|t| mock_vector(t)).collect::<Vec<_>>());
+    assert_eq!(h.sched.stats().finished, 3);
+    h.assert_clean();
+}
+
+#[test]
+fn an_embedding_leaves_at_the_next_step_when_cancelled_failed_or_shut_down() {
+    let mut h = Harness::new(1024, 4, 64, 64);
+    // Cancelled in the middle of its first text.
+    let heard = h.embed(1, vec![prompt(1, 1000), prompt(2, 1000)]);
+    h.step();
+    h.step();
+    assert!(h.store.blocks_used() > 0);
+    h.command(Command::Cancel(1));
+    let out = h.step();
+    assert_eq!(out.retired, vec![(1, Outcome::Cancelled)]);
+    assert_eq!(heard.try_recv().unwrap(), Err("cancelled".to_string()));
+    h.assert_clean();
+    // A text larger than the whole cache fails alone; the next job runs.
+    let mut h = Harness::new(8, 4, 64, 64);
+    let big = h.embed(1, vec![prompt(1, 5), prompt(1, 100)]);
+    let small = h.embed(2, vec![prompt(2, 10)]);
+    h.run_until_idle();
+    let why = big.try_recv().unwrap().unwrap_err();
+    assert!(why.contains("input 1 needs 25 KV blocks"), "{why}");
+    assert_eq!(small.try_recv().unwrap().unwrap(), vec![mock_vector(&prompt(2, 10))]);
+    h.assert_clean();
+    // Shut down mid-job, and one arriving with the shutdown.
+    let mut h = Harness::new(1024, 4, 64, 64);
+    let running = h.embed(1, vec![prompt(1, 1000)]);
+    h.step();
+    let (tx, late) = channel();
+    let reply = Box::new(move |r| {
+        let _ = tx.send(r);
+    });
+    let cmd = Command::Embed(Embedding { id: 2, meta: RequestMeta::default(), inputs: vec![vec![1]], reply });
+    h.sched.shutdown(&mut h.store, vec![cmd]);
+    for heard in [running, late] {
+        assert_eq!(heard.try_recv().unwrap(), Err("the daemon is shutting down".to_string()));
+    }
+    h.assert_clean();
+}
