@@ -99,7 +99,8 @@ pub struct Server {
     /// The group owning the socket file (empty: the daemon's own group).
     pub socket_group: Option<String>,
     /// An additional HTTP listener on a loopback address ("127.0.0.1:8080"); off by default.
-    /// It has no peer credentials: its requests count as one anonymous user.
+    /// It has no peer credentials: its requests count under the owner of the client's socket
+    /// (from /proc/net/tcp), or as `nobody` when it is not listed; they carry no rights.
     pub tcp: Option<String>,
     /// Host names, besides the loopback ones, that requests to the TCP listener may name in
     /// `Host` (a name the machine's own DNS maps to 127.0.0.1, say).
@@ -231,8 +232,8 @@ pub struct Limits {
     pub max_requests_per_user: usize,
     /// Most new tokens one request may ask for (also capped by the context length).
     pub max_tokens: u32,
-    /// Connections one user (peer uid; all of loopback TCP counts as one) may hold open at
-    /// once; the next gets a 503 and is closed.
+    /// Connections one user (peer uid; on loopback TCP the client socket's owner) may hold
+    /// open at once; the next gets a 503 and is closed.
     pub max_connections_per_user: usize,
     /// Seconds a client has to send a request's headers, and again its body; also how long an
     /// idle keep-alive connection stays open.

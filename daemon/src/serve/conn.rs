@@ -4,9 +4,9 @@
 //! closes its end (or whose connection fails) trips the connection's [`Hangup`], and the
 //! request it was waiting for is cancelled at the engine's next step, whether it streams or not
 //! (`request::Submitted::recv`). Headers must arrive within `limits.header_timeout_secs`, which
-//! also bounds how long an idle keep-alive connection stays open; a uid (or all of loopback TCP,
-//! which has none) holds at most `limits.max_connections_per_user` connections: the next one
-//! gets a 503 and is closed.
+//! also bounds how long an idle keep-alive connection stays open; a uid (on loopback TCP the
+//! owner of the client's socket, [`super::tcp_owner`]) holds at most
+//! `limits.max_connections_per_user` connections: the next one gets a 503 and is closed.
 
 use axum::body::Body;
 use axum::extract::ConnectInfo;
@@ -61,14 +61,18 @@ impl Hangup {
 pub struct Peer {
     /// From SO_PEERCRED on the Unix socket; none on loopback TCP.
     pub uid: Option<u32>,
+    /// On loopback TCP, the owner of the client's socket ([`super::tcp_owner`]): it rations
+    /// (limits, turns), it grants no rights.
+    pub owner: Option<u32>,
     /// Tripped when the client goes.
     pub hangup: Arc<Hangup>,
 }
 
 impl Peer {
-    /// The uid the limits count the request under ([`ANONYMOUS_UID`] on TCP).
+    /// The uid the limits count the request under (on TCP its socket's owner, else
+    /// [`ANONYMOUS_UID`]).
     pub fn uid(&self) -> u32 {
-        self.uid.unwrap_or(ANONYMOUS_UID)
+        self.uid.or(self.owner).unwrap_or(ANONYMOUS_UID)
     }
 
     /// Whether the peer is on the Unix socket, so a local user the kernel named.
@@ -84,7 +88,7 @@ pub struct ConnLimits {
     pub per_peer: usize,
 }
 
-/// Open connections per uid (`None`: TCP).
+/// Open connections per uid (`None`: a TCP client whose owner is unknown).
 type Counts = Arc<Mutex<HashMap<Option<u32>, usize>>>;
 
 /// A connection's socket: reading its end (EOF) or failing trips the hangup, as does closing
@@ -164,6 +168,8 @@ pub struct Accepted<S> {
     io: S,
     /// The peer's uid (none on TCP).
     uid: Option<u32>,
+    /// A loopback TCP client's owner.
+    owner: Option<u32>,
     /// What the connection holds while open (the Unix socket gate's count).
     open: Option<super::gate::Open>,
 }
@@ -180,6 +186,7 @@ impl Accept for super::gate::Gate {
     fn poll_next(&self, cx: &mut Context<'_>) -> Poll<std::io::Result<Accepted<Self::Io>>> {
         self.poll_accept(cx).map_ok(|(io, open)| Accepted {
             uid: io.peer_cred().ok().map(|c| c.uid()),
+            owner: None,
             io,
             open: Some(open),
         })
@@ -190,7 +197,11 @@ impl Accept for tokio::net::TcpListener {
     type Io = tokio::net::TcpStream;
 
     fn poll_next(&self, cx: &mut Context<'_>) -> Poll<std::io::Result<Accepted<Self::Io>>> {
-        self.poll_accept(cx).map_ok(|(io, _)| Accepted { io, uid: None, open: None })
+        self.poll_accept(cx).map_ok(|(io, peer)| {
+            // (A read of procfs, at memory speed: no reason to leave the accept loop.)
+            let owner = io.local_addr().ok().and_then(|local| super::tcp_owner::owner(local, peer));
+            Accepted { io, uid: None, owner, open: None }
+        })
     }
 }
 
@@ -209,7 +220,7 @@ pub async fn serve(listener: impl Accept, router: Router, limits: impl Fn() -> C
             _ = &mut stopped => break,
             Some(_) = conns.join_next(), if !conns.is_empty() => continue,
         };
-        let Accepted { io, uid, open } = match accepted {
+        let Accepted { io, uid, owner, open } = match accepted {
             Ok(a) => a,
             Err(e) => {
                 // A peer gone before its accept, out of descriptors: log and go on.
@@ -219,14 +230,15 @@ pub async fn serve(listener: impl Accept, router: Router, limits: impl Fn() -> C
             }
         };
         let limits = limits();
+        let counted = uid.or(owner);
         let over = counts.lock().map_or(true, |mut c| {
-            let n = c.entry(uid).or_default();
+            let n = c.entry(counted).or_default();
             *n += 1;
             *n > limits.per_peer
         });
         let hangup = Arc::new(Hangup::default());
-        let io = Watched { io, hangup: Arc::clone(&hangup), counts: Arc::clone(&counts), uid, _open: open };
-        let peer = Peer { uid, hangup };
+        let io = Watched { io, hangup: Arc::clone(&hangup), counts: Arc::clone(&counts), uid: counted, _open: open };
+        let peer = Peer { uid, owner, hangup };
         let router = router.clone();
         let mut closing = closing.subscribe();
         conns.spawn(async move {
@@ -241,7 +253,7 @@ pub async fn serve(listener: impl Accept, router: Router, limits: impl Fn() -> C
                 let peer = peer.clone();
                 async move {
                     if over {
-                        return Ok(too_many(peer.uid, limits.per_peer));
+                        return Ok(too_many(&peer, limits.per_peer));
                     }
                     req.extensions_mut().insert(ConnectInfo(peer));
                     tower::ServiceExt::oneshot(router, req).await
@@ -261,9 +273,13 @@ pub async fn serve(listener: impl Accept, router: Router, limits: impl Fn() -> C
 }
 
 /// The answer on a connection past its peer's limit.
-fn too_many(uid: Option<u32>, max: usize) -> axum::response::Response {
+fn too_many(peer: &Peer, max: usize) -> axum::response::Response {
     use axum::response::IntoResponse;
-    let who = uid.map_or_else(|| "loopback TCP".to_string(), |u| format!("user {u}"));
+    let who = match (peer.uid, peer.owner) {
+        (Some(u), _) => format!("user {u}"),
+        (None, Some(u)) => format!("user {u} (loopback TCP)"),
+        (None, None) => "loopback TCP (clients of unknown owner)".to_string(),
+    };
     let msg = format!("{who} already has {max} connections open (limits.max_connections_per_user)");
     let body = serde_json::json!({ "error": { "message": msg, "type": "server_error", "param": null, "code": null } });
     (axum::http::StatusCode::SERVICE_UNAVAILABLE, [("connection", "close")], axum::Json(body)).into_response()

@@ -26,6 +26,7 @@ pub mod ollama;
 pub mod remote;
 pub mod request;
 pub mod store;
+pub mod tcp_owner;
 pub mod upload;
 
 use config::{Config, Limits, Mode};

@@ -87,7 +87,10 @@ fn embeddings_share_the_engine_and_leave_with_their_client() {
     let (st, out) = d.http("POST", "/v1/completions", r#"{"prompt": "Hi", "max_tokens": 8, "temperature": 0}"#);
     let waited = t0.elapsed();
     assert_eq!(st, 200, "{out}");
-    assert_eq!(engine_state(&d).0, 1, "the completion waited for the whole embedding job");
+    // (The embedding's answer has not come: the job is still running.)
+    job.set_nonblocking(true).unwrap();
+    let unanswered = matches!((&job).read(&mut [0u8; 1]), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
+    assert!(unanswered, "the completion waited for the whole embedding job ({waited:?})");
     eprintln!("a completion beside eight 2,000-token texts: {:.0} ms", waited.as_secs_f64() * 1e3);
     // The job holds one of its user's two places: with a stream holding the other, a third
     // request is refused.
@@ -127,6 +130,52 @@ fn tcp_exchange(port: u16, request: &str) -> (u16, String) {
     s.read_to_end(&mut out).unwrap();
     let out = String::from_utf8_lossy(&out).into_owned();
     (out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0), out)
+}
+
+/// [`tcp_exchange`] from a process of user `uid` (the test must run as root).
+fn tcp_exchange_as(uid: u32, port: u16, request: &str) -> (u16, String) {
+    use std::os::unix::process::CommandExt;
+    let script = "import socket, sys\ns = socket.create_connection(('127.0.0.1', int(sys.argv[1])))\ns.sendall(sys.stdin.buffer.read())\nwhile True:\n    b = s.recv(65536)\n    if not b: break\n    sys.stdout.buffer.write(b)\n";
+    let mut child = std::process::Command::new("python3")
+        .args(["-c", script, &port.to_string()])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .uid(uid)
+        .gid(uid)
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(request.as_bytes()).unwrap();
+    let out = String::from_utf8_lossy(&child.wait_with_output().unwrap().stdout).into_owned();
+    (out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0), out)
+}
+
+/// Loopback TCP has no SO_PEERCRED, so its connections once shared one count: 64 half-open
+/// connections from one user got every app on the TCP listener a 503. Now each counts under
+/// the owner of its client socket (from /proc/net/tcp): one user's flood closes only their own.
+#[test]
+fn loopback_tcp_connections_are_counted_per_owner() {
+    if inferd::serve::config::effective_uid() != Some(0) {
+        eprintln!("skipped: needs root to act as another user");
+        return;
+    }
+    let dir = scratch("tcp-owner");
+    let port = free_port();
+    let d = Daemon::start(
+        &dir,
+        &format!("[server]\ntcp = \"127.0.0.1:{port}\"\n\n[limits]\nmax_connections_per_user = 3\n"),
+        &[],
+    );
+    let health = "GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
+    let held: Vec<TcpStream> = (0..3).map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let (st, out) = tcp_exchange(port, health);
+    assert!(st == 503 && out.contains("user 0 (loopback TCP)") && out.contains("max_connections_per_user"), "{out}");
+    let (st, out) = tcp_exchange_as(65534, port, health);
+    assert_eq!(st, 200, "another user was refused beside the flood: {out}");
+    drop(held);
+    wait_for("the held connections to close", Duration::from_secs(5), || tcp_exchange(port, health).0 == 200);
+    drop(d);
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 #[test]
@@ -325,9 +374,14 @@ fn special_tokens_in_message_content_are_text() {
 
 /// With `share_prefix_cache = false` (the system daemon's default) a user's prompt reuses only
 /// that user's cached prefixes, so nobody can time another user's prompts; shared (a user's
-/// daemon's default) it reuses anyone's. The TCP listener's requests count as another user.
+/// daemon's default) it reuses anyone's. The other user here is `nobody` over loopback TCP
+/// (counted as the owner of its socket, as the Unix socket's peers are by their uid).
 #[test]
 fn the_prefix_cache_is_partitioned_by_user_unless_shared() {
+    if inferd::serve::config::effective_uid() != Some(0) {
+        eprintln!("skipped: needs root to act as another user");
+        return;
+    }
     let dir = scratch("prefix-partition");
     let port = free_port();
     let m = model();
@@ -346,7 +400,7 @@ fn the_prefix_cache_is_partitioned_by_user_unless_shared() {
         let b = body(name);
         let req = format!("POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{b}", b.len());
         let t0 = Instant::now();
-        let (st, out) = tcp_exchange(port, &req);
+        let (st, out) = tcp_exchange_as(65534, port, &req);
         assert_eq!(st, 200, "{out}");
         t0.elapsed()
     };

@@ -102,7 +102,7 @@ impl Inference {
         let sender = hdr.sender().ok_or_else(|| fdo::Error::Failed("a call without a sender".into()))?.to_owned();
         let uid = caller_uid(conn, &sender).await?;
         let hangup = Arc::new(Hangup::default());
-        let peer = Peer { uid: Some(uid), hangup: Arc::clone(&hangup) };
+        let peer = Peer { uid: Some(uid), owner: None, hangup: Arc::clone(&hangup) };
         let opened = match r.open(&self.sh, route, body, &peer).await {
             Ok(o) => o,
             Err(f) => return r.fallback_model(f).map(Routed::Local).map_err(failed),
@@ -160,7 +160,7 @@ pub async fn embed(
 ) -> fdo::Result<Result<Vec<Vec<f64>>, String>> {
     let mut body = Map::new();
     body.insert("input".into(), inputs.into());
-    let peer = Peer { uid: Some(uid), hangup: Arc::new(Hangup::default()) };
+    let peer = Peer { uid: Some(uid), owner: None, hangup: Arc::new(Hangup::default()) };
     let opened = match r.open(sh, "/embeddings", body, &peer).await {
         Ok(o) => o,
         Err(f) => return r.fallback_model(f).map(Err).map_err(failed),
