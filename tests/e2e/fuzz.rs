@@ -1,8 +1,9 @@
 //! Fuzzing the parsers of what the daemon reads from disk, a bounded number of executions each
 //! (`inferd_e2e::fuzz`): GGUF files, safetensors headers, `config.json`, `tokenizer.json` and
-//! chat templates (compiled and rendered with messages and tools). Every input is an error or a
-//! model, never a panic. (Request bodies and D-Bus options are fuzzed against a running daemon,
-//! in the daemon's tests.)
+//! chat templates (compiled and rendered with messages and tools); and the response formats a
+//! request brings (JSON schemas and Lark grammars, compiled for the default model's vocabulary
+//! and masked once). Every input is an error or a model, never a panic. (Request bodies and
+//! D-Bus options are fuzzed against a running daemon, in the daemon's tests.)
 
 use inferd_e2e::fuzz::{self, Report};
 use inferd_e2e::{temp_dir, write_tiny_gguf, write_tiny_hf, TinySpec};
@@ -86,12 +87,19 @@ fn model_files_never_panic_the_loader() {
         b"\"Metaspace\"",
         b"null",
     ];
-    reports.push(fuzz::run("tokenizer_json", &[tokenizer], dict, fuzz::execs(4000), &crashes, |text| {
+    let mut tokenizers = fuzz::corpus("tokenizer_json");
+    tokenizers.push(tokenizer);
+    reports.push(fuzz::run("tokenizer_json", &tokenizers, dict, fuzz::execs(4000), &crashes, |text| {
         std::fs::write(&tk_path, text).unwrap();
-        if let Ok(t) = Tokenizer::from_hf_file(&tk_path, Some(1), vec![2], false) {
-            if let Ok(ids) = t.encode("Hello <|im_start|> wörld 123", true) {
-                let _ = t.decode(&ids, false);
+        match Tokenizer::from_hf_file(&tk_path, Some(1), vec![2], false) {
+            Ok(t) => {
+                if let Ok(ids) = t.encode("Hello <|im_start|> wörld 123", true) {
+                    let _ = t.decode(&ids, false);
+                }
             }
+            // The loader's last guard catching a panic of the library counts as a crash: the
+            // file should have been refused by a check before it.
+            Err(e) => assert!(!e.to_string().contains("gave up on it"), "a caught panic: {e}"),
         }
     }));
     no_crashes(&reports);
@@ -148,10 +156,78 @@ fn chat_templates_never_panic_and_always_end() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// A response format is compiled (within `constraint::limits`) or refused with a reason, and a
+/// compiled one masks a first row: the compiler never panics (a panic it caught on its own
+/// thread, "the grammar compiler failed", counts as one) and never runs unbounded.
+#[test]
+fn response_formats_compile_or_are_refused_never_panic() {
+    use inferd_engine::constraint::mask::Masker;
+    use inferd_engine::constraint::{ResponseFormat, Vocabulary};
+    let dir = temp_dir("fuzz-formats");
+    let model = Model::load(&inferd_e2e::default_model()).unwrap();
+    let vocab = Vocabulary::new(&model.tokenizer).unwrap();
+    let n = model.config.vocab;
+    // (compiled and masked, refused): the mutants must reach the compiler, not only the parser.
+    let seen = std::cell::Cell::new((0usize, 0usize));
+    let check = |format: ResponseFormat| match vocab.compile(&format) {
+        Ok(g) => {
+            let mut m = Masker::new(&g, 0, 0, &[], 1).unwrap();
+            let mut row = vec![0f32; n];
+            let _ = m.mask(0, &[], &mut row, n);
+            seen.set((seen.get().0 + 1, seen.get().1));
+        }
+        Err(e) => {
+            assert!(!e.to_string().contains("the grammar compiler failed"), "a caught panic: {e}");
+            seen.set((seen.get().0, seen.get().1 + 1));
+        }
+    };
+    let dict: &[&[u8]] = &[
+        b"\"$ref\"",
+        b"\"#/$defs/node\"",
+        b"\"anyOf\"",
+        b"\"allOf\"",
+        b"\"pattern\"",
+        b"\"(a|b)*c{2,}\"",
+        b"\"minItems\"",
+        b"\"maxLength\"",
+        b"\"format\"",
+        b"\"additionalProperties\"",
+        b"\"const\"",
+    ];
+    let schemas =
+        fuzz::run("json_schema", &fuzz::corpus("json_schema"), dict, fuzz::execs(6000), &dir.join("crashes"), |b| {
+            if let Ok(v) = serde_json::from_slice(b) {
+                check(ResponseFormat::JsonSchema(v));
+            }
+        });
+    let dict: &[&[u8]] = &[
+        b"start: ",
+        b"%json {",
+        b"/[a-z]+/",
+        b"(",
+        b")*",
+        b"|",
+        b"\"<tool_call>\"",
+        b"%ignore ",
+        b"NUMBER",
+        b"~ 2..5",
+    ];
+    let lark = fuzz::run("lark", &fuzz::corpus("lark"), dict, fuzz::execs(6000), &dir.join("crashes"), |b| {
+        if let Ok(src) = std::str::from_utf8(b) {
+            check(ResponseFormat::Lark(src.to_owned()));
+        }
+    });
+    let (compiled, refused) = seen.get();
+    eprintln!("response formats: {compiled} compiled and masked, {refused} refused with a reason");
+    assert!(compiled > 300 && refused > 300, "the mutants reach both outcomes: {compiled} / {refused}");
+    no_crashes(&[schemas, lark]);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// The corpora the targets start from are where the tests expect them.
 #[test]
 fn the_committed_corpora_are_there() {
-    for t in ["config_json", "chat_template", "http_body", "dbus_options"] {
+    for t in ["config_json", "chat_template", "http_body", "dbus_options", "json_schema", "lark", "tokenizer_json"] {
         let c = fuzz::corpus(t);
         assert!(c.len() >= 2 && c.iter().all(|x| !x.is_empty()), "{t}");
     }

@@ -697,12 +697,26 @@ pub fn stop(h: Arc<ModelHandle>) -> tokio::task::JoinHandle<()> {
     })
 }
 
+/// The longest `keep_alive` kept as a duration (a hundred years); a longer one is "as long as
+/// the daemon runs", so a deadline computed from it never overflows a clock.
+const LONGEST_KEEP_ALIVE: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
 /// Ollama's `keep_alive`: a duration ("5m", "1h30m", "10s", "250ms"), a number of seconds,
-/// `0` (unload once idle) or negative (keep as long as the daemon runs, `None`).
+/// `0` (unload once idle) or negative (keep as long as the daemon runs, `None`). A duration
+/// past [`LONGEST_KEEP_ALIVE`] (`1e300`, `inf`) also keeps it as long as the daemon runs; `NaN`
+/// is not a duration.
 pub fn parse_keep_alive(s: &str) -> Result<Option<Duration>, String> {
+    parse_duration(s).map(|d| d.filter(|d| *d <= LONGEST_KEEP_ALIVE))
+}
+
+/// [`parse_keep_alive`] before the longest is applied.
+fn parse_duration(s: &str) -> Result<Option<Duration>, String> {
     let s = s.trim();
     if let Ok(x) = s.parse::<f64>() {
-        return Ok((x >= 0.0).then(|| Duration::from_secs_f64(x)));
+        if x.is_nan() {
+            return Err(format!("{s:?} is not a duration (like 5m, 1h, 30s)"));
+        }
+        return Ok(if x < 0.0 { None } else { Duration::try_from_secs_f64(x).ok() });
     }
     if s.starts_with('-') {
         return Ok(None);
@@ -721,7 +735,11 @@ pub fn parse_keep_alive(s: &str) -> Result<Option<Duration>, String> {
             "ms" => 0.001,
             _ => return Err(format!("{s:?} is not a duration (like 5m, 1h, 30s)")),
         };
-        total += Duration::from_secs_f64(n * scale);
+        // (Past what a `Duration` holds: as long as the daemon runs.)
+        let Some(t) = Duration::try_from_secs_f64(n * scale).ok().and_then(|d| total.checked_add(d)) else {
+            return Ok(None);
+        };
+        total = t;
         rest = &rest[unit..];
     }
     Ok(Some(total))
@@ -738,6 +756,13 @@ mod tests {
         assert_eq!(parse_keep_alive("250ms"), Ok(Some(Duration::from_millis(250))));
         assert_eq!(parse_keep_alive("0"), Ok(Some(Duration::ZERO)));
         assert_eq!(parse_keep_alive("30"), Ok(Some(Duration::from_secs(30))));
+        // Once `1e300` and `inf` panicked a runtime worker (found by fuzzing /api/embed).
+        for forever in
+            ["1e300", "inf", "-inf", "1e18", "876001h", "99999999999999999999h", "99999999999999999999999999h1s"]
+        {
+            assert_eq!(parse_keep_alive(forever), Ok(None), "{forever}");
+        }
+        assert!(parse_keep_alive("NaN").is_err());
         assert_eq!(parse_keep_alive("-1"), Ok(None));
         assert_eq!(parse_keep_alive("-1m"), Ok(None));
         assert!(parse_keep_alive("soon").is_err());

@@ -435,8 +435,9 @@ fn the_prefix_cache_is_partitioned_by_user_unless_shared() {
 }
 
 /// Mutated request bodies (`tests/fuzz/corpus/http_body`, every field of both APIs, decoder
-/// parameters of each strategy) on every generation route: each gets an answer with a status,
-/// never a dropped connection or a server error, and the daemon serves on with its blocks back.
+/// parameters of each strategy, embedding bodies) on every generation and embedding route,
+/// `/tokenize` and `/api/show`: each gets an answer with a status, never a dropped connection
+/// or a server error, and the daemon serves on with its blocks back.
 #[test]
 fn fuzzed_request_bodies_get_answers() {
     use inferd_e2e::fuzz;
@@ -444,7 +445,7 @@ fn fuzzed_request_bodies_get_answers() {
     let d = Daemon::start(&dir, "[limits]\nmax_tokens = 4\n", &[]);
     // A body goes to the routes of its kind, each API in turn (and now and then elsewhere).
     let routes = |chat: bool, k: usize| match (k % 5, chat) {
-        (4, _) => ["/tokenize", "/v1/embeddings"][k % 2],
+        (4, _) => ["/tokenize", "/v1/embeddings", "/api/embed", "/api/show"][k / 5 % 4],
         (0 | 2, true) => "/v1/chat/completions",
         (_, true) => "/api/chat",
         (0 | 2, false) => "/v1/completions",

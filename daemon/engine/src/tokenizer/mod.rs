@@ -118,7 +118,31 @@ fn read_bounded_json(path: &Path) -> Result<String, TokenizerError> {
     if let Some(t) = added.chain(keys).chain(pieces).find(|t| t.len() > gguf_vocab::MAX_TOKEN_BYTES) {
         return Err(bad(format!("a token of {} bytes (at most {})", t.len(), gguf_vocab::MAX_TOKEN_BYTES)));
     }
+    check_merges(&v).map_err(bad)?;
     Ok(text)
+}
+
+/// A BPE model's merges against its `continuing_subword_prefix`: the `tokenizers` crate slices
+/// each merge's second part past the prefix and panics where it cannot (fuzzing found it), so
+/// such a file is refused here, by name.
+fn check_merges(v: &serde_json::Value) -> Result<(), String> {
+    let prefix = v.pointer("/model/continuing_subword_prefix").and_then(|p| p.as_str()).unwrap_or_default();
+    if prefix.is_empty() {
+        return Ok(());
+    }
+    let merges = v.pointer("/model/merges").and_then(|m| m.as_array()).into_iter().flatten();
+    for (i, m) in merges.enumerate() {
+        // A merge is "a b", or ["a", "b"].
+        let second = match m {
+            serde_json::Value::String(s) => s.split_once(' ').map(|p| p.1),
+            serde_json::Value::Array(a) => a.get(1).and_then(|b| b.as_str()),
+            _ => None,
+        };
+        if second.is_some_and(|b| b.get(prefix.len()..).is_none()) {
+            return Err(format!("merge {i} is shorter than the continuing_subword_prefix {prefix:?}"));
+        }
+    }
+    Ok(())
 }
 
 impl Tokenizer {
@@ -283,6 +307,19 @@ impl Tokenizer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn merges_shorter_than_the_subword_prefix_are_refused() {
+        let tk = |merges: serde_json::Value| serde_json::json!({"model": {"type": "BPE", "continuing_subword_prefix": "##", "merges": merges}});
+        assert!(check_merges(&tk(serde_json::json!(["a ##b", ["a", "##c"]]))).is_ok());
+        for bad in [serde_json::json!(["a ##b", "a b"]), serde_json::json!([["a", "#"]]), serde_json::json!(["x #é"])]
+        {
+            let e = check_merges(&tk(bad.clone())).unwrap_err();
+            assert!(e.contains("continuing_subword_prefix"), "{bad}: {e}");
+        }
+        // (The `tokenizers` crate panics on such a file; without a prefix nothing is sliced.)
+        assert!(check_merges(&serde_json::json!({"model": {"merges": ["a b"]}})).is_ok());
+    }
 
     #[test]
     fn byte_map_is_a_bijection_onto_printables() {
