@@ -156,3 +156,55 @@ fn model_files_are_parsed_within_budgets() {
     assert!(t0.elapsed() < std::time::Duration::from_secs(2));
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// The costliest metadata the budgets admit: the most values a file may hold (8 Mi), as 4-byte
+/// integers in two arrays of nearly the longest length, beside a tiny model. Each is parsed in
+/// a process of its own (this test run again, told which file to load) whose peak resident
+/// memory is read from the kernel, against the plain tiny model's: what a model file can make
+/// the daemon hold, per MiB of the file.
+#[test]
+fn the_costliest_metadata_the_budgets_admit_costs_a_bounded_memory() {
+    use inferd_e2e::write_tiny_gguf_with;
+    use inferd_engine::model::gguf_writer::MetaValue;
+    if let Ok(p) = std::env::var("INFERD_E2E_PEAK_OF") {
+        let loaded = Model::load(std::path::Path::new(&p)).map(|_| ()).map_err(|e| e.to_string());
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let hwm = status.lines().find_map(|l| l.strip_prefix("VmHWM:")).unwrap().trim().trim_end_matches(" kB");
+        println!("PEAK {hwm} {loaded:?}");
+        return;
+    }
+    let dir = temp_dir("peak");
+    let spec = TinySpec::default();
+    let plain = write_tiny_gguf(&dir.join("plain.gguf"), &spec, DType::Q8_0, DType::Q8_0);
+    let worst = write_tiny_gguf_with(&dir.join("worst.gguf"), &spec, DType::Q8_0, DType::Q8_0, |w| {
+        w.meta("general.a", MetaValue::I32Array(vec![7; 4_100_000]));
+        w.meta("general.b", MetaValue::I32Array(vec![7; 4_100_000]));
+    });
+    let peak = |path: &std::path::Path| -> (f64, String) {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "corrupt::the_costliest_metadata_the_budgets_admit_costs_a_bounded_memory",
+                "--nocapture",
+            ])
+            .env("INFERD_E2E_PEAK_OF", path)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let line = text.lines().find_map(|l| l.strip_prefix("PEAK ")).unwrap_or_else(|| panic!("{text}"));
+        let (kib, loaded) = line.split_once(' ').unwrap();
+        (kib.parse::<f64>().unwrap() / 1024.0, loaded.to_owned())
+    };
+    let ((base, plain_loaded), (high, worst_loaded)) = (peak(&plain), peak(&worst));
+    assert_eq!(plain_loaded, "Ok(())");
+    assert_eq!(worst_loaded, "Ok(())", "the budgets admit it");
+    let size = |p: &std::path::Path| std::fs::metadata(p).unwrap().len() as f64 / f64::from(1 << 20);
+    let (extra_file, extra_memory) = (size(&worst) - size(&plain), high - base);
+    eprintln!(
+        "8.2 Mi metadata values ({extra_file:.1} MiB of file): peak {high:.0} MiB against {base:.0} MiB, {:.1} MiB per MiB",
+        extra_memory / extra_file
+    );
+    // 32 bytes a value (the budget's arithmetic), and nothing in proportion beyond it.
+    assert!(extra_memory < 8.5 * 32.0 + 32.0, "{extra_memory:.0} MiB for the values");
+    let _ = std::fs::remove_dir_all(dir);
+}
