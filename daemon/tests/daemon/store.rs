@@ -486,3 +486,42 @@ fn model_management_is_a_right_and_the_store_the_daemons_alone() {
     drop(d);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Loads are per model: two cold models asked for at once load at the same time (once one
+/// global lock made every cold model wait for the load in progress, however long it took).
+/// Seen in `/v1/status`, polled while both load: at some moment both report `loading`.
+#[test]
+fn two_cold_models_load_at_once() {
+    let dir = scratch("concurrent-loads");
+    let store = dir.join("store");
+    std::fs::create_dir_all(&store).unwrap();
+    std::os::unix::fs::symlink(model(), store.join("SmolLM2-135M-Instruct.Q4_1.gguf")).unwrap();
+    std::os::unix::fs::symlink(gemma(), store.join("gemma-3-270m-Q4_K_M.gguf")).unwrap();
+    let cfg = format!("[server]\nmodel_store = \"{}\"\ndefault_model = \"gemma-3-270m-Q4_K_M\"\n", store.display());
+    let d = Daemon::start(&dir, &cfg, &[]);
+    let loading = |d: &Daemon| -> Vec<String> {
+        let s = d.status();
+        let models = s["models"].as_array().unwrap().clone();
+        models.iter().filter(|m| m["loading"].is_object()).map(|m| m["name"].as_str().unwrap().to_string()).collect()
+    };
+    let asks: Vec<_> = ["gemma-3-270m-Q4_K_M", "SmolLM2-135M-Instruct.Q4_1"]
+        .into_iter()
+        .map(|name| {
+            let socket = d.socket.clone();
+            let body = format!(r#"{{"model": "{name}", "prompt": "Hi", "max_tokens": 1}}"#);
+            std::thread::spawn(move || http(&socket, "POST", "/v1/completions", &body))
+        })
+        .collect();
+    let (mut most, t0) = (0, Instant::now());
+    while asks.iter().any(|a| !a.is_finished()) && t0.elapsed() < Duration::from_secs(60) {
+        most = most.max(loading(&d).len());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for a in asks {
+        let (st, out) = a.join().unwrap();
+        assert_eq!(st, 200, "{out}");
+    }
+    assert_eq!(most, 2, "the two loads never ran at the same time");
+    drop(d);
+    let _ = std::fs::remove_dir_all(dir);
+}
