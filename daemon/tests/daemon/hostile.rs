@@ -31,8 +31,7 @@ fn a_departed_client_cancels_its_request_at_the_next_step() {
     let long = format!(r#"{{"prompt": "{}", "max_tokens": 50, "stream": true}}"#, "word ".repeat(6000));
     for (i, (what, body)) in [("a whole beam search", beam), ("a streamed long prefill", long)].into_iter().enumerate()
     {
-        let mut s = UnixStream::connect(&d.socket).unwrap();
-        write!(s, "POST /v1/completions HTTP/1.1\r\nHost: inferd\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+        let s = send_post(&d.socket, "/v1/completions", &body);
         wait_for("the request to run", Duration::from_secs(20), || engine_state(&d).0 == 1);
         std::thread::sleep(Duration::from_millis(300));
         drop(s);
@@ -75,12 +74,7 @@ fn embeddings_share_the_engine_and_leave_with_their_client() {
     let d = Daemon::start(&dir, "[limits]\nmax_requests_per_user = 2\n", &[]);
     let text = "word ".repeat(2000);
     let body = serde_json::json!({ "input": vec![text; 8] }).to_string();
-    let post = |body: &str| {
-        let mut s = UnixStream::connect(&d.socket).unwrap();
-        write!(s, "POST /v1/embeddings HTTP/1.1\r\nHost: inferd\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
-        s
-    };
-    let job = post(&body);
+    let job = send_post(&d.socket, "/v1/embeddings", &body);
     wait_for("the embedding to run", Duration::from_secs(20), || engine_state(&d).0 == 1);
     // A completion is answered while the texts are still running.
     let t0 = Instant::now();
@@ -94,9 +88,7 @@ fn embeddings_share_the_engine_and_leave_with_their_client() {
     eprintln!("a completion beside eight 2,000-token texts: {:.0} ms", waited.as_secs_f64() * 1e3);
     // The job holds one of its user's two places: with a stream holding the other, a third
     // request is refused.
-    let mut stream = UnixStream::connect(&d.socket).unwrap();
-    let long = r#"{"prompt": "Once", "max_tokens": 2000, "stream": true}"#;
-    write!(stream, "POST /v1/completions HTTP/1.1\r\nHost: inferd\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{long}", long.len()).unwrap();
+    let stream = open_stream(&d.socket, r#"{"prompt": "Once", "max_tokens": 2000, "stream": true}"#);
     wait_for("the stream to run", Duration::from_secs(20), || engine_state(&d).0 == 2);
     let (st, out) = d.http("POST", "/v1/embeddings", r#"{"input": "one more"}"#);
     assert!(st == 429 && out.contains("max_requests_per_user"), "{st} {out}");
@@ -154,8 +146,7 @@ fn tcp_exchange_as(uid: u32, port: u16, request: &str) -> (u16, String) {
 /// the owner of its client socket (from /proc/net/tcp): one user's flood closes only their own.
 #[test]
 fn loopback_tcp_connections_are_counted_per_owner() {
-    if inferd::serve::config::effective_uid() != Some(0) {
-        eprintln!("skipped: needs root to act as another user");
+    if !root_or_skip() {
         return;
     }
     let dir = scratch("tcp-owner");
@@ -378,8 +369,7 @@ fn special_tokens_in_message_content_are_text() {
 /// (counted as the owner of its socket, as the Unix socket's peers are by their uid).
 #[test]
 fn the_prefix_cache_is_partitioned_by_user_unless_shared() {
-    if inferd::serve::config::effective_uid() != Some(0) {
-        eprintln!("skipped: needs root to act as another user");
+    if !root_or_skip() {
         return;
     }
     let dir = scratch("prefix-partition");

@@ -135,8 +135,8 @@ fn open_stream(socket: &Path, body: &str) -> UnixStream {
     open_stream_at(socket, "/v1/completions", body)
 }
 
-/// [`open_stream`] on another route.
-fn open_stream_at(socket: &Path, route: &str, body: &str) -> UnixStream {
+/// A POST sent on a connection of its own, nothing read back yet.
+fn send_post(socket: &Path, route: &str, body: &str) -> UnixStream {
     let mut s = UnixStream::connect(socket).unwrap();
     write!(
         s,
@@ -144,6 +144,21 @@ fn open_stream_at(socket: &Path, route: &str, body: &str) -> UnixStream {
         body.len()
     )
     .unwrap();
+    s
+}
+
+/// Whether the test runs as root (to act as another user); if not, it says it is skipped.
+fn root_or_skip() -> bool {
+    let root = inferd::serve::config::effective_uid() == Some(0);
+    if !root {
+        eprintln!("skipped: needs root to act as another user");
+    }
+    root
+}
+
+/// [`open_stream`] on another route.
+fn open_stream_at(socket: &Path, route: &str, body: &str) -> UnixStream {
+    let mut s = send_post(socket, route, body);
     let mut head = Vec::new();
     let mut b = [0u8; 1];
     while !head.ends_with(b"\r\n\r\n") {

@@ -18,6 +18,15 @@ fn loaded(d: &Daemon, name: &str) -> bool {
     d.status()["models"].as_array().unwrap().iter().any(|m| m["name"] == name && m["loaded"] == true)
 }
 
+/// `dir/store` holding the default model and Gemma 3 270M (links to them).
+fn two_model_store(dir: &Path) -> PathBuf {
+    let store = dir.join("store");
+    std::fs::create_dir_all(&store).unwrap();
+    std::os::unix::fs::symlink(model(), store.join("SmolLM2-135M-Instruct.Q4_1.gguf")).unwrap();
+    std::os::unix::fs::symlink(gemma(), store.join("gemma-3-270m-Q4_K_M.gguf")).unwrap();
+    store
+}
+
 fn ids(d: &Daemon) -> Vec<String> {
     models(d)["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap().to_string()).collect()
 }
@@ -25,10 +34,7 @@ fn ids(d: &Daemon) -> Vec<String> {
 #[test]
 fn the_model_store_is_listed_loaded_or_not_and_loads_on_use_within_a_memory_budget() {
     let dir = scratch("store");
-    let store = dir.join("store");
-    std::fs::create_dir_all(&store).unwrap();
-    std::os::unix::fs::symlink(model(), store.join("SmolLM2-135M-Instruct.Q4_1.gguf")).unwrap();
-    std::os::unix::fs::symlink(gemma(), store.join("gemma-3-270m-Q4_K_M.gguf")).unwrap();
+    let store = two_model_store(&dir);
     std::fs::write(store.join("half.gguf.partial"), "not yet").unwrap();
     // SmolLM2 takes 94 + 512 MiB, Gemma 241 + 512: not both in 900.
     let cfg = format!(
@@ -365,8 +371,7 @@ fn ctl_as(uid: u32, args: &[&str], endpoint: &str, socket: &Path) -> (bool, Stri
 /// `http://` source was fetched; a request without `model` got whichever name sorted first.
 #[test]
 fn model_management_is_a_right_and_the_store_the_daemons_alone() {
-    if inferd::serve::config::effective_uid() != Some(0) {
-        eprintln!("skipped: needs root to act as another user");
+    if !root_or_skip() {
         return;
     }
     let nobody = 65534;
@@ -493,10 +498,7 @@ fn model_management_is_a_right_and_the_store_the_daemons_alone() {
 #[test]
 fn two_cold_models_load_at_once() {
     let dir = scratch("concurrent-loads");
-    let store = dir.join("store");
-    std::fs::create_dir_all(&store).unwrap();
-    std::os::unix::fs::symlink(model(), store.join("SmolLM2-135M-Instruct.Q4_1.gguf")).unwrap();
-    std::os::unix::fs::symlink(gemma(), store.join("gemma-3-270m-Q4_K_M.gguf")).unwrap();
+    let store = two_model_store(&dir);
     let cfg = format!("[server]\nmodel_store = \"{}\"\ndefault_model = \"gemma-3-270m-Q4_K_M\"\n", store.display());
     let d = Daemon::start(&dir, &cfg, &[]);
     let loading = |d: &Daemon| -> Vec<String> {

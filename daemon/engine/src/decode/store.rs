@@ -250,16 +250,7 @@ impl SeqStore for EngineStore<'_> {
 
     fn create_embedding(&mut self, tokens: &[u32]) -> Result<StoreSeq, StoreError> {
         // Checked here, not at its chunks' step, where one bad text would fail everyone's.
-        let (ctx, vocab) = (self.engine.backend.config().context_len, self.engine.vocab());
-        if tokens.is_empty() {
-            return Err(EngineError::EmptyPrompt.into());
-        }
-        if tokens.len() > ctx {
-            return Err(EngineError::PromptTooLong { len: tokens.len(), ctx }.into());
-        }
-        if let Some(&token) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(EngineError::BadToken { token, vocab }.into());
-        }
+        self.engine.check_prompt(tokens)?;
         let s = self.engine.kv.create_in(self.partition).0;
         self.pending.insert(s, tokens.to_vec());
         self.pools.insert(s, Pooler::new(self.engine.backend.config(), tokens.len()));

@@ -142,6 +142,22 @@ impl Engine {
         Ok(())
     }
 
+    /// Whether `tokens` can start a sequence: not empty, within the context, every token in
+    /// the vocabulary. (A text checked when it is queued, not at a step it shares with others.)
+    pub fn check_prompt(&self, tokens: &[u32]) -> Result<(), EngineError> {
+        let (ctx, vocab) = (self.backend.config().context_len, self.vocab());
+        if tokens.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if tokens.len() > ctx {
+            return Err(EngineError::PromptTooLong { len: tokens.len(), ctx });
+        }
+        match tokens.iter().find(|&&t| t as usize >= vocab) {
+            Some(&token) => Err(EngineError::BadToken { token, vocab }),
+            None => Ok(()),
+        }
+    }
+
     /// Runs one step: each item's tokens are appended to its sequence and the logits of its
     /// last `n_logits` positions returned (`n_logits * vocab` floats per item). Spans longer
     /// than the prefill chunk run in several forwards of at most `prefill_chunk` tokens across
@@ -292,14 +308,8 @@ impl Engine {
     /// Prefills every prompt as one step (reusing cached prefix blocks) and returns each new
     /// sequence with its last-position logits. On error every sequence created here is freed.
     pub fn prefill(&mut self, prompts: &[&[u32]]) -> Result<Vec<(SeqId, Vec<f32>)>, EngineError> {
-        let ctx = self.backend.config().context_len;
         for p in prompts {
-            if p.is_empty() {
-                return Err(EngineError::EmptyPrompt);
-            }
-            if p.len() > ctx {
-                return Err(EngineError::PromptTooLong { len: p.len(), ctx });
-            }
+            self.check_prompt(p)?;
         }
         let seqs: Vec<SeqId> = prompts.iter().map(|_| self.kv.create()).collect();
         let cached: Vec<usize> = seqs.iter().zip(prompts).map(|(&s, p)| self.kv.match_prefix(s, p)).collect();
@@ -320,9 +330,7 @@ impl Engine {
     /// before it returns. The daemon does not call this: its embeddings run as work in the
     /// scheduler's steps, batched with everything else, through the same [`RunItem::hidden`].
     pub fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
-        if tokens.is_empty() {
-            return Err(EngineError::EmptyPrompt);
-        }
+        self.check_prompt(tokens)?;
         let seq = self.kv.create();
         let mut pool = Pooler::new(self.backend.config(), tokens.len());
         let mut run = || {

@@ -583,7 +583,7 @@ impl Scheduler {
 
     /// What runs this step: the budget's decision on every plan (`budget.rs`).
     fn batch(&mut self, store: &dyn SeqStore, plans: Vec<(usize, Vec<StoreRun>)>) -> Batch {
-        let sizes: Vec<PlanSize> = plans
+        let mut sizes: Vec<PlanSize> = plans
             .iter()
             .map(|(i, work)| {
                 let pending: usize = work.iter().map(|w| store.pending(w.seq)).sum();
@@ -602,7 +602,6 @@ impl Scheduler {
             .map(|(j, s)| (j, s, store.pending(s)))
             .filter(|t| t.2 > 0)
             .collect();
-        let mut sizes = sizes;
         sizes.extend(texts.iter().map(|t| PlanSize { tokens: 0, pending: t.2, chunkable: t.2, deferred: false }));
         let mut decisions = decide(&sizes, self.cfg.token_budget);
         let mut b = Batch::default();
