@@ -15,17 +15,16 @@
 //! The introspection data is checked in (`daemon/dbus/org.inferd.Inference1.xml`); a test
 //! compares it with what the daemon serves.
 
+use super::answer::{Answer, Answers, Finish};
 use super::chat::{self, Tools};
 use super::config::Mode;
 use super::conn::Hangup;
 use super::dbus_options::{chat_body, options_request};
 use super::remote::dbus::{self as remote, Routed};
-use super::request::{self, ApiError, Output, Piece, Scored};
+use super::request::{self, ApiError, Scored};
 use super::{ModelHandle, Shared};
 use inferd_engine::request::Request;
 use inferd_engine::sched::{Command, RequestId};
-use inferd_engine::tools::parse::{Delta, ToolStream};
-use inferd_engine::tools::ToolFormat;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use zbus::fdo;
@@ -88,15 +87,13 @@ pub(crate) async fn caller_uid(conn: &Connection, sender: &UniqueName<'_>) -> fd
     proxy.get_connection_unix_user(BusName::Unique(sender.clone())).await
 }
 
-/// A call's model, prompt and tool format (a chat with tools to parse out).
-type Prompt = (Arc<ModelHandle>, Vec<u32>, Option<ToolFormat>);
+/// A call's model, prompt and tools (a chat whose answer may call them).
+type Prompt = (Arc<ModelHandle>, Vec<u32>, Option<Tools>);
 
-/// A submitted call: the request, its output decoder, its caller, how to read its answer.
+/// A submitted call: its answer, its caller, whether it asked for log-probabilities.
 struct Started {
-    sub: request::Submitted,
-    out: Output,
+    answers: Answers,
     sender: String,
-    format: Option<ToolFormat>,
     logprobs: bool,
 }
 
@@ -116,25 +113,22 @@ impl Inference {
         let sender = hdr.sender().ok_or_else(|| fdo::Error::Failed("a call without a sender".into()))?.to_owned();
         let uid = caller_uid(conn, &sender).await?;
         let sh = Arc::clone(&self.sh);
-        let (p, format) = self
+        let (p, tools) = self
             .sh
             .cpu(move || {
                 let mut req = options_request(&options)?;
-                let (handle, ids, format) = prompt(&sh, &options, &mut req)?;
-                Ok((request::prepare(&sh, handle, req, ids)?, format))
+                let (handle, ids, tools) = prompt(&sh, &options, &mut req)?;
+                Ok((request::prepare(&sh, handle, req, ids)?, tools))
             })
             .await
             .map_err(failed)?;
-        let logprobs = p.logprobs.is_some();
-        let mut out = Output::new(1, p.stop.clone());
-        if format.is_some() {
-            out = out.keeping_special();
-        }
+        let (logprobs, stop) = (p.logprobs.is_some(), p.stop.clone());
         let sub = request::submit(&self.sh, p, uid, None).map_err(failed)?;
         if let Ok(mut o) = self.owners.lock() {
             o.entry(sender.to_string()).or_default().push(Stop::Engine(Arc::clone(&sub.model), sub.id));
         }
-        Ok(Started { sub, out, sender: sender.to_string(), format, logprobs })
+        let answers = Answers::local(sub, 1, stop, tools.as_ref());
+        Ok(Started { answers, sender: sender.to_string(), logprobs })
     }
 
     /// `prompt` as token ids (tool options belong to Chat).
@@ -165,8 +159,7 @@ impl Inference {
         let tools = Tools::of(&body, &h.model)?;
         let ids = chat::encode(sh, &h.model, &chat::messages(&body)?, Some(&tools))?;
         tools.constrain(req, h.vocabulary.as_deref())?;
-        let format = tools.active().then_some(tools.format);
-        Ok((h, ids, format))
+        Ok((h, ids, tools.active().then_some(tools)))
     }
 
     /// Loads model `model` unless it is loaded, sending the load's progress to the caller as
@@ -199,9 +192,12 @@ impl Inference {
 
     /// Exports a request object and streams its signals to `sender` from a task.
     async fn stream(&self, conn: &Connection, started: Started) -> fdo::Result<OwnedObjectPath> {
-        let (sub, sender) = (&started.sub, started.sender.clone());
-        let stop = Stop::Engine(Arc::clone(&sub.model), sub.id);
-        self.export(conn, stop, sender, move |conn, p| async move { forward(&conn, &p, started).await }).await
+        let Started { answers, sender, logprobs } = started;
+        let model = answers.model().cloned().ok_or_else(|| fdo::Error::Failed("internal error: no model".into()))?;
+        let stop = Stop::Engine(model, answers.id().unwrap_or(0));
+        let to = sender.clone();
+        self.export(conn, stop, sender, move |conn, p| async move { signals(&conn, &p, &to, answers, logprobs).await })
+            .await
     }
 
     /// Exports request object `stop` of `sender` and runs `signals` (which sends its signals)
@@ -278,90 +274,60 @@ fn logprob_entries(model: &inferd_engine::model::Model, lps: &[Scored]) -> Vec<L
     lps.iter().map(entry).collect()
 }
 
-/// Sends a piece of text: its tokens' log-probabilities first (when the caller asked), then the
-/// text, through the tool-call parser when the chat has tools (`last`: the answer's final
-/// piece, which flushes the parser).
-async fn send_text(
-    emitter: &SignalEmitter<'_>,
-    model: &inferd_engine::model::Model,
-    tools: &mut Option<ToolStream>,
-    lps: Option<&[Scored]>,
-    text: &str,
-    token: u32,
-    last: bool,
-) -> zbus::Result<()> {
-    if let Some(l) = lps.filter(|l| !l.is_empty()) {
-        RequestObject::logprobs(emitter, logprob_entries(model, l)).await?;
-    }
-    let Some(ts) = tools else {
-        return if text.is_empty() { Ok(()) } else { RequestObject::token(emitter, text, token).await };
-    };
-    let mut deltas = ts.push(text);
-    if last {
-        deltas.extend(ts.finish());
-    }
-    for d in deltas {
-        match d {
-            Delta::Content(t) if t.is_empty() => {}
-            Delta::Content(t) => RequestObject::token(emitter, &t, if t == text { token } else { u32::MAX }).await?,
-            Delta::Call(c) => RequestObject::tool_call(emitter, &c.id, &c.name, &c.arguments).await?,
-        }
-    }
-    Ok(())
-}
-
-/// The request's pieces as unicast signals to its caller.
-async fn forward(conn: &Connection, path: &ObjectPath<'_>, started: Started) {
-    let Started { mut sub, mut out, sender, format, logprobs } = started;
+/// An answer as its request object's signals, unicast to the caller `sender`: a piece of text's
+/// log-probabilities (when the caller asked) before the text, tool calls as they complete, then
+/// `Finished` with the reason and the usage, or `Failed`.
+pub(crate) async fn signals(
+    conn: &Connection,
+    path: &ObjectPath<'_>,
+    sender: &str,
+    mut answers: Answers,
+    logprobs: bool,
+) {
     let Ok(dest) = UniqueName::try_from(sender) else { return };
     let Ok(emitter) = SignalEmitter::new(conn, path.to_owned()) else { return };
     let emitter = emitter.set_destination(BusName::Unique(dest));
-    let model = Arc::clone(&sub.model);
-    let mut tools = format.map(ToolStream::new);
-    let mut reason = "stop";
-    let called = |tools: &Option<ToolStream>, reason: &'static str| {
-        if reason == "stop" && tools.as_ref().is_some_and(|t| t.calls() > 0) {
-            "tool_calls"
-        } else {
-            reason
-        }
-    };
-    while let Some(ev) = sub.recv().await {
-        for piece in out.on_event(&model.model, ev) {
-            let sent = match piece {
-                Piece::Text { text, token, logprobs: lps, .. } => {
-                    send_text(&emitter, &model.model, &mut tools, logprobs.then_some(&lps), &text, token, false).await
+    let model = answers.model().cloned();
+    let mut reason = Finish::Stop;
+    while let Some(a) = answers.next().await {
+        let sent = match a {
+            Answer::Text { text, token, logprobs: lps, .. } => {
+                let mut sent = Ok(());
+                if let Some(m) = model.as_ref().filter(|_| logprobs && !lps.is_empty()) {
+                    sent = RequestObject::logprobs(&emitter, logprob_entries(&m.model, &lps)).await;
                 }
-                Piece::End { text, reason: r, logprobs: lps, .. } => {
-                    reason = r;
-                    // The held-back tail of the text: no single token completed it.
-                    send_text(&emitter, &model.model, &mut tools, logprobs.then_some(&lps), &text, u32::MAX, true).await
+                if !text.is_empty() {
+                    sent = sent.and(RequestObject::token(&emitter, &text, token.unwrap_or(u32::MAX)).await);
                 }
-                Piece::Done { completion_tokens, .. } => {
-                    let usage = usage(sub.prompt_tokens, completion_tokens);
-                    let _ = RequestObject::finished(&emitter, called(&tools, reason), usage).await;
-                    return;
-                }
-                Piece::Failed(msg) => {
-                    let _ = RequestObject::failed(&emitter, &msg).await;
-                    return;
-                }
-            };
-            if sent.is_err() {
-                return; // the bus connection is gone: dropping `sub` cancels the request
+                sent
             }
-        }
-        if out.all_stopped() {
-            sub.stop();
-            if let Piece::Done { completion_tokens, .. } = out.done_by_stop() {
-                let usage = usage(sub.prompt_tokens, completion_tokens);
-                let _ = RequestObject::finished(&emitter, called(&tools, "stop"), usage).await;
+            Answer::Reasoning { .. } => Ok(()),
+            Answer::Call { call, .. } => {
+                RequestObject::tool_call(&emitter, &call.id, &call.name, &call.arguments).await
             }
-            return;
+            Answer::Finish { reason: r, .. } => {
+                reason = r;
+                Ok(())
+            }
+            Answer::Done(u) => {
+                let _ = RequestObject::finished(&emitter, reason.openai(), usage(u.prompt, u.completion)).await;
+                return;
+            }
+            Answer::Failed(e) => {
+                let _ = RequestObject::failed(&emitter, &e.message).await;
+                return;
+            }
+        };
+        if sent.is_err() {
+            return; // the bus connection is gone: dropping the answer cancels the request
         }
     }
-    // The engine went away without a last word: the caller must not wait forever.
-    let _ = RequestObject::failed(&emitter, "the engine stopped").await;
+}
+
+/// An answer's whole text (`Complete`).
+pub(crate) async fn whole_text(answers: Answers) -> fdo::Result<String> {
+    let w = answers.whole().await.map_err(|e| fdo::Error::Failed(e.message))?;
+    Ok(w.choices.into_iter().map(|c| c.text).collect())
 }
 
 #[interface(name = "org.inferd.Inference1")]
@@ -423,25 +389,11 @@ impl Inference {
             Routed::Local(m) => m,
         };
         self.load(conn, &hdr, &model).await?;
-        let Started { mut sub, mut out, sender, .. } =
-            self.start(conn, &hdr, options, plain_prompt(&model, prompt)).await?;
-        let mut text = String::new();
-        let result = 'events: loop {
-            let Some(ev) = sub.recv().await else { break Err(fdo::Error::Failed("the engine stopped".into())) };
-            for piece in out.on_event(&sub.model.model, ev) {
-                match piece {
-                    Piece::Text { text: t, .. } | Piece::End { text: t, .. } => text.push_str(&t),
-                    Piece::Done { .. } => break 'events Ok(()),
-                    Piece::Failed(m) => break 'events Err(fdo::Error::Failed(m)),
-                }
-            }
-            if out.all_stopped() {
-                sub.stop();
-                break Ok(());
-            }
-        };
-        forget_id(&self.owners, &sender, sub.id);
-        result.map(|()| text)
+        let Started { answers, sender, .. } = self.start(conn, &hdr, options, plain_prompt(&model, prompt)).await?;
+        let id = answers.id().unwrap_or(0);
+        let result = whole_text(answers).await;
+        forget_id(&self.owners, &sender, id);
+        result
     }
 
     #[zbus(out_args("tokens"))]

@@ -5,24 +5,22 @@
 //! parsed here; checking and submitting are the shared [`request`](super::request) path. The
 //! peer's uid comes from SO_PEERCRED on the connection ([`Peer`], [`conn`](super::conn)).
 
+use super::answer::Answers;
 use super::chat::{self, Tools};
 pub use super::conn::Peer;
 use super::fields::{self, Field, FIELDS};
-use super::request::{self, ApiError, Output, Piece, Scored};
+use super::request::{self, ApiError};
 use super::Shared;
 use axum::extract::{ConnectInfo, State};
 use axum::http::StatusCode;
-use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use inferd_engine::plugin::session::MAX_TOP_LOGPROBS;
 use inferd_engine::request::Request;
-use inferd_engine::tools::parse::{Delta, ToolStream};
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
-use tokio::sync::mpsc::unbounded_channel;
 
 /// Responses per route and status, for `/metrics`.
 #[derive(Debug, Default)]
@@ -42,15 +40,7 @@ impl HttpCounters {
     }
 }
 
-/// An OpenAI error object with its status.
-pub fn error(e: ApiError) -> Response {
-    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    (
-        status,
-        Json(json!({ "error": { "message": e.message, "type": e.kind(), "param": e.param, "code": Value::Null } })),
-    )
-        .into_response()
-}
+pub use super::openai::error;
 
 pub fn router(sh: Arc<Shared>) -> Router {
     Router::new()
@@ -383,44 +373,6 @@ fn wants_logprobs(m: &Map<String, Value>, chat: bool) -> Result<Option<u32>, Api
     }
 }
 
-/// The `logprobs` of a choice (or of a streamed piece of one), in the route's shape: chat's
-/// `content` entries with their `top_logprobs`, completions' parallel lists with a
-/// `{text: logprob}` object of alternatives per token.
-fn logprobs_json(model: &inferd_engine::model::Model, chat: bool, lps: &[Scored], offset: usize) -> Value {
-    let text = |t: u32| model.tokenizer.decode(&[t], false).unwrap_or_default();
-    let lp = |x: f32| if x.is_finite() { json!(x) } else { json!(-9999.0) };
-    let entry = |t: u32, x: f32| {
-        let s = text(t);
-        json!({ "token": s, "logprob": lp(x), "bytes": s.as_bytes() })
-    };
-    if chat {
-        let content: Vec<Value> = lps
-            .iter()
-            .map(|sc| {
-                let mut e = entry(sc.token, sc.logprob);
-                e["top_logprobs"] = sc.top.iter().map(|&(t, x)| entry(t, x)).collect();
-                e
-            })
-            .collect();
-        return json!({ "content": content });
-    }
-    let top: Vec<Value> =
-        lps.iter().map(|sc| Value::Object(sc.top.iter().map(|&(t, x)| (text(t), lp(x))).collect())).collect();
-    let top = if lps.iter().any(|sc| !sc.top.is_empty()) { json!(top) } else { Value::Null };
-    let tokens: Vec<String> = lps.iter().map(|sc| text(sc.token)).collect();
-    let mut at = offset;
-    let offsets: Vec<usize> = tokens
-        .iter()
-        .map(|s| {
-            let o = at;
-            at += s.len();
-            o
-        })
-        .collect();
-    let values: Vec<Value> = lps.iter().map(|sc| lp(sc.logprob)).collect();
-    json!({ "tokens": tokens, "token_logprobs": values, "top_logprobs": top, "text_offset": offsets })
-}
-
 /// `stream_options.include_usage` (a 400 unless streaming, as OpenAI answers).
 fn include_usage(m: &Map<String, Value>) -> Result<bool, ApiError> {
     let Some(o) = m.get("stream_options").filter(|v| !v.is_null()) else { return Ok(false) };
@@ -578,7 +530,7 @@ async fn embeddings(
 }
 
 /// A prepared request submitted and answered as a completion or a chat completion, whole or
-/// streamed.
+/// streamed ([`openai`](super::openai)).
 async fn respond(
     sh: Arc<Shared>,
     p: request::Prepared,
@@ -587,206 +539,16 @@ async fn respond(
     chat: bool,
     tools: Option<Tools>,
 ) -> Response {
-    let stream = m.get("stream").and_then(Value::as_bool).unwrap_or(false);
-    let with_usage = include_usage(m).unwrap_or(false);
-    let (n, prompt_tokens, decoder) = (p.n, p.prompt.len(), p.strategy.name().to_owned());
-    let with_logprobs = p.logprobs.is_some();
-    let mut out = Output::new(p.n, p.stop.clone());
-    if tools.is_some() {
-        out = out.keeping_special();
+    let shape = super::openai::Shape {
+        chat,
+        stream: m.get("stream").and_then(Value::as_bool).unwrap_or(false),
+        usage_chunk: include_usage(m).unwrap_or(false),
+        logprobs: p.logprobs.is_some(),
+        decoder: p.strategy.name().to_owned(),
+    };
+    let (n, stop) = (p.n, p.stop.clone());
+    match request::submit(&sh, p, peer.uid(), Some(Arc::clone(&peer.hangup))) {
+        Ok(sub) => super::openai::respond(Answers::local(sub, n, stop, tools.as_ref()), shape).await,
+        Err(e) => error(e),
     }
-    let format = tools.as_ref().map(|t| t.format);
-    let mut sub = match request::submit(&sh, p, peer.uid(), Some(Arc::clone(&peer.hangup))) {
-        Ok(s) => s,
-        Err(e) => return error(e),
-    };
-    let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-    let cid = format!("{}-{}", if chat { "chatcmpl" } else { "cmpl" }, sub.id);
-    let model_name = sub.model.name.clone();
-    let object = match (chat, stream) {
-        (true, true) => "chat.completion.chunk",
-        (true, false) => "chat.completion",
-        (false, _) => "text_completion",
-    };
-    let finish = |reason: &str| json!(reason);
-    let choice = move |i: u32, text: String, reason: Value, lp: Value| {
-        if chat && stream {
-            json!({ "index": i, "delta": { "content": text }, "logprobs": lp, "finish_reason": reason })
-        } else if chat {
-            json!({ "index": i, "message": { "role": "assistant", "content": text }, "logprobs": lp, "finish_reason": reason })
-        } else {
-            json!({ "index": i, "text": text, "logprobs": lp, "finish_reason": reason })
-        }
-    };
-    let model = Arc::clone(&sub.model);
-    // The logprobs of tokens `lps`, the first at text offset `offset` of its choice.
-    let lp_json = move |lps: &[Scored], offset: usize| {
-        if with_logprobs {
-            logprobs_json(&model.model, chat, lps, offset)
-        } else {
-            Value::Null
-        }
-    };
-    let usage = move |completion: usize| json!({ "prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion });
-    if !stream {
-        let mut texts = vec![String::new(); n as usize];
-        let mut reasons = vec![Value::Null; n as usize];
-        let mut lps: Vec<Vec<Scored>> = vec![Vec::new(); n as usize];
-        let choices = |texts: &mut Vec<String>, reasons: &mut Vec<Value>, lps: &[Vec<Scored>]| -> Vec<Value> {
-            texts
-                .drain(..)
-                .zip(reasons.drain(..))
-                .enumerate()
-                .map(|(i, (t, r))| {
-                    let Some(f) = format else { return choice(i as u32, t, r, lp_json(&lps[i], 0)) };
-                    let (content, calls) = f.parse(&t);
-                    if calls.is_empty() {
-                        return choice(i as u32, t, r, lp_json(&lps[i], 0));
-                    }
-                    let calls: Vec<Value> = calls.iter().map(|c| chat::openai_call(c, None)).collect();
-                    let content = if content.is_empty() { Value::Null } else { json!(content) };
-                    let reason = if r == "stop" { json!("tool_calls") } else { r };
-                    json!({ "index": i, "message": { "role": "assistant", "content": content, "tool_calls": calls }, "logprobs": lp_json(&lps[i], 0), "finish_reason": reason })
-                })
-                .collect()
-        };
-        while let Some(ev) = sub.recv().await {
-            for piece in out.on_event(&sub.model.model, ev) {
-                match piece {
-                    Piece::Text { choice, text, logprobs, .. } => {
-                        texts[choice as usize].push_str(&text);
-                        lps[choice as usize].extend(logprobs);
-                    }
-                    Piece::End { choice, reason, text, logprobs } => {
-                        texts[choice as usize].push_str(&text);
-                        reasons[choice as usize] = finish(reason);
-                        lps[choice as usize].extend(logprobs);
-                    }
-                    Piece::Done { completion_tokens, stats } => {
-                        let choices = choices(&mut texts, &mut reasons, &lps);
-                        return Json(json!({ "id": cid, "object": object, "created": created, "model": model_name, "choices": choices, "usage": usage(completion_tokens), "inferd": { "decoder": decoder, "stats": stats } })).into_response();
-                    }
-                    Piece::Failed(msg) => return error(ApiError::new(500, msg, None)),
-                }
-            }
-            if out.all_stopped() {
-                sub.stop();
-                let Piece::Done { completion_tokens, .. } = out.done_by_stop() else { break };
-                let choices = choices(&mut texts, &mut reasons, &lps);
-                return Json(json!({ "id": cid, "object": object, "created": created, "model": model_name, "choices": choices, "usage": usage(completion_tokens), "inferd": { "decoder": decoder } })).into_response();
-            }
-        }
-        return error(ApiError::new(503, "the engine stopped", None));
-    }
-    // Streaming: one SSE chunk per piece of text, a last one with the finish reasons, [DONE].
-    let (tx, rx) = unbounded_channel::<String>();
-    tokio::spawn(async move {
-        let _slot = &sub.slot; // the user's place is held until the stream ends
-        let chunk = |choices: Value| {
-            json!({ "id": cid, "object": object, "created": created, "model": model_name, "choices": choices })
-                .to_string()
-        };
-        let send = |s: String| tx.send(s).is_ok();
-        if chat {
-            let roles: Vec<Value> = (0..n).map(|i| json!({ "index": i, "delta": { "role": "assistant", "content": "" }, "logprobs": Value::Null, "finish_reason": Value::Null })).collect();
-            send(chunk(Value::Array(roles)));
-        }
-        let error = |msg: &str| {
-            json!({ "error": { "message": msg, "type": "server_error", "param": Value::Null, "code": Value::Null } })
-                .to_string()
-        };
-        let mut ended = false;
-        // Text sent per choice so far (completions' logprobs give text offsets).
-        let mut sent = vec![0usize; n as usize];
-        // With tools, each choice's text goes through a splitter: calls go out as tool_calls
-        // deltas when complete, the rest as content.
-        let mut split: Vec<Option<ToolStream>> = (0..n).map(|_| format.map(ToolStream::new)).collect();
-        // A choice's text (or calls) as chunks; the last one carries the finish reason.
-        let mut pieces = |c: u32, text: String, end: Option<&str>, lp: Value| -> Vec<Value> {
-            let Some(s) = split[c as usize].as_mut() else {
-                return vec![choice(c, text, end.map_or(Value::Null, finish), lp)];
-            };
-            // Calls are numbered across the choice's deltas.
-            let mut index = s.calls();
-            let mut deltas = s.push(&text);
-            if end.is_some() {
-                deltas.extend(s.finish());
-            }
-            let mut out: Vec<Value> = deltas
-                .into_iter()
-                .map(|d| {
-                    let delta = match d {
-                        Delta::Content(t) => json!({ "content": t }),
-                        Delta::Call(call) => {
-                            index += 1;
-                            json!({ "tool_calls": [chat::openai_call(&call, Some(index - 1))] })
-                        }
-                    };
-                    json!({ "index": c, "delta": delta, "logprobs": Value::Null, "finish_reason": Value::Null })
-                })
-                .collect();
-            if let Some(reason) = end {
-                let reason = if reason == "stop" && s.calls() > 0 { "tool_calls" } else { reason };
-                out.push(json!({ "index": c, "delta": {}, "logprobs": Value::Null, "finish_reason": reason }));
-            }
-            if let Some(first) = out.first_mut() {
-                first["logprobs"] = lp;
-            }
-            out
-        };
-        // The last chunk of `stream_options.include_usage`: no choices, the usage.
-        let usage_chunk = |completion: usize| {
-            json!({ "id": cid, "object": object, "created": created, "model": model_name, "choices": [], "usage": usage(completion) })
-                .to_string()
-        };
-        'events: while let Some(ev) = sub.recv().await {
-            for piece in out.on_event(&sub.model.model, ev) {
-                let ok = match piece {
-                    Piece::Text { text, logprobs, .. } if text.is_empty() && logprobs.is_empty() => true,
-                    Piece::Text { choice: c, text, logprobs, .. } => {
-                        let lp = lp_json(&logprobs, sent[c as usize]);
-                        sent[c as usize] += text.len();
-                        pieces(c, text, None, lp).into_iter().all(|p| send(chunk(json!([p]))))
-                    }
-                    Piece::End { choice: c, reason, text, logprobs } => {
-                        let lp = lp_json(&logprobs, sent[c as usize]);
-                        sent[c as usize] += text.len();
-                        pieces(c, text, Some(reason), lp).into_iter().all(|p| send(chunk(json!([p]))))
-                    }
-                    Piece::Done { completion_tokens, .. } => {
-                        if with_usage {
-                            send(usage_chunk(completion_tokens));
-                        }
-                        ended = true;
-                        break 'events;
-                    }
-                    Piece::Failed(msg) => {
-                        send(error(&msg));
-                        ended = true;
-                        break 'events;
-                    }
-                };
-                if !ok {
-                    return; // the client went away: dropping `sub.events` cancels the request
-                }
-            }
-            if out.all_stopped() {
-                sub.stop();
-                if let (true, Piece::Done { completion_tokens, .. }) = (with_usage, out.done_by_stop()) {
-                    send(usage_chunk(completion_tokens));
-                }
-                ended = true;
-                break;
-            }
-        }
-        if !ended {
-            // The engine went away without a last word: say so rather than look complete.
-            send(error("the engine stopped"));
-        }
-        send("[DONE]".to_string());
-    });
-    let events = tokio_stream::StreamExt::map(tokio_stream::wrappers::UnboundedReceiverStream::new(rx), |s| {
-        Ok::<_, std::convert::Infallible>(SseEvent::default().data(s))
-    });
-    Sse::new(events).into_response()
 }

@@ -5,6 +5,7 @@
 //! and the socket listens, the watchdog fed by the engine loops' heartbeats, SIGHUP reloads,
 //! SIGTERM drains.
 
+pub mod answer;
 pub mod bench;
 pub mod bench_clients;
 pub mod chat;
@@ -23,6 +24,7 @@ pub mod metrics;
 pub mod models;
 pub mod notify;
 pub mod ollama;
+pub mod openai;
 pub mod remote;
 pub mod request;
 pub mod store;

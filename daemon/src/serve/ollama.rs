@@ -9,19 +9,19 @@
 //! Model names may carry Ollama's `:latest` tag. A remote model's requests go to its upstream
 //! ([`remote::ollama`]).
 
+use super::answer::{Answer, Answers, Finish};
 use super::chat::Tools;
 use super::fields::{self, Field};
 use super::http::Peer;
 use super::models::Slot;
 use super::remote::{self, ollama::Route};
-use super::request::{self, ApiError, Output, Piece};
+use super::request::{self, ApiError};
 use super::{ModelHandle, Shared};
 use axum::extract::{ConnectInfo, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use inferd_engine::tools::parse::{Delta, ToolStream};
 use serde_json::{json, Map, Value};
 use std::path::Path;
 use std::sync::Arc;
@@ -452,8 +452,7 @@ async fn reply(sh: Arc<Shared>, ask: Result<Ask, ApiError>, peer: Peer, chat: bo
     }
 }
 
-/// Submits the request and answers as Ollama does: NDJSON lines while streaming, a last line
-/// with `done: true`, the counts and durations (nanoseconds); or one object.
+/// Submits the request and answers as Ollama does ([`respond`]).
 async fn answer(sh: Arc<Shared>, a: Ask, peer: Peer, chat: bool) -> Response {
     let t0 = Instant::now();
     let req = match fields::build(a.fields) {
@@ -465,141 +464,144 @@ async fn answer(sh: Arc<Shared>, a: Ask, peer: Peer, chat: bool) -> Response {
         Ok(p) => p,
         Err(e) => return error(e),
     };
-    let mut out = Output::new(1, p.stop.clone());
-    let mut split = a.tools.as_ref().map(|t| ToolStream::new(t.format));
-    if split.is_some() {
-        out = out.keeping_special();
-    }
-    let mut sub = match request::submit(&sh, p, peer.uid(), Some(Arc::clone(&peer.hangup))) {
+    let stop = p.stop.clone();
+    let sub = match request::submit(&sh, p, peer.uid(), Some(Arc::clone(&peer.hangup))) {
         Ok(s) => s,
         Err(e) => return error(e),
     };
-    let name = tagged(&sub.model);
-    let piece = move |text: &str| {
+    let tagged = tagged(&sub.model);
+    let answers = Answers::local(sub, 1, stop, a.tools.as_ref());
+    let shape = Shape { chat, stream: a.stream, tagged, t0, context: (!chat).then_some(prompt_ids) };
+    respond(answers, shape).await
+}
+
+/// How an Ollama client asked to be answered.
+pub struct Shape {
+    pub chat: bool,
+    pub stream: bool,
+    /// The model's name as Ollama lists it.
+    pub tagged: String,
+    /// When the request arrived (the durations count from it).
+    pub t0: Instant,
+    /// `/api/generate`'s prompt tokens, which the answer's `context` extends.
+    pub context: Option<Vec<u32>>,
+}
+
+/// An answer as Ollama gives it, local or from an upstream: NDJSON lines while streaming (text,
+/// thinking and tool calls as they come), a last line with `done: true`, the done reason, the
+/// counts and durations (nanoseconds; the prompt's until the first piece, the answer's after
+/// it); or one object with it all.
+pub async fn respond(mut answers: Answers, shape: Shape) -> Response {
+    let Shape { chat, stream, tagged, t0, mut context } = shape;
+    let piece = move |text: &str, thinking: &str| {
         let now = rfc3339(SystemTime::now());
-        if chat {
-            json!({ "model": name, "created_at": now, "message": { "role": "assistant", "content": text }, "done": false })
+        let mut v = if chat {
+            json!({ "model": tagged, "created_at": now, "message": { "role": "assistant", "content": text }, "done": false })
         } else {
-            json!({ "model": name, "created_at": now, "response": text, "done": false })
+            json!({ "model": tagged, "created_at": now, "response": text, "done": false })
+        };
+        if !thinking.is_empty() {
+            if chat {
+                v["message"]["thinking"] = thinking.into();
+            } else {
+                v["thinking"] = thinking.into();
+            }
         }
+        v
     };
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Value>();
-    let stream = a.stream;
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Result<Value, ApiError>>();
     tokio::spawn(async move {
-        let _slot = &sub.slot;
-        let (mut first, mut text, mut reason, mut generated) = (None, String::new(), "stop", Vec::new());
-        let mut calls: Vec<Value> = Vec::new();
-        let (mut failed, mut done) = (None, false);
-        'events: while let Some(ev) = sub.recv().await {
-            if let inferd_engine::sched::Event::Token { token, .. } = &ev {
-                generated.push(*token);
-            }
-            for pc in out.on_event(&sub.model.model, ev) {
-                let (chunk, end) = match pc {
-                    Piece::Text { text: t, .. } => (t, false),
-                    Piece::End { text: t, reason: r, .. } => {
-                        reason = r;
-                        (t, true)
+        let (mut text, mut thinking, mut calls) = (String::new(), String::new(), Vec::<Value>::new());
+        let (mut first, mut reason, mut usage) = (None, Finish::Stop, None);
+        while let Some(a) = answers.next().await {
+            let line = match a {
+                Answer::Text { text: t, logprobs, .. } => {
+                    if let Some(c) = context.as_mut() {
+                        c.extend(logprobs.iter().map(|s| s.token));
                     }
-                    Piece::Done { .. } => {
-                        done = true;
-                        break 'events;
+                    if t.is_empty() {
+                        continue;
                     }
-                    Piece::Failed(m) => {
-                        failed = Some(m);
-                        break 'events;
+                    if !stream {
+                        text.push_str(&t);
+                        first.get_or_insert_with(Instant::now);
+                        continue;
                     }
-                };
-                first.get_or_insert_with(Instant::now);
-                // With tools, calls leave the text as they complete.
-                let deltas = match split.as_mut() {
-                    Some(s) => {
-                        let mut d = s.push(&chunk);
-                        if end {
-                            d.extend(s.finish());
-                        }
-                        d
-                    }
-                    None => vec![Delta::Content(chunk)],
-                };
-                for d in deltas {
-                    let chunk = match d {
-                        Delta::Content(t) if t.is_empty() => continue,
-                        Delta::Content(t) => t,
-                        Delta::Call(c) => {
-                            let call = super::chat::ollama_call(&c);
-                            if stream {
-                                let mut v = piece("");
-                                v["message"]["tool_calls"] = json!([call]);
-                                if tx.send(v).is_err() {
-                                    return;
-                                }
-                            } else {
-                                calls.push(call);
-                            }
-                            continue;
-                        }
-                    };
-                    if stream {
-                        if tx.send(piece(&chunk)).is_err() {
-                            return; // the client went away: dropping the events cancels it
-                        }
-                    } else {
-                        text.push_str(&chunk);
-                    }
+                    piece(&t, "")
                 }
+                Answer::Reasoning { text: t, .. } if stream => piece("", &t),
+                Answer::Reasoning { text: t, .. } => {
+                    thinking.push_str(&t);
+                    first.get_or_insert_with(Instant::now);
+                    continue;
+                }
+                Answer::Call { call, .. } => {
+                    let call = super::chat::ollama_call(&call);
+                    if !stream {
+                        calls.push(call);
+                        first.get_or_insert_with(Instant::now);
+                        continue;
+                    }
+                    let mut v = piece("", "");
+                    v["message"]["tool_calls"] = json!([call]);
+                    v
+                }
+                Answer::Finish { reason: r, .. } => {
+                    reason = r;
+                    continue;
+                }
+                Answer::Done(u) => {
+                    usage = Some(u);
+                    break;
+                }
+                Answer::Failed(e) => {
+                    let _ = tx.send(Err(e));
+                    return;
+                }
+            };
+            first.get_or_insert_with(Instant::now);
+            if tx.send(Ok(line)).is_err() {
+                return; // the client went away: dropping the answer cancels it
             }
-            if out.all_stopped() {
-                sub.stop();
-                done = true;
-                break;
-            }
         }
-        if !done && failed.is_none() {
-            failed = Some("the engine stopped".to_owned());
-        }
-        if let Some(m) = failed {
-            let _ = tx.send(json!({ "error": m }));
-            return;
-        }
+        let Some(usage) = usage else { return };
         let end = Instant::now();
         let first = first.unwrap_or(end);
         let whole = if calls.is_empty() { text.as_str() } else { text.trim() };
-        let mut last = piece(if stream { "" } else { whole });
+        let mut last = piece(if stream { "" } else { whole }, if stream { "" } else { &thinking });
         if !calls.is_empty() {
             last["message"]["tool_calls"] = json!(calls);
         }
         last["done"] = json!(true);
-        last["done_reason"] = json!(reason);
+        last["done_reason"] = json!(reason.ollama());
         last["total_duration"] = json!((end - t0).as_nanos() as u64);
         last["load_duration"] = json!(0);
-        last["prompt_eval_count"] = json!(sub.prompt_tokens);
+        last["prompt_eval_count"] = json!(usage.prompt);
         last["prompt_eval_duration"] = json!((first - t0).as_nanos() as u64);
-        last["eval_count"] = json!(generated.len());
+        last["eval_count"] = json!(usage.completion);
         last["eval_duration"] = json!((end - first).as_nanos() as u64);
-        if !chat {
-            let mut context = prompt_ids;
-            context.extend(&generated);
-            last["context"] = json!(context);
+        if let Some(c) = context {
+            last["context"] = json!(c);
         }
-        let _ = tx.send(last);
+        let _ = tx.send(Ok(last));
     });
-    lines(rx, stream, StatusCode::INTERNAL_SERVER_ERROR).await
+    lines(rx, stream).await
 }
 
-/// An answer's lines as the response: NDJSON while streaming; otherwise its one object, or
-/// its error with status `failed`.
-pub async fn lines(mut rx: tokio::sync::mpsc::UnboundedReceiver<Value>, stream: bool, failed: StatusCode) -> Response {
+/// An answer's lines as the response: NDJSON while streaming (an error as an `error` line);
+/// otherwise its one object, or its error with the error's status.
+async fn lines(mut rx: tokio::sync::mpsc::UnboundedReceiver<Result<Value, ApiError>>, stream: bool) -> Response {
     if stream {
         let lines = tokio_stream::StreamExt::map(tokio_stream::wrappers::UnboundedReceiverStream::new(rx), |v| {
+            let v = v.unwrap_or_else(|e| json!({ "error": e.message }));
             Ok::<_, std::convert::Infallible>(format!("{v}\n"))
         });
         return ([(axum::http::header::CONTENT_TYPE, "application/x-ndjson")], axum::body::Body::from_stream(lines))
             .into_response();
     }
     match rx.recv().await {
-        Some(v) if v.get("error").is_some() => (failed, Json(v)).into_response(),
-        Some(v) => Json(v).into_response(),
+        Some(Ok(v)) => Json(v).into_response(),
+        Some(Err(e)) => error(e),
         None => error(ApiError::new(503, "the engine stopped", None)),
     }
 }

@@ -33,7 +33,10 @@ fn formats_are_detected_from_the_chat_template() {
 
 /// The answer split as a client streaming it one character at a time would see it.
 fn streamed(format: ToolFormat, text: &str) -> (String, Vec<(String, String)>) {
-    let mut s = ToolStream::new(format);
+    streamed_by(ToolStream::new(format), text)
+}
+
+fn streamed_by(mut s: ToolStream, text: &str) -> (String, Vec<(String, String)>) {
     let mut deltas = Vec::new();
     let mut buf = [0u8; 4];
     for c in text.chars() {
@@ -106,6 +109,52 @@ fn calls_parse_the_same_whole_and_streamed() {
         .parse("[TOOL_CALLS][{\"name\": \"f\", \"arguments\": {}}, {\"name\": \"f\", \"arguments\": {}}]");
     assert!(calls.iter().all(|c| c.id.len() == 9 && c.id.chars().all(|x| x.is_ascii_alphanumeric())));
     assert_ne!(calls[0].id, calls[1].id);
+}
+
+#[test]
+fn calls_written_without_the_marker_parse_when_they_name_an_offered_tool() {
+    let paris = || ("get_weather".to_string(), r#"{"city":"Paris"}"#.to_string());
+    let rome = || ("get_time".to_string(), r#"{"city":"Rome"}"#.to_string());
+    let w = r#"{"name": "get_weather", "arguments": {"city": "Paris"}}"#;
+    let t = r#"{"name": "get_time", "parameters": {"city": "Rome"}}"#;
+    type Case = (Syntax, String, &'static str, Vec<(String, String)>);
+    let cases: Vec<Case> = vec![
+        // Qwen2.5-Coder's habits: a fenced block, a bare object, content first.
+        (Syntax::Hermes, format!("```json\n{w}\n```"), "", vec![paris()]),
+        (Syntax::Hermes, format!("```\n{w}\n```\n```json\n{t}\n```"), "", vec![paris(), rome()]),
+        (Syntax::Hermes, format!("I'll check the weather.\n{w}"), "I'll check the weather.", vec![paris()]),
+        (Syntax::Hermes, format!("```json\n[{w}, {t}]\n```"), "", vec![paris(), rome()]),
+        (Syntax::Hermes, format!("{w}\n{t}"), "", vec![paris(), rome()]),
+        // A block whose closing fence never came (max_tokens).
+        (Syntax::Hermes, format!("```json\n{w}\n"), "", vec![paris()]),
+        (Syntax::Llama3, format!("Sure. {t}"), "Sure.", vec![rome()]),
+        (Syntax::Mistral, r#"[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}"#.into(), "", vec![paris()]),
+        (Syntax::Mistral, format!("[TOOL_CALLS]{w}"), "", vec![paris()]),
+        // JSON and code that are not calls stay as they were written.
+        (Syntax::Hermes, r#"{"name": "Bob", "age": 3}"#.into(), r#"{"name": "Bob", "age": 3}"#, vec![]),
+        (Syntax::Hermes, "```json\n{\"a\": 1}\n```".into(), "```json\n{\"a\": 1}\n```", vec![]),
+        (Syntax::Hermes, "```python\nprint({\"name\": 1})\n```".into(), "```python\nprint({\"name\": 1})\n```", vec![]),
+        (Syntax::Hermes, "A dict {'a': 1}, a set {1} and `x`.".into(), "A dict {'a': 1}, a set {1} and `x`.", vec![]),
+        (Syntax::Hermes, r#"{"name": "get_weather", oops"#.into(), r#"{"name": "get_weather", oops"#, vec![]),
+        (Syntax::Hermes, r#"{"name": "get_weather", "arg"#.into(), r#"{"name": "get_weather", "arg"#, vec![]),
+    ];
+    let offered = || vec!["get_weather".to_string(), "get_time".to_string()];
+    for (syntax, text, content, calls) in cases {
+        let want = (content.to_string(), calls);
+        let got = parse::split_whole(ToolStream::new(fmt(syntax)).offering(offered()), &text);
+        let got = (got.0, got.1.into_iter().map(|c| (c.name, c.arguments)).collect());
+        assert_eq!(got, want, "{syntax:?} whole: {text}");
+        assert_eq!(
+            streamed_by(ToolStream::new(fmt(syntax)).offering(offered()), &text),
+            want,
+            "{syntax:?} streamed: {text}"
+        );
+    }
+    // Text goes out as soon as it cannot begin a call; a brace is held only while it might.
+    let mut s = ToolStream::new(fmt(Syntax::Hermes)).offering(offered());
+    assert_eq!(s.push("Here {"), vec![Delta::Content("Here ".into())]);
+    assert_eq!(s.push("1} and ``"), vec![Delta::Content("{1} and ".into())]);
+    assert_eq!(s.push("`python\n"), vec![Delta::Content("```python\n".into())]);
 }
 
 fn tokenizer() -> Tokenizer {

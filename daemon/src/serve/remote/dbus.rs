@@ -6,10 +6,10 @@
 //! text has no token ids here: `Token` carries `u32::MAX`, and `logprobs` is refused.
 //! Reasoning text, which the signals have no place for, is left out.
 
-use super::events::{Event, Events};
 use super::{Opened, Remote};
+use crate::serve::answer::Answers;
 use crate::serve::conn::{Hangup, Peer};
-use crate::serve::dbus::{caller_uid, failed, usage as usage_of, Inference, RequestObject, Stop};
+use crate::serve::dbus::{caller_uid, failed, Inference, Stop};
 use crate::serve::dbus_options::{chat_body, option_field};
 use crate::serve::fields::FIELDS;
 use crate::serve::request::ApiError;
@@ -19,8 +19,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use zbus::fdo;
 use zbus::message::Header;
-use zbus::names::{BusName, UniqueName};
-use zbus::object_server::SignalEmitter;
 use zbus::zvariant::{OwnedObjectPath, OwnedValue};
 use zbus::Connection;
 
@@ -127,24 +125,8 @@ impl Inference {
 
     /// A forwarded `Complete`: the whole text.
     pub async fn complete_remote(&self, fw: Forwarding) -> fdo::Result<String> {
-        let Forwarding { r, opened: Opened { resp, place }, hangup, sender, id } = fw;
-        let mut events = Events::new(resp);
-        let mut text = String::new();
-        let result = loop {
-            let ev = tokio::select! {
-                e = events.next() => e,
-                () = hangup.wait() => break Err(fdo::Error::Failed("cancelled".into())),
-            };
-            match ev {
-                None => break Ok(text),
-                Some(Ok(Event::Text(t))) => text.push_str(&t),
-                Some(Ok(_)) => {}
-                Some(Err(m)) => {
-                    break Err(failed(r.failed(ApiError::new(502, format!("upstream for {}: {m}", r.name), None))))
-                }
-            }
-        };
-        drop(place);
+        let Forwarding { r, opened, hangup, sender, id } = fw;
+        let result = crate::serve::dbus::whole_text(Answers::remote(r, opened, hangup)).await;
         crate::serve::dbus::forget_id(&self.owners, &sender, id);
         result
     }
@@ -183,50 +165,6 @@ pub async fn embed(
 
 /// The upstream's stream as the request object's signals, unicast to the caller.
 async fn signals(conn: &Connection, path: &OwnedObjectPath, fw: Forwarding) {
-    let Forwarding { r, opened: Opened { resp, place }, hangup, sender, .. } = fw;
-    let _place = place;
-    let Ok(dest) = UniqueName::try_from(sender) else { return };
-    let Ok(emitter) = SignalEmitter::new(conn, path.clone()) else { return };
-    let emitter = emitter.set_destination(BusName::Unique(dest));
-    let mut events = Events::new(resp);
-    let (mut reason, mut usage, mut pieces) = (String::from("stop"), None, 0u64);
-    loop {
-        let ev = tokio::select! {
-            e = events.next() => e,
-            () = hangup.wait() => return, // cancelled: dropping the response closes the upstream's connection
-        };
-        let sent = match ev {
-            None => break,
-            Some(Ok(Event::Text(t))) => {
-                pieces += 1;
-                RequestObject::token(&emitter, &t, u32::MAX).await
-            }
-            Some(Ok(Event::Calls(calls))) => {
-                let mut sent = Ok(());
-                for c in calls {
-                    sent = sent.and(RequestObject::tool_call(&emitter, &c.id, &c.name, &c.arguments).await);
-                }
-                sent
-            }
-            Some(Ok(Event::Finish(why))) => {
-                reason = why;
-                Ok(())
-            }
-            Some(Ok(Event::Usage { prompt, completion })) => {
-                usage = Some((prompt, completion));
-                Ok(())
-            }
-            Some(Ok(Event::Reasoning(_))) => Ok(()),
-            Some(Err(m)) => {
-                r.count_error();
-                let _ = RequestObject::failed(&emitter, &format!("upstream for {}: {m}", r.name)).await;
-                return;
-            }
-        };
-        if sent.is_err() {
-            return; // the bus connection is gone
-        }
-    }
-    let (prompt, completion) = usage.unwrap_or((0, pieces));
-    let _ = RequestObject::finished(&emitter, &reason, usage_of(prompt as usize, completion as usize)).await;
+    let Forwarding { r, opened, hangup, sender, .. } = fw;
+    crate::serve::dbus::signals(conn, path, &sender, Answers::remote(r, opened, hangup), false).await;
 }

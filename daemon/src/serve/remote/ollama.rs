@@ -13,8 +13,8 @@
 //! and ignored. The upstream always streams, so the durations Ollama reports are measured here:
 //! the prompt's until the first piece, the answer's after it.
 
-use super::events::{Event, Events};
 use super::{object, Opened, Remote};
+use crate::serve::answer::Answers;
 use crate::serve::conn::Peer;
 use crate::serve::ollama::{error, options, rfc3339};
 use crate::serve::request::ApiError;
@@ -79,7 +79,9 @@ pub async fn serve(sh: &Arc<Shared>, route: Route, body: Bytes, peer: &Peer) -> 
         return Err(embedded(&r, opened, peer, &tagged, t0).await);
     }
     let stream = m.get("stream").and_then(Value::as_bool) != Some(false);
-    Err(relay(r, opened, peer.clone(), route == Route::Chat, stream, tagged, t0).await)
+    let answers = Answers::remote(r, opened, Arc::clone(&peer.hangup));
+    let shape = crate::serve::ollama::Shape { chat: route == Route::Chat, stream, tagged, t0, context: None };
+    Err(crate::serve::ollama::respond(answers, shape).await)
 }
 
 /// Keys each route reads; other keys (and these at odd values) are refused as for a local model.
@@ -293,117 +295,6 @@ async fn embedded(r: &Remote, opened: Opened, peer: &Peer, tagged: &str, t0: Ins
             None,
         ))),
     }
-}
-
-/// An OpenAI finish reason as Ollama's `done_reason`.
-fn done_reason(r: &str) -> &str {
-    match r {
-        "tool_calls" | "function_call" => "stop",
-        r => r,
-    }
-}
-
-/// The upstream's stream as Ollama's answer: NDJSON lines, or one object when `stream` is off.
-async fn relay(
-    r: Arc<Remote>,
-    opened: Opened,
-    peer: Peer,
-    chat: bool,
-    stream: bool,
-    tagged: String,
-    t0: Instant,
-) -> Response {
-    let Opened { resp, place } = opened;
-    let piece = move |text: &str, thinking: &str| {
-        let now = rfc3339(SystemTime::now());
-        let mut v = if chat {
-            json!({ "model": tagged, "created_at": now, "message": { "role": "assistant", "content": text }, "done": false })
-        } else {
-            json!({ "model": tagged, "created_at": now, "response": text, "done": false })
-        };
-        if !thinking.is_empty() {
-            if chat {
-                v["message"]["thinking"] = thinking.into();
-            } else {
-                v["thinking"] = thinking.into();
-            }
-        }
-        v
-    };
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Value>();
-    tokio::spawn(async move {
-        let _place = place;
-        let mut events = Events::new(resp);
-        let (mut text, mut thinking, mut calls) = (String::new(), String::new(), Vec::<Value>::new());
-        let (mut first, mut reason, mut usage, mut pieces) = (None, String::from("stop"), None, 0u64);
-        loop {
-            let ev = tokio::select! {
-                e = events.next() => e,
-                () = peer.hangup.wait() => return, // dropping the response closes the upstream's connection
-            };
-            let ev = match ev {
-                None => break,
-                Some(Ok(ev)) => ev,
-                Some(Err(m)) => {
-                    r.count_error();
-                    let _ = tx.send(json!({ "error": format!("upstream {} for {}: {m}", r.upstream, r.name) }));
-                    return;
-                }
-            };
-            let line = match ev {
-                Event::Text(t) if stream => piece(&t, ""),
-                Event::Reasoning(t) if stream => piece("", &t),
-                Event::Text(t) => {
-                    text.push_str(&t);
-                    continue;
-                }
-                Event::Reasoning(t) => {
-                    thinking.push_str(&t);
-                    continue;
-                }
-                Event::Calls(list) => {
-                    let list: Vec<Value> = list.iter().map(crate::serve::chat::ollama_call).collect();
-                    if !stream {
-                        calls.extend(list);
-                        continue;
-                    }
-                    let mut v = piece("", "");
-                    v["message"]["tool_calls"] = Value::Array(list);
-                    v
-                }
-                Event::Finish(why) => {
-                    reason = why;
-                    continue;
-                }
-                Event::Usage { prompt, completion } => {
-                    usage = Some((prompt, completion));
-                    continue;
-                }
-            };
-            first.get_or_insert_with(Instant::now);
-            pieces += 1;
-            if tx.send(line).is_err() {
-                return; // the client went away
-            }
-        }
-        let end = Instant::now();
-        let first = first.unwrap_or(end);
-        let mut last = piece(if stream { "" } else { &text }, if stream { "" } else { &thinking });
-        if !calls.is_empty() {
-            last["message"]["tool_calls"] = Value::Array(calls);
-        }
-        let (prompt, completion) = usage.unwrap_or((0, pieces));
-        last["done"] = true.into();
-        last["done_reason"] = done_reason(&reason).into();
-        last["total_duration"] = json!((end - t0).as_nanos() as u64);
-        last["load_duration"] = json!(0);
-        last["prompt_eval_count"] = json!(prompt);
-        last["prompt_eval_duration"] = json!((first - t0).as_nanos() as u64);
-        last["eval_count"] = json!(completion);
-        last["eval_duration"] = json!((end - first).as_nanos() as u64);
-        let _ = tx.send(last);
-    });
-    crate::serve::ollama::lines(rx, stream, axum::http::StatusCode::BAD_GATEWAY).await
 }
 
 /// The remote models as `/api/tags` lists them; `local`: the client is on the Unix socket
