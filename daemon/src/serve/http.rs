@@ -57,6 +57,8 @@ pub fn router(sh: Arc<Shared>) -> Router {
         .route("/detokenize", post(detokenize))
         .merge(super::loading::routes())
         .merge(super::upload::routes())
+        .fallback(unknown)
+        .method_not_allowed_fallback(not_allowed)
         .layer(axum::middleware::from_fn_with_state(Arc::clone(&sh), count))
         // `read_body` bounds every body (and answers in JSON); the extractors' own 2 MiB
         // default, with its plain-text 413, would otherwise be the limit.
@@ -120,6 +122,35 @@ pub fn facts_json(slot: &super::models::Slot) -> Value {
 }
 
 async fn models(State(sh): State<Arc<Shared>>, ConnectInfo(peer): ConnectInfo<Peer>) -> Json<Value> {
+    Json(json!({ "object": "list", "data": model_list(&sh, &peer).await }))
+}
+
+/// `GET /v1/models/{id}`: one model as the list gives it, or a 404 naming it.
+pub(super) async fn model(
+    State(sh): State<Arc<Shared>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    let list = model_list(&sh, &peer).await;
+    match list.into_iter().find(|m| m["id"] == id.as_str()) {
+        Some(m) => Json(m).into_response(),
+        None => error(ApiError::new(404, format!("the model {id:?} does not exist"), Some("model"))),
+    }
+}
+
+/// Every route not served: a 404 with an OpenAI error body naming it.
+async fn unknown(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    error(ApiError::new(404, format!("no route {method} {} in inferd", uri.path()), None))
+}
+
+/// A route served, asked with a method it does not take: a 405 with an error body.
+async fn not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    error(ApiError::new(405, format!("{} does not take {method}", uri.path()), None))
+}
+
+/// The models as `/v1/models` lists them (loaded or not, drafts, remote ones); to a peer over
+/// loopback TCP without file paths or upstream addresses.
+async fn model_list(sh: &Arc<Shared>, peer: &Peer) -> Vec<Value> {
     sh.rescan_store().await;
     let mut data = Vec::new();
     for slot in &sh.models.slots() {
@@ -149,7 +180,7 @@ async fn models(State(sh): State<Arc<Shared>>, ConnectInfo(peer): ConnectInfo<Pe
             m["inferd"].as_object_mut().map(|o| (o.remove("path"), o.remove("upstream")));
         }
     }
-    Json(json!({ "object": "list", "data": data }))
+    data
 }
 
 /// The engine state: per model KV blocks, queue, counters; plugins; uptime.

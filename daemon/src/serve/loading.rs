@@ -32,7 +32,7 @@ use super::conn::BODY_LIMIT;
 pub fn routes() -> Router<Arc<Shared>> {
     Router::new()
         .route("/v1/models/{name}/load", post(load))
-        .route("/v1/models/{name}", delete(remove_openai))
+        .route("/v1/models/{name}", delete(remove_openai).get(super::http::model))
         .route("/api/delete", delete(remove_ollama))
 }
 

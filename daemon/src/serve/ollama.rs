@@ -187,11 +187,28 @@ async fn show(
                 format!("{arch}.attention.head_count_kv"): cfg.n_kv_heads,
                 "tokenizer.ggml.vocab_size": cfg.vocab,
             },
-            "capabilities": ["completion"],
+            "capabilities": capabilities(&h),
             "modified_at": rfc3339(modified),
         }))
     };
     run().map_or_else(error, |v| Json(v).into_response())
+}
+
+/// What a model can do, as Ollama lists it (apps show or hide features by it): `tools` when
+/// its chat template renders tools itself (any model gets them described otherwise, but Ollama
+/// reports the template's support), `thinking` when the template has a reasoning switch or
+/// block.
+fn capabilities(h: &ModelHandle) -> Vec<&'static str> {
+    let template = h.model.chat_template.as_deref();
+    let mut caps = vec!["completion"];
+    if inferd_engine::tools::ToolFormat::detect(template).native {
+        caps.push("tools");
+    }
+    let t = template.unwrap_or_default();
+    if ["<think>", "enable_thinking", "reasoning_content"].iter().any(|k| t.contains(k)) {
+        caps.push("thinking");
+    }
+    caps
 }
 
 /// The body a route answers here, its model loaded: `Err` with the answer when the body names

@@ -228,6 +228,10 @@ fn tool_calls_in_the_llama3_and_mistral_conventions_of_native_templates() {
         let template = format!("{}/../tests/templates/{file}", env!("CARGO_MANIFEST_DIR"));
         let cfg = format!("[[model]]\npath = \"{}\"\nchat_template = \"{template}\"\n", model());
         let d = Daemon::start(&dir, &cfg, &[]);
+        // Apps show tool features by Ollama's capabilities: a template that renders tools has them.
+        let (_, show) = d.http("POST", "/api/show", "{}");
+        let caps: Value = serde_json::from_str::<Value>(&show).unwrap()["capabilities"].clone();
+        assert_eq!(caps, serde_json::json!(["completion", "tools"]), "{name}: {show}");
         let v = python_client(&d, "tool_syntaxes.py");
         let whole = &v["whole"];
         assert_eq!(whole["finish"], "tool_calls", "{name}: {v}");

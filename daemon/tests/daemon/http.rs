@@ -121,6 +121,22 @@ fn openai_api_status_and_metrics_on_the_unix_socket() {
     let (_, b) = d.http("GET", "/v1/models", "");
     let v: Value = serde_json::from_str(&b).unwrap();
     assert_eq!(v["data"][0]["id"], "SmolLM2-135M-Instruct.Q4_1");
+    // One model by id, as the list gives it; unknown ids, routes and methods are JSON errors.
+    let (st, b) = d.http("GET", "/v1/models/SmolLM2-135M-Instruct.Q4_1", "");
+    let one: Value = serde_json::from_str(&b).unwrap();
+    assert_eq!((st, &one), (200, &v["data"][0]));
+    let (st, b) = d.http("GET", "/v1/models/nope", "");
+    assert_eq!(st, 404);
+    assert!(serde_json::from_str::<Value>(&b).unwrap()["error"]["message"].as_str().unwrap().contains("nope"), "{b}");
+    let (st, b) = d.http("POST", "/v1/nowhere", "{}");
+    assert_eq!(st, 404);
+    assert!(
+        serde_json::from_str::<Value>(&b).unwrap()["error"]["message"].as_str().unwrap().contains("/v1/nowhere"),
+        "{b}"
+    );
+    let (st, b) = d.http("DELETE", "/v1/chat/completions", "");
+    assert_eq!(st, 405);
+    assert!(serde_json::from_str::<Value>(&b).unwrap()["error"]["message"].is_string(), "{b}");
 
     // Status: KV blocks, requests, strategies, uptime. (The stop-string requests' ends
     // reach the engine a moment after their answers.)
