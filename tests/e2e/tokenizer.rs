@@ -126,3 +126,43 @@ fn qwen2_splits_digits_one_by_one_where_llama3_takes_three() {
     assert_eq!(qwen.decode(&q, false).unwrap(), "x123");
     assert_eq!(llama.decode(&l, false).unwrap(), "x123");
 }
+
+#[test]
+fn end_tokens_and_fim_tokens_are_read_as_llama_cpp_reads_them() {
+    use inferd_engine::model::gguf::Gguf;
+    use inferd_engine::model::gguf_writer::{GgufWriter, MetaValue};
+    use inferd_engine::model::mmap::Blob;
+    use inferd_engine::tokenizer::Tokenizer;
+    let (mut tokens, merges) = inferd_e2e::tiny_vocab();
+    // (The tiny vocabulary starts with `<|endoftext|>`, `<|im_start|>`, `<|im_end|>`.)
+    let added = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|file_sep|>"];
+    tokens.extend(added.iter().map(|t| t.to_string()));
+    let id = |t: &str| tokens.iter().position(|a| a == t).unwrap() as u32;
+    let tokenizer = |extra: &[(&str, u32)]| {
+        let mut w = GgufWriter::default();
+        w.meta("tokenizer.ggml.model", MetaValue::Str("gpt2".into()))
+            .meta("tokenizer.ggml.pre", MetaValue::Str("qwen2".into()))
+            .meta("tokenizer.ggml.tokens", MetaValue::StrArray(tokens.clone()))
+            .meta(
+                "tokenizer.ggml.merges",
+                MetaValue::StrArray(merges.iter().map(|(a, b)| format!("{a} {b}")).collect()),
+            )
+            .meta("tokenizer.ggml.eos_token_id", MetaValue::U32(id("<|im_end|>")));
+        for (k, v) in extra {
+            w.meta(k, MetaValue::U32(*v));
+        }
+        Tokenizer::from_gguf(&Gguf::parse(Blob::from_vec(w.to_bytes())).unwrap()).unwrap()
+    };
+    // Qwen's converters name `<|im_end|>` alone; `<|endoftext|>` ends a completion and the file
+    // separator ends a fill-in-the-middle answer (llama.cpp stops at both).
+    let tok = tokenizer(&[]);
+    assert_eq!(tok.eos(), [id("<|im_end|>"), id("<|endoftext|>"), id("<|file_sep|>")]);
+    let fim = tok.fim().fim().unwrap();
+    assert_eq!(
+        (fim.prefix, fim.suffix, fim.middle),
+        (id("<|fim_prefix|>"), id("<|fim_suffix|>"), id("<|fim_middle|>"))
+    );
+    // Metadata names win over the known spellings.
+    let tok = tokenizer(&[("tokenizer.ggml.fim_mid_token_id", 3)]);
+    assert_eq!(tok.fim().middle, Some(3));
+}

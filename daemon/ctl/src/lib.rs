@@ -305,7 +305,7 @@ fn run(client: &Client, cmd: Cmd) -> Result<(), Error> {
             let v = client.json(
                 "POST",
                 "/tokenize",
-                Some(&json!({ "model": model, "content": text, "add_special": special })),
+                Some(&json!({ "model": model, "content": text, "parse_special": special })),
             )?;
             writeln!(out, "{}", v["tokens"])?;
         }

@@ -24,8 +24,10 @@ use std::sync::Arc;
 /// Why a choice ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Finish {
-    /// The end of the turn, or a stop string.
+    /// The end of the turn.
     Stop,
+    /// A stop string the request named (the answer ends before it).
+    StopSequence(String),
     /// `max_tokens` or the end of the context.
     Length,
     /// It called tools and stopped.
@@ -38,7 +40,7 @@ impl Finish {
     /// OpenAI's `finish_reason`.
     pub fn openai(&self) -> &str {
         match self {
-            Finish::Stop => "stop",
+            Finish::Stop | Finish::StopSequence(_) => "stop",
             Finish::Length => "length",
             Finish::ToolCalls => "tool_calls",
             Finish::Other(r) => r,
@@ -266,14 +268,14 @@ impl Local {
     fn piece(&mut self, piece: Piece, q: &mut VecDeque<Answer>) {
         match piece {
             Piece::Text { choice, text, token, logprobs } => self.text(choice, text, Some(token), logprobs, false, q),
-            Piece::End { choice, reason, text, logprobs } => {
+            Piece::End { choice, reason, stop, text, logprobs } => {
                 // The held-back tail of the text: no single token completed it.
                 self.text(choice, text, None, logprobs, true, q);
                 let called = self.calls.get(choice as usize).is_some_and(|&c| c > 0);
                 let reason = match reason {
                     "length" => Finish::Length,
                     _ if called => Finish::ToolCalls,
-                    _ => Finish::Stop,
+                    _ => stop.map_or(Finish::Stop, Finish::StopSequence),
                 };
                 q.push_back(Answer::Finish { choice, reason });
             }

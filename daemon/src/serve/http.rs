@@ -54,6 +54,7 @@ pub fn router(sh: Arc<Shared>) -> Router {
         .layer(axum::middleware::from_fn_with_state(Arc::clone(&sh), super::loading::progress))
         .route("/v1/embeddings", post(embeddings))
         .route("/tokenize", post(tokenize))
+        .route("/infill", post(super::infill::infill))
         .route("/detokenize", post(detokenize))
         .merge(super::loading::routes())
         .merge(super::upload::routes())
@@ -281,9 +282,25 @@ async fn tokenize(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Res
             .get("content")
             .and_then(Value::as_str)
             .ok_or_else(|| ApiError::bad("content must be a string", "content"))?;
-        let special = m.get("add_special").and_then(Value::as_bool).unwrap_or(false);
-        let ids = model.model.tokenizer.encode(text, special).map_err(|e| ApiError::bad(e.to_string(), "content"))?;
-        Ok(json!({ "tokens": ids }))
+        // As llama-server: `add_special` adds the model's BOS (and EOS), `parse_special` (on
+        // unless false) reads special-token text as the special tokens.
+        let flag = |k: &str, default: bool| m.get(k).and_then(Value::as_bool).unwrap_or(default);
+        let (add, parse) = (flag("add_special", false), flag("parse_special", true));
+        let tok = &model.model.tokenizer;
+        let ids = if add { tok.encode(text, parse) } else { tok.encode_bare(text, parse) };
+        let ids = ids.map_err(|e| ApiError::bad(e.to_string(), "content"))?;
+        if !flag("with_pieces", false) {
+            return Ok(json!({ "tokens": ids }));
+        }
+        let pieces: Vec<Value> = ids
+            .iter()
+            .map(|&id| {
+                let bytes = tok.token_bytes(id).unwrap_or_default();
+                let piece = std::str::from_utf8(bytes).map_or_else(|_| json!(bytes), |s| json!(s));
+                json!({ "id": id, "piece": piece })
+            })
+            .collect();
+        Ok(json!({ "tokens": pieces }))
     };
     sh.cpu_with(&body, run).await.map_or_else(error, |v| Json(v).into_response())
 }
@@ -326,7 +343,9 @@ const ROUTE_KEYS: [&str; 8] =
 fn known_keys(m: &Map<String, Value>, body_key: &str) -> Result<(), ApiError> {
     for (k, v) in m {
         let k = k.as_str();
-        if k == body_key || FIELDS.contains(&k) || IGNORED.contains(&k) || ROUTE_KEYS.contains(&k) || v.is_null() {
+        // A completion's `suffix`: the code after a fill-in-the-middle gap.
+        let own = k == body_key || (body_key == "prompt" && k == "suffix");
+        if own || FIELDS.contains(&k) || IGNORED.contains(&k) || ROUTE_KEYS.contains(&k) || v.is_null() {
             continue;
         }
         // Values that ask for nothing beyond plain text generation.
@@ -334,7 +353,6 @@ fn known_keys(m: &Map<String, Value>, body_key: &str) -> Result<(), ApiError> {
             "modalities" => v.as_array().is_some_and(|a| a.iter().all(|x| x == "text")),
             "echo" => v == &Value::Bool(false),
             "best_of" => v.as_u64() == Some(1),
-            "suffix" => v.as_str() == Some(""),
             _ => false,
         };
         if default {
@@ -473,19 +491,49 @@ async fn completions(
     let start = |sh: &Arc<Shared>, body: &[u8]| -> Result<(request::Prepared, Map<String, Value>), ApiError> {
         let m = object(body)?;
         let model = sh.model(model_field(&m)?)?;
-        let prompt = m
-            .get("prompt")
-            .and_then(Value::as_str)
-            .ok_or_else(|| ApiError::bad("prompt must be a string", "prompt"))?;
         known_keys(&m, "prompt")?;
         include_usage(&m)?;
-        let ids = request::encode_prompt(&model.model, prompt)?;
+        let ids = completion_prompt(&model, &m)?;
         let req = Request { logprobs: wants_logprobs(&m, false)?, ..typed_request(&m)? };
         Ok((request::prepare(sh, model, req, ids)?, m))
     };
     match sh.cpu_with(&body, start).await {
         Ok((p, m)) => respond(sh, p, &m, peer, false, None).await,
         Err(e) => error(e),
+    }
+}
+
+/// A completion's prompt as token ids: text (special-token text parsed) or token ids, alone or
+/// as a list of one (OpenAI's batch form; one prompt per request here). With a non-empty
+/// `suffix`, the prompt is the code before a gap and the suffix the code after it: a
+/// fill-in-the-middle prompt in the model's tokens.
+fn completion_prompt(model: &super::ModelHandle, m: &Map<String, Value>) -> Result<Vec<u32>, ApiError> {
+    let bad = || ApiError::bad("prompt must be a string, token ids, or a list of one of those", "prompt");
+    let mut prompt = m.get("prompt").ok_or_else(bad)?;
+    if let Value::Array(a) = prompt {
+        if a.len() == 1 && (a[0].is_string() || a[0].is_array()) {
+            prompt = &a[0];
+        } else if a.len() > 1 && a.iter().all(|p| p.is_string() || p.is_array()) {
+            return Err(ApiError::bad(
+                format!("prompt lists {} prompts; inferd takes one per request", a.len()),
+                "prompt",
+            ));
+        }
+    }
+    let suffix = match m.get("suffix") {
+        None | Some(Value::Null) => "",
+        Some(Value::String(s)) => s.as_str(),
+        Some(_) => return Err(ApiError::bad("suffix must be a string", "suffix")),
+    };
+    match prompt {
+        Value::String(p) if !suffix.is_empty() => {
+            let tok = &model.model.tokenizer;
+            super::fim::gap(tok, super::fim::tokens(tok, &model.name, "suffix")?, p, suffix)
+        }
+        _ if !suffix.is_empty() => Err(ApiError::bad("a suffix needs the prompt as text", "suffix")),
+        Value::String(p) => request::encode_prompt(&model.model, p),
+        Value::Array(ids) => request::prompt_ids(&model.model, ids, "prompt"),
+        _ => Err(bad()),
     }
 }
 

@@ -196,13 +196,16 @@ async fn show(
 
 /// What a model can do, as Ollama lists it (apps show or hide features by it): `tools` when
 /// its chat template renders tools itself (any model gets them described otherwise, but Ollama
-/// reports the template's support), `thinking` when the template has a reasoning switch or
-/// block.
+/// reports the template's support), `insert` when the vocabulary has fill-in-the-middle tokens
+/// (`suffix` works), `thinking` when the template has a reasoning switch or block.
 fn capabilities(h: &ModelHandle) -> Vec<&'static str> {
     let template = h.model.chat_template.as_deref();
     let mut caps = vec!["completion"];
     if inferd_engine::tools::ToolFormat::detect(template).native {
         caps.push("tools");
+    }
+    if h.model.tokenizer.fim().fim().is_ok() {
+        caps.push("insert");
     }
     let t = template.unwrap_or_default();
     if ["<think>", "enable_thinking", "reasoning_content"].iter().any(|k| t.contains(k)) {
@@ -404,9 +407,10 @@ async fn generate(
     };
     let ask = |sh: &Arc<Shared>, body: &[u8]| -> Result<Ask, ApiError> {
         let m = super::http::object(body)?;
-        check_keys(&m, &["prompt", "system", "context", "raw"])?;
+        check_keys(&m, &["prompt", "system", "context", "raw", "suffix"])?;
         let h = model(sh, &m)?;
         let prompt = string(&m, "prompt")?.unwrap_or_default();
+        let suffix = string(&m, "suffix")?.unwrap_or_default();
         let raw = m.get("raw").and_then(Value::as_bool).unwrap_or(false);
         // As Ollama does: the prompt goes through the model's chat template (with `system`)
         // unless `raw`; `context` (what an earlier answer returned) comes first.
@@ -419,7 +423,11 @@ async fn generate(
                 .ok_or_else(|| ApiError::bad("context must be token ids of the model", "context"))?,
             Some(_) => return Err(ApiError::bad("context must be an array of token ids", "context")),
         };
-        if prompt.is_empty() && ids.is_empty() {
+        if !suffix.is_empty() {
+            // Code around a gap, as Ollama's code-model templates write it (without `system`).
+            let tok = &h.model.tokenizer;
+            ids.extend(super::fim::gap(tok, super::fim::tokens(tok, &h.name, "suffix")?, &prompt, &suffix)?);
+        } else if prompt.is_empty() && ids.is_empty() {
             // Nothing to generate from: a request to load the model.
         } else if raw {
             ids.extend(request::encode_prompt(&h.model, &prompt)?);

@@ -13,6 +13,7 @@ use inferd_engine::plugin::{FinishReason, LoadedStrategy, PluginError, Session, 
 use inferd_engine::request::Request;
 use inferd_engine::sched::{Command, Event, Priority, RequestId, RequestMeta, Submission};
 use inferd_engine::tokenizer::stream::StreamDecoder;
+use serde_json::Value;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -167,9 +168,20 @@ impl Shared {
     }
 }
 
-/// `prompt` text as token ids.
+/// A raw prompt's text as token ids: special-token text (`<|fim_prefix|>`, `<|im_start|>`)
+/// becomes the special tokens, so a client can write a prompt in the model's own format, as
+/// llama-server, vLLM and Ollama's `raw` read it. (Chat message content never does.)
 pub fn encode_prompt(model: &Model, text: &str) -> Result<Vec<u32>, ApiError> {
-    model.tokenizer.encode(text, false).map_err(|e| ApiError::bad(e.to_string(), "prompt"))
+    model.tokenizer.encode(text, true).map_err(|e| ApiError::bad(e.to_string(), "prompt"))
+}
+
+/// A prompt given as token ids, each checked against the model's vocabulary.
+pub fn prompt_ids(model: &Model, ids: &[Value], param: &'static str) -> Result<Vec<u32>, ApiError> {
+    let vocab = model.config.vocab as u64;
+    ids.iter()
+        .map(|v| v.as_u64().filter(|&t| t < vocab).map(|t| t as u32))
+        .collect::<Option<_>>()
+        .ok_or_else(|| ApiError::bad(format!("{param} must be token ids below {vocab}"), param))
 }
 
 /// Chat messages as (role, content) pairs (D-Bus's), rendered with the model's template.
@@ -436,6 +448,8 @@ pub enum Piece {
     End {
         choice: u32,
         reason: &'static str,
+        /// The stop string that ended it, if one did.
+        stop: Option<String>,
         text: String,
         logprobs: Vec<Scored>,
     },
@@ -509,11 +523,13 @@ impl Output {
                 c.pending.push(Scored { token, logprob, top });
                 let text = c.dec.push(tok, token).unwrap_or_default();
                 c.held.push_str(&text);
-                if let Some(at) = self.stop.iter().filter_map(|s| c.held.find(s.as_str())).min() {
+                let found = self.stop.iter().filter_map(|s| c.held.find(s.as_str()).map(|at| (at, s))).min();
+                if let Some((at, stop)) = found {
                     c.held.truncate(at);
                     c.ended = true;
                     let logprobs = std::mem::take(&mut c.pending);
-                    return vec![Piece::End { choice, reason: "stop", text: std::mem::take(&mut c.held), logprobs }];
+                    let (text, stop) = (std::mem::take(&mut c.held), Some(stop.clone()));
+                    return vec![Piece::End { choice, reason: "stop", stop, text, logprobs }];
                 }
                 // Keep back the longest tail that could still begin a stop string.
                 let keep = self.stop.iter().map(|s| partial_suffix(&c.held, s)).max().unwrap_or(0);
@@ -534,7 +550,13 @@ impl Output {
                     let fin = g.choices.get(i);
                     let reason =
                         if fin.and_then(|f| f.finish) == Some(FinishReason::Length) { "length" } else { "stop" };
-                    out.push(Piece::End { choice: i as u32, reason, text, logprobs: std::mem::take(&mut c.pending) });
+                    out.push(Piece::End {
+                        choice: i as u32,
+                        reason,
+                        stop: None,
+                        text,
+                        logprobs: std::mem::take(&mut c.pending),
+                    });
                 }
                 out.push(Piece::Done {
                     completion_tokens: self.choices.iter().map(|c| c.tokens).sum(),

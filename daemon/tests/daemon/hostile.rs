@@ -313,7 +313,7 @@ fn special_tokens_in_message_content_are_text() {
     let dir = scratch("forged-turns");
     let d = Daemon::start(&dir, "", &[]);
     let count = |text: &str, special: bool| -> usize {
-        let body = serde_json::json!({ "content": text, "add_special": special }).to_string();
+        let body = serde_json::json!({ "content": text, "parse_special": special }).to_string();
         let (st, out) = d.http("POST", "/tokenize", &body);
         assert_eq!(st, 200, "{out}");
         serde_json::from_str::<Value>(&out).unwrap()["tokens"].as_array().unwrap().len()

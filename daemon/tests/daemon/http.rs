@@ -2,6 +2,7 @@
 //! and per-user limits from the config.
 
 use super::*;
+use serde_json::json;
 
 #[test]
 fn openai_api_status_and_metrics_on_the_unix_socket() {
@@ -118,6 +119,42 @@ fn openai_api_status_and_metrics_on_the_unix_socket() {
     assert_eq!((st, b.as_str()), (200, r#"{"tokens":[19556,216,33,34,905]}"#));
     let (st, b) = d.http("POST", "/detokenize", r#"{"tokens": [19556, 216, 33, 34, 905]}"#);
     assert_eq!((st, b.as_str()), (200, r#"{"content":"Hello 12 world"}"#));
+    // Special-token text is read as the special tokens unless `parse_special` is false (as
+    // llama-server's /tokenize); raw prompts read it so, and prompts come as token ids too.
+    let ids = |body: &str| -> Vec<Value> {
+        let (st, b) = d.http("POST", "/tokenize", body);
+        assert_eq!(st, 200, "{b}");
+        serde_json::from_str::<Value>(&b).unwrap()["tokens"].as_array().unwrap().clone()
+    };
+    let parsed = ids(r#"{"content": "<|im_start|>user"}"#);
+    assert_eq!(parsed[0], 1, "<|im_start|> is token 1: {parsed:?}");
+    let plain = ids(r#"{"content": "<|im_start|>user", "parse_special": false}"#);
+    assert!(plain.len() > parsed.len() + 2 && plain[0] != 1, "{plain:?}");
+    assert_eq!(
+        ids(r#"{"content": "<|im_start|>user", "with_pieces": true}"#)[0],
+        json!({"id": 1, "piece": "<|im_start|>"})
+    );
+    let turn = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
+    let complete = |prompt: String| {
+        let (st, b) = d.http(
+            "POST",
+            "/v1/completions",
+            &format!(r#"{{"prompt": {prompt}, "max_tokens": 10, "temperature": 0}}"#),
+        );
+        assert_eq!(st, 200, "{b}");
+        serde_json::from_str::<Value>(&b).unwrap()
+    };
+    let by_text = complete(json!(turn).to_string());
+    let turn_ids = ids(&json!({ "content": turn }).to_string());
+    assert_eq!(by_text["usage"]["prompt_tokens"], turn_ids.len(), "the raw prompt's specials are tokens");
+    assert!(by_text["choices"][0]["text"].as_str().unwrap().contains("Paris"), "{by_text}");
+    let by_ids = complete(json!(turn_ids).to_string());
+    assert_eq!(by_ids["choices"][0]["text"], by_text["choices"][0]["text"]);
+    assert_eq!(complete(json!([turn_ids]).to_string())["choices"], by_ids["choices"], "a list of one prompt");
+    let (st, b) = d.http("POST", "/v1/completions", r#"{"prompt": ["a", "b"]}"#);
+    assert!(st == 400 && b.contains("prompt lists 2 prompts"), "{b}");
+    let (st, b) = d.http("POST", "/v1/completions", r#"{"prompt": [1, 99999999]}"#);
+    assert!(st == 400 && b.contains("token ids below"), "{b}");
     let (_, b) = d.http("GET", "/v1/models", "");
     let v: Value = serde_json::from_str(&b).unwrap();
     assert_eq!(v["data"][0]["id"], "SmolLM2-135M-Instruct.Q4_1");

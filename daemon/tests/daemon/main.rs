@@ -8,6 +8,7 @@
 mod bounds;
 mod clients;
 mod dbus;
+mod fim;
 mod hostile;
 mod http;
 mod isolation;

@@ -4,7 +4,7 @@
 
 use super::*;
 
-fn free_port() -> u16 {
+pub(super) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
@@ -317,7 +317,7 @@ fn direct_embedding(up: &Daemon, name: &str) -> Vec<f64> {
 
 /// llama.cpp's `llama-server`, built by tests/build-llama-server (`INFERD_LLAMA_SERVER` names
 /// another).
-fn llama_server() -> Option<PathBuf> {
+pub(super) fn llama_server() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("INFERD_LLAMA_SERVER") {
         return Some(PathBuf::from(p));
     }
@@ -329,7 +329,7 @@ fn llama_server() -> Option<PathBuf> {
 }
 
 /// One HTTP/1.1 request to 127.0.0.1:`port`: (status, body).
-fn tcp_http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
+pub(super) fn tcp_http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
     let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else { return (0, String::new()) };
     write!(s, "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
     let mut out = Vec::new();

@@ -8,6 +8,7 @@
 //! Control tokens become special added tokens, parsed only when asked; user-defined ones are
 //! always matched in the raw text (as llama.cpp does).
 
+use super::fim::FimTokens;
 use super::{ByteEncoding, Tokenizer, TokenizerError};
 use crate::model::gguf::{Gguf, Value};
 use std::collections::HashMap;
@@ -49,6 +50,41 @@ fn strings(g: &Gguf, key: &str) -> Result<Vec<String>, TokenizerError> {
 
 fn id(g: &Gguf, key: &str) -> Option<u32> {
     g.get(key).and_then(Value::as_u64).and_then(|v| u32::try_from(v).ok())
+}
+
+/// Token texts that end generation wherever a vocabulary has them, as llama.cpp reads them:
+/// converters name one end token, but a model also stops with the others it was trained on
+/// (Qwen's `<|endoftext|>` ends a completion, `<|im_end|>` a chat turn).
+const END_TEXTS: [&str; 14] = [
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "<|return|>",
+    "<|call|>",
+    "[EOT]",
+    "<｜end▁of▁sentence｜>",
+];
+
+/// The tokens that end generation: the metadata's end-of-sequence, end-of-turn and
+/// end-of-message tokens first (the first is the template's `eos_token`), then the known end
+/// texts and the FIM tokens a model writes after the middle.
+fn end_tokens(g: &Gguf, tokens: &[String], fim: &FimTokens) -> Vec<u32> {
+    let mut eos: Vec<u32> =
+        ["eos", "eot", "eom"].iter().filter_map(|k| id(g, &format!("tokenizer.ggml.{k}_token_id"))).collect();
+    let by_text = tokens.iter().enumerate().filter(|(_, t)| END_TEXTS.contains(&t.as_str())).map(|(i, _)| i as u32);
+    for t in by_text.chain(fim.ends()) {
+        if !eos.contains(&t) {
+            eos.push(t);
+        }
+    }
+    eos
 }
 
 fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper, TokenizerError> {
@@ -203,10 +239,9 @@ impl Tokenizer {
         tk.add_tokens(&added(4, false));
         let bos = id(g, "tokenizer.ggml.bos_token_id");
         let add_bos = g.get("tokenizer.ggml.add_bos_token").and_then(Value::as_bool).unwrap_or(model == "llama");
-        let mut eos: Vec<u32> =
-            ["eos", "eot", "eom"].iter().filter_map(|k| id(g, &format!("tokenizer.ggml.{k}_token_id"))).collect();
-        eos.dedup();
+        let fim = FimTokens::find(|k| id(g, &format!("tokenizer.ggml.{k}_token_id")), &tokens);
+        let eos = end_tokens(g, &tokens, &fim);
         let add_eos = g.get("tokenizer.ggml.add_eos_token").and_then(Value::as_bool).unwrap_or(false);
-        Ok(Tokenizer::assemble(tk, &tokens, enc, bos, add_bos, eos)?.with_eos_appended(add_eos))
+        Ok(Tokenizer::assemble(tk, &tokens, enc, bos, add_bos, eos)?.with_eos_appended(add_eos).with_fim(fim))
     }
 }

@@ -5,6 +5,7 @@
 //! ([`Tokenizer::token_bytes`]), which [`stream::StreamDecoder`] uses to stream text without ever
 //! emitting a broken UTF-8 sequence.
 
+pub mod fim;
 pub mod gguf_vocab;
 pub mod literal;
 pub mod stream;
@@ -48,6 +49,8 @@ pub struct Tokenizer {
     /// The special tokens' text, to find in what a user wrote ([`literal`]).
     special_text: literal::SpecialText,
     bytes: Vec<Vec<u8>>,
+    /// The fill-in-the-middle tokens the vocabulary has.
+    fim: fim::FimTokens,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -179,7 +182,9 @@ impl Tokenizer {
         if bos.is_some_and(|b| b >= n) || eos.iter().any(|&e| e >= n) {
             return Err(TokenizerError::Invalid(format!("BOS/EOS ids {bos:?}/{eos:?} outside a vocabulary of {n}")));
         }
-        Ok(Tokenizer { special, plain, bos, add_bos, add_eos: false, eos, specials, special_text, bytes })
+        // Without metadata (a `tokenizer.json`), the families' FIM tokens are known by text.
+        let fim = fim::FimTokens::find(|_| None, vocab);
+        Ok(Tokenizer { special, plain, bos, add_bos, add_eos: false, eos, specials, special_text, bytes, fim })
     }
 
     /// Writes the tokenizer as a Hugging Face `tokenizer.json` (with its special tokens).
@@ -197,6 +202,17 @@ impl Tokenizer {
     /// token).
     pub fn with_eos_appended(mut self, add: bool) -> Tokenizer {
         self.add_eos = add && !self.eos.is_empty();
+        self
+    }
+
+    /// The vocabulary's fill-in-the-middle tokens.
+    pub fn fim(&self) -> &fim::FimTokens {
+        &self.fim
+    }
+
+    /// Sets the fill-in-the-middle tokens (from a GGUF file's metadata).
+    pub(crate) fn with_fim(mut self, fim: fim::FimTokens) -> Tokenizer {
+        self.fim = fim;
         self
     }
 
@@ -243,6 +259,14 @@ impl Tokenizer {
             ids.extend(self.eos.first());
         }
         Ok(ids)
+    }
+
+    /// Token ids for `text` alone: no BOS or EOS added, whatever the model wants at the start of
+    /// a sequence (for prompts assembled from parts, such as fill-in-the-middle).
+    pub fn encode_bare(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, TokenizerError> {
+        let tk = if parse_special { &self.special } else { &self.plain };
+        let enc = tk.encode_fast(text, false).map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
     }
 
     /// Token ids for `pieces` in order, as [`Tokenizer::encode`] gives for one text: each piece

@@ -1,0 +1,147 @@
+//! Fill-in-the-middle on a real code model (Qwen2.5-Coder 0.5B Instruct, fetched by tests/run):
+//! `/infill` as llama-server answers it, `suffix` through the official clients, raw prompts whose
+//! special-token text is parsed, prompts as token ids; a model without FIM tokens refused by name.
+
+use super::remote::{free_port, llama_server, tcp_http};
+use super::*;
+
+fn coder() -> PathBuf {
+    let p = Path::new(&model()).with_file_name("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
+    assert!(p.exists(), "{} is installed (packaging/fetch-model --model qwen-coder-0.5b)", p.display());
+    p
+}
+
+const NAME: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m";
+
+/// A file with a gap, and another file of the project (`input_extra`).
+fn cases() -> Vec<Value> {
+    vec![
+        serde_json::json!({
+            "input_prefix": "import math\n\ndef area(shape, *dims):\n    \"\"\"Area of a circle, square or rectangle.\"\"\"\n    if shape == \"circle\":\n        ",
+            "input_suffix": "\n    raise ValueError(f\"unknown shape {shape}\")\n",
+            "input_extra": [{"filename": "shapes.py", "text": "SHAPES = [\"circle\", \"square\", \"rectangle\"]\n"}],
+            "n_predict": 48, "temperature": 0,
+        }),
+        // Ends by itself, before n_predict.
+        serde_json::json!({
+            "input_prefix": "<html>\n<body>\n<h1>", "input_suffix": "</h1>\n</body>\n</html>\n",
+            "n_predict": 64, "temperature": 0,
+        }),
+    ]
+}
+
+#[test]
+fn fill_in_the_middle_is_llama_servers_and_the_clients_suffix() {
+    let Some(bin) = llama_server() else {
+        eprintln!("skipped: no llama-server (tests/build-llama-server builds one)");
+        return;
+    };
+    let dir = scratch("fim");
+    let port = free_port();
+    let log = std::fs::File::create(dir.join("llama-server.log")).unwrap();
+    let coder = coder();
+    let mut server = Command::new(&bin)
+        .args([
+            "-m",
+            coder.to_str().unwrap(),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &port.to_string(),
+            "-t",
+            "2",
+            "-c",
+            "4096",
+        ])
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let d = Daemon::start(&dir, &format!("[[model]]\npath = \"{}\"\n", coder.display()), &[]);
+    wait_for("llama-server", Duration::from_secs(60), || tcp_http(port, "GET", "/health", "").0 == 200);
+    let json = |s: &str| -> Value { serde_json::from_str(s).unwrap_or_else(|e| panic!("{e}: {s}")) };
+
+    // `/infill`: llama-server's prompt layout (repository form, extra files) and answer shape.
+    for case in cases() {
+        let body = case.to_string();
+        let (st, theirs) = tcp_http(port, "POST", "/infill", &body);
+        assert_eq!(st, 200, "{theirs}");
+        let (st, ours) = d.http("POST", "/infill", &body);
+        assert_eq!(st, 200, "{ours}");
+        let (theirs, ours) = (json(&theirs), json(&ours));
+        assert_eq!(ours["content"], theirs["content"], "{case}");
+        assert_eq!(ours["tokens_evaluated"], theirs["tokens_evaluated"], "the same prompt: {case}");
+        assert_eq!(ours["stop_type"], theirs["stop_type"]);
+        assert_eq!(ours["stop"], true);
+        // Streamed: the same text in `{content, stop: false}` events, then the last object.
+        let mut streamed = case.clone();
+        streamed["stream"] = Value::Bool(true);
+        let (st, events) = d.http("POST", "/infill", &streamed.to_string());
+        assert_eq!(st, 200);
+        let events: Vec<Value> = events.lines().filter_map(|l| l.strip_prefix("data: ")).map(json).collect();
+        let (last, pieces) = events.split_last().unwrap();
+        assert!(pieces.iter().all(|e| e["stop"] == false) && last["stop"] == true, "{events:?}");
+        let text: String = pieces.iter().map(|e| e["content"].as_str().unwrap()).collect();
+        assert_eq!(text, ours["content"].as_str().unwrap());
+    }
+
+    // `suffix` through the clients, the gap as a raw prompt in special-token text (Ollama's
+    // `raw`, a completion's prompt), and as token ids: one prompt, llama-server's answer to it.
+    let (prefix, suffix) = ("def is_even(n):\n    ", "\n\nprint(is_even(4))\n");
+    let pylib = std::env::var("INFERD_TEST_PYTHONPATH")
+        .unwrap_or_else(|_| format!("{}/.cache/inferd/python", std::env::var("HOME").unwrap_or_default()));
+    let script = format!("{}/../tests/python/fim.py", env!("CARGO_MANIFEST_DIR"));
+    let out = Command::new("python3")
+        .args([&script, d.socket.to_str().unwrap(), NAME, prefix, suffix])
+        .env("PYTHONPATH", &pylib)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let special = format!("<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>");
+    let body = serde_json::json!({ "prompt": special, "n_predict": 40, "temperature": 0 }).to_string();
+    let (st, theirs) = tcp_http(port, "POST", "/completion", &body);
+    assert_eq!(st, 200, "{theirs}");
+    let theirs = json(&theirs);
+    assert!(!theirs["content"].as_str().unwrap().is_empty());
+    for k in ["ollama_suffix", "ollama_raw", "openai_suffix", "openai_special", "openai_ids"] {
+        assert_eq!(v[k], theirs["content"], "{k}: {v}");
+    }
+    let (fim_prefix, fim_suffix, fim_middle) = (151659, 151661, 151660);
+    let ids: Vec<u64> = v["tokenized"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
+    assert_eq!(
+        (ids[0], ids.iter().filter(|&&t| t == fim_suffix).count(), ids[ids.len() - 1]),
+        (fim_prefix, 1, fim_middle)
+    );
+    assert_eq!(v["ollama_context"], v["tokenized"], "suffix builds the prompt the special text names");
+    assert_eq!(v["openai_suffix_prompt_tokens"], ids.len());
+    assert_eq!(theirs["tokens_evaluated"], ids.len());
+    let caps = v["capabilities"].as_array().unwrap();
+    assert!(caps.contains(&Value::from("insert")) && caps.contains(&Value::from("tools")), "{caps:?}");
+    let _ = server.kill();
+    let _ = server.wait();
+}
+
+#[test]
+fn a_model_without_fim_tokens_is_refused_by_name() {
+    let dir = scratch("fim-none");
+    let d = Daemon::start(&dir, "", &[]);
+    let asks = [
+        ("/infill", r#"{"input_prefix": "a", "input_suffix": "b"}"#),
+        ("/v1/completions", r#"{"prompt": "a", "suffix": "b", "max_tokens": 2}"#),
+        ("/api/generate", r#"{"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "a", "suffix": "b", "stream": false}"#),
+    ];
+    for (route, body) in asks {
+        let (st, b) = d.http("POST", route, body);
+        assert_eq!(st, 400, "{route}: {b}");
+        assert!(
+            b.contains("cannot fill in the middle: the model has no fill-in-the-middle prefix, suffix, middle token"),
+            "{route}: {b}"
+        );
+    }
+    // An empty suffix asks for nothing: a plain completion.
+    let (st, b) = d.http("POST", "/v1/completions", r#"{"prompt": "Hi", "suffix": "", "max_tokens": 2}"#);
+    assert_eq!(st, 200, "{b}");
+    let (st, b) = d.http("POST", "/api/show", r#"{"model": "SmolLM2-135M-Instruct.Q4_1"}"#);
+    assert!(st == 200 && !b.contains("\"insert\""), "{b}");
+}
