@@ -263,7 +263,7 @@ pub(super) fn object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     }
 }
 
-fn model_field(m: &Map<String, Value>) -> Result<Option<&str>, ApiError> {
+pub(super) fn model_field(m: &Map<String, Value>) -> Result<Option<&str>, ApiError> {
     match m.get("model") {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s)),
@@ -316,12 +316,7 @@ async fn detokenize(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> R
             .get("tokens")
             .and_then(Value::as_array)
             .ok_or_else(|| ApiError::bad("tokens must be an array of token ids", "tokens"))?;
-        let vocab = model.model.config.vocab as u64;
-        let ids: Vec<u32> = ids
-            .iter()
-            .map(|v| v.as_u64().filter(|&t| t < vocab).map(|t| t as u32))
-            .collect::<Option<_>>()
-            .ok_or_else(|| ApiError::bad(format!("tokens must be ids below {vocab}"), "tokens"))?;
+        let ids = request::prompt_ids(&model.model, ids, "tokens")?;
         let text = model.model.tokenizer.decode(&ids, false).map_err(|e| ApiError::bad(e.to_string(), "tokens"))?;
         Ok(json!({ "content": text }))
     };

@@ -101,12 +101,7 @@ pub async fn infill(
     }
     let start = |sh: &Arc<Shared>, body: &[u8]| -> Result<(request::Prepared, bool), ApiError> {
         let m = object(body)?;
-        let name = match m.get("model") {
-            None | Some(Value::Null) => None,
-            Some(Value::String(s)) => Some(s.as_str()),
-            Some(_) => return Err(ApiError::bad("model must be a string", "model")),
-        };
-        let model = sh.model(name)?;
+        let model = sh.model(super::http::model_field(&m)?)?;
         let tok = &model.model.tokenizer;
         let toks = fim::tokens(tok, &model.name, "input_prefix")?;
         let part = |k: &'static str| match m.get(k) {

@@ -416,11 +416,7 @@ async fn generate(
         // unless `raw`; `context` (what an earlier answer returned) comes first.
         let mut ids: Vec<u32> = match m.get("context") {
             None | Some(Value::Null) => Vec::new(),
-            Some(Value::Array(a)) => a
-                .iter()
-                .map(|x| x.as_u64().filter(|&t| t < h.model.config.vocab as u64).map(|t| t as u32))
-                .collect::<Option<_>>()
-                .ok_or_else(|| ApiError::bad("context must be token ids of the model", "context"))?,
+            Some(Value::Array(a)) => request::prompt_ids(&h.model, a, "context")?,
             Some(_) => return Err(ApiError::bad("context must be an array of token ids", "context")),
         };
         if !suffix.is_empty() {

@@ -175,7 +175,8 @@ pub fn encode_prompt(model: &Model, text: &str) -> Result<Vec<u32>, ApiError> {
     model.tokenizer.encode(text, true).map_err(|e| ApiError::bad(e.to_string(), "prompt"))
 }
 
-/// A prompt given as token ids, each checked against the model's vocabulary.
+/// Token ids a client gave (a prompt, Ollama's `context`, `/detokenize`'s), each checked
+/// against the model's vocabulary.
 pub fn prompt_ids(model: &Model, ids: &[Value], param: &'static str) -> Result<Vec<u32>, ApiError> {
     let vocab = model.config.vocab as u64;
     ids.iter()
