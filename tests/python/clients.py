@@ -1,5 +1,6 @@
-"""The official OpenAI and Ollama Python clients, unchanged but for their HTTP transport, which
+"""The official OpenAI, Anthropic and Ollama Python clients, unchanged but for their HTTP transport, which
 is pointed at the daemon's Unix socket. The test scripts beside this file import it."""
+import anthropic
 import httpx  # the ollama client's HTTP library
 import ollama
 import openai
@@ -13,6 +14,14 @@ except ImportError:
 def openai_client(socket):
     return openai.OpenAI(
         base_url="http://inferd/v1",
+        api_key="not-needed",
+        http_client=httpx2.Client(transport=httpx2.HTTPTransport(uds=socket)),
+    )
+
+
+def anthropic_client(socket):
+    return anthropic.Anthropic(
+        base_url="http://inferd",
         api_key="not-needed",
         http_client=httpx2.Client(transport=httpx2.HTTPTransport(uds=socket)),
     )

@@ -51,6 +51,8 @@ pub fn router(sh: Arc<Shared>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .merge(super::ollama::routes())
+        .merge(super::anthropic::routes())
+        .merge(super::responses::routes())
         .layer(axum::middleware::from_fn_with_state(Arc::clone(&sh), super::loading::progress))
         .route("/v1/embeddings", post(embeddings))
         .route("/tokenize", post(tokenize))
@@ -79,6 +81,9 @@ async fn count(State(sh): State<Arc<Shared>>, req: axum::extract::Request, next:
         "/v1/completions",
         "/v1/chat/completions",
         "/v1/embeddings",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/responses",
         "/tokenize",
         "/detokenize",
         "/api/version",
@@ -437,7 +442,7 @@ fn include_usage(m: &Map<String, Value>) -> Result<bool, ApiError> {
 
 /// The request fields of a completion or chat body, typed (the route's own keys are read by
 /// the route: `model`, `prompt` or `messages`, `stream`, `stream_options`).
-fn typed_request(m: &Map<String, Value>) -> Result<Request, ApiError> {
+pub(super) fn typed_request(m: &Map<String, Value>) -> Result<Request, ApiError> {
     let mut fields = Vec::new();
     for key in FIELDS {
         let Some(v) = m.get(key).filter(|v| !v.is_null()) else { continue };

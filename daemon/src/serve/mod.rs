@@ -6,6 +6,7 @@
 //! SIGTERM drains.
 
 pub mod answer;
+pub mod anthropic;
 pub mod bench;
 pub mod bench_clients;
 pub mod chat;
@@ -29,7 +30,9 @@ pub mod ollama;
 pub mod openai;
 pub mod remote;
 pub mod request;
+pub mod responses;
 pub mod store;
+pub mod stored;
 pub mod tcp_owner;
 pub mod upload;
 
@@ -109,6 +112,8 @@ pub struct Shared {
     managers: RwLock<manage::Managers>,
     /// Model files arriving for the store.
     pub uploads: upload::Uploads,
+    /// The Responses API's stored responses, per user.
+    pub responses: stored::Responses,
 }
 
 impl Shared {
@@ -411,6 +416,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         reloads: Mutex::new((0, None)),
         managers: RwLock::new(manage::Managers::new(&cfg.server.manage)),
         uploads: upload::Uploads::new(cfg.server.max_model_gib),
+        responses: stored::Responses::new(inferd_engine::paths::state_dir().join("responses")),
     });
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let call_limit = Duration::from_millis(cfg.plugins.call_timeout_ms.max(1));

@@ -212,6 +212,170 @@ fn tool_calls_round_trip_through_the_official_clients() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Anthropic's Messages API through the official `anthropic` client
+/// (tests/python/anthropic_client.py) on the default model: a message whole and streamed gives
+/// the OpenAI chat route's answer to the same conversation (one answer pipeline), with the
+/// SDK's event sequence; stop sequences, max_tokens, a prefill and `output_config.format` as
+/// Anthropic defines them; a
+/// forced call whole and streamed as a `tool_use` block whose input validates, and its result
+/// sent back; count_tokens counts the prompt each message was answered from; errors in
+/// Anthropic's shape.
+#[test]
+fn the_official_anthropic_client_works_unchanged() {
+    let dir = scratch("anthropic");
+    let d = Daemon::start(&dir, "", &[]);
+    let v = python_client(&d, "anthropic_client.py");
+    let (w, oa) = (&v["whole"], &v["openai"]);
+    assert!(w["id"].as_str().unwrap().starts_with("msg_") && w["type"] == "message" && w["role"] == "assistant", "{w}");
+    assert_eq!(w["model"], "SmolLM2-135M-Instruct.Q4_1");
+    assert_eq!(w["text"], oa["text"], "the same answer as the chat route: {v}");
+    assert_eq!(w["blocks"], serde_json::json!(["text"]));
+    let reason = if oa["finish"] == "length" { "max_tokens" } else { "end_turn" };
+    assert_eq!(w["stop_reason"], reason, "{v}");
+    assert_eq!((&w["input_tokens"], &w["output_tokens"]), (&oa["prompt_tokens"], &oa["completion_tokens"]));
+    let s = &v["stream"];
+    assert_eq!((&s["text"], &s["stop_reason"]), (&w["text"], &w["stop_reason"]), "streamed as whole: {v}");
+    assert_eq!((&s["input_tokens"], &s["output_tokens"]), (&w["input_tokens"], &w["output_tokens"]));
+    let events: Vec<&str> = s["events"].as_array().unwrap().iter().map(|e| e.as_str().unwrap()).collect();
+    let first = ["message_start", "content_block_start", "content_block_delta"];
+    assert_eq!(&events[..3], &first, "{events:?}");
+    assert_eq!(&events[events.len() - 3..], &["content_block_stop", "message_delta", "message_stop"], "{events:?}");
+    let ss = &v["stop_sequence"];
+    let stop = ss["stop"].as_str().unwrap();
+    let text = w["text"].as_str().unwrap();
+    assert_eq!(ss["text"].as_str().unwrap(), &text[..text.find(stop).unwrap()], "{ss}");
+    assert_eq!((&ss["stop_reason"], &ss["stop_sequence"]), (&Value::from("stop_sequence"), &Value::from(stop)));
+    assert_eq!(v["max_tokens"], serde_json::json!({ "stop_reason": "max_tokens", "output_tokens": 3 }));
+    let p = &v["prefill"];
+    assert_eq!(p["input_tokens"], p["counted"], "{p}");
+    assert!(p["counted"].as_u64().unwrap() >= p["counted_without"].as_u64().unwrap() + 5, "{p}");
+    assert!(p["text"].as_str().unwrap().contains("Paris"), "the answer goes on from the prefill: {p}");
+    assert_eq!(v["count_tokens"], w["input_tokens"]);
+    assert!(v["structured"]["error"].is_null(), "output_config.format shapes the answer: {}", v["structured"]);
+    let t = &v["tool"];
+    assert_eq!(t["stop_reason"], "tool_use", "{t}");
+    assert_eq!(t["input_tokens"], t["counted"], "count_tokens counts the tools too: {t}");
+    let uses = t["uses"].as_array().unwrap();
+    assert!(!uses.is_empty(), "{t}");
+    for u in uses {
+        assert!(u["name"] == "get_weather" && u["error"].is_null() && !u["id"].as_str().unwrap().is_empty(), "{u}");
+    }
+    assert!(t["blocks"].as_array().unwrap().iter().all(|b| b == "tool_use"), "a call is no text: {t}");
+    let ts = &v["tool_stream"];
+    assert_eq!(ts["stop_reason"], "tool_use");
+    let whole: Vec<Value> =
+        uses.iter().map(|u| serde_json::json!({ "name": u["name"], "input": u["input"] })).collect();
+    assert_eq!(ts["uses"], Value::Array(whole), "streamed input_json_delta gives the same calls");
+    assert!(ts["events"].as_array().unwrap().iter().any(|e| e == "input_json"), "{ts}");
+    let rt = &v["round_trip"];
+    assert_eq!(rt["blocks"], serde_json::json!(["text"]), "{rt}");
+    assert!(rt["stop_reason"] == "end_turn" || rt["stop_reason"] == "max_tokens", "{rt}");
+    let (with, without) = (rt["input_tokens"].as_u64().unwrap(), rt["input_tokens_empty_result"].as_u64().unwrap());
+    assert!(with >= without + 10, "the tool's result reached the model: {rt}");
+    let e = &v["errors"];
+    assert_eq!(
+        (&e["unknown_model"]["status"], &e["unknown_model"]["type"]),
+        (&Value::from(404), &Value::from("not_found_error")),
+        "{e}"
+    );
+    assert_eq!(
+        (&e["image"]["status"], &e["image"]["type"]),
+        (&Value::from(400), &Value::from("invalid_request_error"))
+    );
+    assert!(e["image"]["message"].as_str().unwrap().contains("image blocks are not supported"), "{e}");
+    assert!(e["server_tool"]["message"].as_str().unwrap().contains("web_search_20250305"), "{e}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// OpenAI's Responses API through the official `openai` client
+/// (tests/python/responses_client.py) on the default model: a response whole and streamed is
+/// the chat route's answer to the same conversation, and the SDK accumulates the streamed
+/// events into it; `max_output_tokens` makes it incomplete; a JSON schema shapes it; a second
+/// turn through `previous_response_id` is the chat route's answer to both turns written out;
+/// stored responses are retrieved and deleted, `store: false` keeps none; a forced function
+/// call whole and streamed, its output sent back. Stored responses are the user's own: another
+/// user (`nobody`, over loopback TCP) can neither read nor delete one, and the files are the
+/// daemon's alone.
+#[test]
+fn the_official_openai_client_speaks_the_responses_api() {
+    let dir = scratch("responses");
+    let port = super::remote::free_port();
+    let d = Daemon::start(&dir, &format!("[server]\ntcp = \"127.0.0.1:{port}\"\n"), &[]);
+    let v = python_client(&d, "responses_client.py");
+    let (w, c) = (&v["whole"], &v["chat"]);
+    assert!(w["id"].as_str().unwrap().starts_with("resp_") && w["object"] == "response", "{w}");
+    assert!(!w["text"].as_str().unwrap().is_empty(), "{v}");
+    assert_eq!(w["text"], c["text"], "the chat route's answer: {v}");
+    assert_eq!((&w["input_tokens"], &w["output_tokens"]), (&c["prompt_tokens"], &c["completion_tokens"]), "{v}");
+    assert_eq!(w["items"], serde_json::json!(["message"]));
+    assert_eq!(w["status"], if c["finish"] == "length" { "incomplete" } else { "completed" }, "{v}");
+    let s = &v["stream"];
+    assert_eq!((&s["text"], &s["status"], &s["output_tokens"]), (&w["text"], &w["status"], &w["output_tokens"]), "{v}");
+    let events: Vec<&str> = s["events"].as_array().unwrap().iter().map(|e| e.as_str().unwrap()).collect();
+    assert_eq!(
+        &events[..4],
+        ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    );
+    assert!(
+        events.contains(&"response.output_text.delta") && events.contains(&"response.output_text.done"),
+        "{events:?}"
+    );
+    let last = if s["status"] == "completed" { "response.completed" } else { "response.incomplete" };
+    assert_eq!(events.last(), Some(&last), "{events:?}");
+    let m = &v["max_output_tokens"];
+    assert!(m["status"] == "incomplete" && m["incomplete"] == "max_output_tokens" && m["output_tokens"] == 3, "{m}");
+    assert!(v["structured"]["error"].is_null(), "text.format shapes the answer: {}", v["structured"]);
+    let cv = &v["conversation"];
+    assert_eq!(cv["previous"], cv["first"]["id"]);
+    assert!(!cv["second"]["text"].as_str().unwrap().is_empty(), "{cv}");
+    assert_eq!(cv["second"]["text"], cv["chat"]["text"], "the stored turn came first: {cv}");
+    assert_eq!(cv["second"]["input_tokens"], cv["chat"]["prompt_tokens"], "{cv}");
+    assert_eq!(
+        v["retrieved"],
+        serde_json::json!({ "id": cv["first"]["id"], "text": cv["first"]["text"], "status": cv["first"]["status"] })
+    );
+    assert_eq!(v["not_stored"], serde_json::json!({ "retrieve": 404, "continue": 404 }));
+    assert_eq!(v["deleted"], serde_json::json!({ "retrieve": 404, "again": 404 }));
+    let t = &v["tool"];
+    let calls = t["calls"].as_array().unwrap();
+    assert!(!calls.is_empty() && t["items"].as_array().unwrap().iter().all(|i| i == "function_call"), "{t}");
+    for c in calls {
+        assert!(
+            c["name"] == "get_weather" && c["error"].is_null() && c["call_id"].as_str().unwrap().starts_with("call_"),
+            "{c}"
+        );
+    }
+    let whole: Vec<Value> =
+        calls.iter().map(|c| serde_json::json!({ "name": c["name"], "arguments": c["arguments"] })).collect();
+    assert_eq!(v["tool_stream"]["calls"], Value::Array(whole), "streamed as whole: {v}");
+    let rt = &v["round_trip"];
+    assert_eq!(rt["items"], serde_json::json!(["message"]), "{rt}");
+    let (with, without) = (rt["input_tokens"].as_u64().unwrap(), rt["input_tokens_empty_result"].as_u64().unwrap());
+    assert!(with >= without + 10, "the call's output reached the model: {rt}");
+    let r = &v["refused"];
+    assert!(r["web_search"][0] == 400 && r["web_search"][1].as_str().unwrap().contains("web_search tools"), "{r}");
+    assert!(r["image"][0] == 400 && r["image"][1].as_str().unwrap().contains("input_image"), "{r}");
+    assert_eq!(r["unknown_previous"][0], 404, "{r}");
+
+    // Another user's stored response is not there for them.
+    let id = v["kept"].as_str().unwrap();
+    let path = format!("/v1/responses/{id}");
+    assert_eq!(d.http("GET", &path, "").0, 200);
+    if root_or_skip() {
+        for method in ["GET", "DELETE"] {
+            let req = format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+            let (st, out) = super::hostile::tcp_exchange_as(65534, port, &req);
+            assert_eq!(st, 404, "{method} as nobody: {out}");
+        }
+        assert_eq!(d.http("GET", &path, "").0, 200, "still kept for its owner");
+        let users = dir.join("inferd/responses");
+        let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(users.join("0")).unwrap().permissions());
+        assert_eq!(mode & 0o777, 0o700);
+        assert!(users.join("0").join(format!("{id}.json")).exists());
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// Embeddings through the official clients (tests/python/embeddings.py): the OpenAI client's
 /// default base64 equals floats, token ids equal their text, Ollama's equal OpenAI's, similar
 /// sentences are closer than unrelated ones (the numerics against llama.cpp are

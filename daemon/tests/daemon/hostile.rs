@@ -125,7 +125,7 @@ fn tcp_exchange(port: u16, request: &str) -> (u16, String) {
 }
 
 /// [`tcp_exchange`] from a process of user `uid` (the test must run as root).
-fn tcp_exchange_as(uid: u32, port: u16, request: &str) -> (u16, String) {
+pub(super) fn tcp_exchange_as(uid: u32, port: u16, request: &str) -> (u16, String) {
     use std::os::unix::process::CommandExt;
     let script = "import socket, sys\ns = socket.create_connection(('127.0.0.1', int(sys.argv[1])))\ns.sendall(sys.stdin.buffer.read())\nwhile True:\n    b = s.recv(65536)\n    if not b: break\n    sys.stdout.buffer.write(b)\n";
     let mut child = std::process::Command::new("python3")

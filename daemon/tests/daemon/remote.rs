@@ -181,6 +181,69 @@ fn a_remote_model_speaks_ollama_and_dbus_and_passes_tools_and_schemas() {
             assert_eq!(last["model"], "far:latest");
         }
     }
+    // Anthropic's Messages, whole and streamed, as the upstream's own /v1/messages answers.
+    let ask = |model: &str, stream: bool| {
+        format!(
+            r#"{{"model": "{model}", "max_tokens": 12, "temperature": 0, "stream": {stream}, "system": "You are terse.",
+                "messages": [{{"role": "user", "content": "Name a colour."}}]}}"#
+        )
+    };
+    let (code, direct) = up.http("POST", "/v1/messages", &ask(&up_name, false));
+    assert_eq!(code, 200, "{direct}");
+    let (code, via) = front.http("POST", "/v1/messages", &ask("far", false));
+    assert_eq!(code, 200, "{via}");
+    let (direct, via): (Value, Value) = (serde_json::from_str(&direct).unwrap(), serde_json::from_str(&via).unwrap());
+    assert!(!direct["content"][0]["text"].as_str().unwrap().is_empty(), "{direct}");
+    assert_eq!(via["content"], direct["content"], "{via}");
+    assert_eq!((&via["stop_reason"], &via["usage"]), (&direct["stop_reason"], &direct["usage"]), "{via}");
+    assert_eq!(via["model"], "far");
+    let streamed = |body: &str| -> String {
+        body.lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+            .filter_map(|e| e.pointer("/delta/text").and_then(Value::as_str).map(str::to_owned))
+            .collect()
+    };
+    let (code, via) = front.http("POST", "/v1/messages", &ask("far", true));
+    assert_eq!(code, 200, "{via}");
+    assert_eq!(streamed(&via), direct["content"][0]["text"].as_str().unwrap(), "{via}");
+    assert!(via.contains("event: message_stop"), "{via}");
+    // OpenAI's Responses, whole and streamed, and a second turn through previous_response_id:
+    // the conversation is kept here, the upstream answers it as its own Responses route does.
+    let ask = |model: &str, stream: bool, prev: &str| {
+        let prev = if prev.is_empty() { String::new() } else { format!(r#""previous_response_id": "{prev}", "#) };
+        format!(
+            r#"{{"model": "{model}", {prev}"max_output_tokens": 12, "temperature": 0, "stream": {stream},
+                "instructions": "You are terse.", "input": "Name a colour."}}"#
+        )
+    };
+    let output = |body: &str| -> Value { serde_json::from_str::<Value>(body).unwrap()["output"].clone() };
+    let (code, direct) = up.http("POST", "/v1/responses", &ask(&up_name, false, ""));
+    assert_eq!(code, 200, "{direct}");
+    let (code, via) = front.http("POST", "/v1/responses", &ask("far", false, ""));
+    assert_eq!(code, 200, "{via}");
+    let said = |out: &Value| out[0]["content"][0]["text"].as_str().unwrap().to_owned();
+    assert!(!said(&output(&direct)).is_empty(), "{direct}");
+    assert_eq!(said(&output(&via)), said(&output(&direct)), "{via}");
+    let (first_up, first_via) = (
+        serde_json::from_str::<Value>(&direct).unwrap()["id"].as_str().unwrap().to_owned(),
+        serde_json::from_str::<Value>(&via).unwrap()["id"].as_str().unwrap().to_owned(),
+    );
+    let (code, direct) = up.http("POST", "/v1/responses", &ask(&up_name, false, &first_up));
+    assert_eq!(code, 200, "{direct}");
+    let (code, via) = front.http("POST", "/v1/responses", &ask("far", true, &first_via));
+    assert_eq!(code, 200, "{via}");
+    let streamed: String = via
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter(|e| e["type"] == "response.output_text.delta")
+        .filter_map(|e| e["delta"].as_str().map(str::to_owned))
+        .collect();
+    assert_eq!(streamed, said(&output(&direct)), "the second turn, streamed: {via}");
+    let (code, body) = front.http("POST", "/v1/messages/count_tokens", r#"{"model": "far", "messages": []}"#);
+    assert!(code == 400 && body.contains("counted there"), "{body}");
+
     // Ollama's embeddings.
     let embed = |model: &str| format!(r#"{{"model": "{model}", "input": ["Hello", "Hi there"]}}"#);
     let direct: Value = serde_json::from_str(&up.http("POST", "/api/embed", &embed(&up_name)).1).unwrap();
