@@ -22,6 +22,9 @@ pub trait Pick: Sized + Send + 'static {
     /// Reads the strategy's parameters from `p` (every key must be read; see [`Params`]).
     fn parse(p: &mut Params, init: &SessionInit) -> Result<Self, String>;
 
+    /// The request's prompt, before the first pick (a repetition penalty's window starts in it).
+    fn prompt(&mut self, _prompt: &[u32]) {}
+
     /// The token for `choice` at generated position `position` (0-based); `history` holds the
     /// choice's generated tokens so far. The sampler reports its log-probability (see
     /// [`Logprobs`]).
@@ -88,11 +91,12 @@ impl<P: Pick> Strategy for Sampler<P> {
     }
 
     fn create(host: &Host, init: &SessionInit) -> Result<Self, String> {
-        let pick = parse_params(init, |p| P::parse(p, init))?;
+        let mut pick = parse_params(init, |p| P::parse(p, init))?;
         let n = init.n.max(1) as usize;
         // Tokens past the prompt were generated before this session (a continued request).
-        let history: Vec<u32> =
-            host.seq_tokens(init.seq)?.split_off((init.prompt_len as usize).min(host.seq_len(init.seq)? as usize));
+        let mut prompt = host.seq_tokens(init.seq)?;
+        let history: Vec<u32> = prompt.split_off((init.prompt_len as usize).min(prompt.len()));
+        pick.prompt(&prompt);
         let choices = (0..n)
             .map(|c| Choice {
                 seq: if c == 0 { init.seq } else { 0 },

@@ -3,8 +3,10 @@
 //!
 //! The chain, in order:
 //! 1. logit bias: `logit[j] += bias[j]` (OpenAI `logit_bias`, -100..100);
-//! 2. penalties, OpenAI's formula over the tokens this choice generated so far:
-//!    `logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty`;
+//! 2. penalties: llama.cpp's repetition penalty over the last `repeat_last_n` tokens of the
+//!    context (prompt and generated), `logit[j] /= repeat_penalty` where positive and
+//!    `*= repeat_penalty` where not; then OpenAI's formula over the tokens this choice
+//!    generated so far: `logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty`;
 //! 3. temperature: `logit / T`; `T = 0` is greedy (the argmax of the edited logits);
 //! 4. softmax;
 //! 5. top-k: the k most probable tokens stay;
@@ -35,6 +37,12 @@ pub struct Sampling {
     pub min_p: f32,
     pub frequency_penalty: f32,
     pub presence_penalty: f32,
+    /// 1: off.
+    pub repeat_penalty: f32,
+    /// The repetition penalty's window, in tokens (0: off).
+    pub repeat_last_n: u32,
+    /// The prompt's last `repeat_last_n` tokens: where the window starts ([`Sampling::with_prompt`]).
+    pub context: Vec<u32>,
     pub logit_bias: Vec<(u32, f32)>,
     pub temperature_last: bool,
 }
@@ -48,6 +56,9 @@ impl Default for Sampling {
             min_p: 0.0,
             frequency_penalty: 0.0,
             presence_penalty: 0.0,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
+            context: Vec::new(),
             logit_bias: Vec::new(),
             temperature_last: false,
         }
@@ -124,12 +135,18 @@ impl<'a> LogSoftmax<'a> {
 }
 
 impl Sampling {
-    /// Reads `temperature`, `frequency_penalty`, `presence_penalty`, `logit_bias` and the
-    /// accepted truncations from `p`, with OpenAI's ranges.
+    /// Reads `temperature`, `frequency_penalty`, `presence_penalty`, `repeat_penalty`,
+    /// `repeat_last_n`, `logit_bias` and the accepted truncations from `p`, with OpenAI's
+    /// ranges (llama.cpp's defaults for the repetition penalty: off, over 64 tokens).
     pub fn from_params(p: &mut Params, vocab: u32, accept: Accept) -> Result<Sampling, String> {
         let mut s = Sampling { temperature: p.f64("temperature", 0.0..=2.0, 1.0)? as f32, ..Sampling::default() };
         s.frequency_penalty = p.f64("frequency_penalty", -2.0..=2.0, 0.0)? as f32;
         s.presence_penalty = p.f64("presence_penalty", -2.0..=2.0, 0.0)? as f32;
+        s.repeat_penalty = p.f64("repeat_penalty", 0.0..=10.0, 1.0)? as f32;
+        if s.repeat_penalty <= 0.0 {
+            return Err("repeat_penalty must be above 0 (1 is off)".into());
+        }
+        s.repeat_last_n = p.u64("repeat_last_n", 0..=u64::from(u32::MAX), 64)? as u32;
         if accept.top_k {
             s.top_k = p.u64("top_k", 0..=u64::from(vocab), 0)? as u32;
         }
@@ -157,11 +174,29 @@ impl Sampling {
         Ok(s)
     }
 
-    /// Steps 1 and 2: bias, then penalties over `history`.
+    /// Keeps the end of the prompt the repetition penalty's window starts in (nothing while
+    /// the penalty is off).
+    pub fn with_prompt(&mut self, prompt: &[u32]) {
+        let n = if self.repeat_penalty == 1.0 { 0 } else { self.repeat_last_n as usize };
+        self.context = prompt[prompt.len().saturating_sub(n)..].to_vec();
+    }
+
+    /// Steps 1 and 2: bias, then penalties over `history` (and the prompt's end before it).
     pub fn edit_logits(&self, logits: &mut [f32], history: &[u32]) {
         for &(id, b) in &self.logit_bias {
             if let Some(l) = logits.get_mut(id as usize) {
                 *l += b;
+            }
+        }
+        if self.repeat_penalty != 1.0 && self.repeat_last_n > 0 {
+            let n = self.repeat_last_n as usize;
+            let from_history = &history[history.len().saturating_sub(n)..];
+            let from_context = &self.context[self.context.len().saturating_sub(n - from_history.len())..];
+            let window: std::collections::HashSet<u32> = from_context.iter().chain(from_history).copied().collect();
+            for t in window {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l = if *l <= 0.0 { *l * self.repeat_penalty } else { *l / self.repeat_penalty };
+                }
             }
         }
         if self.frequency_penalty != 0.0 || self.presence_penalty != 0.0 {
@@ -279,6 +314,30 @@ mod tests {
     fn softmax_ref(x: &[f32]) -> Vec<f32> {
         let s: f32 = x.iter().map(|v| v.exp()).sum();
         x.iter().map(|v| v.exp() / s).collect()
+    }
+
+    #[test]
+    fn the_repetition_penalty_scales_the_window_of_prompt_and_answer_as_llama_cpp_does() {
+        let s = Sampling { repeat_penalty: 2.0, repeat_last_n: 3, ..Sampling::default() };
+        let mut s2 = s.clone();
+        // The window: the prompt's last token (2) and the answer's two (0 and 4); token 1 fell out.
+        s2.with_prompt(&[1, 1, 2]);
+        assert_eq!(s2.context, [1, 1, 2]);
+        let mut l = L;
+        s2.edit_logits(&mut l, &[0, 4]);
+        assert_eq!(l, [1.0, 1.0, 0.25, 0.0, -2.0], "positive logits divided, others multiplied");
+        // Without a prompt, the answer alone; off at 1 or over 0 tokens.
+        let mut l = L;
+        s.edit_logits(&mut l, &[1, 1, 1, 1]);
+        assert_eq!(l, [2.0, 0.5, 0.5, 0.0, -1.0]);
+        for off in [Sampling { repeat_last_n: 0, ..s.clone() }, Sampling { repeat_penalty: 1.0, ..s.clone() }] {
+            let mut l = L;
+            off.edit_logits(&mut l, &[0, 1, 2]);
+            assert_eq!(l, L);
+        }
+        let mut off = Sampling::default();
+        off.with_prompt(&[1, 2, 3]);
+        assert!(off.context.is_empty(), "nothing kept while the penalty is off");
     }
 
     #[test]

@@ -38,6 +38,9 @@ pub struct Sampling {
     pub min_p: Option<f64>,
     pub frequency_penalty: Option<f64>,
     pub presence_penalty: Option<f64>,
+    /// llama.cpp's repetition penalty (Ollama's `repeat_penalty`; 1 is off) and its window.
+    pub repeat_penalty: Option<f64>,
+    pub repeat_last_n: Option<u64>,
     /// Added to a token's logit before sampling, by token id.
     pub logit_bias: Vec<(u32, f64)>,
 }
@@ -52,7 +55,7 @@ pub struct Decoder {
 
 impl Sampling {
     /// The numeric fields by name, for checks and for the plugin's parameters.
-    fn numbers(&self) -> [(&'static str, Option<f64>); 6] {
+    fn numbers(&self) -> [(&'static str, Option<f64>); 8] {
         [
             ("temperature", self.temperature),
             ("top_p", self.top_p),
@@ -60,6 +63,8 @@ impl Sampling {
             ("min_p", self.min_p),
             ("frequency_penalty", self.frequency_penalty),
             ("presence_penalty", self.presence_penalty),
+            ("repeat_penalty", self.repeat_penalty),
+            ("repeat_last_n", self.repeat_last_n.map(|n| n as f64)),
         ]
     }
 
@@ -91,6 +96,7 @@ impl Request {
         // the argmax of the edited logits.
         let edited = s.frequency_penalty.is_some_and(|x| x != 0.0)
             || s.presence_penalty.is_some_and(|x| x != 0.0)
+            || s.repeat_penalty.is_some_and(|x| x != 1.0)
             || !s.logit_bias.is_empty();
         let name = if s.temperature == Some(0.0) && !edited {
             "greedy"
@@ -101,16 +107,42 @@ impl Request {
         };
         let keys: &[&str] = match name {
             "greedy" => &[],
-            "min-p" => &["temperature", "min_p", "frequency_penalty", "presence_penalty", "logit_bias"],
-            _ => &["temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty", "logit_bias"],
+            "min-p" => &[
+                "temperature",
+                "min_p",
+                "frequency_penalty",
+                "presence_penalty",
+                "repeat_penalty",
+                "repeat_last_n",
+                "logit_bias",
+            ],
+            _ => &[
+                "temperature",
+                "top_p",
+                "top_k",
+                "frequency_penalty",
+                "presence_penalty",
+                "repeat_penalty",
+                "repeat_last_n",
+                "logit_bias",
+            ],
         };
         (name.to_owned(), format!("{{{}}}", s.fields(keys).join(", ")))
     }
 }
 
 /// Every sampling field, in the order they are written.
-const ALL_SAMPLING: &[&str] =
-    &["temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "logit_bias"];
+const ALL_SAMPLING: &[&str] = &[
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repeat_penalty",
+    "repeat_last_n",
+    "logit_bias",
+];
 
 impl Sampling {
     /// The fields among `keys` that the client set, as `"key": value` JSON members.

@@ -9,7 +9,7 @@ use inferd_engine::sched::Priority;
 use serde_json::Value;
 
 /// The request fields both edges take (HTTP ignores other keys, D-Bus refuses them).
-pub const FIELDS: [&str; 16] = [
+pub const FIELDS: [&str; 18] = [
     "max_tokens",
     "max_completion_tokens",
     "temperature",
@@ -22,6 +22,8 @@ pub const FIELDS: [&str; 16] = [
     "decoder_params",
     "frequency_penalty",
     "presence_penalty",
+    "repeat_penalty",
+    "repeat_last_n",
     "priority",
     "n",
     "logit_bias",
@@ -106,6 +108,8 @@ pub fn build(fields: impl IntoIterator<Item = (String, Field)>) -> Result<Reques
             "min_p" => s.min_p = Some(number(k, v)?),
             "frequency_penalty" => s.frequency_penalty = Some(number(k, v)?),
             "presence_penalty" => s.presence_penalty = Some(number(k, v)?),
+            "repeat_penalty" => s.repeat_penalty = Some(number(k, v)?),
+            "repeat_last_n" => s.repeat_last_n = Some(uint(k, v)?),
             "logit_bias" => match v {
                 Field::Bias(b) => s.logit_bias = b,
                 _ => return Err(want(k, "an object of token ids and numbers")),

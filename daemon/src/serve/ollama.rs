@@ -316,11 +316,23 @@ pub fn options(m: &Map<String, Value>) -> Result<Vec<(String, Field)>, ApiError>
             // How and where to run: inferd's configuration decides.
             "num_ctx" | "num_batch" | "num_gpu" | "main_gpu" | "low_vram" | "num_thread" | "numa" | "use_mmap"
             | "use_mlock" | "vocab_only" | "f16_kv" | "logits_all" | "embedding_only" | "num_keep" => None,
+            // llama.cpp's repetition penalty (Ollama sends 1.1 by default) and its window:
+            // -1 is the whole context, 0 turns it off.
+            "repeat_penalty" => Some((k.clone(), Field::Number(num()?))),
+            "repeat_last_n" => match v.as_i64() {
+                Some(-1) => Some((k.clone(), Field::Int(u32::MAX.into()))),
+                Some(x) if x >= 0 => Some((k.clone(), Field::Int(x.into()))),
+                _ => return Err(bad("options.repeat_last_n must be an integer of -1 or more")),
+            },
             // Sampling inferd does not implement, accepted at its neutral value only.
-            "repeat_penalty" | "typical_p" | "tfs_z" if v.as_f64() == Some(1.0) => None,
+            "typical_p" | "tfs_z" if v.as_f64() == Some(1.0) => None,
             "mirostat" if v.as_f64() == Some(0.0) => None,
-            // Settings of the samplers above, inert while those are off.
-            "repeat_last_n" | "mirostat_tau" | "mirostat_eta" | "penalize_newline" => None,
+            "mirostat" => {
+                return Err(bad("options.mirostat is not supported by inferd (mirostat sampling is not built in)"))
+            }
+            // Settings of the samplers above, inert while those are off; Ollama itself no
+            // longer reads penalize_newline.
+            "mirostat_tau" | "mirostat_eta" | "penalize_newline" => None,
             _ => return Err(bad(format!("options.{k} is not supported by inferd"))),
         };
         out.extend(field);

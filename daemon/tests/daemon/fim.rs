@@ -38,27 +38,9 @@ fn fill_in_the_middle_is_llama_servers_and_the_clients_suffix() {
     };
     let dir = scratch("fim");
     let port = free_port();
-    let log = std::fs::File::create(dir.join("llama-server.log")).unwrap();
     let coder = coder();
-    let mut server = Command::new(&bin)
-        .args([
-            "-m",
-            coder.to_str().unwrap(),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            &port.to_string(),
-            "-t",
-            "2",
-            "-c",
-            "4096",
-        ])
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .unwrap();
+    let mut server = super::remote::spawn_llama_server(&bin, coder.to_str().unwrap(), port, &dir, &[]);
     let d = Daemon::start(&dir, &format!("[[model]]\npath = \"{}\"\n", coder.display()), &[]);
-    wait_for("llama-server", Duration::from_secs(60), || tcp_http(port, "GET", "/health", "").0 == 200);
     let json = |s: &str| -> Value { serde_json::from_str(s).unwrap_or_else(|e| panic!("{e}: {s}")) };
 
     // `/infill`: llama-server's prompt layout (repository form, extra files) and answer shape.

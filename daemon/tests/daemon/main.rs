@@ -14,6 +14,7 @@ mod http;
 mod isolation;
 mod models;
 mod remote;
+mod sampling;
 mod soak;
 mod store;
 mod systemd;

@@ -391,6 +391,27 @@ pub(super) fn llama_server() -> Option<PathBuf> {
     p.exists().then_some(p)
 }
 
+/// llama-server `bin` serving `model` on 127.0.0.1:`port` with two threads, its log in `dir`,
+/// once its health check answers; `extra` arguments after the common ones.
+pub(super) fn spawn_llama_server(
+    bin: &std::path::Path,
+    model: &str,
+    port: u16,
+    dir: &std::path::Path,
+    extra: &[&str],
+) -> std::process::Child {
+    let log = std::fs::File::create(dir.join("llama-server.log")).unwrap();
+    let server = Command::new(bin)
+        .args(["-m", model, "--host", "127.0.0.1", "--port", &port.to_string(), "-t", "2", "-c", "4096"])
+        .args(extra)
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    wait_for("llama-server", Duration::from_secs(60), || tcp_http(port, "GET", "/health", "").0 == 200);
+    server
+}
+
 /// One HTTP/1.1 request to 127.0.0.1:`port`: (status, body).
 pub(super) fn tcp_http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
     let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else { return (0, String::new()) };
@@ -424,15 +445,7 @@ fn llama_server_upstream_streams_cancels_and_dies_explicitly() {
     let dir = scratch("remote-llama");
     let bus = super::dbus::Bus::start(&dir);
     let port = free_port();
-    let log = std::fs::File::create(dir.join("llama-server.log")).unwrap();
-    let mut server = Command::new(&bin)
-        .args(["-m", &model(), "--host", "127.0.0.1", "--port", &port.to_string(), "-t", "2", "-c", "4096"])
-        .args(["-np", "2", "--slots"])
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    wait_for("llama-server", Duration::from_secs(60), || tcp_http(port, "GET", "/health", "").0 == 200);
+    let mut server = spawn_llama_server(&bin, &model(), port, &dir, &["-np", "2", "--slots"]);
     let front = Daemon::start(
         &dir,
         &format!("[[model]]\nname = \"cpp\"\nupstream = \"http://127.0.0.1:{port}/v1\"\nupstream_model = \"smol\"\n"),

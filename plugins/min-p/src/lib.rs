@@ -15,13 +15,17 @@ impl Pick for MinP {
     const NAME: &'static CStr = c"min-p";
     const DESCRIPTION: &'static CStr =
         c"Min-p sampling: drop tokens below min_p times the top probability, then apply temperature";
-    const PARAMS_DOC: &'static CStr = c"{\"min_p\": \"number 0..1, default 0.05\", \"temperature\": \"number 0..2, default 1; 0 is greedy\", \"frequency_penalty\": \"number -2..2, default 0\", \"presence_penalty\": \"number -2..2, default 0\", \"logit_bias\": \"object token id -> number -100..100\"}";
+    const PARAMS_DOC: &'static CStr = c"{\"min_p\": \"number 0..1, default 0.05\", \"temperature\": \"number 0..2, default 1; 0 is greedy\", \"frequency_penalty\": \"number -2..2, default 0\", \"presence_penalty\": \"number -2..2, default 0\", \"repeat_penalty\": \"number 0..10, default 1 (off); llama.cpp's, over the last repeat_last_n tokens of prompt and answer\", \"repeat_last_n\": \"integer, default 64\", \"logit_bias\": \"object token id -> number -100..100\"}";
 
     fn parse(p: &mut Params, init: &SessionInit) -> Result<Self, String> {
         let mut s = Sampling::from_params(p, init.vocab_size, Accept { top_k: false, top_p: false, min_p: false })?;
         s.min_p = p.f64("min_p", 0.0..=1.0, 0.05)? as f32;
         s.temperature_last = true;
         Ok(MinP(s))
+    }
+
+    fn prompt(&mut self, prompt: &[u32]) {
+        self.0.with_prompt(prompt);
     }
 
     fn pick(&self, host: &Host, logits: &[f32], history: &[u32], choice: u32, position: u32) -> Result<u32, String> {

@@ -255,16 +255,17 @@ impl Strategy for Speculative {
     const NAME: &'static CStr = c"speculative";
     const DESCRIPTION: &'static CStr =
         c"Speculative decoding with exact rejection sampling: prompt lookup or a draft model";
-    const PARAMS_DOC: &'static CStr = c"{\"drafter\": \"prompt-lookup (default) or model\", \"k\": \"integer 1..16, draft tokens per round (default 15 for prompt lookup, 3 for a model)\", \"ngram_max\": \"integer 1..8, default 3\", \"ngram_min\": \"integer 1..8, default 1\", \"temperature\": \"number 0..2, default 1; 0 is greedy\", \"top_k\": \"integer, 0 off\", \"top_p\": \"number 0..1\", \"min_p\": \"number 0..1\", \"frequency_penalty\": \"number -2..2\", \"presence_penalty\": \"number -2..2\", \"logit_bias\": \"object token id -> -100..100\"}";
+    const PARAMS_DOC: &'static CStr = c"{\"drafter\": \"prompt-lookup (default) or model\", \"k\": \"integer 1..16, draft tokens per round (default 15 for prompt lookup, 3 for a model)\", \"ngram_max\": \"integer 1..8, default 3\", \"ngram_min\": \"integer 1..8, default 1\", \"temperature\": \"number 0..2, default 1; 0 is greedy\", \"top_k\": \"integer, 0 off\", \"top_p\": \"number 0..1\", \"min_p\": \"number 0..1\", \"frequency_penalty\": \"number -2..2\", \"presence_penalty\": \"number -2..2\", \"repeat_penalty\": \"number 0..10, 1 off\", \"repeat_last_n\": \"integer, default 64\", \"logit_bias\": \"object token id -> -100..100\"}";
 
     fn validate(_host: &Host, init: &SessionInit) -> Result<(), String> {
         parse_params(init, |p| parse(p, init)).map(drop)
     }
 
     fn create(host: &Host, init: &SessionInit) -> Result<Self, String> {
-        let cfg = parse_params(init, |p| parse(p, init))?;
+        let mut cfg = parse_params(init, |p| parse(p, init))?;
         let all = host.seq_tokens(init.seq)?;
         let pl = (init.prompt_len as usize).min(all.len());
+        cfg.sampling.with_prompt(&all[..pl]);
         let draft = if cfg.drafter == Drafter::Model { Some(host.seq_create(abi::ROLE_DRAFT)?) } else { None };
         Ok(Speculative {
             cfg,

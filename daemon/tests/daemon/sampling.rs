@@ -1,0 +1,57 @@
+//! Sampling options that llama.cpp implements, checked against llama-server on the default
+//! model: the repetition penalty (Ollama's `repeat_penalty`, which its clients send at 1.1 by
+//! default, and `repeat_last_n`) gives llama-server's greedy answer through Ollama's route and
+//! OpenAI's.
+
+use super::remote::{free_port, llama_server, spawn_llama_server, tcp_http};
+use super::*;
+
+#[test]
+fn the_repetition_penalty_is_llama_cpps() {
+    let Some(bin) = llama_server() else {
+        eprintln!("skipped: no llama-server (tests/build-llama-server builds one)");
+        return;
+    };
+    let dir = scratch("repeat-penalty");
+    let port = free_port();
+    let mut server = spawn_llama_server(&bin, &model(), port, &dir, &[]);
+    let d = Daemon::start(&dir, "", &[]);
+    // (A prompt whose answers have no near-ties for this model's numerics to split differently.)
+    let prompt = "The quick brown fox jumps over the lazy dog. The quick brown fox";
+    let json = |s: &str| -> Value { serde_json::from_str(s).unwrap_or_else(|e| panic!("{e}: {s}")) };
+    let theirs = |penalty: f64, last_n: i64| -> String {
+        let body = serde_json::json!({ "prompt": prompt, "n_predict": 24, "temperature": 0,
+            "repeat_penalty": penalty, "repeat_last_n": last_n });
+        let (st, out) = tcp_http(port, "POST", "/completion", &body.to_string());
+        assert_eq!(st, 200, "{out}");
+        json(&out)["content"].as_str().unwrap().to_owned()
+    };
+    let ollama = |penalty: f64, last_n: i64| -> String {
+        let body = serde_json::json!({ "prompt": prompt, "raw": true, "stream": false, "options": {
+            "temperature": 0, "num_predict": 24, "repeat_penalty": penalty, "repeat_last_n": last_n } });
+        let (st, out) = d.http("POST", "/api/generate", &body.to_string());
+        assert_eq!(st, 200, "{out}");
+        json(&out)["response"].as_str().unwrap().to_owned()
+    };
+    let plain = theirs(1.0, 64);
+    assert_eq!(ollama(1.0, 64), plain);
+    for (penalty, last_n) in [(1.5, 64), (1.3, 8), (1.2, 4096)] {
+        let want = theirs(penalty, last_n);
+        assert_eq!(ollama(penalty, last_n), want, "Ollama's route, repeat_penalty {penalty} over {last_n}");
+        let body = serde_json::json!({ "prompt": prompt, "max_tokens": 24, "temperature": 0,
+            "repeat_penalty": penalty, "repeat_last_n": last_n });
+        let (st, out) = d.http("POST", "/v1/completions", &body.to_string());
+        assert_eq!(st, 200, "{out}");
+        assert_eq!(json(&out)["choices"][0]["text"], want.as_str(), "OpenAI's route, {penalty} over {last_n}");
+    }
+    // Ollama's -1 is the whole context (which 4096 tokens hold here).
+    assert_eq!(ollama(1.2, -1), theirs(1.2, 4096));
+    assert_ne!(theirs(1.5, 64), plain, "the penalty changes this answer");
+    // A strategy that cannot honour it refuses it by name.
+    let (st, out) =
+        d.http("POST", "/v1/completions", r#"{"prompt": "Hi", "decoder": "greedy", "repeat_penalty": 1.3}"#);
+    assert!(st == 400 && out.contains("repeat_penalty"), "{st} {out}");
+    let _ = server.kill();
+    let _ = server.wait();
+    let _ = std::fs::remove_dir_all(dir);
+}
