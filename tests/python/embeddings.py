@@ -41,4 +41,6 @@ oc = ollama_client(socket)
 r = oc.embed(model=oc.list().models[0].model, input=texts)
 out["ollama"] = [list(v) for v in r.embeddings]
 out["ollama_count"] = r.prompt_eval_count
+# The legacy route older clients and LangChain's Ollama embeddings call: one prompt, one vector.
+out["ollama_legacy"] = list(oc.embeddings(model=oc.list().models[0].model, prompt=texts[0])["embedding"])
 print(json.dumps(out))

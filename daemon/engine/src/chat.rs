@@ -215,15 +215,33 @@ impl ChatTemplate {
         tools: &[Tool],
         add_generation_prompt: bool,
     ) -> Result<String, TemplateError> {
+        self.render_with(messages, tools, &Extra::new(), add_generation_prompt)
+    }
+
+    /// [`ChatTemplate::render_with_tools`] with `extra` variables in the context (a thinking
+    /// switch, a client's `chat_template_kwargs`); the standard names keep their values.
+    pub fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[Tool],
+        extra: &Extra,
+        add_generation_prompt: bool,
+    ) -> Result<String, TemplateError> {
         let tmpl = self.env.get_template("chat").map_err(|e| TemplateError(e.to_string()))?;
         let tools: Option<Vec<serde_json::Value>> =
             (!tools.is_empty()).then(|| tools.iter().map(Tool::to_openai).collect());
+        let extra: Extra = extra
+            .iter()
+            .filter(|(k, _)| !RESERVED.contains(&k.as_str()))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
         let ctx = minijinja::context! {
             messages => messages,
             tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos,
             eos_token => &self.eos,
+            ..minijinja::Value::from_serialize(&extra)
         };
         let mut out = Capped(Vec::new());
         tmpl.render_captured_to(ctx, &mut out).map_err(|e| TemplateError(e.to_string()))?;
@@ -231,9 +249,29 @@ impl ChatTemplate {
     }
 }
 
+/// Variables a request adds to a template's context beside the standard ones: a thinking
+/// switch (`enable_thinking`, `reasoning_effort`), a client's `chat_template_kwargs`.
+pub type Extra = std::collections::BTreeMap<String, serde_json::Value>;
+
+/// The context's standard names, which [`Extra`] cannot change.
+const RESERVED: [&str; 5] = ["messages", "tools", "add_generation_prompt", "bos_token", "eos_token"];
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn extra_variables_reach_the_template_but_cannot_replace_its_own() {
+        let src = "{% if enable_thinking is defined and not enable_thinking %}no-think {% endif %}{{ messages | length }}{{ add_generation_prompt }}";
+        let t = ChatTemplate::new(Some(src), String::new(), String::new()).unwrap();
+        let msgs = [ChatMessage::new("user", "Hi")];
+        assert_eq!(t.render(&msgs, true).unwrap(), "1True");
+        let mut extra = Extra::new();
+        extra.insert("enable_thinking".into(), serde_json::json!(false));
+        extra.insert("messages".into(), serde_json::json!([1, 2, 3]));
+        extra.insert("add_generation_prompt".into(), serde_json::json!(false));
+        assert_eq!(t.render_with(&msgs, &[], &extra, true).unwrap(), "no-think 1True");
+    }
 
     #[test]
     fn chatml_renders_with_generation_prompt() {

@@ -43,6 +43,15 @@ const CACHED: usize = 8;
 /// The largest frame either side reads: a rendering's input or output with room to spare.
 const MAX_FRAME: usize = 2 * MAX_RENDERED;
 
+/// A template as the helper compiles (and caches) it: its source (ChatML when `None`) and the
+/// model's BOS and EOS text.
+#[derive(Clone, Copy, Debug)]
+pub struct Template<'a> {
+    pub source: Option<&'a str>,
+    pub bos: &'a str,
+    pub eos: &'a str,
+}
+
 /// One rendering, as the helper receives it.
 #[derive(Serialize, Deserialize)]
 struct Job {
@@ -51,6 +60,9 @@ struct Job {
     eos: String,
     messages: Vec<WireMessage>,
     tools: Vec<WireTool>,
+    /// Variables beside the standard ones ([`crate::chat::Extra`]).
+    #[serde(default)]
+    extra: crate::chat::Extra,
     add_generation_prompt: bool,
 }
 
@@ -176,21 +188,21 @@ impl TemplateHost {
         Ok(Helper { child, sock: ours })
     }
 
-    /// `messages` (and `tools`) rendered with the template `source` (ChatML when `None`), as
-    /// [`ChatTemplate::render_with_tools`] renders them, in a helper.
+    /// `messages` (and `tools`, and `extra` variables) rendered with `template`, as
+    /// [`ChatTemplate::render_with`] renders them, in a helper.
     pub fn render(
         &self,
-        source: Option<&str>,
-        bos: &str,
-        eos: &str,
+        template: Template<'_>,
         messages: &[ChatMessage],
         tools: &[Tool],
+        extra: &crate::chat::Extra,
         add_generation_prompt: bool,
     ) -> Result<String, TemplateError> {
         let job = Job {
-            source: source.map(str::to_owned),
-            bos: bos.to_owned(),
-            eos: eos.to_owned(),
+            extra: extra.clone(),
+            source: template.source.map(str::to_owned),
+            bos: template.bos.to_owned(),
+            eos: template.eos.to_owned(),
             messages: messages.iter().map(WireMessage::from).collect(),
             tools: tools
                 .iter()
@@ -275,6 +287,7 @@ pub fn main(memory_mib: u64, parent: u32) -> i32 {
 /// template's identity: source, BOS and EOS; their messages are emptied).
 fn render_job(cache: &mut Vec<(Job, ChatTemplate)>, mut job: Job) -> Result<String, TemplateError> {
     let add_generation_prompt = job.add_generation_prompt;
+    let extra = std::mem::take(&mut job.extra);
     let messages: Vec<ChatMessage> = std::mem::take(&mut job.messages).into_iter().map(ChatMessage::from).collect();
     let tools = std::mem::take(&mut job.tools)
         .into_iter()
@@ -295,5 +308,5 @@ fn render_job(cache: &mut Vec<(Job, ChatTemplate)>, mut job: Job) -> Result<Stri
             cache.len() - 1
         }
     };
-    cache[i].1.render_with_tools(&messages, &tools, add_generation_prompt)
+    cache[i].1.render_with(&messages, &tools, &extra, add_generation_prompt)
 }

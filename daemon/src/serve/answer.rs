@@ -12,6 +12,7 @@
 
 use super::chat::Tools;
 use super::conn::Hangup;
+use super::reasoning::{Part, Split};
 use super::remote::events::{Event as Upstream, Events};
 use super::remote::{Opened, Remote};
 use super::request::{ApiError, Output, Piece, Scored, Submitted};
@@ -109,6 +110,8 @@ enum Source {
 struct Local {
     sub: Submitted,
     out: Output,
+    /// Per choice: its reasoning splitter (a thinking model's chat answer).
+    think: Vec<Option<Split>>,
     /// Per choice: its tool-call parser (with tools) and the calls it found.
     split: Vec<Option<ToolStream>>,
     calls: Vec<usize>,
@@ -140,7 +143,7 @@ impl Answers {
                 tools.map(|t| ToolStream::new(t.format).offering(t.tools.iter().map(|t| t.name.clone()).collect()))
             })
             .collect();
-        let local = Local { sub, out, split, calls: vec![0; n as usize] };
+        let local = Local { sub, out, think: Vec::new(), split, calls: vec![0; n as usize] };
         Answers { source: Source::Local(Box::new(local)), queue: VecDeque::new(), over: false, n }
     }
 
@@ -150,6 +153,15 @@ impl Answers {
         let relay =
             Relay { remote, events: Events::new(resp), hangup, _place: place, calls: 0, pieces: 0, usage: None };
         Answers { source: Source::Remote(Box::new(relay)), queue: VecDeque::new(), over: false, n: 1 }
+    }
+
+    /// Reads each choice's `<think>` block as reasoning ([`Split`]); `open`: the prompt opened
+    /// it. (An upstream's reasoning comes apart already.)
+    pub fn thinking(mut self, open: bool) -> Answers {
+        if let Source::Local(l) = &mut self.source {
+            l.think = (0..self.n).map(|_| Some(Split::new(open))).collect();
+        }
+        self
     }
 
     /// The choices the answer has.
@@ -267,10 +279,10 @@ impl Local {
 
     fn piece(&mut self, piece: Piece, q: &mut VecDeque<Answer>) {
         match piece {
-            Piece::Text { choice, text, token, logprobs } => self.text(choice, text, Some(token), logprobs, false, q),
+            Piece::Text { choice, text, token, logprobs } => self.reason(choice, text, Some(token), logprobs, false, q),
             Piece::End { choice, reason, stop, text, logprobs } => {
                 // The held-back tail of the text: no single token completed it.
-                self.text(choice, text, None, logprobs, true, q);
+                self.reason(choice, text, None, logprobs, true, q);
                 let called = self.calls.get(choice as usize).is_some_and(|&c| c > 0);
                 let reason = match reason {
                     "length" => Finish::Length,
@@ -286,6 +298,35 @@ impl Local {
             })),
             Piece::Failed(m) => q.push_back(Answer::Failed(ApiError::new(500, m, None))),
         }
+    }
+
+    /// A choice's text, its reasoning split off when it has a splitter (`last`: flush it);
+    /// the answer proper goes on to [`Local::text`].
+    fn reason(
+        &mut self,
+        choice: u32,
+        text: String,
+        token: Option<u32>,
+        logprobs: Vec<Scored>,
+        last: bool,
+        q: &mut VecDeque<Answer>,
+    ) {
+        let Some(Some(split)) = self.think.get_mut(choice as usize) else {
+            return self.text(choice, text, token, logprobs, last, q);
+        };
+        let mut parts = split.push(&text);
+        if last {
+            parts.extend(split.finish());
+        }
+        let mut content = String::new();
+        for p in parts {
+            match p {
+                Part::Reasoning(r) => q.push_back(Answer::Reasoning { choice, text: r }),
+                Part::Content(c) => content.push_str(&c),
+            }
+        }
+        let token = token.filter(|_| content == text);
+        self.text(choice, content, token, logprobs, last, q);
     }
 
     /// A choice's text, through its tool-call parser when it has one (`last`: flush it).

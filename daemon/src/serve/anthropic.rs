@@ -93,6 +93,8 @@ pub struct Ask {
     /// The last turn is the assistant's: the answer continues its text (a "prefill").
     pub prefill: Option<String>,
     pub stream: bool,
+    /// The template's thinking switch (`thinking`, `output_config.effort`).
+    pub extra: inferd_engine::chat::Extra,
 }
 
 impl Ask {
@@ -143,19 +145,23 @@ impl Ask {
             o.insert("tools".into(), tools);
         }
         tool_choice(m.get("tool_choice"), &mut o)?;
-        output_config(m.get("output_config"), &mut o)?;
-        match m.get("thinking") {
-            // The template's thinking switch is the model's; reasoning it writes comes back as
-            // thinking blocks either way.
-            None | Some(Value::Null) | Some(Value::Object(_)) => {}
-            Some(_) => return Err(ApiError::bad("thinking must be an object", "thinking")),
-        }
+        let effort = output_config(m.get("output_config"), &mut o)?;
+        // The template's thinking switch: `enabled` and `adaptive` turn it on, `disabled` off.
+        let enable = match m.get("thinking") {
+            None | Some(Value::Null) => None,
+            Some(t) => match t.get("type").and_then(Value::as_str) {
+                Some("enabled" | "adaptive") => Some(true),
+                Some("disabled") => Some(false),
+                _ => return Err(ApiError::bad("thinking.type must be enabled, adaptive or disabled", "thinking")),
+            },
+        };
+        let extra = super::reasoning::switch(enable, effort.as_deref());
         let stream = match m.get("stream") {
             None | Some(Value::Null) => false,
             Some(Value::Bool(b)) => *b,
             Some(_) => return Err(ApiError::bad("stream must be true or false", "stream")),
         };
-        Ok(Ask { openai: o, prefill, stream })
+        Ok(Ask { openai: o, prefill, stream, extra })
     }
 }
 
@@ -345,13 +351,15 @@ fn tool_choice(v: Option<&Value>, o: &mut Map<String, Value>) -> Result<(), ApiE
 }
 
 /// `output_config`: its `format` (a JSON schema the answer follows) as OpenAI's
-/// `response_format`; its `effort` is the model's affair, as `thinking` is.
-fn output_config(v: Option<&Value>, o: &mut Map<String, Value>) -> Result<(), ApiError> {
-    let Some(c) = v.filter(|v| !v.is_null()) else { return Ok(()) };
+/// `response_format`; its `effort`, returned, is the template's `reasoning_effort`.
+fn output_config(v: Option<&Value>, o: &mut Map<String, Value>) -> Result<Option<String>, ApiError> {
+    let Some(c) = v.filter(|v| !v.is_null()) else { return Ok(None) };
     let c = c.as_object().ok_or_else(|| ApiError::bad("output_config must be an object", "output_config"))?;
+    let mut effort = None;
     for (k, f) in c {
         match (k.as_str(), f) {
-            (_, Value::Null) | ("effort", Value::String(_)) => {}
+            (_, Value::Null) => {}
+            ("effort", Value::String(e)) => effort = Some(e.clone()),
             ("format", f) => {
                 let schema = f.get("schema").filter(|s| s.is_object());
                 let (Some("json_schema"), Some(schema)) = (f.get("type").and_then(Value::as_str), schema) else {
@@ -366,7 +374,7 @@ fn output_config(v: Option<&Value>, o: &mut Map<String, Value>) -> Result<(), Ap
             _ => return Err(ApiError::bad(format!("output_config.{k} is not supported by inferd"), "output_config")),
         }
     }
-    Ok(())
+    Ok(effort)
 }
 
 /// A prepared local request and what its answer needs.
@@ -380,7 +388,7 @@ struct Started {
 /// prefill after the generation prompt), and the request's tools.
 fn prompt(sh: &Arc<Shared>, model: &super::ModelHandle, ask: &Ask) -> Result<(Vec<u32>, Tools), ApiError> {
     let tools = Tools::of(&ask.openai, &model.model)?;
-    let mut ids = chat::encode(sh, &model.model, &chat::messages(&ask.openai)?, Some(&tools))?;
+    let mut ids = chat::encode(sh, &model.model, &chat::messages(&ask.openai)?, Some(&tools), &ask.extra)?;
     if let Some(p) = ask.prefill.as_deref().filter(|p| !p.is_empty()) {
         let more = model.model.tokenizer.encode_bare(p, false).map_err(|e| ApiError::bad(e.to_string(), "messages"))?;
         ids.extend(more);
@@ -416,10 +424,15 @@ async fn messages(
     };
     let model = prepared.model.name.clone();
     let stop = prepared.stop.clone();
+    let think = super::reasoning::splits(prepared.model.model.chat_template.as_deref())
+        .then(|| super::reasoning::opened(&prepared.model.model, &prepared.prompt));
     match request::submit(&sh, prepared, peer.uid(), Some(Arc::clone(&peer.hangup))) {
         Ok(sub) => {
             let id = format!("msg_{:016x}", sub.id);
-            let answers = Answers::local(sub, 1, stop, tools.active().then_some(&tools));
+            let mut answers = Answers::local(sub, 1, stop, tools.active().then_some(&tools));
+            if let Some(open) = think {
+                answers = answers.thinking(open);
+            }
             respond(answers, Message { id, model, stream }).await
         }
         Err(e) => error(e),

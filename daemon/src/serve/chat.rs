@@ -8,6 +8,7 @@ use super::Shared;
 use inferd_engine::chat::ChatMessage;
 use inferd_engine::model::Model;
 use inferd_engine::request::Request;
+use inferd_engine::template_host::Template;
 use inferd_engine::tokenizer::literal::Literals;
 use inferd_engine::tools::{Tool, ToolCall, ToolChoice, ToolFormat};
 use serde_json::{json, Map, Value};
@@ -203,12 +204,14 @@ pub fn messages(m: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError> {
 /// earlier calls and tool results written as text in the same syntax. What the client wrote
 /// (roles, contents, names, calls, tool definitions) is text even where it spells a special
 /// token: only the template's own markup is special ([`Literals`]).
+/// `extra` variables join the template's context (a thinking switch: [`super::reasoning`]).
 /// The template runs in a helper process bounded in memory and time ([`Shared::templates`]).
 pub fn encode(
     sh: &Shared,
     model: &Model,
     messages: &[ChatMessage],
     tools: Option<&Tools>,
+    extra: &inferd_engine::chat::Extra,
 ) -> Result<Vec<u32>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::bad("messages is empty", "messages"));
@@ -270,7 +273,7 @@ pub fn encode(
     let shown = if format.native { shown } else { &[] };
     let text = sh
         .templates
-        .render(model.chat_template.as_deref(), &bos, &eos, &msgs, shown, true)
+        .render(Template { source: model.chat_template.as_deref(), bos: &bos, eos: &eos }, &msgs, shown, extra, true)
         .map_err(|e| ApiError::bad(format!("the chat template failed: {e}"), "messages"))?;
     lit.encode(tok, &text).map_err(|e| ApiError::bad(e.to_string(), "messages"))
 }

@@ -157,7 +157,7 @@ impl Inference {
         let h = sh.model(Some(model))?;
         let body = chat_body(messages, options)?;
         let tools = Tools::of(&body, &h.model)?;
-        let ids = chat::encode(sh, &h.model, &chat::messages(&body)?, Some(&tools))?;
+        let ids = chat::encode(sh, &h.model, &chat::messages(&body)?, Some(&tools), &Default::default())?;
         tools.constrain(req, h.vocabulary.as_deref())?;
         Ok((h, ids, tools.active().then_some(tools)))
     }

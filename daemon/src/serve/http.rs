@@ -93,6 +93,7 @@ async fn count(State(sh): State<Arc<Shared>>, req: axum::extract::Request, next:
         "/api/generate",
         "/api/chat",
         "/api/embed",
+        "/api/embeddings",
         "/api/delete",
     ];
     let route = if known.contains(&route.as_str()) { route } else { "other".into() };
@@ -334,8 +335,18 @@ async fn detokenize(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> R
 pub const IGNORED: [&str; 4] = ["user", "store", "metadata", "service_tier"];
 
 /// The keys a route reads itself, beside [`FIELDS`].
-const ROUTE_KEYS: [&str; 8] =
-    ["model", "stream", "stream_options", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs"];
+const ROUTE_KEYS: [&str; 10] = [
+    "model",
+    "stream",
+    "stream_options",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "logprobs",
+    "top_logprobs",
+    "reasoning_effort",
+    "chat_template_kwargs",
+];
 
 /// Checks that every key of the body is one inferd implements or an accepted no-op: a field
 /// OpenAI defines that inferd does not implement is a 400 naming it, never silently dropped.
@@ -374,7 +385,7 @@ fn known_keys(m: &Map<String, Value>, body_key: &str) -> Result<(), ApiError> {
 
 /// A body key as a `'static` str for [`ApiError::param`].
 fn param(k: &str) -> &'static str {
-    const NAMED: [&str; 12] = [
+    const NAMED: [&str; 14] = [
         "tools",
         "tool_choice",
         "functions",
@@ -387,6 +398,8 @@ fn param(k: &str) -> &'static str {
         "suffix",
         "modalities",
         "stream_options",
+        "reasoning_effort",
+        "chat_template_kwargs",
     ];
     NAMED.iter().find(|n| **n == k).copied().unwrap_or("body")
 }
@@ -555,7 +568,8 @@ async fn chat_completions(
         known_keys(&m, "messages")?;
         include_usage(&m)?;
         let tools = Tools::of(&m, &model.model)?;
-        let ids = chat::encode(sh, &model.model, &chat::messages(&m)?, Some(&tools))?;
+        let extra = super::reasoning::openai(m.get("reasoning_effort"), m.get("chat_template_kwargs"))?;
+        let ids = chat::encode(sh, &model.model, &chat::messages(&m)?, Some(&tools), &extra)?;
         let mut req = Request { logprobs: wants_logprobs(&m, true)?, ..typed_request(&m)? };
         tools.constrain(&mut req, model.vocabulary.as_deref())?;
         Ok((request::prepare(sh, model, req, ids)?, m, tools))
@@ -626,8 +640,17 @@ async fn respond(
         decoder: p.strategy.name().to_owned(),
     };
     let (n, stop) = (p.n, p.stop.clone());
+    // A thinking model's chat answer: its `<think>` block is `reasoning_content`.
+    let think = (chat && super::reasoning::splits(p.model.model.chat_template.as_deref()))
+        .then(|| super::reasoning::opened(&p.model.model, &p.prompt));
     match request::submit(&sh, p, peer.uid(), Some(Arc::clone(&peer.hangup))) {
-        Ok(sub) => super::openai::respond(Answers::local(sub, n, stop, tools.as_ref()), shape).await,
+        Ok(sub) => {
+            let mut answers = Answers::local(sub, n, stop, tools.as_ref());
+            if let Some(open) = think {
+                answers = answers.thinking(open);
+            }
+            super::openai::respond(answers, shape).await
+        }
         Err(e) => error(e),
     }
 }

@@ -28,6 +28,7 @@ pub mod models;
 pub mod notify;
 pub mod ollama;
 pub mod openai;
+pub mod reasoning;
 pub mod remote;
 pub mod request;
 pub mod responses;

@@ -22,6 +22,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use inferd_engine::chat::ChatMessage;
 use serde_json::{json, Map, Value};
 use std::path::Path;
 use std::sync::Arc;
@@ -41,6 +42,7 @@ pub fn routes() -> Router<Arc<Shared>> {
         .route("/api/generate", post(generate))
         .route("/api/chat", post(chat))
         .route("/api/embed", post(embed))
+        .route("/api/embeddings", post(embeddings))
 }
 
 /// Ollama's error shape: `{"error": message}` with the status.
@@ -208,7 +210,7 @@ fn capabilities(h: &ModelHandle) -> Vec<&'static str> {
         caps.push("insert");
     }
     let t = template.unwrap_or_default();
-    if ["<think>", "enable_thinking", "reasoning_content"].iter().any(|k| t.contains(k)) {
+    if super::reasoning::capable(Some(t)) {
         caps.push("thinking");
     }
     caps
@@ -226,6 +228,54 @@ async fn local(
     let body = remote::ollama::serve(sh, route, body, peer).await?;
     sh.warm(&body, true, peer.uid).await.map_err(error)?;
     Ok(body)
+}
+
+/// Ollama's legacy `/api/embeddings`: one `prompt`, answered as `{"embedding": [...]}` (what
+/// older clients and LangChain's Ollama embeddings send): `/api/embed` of that one text, the
+/// same vector (normalized; an empty prompt has no vector, as in Ollama).
+async fn embeddings(
+    State(sh): State<Arc<Shared>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    body: axum::body::Bytes,
+) -> Response {
+    let m = match super::http::object(&body) {
+        Ok(m) => m,
+        Err(e) => return error(e),
+    };
+    let mut ask = Map::new();
+    for (k, v) in &m {
+        match k.as_str() {
+            "model" | "options" | "keep_alive" => {
+                ask.insert(k.clone(), v.clone());
+            }
+            "prompt" => match v {
+                Value::String(p) if p.is_empty() => return Json(json!({ "embedding": [] })).into_response(),
+                Value::String(_) => {
+                    ask.insert("input".into(), v.clone());
+                }
+                _ => return error(ApiError::bad("prompt must be a string", "prompt")),
+            },
+            _ if v.is_null() => {}
+            _ => return error(ApiError::bad(format!("{k} is not supported by inferd"), "body")),
+        }
+    }
+    if !ask.contains_key("input") {
+        return error(ApiError::bad("prompt is required", "prompt"));
+    }
+    let body = axum::body::Bytes::from(Value::Object(ask).to_string());
+    let answer = embed(State(sh), ConnectInfo(peer), body).await;
+    if !answer.status().is_success() {
+        return answer;
+    }
+    // The one vector of /api/embed's list.
+    match axum::body::to_bytes(answer.into_body(), 64 << 20)
+        .await
+        .ok()
+        .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+    {
+        Some(v) => Json(json!({ "embedding": v["embeddings"][0] })).into_response(),
+        None => error(ApiError::new(500, "internal error: the embedding's answer did not parse", None)),
+    }
 }
 
 /// Ollama's `/api/embed`: `input` (a string or strings), `truncate` (default true: a text
@@ -348,7 +398,7 @@ fn check_keys(m: &Map<String, Value>, own: &[&str]) -> Result<(), ApiError> {
             continue;
         }
         let neutral = match k {
-            "think" | "raw" | "logprobs" => v == &Value::Bool(false),
+            "raw" | "logprobs" => v == &Value::Bool(false),
             "images" | "tools" => v.as_array().is_some_and(Vec::is_empty),
             "suffix" | "template" => v.as_str() == Some(""),
             _ => false,
@@ -375,14 +425,21 @@ struct Ask {
     stream: bool,
     /// A chat's tools, when the answer may call them.
     tools: Option<Tools>,
+    /// The prompt went through a thinking model's template: its `<think>` block is `thinking`.
+    think: bool,
 }
 
 impl Ask {
     /// The body's `options` and `stream` (Ollama streams unless told not to) with the prompt.
     fn new(model: Arc<ModelHandle>, prompt: Vec<u32>, m: &Map<String, Value>) -> Result<Ask, ApiError> {
         let stream = m.get("stream").and_then(Value::as_bool) != Some(false);
-        Ok(Ask { model, prompt, fields: options(m)?, stream, tools: None })
+        Ok(Ask { model, prompt, fields: options(m)?, stream, tools: None, think: false })
     }
+}
+
+/// A body's `think` as the template's switch for model `h`.
+fn think(m: &Map<String, Value>, h: &ModelHandle) -> Result<inferd_engine::chat::Extra, ApiError> {
+    super::reasoning::ollama(m.get("think"), &h.name, h.model.chat_template.as_deref())
 }
 
 /// The answer to an empty prompt: the model is loaded, or (with `keep_alive: 0`, Ollama's way
@@ -419,7 +476,7 @@ async fn generate(
     };
     let ask = |sh: &Arc<Shared>, body: &[u8]| -> Result<Ask, ApiError> {
         let m = super::http::object(body)?;
-        check_keys(&m, &["prompt", "system", "context", "raw", "suffix"])?;
+        check_keys(&m, &["prompt", "system", "context", "raw", "suffix", "think"])?;
         let h = model(sh, &m)?;
         let prompt = string(&m, "prompt")?.unwrap_or_default();
         let suffix = string(&m, "suffix")?.unwrap_or_default();
@@ -442,10 +499,12 @@ async fn generate(
         } else {
             let mut msgs = Vec::new();
             if let Some(system) = string(&m, "system")? {
-                msgs.push(("system".to_owned(), system));
+                msgs.push(ChatMessage::new("system", &system));
             }
-            msgs.push(("user".to_owned(), prompt));
-            ids.extend(request::encode_chat(sh, &h.model, &msgs)?);
+            msgs.push(ChatMessage::new("user", &prompt));
+            ids.extend(super::chat::encode(sh, &h.model, &msgs, None, &think(&m, &h)?)?);
+            let templated = super::reasoning::splits(h.model.chat_template.as_deref());
+            return Ok(Ask { think: templated, ..Ask::new(h, ids, &m)? });
         }
         Ask::new(h, ids, &m)
     };
@@ -464,12 +523,15 @@ async fn chat(
     };
     let ask = |sh: &Arc<Shared>, body: &[u8]| -> Result<Ask, ApiError> {
         let m = super::http::object(body)?;
-        check_keys(&m, &["messages", "tools"])?;
+        check_keys(&m, &["messages", "tools", "think"])?;
         let h = model(sh, &m)?;
         let msgs = super::chat::messages(&m)?;
         let tools = Tools::of(&m, &h.model)?;
-        let ids = if msgs.is_empty() { Vec::new() } else { super::chat::encode(sh, &h.model, &msgs, Some(&tools))? };
-        Ok(Ask { tools: tools.active().then_some(tools), ..Ask::new(h, ids, &m)? })
+        let extra = think(&m, &h)?;
+        let ids =
+            if msgs.is_empty() { Vec::new() } else { super::chat::encode(sh, &h.model, &msgs, Some(&tools), &extra)? };
+        let templated = super::reasoning::splits(h.model.chat_template.as_deref());
+        Ok(Ask { tools: tools.active().then_some(tools), think: templated, ..Ask::new(h, ids, &m)? })
     };
     let ask = sh.cpu_with(&body, ask).await;
     reply(sh, ask, peer, true).await
@@ -493,6 +555,7 @@ async fn answer(sh: Arc<Shared>, a: Ask, peer: Peer, chat: bool) -> Response {
         Err(e) => return error(e),
     };
     let prompt_ids = a.prompt.clone();
+    let open = a.think && super::reasoning::opened(&a.model.model, &prompt_ids);
     let p = match request::prepare(&sh, a.model, req, a.prompt) {
         Ok(p) => p,
         Err(e) => return error(e),
@@ -503,7 +566,10 @@ async fn answer(sh: Arc<Shared>, a: Ask, peer: Peer, chat: bool) -> Response {
         Err(e) => return error(e),
     };
     let tagged = tagged(&sub.model);
-    let answers = Answers::local(sub, 1, stop, a.tools.as_ref());
+    let mut answers = Answers::local(sub, 1, stop, a.tools.as_ref());
+    if a.think {
+        answers = answers.thinking(open);
+    }
     let shape = Shape { chat, stream: a.stream, tagged, t0, context: (!chat).then_some(prompt_ids) };
     respond(answers, shape).await
 }

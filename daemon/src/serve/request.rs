@@ -185,13 +185,6 @@ pub fn prompt_ids(model: &Model, ids: &[Value], param: &'static str) -> Result<V
         .ok_or_else(|| ApiError::bad(format!("{param} must be token ids below {vocab}"), param))
 }
 
-/// Chat messages as (role, content) pairs (D-Bus's), rendered with the model's template.
-pub fn encode_chat(sh: &Shared, model: &Model, messages: &[(String, String)]) -> Result<Vec<u32>, ApiError> {
-    let msgs: Vec<inferd_engine::chat::ChatMessage> =
-        messages.iter().map(|(r, c)| inferd_engine::chat::ChatMessage::new(r, c)).collect();
-    super::chat::encode(sh, model, &msgs, None)
-}
-
 /// Checks request `req`, whose prompt is `prompt`, for `model`: the same checks and messages
 /// whichever edge built it.
 pub fn prepare(sh: &Shared, model: Arc<ModelHandle>, req: Request, prompt: Vec<u32>) -> Result<Prepared, ApiError> {

@@ -75,6 +75,8 @@ pub struct Ask {
     pub echo: Map<String, Value>,
     pub stream: bool,
     pub store: bool,
+    /// The template's thinking switch (`reasoning.effort`).
+    pub extra: inferd_engine::chat::Extra,
 }
 
 impl Ask {
@@ -131,12 +133,12 @@ impl Ask {
                 o.insert("top_logprobs".into(), v.clone());
             }
         }
-        match m.get("reasoning") {
-            // The template's thinking switch is the model's; reasoning it writes comes back as
-            // a reasoning item either way.
-            None | Some(Value::Null) | Some(Value::Object(_)) => {}
+        // `reasoning.effort` is the template's switch, as chat's `reasoning_effort` is.
+        let extra = match m.get("reasoning") {
+            None | Some(Value::Null) => Default::default(),
+            Some(r @ Value::Object(_)) => super::reasoning::openai(r.get("effort"), None)?,
             Some(_) => return Err(ApiError::bad("reasoning must be an object", "reasoning")),
-        }
+        };
         let flag = |k: &'static str, default: bool| match m.get(k) {
             None | Some(Value::Null) => Ok(default),
             Some(Value::Bool(b)) => Ok(*b),
@@ -175,7 +177,7 @@ impl Ask {
         }
         echo.insert("store".into(), store.into());
         echo.insert("truncation".into(), m.get("truncation").cloned().unwrap_or_else(|| json!("disabled")));
-        Ok(Ask { openai: o, history, echo, stream, store })
+        Ok(Ask { openai: o, history, echo, stream, store, extra })
     }
 }
 
@@ -387,7 +389,7 @@ async fn create(
         let ask = Ask::of(&m, earlier)?;
         let model = sh.model(model_field(&m)?)?;
         let tools = Tools::of(&ask.openai, &model.model)?;
-        let ids = chat::encode(sh, &model.model, &chat::messages(&ask.openai)?, Some(&tools))?;
+        let ids = chat::encode(sh, &model.model, &chat::messages(&ask.openai)?, Some(&tools), &ask.extra)?;
         let logprobs = match ask.openai.get("top_logprobs") {
             None => None,
             Some(v) => match v.as_u64() {
@@ -406,9 +408,14 @@ async fn create(
     let model = Arc::clone(&prepared.model);
     let logprobs = prepared.logprobs.is_some();
     let stop = prepared.stop.clone();
+    let think = super::reasoning::splits(prepared.model.model.chat_template.as_deref())
+        .then(|| super::reasoning::opened(&prepared.model.model, &prepared.prompt));
     match request::submit(&sh, prepared, peer.uid(), Some(Arc::clone(&peer.hangup))) {
         Ok(sub) => {
-            let answers = Answers::local(sub, 1, stop, tools.active().then_some(&tools));
+            let mut answers = Answers::local(sub, 1, stop, tools.active().then_some(&tools));
+            if let Some(open) = think {
+                answers = answers.thinking(open);
+            }
             let reply = Reply::new(model.name.clone(), ask, logprobs.then_some(model));
             respond(sh, peer, answers, reply).await
         }

@@ -111,7 +111,7 @@ fn templates_that_grow_without_bound_fail_alone() {
 #[test]
 fn a_helper_renders_what_the_template_renders_in_process() {
     use inferd_engine::chat::{ChatMessage, ChatTemplate};
-    use inferd_engine::template_host::TemplateHost;
+    use inferd_engine::template_host::{Template, TemplateHost};
     use inferd_engine::tools::{Tool, ToolCall};
     let src = "{% for m in messages %}[{{ m.role }}|{{ m.content }}{% if m.tool_calls is defined %}{{ m.tool_calls | tojson }}{% endif %}{% if m.name is defined %}|{{ m.name }}{% endif %}]{% endfor %}{% if tools %}{{ tools | tojson }}{% endif %}{% if add_generation_prompt %}{{ bos_token }}>{% endif %}{{ eos_token }}";
     let tools = vec![Tool {
@@ -134,18 +134,30 @@ fn a_helper_renders_what_the_template_renders_in_process() {
         .render_with_tools(&msgs, &tools, true)
         .unwrap();
     let host = TemplateHost::new(env!("CARGO_BIN_EXE_inferd").into());
-    let there = host.render(Some(src), "<s>", "</s>", &msgs, &tools, true).unwrap();
+    let there = host
+        .render(Template { source: Some(src), bos: "<s>", eos: "</s>" }, &msgs, &tools, &Default::default(), true)
+        .unwrap();
     assert_eq!(here, there);
-    let chatml = host.render(None, "", "", &msgs[..2], &[], false).unwrap();
+    let chatml =
+        host.render(Template { source: None, bos: "", eos: "" }, &msgs[..2], &[], &Default::default(), false).unwrap();
     assert_eq!(
         chatml,
         ChatTemplate::new(None, String::new(), String::new()).unwrap().render(&msgs[..2], false).unwrap()
     );
-    let e = host.render(Some("{{ raise_exception('no tools here') }}"), "", "", &msgs, &[], true).unwrap_err();
+    let e = host
+        .render(
+            Template { source: Some("{{ raise_exception('no tools here') }}"), bos: "", eos: "" },
+            &msgs,
+            &[],
+            &Default::default(),
+            true,
+        )
+        .unwrap_err();
     assert!(e.to_string().contains("no tools here"), "{e}");
     let t0 = Instant::now();
     for _ in 0..200 {
-        host.render(Some(src), "<s>", "</s>", &msgs, &tools, true).unwrap();
+        host.render(Template { source: Some(src), bos: "<s>", eos: "</s>" }, &msgs, &tools, &Default::default(), true)
+            .unwrap();
     }
     eprintln!("one rendering through a warm helper: {:.0} us", t0.elapsed().as_secs_f64() * 1e6 / 200.0);
 }

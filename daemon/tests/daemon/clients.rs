@@ -448,6 +448,7 @@ fn embeddings_through_the_official_clients() {
     assert!(close(&vecs(&serde_json::json!([v["hello_ids"]]))[0], &vecs(&serde_json::json!([v["hello_text"]]))[0]));
     let ollama = vecs(&v["ollama"]);
     assert!(all.iter().zip(&ollama).all(|(a, b)| close(a, b)), "Ollama's embed gives the same vectors");
+    assert!(close(&vecs(&serde_json::json!([v["ollama_legacy"]]))[0], &all[0]), "and its legacy /api/embeddings");
     assert_eq!(v["usage"], v["ollama_count"]);
     let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
     assert!(dot(&all[0], &all[1]) > dot(&all[0], &all[2]) + 0.1, "the two cat sentences are the closest");

@@ -39,7 +39,7 @@ fn fill_in_the_middle_is_llama_servers_and_the_clients_suffix() {
     let dir = scratch("fim");
     let port = free_port();
     let coder = coder();
-    let mut server = super::remote::spawn_llama_server(&bin, coder.to_str().unwrap(), port, &dir, &[]);
+    let server = super::remote::spawn_llama_server(&bin, coder.to_str().unwrap(), port, &dir, &[]);
     let d = Daemon::start(&dir, &format!("[[model]]\npath = \"{}\"\n", coder.display()), &[]);
     let json = |s: &str| -> Value { serde_json::from_str(s).unwrap_or_else(|e| panic!("{e}: {s}")) };
 
@@ -100,8 +100,7 @@ fn fill_in_the_middle_is_llama_servers_and_the_clients_suffix() {
     assert_eq!(theirs["tokens_evaluated"], ids.len());
     let caps = v["capabilities"].as_array().unwrap();
     assert!(caps.contains(&Value::from("insert")) && caps.contains(&Value::from("tools")), "{caps:?}");
-    let _ = server.kill();
-    let _ = server.wait();
+    drop(server);
 }
 
 #[test]

@@ -13,6 +13,7 @@ mod hostile;
 mod http;
 mod isolation;
 mod models;
+mod reasoning;
 mod remote;
 mod sampling;
 mod soak;

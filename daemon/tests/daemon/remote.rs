@@ -391,6 +391,16 @@ pub(super) fn llama_server() -> Option<PathBuf> {
     p.exists().then_some(p)
 }
 
+/// A llama-server process, killed when dropped (a failed assertion included).
+pub(super) struct LlamaServer(pub std::process::Child);
+
+impl Drop for LlamaServer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// llama-server `bin` serving `model` on 127.0.0.1:`port` with two threads, its log in `dir`,
 /// once its health check answers; `extra` arguments after the common ones.
 pub(super) fn spawn_llama_server(
@@ -399,7 +409,7 @@ pub(super) fn spawn_llama_server(
     port: u16,
     dir: &std::path::Path,
     extra: &[&str],
-) -> std::process::Child {
+) -> LlamaServer {
     let log = std::fs::File::create(dir.join("llama-server.log")).unwrap();
     let server = Command::new(bin)
         .args(["-m", model, "--host", "127.0.0.1", "--port", &port.to_string(), "-t", "2", "-c", "4096"])
@@ -408,6 +418,7 @@ pub(super) fn spawn_llama_server(
         .stderr(log)
         .spawn()
         .unwrap();
+    let server = LlamaServer(server);
     wait_for("llama-server", Duration::from_secs(60), || tcp_http(port, "GET", "/health", "").0 == 200);
     server
 }
@@ -517,8 +528,8 @@ fn llama_server_upstream_streams_cancels_and_dies_explicitly() {
     // next request is a 502 at once.
     let mut s = open_stream(&front.socket, long);
     s.read_exact(&mut first).unwrap();
-    server.kill().unwrap();
-    server.wait().unwrap();
+    server.0.kill().unwrap();
+    server.0.wait().unwrap();
     // The response's end: its last chunk (the connection itself stays open for the next).
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     let mut rest = Vec::new();

@@ -14,7 +14,7 @@ fn the_repetition_penalty_is_llama_cpps() {
     };
     let dir = scratch("repeat-penalty");
     let port = free_port();
-    let mut server = spawn_llama_server(&bin, &model(), port, &dir, &[]);
+    let server = spawn_llama_server(&bin, &model(), port, &dir, &[]);
     let d = Daemon::start(&dir, "", &[]);
     // (A prompt whose answers have no near-ties for this model's numerics to split differently.)
     let prompt = "The quick brown fox jumps over the lazy dog. The quick brown fox";
@@ -51,7 +51,6 @@ fn the_repetition_penalty_is_llama_cpps() {
     let (st, out) =
         d.http("POST", "/v1/completions", r#"{"prompt": "Hi", "decoder": "greedy", "repeat_penalty": 1.3}"#);
     assert!(st == 400 && out.contains("repeat_penalty"), "{st} {out}");
-    let _ = server.kill();
-    let _ = server.wait();
+    drop(server);
     let _ = std::fs::remove_dir_all(dir);
 }
