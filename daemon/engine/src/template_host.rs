@@ -172,16 +172,16 @@ impl TemplateHost {
     fn spawn(&self) -> Result<Helper, TemplateError> {
         let (ours, theirs) =
             UnixStream::pair().map_err(|e| TemplateError::new(format!("no socket for its renderer: {e}")))?;
-        let child = Command::new(&self.exe)
-            .arg("template-host")
+        let mut cmd = Command::new(&self.exe);
+        cmd.arg("template-host")
             .arg("--memory-mib")
             .arg(MEMORY_MIB.to_string())
             .arg("--parent")
             .arg(std::process::id().to_string())
             .stdin(Stdio::from(OwnedFd::from(theirs)))
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
+            .stderr(Stdio::null());
+        let child = sandbox::spawn_lasting(cmd)
             .map_err(|e| TemplateError::new(format!("starting its renderer {}: {e}", self.exe.display())))?;
         let _ = ours.set_read_timeout(Some(RENDER_TIMEOUT));
         let _ = ours.set_write_timeout(Some(RENDER_TIMEOUT));
@@ -214,7 +214,15 @@ impl TemplateHost {
                 .collect(),
             add_generation_prompt,
         };
-        let reused = self.idle.lock().ok().and_then(|mut idle| idle.pop());
+        // An idle helper that ended meanwhile (killed for memory, say) is no use.
+        let reused = self.idle.lock().ok().and_then(|mut idle| {
+            while let Some(mut h) = idle.pop() {
+                if matches!(h.child.try_wait(), Ok(None)) {
+                    return Some(h);
+                }
+            }
+            None
+        });
         let mut helper = match reused {
             Some(h) => h,
             None => self.spawn()?,

@@ -136,7 +136,7 @@ impl Answers {
         let mut out = Output::new(n, stop);
         if tools.is_some() {
             // Tool-call markers are special tokens in some vocabularies.
-            out = out.keeping_special();
+            out = out.keeping_special(&sub.model.model.tokenizer);
         }
         let split = (0..n)
             .map(|_| {

@@ -491,11 +491,20 @@ impl Output {
         }
     }
 
-    /// Special tokens' text is kept (tool-call markers such as `[TOOL_CALLS]` are special
-    /// tokens in some vocabularies).
-    pub fn keeping_special(mut self) -> Output {
+    /// Tool-call markers that are special tokens (`[TOOL_CALLS]` in Mistral's vocabulary) are
+    /// kept in the text, for the parser; the other special tokens stay out as before.
+    pub fn keeping_special(mut self, tok: &inferd_engine::tokenizer::Tokenizer) -> Output {
+        // The markers that are single special tokens of this vocabulary; the other specials (a
+        // turn's `<|im_start|>` the model writes before a call) stay out of the answer.
+        let keep: Vec<u32> = inferd_engine::tools::parse::MARKERS
+            .iter()
+            .filter_map(|m| match tok.encode_bare(m, true).ok()?.as_slice() {
+                [id] if tok.is_special(*id) => Some(*id),
+                _ => None,
+            })
+            .collect();
         for c in &mut self.choices {
-            c.dec = StreamDecoder::new(false);
+            c.dec = StreamDecoder::keeping(keep.clone());
         }
         self
     }

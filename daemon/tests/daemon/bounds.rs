@@ -154,6 +154,26 @@ fn a_helper_renders_what_the_template_renders_in_process() {
         )
         .unwrap_err();
     assert!(e.to_string().contains("no tools here"), "{e}");
+    // A helper started from a thread that then ends (as the runtime's blocking threads do
+    // when idle) serves the next rendering: it once died with that thread (the kernel's parent
+    // death signal follows the forking thread), and the next request got "signal 9".
+    let host = std::sync::Arc::new(TemplateHost::new(env!("CARGO_BIN_EXE_inferd").into()));
+    let h = std::sync::Arc::clone(&host);
+    let first = std::thread::spawn(move || {
+        h.render(
+            Template { source: None, bos: "", eos: "" },
+            &[ChatMessage::new("user", "Hi")],
+            &[],
+            &Default::default(),
+            true,
+        )
+    })
+    .join()
+    .unwrap();
+    assert!(first.is_ok(), "{first:?}");
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let again = host.render(Template { source: None, bos: "", eos: "" }, &msgs[..2], &[], &Default::default(), false);
+    assert_eq!(again.unwrap(), chatml, "the idle helper outlived the thread that started it");
     let t0 = Instant::now();
     for _ in 0..200 {
         host.render(Template { source: Some(src), bos: "<s>", eos: "</s>" }, &msgs, &tools, &Default::default(), true)

@@ -5,7 +5,7 @@ use super::*;
 
 /// Runs `tests/python/SCRIPT` (the official clients; tests/run installs them) against the
 /// daemon's socket and parses the JSON it prints.
-fn python_client(d: &Daemon, script: &str) -> Value {
+pub(super) fn python_client(d: &Daemon, script: &str) -> Value {
     let pylib = std::env::var("INFERD_TEST_PYTHONPATH")
         .unwrap_or_else(|_| format!("{}/.cache/inferd/python", std::env::var("HOME").unwrap_or_default()));
     let path = format!("{}/../tests/python/{script}", env!("CARGO_MANIFEST_DIR"));

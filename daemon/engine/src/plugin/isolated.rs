@@ -177,8 +177,8 @@ impl Helper {
         let (ours, theirs) = UnixStream::pair().map_err(|e| format!("socket pair: {e}"))?;
         let shm = Shm::new().map_err(|e| format!("memory file: {e}"))?;
         let shm_fd = shm.file.try_clone().map_err(|e| format!("memory file: {e}"))?;
-        let mut child = Command::new(&iso.exe)
-            .arg("plugin-host")
+        let mut cmd = Command::new(&iso.exe);
+        cmd.arg("plugin-host")
             .arg(path)
             .arg("--memory-mib")
             .arg(iso.memory_mib.to_string())
@@ -186,8 +186,8 @@ impl Helper {
             .arg(std::process::id().to_string())
             .stdin(Stdio::from(OwnedFd::from(theirs)))
             .stdout(Stdio::from(shm_fd))
-            .stderr(Stdio::inherit())
-            .spawn()
+            .stderr(Stdio::inherit());
+        let mut child = super::sandbox::spawn_lasting(cmd)
             .map_err(|e| format!("starting its helper {}: {e}", iso.exe.display()))?;
         let mut sock = ours;
         let _ = sock.set_write_timeout(Some(iso.call_timeout.max(Duration::from_millis(100))));

@@ -29,6 +29,35 @@ fn check(r: libc::c_int) -> io::Result<()> {
     }
 }
 
+/// Starts `cmd` from a thread that lives as long as the process. A helper asks the kernel to
+/// kill it when its parent dies ([`die_with_parent`]), and for the kernel the parent is the
+/// *thread* that forked it: a helper started from a worker thread that later ends (the async
+/// runtime's blocking pool retires idle threads after seconds) would be killed with it, and the
+/// next request to reuse it would find it dead.
+pub fn spawn_lasting(cmd: std::process::Command) -> io::Result<std::process::Child> {
+    type Job = (std::process::Command, std::sync::mpsc::Sender<io::Result<std::process::Child>>);
+    static SPAWNER: std::sync::OnceLock<std::sync::Mutex<std::sync::mpsc::Sender<Job>>> = std::sync::OnceLock::new();
+    let spawner = SPAWNER.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<Job>();
+        let started = std::thread::Builder::new().name("inferd-spawner".into()).spawn(move || {
+            for (mut cmd, reply) in rx {
+                let _ = reply.send(cmd.spawn());
+            }
+        });
+        if let Err(e) = started {
+            eprintln!("inferd: no spawner thread ({e}); helpers start from the calling thread");
+        }
+        std::sync::Mutex::new(tx)
+    });
+    let (reply, answer) = std::sync::mpsc::channel();
+    let sent = spawner.lock().map_err(|_| io::Error::other("the spawner is poisoned"))?.send((cmd, reply));
+    match sent {
+        Ok(()) => answer.recv().map_err(|_| io::Error::other("the spawner thread is gone"))?,
+        // No spawner thread: start it here (the helper then lives as long as this thread).
+        Err(std::sync::mpsc::SendError((mut cmd, _))) => cmd.spawn(),
+    }
+}
+
 /// Dies (SIGKILL) when the daemon `parent` does, and refuses to start if it already has.
 pub fn die_with_parent(parent: u32) -> io::Result<()> {
     // SAFETY: prctl with integer arguments.

@@ -8,16 +8,23 @@ use super::{Tokenizer, TokenizerError};
 pub struct StreamDecoder {
     pending: Vec<u8>,
     skip_special: bool,
+    /// Special tokens written even while skipping the others.
+    keep: Vec<u32>,
 }
 
 impl StreamDecoder {
     pub fn new(skip_special: bool) -> Self {
-        StreamDecoder { pending: Vec::new(), skip_special }
+        StreamDecoder { pending: Vec::new(), skip_special, keep: Vec::new() }
+    }
+
+    /// Skips special tokens except `keep` (a tool-call syntax's markers, which a parser reads).
+    pub fn keeping(keep: Vec<u32>) -> Self {
+        StreamDecoder { pending: Vec::new(), skip_special: true, keep }
     }
 
     /// Adds one token; returns the text that became complete (possibly empty).
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String, TokenizerError> {
-        if !(self.skip_special && tok.is_special(id)) {
+        if !(self.skip_special && tok.is_special(id) && !self.keep.contains(&id)) {
             self.pending.extend_from_slice(tok.token_bytes(id)?);
         }
         Ok(self.take_complete())

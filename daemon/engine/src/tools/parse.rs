@@ -87,6 +87,9 @@ fn calls_of_array(text: &str, ids: &mut CallIds) -> Option<Vec<ToolCall>> {
     calls.filter(|c| !c.is_empty())
 }
 
+/// Every syntax's markers: the special tokens among them stay in the text the parser reads.
+pub const MARKERS: [&str; 4] = [HERMES_OPEN, HERMES_CLOSE, LLAMA_TAG, MISTRAL_TAG];
+
 const HERMES_OPEN: &str = "<tool_call>";
 const HERMES_CLOSE: &str = "</tool_call>";
 const LLAMA_TAG: &str = "<|python_tag|>";
