@@ -1,7 +1,7 @@
 """An agent's loop in `auto` mode, as agents run it, through the official clients unchanged but
 for their transport: three user turns, each answered by tool calls the model chooses to make
 (executed here, their results sent back) and then by text that uses the results; the same tools through the ollama
-client and the Anthropic client. Prints what it found as JSON for daemon/tests/daemon/agent.rs.
+client, the Anthropic client and LangChain's bind_tools. Prints what it found as JSON for daemon/tests/daemon/agent.rs.
 
     python3 tests/python/agent.py SOCKET
 """
@@ -85,4 +85,34 @@ m = ac.messages.create(model=model, max_tokens=200, extra_body={"temperature": 0
                        tools=[{"name": n, "description": descriptions[n], "input_schema": s} for n, s in schemas.items()])
 out["anthropic"] = {"stop_reason": m.stop_reason, "blocks": [b.type for b in m.content],
                     "uses": [{"name": b.name, "input": b.input} for b in m.content if b.type == "tool_use"]}
+# LangChain's bind_tools, its ChatOpenAI on the OpenAI client's transport.
+from langchain_core.messages import HumanMessage, ToolMessage
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
+
+from clients import httpx2
+
+
+@tool
+def get_weather(city: str) -> str:
+    """Get the current weather in a city."""
+    return run("get_weather", {"city": city})
+
+
+@tool
+def get_time(city: str) -> str:
+    """Get the current local time in a city."""
+    return run("get_time", {"city": city})
+
+
+llm = ChatOpenAI(model=model, base_url="http://inferd/v1", api_key="not-needed", temperature=0, max_tokens=200,
+                 http_client=httpx2.Client(transport=httpx2.HTTPTransport(uds=socket)))
+bound = llm.bind_tools([get_weather, get_time])
+history = [HumanMessage("What time is it in Tokyo?")]
+ai = bound.invoke(history)
+out["langchain"] = {"calls": [{"name": c["name"], "args": c["args"]} for c in ai.tool_calls], "content": ai.content}
+if ai.tool_calls:
+    history += [ai] + [ToolMessage(run(c["name"], c["args"]), tool_call_id=c["id"]) for c in ai.tool_calls]
+    after = bound.invoke(history)
+    out["langchain"]["after"] = {"calls": len(after.tool_calls), "content": after.content}
 print(json.dumps(out))

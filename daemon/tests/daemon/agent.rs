@@ -3,7 +3,7 @@
 //! In `auto` mode, through the official OpenAI client, each of three user turns gets its call
 //! parsed (the right tool, arguments that validate against its schema, nothing left in the
 //! content), the results go back, and the conversation goes on; the ollama and Anthropic
-//! clients get the same calls parsed (tests/python/agent.py).
+//! clients and LangChain's `bind_tools` get the same calls parsed (tests/python/agent.py).
 
 use super::*;
 
@@ -34,6 +34,14 @@ fn an_agent_loop_in_auto_mode_gets_parsed_calls_from_qwen_coder_1_5b() {
     let a = &v["anthropic"];
     assert_eq!(a["stop_reason"], "tool_use", "{a}");
     assert_eq!(a["uses"], serde_json::json!([{ "name": "get_weather", "input": { "city": "Paris" } }]), "{a}");
+    let lc = &v["langchain"];
+    assert_eq!(
+        lc["calls"],
+        serde_json::json!([{ "name": "get_time", "args": { "city": "Tokyo" } }]),
+        "bind_tools: {lc}"
+    );
+    assert_eq!(lc["content"], "", "{lc}");
+    assert!(lc["after"].is_object(), "the ToolMessage went back: {lc}");
     drop(d);
     let _ = std::fs::remove_dir_all(dir);
 }
