@@ -1,14 +1,17 @@
 //! Stored responses of OpenAI's Responses API: what `previous_response_id` continues and
 //! `GET`/`DELETE /v1/responses/{id}` reach. One JSON file per response under the state
 //! directory, in a directory per user (`responses/UID/resp_….json`, the daemon's alone: mode
-//! 0700), so a user reaches only their own; at most [`PER_USER`] per user, the oldest going
-//! first. Files are written whole under a temporary name and renamed into place, so a crash
+//! 0700), so a user reaches only their own; at most [`PER_USER`] responses and [`BYTES_PER_USER`]
+//! bytes per user, the oldest going first. Files are written whole under a temporary name and renamed into place, so a crash
 //! leaves the old set or the new one.
 
 use std::path::{Path, PathBuf};
 
 /// The responses kept per user.
 pub const PER_USER: usize = 1000;
+
+/// The bytes of responses kept per user (a conversation's record grows with each turn).
+pub const BYTES_PER_USER: u64 = 256 << 20;
 
 /// The store: its directory, and one writer at a time (the bound's count and its evictions).
 #[derive(Debug)]
@@ -63,7 +66,7 @@ impl Responses {
             let tmp = dir.join(format!(".{}.tmp", std::process::id()));
             std::fs::write(&tmp, bytes)?;
             std::fs::rename(&tmp, &path)?;
-            evict(&dir, PER_USER)
+            evict(&dir, PER_USER, BYTES_PER_USER)
         })
         .await
         .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))
@@ -91,22 +94,27 @@ fn make_private_dir(dir: &Path) -> std::io::Result<()> {
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
 }
 
-/// Removes the oldest responses of `dir` beyond `keep`.
-fn evict(dir: &Path, keep: usize) -> std::io::Result<()> {
-    let mut files: Vec<(std::time::SystemTime, String, PathBuf)> = std::fs::read_dir(dir)?
+/// Removes the oldest responses of `dir` beyond `keep` of them or `bytes` in all.
+fn evict(dir: &Path, keep: usize, bytes: u64) -> std::io::Result<()> {
+    let mut files: Vec<(std::time::SystemTime, String, PathBuf, u64)> = std::fs::read_dir(dir)?
         .filter_map(Result::ok)
         .filter(|e| e.file_name().to_str().is_some_and(|n| n.starts_with("resp_") && n.ends_with(".json")))
         .filter_map(|e| {
-            let modified = e.metadata().ok()?.modified().ok()?;
-            Some((modified, e.file_name().to_string_lossy().into_owned(), e.path()))
+            let meta = e.metadata().ok()?;
+            Some((meta.modified().ok()?, e.file_name().to_string_lossy().into_owned(), e.path(), meta.len()))
         })
         .collect();
-    if files.len() <= keep {
-        return Ok(());
-    }
     files.sort();
-    for (_, _, path) in &files[..files.len() - keep] {
+    let mut total: u64 = files.iter().map(|f| f.3).sum();
+    let mut left = files.len();
+    for (_, _, path, len) in &files {
+        // The newest always stays: it was just written for an answer.
+        if (left <= keep && total <= bytes) || left == 1 {
+            break;
+        }
         let _ = std::fs::remove_file(path);
+        total -= len;
+        left -= 1;
     }
     Ok(())
 }
@@ -153,13 +161,19 @@ mod tests {
             let t = std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1_000_000 + i);
             std::fs::File::options().write(true).open(&p).unwrap().set_modified(t).unwrap();
         }
-        evict(&dir.join("1000"), 3).unwrap();
-        let mut left: Vec<String> = std::fs::read_dir(dir.join("1000"))
-            .unwrap()
-            .map(|e| e.unwrap().file_name().into_string().unwrap())
-            .collect();
-        left.sort();
-        assert_eq!(left, (2..5).map(|i| format!("resp_{i:032x}.json")).collect::<Vec<_>>());
+        let left = || {
+            let mut l: Vec<String> = std::fs::read_dir(dir.join("1000"))
+                .unwrap()
+                .map(|e| e.unwrap().file_name().into_string().unwrap())
+                .collect();
+            l.sort();
+            l
+        };
+        evict(&dir.join("1000"), 3, u64::MAX).unwrap();
+        assert_eq!(left(), (2..5).map(|i| format!("resp_{i:032x}.json")).collect::<Vec<_>>());
+        // A budget of one file's bytes: the oldest go, the newest stays.
+        evict(&dir.join("1000"), 3, 2).unwrap();
+        assert_eq!(left(), [format!("resp_{:032x}.json", 4)]);
         let _ = std::fs::remove_dir_all(dir);
     }
 }
