@@ -10,12 +10,13 @@
 //! - the stream always ends with exactly one [`Answer::Done`] or [`Answer::Failed`]: an engine
 //!   that went away without a last word is a failure, never an answer that looks complete.
 
+use super::api::ApiError;
 use super::chat::Tools;
 use super::conn::Hangup;
 use super::reasoning::{Part, Split};
 use super::remote::events::{Event as Upstream, Events};
 use super::remote::{Opened, Remote};
-use super::request::{ApiError, Output, Piece, Scored, Submitted};
+use super::request::{Output, Piece, Scored, Submitted};
 use super::ModelHandle;
 use inferd_engine::tools::parse::{Delta, ToolStream};
 use inferd_engine::tools::ToolCall;

@@ -11,10 +11,12 @@
 //! answer comes back through the same formatter.
 
 use super::answer::{Answer, Answers, Finish, Whole};
+use super::api::ApiError;
+use super::api::{model_field, object};
 use super::chat::{self, Tools};
 use super::conn::Peer;
-use super::http::{model_field, object, typed_request};
-use super::request::{self, ApiError};
+use super::fields;
+use super::request;
 use super::Shared;
 use axum::extract::{ConnectInfo, State};
 use axum::http::StatusCode;
@@ -414,7 +416,7 @@ async fn messages(
         let ask = Ask::of(&m, false)?;
         let model = sh.model(model_field(&m)?)?;
         let (ids, tools) = prompt(sh, &model, &ask)?;
-        let mut req = typed_request(&ask.openai)?;
+        let mut req = fields::typed(&ask.openai)?;
         tools.constrain(&mut req, model.vocabulary.as_deref())?;
         Ok(Started { prepared: request::prepare(sh, model, req, ids)?, tools, stream: ask.stream })
     };

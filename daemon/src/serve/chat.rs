@@ -3,7 +3,7 @@
 //! and [`Tool`]s; the prompt rendered with them; and tool calls written back in each API's
 //! shape.
 
-use super::request::ApiError;
+use super::api::ApiError;
 use super::Shared;
 use inferd_engine::chat::ChatMessage;
 use inferd_engine::model::Model;

@@ -16,12 +16,13 @@
 //! compares it with what the daemon serves.
 
 use super::answer::{Answer, Answers, Finish};
+use super::api::ApiError;
 use super::chat::{self, Tools};
 use super::config::Mode;
 use super::conn::Hangup;
 use super::dbus_options::{chat_body, options_request};
 use super::remote::dbus::{self as remote, Routed};
-use super::request::{self, ApiError, Scored};
+use super::request::{self, Scored};
 use super::{ModelHandle, Shared};
 use inferd_engine::request::Request;
 use inferd_engine::sched::{Command, RequestId};

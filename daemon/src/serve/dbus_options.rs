@@ -2,8 +2,8 @@
 //! [`Field`]s and go through the same checks as the HTTP fields (`fields.rs`); a chat's
 //! messages and tool options become the JSON body the HTTP edge reads (`chat.rs`).
 
+use super::api::ApiError;
 use super::fields::{self, Field};
-use super::request::ApiError;
 use inferd_engine::plugin::session::MAX_TOP_LOGPROBS;
 use inferd_engine::request::Request;
 use serde_json::{Map, Value as Json};

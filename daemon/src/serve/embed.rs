@@ -4,8 +4,9 @@
 //! work of the engine's steps (`inferd_engine::sched`), and the pooled, normalized vectors come
 //! back ([`inferd_engine::engine::Pooler`]).
 
+use super::api::ApiError;
 use super::conn::Hangup;
-use super::request::{user_place, ApiError};
+use super::request::user_place;
 use super::{ModelHandle, Shared};
 use inferd_engine::sched::{Command, Embedding, Priority, RequestId, RequestMeta};
 use serde_json::{json, Map, Value};

@@ -2,11 +2,11 @@
 //! (JSON for HTTP, `a{sv}` variants for D-Bus) into [`Field`]s, and [`build`] reads them by
 //! name with the same checks and the same error messages for both.
 
-use super::request::ApiError;
+use super::api::ApiError;
 use inferd_engine::constraint::ResponseFormat;
 use inferd_engine::request::{Decoder, Request};
 use inferd_engine::sched::Priority;
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 /// The request fields both edges take (HTTP ignores other keys, D-Bus refuses them).
 pub const FIELDS: [&str; 18] = [
@@ -198,6 +198,42 @@ pub fn response_format(text: &str) -> Result<Option<ResponseFormat>, ApiError> {
         ("json_schema", None, _) => Err(bad("response_format.json_schema must be an object with a schema".into())),
         _ => Err(bad("response_format has both schema and json_schema: send one".into())),
     }
+}
+
+/// The request fields of a completion or chat body, typed (the route's own keys are read by
+/// the route: `model`, `prompt` or `messages`, `stream`, `stream_options`).
+pub fn typed(m: &Map<String, Value>) -> Result<Request, ApiError> {
+    let mut fields = Vec::new();
+    for key in FIELDS {
+        let Some(v) = m.get(key).filter(|v| !v.is_null()) else { continue };
+        let f = match v {
+            Value::Number(x) => match (x.as_i64(), x.as_u64()) {
+                (Some(i), _) => Field::Int(i.into()),
+                (None, Some(u)) => Field::Int(u.into()),
+                _ => Field::Number(x.as_f64().unwrap_or(f64::NAN)),
+            },
+            Value::Bool(b) => Field::Bool(*b),
+            // decoder_params may come as the object's JSON text too.
+            Value::String(t) if key == "decoder_params" => Field::Object(t.clone()),
+            Value::String(t) => Field::Str(t.clone()),
+            Value::Array(a) => match a.iter().map(|x| x.as_str().map(str::to_owned)).collect::<Option<Vec<_>>>() {
+                Some(strs) => Field::Strs(strs),
+                None => Field::Other("an array"),
+            },
+            Value::Object(o) if key == "logit_bias" => Field::Bias(
+                o.iter()
+                    .map(|(t, b)| match (t.parse::<u32>(), b.as_f64()) {
+                        (Ok(t), Some(b)) => Ok((t, b)),
+                        _ => Err(ApiError::bad("logit_bias maps token ids to numbers", "logit_bias")),
+                    })
+                    .collect::<Result<_, _>>()?,
+            ),
+            Value::Object(o) => Field::Object(Value::Object(o.clone()).to_string()),
+            Value::Null => continue,
+        };
+        fields.push((key.to_owned(), f));
+    }
+    build(fields)
 }
 
 #[cfg(test)]

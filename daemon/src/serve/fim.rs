@@ -9,7 +9,7 @@
 //! The code around the gap is tokenized as text: special-token spellings in a user's file stay
 //! text. A model without the tokens is refused by name.
 
-use super::request::ApiError;
+use super::api::ApiError;
 use inferd_engine::tokenizer::fim::Fim;
 use inferd_engine::tokenizer::Tokenizer;
 use serde_json::Value;

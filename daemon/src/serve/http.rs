@@ -6,10 +6,11 @@
 //! peer's uid comes from SO_PEERCRED on the connection ([`Peer`], [`conn`](super::conn)).
 
 use super::answer::Answers;
+use super::api::{model_field, object, ApiError};
 use super::chat::{self, Tools};
 pub use super::conn::Peer;
-use super::fields::{self, Field, FIELDS};
-use super::request::{self, ApiError};
+use super::fields::{self, FIELDS};
+use super::request;
 use super::Shared;
 use axum::extract::{ConnectInfo, State};
 use axum::http::StatusCode;
@@ -259,24 +260,6 @@ async fn metrics(State(sh): State<Arc<Shared>>) -> Response {
     ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], super::metrics::prometheus(&sh)).into_response()
 }
 
-/// The body as a JSON object, or the 400 that says why not.
-pub(super) fn object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
-    let text = std::str::from_utf8(body).map_err(|_| ApiError::bad("the request body is not valid UTF-8", "body"))?;
-    match serde_json::from_str::<Value>(text) {
-        Ok(Value::Object(m)) => Ok(m),
-        Ok(_) => Err(ApiError::bad("the request body must be a JSON object", "body")),
-        Err(e) => Err(ApiError::bad(format!("malformed JSON: {e}"), "body")),
-    }
-}
-
-pub(super) fn model_field(m: &Map<String, Value>) -> Result<Option<&str>, ApiError> {
-    match m.get("model") {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s)),
-        Some(_) => Err(ApiError::bad("model must be a string", "model")),
-    }
-}
-
 async fn tokenize(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
     if let Err(e) = sh.warm(&body, false, None).await {
         return error(e);
@@ -453,42 +436,6 @@ fn include_usage(m: &Map<String, Value>) -> Result<bool, ApiError> {
     Ok(usage)
 }
 
-/// The request fields of a completion or chat body, typed (the route's own keys are read by
-/// the route: `model`, `prompt` or `messages`, `stream`, `stream_options`).
-pub(super) fn typed_request(m: &Map<String, Value>) -> Result<Request, ApiError> {
-    let mut fields = Vec::new();
-    for key in FIELDS {
-        let Some(v) = m.get(key).filter(|v| !v.is_null()) else { continue };
-        let f = match v {
-            Value::Number(x) => match (x.as_i64(), x.as_u64()) {
-                (Some(i), _) => Field::Int(i.into()),
-                (None, Some(u)) => Field::Int(u.into()),
-                _ => Field::Number(x.as_f64().unwrap_or(f64::NAN)),
-            },
-            Value::Bool(b) => Field::Bool(*b),
-            // decoder_params may come as the object's JSON text too.
-            Value::String(t) if key == "decoder_params" => Field::Object(t.clone()),
-            Value::String(t) => Field::Str(t.clone()),
-            Value::Array(a) => match a.iter().map(|x| x.as_str().map(str::to_owned)).collect::<Option<Vec<_>>>() {
-                Some(strs) => Field::Strs(strs),
-                None => Field::Other("an array"),
-            },
-            Value::Object(o) if key == "logit_bias" => Field::Bias(
-                o.iter()
-                    .map(|(t, b)| match (t.parse::<u32>(), b.as_f64()) {
-                        (Ok(t), Some(b)) => Ok((t, b)),
-                        _ => Err(ApiError::bad("logit_bias maps token ids to numbers", "logit_bias")),
-                    })
-                    .collect::<Result<_, _>>()?,
-            ),
-            Value::Object(o) => Field::Object(Value::Object(o.clone()).to_string()),
-            Value::Null => continue,
-        };
-        fields.push((key.to_owned(), f));
-    }
-    fields::build(fields)
-}
-
 async fn completions(
     State(sh): State<Arc<Shared>>,
     ConnectInfo(peer): ConnectInfo<Peer>,
@@ -507,7 +454,7 @@ async fn completions(
         known_keys(&m, "prompt")?;
         include_usage(&m)?;
         let ids = completion_prompt(&model, &m)?;
-        let req = Request { logprobs: wants_logprobs(&m, false)?, ..typed_request(&m)? };
+        let req = Request { logprobs: wants_logprobs(&m, false)?, ..fields::typed(&m)? };
         Ok((request::prepare(sh, model, req, ids)?, m))
     };
     match sh.cpu_with(&body, start).await {
@@ -570,7 +517,7 @@ async fn chat_completions(
         let tools = Tools::of(&m, &model.model)?;
         let extra = super::reasoning::openai(m.get("reasoning_effort"), m.get("chat_template_kwargs"))?;
         let ids = chat::encode(sh, &model.model, &chat::messages(&m)?, Some(&tools), &extra)?;
-        let mut req = Request { logprobs: wants_logprobs(&m, true)?, ..typed_request(&m)? };
+        let mut req = Request { logprobs: wants_logprobs(&m, true)?, ..fields::typed(&m)? };
         tools.constrain(&mut req, model.vocabulary.as_deref())?;
         Ok((request::prepare(sh, model, req, ids)?, m, tools))
     };

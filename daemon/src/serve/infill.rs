@@ -5,12 +5,13 @@
 //! Server-Sent Events of `{content, stop}` objects ending with the one whose `stop` is true.
 
 use super::answer::{Answer, Answers, Finish};
+use super::api::object;
+use super::api::ApiError;
+use super::conn::Peer;
 use super::fields::Field;
 use super::fim;
-use super::http::object;
-use super::http::Peer;
 use super::openai::error;
-use super::request::{self, ApiError};
+use super::request;
 use super::Shared;
 use axum::extract::{ConnectInfo, State};
 use axum::response::sse::{Event as SseEvent, Sse};
@@ -101,7 +102,7 @@ pub async fn infill(
     }
     let start = |sh: &Arc<Shared>, body: &[u8]| -> Result<(request::Prepared, bool), ApiError> {
         let m = object(body)?;
-        let model = sh.model(super::http::model_field(&m)?)?;
+        let model = sh.model(super::api::model_field(&m)?)?;
         let tok = &model.model.tokenizer;
         let toks = fim::tokens(tok, &model.name, "input_prefix")?;
         let part = |k: &'static str| match m.get(k) {

@@ -12,9 +12,9 @@
 //! progress bar from), `DELETE /v1/models/{name}` and Ollama's `DELETE /api/delete` (removes a
 //! store model: unloaded, its file deleted).
 
+use super::api::ApiError;
 use super::conn::Peer;
 use super::models::LoadProgress;
-use super::request::ApiError;
 use super::Shared;
 use axum::body::{Body, Bytes};
 use axum::extract::{ConnectInfo, Path, Request, State};
@@ -161,7 +161,7 @@ fn error_event(ollama: bool, status: u16, v: &Value) -> String {
 async fn load(State(sh): State<Arc<Shared>>, Path(name): Path<String>, body: Bytes) -> Response {
     let slot = match sh.models.slot(Some(&name)) {
         Ok(s) => s,
-        Err(e) => return super::http::error(e),
+        Err(e) => return super::openai::error(e),
     };
     let keep_alive = match serde_json::from_slice::<Value>(&body).ok().and_then(|v| v.get("keep_alive").cloned()) {
         None | Some(Value::Null) => None,
@@ -171,7 +171,7 @@ async fn load(State(sh): State<Arc<Shared>>, Path(name): Path<String>, body: Byt
     };
     let keep_alive = match keep_alive.transpose() {
         Ok(k) => k,
-        Err(e) => return super::http::error(ApiError::bad(format!("keep_alive: {e}"), "keep_alive")),
+        Err(e) => return super::openai::error(ApiError::bad(format!("keep_alive: {e}"), "keep_alive")),
     };
     let (tx, rx) = mpsc::channel::<Result<Bytes, std::convert::Infallible>>(16);
     let mut watch = slot.progress.subscribe();
@@ -219,14 +219,14 @@ async fn remove_openai(
     Path(name): Path<String>,
 ) -> Response {
     if let Err(e) = sh.managers().check(peer.uid, &format!("removing {name}")) {
-        return super::http::error(e);
+        return super::openai::error(e);
     }
     match sh.models.remove(&name) {
         Ok(path) => {
             eprintln!("inferd: removed {name} ({})", path.display());
             Json(json!({ "id": name, "object": "model", "deleted": true })).into_response()
         }
-        Err(e) => super::http::error(e),
+        Err(e) => super::openai::error(e),
     }
 }
 

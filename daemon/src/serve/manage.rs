@@ -8,7 +8,7 @@
 //! membership is read from `/etc/passwd` and `/etc/group` at each check, so a change applies
 //! without a restart.
 
-use super::request::ApiError;
+use super::api::ApiError;
 
 /// Who may manage models, as configured.
 #[derive(Debug, Clone)]

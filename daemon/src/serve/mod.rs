@@ -7,6 +7,7 @@
 
 pub mod answer;
 pub mod anthropic;
+pub mod api;
 pub mod bench;
 pub mod bench_clients;
 pub mod chat;

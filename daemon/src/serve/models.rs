@@ -9,8 +9,8 @@
 //! it). With `server.memory_budget_mib`, a load that would not fit first unloads the least
 //! recently used idle models on the same device.
 
+use super::api::ApiError;
 use super::config::ModelConfig;
-use super::request::ApiError;
 use super::ModelHandle;
 use inferd_engine::model::facts::Facts;
 use inferd_engine::sched::Command;

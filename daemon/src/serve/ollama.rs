@@ -10,12 +10,13 @@
 //! ([`remote::ollama`]).
 
 use super::answer::{Answer, Answers, Finish};
+use super::api::ApiError;
 use super::chat::Tools;
+use super::conn::Peer;
 use super::fields::{self, Field};
-use super::http::Peer;
 use super::models::Slot;
 use super::remote::{self, ollama::Route};
-use super::request::{self, ApiError};
+use super::request;
 use super::{ModelHandle, Shared};
 use axum::extract::{ConnectInfo, State};
 use axum::http::StatusCode;
@@ -171,7 +172,7 @@ async fn show(
         return error(e);
     }
     let run = || -> Result<Value, ApiError> {
-        let m = super::http::object(&body)?;
+        let m = super::api::object(&body)?;
         let h = model(&sh, &m)?;
         let slot = sh.models.slot(Some(&h.name))?;
         let (_, modified) = file_facts(&slot.config.path);
@@ -238,7 +239,7 @@ async fn embeddings(
     ConnectInfo(peer): ConnectInfo<Peer>,
     body: axum::body::Bytes,
 ) -> Response {
-    let m = match super::http::object(&body) {
+    let m = match super::api::object(&body) {
         Ok(m) => m,
         Err(e) => return error(e),
     };
@@ -291,7 +292,7 @@ async fn embed(
     };
     let t0 = Instant::now();
     let run = async {
-        let m = super::http::object(&body)?;
+        let m = super::api::object(&body)?;
         let h = super::embed::model_of(&sh, &m)?;
         let known = ["model", "input", "truncate", "options", "keep_alive", "dimensions"];
         super::embed::check_body(&m, &known, h.model.config.hidden)?;
@@ -475,7 +476,7 @@ async fn generate(
         Err(answer) => return answer,
     };
     let ask = |sh: &Arc<Shared>, body: &[u8]| -> Result<Ask, ApiError> {
-        let m = super::http::object(body)?;
+        let m = super::api::object(body)?;
         check_keys(&m, &["prompt", "system", "context", "raw", "suffix", "think"])?;
         let h = model(sh, &m)?;
         let prompt = string(&m, "prompt")?.unwrap_or_default();
@@ -522,7 +523,7 @@ async fn chat(
         Err(answer) => return answer,
     };
     let ask = |sh: &Arc<Shared>, body: &[u8]| -> Result<Ask, ApiError> {
-        let m = super::http::object(body)?;
+        let m = super::api::object(body)?;
         check_keys(&m, &["messages", "tools", "think"])?;
         let h = model(sh, &m)?;
         let msgs = super::chat::messages(&m)?;

@@ -5,8 +5,9 @@
 //! route's shape.
 
 use super::answer::{Answer, Answers, Choice};
+use super::api::ApiError;
 use super::chat;
-use super::request::{ApiError, Scored};
+use super::request::Scored;
 use axum::http::StatusCode;
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};

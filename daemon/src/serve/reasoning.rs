@@ -5,7 +5,7 @@
 //! default reasoning format and vLLM's reasoning parsers do. A template that opens the block
 //! itself (its generation prompt ends in `<think>`) starts the answer inside it.
 
-use super::request::ApiError;
+use super::api::ApiError;
 use inferd_engine::chat::Extra;
 use inferd_engine::model::Model;
 use serde_json::{json, Value};

@@ -5,6 +5,7 @@
 //! per choice, with stop strings applied. Errors are [`ApiError`]s, which each edge renders in
 //! its own protocol (the OpenAI error object, a D-Bus error).
 
+use super::api::ApiError;
 use super::conn::Hangup;
 use super::{ModelHandle, Shared};
 use inferd_engine::constraint::Grammar;
@@ -17,37 +18,6 @@ use serde_json::Value;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-
-/// A request refused, with the HTTP status that fits.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ApiError {
-    pub status: u16,
-    pub message: String,
-    pub param: Option<&'static str>,
-}
-
-impl ApiError {
-    pub fn bad(message: impl Into<String>, param: &'static str) -> ApiError {
-        ApiError { status: 400, message: message.into(), param: Some(param) }
-    }
-    pub fn new(status: u16, message: impl Into<String>, param: Option<&'static str>) -> ApiError {
-        ApiError { status, message: message.into(), param }
-    }
-    /// The OpenAI error type for the status.
-    pub fn kind(&self) -> &'static str {
-        match self.status {
-            400 | 404 | 413 => "invalid_request_error",
-            429 => "rate_limit_error",
-            _ => "server_error",
-        }
-    }
-}
-
-impl std::fmt::Display for ApiError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.message)
-    }
-}
 
 /// A checked request, ready for its engine thread.
 pub struct Prepared {

@@ -9,11 +9,13 @@
 //! user ([`stored`](super::stored)): `GET` and `DELETE /v1/responses/{id}` reach them.
 
 use super::answer::{Answer, Answers, Finish, Usage};
+use super::api::ApiError;
+use super::api::{model_field, object};
 use super::chat::{self, Tools};
 use super::conn::Peer;
-use super::http::{model_field, object, typed_request};
+use super::fields;
 use super::openai::{error, logprobs_json};
-use super::request::{self, ApiError, Scored};
+use super::request::{self, Scored};
 use super::{stored, Shared};
 use axum::extract::{ConnectInfo, Path, State};
 use axum::response::sse::{Event as SseEvent, Sse};
@@ -397,7 +399,7 @@ async fn create(
                 _ => return Err(ApiError::bad("top_logprobs must be an integer from 0 to 20", "top_logprobs")),
             },
         };
-        let mut req = inferd_engine::request::Request { logprobs, ..typed_request(&ask.openai)? };
+        let mut req = inferd_engine::request::Request { logprobs, ..fields::typed(&ask.openai)? };
         tools.constrain(&mut req, model.vocabulary.as_deref())?;
         Ok(Started { prepared: request::prepare(sh, model, req, ids)?, tools, ask })
     };

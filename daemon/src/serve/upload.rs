@@ -16,8 +16,8 @@
 //! the daemon's own directory: nobody else can put anything there); one transfer per file at a
 //! time; removed when the daemon starts ([`clean`]). `TOTAL` is at most `server.max_model_gib`.
 
+use super::api::ApiError;
 use super::conn::Peer;
-use super::request::ApiError;
 use super::Shared;
 use axum::body::Body;
 use axum::extract::{ConnectInfo, Path, State};
@@ -130,7 +130,7 @@ async fn status(
     let hash = uri.query().is_some_and(|q| q.split('&').any(|kv| kv == "hash=1"));
     let (store, file) = match target(&sh, &peer, &file, &format!("installing {file}")) {
         Ok(t) => t,
-        Err(e) => return super::http::error(e),
+        Err(e) => return super::openai::error(e),
     };
     let received = std::fs::symlink_metadata(store.join(partial(&file))).map_or(0, |m| m.len());
     let installed = store.join(&file);
@@ -139,7 +139,7 @@ async fn status(
     if hash && size.is_some() {
         match tokio::task::spawn_blocking(move || sha256_of(&installed)).await {
             Ok(Ok(h)) => v["installed_sha256"] = json!(h),
-            _ => return super::http::error(ApiError::new(500, format!("reading the installed {}", v["file"]), None)),
+            _ => return super::openai::error(ApiError::new(500, format!("reading the installed {}", v["file"]), None)),
         }
     }
     Json(v).into_response()
@@ -179,7 +179,7 @@ async fn put(
         Ok(v) => Json(v).into_response(),
         Err(e) => {
             let received = e.1;
-            let mut r = super::http::error(e.0);
+            let mut r = super::openai::error(e.0);
             if let Some(n) = received {
                 // What a client resumes from, beside the error.
                 r.headers_mut().insert("X-Inferd-Received", n.into());

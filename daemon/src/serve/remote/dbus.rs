@@ -8,11 +8,11 @@
 
 use super::{Opened, Remote};
 use crate::serve::answer::Answers;
+use crate::serve::api::ApiError;
 use crate::serve::conn::{Hangup, Peer};
 use crate::serve::dbus::{caller_uid, failed, Inference, Stop};
 use crate::serve::dbus_options::{chat_body, option_field};
 use crate::serve::fields::FIELDS;
-use crate::serve::request::ApiError;
 use inferd_engine::sched::RequestId;
 use serde_json::{Map, Value as Json};
 use std::collections::HashMap;

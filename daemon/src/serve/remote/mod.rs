@@ -19,9 +19,10 @@ pub mod events;
 pub mod ollama;
 pub mod openai;
 
+use super::api::ApiError;
 use super::config::RemoteConfig;
 use super::conn::Peer;
-use super::request::{self, ApiError};
+use super::request;
 use super::Shared;
 use axum::body::Bytes;
 use axum::http::header;

@@ -15,9 +15,9 @@
 
 use super::{object, Opened, Remote};
 use crate::serve::answer::Answers;
+use crate::serve::api::ApiError;
 use crate::serve::conn::Peer;
 use crate::serve::ollama::{error, options, rfc3339};
-use crate::serve::request::ApiError;
 use crate::serve::Shared;
 use axum::body::Bytes;
 use axum::response::{IntoResponse, Response};

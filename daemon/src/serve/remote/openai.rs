@@ -2,8 +2,8 @@
 //! upstream's answer (an SSE stream or a JSON body) comes back byte for byte as it arrives.
 
 use super::{object, Remote};
+use crate::serve::api::ApiError;
 use crate::serve::conn::Peer;
-use crate::serve::request::ApiError;
 use crate::serve::Shared;
 use axum::body::{Body, Bytes};
 use axum::http::{header, StatusCode};
@@ -23,7 +23,7 @@ impl Remote {
     /// Forwards an OpenAI request `body` to the upstream's `route` ("/chat/completions") and
     /// relays the answer.
     pub async fn forward(self: Arc<Self>, sh: &Arc<Shared>, route: &str, body: &[u8], peer: Peer) -> Forwarded {
-        let answer = |e: ApiError| Forwarded::Answer(crate::serve::http::error(e));
+        let answer = |e: ApiError| Forwarded::Answer(crate::serve::openai::error(e));
         let m = match object(body) {
             Ok(m) => m,
             Err(e) => {
