@@ -105,29 +105,14 @@ impl Request {
         } else {
             "nucleus"
         };
-        let keys: &[&str] = match name {
-            "greedy" => &[],
-            "min-p" => &[
-                "temperature",
-                "min_p",
-                "frequency_penalty",
-                "presence_penalty",
-                "repeat_penalty",
-                "repeat_last_n",
-                "logit_bias",
-            ],
-            _ => &[
-                "temperature",
-                "top_p",
-                "top_k",
-                "frequency_penalty",
-                "presence_penalty",
-                "repeat_penalty",
-                "repeat_last_n",
-                "logit_bias",
-            ],
+        // Each strategy reads every sampling field but the truncations it does not do.
+        let unread: &[&str] = match name {
+            "greedy" => ALL_SAMPLING,
+            "min-p" => &["top_p", "top_k"],
+            _ => &["min_p"],
         };
-        (name.to_owned(), format!("{{{}}}", s.fields(keys).join(", ")))
+        let keys: Vec<&str> = ALL_SAMPLING.iter().copied().filter(|k| !unread.contains(k)).collect();
+        (name.to_owned(), format!("{{{}}}", s.fields(&keys).join(", ")))
     }
 }
 

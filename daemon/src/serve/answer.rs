@@ -156,10 +156,11 @@ impl Answers {
         Answers { source: Source::Remote(Box::new(relay)), queue: VecDeque::new(), over: false, n: 1 }
     }
 
-    /// Reads each choice's `<think>` block as reasoning ([`Split`]); `open`: the prompt opened
-    /// it. (An upstream's reasoning comes apart already.)
-    pub fn thinking(mut self, open: bool) -> Answers {
-        if let Source::Local(l) = &mut self.source {
+    /// Reads each choice's `<think>` block as reasoning ([`Split`]) when `start` says the
+    /// answer has one (`Some(open)`: the prompt opened it; [`super::reasoning::start`]). An
+    /// upstream's reasoning comes apart already.
+    pub fn thinking(mut self, start: Option<bool>) -> Answers {
+        if let (Source::Local(l), Some(open)) = (&mut self.source, start) {
             l.think = (0..self.n).map(|_| Some(Split::new(open))).collect();
         }
         self

@@ -426,15 +426,11 @@ async fn messages(
     };
     let model = prepared.model.name.clone();
     let stop = prepared.stop.clone();
-    let think = super::reasoning::splits(prepared.model.model.chat_template.as_deref())
-        .then(|| super::reasoning::opened(&prepared.model.model, &prepared.prompt));
+    let think = super::reasoning::start(&prepared.model.model, &prepared.prompt);
     match request::submit(&sh, prepared, peer.uid(), Some(Arc::clone(&peer.hangup))) {
         Ok(sub) => {
             let id = format!("msg_{:016x}", sub.id);
-            let mut answers = Answers::local(sub, 1, stop, tools.active().then_some(&tools));
-            if let Some(open) = think {
-                answers = answers.thinking(open);
-            }
+            let answers = Answers::local(sub, 1, stop, tools.active().then_some(&tools)).thinking(think);
             respond(answers, Message { id, model, stream }).await
         }
         Err(e) => error(e),

@@ -588,16 +588,9 @@ async fn respond(
     };
     let (n, stop) = (p.n, p.stop.clone());
     // A thinking model's chat answer: its `<think>` block is `reasoning_content`.
-    let think = (chat && super::reasoning::splits(p.model.model.chat_template.as_deref()))
-        .then(|| super::reasoning::opened(&p.model.model, &p.prompt));
+    let think = if chat { super::reasoning::start(&p.model.model, &p.prompt) } else { None };
     match request::submit(&sh, p, peer.uid(), Some(Arc::clone(&peer.hangup))) {
-        Ok(sub) => {
-            let mut answers = Answers::local(sub, n, stop, tools.as_ref());
-            if let Some(open) = think {
-                answers = answers.thinking(open);
-            }
-            super::openai::respond(answers, shape).await
-        }
+        Ok(sub) => super::openai::respond(Answers::local(sub, n, stop, tools.as_ref()).thinking(think), shape).await,
         Err(e) => error(e),
     }
 }

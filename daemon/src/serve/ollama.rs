@@ -426,15 +426,16 @@ struct Ask {
     stream: bool,
     /// A chat's tools, when the answer may call them.
     tools: Option<Tools>,
-    /// The prompt went through a thinking model's template: its `<think>` block is `thinking`.
-    think: bool,
+    /// The prompt went through the chat template: a thinking model's `<think>` block is
+    /// `thinking` ([`super::reasoning::start`]).
+    templated: bool,
 }
 
 impl Ask {
     /// The body's `options` and `stream` (Ollama streams unless told not to) with the prompt.
     fn new(model: Arc<ModelHandle>, prompt: Vec<u32>, m: &Map<String, Value>) -> Result<Ask, ApiError> {
         let stream = m.get("stream").and_then(Value::as_bool) != Some(false);
-        Ok(Ask { model, prompt, fields: options(m)?, stream, tools: None, think: false })
+        Ok(Ask { model, prompt, fields: options(m)?, stream, tools: None, templated: false })
     }
 }
 
@@ -504,8 +505,7 @@ async fn generate(
             }
             msgs.push(ChatMessage::new("user", &prompt));
             ids.extend(super::chat::encode(sh, &h.model, &msgs, None, &think(&m, &h)?)?);
-            let templated = super::reasoning::splits(h.model.chat_template.as_deref());
-            return Ok(Ask { think: templated, ..Ask::new(h, ids, &m)? });
+            return Ok(Ask { templated: true, ..Ask::new(h, ids, &m)? });
         }
         Ask::new(h, ids, &m)
     };
@@ -531,8 +531,7 @@ async fn chat(
         let extra = think(&m, &h)?;
         let ids =
             if msgs.is_empty() { Vec::new() } else { super::chat::encode(sh, &h.model, &msgs, Some(&tools), &extra)? };
-        let templated = super::reasoning::splits(h.model.chat_template.as_deref());
-        Ok(Ask { tools: tools.active().then_some(tools), think: templated, ..Ask::new(h, ids, &m)? })
+        Ok(Ask { tools: tools.active().then_some(tools), templated: true, ..Ask::new(h, ids, &m)? })
     };
     let ask = sh.cpu_with(&body, ask).await;
     reply(sh, ask, peer, true).await
@@ -556,7 +555,7 @@ async fn answer(sh: Arc<Shared>, a: Ask, peer: Peer, chat: bool) -> Response {
         Err(e) => return error(e),
     };
     let prompt_ids = a.prompt.clone();
-    let open = a.think && super::reasoning::opened(&a.model.model, &prompt_ids);
+    let think = if a.templated { super::reasoning::start(&a.model.model, &prompt_ids) } else { None };
     let p = match request::prepare(&sh, a.model, req, a.prompt) {
         Ok(p) => p,
         Err(e) => return error(e),
@@ -567,10 +566,7 @@ async fn answer(sh: Arc<Shared>, a: Ask, peer: Peer, chat: bool) -> Response {
         Err(e) => return error(e),
     };
     let tagged = tagged(&sub.model);
-    let mut answers = Answers::local(sub, 1, stop, a.tools.as_ref());
-    if a.think {
-        answers = answers.thinking(open);
-    }
+    let answers = Answers::local(sub, 1, stop, a.tools.as_ref()).thinking(think);
     let shape = Shape { chat, stream: a.stream, tagged, t0, context: (!chat).then_some(prompt_ids) };
     respond(answers, shape).await
 }

@@ -19,15 +19,14 @@ pub fn capable(template: Option<&str>) -> bool {
     [OPEN, "enable_thinking", "reasoning_content", "reasoning_effort"].iter().any(|k| t.contains(k))
 }
 
-/// Whether the answer is read for a `<think>` block: the template writes or opens one.
-pub fn splits(template: Option<&str>) -> bool {
-    template.is_some_and(|t| t.contains(OPEN))
-}
-
-/// Whether the prompt ends inside an opened `<think>` block (its last tokens spell it).
-pub fn opened(model: &Model, prompt: &[u32]) -> bool {
+/// How a chat answer of `model` to `prompt` is read: `None` when its template has no `<think>`
+/// block; else whether the prompt ends inside one it opened (its last tokens spell it).
+pub fn start(model: &Model, prompt: &[u32]) -> Option<bool> {
+    if !model.chat_template.as_deref().is_some_and(|t| t.contains(OPEN)) {
+        return None;
+    }
     let tail = &prompt[prompt.len().saturating_sub(8)..];
-    model.tokenizer.decode(tail, false).is_ok_and(|t| t.trim_end().ends_with(OPEN))
+    Some(model.tokenizer.decode(tail, false).is_ok_and(|t| t.trim_end().ends_with(OPEN)))
 }
 
 /// The template variables for a request's thinking: `enable` (on or off) and `effort`
