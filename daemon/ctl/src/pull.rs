@@ -2,7 +2,8 @@
 //!
 //! `REF` is a GGUF file of a Hugging Face repository, `hf:ORG/REPO[:QUANT]` (the file whose
 //! name carries `QUANT`, such as `Q4_K_M`; without it, the repository's `Q4_K_M` file or its
-//! only GGUF file), or a plain `https://` URL. The hub is `$HF_ENDPOINT` (default
+//! only GGUF file; Ollama's spelling `hf.co/ORG/REPO[:QUANT]` is the same, `:latest` naming no
+//! quantization), or a plain `https://` URL. The hub is `$HF_ENDPOINT` (default
 //! `https://huggingface.co`), with `$HF_TOKEN` for gated repositories; the file list and each
 //! file's size and SHA-256 come from its API (`/api/models/ORG/REPO/tree/main`).
 //!
@@ -17,11 +18,14 @@
 //! file size, and sends it on. With no daemon running, or for `inferd pull`, the file is
 //! written into a directory of the caller's own, created without following links. Either way
 //! the whole file is checked against the size (and the SHA-256, where the source gives one)
-//! before it becomes a model.
+//! before it becomes a model. The daemon's own `/api/pull` ([`locate`] then [`fetch`] into its
+//! store) adds its checks: a size bound, the GGUF header read before the file is renamed into
+//! place, and cancellation when its client goes away.
 
 use sha2::{Digest, Sha256};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PullError {
@@ -31,6 +35,10 @@ pub enum PullError {
     Choice(String),
     #[error("{url}: {source}")]
     Http { url: String, source: reqwest::Error },
+    #[error("cannot reach {url}: {source}")]
+    Unreachable { url: String, source: reqwest::Error },
+    #[error("{name} is {size} bytes, more than the {max} this store takes")]
+    TooLarge { name: String, size: u64, max: u64 },
     #[error("{url} answered {status}")]
     Status { url: String, status: u16 },
     #[error("the transfer of {name} stopped at {done} of {total} bytes ({why}); run the same pull again to resume")]
@@ -58,11 +66,37 @@ pub struct Pulled {
 
 /// Where a model comes from, resolved to one file.
 #[derive(Debug, PartialEq)]
-struct Source {
-    url: String,
-    file: String,
-    size: Option<u64>,
-    sha256: Option<String>,
+pub struct Source {
+    pub url: String,
+    /// The file name it is installed as (`NAME.gguf`).
+    pub file: String,
+    /// Its size, where the hub lists it.
+    pub size: Option<u64>,
+    /// Its hex SHA-256, where the hub lists it or the caller gave it.
+    pub sha256: Option<String>,
+}
+
+/// Reads a whole fetched file before it is installed: `Err(why)` refuses it.
+pub type Verify<'a> = &'a dyn Fn(&Path) -> Result<(), String>;
+
+/// What a fetch checks beyond size and hash, for a store that takes files from others.
+#[derive(Default)]
+pub struct Checks<'a> {
+    /// The largest file taken.
+    pub max_bytes: Option<u64>,
+    /// Reads the whole file before it is renamed into place; an error removes it.
+    pub verify: Option<Verify<'a>>,
+    /// Set when the transfer should stop (what arrived is kept for a resume).
+    pub cancel: Option<&'a AtomicBool>,
+}
+
+/// A transport error, told apart where no connection could be made (no network).
+fn http_error(url: &str, source: reqwest::Error) -> PullError {
+    if source.is_connect() {
+        PullError::Unreachable { url: url.into(), source }
+    } else {
+        PullError::Http { url: url.into(), source }
+    }
 }
 
 /// One file of a hub repository's tree listing.
@@ -100,7 +134,7 @@ fn client() -> Result<reqwest::blocking::Client, PullError> {
         .connect_timeout(std::time::Duration::from_secs(30))
         .timeout(None)
         .build()
-        .map_err(|source| PullError::Http { url: endpoint(), source })
+        .map_err(|source| http_error(&endpoint(), source))
 }
 
 /// Whether `name` carries quantization `quant` as a whole word (`Q4_K` is not `Q4_K_M`).
@@ -143,9 +177,10 @@ fn choose<'a>(repo: &str, entries: &'a [Entry], quant: Option<&str>) -> Result<&
 
 /// Resolves `reference` to one file.
 fn resolve(http: &reqwest::blocking::Client, reference: &str) -> Result<Source, PullError> {
-    if let Some(rest) = reference.strip_prefix("hf:") {
+    let hub = ["hf:", "hf.co/", "huggingface.co/"].iter().find_map(|p| reference.strip_prefix(p));
+    if let Some(rest) = hub {
         let (repo, quant) = match rest.split_once(':') {
-            Some((r, q)) => (r, Some(q).filter(|q| !q.is_empty())),
+            Some((r, q)) => (r, Some(q).filter(|q| !q.is_empty() && !q.eq_ignore_ascii_case("latest"))),
             None => (rest, None),
         };
         if repo.split('/').count() != 2 || repo.split('/').any(|p| p.is_empty() || p == "..") {
@@ -153,7 +188,7 @@ fn resolve(http: &reqwest::blocking::Client, reference: &str) -> Result<Source, 
         }
         secure(&endpoint())?;
         let url = format!("{}/api/models/{repo}/tree/main?recursive=true", endpoint());
-        let resp = http.get(&url).send().map_err(|source| PullError::Http { url: url.clone(), source })?;
+        let resp = http.get(&url).send().map_err(|source| http_error(&url, source))?;
         if !resp.status().is_success() {
             return Err(PullError::Status { url, status: resp.status().as_u16() });
         }
@@ -227,6 +262,12 @@ pub fn pull(
     sha256: Option<&str>,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<Pulled, PullError> {
+    let src = locate(reference, sha256)?;
+    fetch(&src, target, &Checks::default(), progress)
+}
+
+/// Resolves `reference` to one file, checked against `sha256` (hex) when given.
+pub fn locate(reference: &str, sha256: Option<&str>) -> Result<Source, PullError> {
     let http = client()?;
     let mut src = resolve(&http, reference)?;
     if let Some(want) = sha256.map(str::to_ascii_lowercase) {
@@ -242,9 +283,21 @@ pub fn pull(
         }
         src.sha256 = Some(want);
     }
+    Ok(src)
+}
+
+/// Fetches `src` into `target` (the [`Checks`] apply to a directory written here), calling
+/// `progress(done, total)` as bytes arrive.
+pub fn fetch(
+    src: &Source,
+    target: Target<'_>,
+    checks: &Checks<'_>,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<Pulled, PullError> {
+    let http = client()?;
     match target {
-        Target::Daemon(c) => pull_through(&http, &src, c, progress),
-        Target::Dir(d) => pull_into(&http, &src, d, progress),
+        Target::Daemon(c) => pull_through(&http, src, c, progress),
+        Target::Dir(d) => pull_into(&http, src, d, checks, progress),
     }
 }
 
@@ -260,7 +313,7 @@ fn open_at(
     if have > 0 {
         req = req.header(reqwest::header::RANGE, format!("bytes={have}-"));
     }
-    let resp = req.send().map_err(|source| PullError::Http { url: src.url.clone(), source })?;
+    let resp = req.send().map_err(|source| http_error(&src.url, source))?;
     // Nothing is written from such an answer: what was received so far stays.
     let corrupt = |why: String| PullError::Choice(format!("{}: {why}; nothing more was written", src.file));
     let (start, total) = match resp.status().as_u16() {
@@ -361,6 +414,7 @@ fn pull_into(
     http: &reqwest::blocking::Client,
     src: &Source,
     store: &Path,
+    checks: &Checks<'_>,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<Pulled, PullError> {
     use std::os::unix::fs::OpenOptionsExt;
@@ -395,6 +449,9 @@ fn pull_into(
         have = 0;
     }
     let (resp, start, total) = open_at(http, src, have)?;
+    if let Some(max) = checks.max_bytes.filter(|m| total > *m) {
+        return Err(PullError::TooLarge { name, size: total, max });
+    }
     file.set_len(start).map_err(io(&part))?;
     let mut hasher = Sha256::new();
     hash_prefix(&part, start, &mut hasher).map_err(io(&part))?;
@@ -403,6 +460,10 @@ fn pull_into(
     progress(done, total);
     if let Some(mut resp) = resp {
         while done < total {
+            if checks.cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+                let why = "cancelled; what arrived is kept".to_string();
+                return Err(PullError::Interrupted { name, done, total: total.to_string(), why });
+            }
             let n = match resp.read(&mut buf) {
                 Ok(0) => break,
                 Ok(n) => n.min(usize::try_from(total - done).unwrap_or(usize::MAX)),
@@ -426,6 +487,10 @@ fn pull_into(
     if let Some(want) = src.sha256.as_ref().filter(|w| **w != sha) {
         let _ = std::fs::remove_file(&part);
         return Err(PullError::Corrupt { name, why: format!("SHA-256 {sha} where the source lists {want}") });
+    }
+    if let Some(Err(why)) = checks.verify.map(|v| v(&part)) {
+        let _ = std::fs::remove_file(&part);
+        return Err(PullError::Corrupt { name, why });
     }
     std::fs::rename(&part, &path).map_err(io(&path))?;
     Ok(Pulled { name, path, size: done, sha256: sha, already: false })
@@ -521,6 +586,9 @@ mod tests {
         let s = resolve(&http, "https://example.invalid/x/model.Q4_0.gguf?download=1").unwrap();
         assert_eq!(s.file, "model.Q4_0.gguf");
         assert!(matches!(resolve(&http, "https://example.invalid/x/page.html"), Err(PullError::Choice(_))));
+        // Ollama's spelling of a hub file is a hub reference (checked before any request).
+        assert!(matches!(resolve(&http, "hf.co/only-org:Q4_K_M"), Err(PullError::BadRef(_))));
+        assert!(matches!(resolve(&http, "huggingface.co/a/../b"), Err(PullError::BadRef(_))));
         assert!(bar("m", 50, 100).contains(" 50%"), "{}", bar("m", 50, 100));
     }
 }

@@ -96,6 +96,7 @@ async fn count(State(sh): State<Arc<Shared>>, req: axum::extract::Request, next:
         "/api/embed",
         "/api/embeddings",
         "/api/delete",
+        "/api/pull",
     ];
     let route = if known.contains(&route.as_str()) { route } else { "other".into() };
     let resp = next.run(req).await;

@@ -29,6 +29,7 @@ pub mod models;
 pub mod notify;
 pub mod ollama;
 pub mod openai;
+pub mod pull;
 pub mod reasoning;
 pub mod remote;
 pub mod request;

@@ -1,6 +1,7 @@
 //! Ollama's native API on the same listeners as the OpenAI one, for the desktop apps that speak
 //! it: `/api/generate` and `/api/chat` (NDJSON streaming, the default, or one object),
-//! `/api/tags`, `/api/show`, `/api/ps` and `/api/version`. Requests go through the shared
+//! `/api/tags`, `/api/show`, `/api/ps`, `/api/version`, `/api/embed` and `/api/embeddings`
+//! (and `/api/pull`, [`pull`](super::pull); `/api/delete`, [`loading`](super::loading)). Requests go through the shared
 //! request path ([`request`](super::request)) like every other edge; only the shapes are
 //! Ollama's. `options` map onto inferd's sampling fields; hardware options (`num_ctx`,
 //! `num_thread`, `num_gpu`, ...) are accepted and ignored, as is a sampling option at its
@@ -44,6 +45,7 @@ pub fn routes() -> Router<Arc<Shared>> {
         .route("/api/chat", post(chat))
         .route("/api/embed", post(embed))
         .route("/api/embeddings", post(embeddings))
+        .route("/api/pull", post(super::pull::pull))
 }
 
 /// Ollama's error shape: `{"error": message}` with the status.

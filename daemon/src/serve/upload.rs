@@ -1,6 +1,7 @@
 //! Installing a model file into the store through the daemon, which alone writes the store:
-//! `inferctl pull` downloads (the daemon has no network) and sends the bytes here. Model
-//! management (`server.manage`).
+//! `inferctl pull` downloads (the system daemon has no network) and sends the bytes here;
+//! Ollama's `/api/pull` has the daemon fetch them itself where it can ([`pull`](super::pull)),
+//! sharing the transfer slots ([`Uploads::claim`]). Model management (`server.manage`).
 //!
 //! - `GET /v1/store/{file}`: `{"store", "file", "received", "installed_size"}` (bytes of an
 //!   interrupted transfer kept, and the size of the installed file, if any); with `?hash=1`
@@ -47,10 +48,19 @@ impl Uploads {
     pub fn new(max_gib: u64) -> Uploads {
         Uploads { busy: Mutex::new(HashSet::new()), max_bytes: AtomicU64::new(max_gib.saturating_mul(1 << 30)) }
     }
+
+    /// The transfer slot of `file`: a 409 while another transfer (a `PUT` or a pull) has it.
+    pub fn claim(&self, file: &str) -> Result<Busy<'_>, ApiError> {
+        let Ok(mut b) = self.busy.lock() else { return Err(ApiError::new(500, "poisoned", None)) };
+        if !b.insert(file.to_string()) {
+            return Err(ApiError::new(409, format!("{file} is being transferred already"), None));
+        }
+        Ok(Busy(self, file.to_string()))
+    }
 }
 
 /// Holds a file's transfer slot while it lives.
-struct Busy<'a>(&'a Uploads, String);
+pub struct Busy<'a>(&'a Uploads, String);
 
 impl Drop for Busy<'_> {
     fn drop(&mut self) {
@@ -86,7 +96,7 @@ pub fn clean(store: &std::path::Path) {
 }
 
 /// The store and the checked file name, for a manager.
-fn target(sh: &Shared, peer: &Peer, file: &str, what: &str) -> Result<(PathBuf, String), ApiError> {
+pub fn target(sh: &Shared, peer: &Peer, file: &str, what: &str) -> Result<(PathBuf, String), ApiError> {
     sh.managers().check(peer.uid, what)?;
     let store = sh
         .models
@@ -208,13 +218,7 @@ async fn receive(sh: &Arc<Shared>, peer: &Peer, file: &str, headers: &HeaderMap,
     if sha.as_ref().is_some_and(|s| s.len() != 64 || !s.bytes().all(|b| b.is_ascii_hexdigit())) {
         return Err((ApiError::bad("X-Inferd-Sha256 must be a SHA-256 in hex", "X-Inferd-Sha256"), None));
     }
-    let busy = {
-        let Ok(mut b) = sh.uploads.busy.lock() else { return Err((ApiError::new(500, "poisoned", None), None)) };
-        if !b.insert(file.clone()) {
-            return Err((ApiError::new(409, format!("{file} is being transferred already"), None), None));
-        }
-        Busy(&sh.uploads, file.clone())
-    };
+    let busy = sh.uploads.claim(&file).map_err(|e| (e, None))?;
     let part = store.join(partial(&file));
     let opened = {
         let part = part.clone();

@@ -187,15 +187,26 @@ fn sighup_adds_removes_and_replaces_configured_models_without_dropping_requests(
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// The hub server, killed when dropped (a failed test leaves nothing running that holds the
+/// test's output open).
+struct Hub(Child);
+
+impl Drop for Hub {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Starts tests/python/hf_server.py on `root`; returns it and its base URL.
-fn hub(root: &Path, cut: Option<u64>) -> (Child, String) {
+fn hub(root: &Path, cut: Option<u64>) -> (Hub, String) {
     let port_file = root.join("port");
     let mut cmd = Command::new("python3");
     cmd.arg(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/python/hf_server.py")).arg(root).arg(&port_file);
     if let Some(n) = cut {
         cmd.args(["--cut", &n.to_string()]);
     }
-    let child = cmd.spawn().unwrap();
+    let child = Hub(cmd.spawn().unwrap());
     wait_for("the hub server", Duration::from_secs(10), || port_file.exists());
     let port = std::fs::read_to_string(&port_file).unwrap();
     (child, format!("http://127.0.0.1:{port}"))
@@ -228,7 +239,7 @@ fn pull_installs_from_a_hub_resuming_an_interrupted_transfer_and_rm_removes() {
     std::fs::write(root.join("org/bad-GGUF/bad-Q4_1.gguf"), vec![7u8; 3 << 20]).unwrap();
     std::fs::write(root.join("org/bad-GGUF/bad-Q4_1.gguf.sha256"), "ab".repeat(32)).unwrap();
     let cut = 20_000_000u64;
-    let (mut server, endpoint) = hub(&root, Some(cut));
+    let (server, endpoint) = hub(&root, Some(cut));
     let store = dir.join("store");
     let cfg = format!("[server]\nmodel_store = \"{}\"\n", store.display());
     let d = Daemon::start(&dir, &cfg, &[]);
@@ -294,8 +305,84 @@ fn pull_installs_from_a_hub_resuming_an_interrupted_transfer_and_rm_removes() {
     assert!(!store.join("smol-Q4_1.gguf").exists() && ids(&d).is_empty());
     let (ok, _, err) = pull(&["rm", "smol-Q4_1"], &endpoint, &d.socket);
     assert!(!ok && err.contains("404"), "{err}");
-    let _ = server.kill();
-    let _ = server.wait();
+    drop(server);
+    drop(d);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Ollama's `/api/pull`, through the official client: the daemon fetches from the hub itself,
+/// streams progress as Ollama does, resumes a cut transfer, checks the hash and installs the
+/// model under its file's name; what it cannot pull is refused by name, and with no way to
+/// the hub the error names `inferctl pull`.
+#[test]
+fn the_ollama_client_pulls_through_the_daemon() {
+    let dir = scratch("api-pull");
+    let root = dir.join("hub");
+    std::fs::create_dir_all(root.join("org/smol-GGUF")).unwrap();
+    std::fs::create_dir_all(root.join("org/bad-GGUF")).unwrap();
+    std::fs::copy(model(), root.join("org/smol-GGUF/smol-Q4_1.gguf")).unwrap();
+    std::fs::write(root.join("org/bad-GGUF/bad-Q4_1.gguf"), vec![7u8; 3 << 20]).unwrap();
+    std::fs::write(root.join("org/bad-GGUF/bad-Q4_1.gguf.sha256"), "ab".repeat(32)).unwrap();
+    let (server, endpoint) = hub(&root, Some(20_000_000));
+    let store = dir.join("store");
+    let cfg = format!("[server]\nmodel_store = \"{}\"\n", store.display());
+    let d = Daemon::start(&dir, &cfg, &[("HF_ENDPOINT", &endpoint)]);
+    let v = super::clients::python_client(&d, "ollama_pull.py");
+    let size = std::fs::metadata(model()).unwrap().len();
+    let sha: String = {
+        use sha2::Digest;
+        sha2::Sha256::digest(std::fs::read(model()).unwrap()).iter().map(|b| format!("{b:02x}")).collect()
+    };
+
+    // The cut transfer: progress, then the error as the stream's last line.
+    let cut = &v["cut"];
+    let parts = cut["parts"].as_array().unwrap();
+    assert_eq!(parts[0]["status"], "pulling manifest", "{cut}");
+    assert!(parts[1..].iter().all(|p| p["status"] == "pulling smol-Q4_1.gguf" && p["total"] == size), "{cut}");
+    assert!(cut["error"]["error"].as_str().unwrap().contains("run the same pull again to resume"), "{cut}");
+    let got = parts.last().unwrap()["completed"].as_u64().unwrap();
+    assert!(got > 0 && got <= 20_000_000, "{cut}");
+
+    // The resumed one starts where the cut one stopped and ends in success.
+    let r = &v["resumed"];
+    assert!(r["error"].is_null(), "{r}");
+    let parts = r["parts"].as_array().unwrap();
+    let statuses: Vec<&str> = parts.iter().map(|p| p["status"].as_str().unwrap()).collect();
+    assert_eq!(statuses.first(), Some(&"pulling manifest"));
+    assert_eq!(&statuses[statuses.len() - 2..], ["verifying sha256 digest", "success"], "{r}");
+    let bytes: Vec<&Value> = parts.iter().filter(|p| p["status"] == "pulling smol-Q4_1.gguf").collect();
+    assert!(bytes.len() > 2 && bytes.iter().all(|p| p["digest"] == format!("sha256:{sha}")), "{r}");
+    let done: Vec<u64> = bytes.iter().map(|p| p["completed"].as_u64().unwrap()).collect();
+    assert!(done[0] >= got && done.windows(2).all(|w| w[0] <= w[1]) && *done.last().unwrap() == size, "{done:?}");
+    let log = std::fs::read_to_string(root.join("requests.log")).unwrap();
+    assert!(log.contains("GET /org/smol-GGUF/resolve/main/smol-Q4_1.gguf range=bytes="), "a resume: {log}");
+    assert!(std::fs::read(store.join("smol-Q4_1.gguf")).unwrap() == std::fs::read(model()).unwrap());
+    assert!(!store.join(".smol-Q4_1.gguf.partial").exists());
+    assert!(v["tags"].as_array().unwrap().iter().any(|t| t == "smol-Q4_1:latest"), "{v}");
+    assert_eq!(v["generate"], " Paris.\n", "the pulled model serves: {v}");
+    assert_eq!(v["again"], "success");
+
+    let refused = &v["refused"];
+    let says = |name: &str, status: u16, text: &str| {
+        let e = &refused[name];
+        assert!(e["status"] == status && e["error"].as_str().unwrap().contains(text), "{name}: {e}");
+    };
+    says("llama3.2", 400, "not from Ollama's registry");
+    says("hf.co/org/none", 404, "answered 404");
+    says("hf.co/org/smol-GGUF:Q8_0", 400, "has no Q8_0 file; it has: smol-Q4_1.gguf");
+    says("hf.co/org/bad-GGUF", 422, "where the source lists abab");
+    assert!(!store.join("bad-Q4_1.gguf").exists() && !store.join(".bad-Q4_1.gguf.partial").exists());
+    drop(server);
+    drop(d);
+
+    // A daemon that cannot reach the hub (as the system service, which has no network) says
+    // what to run instead.
+    let port = super::remote::free_port();
+    let d = Daemon::start(&dir, &cfg, &[("HF_ENDPOINT", &format!("http://127.0.0.1:{port}"))]);
+    let (st, b) = d.http("POST", "/api/pull", r#"{"model": "hf.co/org/other-GGUF", "stream": false}"#);
+    assert!(st == 502 && b.contains("inferctl pull hf.co/org/other-GGUF"), "{st} {b}");
+    let (st, b) = d.http("POST", "/api/pull", r#"{"model": "hf.co/org/other-GGUF", "insecure": true, "bogus": 1}"#);
+    assert!(st == 400 && b.contains("bogus is not a field of a pull"), "{st} {b}");
     drop(d);
     let _ = std::fs::remove_dir_all(dir);
 }
@@ -382,7 +469,7 @@ fn model_management_is_a_right_and_the_store_the_daemons_alone() {
     std::fs::copy(model(), root.join("org/smol-GGUF/smol-Q4_1.gguf")).unwrap();
     std::fs::copy(model(), root.join("org/spliced-GGUF/spliced-Q4_1.gguf")).unwrap();
     std::fs::write(root.join("org/spliced-GGUF/spliced-Q4_1.gguf.shift"), "4096").unwrap();
-    let (mut server, endpoint) = hub(&root, Some(20_000_000));
+    let (server, endpoint) = hub(&root, Some(20_000_000));
     // A store once made group-writable and setgid for pulls by its users.
     let store = dir.join("store");
     std::fs::create_dir_all(&store).unwrap();
@@ -414,6 +501,19 @@ fn model_management_is_a_right_and_the_store_the_daemons_alone() {
         let (ok, out) = ctl_as(nobody, args, &endpoint, &d.socket);
         assert!(!ok && out.contains("403") && out.contains("server.manage"), "{args:?}: {out}");
     }
+    // Ollama's /api/pull too.
+    let pull_as_nobody = {
+        use std::os::unix::process::CommandExt;
+        let script = "import socket, sys\n\
+            s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n\
+            b = b'{\"model\": \"hf.co/org/smol-GGUF\", \"stream\": false}'\n\
+            s.sendall(b'POST /api/pull HTTP/1.1\\r\\nHost: x\\r\\nConnection: close\\r\\nContent-Length: %d\\r\\n\\r\\n' % len(b) + b)\n\
+            print(s.recv(65536).decode())\n";
+        let out =
+            Command::new("python3").arg("-c").arg(script).arg(&d.socket).uid(nobody).gid(nobody).output().unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
+    };
+    assert!(pull_as_nobody.starts_with("HTTP/1.1 403") && pull_as_nobody.contains("server.manage"), "{pull_as_nobody}");
     assert_eq!(ids(&d), ["a", "b"]);
     assert!(!store.join("smol-Q4_1.gguf").exists());
     // A request's keep_alive is management too: 0 (unload) refused, others ignored.
@@ -486,8 +586,7 @@ fn model_management_is_a_right_and_the_store_the_daemons_alone() {
     // Root may remove.
     let (ok, out) = ctl_as(0, &["rm", "smol-Q4_1"], &endpoint, &d.socket);
     assert!(ok, "{out}");
-    let _ = server.kill();
-    let _ = server.wait();
+    drop(server);
     drop(d);
     let _ = std::fs::remove_dir_all(dir);
 }
