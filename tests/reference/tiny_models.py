@@ -11,6 +11,9 @@ long-context variants tiny-phi3-longrope (LongRoPE, partial rotation) and tiny-q
 tiny-pre-NAME.gguf, Llama models whose vocabularies name each GGUF pre-tokenizer inferd
 knows, with merges learned across word boundaries (so a text split differently tokenizes
 differently); and the embedding models of EMBEDDERS (a pooling type of their own).
+The rerankers of RERANKERS (Qwen3's form: rank pooling, a two-label head `cls.output.weight`,
+with a `rerank` prompt template or without) are written by `rerankers OUT_DIR`, for
+daemon/tests/daemon/rerank.rs, which checks them against llama-server.
 tests/reference/regen runs llama.cpp on the GGUF files; tests/e2e/reference.rs runs inferd on
 them and compares, and checks that each directory gives the logits of its GGUF file."""
 import json
@@ -122,7 +125,7 @@ def pre_vocab():
     return tokens, merges
 
 
-def model(arch, path, seed, scaling=None, vocab=None, pooling=None):
+def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None):
     rng = np.random.default_rng(seed)
     tokens, merges, pre = vocab or (TOKENS, MERGES, "default")
     head = 32 if arch in ("qwen3", "gemma3") else HIDDEN // HEADS  # qwen3/gemma3: head size apart from hidden
@@ -163,6 +166,14 @@ def model(arch, path, seed, scaling=None, vocab=None, pooling=None):
         # An embedding model: its pooling, and (last-token pooling) an end token after each text.
         w.add_pooling_type(pooling)
         w.add_add_eos_token(pooling == PoolingType.LAST)
+    if rerank is not None:
+        # A reranker: "yes" and "no" as its labels, and its prompt (None: llama.cpp's
+        # BOS query EOS document EOS).
+        w.add_pooling_type(PoolingType.RANK)
+        w.add_classifier_output_labels(["yes", "no"])
+        w.add_add_eos_token(rerank["template"] is None)
+        if rerank["template"] is not None:
+            w.add_chat_template([{"name": "rerank", "template": rerank["template"]}])
     t = {}
     t["token_embd.weight"] = mat(len(tokens), HIDDEN, 1.0)
     t["output_norm.weight"] = norm(HIDDEN)
@@ -201,6 +212,8 @@ def model(arch, path, seed, scaling=None, vocab=None, pooling=None):
             t[p + "ffn_gate.weight"] = mat(FFN, HIDDEN)
             t[p + "ffn_up.weight"] = mat(FFN, HIDDEN)
         t[p + "ffn_down.weight"] = mat(HIDDEN, FFN)
+    if rerank is not None:
+        t["cls.output.weight"] = mat(2, HIDDEN, 0.3)
     if scaling:
         # Sharper attention (scores 16 times larger), so that the position encoding, and
         # which of LongRoPE's tables it uses, shows in the logits.
@@ -340,10 +353,16 @@ ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "phi3"]
 # CLS-pooled one.
 EMBEDDERS = [("tiny-qwen2-embed-last", "qwen2", PoolingType.LAST), ("tiny-llama-embed-cls", "llama", PoolingType.CLS)]
 
+# Rerankers (Qwen3's form): (name, prompt template).
+RERANKERS = [("tiny-qwen3-rerank", "<s>query: {query}\ndocument: {document}</s>"), ("tiny-qwen3-rerank-bare", None)]
+
 # The long-context variants: (name, architecture, scaling).
 SCALED = [("tiny-phi3-longrope", "phi3", "longrope"), ("tiny-qwen2-yarn", "qwen2", "yarn")]
 
-if __name__ == "__main__":
+if __name__ == "__main__" and sys.argv[1] == "rerankers":
+    for seed, (name, template) in enumerate(RERANKERS, start=100):
+        model("qwen3", f"{sys.argv[2]}/{name}.gguf", seed, rerank={"template": template})
+elif __name__ == "__main__":
     out = sys.argv[1]
     for seed, arch in enumerate(ARCHS):
         t, head, layers, _ = model(arch, f"{out}/tiny-{arch}.gguf", seed)

@@ -2,7 +2,8 @@
 //! base64, as its client asks by default), Ollama's `/api/embed`, D-Bus `Embed`. One path to
 //! the model's engine thread ([`embed`]): the texts' token ids go as a `Command::Embed`, run as
 //! work of the engine's steps (`inferd_engine::sched`), and the pooled, normalized vectors come
-//! back ([`inferd_engine::engine::Pooler`]).
+//! back ([`inferd_engine::engine::Pooler`]). A reranker's scores come the same way
+//! ([`pooled`], for [`rerank`](super::rerank)); it is refused here.
 
 use super::api::ApiError;
 use super::conn::Hangup;
@@ -59,6 +60,25 @@ pub fn inputs(v: Option<&Value>) -> Result<Vec<Input>, ApiError> {
 /// takes one of `uid`'s places (`limits.max_requests_per_user`) and runs in the engine's steps
 /// beside everyone's requests; it is cancelled when `hangup` trips or this future is dropped.
 pub async fn embed(
+    sh: &Arc<Shared>,
+    model: &Arc<ModelHandle>,
+    inputs: Vec<Input>,
+    truncate: bool,
+    uid: u32,
+    hangup: Option<Arc<Hangup>>,
+) -> Result<(Vec<Vec<f32>>, usize), ApiError> {
+    if model.model.rank.is_some() {
+        let msg = format!(
+            "{} is a reranker: it scores documents against a query (/v1/rerank), it gives no embeddings",
+            model.name
+        );
+        return Err(ApiError::bad(msg, "model"));
+    }
+    pooled(sh, model, inputs, truncate, uid, hangup).await
+}
+
+/// [`embed`] for any model: a reranker's answers are its scores ([`super::rerank`]).
+pub(super) async fn pooled(
     sh: &Arc<Shared>,
     model: &Arc<ModelHandle>,
     inputs: Vec<Input>,

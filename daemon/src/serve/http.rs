@@ -54,6 +54,7 @@ pub fn router(sh: Arc<Shared>) -> Router {
         .merge(super::ollama::routes())
         .merge(super::anthropic::routes())
         .merge(super::responses::routes())
+        .merge(super::rerank::routes())
         .layer(axum::middleware::from_fn_with_state(Arc::clone(&sh), super::loading::progress))
         .route("/v1/embeddings", post(embeddings))
         .route("/tokenize", post(tokenize))
@@ -85,6 +86,10 @@ async fn count(State(sh): State<Arc<Shared>>, req: axum::extract::Request, next:
         "/v1/messages",
         "/v1/messages/count_tokens",
         "/v1/responses",
+        "/v1/rerank",
+        "/rerank",
+        "/v1/reranking",
+        "/reranking",
         "/tokenize",
         "/detokenize",
         "/api/version",
@@ -530,7 +535,7 @@ async fn chat_completions(
 
 /// A request for a remote model goes to its upstream: `Err` with the answer; `Ok` with the
 /// body to serve here (a local model's request, or a fallback's while the upstream is down).
-async fn remote(
+pub(super) async fn remote(
     sh: &Arc<Shared>,
     route: &str,
     body: axum::body::Bytes,

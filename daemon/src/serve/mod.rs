@@ -33,6 +33,7 @@ pub mod pull;
 pub mod reasoning;
 pub mod remote;
 pub mod request;
+pub mod rerank;
 pub mod responses;
 pub mod store;
 pub mod stored;

@@ -16,6 +16,7 @@ mod isolation;
 mod models;
 mod reasoning;
 mod remote;
+mod rerank;
 mod sampling;
 mod soak;
 mod store;

@@ -253,7 +253,7 @@ impl SeqStore for EngineStore<'_> {
         self.engine.check_prompt(tokens)?;
         let s = self.engine.kv.create_in(self.partition).0;
         self.pending.insert(s, tokens.to_vec());
-        self.pools.insert(s, Pooler::new(self.engine.backend.config(), tokens.len()));
+        self.pools.insert(s, self.engine.pooler(tokens.len()));
         Ok(s)
     }
 

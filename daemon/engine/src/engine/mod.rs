@@ -17,7 +17,9 @@ pub use pooling::Pooler;
 
 use crate::backend::{Backend, BackendError, BackendKind, SeqBatch};
 use crate::kv::{KvCacheManager, OutOfBlocks, SeqId};
+use crate::model::rank::RankHead;
 use crate::model::Model;
+use std::sync::Arc;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -66,6 +68,8 @@ pub struct Engine {
     /// placed in `logits`.
     rows: Vec<f32>,
     prefill_chunk: usize,
+    /// A reranker's head, for its poolers ([`Engine::pooler`]).
+    rank: Option<Arc<RankHead>>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -91,7 +95,9 @@ impl Engine {
         opts: &EngineOptions,
     ) -> Result<(Self, String), EngineError> {
         let (backend, why) = crate::backend::open_with_reason(kind, model, opts)?;
-        Ok((Engine::new(backend, opts.prefill_chunk), why))
+        let mut engine = Engine::new(backend, opts.prefill_chunk);
+        engine.rank = model.rank.clone();
+        Ok((engine, why))
     }
 
     /// A CPU engine for `model` (the CPU backend exists everywhere; it refuses an architecture
@@ -103,7 +109,12 @@ impl Engine {
     pub fn new(backend: Box<dyn Backend>, prefill_chunk: usize) -> Self {
         let kv =
             KvCacheManager::with_groups(backend.kv_blocks(), backend.block_size(), backend.kv_groups().windows.clone());
-        Engine { backend, kv, logits: Vec::new(), rows: Vec::new(), prefill_chunk: prefill_chunk.max(1) }
+        Engine { backend, kv, logits: Vec::new(), rows: Vec::new(), prefill_chunk: prefill_chunk.max(1), rank: None }
+    }
+
+    /// The pooling of a text of `total` tokens into its embedding (or a reranker's scores).
+    pub fn pooler(&self, total: usize) -> Pooler {
+        Pooler::new(self.backend.config(), self.rank.clone(), total)
     }
 
     pub fn vocab(&self) -> usize {
@@ -332,7 +343,7 @@ impl Engine {
     pub fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
         self.check_prompt(tokens)?;
         let seq = self.kv.create();
-        let mut pool = Pooler::new(self.backend.config(), tokens.len());
+        let mut pool = self.pooler(tokens.len());
         let mut run = || {
             for chunk in tokens.chunks(self.prefill_chunk) {
                 let rows = self.step(&[RunItem { seq, tokens: chunk, n_logits: chunk.len(), hidden: true }])?;

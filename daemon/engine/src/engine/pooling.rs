@@ -2,9 +2,12 @@
 //! each chunk of positions are taken as they come, so a text of any length needs one row of
 //! state, and its chunks can run in whichever steps have room. The mean for a generative
 //! model (as Ollama's `/api/embed` gives it), an embedding GGUF's CLS or last-token pooling,
-//! then L2-normalized, as llama.cpp does.
+//! then L2-normalized, as llama.cpp does; a reranker's last token through its head instead
+//! ([`RankHead`]: the labels' probabilities, not normalized).
 
 use crate::model::config::{LlamaConfig, Pooling};
+use crate::model::rank::RankHead;
+use std::sync::Arc;
 
 /// One text's pooling in progress.
 #[derive(Clone, Debug)]
@@ -15,17 +18,20 @@ pub struct Pooler {
     /// Positions taken so far, and in all.
     seen: usize,
     total: usize,
+    /// A reranker's head (rank pooling).
+    rank: Option<Arc<RankHead>>,
 }
 
 impl Pooler {
-    /// The pooling of a text of `total` tokens by a model of `cfg`.
-    pub fn new(cfg: &LlamaConfig, total: usize) -> Self {
-        Pooler::with(cfg.pooling, cfg.hidden, total)
+    /// The pooling of a text of `total` tokens by a model of `cfg`, with its head `rank` when
+    /// it is a reranker.
+    pub fn new(cfg: &LlamaConfig, rank: Option<Arc<RankHead>>, total: usize) -> Self {
+        Pooler { rank, ..Pooler::with(cfg.pooling, cfg.hidden, total) }
     }
 
     /// The `pooling` of a text of `total` tokens into `hidden` floats.
     pub fn with(pooling: Pooling, hidden: usize, total: usize) -> Self {
-        Pooler { pooling, sum: vec![0.0; hidden], seen: 0, total }
+        Pooler { pooling, sum: vec![0.0; hidden], seen: 0, total, rank: None }
     }
 
     /// Takes the hidden-state rows of the next positions, in order (`hidden` floats a row).
@@ -35,7 +41,7 @@ impl Pooler {
             let take = match self.pooling {
                 Pooling::Mean => true,
                 Pooling::Cls => self.seen == 0,
-                Pooling::Last => self.seen + 1 == self.total,
+                Pooling::Last | Pooling::Rank => self.seen + 1 == self.total,
             };
             if take {
                 self.sum.iter_mut().zip(row).for_each(|(s, &x)| *s += f64::from(x));
@@ -49,8 +55,12 @@ impl Pooler {
         self.total.saturating_sub(self.seen)
     }
 
-    /// The embedding: pooled and L2-normalized.
+    /// The embedding: pooled and L2-normalized; a reranker's labels' probabilities.
     pub fn finish(mut self) -> Vec<f32> {
+        if let Some(head) = self.rank.as_ref().filter(|_| self.pooling == Pooling::Rank) {
+            let h: Vec<f32> = self.sum.iter().map(|&x| x as f32).collect();
+            return head.classify(&h);
+        }
         if self.pooling == Pooling::Mean {
             let n = self.seen.max(1) as f64;
             self.sum.iter_mut().for_each(|x| *x /= n);

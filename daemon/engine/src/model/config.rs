@@ -28,7 +28,7 @@ pub struct LlamaConfig {
 
 /// How the final hidden states of a text's tokens (after the output norm) become one embedding,
 /// as an embedding GGUF says in `{arch}.pooling_type` (llama.cpp's numbering: 1 mean, 2 CLS,
-/// 3 last); a generative model's texts are mean-pooled.
+/// 3 last, 4 rank); a generative model's texts are mean-pooled.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Pooling {
     #[default]
@@ -38,6 +38,9 @@ pub enum Pooling {
     /// The last token's state (Qwen3-Embedding and other decoder embedders, whose tokenizer
     /// appends an end token).
     Last,
+    /// A reranker's (4): the last token's state through the classification head
+    /// ([`crate::model::rank::RankHead`]), giving the labels' probabilities, not a vector.
+    Rank,
 }
 
 impl LlamaConfig {

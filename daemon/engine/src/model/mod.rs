@@ -14,6 +14,7 @@ pub mod gguf;
 pub mod gguf_writer;
 mod hf;
 pub mod mmap;
+pub mod rank;
 pub mod weights;
 
 pub use arch::Architecture;
@@ -60,6 +61,8 @@ pub struct Model {
     pub tokenizer: Tokenizer,
     /// The model's own Jinja chat template, when it ships one.
     pub chat_template: Option<String>,
+    /// A reranker's head and prompt (rank pooling).
+    pub rank: Option<std::sync::Arc<rank::RankHead>>,
 }
 
 impl Model {
@@ -94,10 +97,17 @@ fn load_gguf(g: &Gguf, path: &Path, name: String) -> Result<Model, ModelError> {
         Tensor::new(name, t.dtype, rows, cols, g.blob.clone(), t.offset).ok()
     };
     let used = std::cell::RefCell::new(std::collections::HashSet::new());
-    let weights = LlamaWeights::load(&config, &arch, weights::Naming::Gguf, &|n| {
+    let read = |n: &str| {
         used.borrow_mut().insert(n.to_string());
         get(n)
-    })?;
+    };
+    let weights = LlamaWeights::load(&config, &arch, weights::Naming::Gguf, &read)?;
+    let rank = match config.pooling {
+        config::Pooling::Rank => {
+            Some(std::sync::Arc::new(rank::RankHead::from_gguf(g, arch.name, config.hidden, &read)?))
+        }
+        _ => None,
+    };
     // Llama 3.1's frequency factors and LongRoPE's are read into the architecture itself.
     let scaled = |f: fn(&arch::RopeScaling) -> bool| arch.layers.iter().any(|l| f(&l.rope_scaling));
     let factors = scaled(|s| matches!(s, arch::RopeScaling::Factors(_)));
@@ -119,5 +129,5 @@ fn load_gguf(g: &Gguf, path: &Path, name: String) -> Result<Model, ModelError> {
         )));
     }
     let chat_template = g.get("tokenizer.chat_template").and_then(|v| v.as_str()).map(str::to_string);
-    Ok(Model { name, path: path.to_path_buf(), arch, config, weights, tokenizer, chat_template })
+    Ok(Model { name, path: path.to_path_buf(), arch, config, weights, tokenizer, chat_template, rank })
 }

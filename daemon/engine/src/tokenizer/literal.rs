@@ -107,6 +107,17 @@ impl Literals {
         if self.hidden.is_empty() {
             return tok.encode(rendered, true);
         }
+        tok.encode_pieces(&self.pieces(rendered))
+    }
+
+    /// [`Literals::encode`] without the BOS or EOS the vocabulary adds (a prompt template that
+    /// writes its own).
+    pub fn encode_bare(&self, tok: &Tokenizer, rendered: &str) -> Result<Vec<u32>, TokenizerError> {
+        tok.encode_pieces_bare(&self.pieces(rendered))
+    }
+
+    /// `rendered` cut at the placeholders: (text, parse special tokens).
+    fn pieces<'a>(&'a self, rendered: &'a str) -> Vec<(&'a str, bool)> {
         let mut pieces: Vec<(&str, bool)> = Vec::new();
         let mut rest = rendered;
         let mut markup_from = 0; // where the current run of template text starts in `rest`
@@ -126,7 +137,7 @@ impl Literals {
             }
         }
         pieces.push((rest, true));
-        tok.encode_pieces(&pieces)
+        pieces
     }
 }
 

@@ -197,6 +197,11 @@ impl Tokenizer {
         self.add_bos
     }
 
+    /// Whether encoding with special tokens ends with EOS ([`Tokenizer::with_eos_appended`]).
+    pub fn adds_eos(&self) -> bool {
+        self.add_eos
+    }
+
     /// Ends every encoded text with the first end-of-sequence token, as llama.cpp does for a
     /// vocabulary with `tokenizer.ggml.add_eos_token` (embedding models that pool the last
     /// token).
@@ -277,13 +282,20 @@ impl Tokenizer {
         if self.add_bos {
             ids.extend(self.bos);
         }
+        ids.extend(self.encode_pieces_bare(pieces)?);
+        if self.add_eos {
+            ids.extend(self.eos.first());
+        }
+        Ok(ids)
+    }
+
+    /// [`Tokenizer::encode_pieces`] without BOS or EOS.
+    pub fn encode_pieces_bare(&self, pieces: &[(&str, bool)]) -> Result<Vec<u32>, TokenizerError> {
+        let mut ids = Vec::new();
         for &(text, parse_special) in pieces.iter().filter(|p| !p.0.is_empty()) {
             let tk = if parse_special { &self.special } else { &self.plain };
             let enc = tk.encode_fast(text, false).map_err(|e| TokenizerError::Encode(e.to_string()))?;
             ids.extend_from_slice(enc.get_ids());
-        }
-        if self.add_eos {
-            ids.extend(self.eos.first());
         }
         Ok(ids)
     }

@@ -109,7 +109,15 @@ impl<'a> GgufKeys<'a> {
             None | Some(0 | 1) => Ok(Pooling::Mean),
             Some(2) => Ok(Pooling::Cls),
             Some(3) => Ok(Pooling::Last),
-            Some(4) => Err(ModelError::Unsupported("rank pooling (a reranker's classification head)".into())),
+            // A reranker: llama.cpp gives causal models a head for Qwen3's alone.
+            Some(4) if self.arch == "qwen3" => {
+                self.get("classifier.output_labels"); // read with the head (`model::rank`)
+                Ok(Pooling::Rank)
+            }
+            Some(4) => Err(ModelError::Unsupported(format!(
+                "rank pooling for {} (a reranker's head is read for qwen3's rerankers alone)",
+                self.arch
+            ))),
             Some(p) => Err(ModelError::Unsupported(format!("{} = {p}", self.full("pooling_type")))),
         }
     }
