@@ -25,7 +25,7 @@ use super::remote::dbus::{self as remote, Routed};
 use super::request::{self, Scored};
 use super::{ModelHandle, Shared};
 use inferd_engine::request::Request;
-use inferd_engine::sched::{Command, RequestId};
+use inferd_engine::sched::RequestId;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use zbus::fdo;
@@ -58,11 +58,7 @@ impl Stop {
 
     fn stop(&self) {
         match self {
-            Stop::Engine(model, id) => {
-                if let Ok(tx) = model.engine.lock() {
-                    let _ = tx.send(Command::Cancel(*id));
-                }
-            }
+            Stop::Engine(model, id) => model.engine.cancel(*id),
             Stop::Upstream(_, hangup) => hangup.trip(),
         }
     }

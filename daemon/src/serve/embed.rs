@@ -101,8 +101,7 @@ pub(super) async fn pooled(
             let _ = tx.send(r);
         }),
     });
-    let sent = model.engine.lock().map(|e| e.send(cmd).is_ok()).unwrap_or(false);
-    if !sent {
+    if !model.engine.send(cmd) {
         return Err(ApiError::new(503, "the engine stopped", None));
     }
     // Whatever ends this wait early (the client gone, the handler dropped) cancels the job.
@@ -138,9 +137,7 @@ impl CancelOnDrop<'_> {
 impl Drop for CancelOnDrop<'_> {
     fn drop(&mut self) {
         if self.armed {
-            if let Ok(tx) = self.model.engine.lock() {
-                let _ = tx.send(Command::Cancel(self.id));
-            }
+            self.model.engine.cancel(self.id);
         }
     }
 }

@@ -215,8 +215,8 @@ pub fn status_json(sh: &Shared) -> Value {
             json!({
                 "name": m.name, "loaded": true, "loads": loads, "keep_alive_seconds": ka, "file": facts_json(slot),
                 "idle_expires_in_seconds": slot.expires().map(|t| t.saturating_duration_since(std::time::Instant::now()).as_secs_f64()),
-                "draft": m.draft, "context_length": m.context_len(), "backend": m.backend,
-                "device_memory": m.device_memory.map(|d| json!({ "weights_bytes": d.weights_bytes, "kv_bytes": d.kv_bytes })),
+                "draft": m.draft, "context_length": m.context_len(), "backend": m.engine.backend(),
+                "device_memory": m.engine.device_memory().map(|d| json!({ "weights_bytes": d.weights_bytes, "kv_bytes": d.kv_bytes })),
                 "kv_blocks": { "total": s.kv.total, "free": s.kv.free, "used": s.kv.total - s.kv.free, "cached": s.kv.cached, "block_size": s.kv.block_size },
                 "requests": { "running": s.running, "waiting": s.waiting, "finished": s.finished, "failed": s.failed, "cancelled": s.cancelled, "preempted": s.preempted },
                 "tokens": { "generated": s.generated_tokens, "prompt": s.prompt_tokens, "prompt_cached": s.cached_prompt_tokens, "per_second": s.tokens_per_second },

@@ -66,7 +66,7 @@ pub fn prometheus(sh: &Shared) -> String {
     }
     o.head("inferd_device_memory_bytes", "gauge", "GPU memory a model holds, by use (weights, kv).");
     for m in sh.models.loaded() {
-        if let Some(d) = m.device_memory {
+        if let Some(d) = m.engine.device_memory() {
             let l = format!("model=\"{}\"", label(&m.name));
             o.sample("inferd_device_memory_bytes", &format!("{l},use=\"weights\""), d.weights_bytes);
             o.sample("inferd_device_memory_bytes", &format!("{l},use=\"kv\""), d.kv_bytes);

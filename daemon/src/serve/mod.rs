@@ -41,12 +41,11 @@ pub mod tcp_owner;
 pub mod upload;
 
 use config::{Config, Limits, Mode};
-use inferd_engine::decode::store::EngineStore;
-use inferd_engine::engine::{Engine, EngineOptions};
+use inferd_engine::engine::EngineOptions;
 use inferd_engine::model::Model;
 use inferd_engine::plugin::{recorder, Isolation, Quarantine, Registry, TrustPolicy};
 use inferd_engine::sched::monitor::Monitor;
-use inferd_engine::sched::{engine_loop, Command, LoopConfig, PrefixSharing};
+use inferd_engine::sched::{EngineHandle, Launch, LoopConfig, PrefixSharing, Stopped};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -59,18 +58,14 @@ pub struct ModelHandle {
     pub model: Arc<Model>,
     /// The bound draft model's name, if any.
     pub draft: Option<String>,
-    /// Where it runs and why that backend: `cpu (Avx512Vnni; auto: no usable GPU (...))`.
-    pub backend: String,
-    /// GPU memory its weights and KV pool take (none on the CPU backend).
-    pub device_memory: Option<inferd_engine::backend::DeviceMemory>,
     /// `1 << abi::ROLE_*` for each sequence role its store offers.
     pub roles: u32,
     /// Its vocabulary for response formats and the plugins' `token_bytes` (none when the
     /// model declares no end-of-sequence token: constrained output could never end).
     pub vocabulary: Option<Arc<inferd_engine::constraint::Vocabulary>>,
-    pub engine: Mutex<std::sync::mpsc::Sender<Command>>,
+    /// Its engine thread (where it runs: [`EngineHandle::backend`]).
+    pub engine: EngineHandle,
     pub monitor: Arc<Monitor>,
-    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl ModelHandle {
@@ -268,7 +263,6 @@ fn load(
     }
     let name = name.to_string();
     let monitor = Arc::new(Monitor::new(name.clone()));
-    let (tx, rx) = std::sync::mpsc::channel();
     let opts =
         EngineOptions { threads: lo.threads, kv_budget_bytes: mc.kv_cache_mib << 20, ..EngineOptions::default() };
     let vocabulary = match inferd_engine::constraint::Vocabulary::new(&model.tokenizer) {
@@ -291,42 +285,19 @@ fn load(
             PrefixSharing::PerUser
         },
     };
-    // The engines are built here, so a model the backend cannot run fails the start.
-    let (mut engine, why) = Engine::open_with_reason(&model, mc.backend_kind(), &opts)?;
-    let backend = format!("{} ({}; {why})", engine.backend.name(), engine.backend.device());
-    eprintln!("inferd: {name} runs on {backend}");
-    let device_memory = engine.backend.device_memory();
-    let draft_engine = match &draft {
-        Some(d) => Some(Engine::open(
-            d,
-            mc.draft_backend_kind(),
-            &EngineOptions { kv_budget_bytes: opts.kv_budget_bytes / 2, ..opts },
-        )?),
-        None => None,
+    // The engines are opened here, so a model the backend cannot run fails the start.
+    let launch = Launch {
+        model: &model,
+        backend: mc.backend_kind(),
+        options: opts,
+        draft: draft.as_deref().map(|d| (d, mc.draft_backend_kind())),
+        config: loop_cfg,
     };
-    let thread =
-        std::thread::Builder::new().name(format!("inferd-engine-{name}")).spawn(move || match draft_engine {
-            Some(mut draft_engine) => {
-                engine_loop(&mut EngineStore::with_draft(&mut engine, &mut draft_engine), &rx, &loop_cfg);
-            }
-            None => {
-                engine_loop(&mut EngineStore::new(&mut engine), &rx, &loop_cfg);
-            }
-        })?;
+    let engine = EngineHandle::start(&name, launch)?;
+    eprintln!("inferd: {name} runs on {}", engine.backend());
     let roles = 1 << inferd_plugin_api::abi::ROLE_TARGET
         | if draft.is_some() { 1 << inferd_plugin_api::abi::ROLE_DRAFT } else { 0 };
-    Ok(ModelHandle {
-        name,
-        model,
-        draft: draft.map(|d| d.name.clone()),
-        backend,
-        device_memory,
-        roles,
-        vocabulary,
-        engine: Mutex::new(tx),
-        monitor,
-        thread: Mutex::new(Some(thread)),
-    })
+    Ok(ModelHandle { name, model, draft: draft.map(|d| d.name.clone()), roles, vocabulary, engine, monitor })
 }
 
 /// The listening socket: the one systemd passed (LISTEN_FDS), else a fresh one at the
@@ -431,18 +402,8 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     let deadline = Instant::now() + ENGINE_STOP;
     let mut stuck = Vec::new();
     for m in shared.models.loaded() {
-        if let Ok(tx) = m.engine.lock() {
-            let _ = tx.send(Command::Shutdown);
-        }
-        if let Some(t) = m.thread.lock().ok().and_then(|mut t| t.take()) {
-            while !t.is_finished() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            if t.is_finished() {
-                let _ = t.join();
-            } else {
-                stuck.push(m.name.clone());
-            }
+        if m.engine.stop(Some(deadline)) == Stopped::Stuck {
+            stuck.push(m.name.clone());
         }
     }
     if !stuck.is_empty() {
@@ -606,9 +567,7 @@ async fn serve(sh: Arc<Shared>, args: &ServeArgs, cfg: Config) -> anyhow::Result
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     for m in sh.models.loaded() {
-        if let Ok(tx) = m.engine.lock() {
-            let _ = tx.send(Command::Shutdown);
-        }
+        m.engine.shut_down();
     }
     stop.notify_waiters();
     let _ = tokio::time::timeout(Duration::from_secs(5), async { while servers.join_next().await.is_some() {} }).await;

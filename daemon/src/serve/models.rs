@@ -13,7 +13,6 @@ use super::api::ApiError;
 use super::config::ModelConfig;
 use super::ModelHandle;
 use inferd_engine::model::facts::Facts;
-use inferd_engine::sched::Command;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -683,13 +682,9 @@ fn same_file(a: &Path, b: &Path) -> bool {
 /// Stops a model taken out of its slot: its engine ends, its thread is joined on a blocking
 /// thread, and the memory goes with the last reference. Awaiting it waits for all that.
 pub fn stop(h: Arc<ModelHandle>) -> tokio::task::JoinHandle<()> {
-    if let Ok(tx) = h.engine.lock() {
-        let _ = tx.send(Command::Shutdown);
-    }
+    h.engine.shut_down();
     tokio::task::spawn_blocking(move || {
-        if let Some(t) = h.thread.lock().ok().and_then(|mut t| t.take()) {
-            let _ = t.join();
-        }
+        h.engine.stop(None);
         let name = h.name.clone();
         drop(h);
         inferd_engine::model::mmap::trim_heap();

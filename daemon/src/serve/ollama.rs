@@ -149,7 +149,7 @@ async fn ps(State(sh): State<Arc<Shared>>) -> Json<Value> {
             let m = slot.loaded()?;
             let path = &slot.config.path;
             let size = slot.footprint();
-            let vram = m.device_memory.map_or(0, |d| d.weights_bytes + d.kv_bytes);
+            let vram = m.engine.device_memory().map_or(0, |d| d.weights_bytes + d.kv_bytes);
             // When it unloads: its idle expiry, or its keep_alive from now while in use.
             let expires = match (slot.expires(), slot.keep_alive()) {
                 (_, None) => "9999-12-31T23:59:59Z".to_string(),

@@ -337,9 +337,7 @@ impl Submitted {
     fn end(&mut self, command: fn(RequestId) -> Command) {
         if !self.over {
             self.over = true;
-            if let Ok(tx) = self.model.engine.lock() {
-                let _ = tx.send(command(self.id));
-            }
+            self.model.engine.send(command(self.id));
         }
     }
 }
@@ -391,7 +389,7 @@ pub fn submit(sh: &Arc<Shared>, p: Prepared, uid: u32, hangup: Option<Arc<Hangup
         events: Box::new(move |e| tx.send(e).is_ok()),
         grammar: p.grammar,
     };
-    let sent = p.model.engine.lock().map(|e| e.send(Command::Submit(sub)).is_ok()).unwrap_or(false);
+    let sent = p.model.engine.submit(sub);
     if !sent {
         return Err(ApiError::new(503, "the engine is not running", None));
     }

@@ -10,6 +10,7 @@
 //! work in the same steps (`embed.rs`), preemption with recompute, and one path by which every
 //! request leaves.
 
+pub mod handle;
 pub mod monitor;
 
 mod budget;
@@ -19,6 +20,7 @@ mod scheduler;
 #[cfg(test)]
 mod tests;
 
+pub use handle::{EngineHandle, Launch, StartError, Stopped};
 pub use scheduler::{Observations, Outcome, RequestState, Scheduler, StepOutput, StrategyOutcome};
 
 use crate::decode::store::SeqStore;
