@@ -42,6 +42,7 @@ enum WeightType {
     W_IQ4_NL = 20,
     W_IQ4_XS = 23,
     W_BF16 = 30,
+    W_MXFP4 = 39,
 };
 
 // IEEE half to float, exact.
@@ -175,6 +176,7 @@ INFERD_DEVICE int block_bytes(int type) {
         case W_Q5_K: return 176;
         case W_Q6_K: return 210;
         case W_IQ4_XS: return 136;
+        case W_MXFP4: return 17;
         default: return 0;
     }
 }
@@ -182,6 +184,22 @@ INFERD_DEVICE int block_bytes(int type) {
 INFERD_DEVICE int iq4_value(int q) {
     const int8_t values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
     return values[q & 15];
+}
+
+// MXFP4's code book: twice the E2M1 values.
+INFERD_DEVICE int mxfp4_value(int q) {
+    const int8_t values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+    return values[q & 15];
+}
+
+// Half the value of an E8M0 exponent byte, 2^(e - 128), exact (denormal below e = 2).
+INFERD_DEVICE float e8m0_half(int e) {
+    union {
+        uint32_t u;
+        float f;
+    } v;
+    v.u = e < 2 ? (0x00200000u << e) : ((uint32_t)(e - 1) << 23);
+    return v.f;
 }
 
 // Nibble i (0..32) of a 16-byte run where byte k holds weights k and k + 16.
@@ -244,6 +262,7 @@ INFERD_DEVICE float weight(int type, const uint8_t* blk, int e) {
             break;
         }
         case W_IQ4_NL: d = read_f16(blk); q = iq4_value(nibble(blk + 2, e)); break;
+        case W_MXFP4: d = e8m0_half(blk[0]); q = mxfp4_value(nibble(blk + 1, e)); break;
         case W_Q2_K: {
             int j = e / 32, l = e % 32, h = j / 4, s = j % 4;
             int k = blk[2 * j + l / 16];
@@ -386,6 +405,13 @@ INFERD_DEVICE uint32_t iq4_bytes(uint32_t v) {
     return out;
 }
 
+// Each byte of v (a nibble) through MXFP4's code book.
+INFERD_DEVICE uint32_t mxfp4_bytes(uint32_t v) {
+    uint32_t out = 0;
+    for (int k = 0; k < 4; k++) out |= (uint32_t)(uint8_t)mxfp4_value((int)(v >> (8 * k)) & 15) << (8 * k);
+    return out;
+}
+
 // Nibble runs: the 16 bytes at p hold weights k (low nibble) and k + 16 (high) of a group.
 INFERD_DEVICE void nibble_words(uint32_t v, int k, GroupQ* o) {
     o->q[k] = (int)(v & 0x0F0F0F0Fu);
@@ -500,6 +526,15 @@ INFERD_DEVICE bool group_ints(int type, const uint8_t* row, int g, GroupQ* o) {
             o->d = half_at(blk);
             return true;
         }
+        case W_MXFP4:
+            // 17-byte blocks: the quants at any alignment, read a byte at a time.
+            for (int k = 0; k < 4; k++) {
+                const uint8_t* p = blk + 1 + 4 * k;
+                nibble_words((uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24), k, o);
+            }
+            for (int k = 0; k < 8; k++) o->q[k] = (int)mxfp4_bytes((uint32_t)o->q[k]);
+            o->d = e8m0_half(blk[0]);
+            return true;
         default: return false;
     }
 }

@@ -165,6 +165,7 @@ extern "C" __global__ void matvec_q8(const uint8_t* w, int type, long long row_b
             MVQ_CASE(W_Q6_K)
             MVQ_CASE(W_IQ4_NL)
             MVQ_CASE(W_IQ4_XS)
+            MVQ_CASE(W_MXFP4)
             default: break;
         }
 #undef MVQ_CASE

@@ -14,8 +14,8 @@
 //! which the end-to-end tests check bit for bit.
 
 use crate::quant::{
-    read_f16, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, QuantType,
-    IQ4_VALUES, QK, QK_K,
+    e8m0_half, read_f16, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K,
+    QuantType, IQ4_VALUES, MXFP4_VALUES, QK, QK_K,
 };
 use std::mem::offset_of;
 
@@ -107,6 +107,10 @@ pub fn decode(q: QuantType, row: &[u8], g: usize) -> Group {
         QuantType::IQ4NL => {
             out.d = read_f16(blk, 0);
             out.q = std::array::from_fn(|i| IQ4_VALUES[usize::from(nib(&blk[2..], i))]);
+        }
+        QuantType::MXFP4 => {
+            out.d = e8m0_half(blk[0]);
+            out.q = std::array::from_fn(|i| MXFP4_VALUES[usize::from(nib(&blk[1..], i))]);
         }
         QuantType::Q2K => {
             // Weight e = 128 h + 32 s + l sits in bits 2s of byte 32 h + l.

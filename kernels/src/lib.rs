@@ -4,7 +4,7 @@
 //! SIMD code stays in one crate. The layout follows candle's `quantized/` and llama.cpp's `ggml-cpu`:
 //!
 //! - [`quant`]: the on-disk block formats (GGUF's F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-//!   the K-quants Q2_K to Q6_K, IQ4_NL and IQ4_XS) and the activation format
+//!   the K-quants Q2_K to Q6_K, IQ4_NL, IQ4_XS and MXFP4) and the activation format
 //!   [`quant::BlockQ8`] that quantized matrix products consume.
 //! - [`group`]: any block format read as 32-weight groups of small integers, the common form of
 //!   the dequantizer and the scalar dots.

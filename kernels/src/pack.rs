@@ -12,8 +12,8 @@
 //! the super-blocks whose 16 rows are not whole cache lines (Q6_K's 3,360 bytes, Q3_K's 1,760),
 //! so that every unit starts on a cache line; the other super-blocks alone. A unit starts at
 //! byte `16 * block_bytes * b` of the group and holds its blocks field by field: field `k` of
-//! its first block for the 16 rows, of its second, then field `k + 1`. Inside, a 2-byte field (an
-//! f16 scale) is the 16 rows side by side (one `vcvtph2ps` load), a longer one is stored by
+//! its first block for the 16 rows, of its second, then field `k + 1`. Inside, a 1- or 2-byte field (an
+//! f16 scale, MXFP4's exponent byte) is the 16 rows side by side (one load), a longer one is stored by
 //! dword: vector `m` holds dword `m` of the field of every row. Two fields are stored in the
 //! form the kernel wants rather than the file's: Q8_0's quants biased by +128 (`vpdpbusd`'s
 //! unsigned operand; the AVX2 kernel, eight rows to a half vector, takes them back), and Q5_0's and Q5_1's fifth bits reordered so that one shift brings
@@ -38,6 +38,7 @@ const fn fields(q: QuantType) -> &'static [usize] {
         QuantType::Q3K => &[32, 64, 12, 2],
         QuantType::Q2K => &[16, 64, 4],
         QuantType::IQ4XS => &[4, 4, 128],
+        QuantType::MXFP4 => &[1, 16],
     }
 }
 
@@ -153,7 +154,7 @@ fn place(q: QuantType, nb: usize, i: usize, b: usize, j: usize) -> usize {
     }
     let at = 16 * q.block_bytes() * b0 + field_at(q, n, k, b - b0);
     let o = j - start;
-    at + if f[k] == 2 { 2 * i + o } else { 64 * (o / 4) + 4 * i + o % 4 }
+    at + if f[k] <= 2 { f[k] * i + o } else { 64 * (o / 4) + 4 * i + o % 4 }
 }
 
 /// A block of `q` between the file's form and the kernel's (module docs), in place; `to_kernel`
@@ -223,8 +224,8 @@ fn pack_groups(q: QuantType, rb: usize, src: &[u8], dst: &mut [u8]) {
                 for (k, &size) in f.iter().enumerate() {
                     let to = 16 * bb * b0 + at[k][b - b0];
                     let field = &block[from..from + size];
-                    if size == 2 {
-                        dst[to + 2 * i..to + 2 * i + 2].copy_from_slice(field);
+                    if size <= 2 {
+                        dst[to + size * i..to + size * (i + 1)].copy_from_slice(field);
                     } else {
                         for (o, four) in field.chunks_exact(4).enumerate() {
                             dst[to + 64 * o + 4 * i..to + 64 * o + 4 * i + 4].copy_from_slice(four);

@@ -30,6 +30,7 @@ pub enum DType {
     Q6K,
     IQ4NL,
     IQ4XS,
+    MXFP4,
 }
 
 /// The block-quantized weight types: their products take [`BlockQ8`] activations.
@@ -47,6 +48,7 @@ pub enum QuantType {
     Q6K,
     IQ4NL,
     IQ4XS,
+    MXFP4,
 }
 
 /// The float weight types: their products take f32 activations.
@@ -189,6 +191,27 @@ pub struct BlockIQ4XS {
     pub qs: [u8; QK_K / 2],
 }
 
+/// GGML's MXFP4 block (OCP microscaling FP4, gpt-oss's experts): 32 weights, `w =
+/// 2^(e - 128) * MXFP4_VALUES[q]`, an E8M0 exponent `e` and E2M1 values (stored doubled as
+/// integers, hence the halved scale); nibbles as in [`BlockQ4_0`].
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C)]
+pub struct BlockMXFP4 {
+    pub e: u8,
+    pub qs: [u8; QK / 2],
+}
+
+/// Twice the E2M1 values (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), as GGML stores them.
+pub const MXFP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// Half the value of an E8M0 exponent byte: `2^(e - 128)`, exact in f32 (denormal for e < 2),
+/// as GGML's `ggml_e8m0_to_fp32_half`.
+#[inline]
+pub const fn e8m0_half(e: u8) -> f32 {
+    let bits = if e < 2 { 0x0020_0000u32 << e } else { (e as u32 - 1) << 23 };
+    f32::from_bits(bits)
+}
+
 /// The non-linear 4-bit code book of IQ4_NL and IQ4_XS.
 pub const IQ4_VALUES: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
 
@@ -208,6 +231,7 @@ const _: () = {
     assert!(offset_of!(BlockQ6K, d) == 208);
     assert!(size_of::<BlockIQ4NL>() == 18 && offset_of!(BlockIQ4NL, qs) == 2);
     assert!(size_of::<BlockIQ4XS>() == 136 && offset_of!(BlockIQ4XS, scales_l) == 4 && offset_of!(BlockIQ4XS, qs) == 8);
+    assert!(size_of::<BlockMXFP4>() == 17 && offset_of!(BlockMXFP4, qs) == 1);
     assert!(size_of::<BlockQ8>() == 40 && offset_of!(BlockQ8, qs) == 8);
 };
 
@@ -226,10 +250,11 @@ impl QuantType {
         QuantType::Q6K,
         QuantType::IQ4NL,
         QuantType::IQ4XS,
+        QuantType::MXFP4,
     ];
 
     /// How many quantized types there are.
-    pub const COUNT: usize = 12;
+    pub const COUNT: usize = 13;
 
     /// The type's position in [`QuantType::ALL`] (tables of kernels are indexed by it).
     pub const fn index(self) -> usize {
@@ -240,7 +265,7 @@ impl QuantType {
     pub const fn block_len(self) -> usize {
         match self {
             QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q5_1 => QK,
-            QuantType::IQ4NL => QK,
+            QuantType::IQ4NL | QuantType::MXFP4 => QK,
             QuantType::Q2K | QuantType::Q3K | QuantType::Q4K | QuantType::Q5K | QuantType::Q6K => QK_K,
             QuantType::IQ4XS => QK_K,
         }
@@ -261,6 +286,7 @@ impl QuantType {
             QuantType::Q6K => size_of::<BlockQ6K>(),
             QuantType::IQ4NL => size_of::<BlockIQ4NL>(),
             QuantType::IQ4XS => size_of::<BlockIQ4XS>(),
+            QuantType::MXFP4 => size_of::<BlockMXFP4>(),
         }
     }
 
@@ -278,13 +304,14 @@ impl QuantType {
             QuantType::Q6K => DType::Q6K,
             QuantType::IQ4NL => DType::IQ4NL,
             QuantType::IQ4XS => DType::IQ4XS,
+            QuantType::MXFP4 => DType::MXFP4,
         }
     }
 }
 
 impl DType {
     /// Every type a weight may have.
-    pub const ALL: [DType; 15] = [
+    pub const ALL: [DType; 16] = [
         DType::F32,
         DType::F16,
         DType::BF16,
@@ -300,6 +327,7 @@ impl DType {
         DType::Q6K,
         DType::IQ4NL,
         DType::IQ4XS,
+        DType::MXFP4,
     ];
 
     /// The kernels' view of the type (see [`WeightClass`]).
@@ -320,6 +348,7 @@ impl DType {
             DType::Q6K => WeightClass::Quantized(QuantType::Q6K),
             DType::IQ4NL => WeightClass::Quantized(QuantType::IQ4NL),
             DType::IQ4XS => WeightClass::Quantized(QuantType::IQ4XS),
+            DType::MXFP4 => WeightClass::Quantized(QuantType::MXFP4),
         }
     }
 
@@ -371,6 +400,7 @@ impl DType {
             DType::Q6K => "Q6_K",
             DType::IQ4NL => "IQ4_NL",
             DType::IQ4XS => "IQ4_XS",
+            DType::MXFP4 => "MXFP4",
         }
     }
 
@@ -392,6 +422,7 @@ impl DType {
             DType::IQ4NL => 20,
             DType::IQ4XS => 23,
             DType::BF16 => 30,
+            DType::MXFP4 => 39,
         }
     }
 
@@ -403,7 +434,7 @@ impl DType {
 
 /// GGML's name of a type number, for the types that are not a [`DType`] (refused by name).
 pub fn ggml_type_name(ty: u32) -> Option<&'static str> {
-    const OTHERS: [(u32, &str); 19] = [
+    const OTHERS: [(u32, &str); 18] = [
         (4, "Q4_2"),
         (5, "Q4_3"),
         (9, "Q8_1"),
@@ -422,7 +453,6 @@ pub fn ggml_type_name(ty: u32) -> Option<&'static str> {
         (29, "IQ1_M"),
         (34, "TQ1_0"),
         (35, "TQ2_0"),
-        (39, "MXFP4"),
     ];
     DType::from_ggml(ty).map(DType::name).or_else(|| OTHERS.iter().find(|(t, _)| *t == ty).map(|(_, n)| *n))
 }
@@ -493,6 +523,7 @@ mod tests {
             (DType::Q6K, 0.1),
             (DType::IQ4NL, 0.5),
             (DType::IQ4XS, 0.5),
+            (DType::MXFP4, 0.6),
             (DType::F16, 0.01),
         ] {
             let mut bytes = Vec::new();

@@ -4,7 +4,7 @@
 //! per-32 scales `sc` and mins `m`, block factors `d` and `dmin`), then packed into the format's
 //! bytes, the inverse of [`crate::group::decode`].
 
-use crate::quant::{DType, FloatType, QuantType, WeightClass, IQ4_VALUES, QK, QK_K};
+use crate::quant::{e8m0_half, DType, FloatType, QuantType, WeightClass, IQ4_VALUES, MXFP4_VALUES, QK, QK_K};
 use half::{bf16, f16};
 
 /// Quantizes a row of floats into `dtype` (used to write test models): the legacy formats with
@@ -118,6 +118,21 @@ fn block(q: QuantType, x: &[f32]) -> Vec<u8> {
             let id = inv(d);
             let v: Vec<u8> = x.iter().map(|w| iq4_index(w * id)).collect();
             out.extend(f16b(d));
+            out.extend(nibbles(&v));
+        }
+        QuantType::MXFP4 => {
+            // As GGML: the exponent puts the largest magnitude near the code book's top (6).
+            let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let e = if amax > 0.0 { (amax.log2().floor() as i32 - 2 + 127).clamp(0, 255) as u8 } else { 0 };
+            let id = inv(e8m0_half(e));
+            let v: Vec<u8> = x
+                .iter()
+                .map(|w| {
+                    let dist = |i: usize| (f32::from(MXFP4_VALUES[i]) - w * id).abs();
+                    (0..16).min_by(|&a, &b| dist(a).total_cmp(&dist(b))).unwrap_or(0) as u8
+                })
+                .collect();
+            out.push(e);
             out.extend(nibbles(&v));
         }
         QuantType::IQ4XS => {
@@ -273,11 +288,16 @@ pub fn random_blocks(q: QuantType, blocks: usize, seed: u64) -> Vec<u8> {
         QuantType::Q2K => &[80, 82],
         QuantType::Q3K => &[108],
         QuantType::Q6K => &[208],
+        QuantType::MXFP4 => &[],
     };
     for b in 0..blocks {
         for &at in halves {
             let v = ((next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
             out[b * bb + at..b * bb + at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
+        }
+        if q == QuantType::MXFP4 {
+            // An exponent of 2^-10 .. 2^9 (the whole byte range would overflow the products).
+            out[b * bb] = 118 + (next() >> 32) as u8 % 20;
         }
     }
     out

@@ -56,6 +56,15 @@ pub(super) fn iq4(n: __m256i) -> __m256i {
     _mm256_shuffle_epi8(_mm256_set_m128i(book, book), n)
 }
 
+/// MXFP4's code book (doubled E2M1 values) applied to 32 nibbles.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn mxfp4(n: __m256i) -> __m256i {
+    // SAFETY: MXFP4_VALUES is 16 bytes.
+    let book = unsafe { _mm_loadu_si128(crate::quant::MXFP4_VALUES.as_ptr().cast()) };
+    _mm256_shuffle_epi8(_mm256_set_m128i(book, book), n)
+}
+
 /// The quants of group `j` of a Q4_K (`five` false) or Q5_K super-block `blk`, as unsigned bytes
 /// in element order: weight `64 c + 32 h + l` in nibble `h` of byte `32 c + l`, Q5_K's fifth bit
 /// in bit `j` of `qh[l]`.

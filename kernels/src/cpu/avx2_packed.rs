@@ -12,7 +12,7 @@
 //! (`lane.rs`), so each result equals that dot's bit for bit.
 
 use super::avx2_super::{act, super_block, super_block_16, Sums};
-use super::lane::{has_offset, run, signed, with_kind, IQ4NL, Q2K, Q3K, Q4_0, Q4_1, Q5_0, Q5_1, Q6K, Q8_0};
+use super::lane::{has_offset, run, signed, with_kind, IQ4NL, MXFP4, Q2K, Q3K, Q4_0, Q4_1, Q5_0, Q5_1, Q6K, Q8_0};
 use super::{prefetch, Acts, Ahead, GEMV_TOKENS};
 use crate::pack::{unit_blocks, unit_offsets};
 use crate::quant::{BlockQ8, QuantType};
@@ -62,6 +62,17 @@ pub(super) fn products(
         total = _mm256_add_epi32(total, _mm256_madd_epi16(part, ones));
     }
     total
+}
+
+/// MXFP4's scales of 8 rows from their exponent bytes (one per lane, 0..=255): `2^(e - 128)`,
+/// bit for bit as [`crate::quant::e8m0_half`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn e8m0_half8(e: __m256i) -> __m256 {
+    let normal = _mm256_slli_epi32::<23>(_mm256_sub_epi32(e, _mm256_set1_epi32(1)));
+    let denormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x0020_0000), e);
+    let small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    _mm256_castsi256_ps(_mm256_blendv_epi8(normal, denormal, small))
 }
 
 /// See [`gemv16_packed`] (`q` is `KIND`'s type): a unit at a time, a pair of 32-weight blocks
@@ -180,7 +191,12 @@ unsafe fn unit_of<const KIND: u8, const N: usize>(
             };
             // The weights' scale and offset factor (as the single-row dot's `scales`), and
             // the quants: w[4 hn + m] holds weights 16 hn + 4 m .. + 4 of every row.
-            let d = f16s(0);
+            let d = if KIND == MXFP4 {
+                // SAFETY: the half's 8 exponent bytes of the 16 at field 0.
+                e8m0_half8(_mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(field(0).add(8 * h).cast()) }))
+            } else {
+                f16s(0)
+            };
             let off = match KIND {
                 Q4_1 | Q5_1 => f16s(1),
                 Q5_0 => _mm256_mul_ps(_mm256_set1_ps(-16.0), d),
@@ -207,9 +223,10 @@ unsafe fn unit_of<const KIND: u8, const N: usize>(
                         *x = _mm256_or_si256(*x, _mm256_slli_epi32::<4>(_mm256_and_si256(at, _mm256_set1_epi8(1))));
                     }
                 }
-                if KIND == IQ4NL {
-                    // SAFETY: IQ4_VALUES is 16 bytes.
-                    let book = unsafe { _mm_loadu_si128(crate::quant::IQ4_VALUES.as_ptr().cast()) };
+                if matches!(KIND, IQ4NL | MXFP4) {
+                    let values = if KIND == MXFP4 { &crate::quant::MXFP4_VALUES } else { &crate::quant::IQ4_VALUES };
+                    // SAFETY: the code books are 16 bytes.
+                    let book = unsafe { _mm_loadu_si128(values.as_ptr().cast()) };
                     lh = lh.map(|x| _mm256_shuffle_epi8(_mm256_set_m128i(book, book), x));
                 }
                 w[m] = lh[0];

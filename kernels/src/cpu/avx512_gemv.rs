@@ -12,7 +12,7 @@
 
 use super::avx2_group::{bits, load32, q3k_quants, q6k_quants};
 use super::lane::{groups, half_offset, has_offset, layout, row_bytes, signed};
-use super::lane::{IQ4NL, IQ4XS, Q2K, Q3K, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
+use super::lane::{IQ4NL, IQ4XS, MXFP4, Q2K, Q3K, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
 use super::{Acts, GEMV_TOKENS};
 use crate::quant::QuantType;
 use std::arch::x86_64::*;
@@ -50,7 +50,20 @@ pub(super) unsafe fn gemv16(dt: QuantType, w: &[u8], rb: usize, a: &[Acts<'_>], 
         QuantType::Q3K => unsafe { gemv16_tokens::<Q3K>(w, rb, a, out) },
         // SAFETY: as above.
         QuantType::Q2K => unsafe { gemv16_tokens::<Q2K>(w, rb, a, out) },
+        // SAFETY: as above.
+        QuantType::MXFP4 => unsafe { gemv16_tokens::<MXFP4>(w, rb, a, out) },
     }
+}
+
+/// MXFP4's scales of 16 rows from their exponent bytes (one per lane, 0..=255): `2^(e - 128)`,
+/// bit for bit as [`crate::quant::e8m0_half`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) fn e8m0_half16(e: __m512i) -> __m512 {
+    let normal = _mm512_slli_epi32::<23>(_mm512_sub_epi32(e, _mm512_set1_epi32(1)));
+    let denormal = _mm512_sllv_epi32(_mm512_set1_epi32(0x0020_0000), e);
+    let small = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+    _mm512_castsi512_ps(_mm512_mask_blend_epi32(small, normal, denormal))
 }
 
 /// The quants of blocks `b` (lanes 0..8) and `b + 1` (lanes 8..16, zeros when `pair` is false)
@@ -121,10 +134,11 @@ unsafe fn weight_pair<const KIND: u8>(row: *const u8, b: usize, pair: bool) -> _
             };
             let high = if pair { qh(p0) | (qh(p1) << 32) } else { qh(p0) };
             _mm512_or_si512(low, _mm512_maskz_mov_epi8(high, _mm512_set1_epi8(0x10)))
-        } else if matches!(KIND, IQ4NL | IQ4XS) {
+        } else if matches!(KIND, IQ4NL | IQ4XS | MXFP4) {
             // The code book's signed values, biased by +128 as Q8_0's quants.
-            // SAFETY: IQ4_VALUES is 16 bytes.
-            let book = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(crate::quant::IQ4_VALUES.as_ptr().cast()) });
+            let values = if KIND == MXFP4 { &crate::quant::MXFP4_VALUES } else { &crate::quant::IQ4_VALUES };
+            // SAFETY: the code books are 16 bytes.
+            let book = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(values.as_ptr().cast()) });
             _mm512_xor_si512(_mm512_shuffle_epi8(book, low), _mm512_set1_epi8(-128))
         } else {
             low
@@ -317,6 +331,11 @@ unsafe fn gemv16_kind<const KIND: u8, const WIDE: bool>(w: &[u8], rb: usize, a: 
         }
         if matches!(KIND, Q4K | Q5K) {
             return k_scales(sbd, c % 8);
+        }
+        if KIND == MXFP4 {
+            // The exponent byte, then 3 quant bytes.
+            let e = _mm512_and_si512(gather(c * bb), _mm512_set1_epi32(0xff));
+            return (e8m0_half16(e), _mm512_setzero_ps());
         }
         // Q4_0/Q8_0/IQ4_NL: d and 2 quant bytes; Q4_1: d and m; Q5_0: d and half of qh.
         let g = gather(c * bb);

@@ -7,7 +7,7 @@
 //! that dot on the unpacked row bit for bit.
 
 use super::avx512_super::{act, super_block, super_block_16};
-use super::lane::{has_offset, signed, IQ4NL, IQ4XS, Q2K, Q3K, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
+use super::lane::{has_offset, signed, IQ4NL, IQ4XS, MXFP4, Q2K, Q3K, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
 use super::{prefetch, Acts, Ahead, GEMV_TOKENS};
 use crate::pack::{unit_blocks, unit_offsets};
 use crate::quant::QuantType;
@@ -46,6 +46,8 @@ pub(super) unsafe fn gemv16_packed(dt: QuantType, w: &[u8], rb: usize, a: &[Acts
         QuantType::Q2K => unsafe { packed_kind::<Q2K>(dt, w, rb, a, out) },
         // SAFETY: as above.
         QuantType::IQ4XS => unsafe { packed_kind::<IQ4XS>(dt, w, rb, a, out) },
+        // SAFETY: as above.
+        QuantType::MXFP4 => unsafe { packed_kind::<MXFP4>(dt, w, rb, a, out) },
     }
 }
 
@@ -177,7 +179,13 @@ unsafe fn unit_of<const KIND: u8, const N: usize>(
         if c < parts {
             prefetch(ahead, c, parts);
         }
-        d[c] = f16s(0, c);
+        d[c] = if KIND == MXFP4 {
+            // SAFETY: the 16 rows' exponent bytes at field 0 (module docs of `pack`).
+            let e = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(field(0, c).cast()) });
+            super::avx512_gemv::e8m0_half16(e)
+        } else {
+            f16s(0, c)
+        };
         off[c] = match KIND {
             Q4_1 | Q5_1 => f16s(1, c),
             Q5_0 => _mm512_mul_ps(_mm512_set1_ps(-16.0), d[c]),
@@ -205,10 +213,11 @@ unsafe fn unit_of<const KIND: u8, const N: usize>(
                     *x = _mm512_or_si512(*x, bit);
                 }
             }
-            if KIND == IQ4NL {
+            if matches!(KIND, IQ4NL | MXFP4) {
                 // The code book's signed values, biased by +128 as Q8_0's quants.
-                // SAFETY: IQ4_VALUES is 16 bytes.
-                let book = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(crate::quant::IQ4_VALUES.as_ptr().cast()) });
+                let values = if KIND == MXFP4 { &crate::quant::MXFP4_VALUES } else { &crate::quant::IQ4_VALUES };
+                // SAFETY: the code books are 16 bytes.
+                let book = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(values.as_ptr().cast()) });
                 lh = lh.map(|x| _mm512_xor_si512(_mm512_shuffle_epi8(book, x), _mm512_set1_epi8(-128)));
             }
             wq[c][0][m] = lh[0];

@@ -13,7 +13,7 @@
 //! the per-kind facts the kernels share.
 
 use super::avx2::prefetch;
-use super::avx2_group::{bits, fifth_bits, iq4, k_quants, load32, nibbles, q3k_quants, q6k_quants, q6k_scales};
+use super::avx2_group::{bits, fifth_bits, iq4, k_quants, load32, mxfp4, nibbles, q3k_quants, q6k_quants, q6k_scales};
 use crate::quant::{BlockQ8, QuantType};
 use std::arch::x86_64::*;
 
@@ -29,6 +29,7 @@ pub(super) const IQ4NL: u8 = 8;
 pub(super) const IQ4XS: u8 = 9;
 pub(super) const Q3K: u8 = 10;
 pub(super) const Q2K: u8 = 11;
+pub(super) const MXFP4: u8 = 12;
 
 /// Evaluates `$body` with `$k` the kernel kind of the quantized type `$q` (a `const`, usable as
 /// a const generic argument).
@@ -83,6 +84,10 @@ macro_rules! with_kind {
                 const $k: u8 = $crate::cpu::lane::Q2K;
                 $body
             }
+            QuantType::MXFP4 => {
+                const $k: u8 = $crate::cpu::lane::MXFP4;
+                $body
+            }
         }
     };
 }
@@ -121,6 +126,7 @@ pub(super) const fn layout(kind: u8) -> (usize, usize) {
         IQ4XS => (size_of::<crate::quant::BlockIQ4XS>(), offset_of!(crate::quant::BlockIQ4XS, qs)),
         Q3K => (size_of::<crate::quant::BlockQ3K>(), offset_of!(crate::quant::BlockQ3K, qs)),
         Q2K => (size_of::<crate::quant::BlockQ2K>(), offset_of!(crate::quant::BlockQ2K, qs)),
+        MXFP4 => (size_of::<crate::quant::BlockMXFP4>(), offset_of!(crate::quant::BlockMXFP4, qs)),
         _ => panic!("not a kernel kind"),
     }
 }
@@ -144,7 +150,7 @@ pub(super) const fn has_offset(kind: u8) -> bool {
 /// True for the kinds whose quants are signed bytes (the products take `q + 128` and subtract
 /// `128 Σa`, or move the sign onto the activations).
 pub(super) const fn signed(kind: u8) -> bool {
-    matches!(kind, Q8_0 | IQ4NL | IQ4XS)
+    matches!(kind, Q8_0 | IQ4NL | IQ4XS | MXFP4)
 }
 
 /// The kinds with a scale per 16 weights: their stored quants are this much above the signed
@@ -232,6 +238,10 @@ fn group<const KIND: u8>(w: &[u8], b: usize) -> Grp {
                 mins: (0, 0),
                 q: q3k_quants(blk, j),
             }
+        }
+        MXFP4 => {
+            let d = crate::quant::e8m0_half(blk[0]);
+            Grp { d, m: 0.0, sc: (1, 1), mins: (0, 0), q: mxfp4(nibbles(&blk[q..])) }
         }
         Q2K => {
             // `m` is -dmin, `mins` the per-16 mins from the scale bytes' high nibbles.

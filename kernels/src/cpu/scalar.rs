@@ -107,6 +107,7 @@ pub fn quant_dots(q: QuantType) -> super::QuantDots {
         QuantType::Q6K => grouped!(QuantType::Q6K),
         QuantType::IQ4NL => grouped!(QuantType::IQ4NL),
         QuantType::IQ4XS => grouped!(QuantType::IQ4XS),
+        QuantType::MXFP4 => grouped!(QuantType::MXFP4),
     }
 }
 

@@ -130,6 +130,7 @@ fn file_type_name(ft: u64) -> Option<&'static str> {
         25 => "IQ4_NL",
         30 => "IQ4_XS",
         32 => "BF16",
+        38 => "MXFP4_MOE",
         _ => return None,
     })
 }
