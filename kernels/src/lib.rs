@@ -24,6 +24,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod group;
 pub mod matmul;
+pub mod moe;
 pub mod ops;
 pub mod pack;
 pub mod pool;
