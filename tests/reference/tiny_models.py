@@ -13,7 +13,9 @@ knows, with merges learned across word boundaries (so a text split differently t
 differently); and the embedding models of EMBEDDERS (a pooling type of their own).
 The rerankers of RERANKERS (Qwen3's form: rank pooling, a two-label head `cls.output.weight`,
 with a `rerank` prompt template or without) are written by `rerankers OUT_DIR`, for
-daemon/tests/daemon/rerank.rs, which checks them against llama-server.
+daemon/tests/daemon/rerank.rs, which checks them against llama-server. The mixtures of experts
+of MOES (Qwen3 MoE: 8 experts, 2 a token, in Q8_0 or MXFP4) are written by `moe OUT_DIR`, for
+daemon/tests/daemon/moe.rs, which checks them against llama-server too.
 tests/reference/regen runs llama.cpp on the GGUF files; tests/e2e/reference.rs runs inferd on
 them and compares, and checks that each directory gives the logits of its GGUF file."""
 import json
@@ -125,10 +127,14 @@ def pre_vocab():
     return tokens, merges
 
 
-def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None):
+# A mixture of experts' shape: experts, experts a token, an expert's width.
+EXPERTS, EXPERTS_USED, EXPERT_FFN = 8, 2, 32
+
+
+def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None, experts_type=None):
     rng = np.random.default_rng(seed)
     tokens, merges, pre = vocab or (TOKENS, MERGES, "default")
-    head = 32 if arch in ("qwen3", "gemma3") else HIDDEN // HEADS  # qwen3/gemma3: head size apart from hidden
+    head = 32 if arch in ("qwen3", "qwen3moe", "gemma3") else HIDDEN // HEADS  # qwen3/gemma3: head size apart from hidden
     q, kv = HEADS * head, KV_HEADS * head
     layers = 6 if arch == "gemma3" else 2
 
@@ -166,6 +172,10 @@ def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None)
         # An embedding model: its pooling, and (last-token pooling) an end token after each text.
         w.add_pooling_type(pooling)
         w.add_add_eos_token(pooling == PoolingType.LAST)
+    if arch == "qwen3moe":
+        w.add_expert_count(EXPERTS)
+        w.add_expert_used_count(EXPERTS_USED)
+        w.add_expert_feed_forward_length(EXPERT_FFN)
     if rerank is not None:
         # A reranker: "yes" and "no" as its labels, and its prompt (None: llama.cpp's
         # BOS query EOS document EOS).
@@ -199,13 +209,22 @@ def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None)
         if arch == "qwen2":
             for n, d in (("q", q), ("k", kv), ("v", kv)):
                 t[p + f"attn_{n}.bias"] = (0.5 * rng.standard_normal(d)).astype(np.float32)
-        if arch in ("qwen3", "gemma3"):
+        if arch in ("qwen3", "qwen3moe", "gemma3"):
             t[p + "attn_q_norm.weight"] = norm(head)
             t[p + "attn_k_norm.weight"] = norm(head)
         if arch == "gemma3":
             t[p + "post_attention_norm.weight"] = norm(HIDDEN)
             t[p + "post_ffw_norm.weight"] = norm(HIDDEN)
         t[p + "ffn_norm.weight"] = norm(HIDDEN)
+        if arch == "qwen3moe":
+            # The router, sharper than the rest so that the choice of experts varies.
+            t[p + "ffn_gate_inp.weight"] = mat(EXPERTS, HIDDEN, 1.0)
+            for name in ("gate", "up"):
+                t[p + f"ffn_{name}_exps.weight"] = np.stack([mat(EXPERT_FFN, HIDDEN) for _ in range(EXPERTS)])
+            # Experts that outweigh the residual, so that how they are chosen and weighed shows
+            # in the logits.
+            t[p + "ffn_down_exps.weight"] = np.stack([mat(HIDDEN, EXPERT_FFN, 4.0 / EXPERT_FFN ** 0.5) for _ in range(EXPERTS)])
+            continue
         if arch == "phi3":
             t[p + "ffn_up.weight"] = mat(2 * FFN, HIDDEN)
         else:
@@ -225,7 +244,11 @@ def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None)
                 t[p + "attn_q.weight"] *= 4.0
                 t[p + "attn_k.weight"] *= 4.0
     for name, value in t.items():
-        if value.ndim == 2 and name != "token_embd.weight":
+        if value.ndim == 3:
+            # Expert stacks, in the type asked for.
+            qt = getattr(GGMLQuantizationType, experts_type)
+            w.add_tensor(name, quantize(value, qt), raw_dtype=qt)
+        elif value.ndim == 2 and name != "token_embd.weight":
             # Q8_0 matrices: quantized products on both sides, as real files have.
             w.add_tensor(name, quantize(value, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
         else:
@@ -353,13 +376,19 @@ ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "phi3"]
 # CLS-pooled one.
 EMBEDDERS = [("tiny-qwen2-embed-last", "qwen2", PoolingType.LAST), ("tiny-llama-embed-cls", "llama", PoolingType.CLS)]
 
+# Mixtures of experts: (name, the experts' type).
+MOES = [("tiny-qwen3moe-q8_0", "Q8_0"), ("tiny-qwen3moe-mxfp4", "MXFP4")]
+
 # Rerankers (Qwen3's form): (name, prompt template).
 RERANKERS = [("tiny-qwen3-rerank", "<s>query: {query}\ndocument: {document}</s>"), ("tiny-qwen3-rerank-bare", None)]
 
 # The long-context variants: (name, architecture, scaling).
 SCALED = [("tiny-phi3-longrope", "phi3", "longrope"), ("tiny-qwen2-yarn", "qwen2", "yarn")]
 
-if __name__ == "__main__" and sys.argv[1] == "rerankers":
+if __name__ == "__main__" and sys.argv[1] == "moe":
+    for seed, (name, experts_type) in enumerate(MOES, start=200):
+        model("qwen3moe", f"{sys.argv[2]}/{name}.gguf", seed, experts_type=experts_type)
+elif __name__ == "__main__" and sys.argv[1] == "rerankers":
     for seed, (name, template) in enumerate(RERANKERS, start=100):
         model("qwen3", f"{sys.argv[2]}/{name}.gguf", seed, rerank={"template": template})
 elif __name__ == "__main__":

@@ -14,6 +14,7 @@ mod hostile;
 mod http;
 mod isolation;
 mod models;
+mod moe;
 mod reasoning;
 mod remote;
 mod rerank;

@@ -4,7 +4,9 @@
 //! A forward pass runs the whole batch (every sequence's new tokens, prefill chunks and decode
 //! tokens alike) through each layer together, so each weight matrix is read once per step
 //! whatever the batch size. K/V of the new tokens is written into the paged cache before
-//! attention, which then reads every position (old and new) through the block tables.
+//! attention, which then reads every position (old and new) through the block tables. A
+//! mixture of experts routes each token and runs the step's tokens grouped by expert
+//! ([`inferd_kernels::moe`]), each chosen expert read once per step.
 
 use super::profile::{Laps, Phase, StepProfile};
 use super::{validate_batch, Backend, BackendError, SeqBatch};
@@ -35,6 +37,7 @@ struct Scratch {
     up: Vec<f32>,                 // (tokens, ffn)
     out: Vec<f32>,                // (tokens, hidden) projection output
     logits: Vec<f32>,             // (rows, vocab) logits of a batch that also returns hidden rows
+    router: Vec<f32>,             // (tokens, experts) a mixture of experts' router logits
     angles: Vec<Vec<(f32, f32)>>, // per rotation: (tokens, rope_dim / 2) RoPE (sin, cos)
 }
 
@@ -86,7 +89,11 @@ pub fn runs(arch: &Architecture) -> Result<(), BackendError> {
         attention_scale: _,
         tied_output: _,
         layout: _,
+        moe,
     } = arch;
+    if moe.is_some() && *activation != Activation::SiluGated {
+        return Err(BackendError::Unsupported(format!("{}: experts with an activation other than SwiGLU", arch.name)));
+    }
     match norm {
         NormPlacement::Pre | NormPlacement::PreAndPost => {}
     }
@@ -147,8 +154,16 @@ fn pack_weights(mut w: LlamaWeights, k: &Kernels, pool: &ThreadPool) -> LlamaWei
         }
     };
     for l in &mut w.layers {
-        for t in [&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.w_gate, &mut l.w_up, &mut l.w_down] {
+        for t in [&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo] {
             pack(t);
+        }
+        // Expert stacks pack whole where each expert's rows are whole groups of 16 (no group
+        // then spans two experts, and each expert's view stays a packed matrix of its own).
+        let experts = l.router.as_ref().map_or(1, |r| r.rows);
+        for t in [&mut l.w_gate, &mut l.w_up, &mut l.w_down] {
+            if (t.rows / experts).is_multiple_of(16) || experts == 1 {
+                pack(t);
+            }
         }
     }
     pack(&mut w.output);
@@ -244,6 +259,37 @@ impl CpuBackend {
         }
         matmul_many(pool, k, &mats, &Input { f32: x, q8, tokens }, &mut ys);
         laps.lap(phase, ws);
+    }
+}
+
+impl CpuBackend {
+    /// A mixture of experts' feed-forward of the `n` normed rows in `s.xb` into `s.out`: the
+    /// router's logits, each token's choice, the experts' products grouped by expert.
+    #[allow(clippy::too_many_arguments)]
+    fn experts(
+        pool: &ThreadPool,
+        k: &Kernels,
+        laps: &mut Laps<'_>,
+        lw: &crate::model::weights::LayerWeights,
+        router: &Tensor,
+        moe: &crate::model::arch::Moe,
+        s: &mut Scratch,
+        n: usize,
+        h: usize,
+    ) {
+        use inferd_kernels::moe::{experts_ffn, route, ExpertFfn, Experts};
+        Self::project(pool, k, Phase::FfnGateUp, laps, &[router], &s.xb[..n * h], n, &mut s.q8, &mut [&mut s.router]);
+        let e = moe.experts;
+        let chosen: Vec<Vec<(u32, f32)>> =
+            s.router.chunks_exact(e).take(n).map(|logits| route(&moe.routing, logits, None)).collect();
+        fn stack(t: &Tensor, e: usize) -> Experts<'_> {
+            Experts { dtype: t.dtype, n: e, rows: t.rows / e, cols: t.cols, data: t.bytes(), layout: t.layout() }
+        }
+        let ffn =
+            ExpertFfn { gate: stack(&lw.w_gate, e), up: stack(&lw.w_up, e), down: stack(&lw.w_down, e), act: k.swiglu };
+        resize(&mut s.out, n * h);
+        experts_ffn(pool, k, &ffn, &s.xb[..n * h], &chosen, &mut s.out[..n * h]);
+        laps.lap(Phase::FfnDown, &[]);
     }
 }
 
@@ -441,6 +487,11 @@ impl CpuBackend {
             // Feed-forward block (gated).
             for t in 0..n {
                 rms_norm(&s.x[t * h..(t + 1) * h], &lw.ffn_norm, eps, &mut s.xb[t * h..(t + 1) * h]);
+            }
+            if let (Some(router), Some(moe)) = (&lw.router, &arch.moe) {
+                Self::experts(pool, k, &mut laps, lw, router, moe, s, n, h);
+                s.x.iter_mut().zip(&s.out).for_each(|(x, o)| *x += o);
+                continue;
             }
             Self::project(
                 pool,

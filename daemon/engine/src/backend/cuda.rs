@@ -111,6 +111,10 @@ impl<S: Stream> CudaBackend<S> {
     /// run the same set).
     pub fn new(s: S, model: &Model, opts: &EngineOptions) -> Result<Self, BackendError> {
         super::cpu::runs(&model.arch)?;
+        if model.arch.moe.is_some() {
+            let why = format!("{}: a mixture of experts runs on the CPU backend alone for now", model.arch.name);
+            return Err(BackendError::Unsupported(why));
+        }
         let (cfg, w) = (&model.config, &model.weights);
         let bs = opts.block_size;
         let kv_blocks = (opts.kv_budget_bytes / super::cpu::kv_page_bytes(cfg, &model.arch, bs)).max(1);

@@ -153,15 +153,21 @@ pub struct LayerWeights {
     /// RMSNorm of the attention output before the residual add (Gemma).
     pub attn_post_norm: Option<Vec<f32>>,
     pub ffn_norm: Vec<f32>,
+    /// The feed-forward's matrices; of a mixture of experts, every expert's stacked as GGUF's
+    /// 3-D tensors hold them (`experts * expert_ffn` rows of gate and up, `experts * hidden`
+    /// of down: [`inferd_kernels::moe::Experts`]).
     pub w_gate: Tensor,
     pub w_up: Tensor,
     pub w_down: Tensor,
+    /// A mixture of experts' router (`experts` rows of `hidden`).
+    pub router: Option<Tensor>,
     /// RMSNorm of the MLP output before the residual add (Gemma).
     pub ffn_post_norm: Option<Vec<f32>>,
 }
 
 impl LayerWeights {
-    /// The layer's matrices (its matrix products, each read once per forward pass).
+    /// The layer's matrices (its matrix products, each read once per forward pass; a mixture
+    /// of experts' stacks whole, though a step reads only the experts its tokens chose).
     pub fn matrices(&self) -> [&Tensor; 7] {
         [&self.wq, &self.wk, &self.wv, &self.wo, &self.w_gate, &self.w_up, &self.w_down]
     }
@@ -298,7 +304,14 @@ impl LlamaWeights {
                     fetch(name(Role::V))?.expect(kv, h)?,
                 )
             };
-            let (w_gate, w_up) = if layout.fused_gate_up {
+            let moe = arch.moe.filter(|_| !hf);
+            if arch.moe.is_some() && hf {
+                return Err(ModelError::Unsupported("a mixture of experts from Hugging Face files".into()));
+            }
+            let (w_gate, w_up) = if let Some(m) = moe {
+                let stack = |what: &str| fetch(format!("blk.{i}.{what}.weight"))?.expect(m.experts * m.expert_ffn, h);
+                (stack("ffn_gate_exps")?, stack("ffn_up_exps")?)
+            } else if layout.fused_gate_up {
                 let gu = fetch(name(Role::GateUp))?.expect(2 * f, h)?;
                 (gu.rows_of(0, f), gu.rows_of(f, 2 * f))
             } else {
@@ -323,7 +336,11 @@ impl LlamaWeights {
                 ffn_norm: norm(name(Role::FfnNorm), h)?,
                 w_gate,
                 w_up,
-                w_down: fetch(name(Role::Down))?.expect(h, f)?,
+                w_down: match moe {
+                    Some(m) => fetch(format!("blk.{i}.ffn_down_exps.weight"))?.expect(m.experts * h, m.expert_ffn)?,
+                    None => fetch(name(Role::Down))?.expect(h, f)?,
+                },
+                router: moe.map(|m| fetch(format!("blk.{i}.ffn_gate_inp.weight"))?.expect(m.experts, h)).transpose()?,
                 ffn_post_norm: post.then(|| norm(name(Role::FfnPostNorm), h)).transpose()?,
             });
         }

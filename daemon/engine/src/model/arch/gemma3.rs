@@ -49,6 +49,7 @@ fn describe(
         attention_scale,
         tied_output: tied,
         layout,
+        moe: None,
     }
 }
 

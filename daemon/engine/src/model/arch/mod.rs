@@ -41,6 +41,17 @@ pub enum Activation {
     GeluTanhGated,
 }
 
+/// A mixture-of-experts feed-forward (every layer's, in the families here): a router picks
+/// `used` of `experts` experts per token, each a SwiGLU of width `expert_ffn`
+/// ([`inferd_kernels::moe`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Moe {
+    pub experts: usize,
+    pub used: usize,
+    pub expert_ffn: usize,
+    pub routing: inferd_kernels::moe::Routing,
+}
+
 /// One layer's attention.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LayerAttention {
@@ -84,6 +95,8 @@ pub struct Architecture {
     /// The output projection is the embedding matrix.
     pub tied_output: bool,
     pub layout: TensorLayout,
+    /// The feed-forward is a mixture of experts.
+    pub moe: Option<Moe>,
 }
 
 impl Architecture {
@@ -104,12 +117,13 @@ impl Architecture {
             attention_scale: 1.0 / (cfg.head_dim as f32).sqrt(),
             tied_output,
             layout: TensorLayout::default(),
+            moe: None,
         }
     }
 }
 
 /// The families [`for_gguf`] and [`for_hf`] know, for their refusals.
-const KNOWN: &str = "llama, mistral, qwen2, qwen3, gemma3, phi3";
+const KNOWN: &str = "llama, mistral, qwen2, qwen3, qwen3moe, gemma3, phi3";
 
 /// The architecture and hyperparameters of a GGUF file, by its `general.architecture`.
 pub fn for_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
@@ -122,6 +136,7 @@ pub fn for_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
         "mistral" => llama::from_gguf(g, "mistral"),
         "qwen2" => qwen::from_gguf(g, qwen::Qwen::Two),
         "qwen3" => qwen::from_gguf(g, qwen::Qwen::Three),
+        "qwen3moe" => qwen::from_gguf(g, qwen::Qwen::ThreeMoe),
         "gemma3" => gemma3::from_gguf(g),
         "phi3" => phi3::from_gguf(g),
         other => Err(ModelError::Unsupported(format!("architecture '{other}' (supported: {KNOWN})"))),

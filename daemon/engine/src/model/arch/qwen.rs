@@ -1,8 +1,10 @@
 //! Qwen 2 / 2.5 and Qwen 3: Llama's block with a bias on the Q, K and V projections (Qwen 2) or
 //! a per-head RMSNorm of Q and K before RoPE and a head size apart from the hidden size (Qwen 3),
-//! rotating halves of each head.
+//! rotating halves of each head. Qwen3 MoE (`qwen3moe`, Qwen3-30B-A3B): Qwen 3's attention and
+//! a mixture of experts in every layer (a softmax router, `expert_used_count` experts a token,
+//! their weights normalized to sum 1, SwiGLU experts of `expert_feed_forward_length`).
 
-use super::{Architecture, GgufKeys, HfKeys, RopeScaling};
+use super::{Architecture, GgufKeys, HfKeys, Moe, RopeScaling};
 use crate::model::config::LlamaConfig;
 use crate::model::gguf::Gguf;
 use crate::model::ModelError;
@@ -14,6 +16,7 @@ use serde_json::{Map, Value};
 pub enum Qwen {
     Two,
     Three,
+    ThreeMoe,
 }
 
 impl Qwen {
@@ -21,24 +24,46 @@ impl Qwen {
         match self {
             Qwen::Two => "qwen2",
             Qwen::Three => "qwen3",
+            Qwen::ThreeMoe => "qwen3moe",
         }
     }
 
     fn describe(self, cfg: &LlamaConfig, scaling: RopeScaling, tied: bool) -> Architecture {
         let mut arch = Architecture::llama_like(self.name(), cfg, scaling, tied);
         arch.qkv_bias = self == Qwen::Two;
-        arch.qk_norm = self == Qwen::Three;
+        arch.qk_norm = self != Qwen::Two;
         arch
     }
+}
+
+/// Qwen3 MoE's experts, from its keys (as llama.cpp reads them: the experts' width defaults to
+/// `feed_forward_length / expert_used_count`).
+fn experts(keys: &GgufKeys<'_>, cfg: &LlamaConfig) -> Result<Moe, ModelError> {
+    use inferd_kernels::moe::{Gate, Routing};
+    let experts = keys.uint("expert_count")?;
+    let used = keys.uint("expert_used_count")?;
+    if experts == 0 || used == 0 || used > experts {
+        return Err(ModelError::Config(format!("{used} of {experts} experts a token")));
+    }
+    let expert_ffn = keys.opt_uint("expert_feed_forward_length")?.unwrap_or(cfg.ffn / used);
+    if expert_ffn == 0 {
+        return Err(ModelError::Config("an expert of width zero".into()));
+    }
+    let scale = keys.opt_float("expert_weights_scale")?.filter(|s| *s != 0.0).unwrap_or(1.0);
+    let routing = Routing { gate: Gate::Softmax, top_k: used, normalize: true, scale };
+    Ok(Moe { experts, used, expert_ffn, routing })
 }
 
 pub fn from_gguf(g: &Gguf, q: Qwen) -> Result<(Architecture, LlamaConfig), ModelError> {
     let keys = GgufKeys::new(g, q.name());
     let config = keys.config(RopeStyle::Neox)?;
     let scaling = keys.rope_scaling(&config)?;
+    let moe = if q == Qwen::ThreeMoe { Some(experts(&keys, &config)?) } else { None };
     keys.finish(&|k, v| matches!((k, v.as_u64()), ("expert_count" | "expert_used_count", Some(0))))?;
     let tied = g.tensor("output.weight").is_none();
-    Ok((q.describe(&config, scaling, tied), config))
+    let mut arch = q.describe(&config, scaling, tied);
+    arch.moe = moe;
+    Ok((arch, config))
 }
 
 pub fn from_hf(cfg: &Map<String, Value>, q: Qwen) -> Result<(Architecture, LlamaConfig), ModelError> {
