@@ -179,19 +179,26 @@ async fn show(
         let slot = sh.models.slot(Some(&h.name))?;
         let (_, modified) = file_facts(&slot.config.path);
         let (cfg, arch) = (&h.model.config, h.model.arch.name);
+        let mut info = json!({
+            "general.architecture": arch,
+            format!("{arch}.context_length"): h.context_len(),
+            format!("{arch}.embedding_length"): cfg.hidden,
+            format!("{arch}.block_count"): cfg.n_layers,
+            format!("{arch}.attention.head_count"): cfg.n_heads,
+            format!("{arch}.attention.head_count_kv"): cfg.n_kv_heads,
+            "tokenizer.ggml.vocab_size": cfg.vocab,
+        });
+        if let Some(moe) = &h.model.arch.moe {
+            // A mixture of experts, as Ollama reports one (its GGUF keys).
+            info[format!("{arch}.expert_count")] = json!(moe.experts);
+            info[format!("{arch}.expert_used_count")] = json!(moe.used);
+            info[format!("{arch}.expert_feed_forward_length")] = json!(moe.expert_ffn);
+        }
         Ok(json!({
             "modelfile": "", "parameters": "", "license": "",
             "template": h.model.chat_template.clone().unwrap_or_default(),
             "details": details(&slot),
-            "model_info": {
-                "general.architecture": arch,
-                format!("{arch}.context_length"): h.context_len(),
-                format!("{arch}.embedding_length"): cfg.hidden,
-                format!("{arch}.block_count"): cfg.n_layers,
-                format!("{arch}.attention.head_count"): cfg.n_heads,
-                format!("{arch}.attention.head_count_kv"): cfg.n_kv_heads,
-                "tokenizer.ggml.vocab_size": cfg.vocab,
-            },
+            "model_info": info,
             "capabilities": capabilities(&h),
             "modified_at": rfc3339(modified),
         }))

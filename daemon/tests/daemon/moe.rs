@@ -126,6 +126,20 @@ fn mixtures_of_experts_answer_as_llama_cpp() {
         assert_eq!(together, alone, "{name}: batched answers are each prompt's alone");
     }
     assert!(compared >= 60, "only {compared} of 96 steps compared");
+    // Ollama's /api/show says what the mixture is; the listing counts every expert's bytes.
+    let (st, show) = d.http("POST", "/api/show", r#"{"model": "q8"}"#);
+    assert_eq!(st, 200, "{show}");
+    let info = &json(&show)["model_info"];
+    assert!(
+        info["qwen3moe.expert_count"] == 8
+            && info["qwen3moe.expert_used_count"] == 2
+            && info["qwen3moe.expert_feed_forward_length"] == 32,
+        "{info}"
+    );
+    let (_, tags) = d.http("GET", "/api/tags", "");
+    let size =
+        json(&tags)["models"].as_array().unwrap().iter().find(|m| m["name"] == "q8:latest").unwrap()["size"].clone();
+    assert_eq!(size, std::fs::metadata(&models[0].0).unwrap().len(), "{tags}");
     eprintln!("moe: {compared} steps compared, log-probabilities at most {worst:.4} apart");
     drop(d);
     let _ = std::fs::remove_dir_all(dir);
