@@ -427,12 +427,7 @@ fn main() -> Result<()> {
             let mut bar = inferctl::pull::Progress::new(&reference);
             let target = inferctl::pull::Target::Dir(&store);
             // The file is read as a model before it is one.
-            let verify = |p: &std::path::Path| {
-                inferd_engine::model::facts::Facts::read(p)
-                    .map(drop)
-                    .map_err(|e| format!("not a model inferd reads: {e}"))
-            };
-            let checks = inferctl::pull::Checks { verify: Some(&verify), ..Default::default() };
+            let checks = inferctl::pull::Checks { verify: Some(&inferd::serve::store::readable), ..Default::default() };
             let pulled = inferctl::pull::locate(&reference, sha256.as_deref())
                 .and_then(|src| inferctl::pull::fetch(&src, target, &checks, &mut |d, t| bar.update(d, t)));
             bar.finish();

@@ -113,6 +113,23 @@ pub struct ExpertFfn<'a> {
     pub act: fn(&mut [f32], &[f32]),
 }
 
+/// The buffers of [`experts_ffn`], kept between calls (it runs in every layer of every step).
+#[derive(Default)]
+pub struct MoeScratch {
+    /// Who chose each expert: (token, slot) in token order.
+    by_expert: Vec<Vec<(usize, usize)>>,
+    /// Each (token, slot)'s expert output.
+    outs: Vec<f32>,
+    /// Every token's input rows as 8-bit blocks, quantized once for all its experts.
+    q8_all: Vec<BlockQ8>,
+    /// One expert's tokens: their inputs, 8-bit inputs, and products.
+    xs: Vec<f32>,
+    q8: Vec<BlockQ8>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    down: Vec<f32>,
+}
+
 /// `y[t] = Σ_j w_tj · ffn_{e_tj}(x[t])` for the `n` tokens of `x` (rows of `cols` floats) and
 /// their choices (`chosen[t]`: `(expert, weight)` in order of choice), into `y` (`n` rows of
 /// the down matrices' `rows`). The tokens are grouped by expert (module docs). Returns how many
@@ -124,44 +141,60 @@ pub fn experts_ffn(
     x: &[f32],
     chosen: &[Vec<(u32, f32)>],
     y: &mut [f32],
+    s: &mut MoeScratch,
 ) -> usize {
     let (n, cols, hidden) = (chosen.len(), ffn.gate.cols, ffn.down.rows);
     let width = ffn.gate.rows;
     assert!(x.len() == n * cols && y.len() == n * hidden, "shapes");
     assert!(ffn.up.rows == width && ffn.down.cols == width && ffn.up.cols == cols, "an expert's matrices fit");
-    // Who chose each expert: (token, slot) in token order.
-    let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); ffn.gate.n];
+    s.by_expert.iter_mut().for_each(Vec::clear);
+    s.by_expert.resize_with(ffn.gate.n, Vec::new);
     for (t, c) in chosen.iter().enumerate() {
         for (j, &(e, _)) in c.iter().enumerate() {
-            by_expert[e as usize].push((t, j));
+            s.by_expert[e as usize].push((t, j));
         }
     }
     // Each (token, slot)'s expert output, summed per token in slot order at the end.
     let slots = chosen.iter().map(Vec::len).max().unwrap_or(0);
-    let mut outs = vec![0f32; n * slots * hidden];
-    let (mut xs, mut q8, mut gate, mut up, mut down) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    s.outs.resize(n * slots * hidden, 0.0);
+    // A row's blocks are the same whichever rows it is quantized with: once for every expert.
+    let quantized = ffn.gate.dtype.is_quantized() || ffn.up.dtype.is_quantized();
+    if quantized {
+        s.q8_all.resize(x.len() / QK, BlockQ8::default());
+        (k.quantize_q8)(x, &mut s.q8_all);
+    }
+    let nb = cols / QK;
     let mut ran = 0;
-    for (e, users) in by_expert.iter().enumerate().filter(|(_, u)| !u.is_empty()) {
+    for (e, users) in s.by_expert.iter().enumerate().filter(|(_, u)| !u.is_empty()) {
         let m = users.len();
-        xs.clear();
-        users.iter().for_each(|&(t, _)| xs.extend_from_slice(&x[t * cols..(t + 1) * cols]));
-        let input = quantized(k, ffn.gate.dtype, &xs, m, &mut q8);
-        gate.resize(m * width, 0.0);
-        up.resize(m * width, 0.0);
+        s.xs.clear();
+        s.q8.clear();
+        for &(t, _) in users {
+            s.xs.extend_from_slice(&x[t * cols..(t + 1) * cols]);
+            if quantized {
+                s.q8.extend_from_slice(&s.q8_all[t * nb..(t + 1) * nb]);
+            }
+        }
+        s.gate.resize(m * width, 0.0);
+        s.up.resize(m * width, 0.0);
         matmul_many(
             pool,
             k,
             &[ffn.gate.matrix(e), ffn.up.matrix(e)],
-            &Input { f32: &xs, q8: input, tokens: m },
-            &mut [&mut gate, &mut up],
+            &Input { f32: &s.xs, q8: &s.q8, tokens: m },
+            &mut [&mut s.gate, &mut s.up],
         );
-        (ffn.act)(&mut gate, &up);
-        let input = quantized(k, ffn.down.dtype, &gate, m, &mut q8);
-        down.resize(m * hidden, 0.0);
-        matmul(pool, k, &ffn.down.matrix(e), &Input { f32: &gate, q8: input, tokens: m }, &mut down);
+        (ffn.act)(&mut s.gate, &s.up);
+        s.q8.clear();
+        if ffn.down.dtype.is_quantized() {
+            s.q8.resize(s.gate.len() / QK, BlockQ8::default());
+            (k.quantize_q8)(&s.gate, &mut s.q8);
+        }
+        s.down.resize(m * hidden, 0.0);
+        matmul(pool, k, &ffn.down.matrix(e), &Input { f32: &s.gate, q8: &s.q8, tokens: m }, &mut s.down);
         for (i, &(t, j)) in users.iter().enumerate() {
             let at = (t * slots + j) * hidden;
-            outs[at..at + hidden].copy_from_slice(&down[i * hidden..(i + 1) * hidden]);
+            s.outs[at..at + hidden].copy_from_slice(&s.down[i * hidden..(i + 1) * hidden]);
         }
         ran += 1;
     }
@@ -169,22 +202,11 @@ pub fn experts_ffn(
         let yt = &mut y[t * hidden..(t + 1) * hidden];
         yt.fill(0.0);
         for (j, &(_, w)) in c.iter().enumerate() {
-            let o = &outs[(t * slots + j) * hidden..(t * slots + j + 1) * hidden];
+            let o = &s.outs[(t * slots + j) * hidden..(t * slots + j + 1) * hidden];
             yt.iter_mut().zip(o).for_each(|(y, o)| *y += w * o);
         }
     }
     ran
-}
-
-/// `x` (`m` rows) as 8-bit blocks in `q8` where `dtype` is quantized (else nothing).
-fn quantized<'q>(k: &Kernels, dtype: DType, x: &[f32], m: usize, q8: &'q mut Vec<BlockQ8>) -> &'q [BlockQ8] {
-    if !dtype.is_quantized() {
-        return &[];
-    }
-    q8.resize(x.len() / QK, BlockQ8::default());
-    (k.quantize_q8)(x, q8);
-    debug_assert_eq!(q8.len() * QK, m * (x.len() / m.max(1)));
-    q8
 }
 
 #[cfg(test)]
@@ -263,7 +285,7 @@ mod tests {
                 })
                 .collect();
             let mut y = vec![0f32; tokens * cols];
-            let ran = experts_ffn(&pool, k, &ffn, &x, &chosen, &mut y);
+            let ran = experts_ffn(&pool, k, &ffn, &x, &chosen, &mut y, &mut MoeScratch::default());
             let distinct: std::collections::BTreeSet<u32> = chosen.iter().flatten().map(|c| c.0).collect();
             assert_eq!(ran, distinct.len(), "{dt:?}: each chosen expert once");
             // Against the dequantized experts in f32, each token and expert apart.
@@ -294,15 +316,17 @@ mod tests {
                     assert!((a - b).abs() <= 0.05 * scale, "{dt:?} {layout:?} token {t} [{i}]: {b} vs {a}");
                 }
             }
+            // One scratch for the calls that follow: what a call leaves there changes nothing.
+            let mut scratch = MoeScratch::default();
             for t in 0..tokens {
                 let mut alone = vec![0f32; cols];
-                experts_ffn(&pool, k, &ffn, &x[t * cols..(t + 1) * cols], &chosen[t..t + 1], &mut alone);
+                experts_ffn(&pool, k, &ffn, &x[t * cols..(t + 1) * cols], &chosen[t..t + 1], &mut alone, &mut scratch);
                 assert_eq!(alone, y[t * cols..(t + 1) * cols], "{dt:?} {layout:?}: token {t} alone");
             }
             // Everyone on one expert: it runs once, and each token's result is that expert's
             // output alone.
             let same: Vec<Vec<(u32, f32)>> = (0..tokens).map(|_| vec![(3, 1.0)]).collect();
-            assert_eq!(experts_ffn(&pool, k, &ffn, &x, &same, &mut y), 1);
+            assert_eq!(experts_ffn(&pool, k, &ffn, &x, &same, &mut y, &mut scratch), 1);
         }
     }
 

@@ -136,12 +136,7 @@ async fn fetch(
     let max = sh.uploads.max_bytes.load(Ordering::Relaxed);
     let tx = tx.clone();
     let pulled = tokio::task::spawn_blocking(move || {
-        let verify = |p: &std::path::Path| {
-            inferd_engine::model::facts::Facts::read(p)
-                .map(drop)
-                .map_err(|e| format!("not a model this daemon reads: {e}"))
-        };
-        let checks = Checks { max_bytes: Some(max), verify: Some(&verify), cancel: Some(&cancel) };
+        let checks = Checks { max_bytes: Some(max), verify: Some(&super::store::readable), cancel: Some(&cancel) };
         let mut report = progress(&src, &tx, &cancel);
         inferctl::pull::fetch(&src, Target::Dir(&store), &checks, &mut report)
     })

@@ -13,6 +13,12 @@ pub fn model_name(path: &Path) -> String {
     file.strip_suffix(".gguf").unwrap_or(file).to_string()
 }
 
+/// Whether a transfer's whole file `path` reads as a model (its GGUF header, within the
+/// reader's budgets), checked before it is installed: `Err` says why not.
+pub fn readable(path: &Path) -> Result<(), String> {
+    inferd_engine::model::facts::Facts::read(path).map(drop).map_err(|e| format!("not a model inferd reads: {e}"))
+}
+
 /// Whether `path` is a model the store serves.
 fn is_model(path: &Path) -> bool {
     if path.is_dir() {

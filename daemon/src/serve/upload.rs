@@ -318,8 +318,7 @@ async fn receive(sh: &Arc<Shared>, peer: &Peer, file: &str, headers: &HeaderMap,
             if let Some(want) = sha.filter(|w| *w != sum) {
                 return Err(format!("its SHA-256 is {sum}, not {want}"));
             }
-            inferd_engine::model::facts::Facts::read(&part)
-                .map_err(|e| format!("not a model this daemon reads: {e}"))?;
+            super::store::readable(&part)?;
             std::fs::rename(&part, &path).map_err(|e| format!("installing it: {e}"))?;
             Ok(sum)
         })

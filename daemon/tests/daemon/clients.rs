@@ -6,8 +6,7 @@ use super::*;
 /// Runs `tests/python/SCRIPT` (the official clients; tests/run installs them) against the
 /// daemon's socket and parses the JSON it prints.
 pub(super) fn python_client(d: &Daemon, script: &str) -> Value {
-    let pylib = std::env::var("INFERD_TEST_PYTHONPATH")
-        .unwrap_or_else(|_| format!("{}/.cache/inferd/python", std::env::var("HOME").unwrap_or_default()));
+    let pylib = test_pythonpath();
     let path = format!("{}/../tests/python/{script}", env!("CARGO_MANIFEST_DIR"));
     let out = Command::new("python3").arg(&path).arg(&d.socket).env("PYTHONPATH", &pylib).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -70,8 +70,7 @@ fn fill_in_the_middle_is_llama_servers_and_the_clients_suffix() {
     // `suffix` through the clients, the gap as a raw prompt in special-token text (Ollama's
     // `raw`, a completion's prompt), and as token ids: one prompt, llama-server's answer to it.
     let (prefix, suffix) = ("def is_even(n):\n    ", "\n\nprint(is_even(4))\n");
-    let pylib = std::env::var("INFERD_TEST_PYTHONPATH")
-        .unwrap_or_else(|_| format!("{}/.cache/inferd/python", std::env::var("HOME").unwrap_or_default()));
+    let pylib = test_pythonpath();
     let script = format!("{}/../tests/python/fim.py", env!("CARGO_MANIFEST_DIR"));
     let out = Command::new("python3")
         .args([&script, d.socket.to_str().unwrap(), NAME, prefix, suffix])

@@ -35,6 +35,25 @@ fn model() -> String {
     p.display().to_string()
 }
 
+/// Where tests/run installs the test's Python packages (`INFERD_TEST_PYTHONPATH` overrides).
+fn test_pythonpath() -> String {
+    std::env::var("INFERD_TEST_PYTHONPATH")
+        .unwrap_or_else(|_| format!("{}/.cache/inferd/python", std::env::var("HOME").unwrap_or_default()))
+}
+
+/// Runs `tests/reference/tiny_models.py WHAT DIR`: tiny random-weight models of a kind into `dir`.
+fn tiny_models(what: &str, dir: &Path) {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/reference/tiny_models.py");
+    let out =
+        Command::new("python3").arg(script).arg(what).arg(dir).env("PYTHONPATH", test_pythonpath()).output().unwrap();
+    assert!(out.status.success(), "tiny_models.py {what}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// A JSON answer, parsed (a test fails naming the text that is not JSON).
+fn json(s: &str) -> Value {
+    serde_json::from_str(s).unwrap_or_else(|e| panic!("{e}: {s}"))
+}
+
 /// A fresh directory for one test (removed by a later run once this process has ended).
 fn scratch(name: &str) -> PathBuf {
     inferd_e2e::temp_dir(name)

@@ -15,11 +15,7 @@ use super::*;
 const TOL: f64 = 0.15;
 
 fn tiny_moes(dir: &Path) -> Vec<(PathBuf, &'static str)> {
-    let pylib = std::env::var("INFERD_TEST_PYTHONPATH")
-        .unwrap_or_else(|_| format!("{}/.cache/inferd/python", std::env::var("HOME").unwrap_or_default()));
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/reference/tiny_models.py");
-    let out = Command::new("python3").arg(script).arg("moe").arg(dir).env("PYTHONPATH", &pylib).output().unwrap();
-    assert!(out.status.success(), "tiny_models.py moe: {}", String::from_utf8_lossy(&out.stderr));
+    tiny_models("moe", dir);
     vec![(dir.join("tiny-qwen3moe-q8_0.gguf"), "q8"), (dir.join("tiny-qwen3moe-mxfp4.gguf"), "mxfp4")]
 }
 
@@ -35,10 +31,6 @@ fn prompts() -> Vec<Vec<u32>> {
 
 fn body(model: &str, prompt: &[u32], tokens: usize) -> String {
     format!(r#"{{"model": "{model}", "prompt": {prompt:?}, "max_tokens": {tokens}, "temperature": 0, "logprobs": 2}}"#)
-}
-
-fn json(s: &str) -> Value {
-    serde_json::from_str(s).unwrap_or_else(|e| panic!("{e}: {s}"))
 }
 
 #[test]

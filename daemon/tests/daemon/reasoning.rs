@@ -9,10 +9,6 @@
 
 use super::*;
 
-fn json(s: &str) -> Value {
-    serde_json::from_str(s).unwrap_or_else(|e| panic!("{e}: {s}"))
-}
-
 #[test]
 fn reasoning_is_split_off_and_each_api_switches_it() {
     let dir = scratch("reasoning");

@@ -9,16 +9,8 @@ use super::*;
 
 /// The two tiny rerankers, written into `dir`: (with a template, without).
 fn tiny_rerankers(dir: &Path) -> (PathBuf, PathBuf) {
-    let pylib = std::env::var("INFERD_TEST_PYTHONPATH")
-        .unwrap_or_else(|_| format!("{}/.cache/inferd/python", std::env::var("HOME").unwrap_or_default()));
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/reference/tiny_models.py");
-    let out = Command::new("python3").arg(script).arg("rerankers").arg(dir).env("PYTHONPATH", &pylib).output().unwrap();
-    assert!(out.status.success(), "tiny_models.py rerankers: {}", String::from_utf8_lossy(&out.stderr));
+    tiny_models("rerankers", dir);
     (dir.join("tiny-qwen3-rerank.gguf"), dir.join("tiny-qwen3-rerank-bare.gguf"))
-}
-
-fn json(s: &str) -> Value {
-    serde_json::from_str(s).unwrap_or_else(|e| panic!("{e}: {s}"))
 }
 
 /// `(index, score)` of each result of a Jina/llama-server answer (`score_key`) or a TEI one.

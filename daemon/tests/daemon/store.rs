@@ -581,7 +581,7 @@ fn model_management_is_a_right_and_the_store_the_daemons_alone() {
     let out = put(".hidden.gguf", "bytes 0-9/10");
     assert!(out.starts_with("HTTP/1.1 400") && out.contains("not a model file name"), "{out}");
     let out = put("junk.gguf", "bytes 0-9/10");
-    assert!(out.starts_with("HTTP/1.1 422") && out.contains("not a model this daemon reads"), "{out}");
+    assert!(out.starts_with("HTTP/1.1 422") && out.contains("not a model inferd reads"), "{out}");
     assert!(!store.join("junk.gguf").exists() && !store.join(".junk.gguf.partial").exists());
     // Root may remove.
     let (ok, out) = ctl_as(0, &["rm", "smol-Q4_1"], &endpoint, &d.socket);

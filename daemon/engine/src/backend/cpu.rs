@@ -29,15 +29,16 @@ struct Scratch {
     x: Vec<f32>,  // (tokens, hidden) residual stream
     xb: Vec<f32>, // (tokens, hidden) normed input
     q8: Vec<BlockQ8>,
-    q: Vec<f32>,                  // (tokens, n_heads * head_dim)
-    k: Vec<f32>,                  // (tokens, n_kv_heads * head_dim)
-    v: Vec<f32>,                  // (tokens, n_kv_heads * head_dim)
-    att: Vec<f32>,                // (tokens, n_heads * head_dim)
-    gate: Vec<f32>,               // (tokens, ffn)
-    up: Vec<f32>,                 // (tokens, ffn)
-    out: Vec<f32>,                // (tokens, hidden) projection output
-    logits: Vec<f32>,             // (rows, vocab) logits of a batch that also returns hidden rows
-    router: Vec<f32>,             // (tokens, experts) a mixture of experts' router logits
+    q: Vec<f32>,      // (tokens, n_heads * head_dim)
+    k: Vec<f32>,      // (tokens, n_kv_heads * head_dim)
+    v: Vec<f32>,      // (tokens, n_kv_heads * head_dim)
+    att: Vec<f32>,    // (tokens, n_heads * head_dim)
+    gate: Vec<f32>,   // (tokens, ffn)
+    up: Vec<f32>,     // (tokens, ffn)
+    out: Vec<f32>,    // (tokens, hidden) projection output
+    logits: Vec<f32>, // (rows, vocab) logits of a batch that also returns hidden rows
+    router: Vec<f32>, // (tokens, experts) a mixture of experts' router logits
+    moe: inferd_kernels::moe::MoeScratch,
     angles: Vec<Vec<(f32, f32)>>, // per rotation: (tokens, rope_dim / 2) RoPE (sin, cos)
 }
 
@@ -288,7 +289,7 @@ impl CpuBackend {
         let ffn =
             ExpertFfn { gate: stack(&lw.w_gate, e), up: stack(&lw.w_up, e), down: stack(&lw.w_down, e), act: k.swiglu };
         resize(&mut s.out, n * h);
-        experts_ffn(pool, k, &ffn, &s.xb[..n * h], &chosen, &mut s.out[..n * h]);
+        experts_ffn(pool, k, &ffn, &s.xb[..n * h], &chosen, &mut s.out[..n * h], &mut s.moe);
         laps.lap(Phase::FfnDown, &[]);
     }
 }

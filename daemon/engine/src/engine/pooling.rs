@@ -57,7 +57,7 @@ impl Pooler {
 
     /// The embedding: pooled and L2-normalized; a reranker's labels' probabilities.
     pub fn finish(mut self) -> Vec<f32> {
-        if let Some(head) = self.rank.as_ref().filter(|_| self.pooling == Pooling::Rank) {
+        if let Some(head) = &self.rank {
             let h: Vec<f32> = self.sum.iter().map(|&x| x as f32).collect();
             return head.classify(&h);
         }

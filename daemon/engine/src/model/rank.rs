@@ -23,10 +23,9 @@ use crate::tokenizer::{Tokenizer, TokenizerError};
 /// The head and prompt of a reranker.
 #[derive(Debug)]
 pub struct RankHead {
-    /// `cls.output.weight`: `labels` rows of `hidden` floats.
+    /// `cls.output.weight`: a row of `hidden` floats per label.
     out: Vec<f32>,
     hidden: usize,
-    labels: usize,
     /// `tokenizer.chat_template.rerank`.
     template: Option<String>,
 }
@@ -61,12 +60,7 @@ impl RankHead {
             return Err(ModelError::Config("cls.output.weight holds a value that is not finite".into()));
         }
         let template = g.get("tokenizer.chat_template.rerank").and_then(|v| v.as_str()).map(str::to_string);
-        Ok(RankHead { out, hidden, labels, template })
-    }
-
-    /// How many values [`RankHead::classify`] gives (the labels).
-    pub fn labels(&self) -> usize {
-        self.labels
+        Ok(RankHead { out, hidden, template })
     }
 
     /// The labels' probabilities for the last token's final hidden state `h`: the first is the
@@ -134,7 +128,7 @@ mod tests {
 
     #[test]
     fn the_score_is_the_first_labels_probability() {
-        let head = RankHead { out: vec![1.0, 0.0, 0.0, 1.0], hidden: 2, labels: 2, template: None };
+        let head = RankHead { out: vec![1.0, 0.0, 0.0, 1.0], hidden: 2, template: None };
         let p = head.classify(&[2.0, 1.0]);
         assert!((p[0] - 1.0 / (1.0 + (-1.0f32).exp())).abs() < 1e-6, "{p:?}");
         assert!((p[0] + p[1] - 1.0).abs() < 1e-6);
