@@ -30,9 +30,21 @@ pub fn read_gb_s(threads: usize) -> f64 {
 }
 
 /// Weight bytes one decode step reads at batch 1: every layer matrix and the output
-/// projection (the embedding table is read one row per token, so not counted).
-pub fn weight_bytes_per_token(w: &inferd_engine::model::LlamaWeights) -> usize {
-    let layers: usize = w.layers.iter().map(|l| l.matrices().iter().map(|t| t.bytes().len()).sum::<usize>()).sum();
+/// projection (the embedding table is read one row per token, so not counted); of a mixture
+/// of experts, the router and the experts a token uses (`used` of each stack's `experts`).
+pub fn weight_bytes_per_token(model: &inferd_engine::model::Model) -> usize {
+    let w = &model.weights;
+    let (used, experts) = model.arch.moe.map_or((1, 1), |m| (m.used, m.experts));
+    let layers: usize = w
+        .layers
+        .iter()
+        .map(|l| {
+            let [q, k, v, o, gate, up, down] = l.matrices();
+            let dense: usize = [q, k, v, o].iter().map(|t| t.bytes().len()).sum();
+            let ffn: usize = [gate, up, down].iter().map(|t| t.bytes().len() / experts * used).sum();
+            dense + ffn + l.router.as_ref().map_or(0, |r| r.bytes().len())
+        })
+        .sum();
     layers + w.output.bytes().len()
 }
 

@@ -199,7 +199,7 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
     // Batch-1 decode reads every weight once per token: the share of the machine's read
     // bandwidth that reaches. On a GPU: the bandwidth and matmul rate reached, for comparison
     // with the card's ceilings.
-    let bytes = crate::bandwidth::weight_bytes_per_token(&model.weights);
+    let bytes = crate::bandwidth::weight_bytes_per_token(model);
     if let Some(d) = engine.backend.device_memory() {
         let b1 = report["decode_tok_s"]["by_batch"]["1"].as_f64();
         let flop_per_token = 2.0 * matmul_params(model) as f64;

@@ -72,7 +72,7 @@ fn run() -> Result<String, String> {
         for _ in 0..reps {
             for (kc, vc) in &pools {
                 let kv = PagedKv { k: kc, v: vc, block_size: BLOCK, n_kv_heads: nkv, head_dim: hd };
-                attend_batch(&pool, &k, &kv, heads, scale, &q, &queries, &mut out);
+                attend_batch(&pool, &k, &kv, heads, scale, None, &q, &queries, &mut out);
             }
         }
         best = best.min(start.elapsed().as_secs_f64() / (reps * layers) as f64);

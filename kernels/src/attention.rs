@@ -187,13 +187,17 @@ pub fn attend_group(
     q: &[f32],
     g: usize,
     scale: f32,
+    sinks: Option<&[f32]>,
     scores: &mut [f32],
     out: &mut [f32],
 ) {
     assert!((1..=64).contains(&g), "at most 64 query heads per KV head");
     assert!(start < ctx_len, "a query sees at least its own position");
     let scores = &mut scores[..(ctx_len - start) * g];
-    let (_, sum) = weights(k, kv, table, (start, ctx_len), kv_head, q, g, scale, scores);
+    let (max, mut sum) = weights(k, kv, table, (start, ctx_len), kv_head, q, g, scale, scores);
+    if let Some(sinks) = sinks {
+        (0..g).for_each(|j| sum[j] += (sinks[j] - max[j]).exp());
+    }
     for row in scores.chunks_exact_mut(g) {
         row.iter_mut().zip(&sum[..g]).for_each(|(v, s)| *v /= s);
     }
@@ -241,11 +245,12 @@ fn fold_piece(acc: &mut [f32], piece: &[f32], g: usize, hd: usize) {
     }
 }
 
-/// A query's output from its folded slot: each head's values over its sum.
-fn finish(acc: &[f32], g: usize, hd: usize, out: &mut [f32]) {
+/// A query's output from its folded slot: each head's values over its sum (and its sink's
+/// share, where the heads have sinks).
+fn finish(acc: &[f32], g: usize, hd: usize, sinks: Option<&[f32]>, out: &mut [f32]) {
     let (values, stats) = acc.split_at(g * hd);
     for j in 0..g {
-        let s = stats[g + j];
+        let s = stats[g + j] + sinks.map_or(0.0, |sk| (sk[j] - stats[j]).exp());
         out[j * hd..(j + 1) * hd].iter_mut().zip(&values[j * hd..(j + 1) * hd]).for_each(|(o, &v)| *o = v / s);
     }
 }
@@ -300,11 +305,13 @@ pub fn attend_batch(
     kv: &PagedKv<'_>,
     n_heads: usize,
     scale: f32,
+    sinks: Option<&[f32]>,
     q: &[f32],
     ctx: &[QueryCtx<'_>],
     out: &mut [f32],
 ) {
     let hd = kv.head_dim;
+    assert!(sinks.is_none_or(|s| s.len() == n_heads), "a sink per query head");
     let qdim = n_heads * hd;
     let group = n_heads / kv.n_kv_heads;
     assert!(group > 0 && group <= 64 && n_heads.is_multiple_of(kv.n_kv_heads), "head grouping");
@@ -323,8 +330,8 @@ pub fn attend_batch(
         );
     }
     match Schedule::for_batch(pool, ctx.len(), kv.n_kv_heads) {
-        Schedule::Tiles => attend_tiles(pool, k, kv, (n_heads, scale), q, ctx, out),
-        Schedule::Pieces => attend_in_waves(pool, k, kv, (n_heads, scale), q, ctx, out, WAVE_FLOATS),
+        Schedule::Tiles => attend_tiles(pool, k, kv, (n_heads, scale, sinks), q, ctx, out),
+        Schedule::Pieces => attend_in_waves(pool, k, kv, (n_heads, scale, sinks), q, ctx, out, WAVE_FLOATS),
     }
 }
 
@@ -335,7 +342,7 @@ fn attend_in_waves(
     pool: &ThreadPool,
     k: &Kernels,
     kv: &PagedKv<'_>,
-    (n_heads, scale): (usize, f32),
+    (n_heads, scale, sinks): (usize, f32, Option<&[f32]>),
     q: &[f32],
     ctx: &[QueryCtx<'_>],
     out: &mut [f32],
@@ -354,7 +361,7 @@ fn attend_in_waves(
             (t1, floats) = (t1 + 1, floats + need);
         }
         let (q, out) = (&q[t0 * qdim..t1 * qdim], &mut out[t0 * qdim..t1 * qdim]);
-        attend_wave(pool, k, kv, (n_heads, scale), q, &ctx[t0..t1], out);
+        attend_wave(pool, k, kv, (n_heads, scale, sinks), q, &ctx[t0..t1], out);
         t0 = t1;
     }
 }
@@ -364,13 +371,15 @@ fn attend_wave(
     pool: &ThreadPool,
     k: &Kernels,
     kv: &PagedKv<'_>,
-    (n_heads, scale): (usize, f32),
+    (n_heads, scale, sinks): (usize, f32, Option<&[f32]>),
     q: &[f32],
     ctx: &[QueryCtx<'_>],
     out: &mut [f32],
 ) {
     let (hd, nkv) = (kv.head_dim, kv.n_kv_heads);
     let (qdim, group) = (n_heads * hd, n_heads / nkv);
+    // The sinks of KV head g's query heads.
+    let sinks_of = |g: usize| sinks.map(|s| &s[g * group..(g + 1) * group]);
     // Tasks: for each token, for each KV head, for each piece of its range. `first[t]` is token
     // t's first task.
     let mut first = Vec::with_capacity(ctx.len() + 1);
@@ -410,7 +419,7 @@ fn attend_wave(
                     // query heads of KV head g for token t), which lies inside `out` (asserted
                     // shape); `out` outlives `pool.run`.
                     let o = unsafe { std::slice::from_raw_parts_mut(dst.get().add(off), group * hd) };
-                    attend_group(k, kv, c.table, (c.start, c.ctx_len), g, q, group, scale, scores, o);
+                    attend_group(k, kv, c.table, (c.start, c.ctx_len), g, q, group, scale, sinks_of(g), scores, o);
                     return;
                 }
                 // SAFETY: task i is the only writer of slot i, which lies inside `partial`
@@ -435,7 +444,7 @@ fn attend_wave(
                 };
                 let (acc, rest) = slots.split_at_mut(slot);
                 rest.chunks_exact(slot).for_each(|p| fold_piece(acc, p, group, hd));
-                finish(acc, group, hd, o);
+                finish(acc, group, hd, sinks_of(g), o);
             }
         };
         pool.run(tasks, &task);
@@ -448,13 +457,15 @@ fn attend_tiles(
     pool: &ThreadPool,
     k: &Kernels,
     kv: &PagedKv<'_>,
-    (n_heads, scale): (usize, f32),
+    (n_heads, scale, sinks): (usize, f32, Option<&[f32]>),
     q: &[f32],
     ctx: &[QueryCtx<'_>],
     out: &mut [f32],
 ) {
     let (hd, nkv) = (kv.head_dim, kv.n_kv_heads);
     let (qdim, group) = (n_heads * hd, n_heads / nkv);
+    // The sinks of KV head g's query heads.
+    let sinks_of = |g: usize| sinks.map(|s| &s[g * group..(g + 1) * group]);
     let slot = slot(group, hd);
     let dst = SyncPtr(out.as_mut_ptr());
     let task = |i: usize| {
@@ -487,7 +498,19 @@ fn attend_tiles(
                         }
                         if ps.len() == 1 {
                             let range = (c.start, c.ctx_len);
-                            attend_group(k, kv, c.table, range, g, q_of(t), group, scale, scores, out_of(t));
+                            attend_group(
+                                k,
+                                kv,
+                                c.table,
+                                range,
+                                g,
+                                q_of(t),
+                                group,
+                                scale,
+                                sinks_of(g),
+                                scores,
+                                out_of(t),
+                            );
                             continue;
                         }
                         let a = &mut acc[(t - tokens.start) * slot..][..slot];
@@ -502,7 +525,7 @@ fn attend_tiles(
                 }
                 for t in tokens.clone() {
                     if pieces(&ctx[t]).len() > 1 {
-                        finish(&acc[(t - tokens.start) * slot..][..slot], group, hd, out_of(t));
+                        finish(&acc[(t - tokens.start) * slot..][..slot], group, hd, sinks_of(g), out_of(t));
                     }
                 }
             })
@@ -541,7 +564,7 @@ mod tests {
         {
             let mut scores = vec![0.0; ctx * g];
             let mut out = vec![0.0; g * hd];
-            attend_group(&kern, &kv, &table, (start, ctx), 0, &q, g, 0.5, &mut scores, &mut out);
+            attend_group(&kern, &kv, &table, (start, ctx), 0, &q, g, 0.5, None, &mut scores, &mut out);
             // Contiguous reference with the same f16-rounded values, one head at a time.
             let r = |x: f32| f16::from_f32(x).to_f32();
             for j in 0..g {
@@ -593,6 +616,7 @@ mod tests {
         kvh: usize,
         qh: &[f32],
         scale: f64,
+        sink: Option<f32>,
     ) -> Vec<f64> {
         let r = |x: f32| f64::from(f16::from_f32(x).to_f32());
         let s: Vec<f64> = (start..ctx_len)
@@ -600,7 +624,8 @@ mod tests {
             .collect();
         let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
         let e: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
-        let z: f64 = e.iter().sum();
+        // A sink's logit joins the denominator, and nothing the values.
+        let z: f64 = e.iter().sum::<f64>() + sink.map_or(0.0, |s| (f64::from(s) - m).exp());
         (0..qh.len()).map(|i| (start..ctx_len).map(|p| e[p - start] / z * r(val(p, kvh, i, 5))).sum()).collect()
     }
 
@@ -642,28 +667,41 @@ mod tests {
             let (qdim, amp) = (n_heads * hd, (8.0 / hd as f32).sqrt());
             let q: Vec<f32> = (0..ranges.len() * qdim).map(|i| (((i * 13) % 17) as f32 / 8.0 - 1.0) * amp).collect();
             let pool = ThreadPool::new(2);
-            for kern in [Kernels::scalar(), Kernels::detect()] {
+            // gpt-oss's attention sinks: a logit per query head, large and small.
+            let sink_logits: Vec<f32> = (0..n_heads).map(|h| [0.5, -1.0, 2.5, 0.0][h % 4]).collect();
+            let kernels = [Kernels::scalar(), Kernels::detect()];
+            for (kern, sinks) in kernels.into_iter().flat_map(|k| [(k, None), (k, Some(&sink_logits[..]))]) {
                 let mut all = vec![0.0; q.len()];
-                attend_batch(&pool, &kern, &kv, n_heads, scale, &q, &ctx, &mut all);
+                attend_batch(&pool, &kern, &kv, n_heads, scale, sinks, &q, &ctx, &mut all);
                 // In waves of a token or two, the same bits.
                 let mut waves = vec![0.0; q.len()];
                 let wave = 2 * nkv * 3 * slot(n_heads / nkv, hd);
-                attend_in_waves(&pool, &kern, &kv, (n_heads, scale), &q, &ctx, &mut waves, wave);
+                attend_in_waves(&pool, &kern, &kv, (n_heads, scale, sinks), &q, &ctx, &mut waves, wave);
                 assert!(all.iter().zip(&waves).all(|(a, b)| a.to_bits() == b.to_bits()), "waves differ");
                 // In tiles, the same bits.
                 let mut tiles = vec![0.0; q.len()];
-                attend_tiles(&pool, &kern, &kv, (n_heads, scale), &q, &ctx, &mut tiles);
+                attend_tiles(&pool, &kern, &kv, (n_heads, scale, sinks), &q, &ctx, &mut tiles);
                 assert!(all.iter().zip(&tiles).all(|(a, b)| a.to_bits() == b.to_bits()), "tiles differ");
                 for (t, &range) in ranges.iter().enumerate() {
                     // Alone, the token's result is the batch's, bit for bit.
                     let mut alone = vec![0.0; qdim];
-                    attend_batch(&pool, &kern, &kv, n_heads, scale, &q[t * qdim..][..qdim], &ctx[t..t + 1], &mut alone);
+                    attend_batch(
+                        &pool,
+                        &kern,
+                        &kv,
+                        n_heads,
+                        scale,
+                        sinks,
+                        &q[t * qdim..][..qdim],
+                        &ctx[t..t + 1],
+                        &mut alone,
+                    );
                     let got = &all[t * qdim..][..qdim];
                     assert!(alone.iter().zip(got).all(|(a, b)| a.to_bits() == b.to_bits()), "token {t} alone differs");
                     // Against softmax attention in f64 over the f16-rounded keys and values.
                     for h in 0..n_heads {
                         let (kvh, qh) = (h / (n_heads / nkv), &q[t * qdim + h * hd..][..hd]);
-                        let want = reference(&val, range, kvh, qh, f64::from(scale));
+                        let want = reference(&val, range, kvh, qh, f64::from(scale), sinks.map(|s| s[h]));
                         for (i, (want, &g)) in want.iter().zip(&got[h * hd..][..hd]).enumerate() {
                             assert!(
                                 (want - f64::from(g)).abs() < 1e-5,
@@ -694,13 +732,13 @@ mod tests {
         assert_eq!(Schedule::for_batch(&pool, ctx.len(), nkv), Schedule::Pieces);
         for kern in [Kernels::scalar(), Kernels::detect()] {
             let mut tiles = vec![0.0; q.len()];
-            attend_tiles(&pool, &kern, &kv, (n_heads, 0.3), &q, &ctx, &mut tiles);
+            attend_tiles(&pool, &kern, &kv, (n_heads, 0.3, None), &q, &ctx, &mut tiles);
             let mut waves = vec![0.0; q.len()];
-            attend_in_waves(&pool, &kern, &kv, (n_heads, 0.3), &q, &ctx, &mut waves, WAVE_FLOATS);
+            attend_in_waves(&pool, &kern, &kv, (n_heads, 0.3, None), &q, &ctx, &mut waves, WAVE_FLOATS);
             assert!(tiles.iter().zip(&waves).all(|(a, b)| a.to_bits() == b.to_bits()), "tiles and pieces differ");
             for t in [0, 1, 15, 16, 17, 39, 40, 42] {
                 let mut alone = vec![0.0; qdim];
-                attend_batch(&pool, &kern, &kv, n_heads, 0.3, &q[t * qdim..][..qdim], &ctx[t..t + 1], &mut alone);
+                attend_batch(&pool, &kern, &kv, n_heads, 0.3, None, &q[t * qdim..][..qdim], &ctx[t..t + 1], &mut alone);
                 let got = &tiles[t * qdim..][..qdim];
                 assert!(alone.iter().zip(got).all(|(a, b)| a.to_bits() == b.to_bits()), "token {t} alone differs");
             }

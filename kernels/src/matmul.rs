@@ -47,15 +47,19 @@ pub struct Input<'a> {
     pub tokens: usize,
 }
 
-/// Rows per task: two tasks per thread, so a thread that falls behind is balanced by the
-/// others, and each task streams a long run of rows (every task start is a cold stream for the
-/// prefetchers and two claims on the shared counters); a multiple of 16 where the 16-row
-/// kernel runs. Measured against 8 tasks per thread of at most 256 rows, same run: decode at
-/// batch 1 SmolLM2 Q4_1 165 -> 196 tok/s, Gemma 3 270M 67 -> 70 (its 262,144-row output
-/// projection 9.4 -> 8.8 ms a token), batch 8 +7-9%, prefill unchanged.
-fn chunk_rows(rows: usize, threads: usize, align: usize) -> usize {
-    let target_tasks = threads * 2;
-    (rows.div_ceil(target_tasks)).clamp(4, 4096).next_multiple_of(align)
+/// Rows per task of a matrix in a dispatch whose products cost `total` (weight bytes times
+/// tokens, summed): two tasks per thread over the whole dispatch, so a thread that falls
+/// behind is balanced by the others, and each task streams a long run of rows (every task
+/// start is a cold stream for the prefetchers and two claims on the shared counters); never
+/// more than the matrix, at most 4096 rows, a multiple of 16 where the 16-row kernel runs.
+/// Measured against 8 tasks per thread of at most 256 rows, same run: decode at batch 1
+/// SmolLM2 Q4_1 165 -> 196 tok/s, Gemma 3 270M 67 -> 70 (its 262,144-row output projection
+/// 9.4 -> 8.8 ms a token), batch 8 +7-9%, prefill unchanged. Cutting by the whole dispatch
+/// rather than each matrix apart matters where it holds many small matrices (a mixture of
+/// experts' chosen experts, BENCHMARKS.md).
+fn chunk_rows(rows: usize, row_cost: usize, total: usize, threads: usize, align: usize) -> usize {
+    let target = total.div_ceil(threads * 2);
+    (target / row_cost.max(1)).clamp(4, 4096).min(rows).max(1).next_multiple_of(align)
 }
 
 /// `y[t * w.rows + r] = Σ_c w[r][c] * x[t][c]` for every token `t` and row `r`.
@@ -67,8 +71,21 @@ pub fn matmul(pool: &ThreadPool, k: &Kernels, w: &Matrix<'_>, x: &Input<'_>, y: 
 /// `ys[m] = x · ws[m]ᵀ`. One dispatch instead of several saves a thread wake-up and barrier
 /// per matrix, which matters at batch size 1.
 pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<'_>, ys: &mut [&mut [f32]]) {
-    assert_eq!(ws.len(), ys.len(), "one output per matrix");
-    let t = x.tokens;
+    let products: Vec<(Matrix<'_>, usize)> = ws.iter().map(|w| (*w, 0)).collect();
+    matmul_grouped(pool, k, &products, &[*x], ys);
+}
+
+/// Products of different inputs in one parallel dispatch: `ys[m] = xs[i] · wᵀ` for each
+/// `(w, i)` of `products` (a mixture of experts' chosen experts, each with its own tokens).
+/// A quantized matrix's input may leave `f32` empty: its products read only the 8-bit blocks.
+pub fn matmul_grouped(
+    pool: &ThreadPool,
+    k: &Kernels,
+    products: &[(Matrix<'_>, usize)],
+    xs: &[Input<'_>],
+    ys: &mut [&mut [f32]],
+) {
+    assert_eq!(products.len(), ys.len(), "one output per matrix");
     // The 16-row kernel, where the table has one, takes every batch of quantized weights (16
     // rows unpacked once per group of up to 16 tokens; packed matrices the kernel of their
     // layout); the dots the rest. Measured against the
@@ -81,34 +98,58 @@ pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<
         (WeightClass::Float(_), _) => None,
     };
     let align = |w: &Matrix<'_>| if gemv(w).is_some() { 16 } else { 1 };
-    let mut first_task = Vec::with_capacity(ws.len() + 1);
+    let row_cost = |(w, i): &(Matrix<'_>, usize)| w.row_bytes() * xs[*i].tokens.max(1);
+    let total: usize = products.iter().map(|p| p.0.rows * row_cost(p)).sum();
+    let chunks: Vec<usize> =
+        products.iter().map(|p| chunk_rows(p.0.rows, row_cost(p), total, pool.threads(), align(&p.0))).collect();
+    let mut first_task = Vec::with_capacity(products.len() + 1);
     let mut tasks = 0;
-    for (w, y) in ws.iter().zip(ys.iter()) {
-        assert_eq!(y.len(), w.rows * t, "output shape");
-        assert_eq!(x.f32.len(), t * w.cols, "input shape");
+    for (((w, i), y), &chunk) in products.iter().zip(ys.iter()).zip(&chunks) {
+        let x = &xs[*i];
+        assert_eq!(y.len(), w.rows * x.tokens, "output shape");
         assert!(w.data.len() >= w.rows * w.row_bytes(), "weight bytes");
         assert!(w.layout == Layout::Rows || k.packs(w.dtype), "{:?} has no kernel for packed {:?}", k.isa, w.dtype);
         if w.dtype.is_quantized() {
-            assert_eq!(x.q8.len(), t * w.cols / QK, "quantized input shape");
+            assert_eq!(x.q8.len(), x.tokens * w.cols / QK, "quantized input shape");
+        } else {
+            assert_eq!(x.f32.len(), x.tokens * w.cols, "input shape");
         }
         first_task.push(tasks);
-        tasks += w.rows.div_ceil(chunk_rows(w.rows, pool.threads(), align(w)));
+        tasks += w.rows.div_ceil(chunk);
     }
     first_task.push(tasks);
-    // Activation blocks per token.
-    let nb = x.q8.len() / t.max(1);
-    // The 16-row kernel's tokens with their per-block activation sums, once for every task.
-    let halves = if ws.iter().any(|w| gemv(w).is_some()) { Acts::half_sums(x.q8) } else { Vec::new() };
-    let acts: Vec<Acts<'_>> = if halves.is_empty() {
-        Vec::new()
-    } else {
-        x.q8.chunks_exact(nb).zip(halves.chunks_exact(nb)).map(|(q8, halves)| Acts { q8, halves }).collect()
-    };
+    // The 16-row kernel's tokens with their per-block activation sums, once per input for
+    // every task.
+    let halves: Vec<Vec<_>> = xs
+        .iter()
+        .enumerate()
+        .map(|(i, x)| {
+            let used = products.iter().any(|(w, j)| *j == i && gemv(w).is_some());
+            if used {
+                Acts::half_sums(x.q8)
+            } else {
+                Vec::new()
+            }
+        })
+        .collect();
+    let acts: Vec<Vec<Acts<'_>>> = xs
+        .iter()
+        .zip(&halves)
+        .map(|(x, halves)| {
+            // Activation blocks per token.
+            let nb = x.q8.len() / x.tokens.max(1);
+            if halves.is_empty() || nb == 0 {
+                return Vec::new();
+            }
+            x.q8.chunks_exact(nb).zip(halves.chunks_exact(nb)).map(|(q8, halves)| Acts { q8, halves }).collect()
+        })
+        .collect();
     let outs: Vec<SyncPtr<f32>> = ys.iter_mut().map(|y| SyncPtr(y.as_mut_ptr())).collect();
     let task = |i: usize| {
         let m = first_task.partition_point(|&f| f <= i) - 1;
-        let w = &ws[m];
-        let (n, chunk) = (w.rows, chunk_rows(w.rows, pool.threads(), align(w)));
+        let (w, xi) = &products[m];
+        let (x, t) = (&xs[*xi], xs[*xi].tokens);
+        let (n, chunk) = (w.rows, chunks[m]);
         let r0 = (i - first_task[m]) * chunk;
         let r1 = (r0 + chunk).min(n);
         let out = outs[m];
@@ -120,7 +161,7 @@ pub fn matmul_many(pool: &ThreadPool, k: &Kernels, ws: &[Matrix<'_>], x: &Input<
             unsafe { *out.get().add(tok * n + r) = v };
         };
         match (w.dtype.class(), gemv(w)) {
-            (WeightClass::Quantized(q), Some(gemv)) => rows_times_token(k, gemv, q, w, &acts, r0, r1, &store),
+            (WeightClass::Quantized(q), Some(gemv)) => rows_times_token(k, gemv, q, w, &acts[*xi], r0, r1, &store),
             (WeightClass::Quantized(q), None) => quantized_rows(k, q, w, x, r0, r1, &store),
             (WeightClass::Float(f), _) => float_rows(k, f, w, x, r0, r1, &store),
         }

@@ -16,7 +16,7 @@
 //! batch-invariant too: each token gets, bit for bit, what it gets alone.
 
 use crate::cpu::Kernels;
-use crate::matmul::{matmul, matmul_many, Input, Matrix};
+use crate::matmul::{matmul_grouped, Input, Matrix};
 use crate::pack::Layout;
 use crate::pool::ThreadPool;
 use crate::quant::{BlockQ8, DType, QK};
@@ -109,8 +109,17 @@ pub struct ExpertFfn<'a> {
     pub gate: Experts<'a>,
     pub up: Experts<'a>,
     pub down: Experts<'a>,
-    /// `gate = act(gate, up)` in place (SwiGLU for the families here).
+    /// `gate = act(gate, up)` in place (SwiGLU, or gpt-oss's clamped one).
     pub act: fn(&mut [f32], &[f32]),
+    /// Biases of the gate, up and down products (gpt-oss), each expert's `rows` after the one
+    /// before's.
+    pub biases: Option<[&'a [f32]; 3]>,
+}
+
+/// Adds expert `e`'s bias (of `rows` per expert in `bias`) to each of the `out` rows.
+fn add_bias(out: &mut [f32], bias: &[f32], e: usize, rows: usize) {
+    let b = &bias[e * rows..(e + 1) * rows];
+    out.chunks_exact_mut(rows).for_each(|row| row.iter_mut().zip(b).for_each(|(o, b)| *o += b));
 }
 
 /// The buffers of [`experts_ffn`], kept between calls (it runs in every layer of every step).
@@ -118,22 +127,25 @@ pub struct ExpertFfn<'a> {
 pub struct MoeScratch {
     /// Who chose each expert: (token, slot) in token order.
     by_expert: Vec<Vec<(usize, usize)>>,
-    /// Each (token, slot)'s expert output.
-    outs: Vec<f32>,
     /// Every token's input rows as 8-bit blocks, quantized once for all its experts.
     q8_all: Vec<BlockQ8>,
-    /// One expert's tokens: their inputs, 8-bit inputs, and products.
+    /// The chosen experts' tokens one expert after another: their inputs, 8-bit inputs,
+    /// products, and the down products' 8-bit inputs.
     xs: Vec<f32>,
     q8: Vec<BlockQ8>,
     gate: Vec<f32>,
     up: Vec<f32>,
     down: Vec<f32>,
+    q8_down: Vec<BlockQ8>,
+    /// Each (token, slot)'s row in `down`.
+    row_of: Vec<usize>,
 }
 
 /// `y[t] = Σ_j w_tj · ffn_{e_tj}(x[t])` for the `n` tokens of `x` (rows of `cols` floats) and
 /// their choices (`chosen[t]`: `(expert, weight)` in order of choice), into `y` (`n` rows of
-/// the down matrices' `rows`). The tokens are grouped by expert (module docs). Returns how many
-/// experts ran.
+/// the down matrices' `rows`). The tokens are grouped by expert (module docs), and every
+/// chosen expert's gate and up products run in one dispatch of the pool, its down products in
+/// a second: two barriers a layer, however many experts ran. Returns how many experts ran.
 pub fn experts_ffn(
     pool: &ThreadPool,
     k: &Kernels,
@@ -147,6 +159,10 @@ pub fn experts_ffn(
     let width = ffn.gate.rows;
     assert!(x.len() == n * cols && y.len() == n * hidden, "shapes");
     assert!(ffn.up.rows == width && ffn.down.cols == width && ffn.up.cols == cols, "an expert's matrices fit");
+    if let Some([g, u, d]) = ffn.biases {
+        let e = ffn.gate.n;
+        assert!(g.len() == e * width && u.len() == e * width && d.len() == e * hidden, "a bias per expert row");
+    }
     s.by_expert.iter_mut().for_each(Vec::clear);
     s.by_expert.resize_with(ffn.gate.n, Vec::new);
     for (t, c) in chosen.iter().enumerate() {
@@ -154,59 +170,117 @@ pub fn experts_ffn(
             s.by_expert[e as usize].push((t, j));
         }
     }
-    // Each (token, slot)'s expert output, summed per token in slot order at the end.
-    let slots = chosen.iter().map(Vec::len).max().unwrap_or(0);
-    s.outs.resize(n * slots * hidden, 0.0);
     // A row's blocks are the same whichever rows it is quantized with: once for every expert.
     let quantized = ffn.gate.dtype.is_quantized() || ffn.up.dtype.is_quantized();
+    let float = !ffn.gate.dtype.is_quantized() || !ffn.up.dtype.is_quantized();
     if quantized {
         s.q8_all.resize(x.len() / QK, BlockQ8::default());
         (k.quantize_q8)(x, &mut s.q8_all);
     }
+    // The chosen experts, each with its first row in the gathered buffers and its tokens.
+    let ran: Vec<(usize, usize, usize)> = {
+        let mut at = 0;
+        (s.by_expert.iter().enumerate())
+            .filter(|(_, u)| !u.is_empty())
+            .map(|(e, u)| {
+                at += u.len();
+                (e, at - u.len(), u.len())
+            })
+            .collect()
+    };
+    let rows: usize = ran.iter().map(|r| r.2).sum();
     let nb = cols / QK;
-    let mut ran = 0;
-    for (e, users) in s.by_expert.iter().enumerate().filter(|(_, u)| !u.is_empty()) {
-        let m = users.len();
-        s.xs.clear();
-        s.q8.clear();
+    s.xs.clear();
+    s.q8.clear();
+    for users in s.by_expert.iter() {
         for &(t, _) in users {
-            s.xs.extend_from_slice(&x[t * cols..(t + 1) * cols]);
+            if float {
+                s.xs.extend_from_slice(&x[t * cols..(t + 1) * cols]);
+            }
             if quantized {
                 s.q8.extend_from_slice(&s.q8_all[t * nb..(t + 1) * nb]);
             }
         }
-        s.gate.resize(m * width, 0.0);
-        s.up.resize(m * width, 0.0);
-        matmul_many(
-            pool,
-            k,
-            &[ffn.gate.matrix(e), ffn.up.matrix(e)],
-            &Input { f32: &s.xs, q8: &s.q8, tokens: m },
-            &mut [&mut s.gate, &mut s.up],
-        );
-        (ffn.act)(&mut s.gate, &s.up);
-        s.q8.clear();
-        if ffn.down.dtype.is_quantized() {
-            s.q8.resize(s.gate.len() / QK, BlockQ8::default());
-            (k.quantize_q8)(&s.gate, &mut s.q8);
+    }
+    /// Rows `r0..r0 + m` of gathered inputs of `c` columns (either may be absent: empty).
+    fn input<'a>(f32: &'a [f32], q8: &'a [BlockQ8], r0: usize, m: usize, c: usize) -> Input<'a> {
+        Input {
+            f32: if f32.is_empty() { f32 } else { &f32[r0 * c..(r0 + m) * c] },
+            q8: if q8.is_empty() { q8 } else { &q8[r0 * c / QK..(r0 + m) * c / QK] },
+            tokens: m,
         }
-        s.down.resize(m * hidden, 0.0);
-        matmul(pool, k, &ffn.down.matrix(e), &Input { f32: &s.gate, q8: &s.q8, tokens: m }, &mut s.down);
-        for (i, &(t, j)) in users.iter().enumerate() {
-            let at = (t * slots + j) * hidden;
-            s.outs[at..at + hidden].copy_from_slice(&s.down[i * hidden..(i + 1) * hidden]);
+    }
+    // Gate and up of every chosen expert, one dispatch.
+    s.gate.resize(rows * width, 0.0);
+    s.up.resize(rows * width, 0.0);
+    {
+        let inputs: Vec<Input<'_>> = ran.iter().map(|&(_, r0, m)| input(&s.xs, &s.q8, r0, m, cols)).collect();
+        let mut products = Vec::with_capacity(2 * ran.len());
+        let mut outs: Vec<&mut [f32]> = Vec::with_capacity(2 * ran.len());
+        let (mut gate, mut up) = (s.gate.as_mut_slice(), s.up.as_mut_slice());
+        for (i, &(e, _, m)) in ran.iter().enumerate() {
+            products.push((ffn.gate.matrix(e), i));
+            products.push((ffn.up.matrix(e), i));
+            let (g, g_rest) = std::mem::take(&mut gate).split_at_mut(m * width);
+            let (u, u_rest) = std::mem::take(&mut up).split_at_mut(m * width);
+            (gate, up) = (g_rest, u_rest);
+            outs.push(g);
+            outs.push(u);
         }
-        ran += 1;
+        matmul_grouped(pool, k, &products, &inputs, &mut outs);
+    }
+    if let Some([gate_b, up_b, _]) = ffn.biases {
+        for &(e, r0, m) in &ran {
+            add_bias(&mut s.gate[r0 * width..(r0 + m) * width], gate_b, e, width);
+            add_bias(&mut s.up[r0 * width..(r0 + m) * width], up_b, e, width);
+        }
+    }
+    (ffn.act)(&mut s.gate, &s.up);
+    // Down of every chosen expert, a second dispatch.
+    s.q8_down.clear();
+    let down_float = !ffn.down.dtype.is_quantized();
+    if !down_float {
+        s.q8_down.resize(s.gate.len() / QK, BlockQ8::default());
+        (k.quantize_q8)(&s.gate, &mut s.q8_down);
+    }
+    s.down.resize(rows * hidden, 0.0);
+    {
+        let f32: &[f32] = if down_float { &s.gate } else { &[] };
+        let inputs: Vec<Input<'_>> = ran.iter().map(|&(_, r0, m)| input(f32, &s.q8_down, r0, m, width)).collect();
+        let products: Vec<_> = ran.iter().enumerate().map(|(i, &(e, _, _))| (ffn.down.matrix(e), i)).collect();
+        let mut outs: Vec<&mut [f32]> = Vec::with_capacity(ran.len());
+        let mut down = s.down.as_mut_slice();
+        for &(_, _, m) in &ran {
+            let (d, rest) = std::mem::take(&mut down).split_at_mut(m * hidden);
+            down = rest;
+            outs.push(d);
+        }
+        matmul_grouped(pool, k, &products, &inputs, &mut outs);
+    }
+    if let Some([_, _, down_b]) = ffn.biases {
+        for &(e, r0, m) in &ran {
+            add_bias(&mut s.down[r0 * hidden..(r0 + m) * hidden], down_b, e, hidden);
+        }
+    }
+    // Each token's weighted sum in its own order of choice: where each (token, slot)'s row is.
+    let slots = chosen.iter().map(Vec::len).max().unwrap_or(0);
+    s.row_of.clear();
+    s.row_of.resize(n * slots, 0);
+    for &(e, r0, _) in &ran {
+        for (i, &(t, j)) in s.by_expert[e].iter().enumerate() {
+            s.row_of[t * slots + j] = r0 + i;
+        }
     }
     for (t, c) in chosen.iter().enumerate() {
         let yt = &mut y[t * hidden..(t + 1) * hidden];
         yt.fill(0.0);
         for (j, &(_, w)) in c.iter().enumerate() {
-            let o = &s.outs[(t * slots + j) * hidden..(t * slots + j + 1) * hidden];
+            let r = s.row_of[t * slots + j];
+            let o = &s.down[r * hidden..(r + 1) * hidden];
             yt.iter_mut().zip(o).for_each(|(y, o)| *y += w * o);
         }
     }
-    ran
+    ran.len()
 }
 
 #[cfg(test)]
@@ -250,7 +324,9 @@ mod tests {
     fn grouped_products_equal_each_token_alone(k: &Kernels) {
         let pool = ThreadPool::new(2);
         let (n_exp, tokens) = (6, 7);
-        for (dt, packed) in [(DType::Q4K, false), (DType::Q8_0, true), (DType::MXFP4, false), (DType::MXFP4, true)] {
+        for (dt, packed) in
+            [(DType::Q4K, false), (DType::Q8_0, true), (DType::MXFP4, false), (DType::MXFP4, true), (DType::F16, false)]
+        {
             let layout = if packed && k.packs(dt) { Layout::Packed16 } else { Layout::Rows };
             // Widths of whole blocks, rows of whole groups of 16 (for the packed layout).
             let (cols, width) = if dt.block_len() > 32 { (256, 256) } else { (64, 32) };
@@ -270,11 +346,19 @@ mod tests {
             };
             let ((gf, g), (uf, u), (df, d)) = (stack(width, cols, 1), stack(width, cols, 2), stack(cols, width, 3));
             let ex = |data, rows, c| Experts { dtype: dt, n: n_exp, rows, cols: c, data, layout };
+            // gpt-oss's form with MXFP4: biases on every product, the clamped SwiGLU.
+            let oai = dt == DType::MXFP4;
+            let bias = |rows: usize, salt: usize| -> Vec<f32> {
+                (0..n_exp * rows).map(|i| ((i * 37 + salt) % 29) as f32 / 14.0 - 1.0).collect()
+            };
+            let (gate_b, up_b, down_b) = (bias(width, 1), bias(width, 2), bias(cols, 3));
+            let act: fn(&mut [f32], &[f32]) = if oai { crate::ops::swiglu_oai } else { k.swiglu };
             let ffn = ExpertFfn {
                 gate: ex(g.as_slice(), width, cols),
                 up: ex(u.as_slice(), width, cols),
                 down: ex(d.as_slice(), cols, width),
-                act: k.swiglu,
+                act,
+                biases: oai.then_some([&gate_b[..], &up_b[..], &down_b[..]]),
             };
             let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 104_729) % 97) as f32 / 48.0 - 1.0).collect();
             let routing = Routing { gate: Gate::Softmax, top_k: 2, normalize: true, scale: 1.0 };
@@ -307,8 +391,18 @@ mod tests {
                 for &(e, w) in c {
                     let e = e as usize;
                     let mut gate = mv(&deq(&gf, e, width, cols), xt);
-                    crate::ops::swiglu(&mut gate, &mv(&deq(&uf, e, width, cols), xt));
-                    let down = mv(&deq(&df, e, cols, width), &gate);
+                    let mut up = mv(&deq(&uf, e, width, cols), xt);
+                    if oai {
+                        gate.iter_mut().zip(&gate_b[e * width..]).for_each(|(v, b)| *v += b);
+                        up.iter_mut().zip(&up_b[e * width..]).for_each(|(v, b)| *v += b);
+                        crate::ops::swiglu_oai(&mut gate, &up);
+                    } else {
+                        crate::ops::swiglu(&mut gate, &up);
+                    }
+                    let mut down = mv(&deq(&df, e, cols, width), &gate);
+                    if oai {
+                        down.iter_mut().zip(&down_b[e * cols..]).for_each(|(v, b)| *v += b);
+                    }
                     want.iter_mut().zip(&down).for_each(|(a, b)| *a += w * b);
                 }
                 let scale = want.iter().fold(1f32, |m, v| m.max(v.abs()));

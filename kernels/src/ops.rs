@@ -112,6 +112,19 @@ pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// gpt-oss's clamped SwiGLU, in place: `gate = x σ(1.702 x) (y + 1)` with the gate clamped
+/// from above, `x = min(gate, 7)`, and the linear part both ways, `y = clamp(up, -7, 7)` (as
+/// its reference and llama.cpp's `swiglu_oai`).
+pub fn swiglu_oai(gate: &mut [f32], up: &[f32]) {
+    const ALPHA: f32 = 1.702;
+    const LIMIT: f32 = 7.0;
+    for (g, u) in gate.iter_mut().zip(up) {
+        let x = g.min(LIMIT);
+        let y = u.clamp(-LIMIT, LIMIT);
+        *g = x / (1.0 + (-ALPHA * x).exp()) * (y + 1.0);
+    }
+}
+
 /// `gate = gelu(gate) * up`, in place, with GELU's tanh approximation (Gemma's
 /// `gelu_pytorch_tanh`): `0.5 x (1 + tanh y)`, `y = sqrt(2 / π) (x + 0.044715 x³)`, computed
 /// as the equal `x / (1 + e^(-2y))`, which has no cancellation where `tanh y` nears -1.
@@ -139,6 +152,17 @@ pub fn softmax(x: &mut [f32]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gpt_oss_swiglu_clamps_the_gate_from_above_and_the_linear_part_both_ways() {
+        // Values from the formula in f64 (its reference implementation's): a gate past the
+        // limit, a linear part past it either way, and one inside both.
+        let mut gate = [10.0, -3.0, 0.5];
+        swiglu_oai(&mut gate, &[20.0, -9.0, 0.25]);
+        for (got, want) in gate.iter().zip([55.999_625_f32, 0.108_427_86, 0.437_985_55]) {
+            assert!((got - want).abs() <= 1e-5 * want.abs().max(1.0), "{got} vs {want}");
+        }
+    }
 
     #[test]
     fn rope_styles_agree_up_to_permutation() {

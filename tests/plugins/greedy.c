@@ -17,6 +17,9 @@
  *   FAULT_ABORT       calls abort() in observe
  *   FAULT_HANG        never returns from plan
  *   FAULT_HUGE_ALLOC  allocates and fills 20 GiB in observe (an error when refused)
+ * or, built with SCRIPT, strategy "c-script": it writes the token ids of its parameters,
+ * {"tokens": [ID, ...]}, whatever the logits say (ending as greedy does at an end token, or
+ * when the script runs out), so that a test can make a model answer a given text;
  * or when it starts:
  *   FAULT_CRASH_LOAD  writes through a null pointer in its entry point
  *   FAULT_ESCAPE      in create, tries to open a file, to open an IP socket and to signal the
@@ -47,9 +50,20 @@ struct session {
     uint32_t n_eos;
     int32_t eos[8];
     struct inferd_plan_item item;
+#ifdef SCRIPT
+    uint32_t n_script;
+    int32_t script[512];
+#endif
 };
 
 static int32_t validate(inferd_call *call, const struct inferd_session_init *init) {
+#ifdef SCRIPT
+    if (!strstr(init->params_json, "\"tokens\"")) {
+        api->set_error(call, "c-script takes {\"tokens\": [ID, ...]}");
+        return INFERD_ERR_INVALID;
+    }
+    return INFERD_OK;
+#endif
     if (strcmp(init->params_json, "{}") != 0 && strcmp(init->params_json, "") != 0) {
         api->set_error(call, "c-greedy takes no parameters");
         return INFERD_ERR_INVALID;
@@ -86,6 +100,19 @@ static int32_t create(inferd_call *call, const struct inferd_session_init *init,
     s->done = init->max_tokens == 0;
     s->n_eos = init->n_eos < 8 ? init->n_eos : 8;
     for (uint32_t i = 0; i < s->n_eos; i++) s->eos[i] = init->eos[i];
+#ifdef SCRIPT
+    /* The numbers after "tokens", in order. */
+    const char *p = strstr(init->params_json, "\"tokens\"");
+    while (p && *p && *p != ']' && s->n_script < 512) {
+        if (*p >= '0' && *p <= '9') {
+            char *end;
+            s->script[s->n_script++] = (int32_t)strtol(p, &end, 10);
+            p = end;
+        } else {
+            p++;
+        }
+    }
+#endif
     *out = s;
     return INFERD_OK;
 }
@@ -151,6 +178,13 @@ static int32_t observe(inferd_call *call, void *session, const struct inferd_log
     int32_t best = 0;
     for (uint32_t i = 1; i < logits->vocab_size; i++)
         if (row[i] > row[best]) best = (int32_t)i;
+#ifdef SCRIPT
+    if (s->emitted >= s->n_script) {
+        s->done = 1;
+        return api->finish(call, 0, INFERD_FINISH_STOP);
+    }
+    best = s->script[s->emitted];
+#endif
     s->started = 1;
     for (uint32_t i = 0; i < s->n_eos; i++) {
         if (s->eos[i] == best) {
@@ -178,11 +212,18 @@ static const struct inferd_strategy strategy = {
 #endif
 #ifdef FAULT_BAD_NAME
     .name = "C Greedy!",
+#elif defined(SCRIPT)
+    .name = "c-script",
 #else
     .name = "c-greedy",
 #endif
+#ifdef SCRIPT
+    .description = "Writes the tokens it is given, written in C",
+    .params_doc = "{\"tokens\": \"the token ids to write, in order\"}",
+#else
     .description = "Greedy decoding, written in C",
     .params_doc = "{}",
+#endif
     .validate = validate,
     .create = create,
     .plan = plan,

@@ -14,7 +14,8 @@ differently); and the embedding models of EMBEDDERS (a pooling type of their own
 The rerankers of RERANKERS (Qwen3's form: rank pooling, a two-label head `cls.output.weight`,
 with a `rerank` prompt template or without) are written by `rerankers OUT_DIR`, for
 daemon/tests/daemon/rerank.rs, which checks them against llama-server. The mixtures of experts
-of MOES (Qwen3 MoE: 8 experts, 2 a token, in Q8_0 or MXFP4) are written by `moe OUT_DIR`, for
+of MOES (Qwen3 MoE and gpt-oss: 8 experts, 2 a token, in Q8_0 or MXFP4; gpt-oss with its
+biases, attention sinks, alternating 8-position windows and YaRN) are written by `moe OUT_DIR`, for
 daemon/tests/daemon/moe.rs, which checks them against llama-server too.
 tests/reference/regen runs llama.cpp on the GGUF files; tests/e2e/reference.rs runs inferd on
 them and compares, and checks that each directory gives the logits of its GGUF file."""
@@ -46,6 +47,21 @@ MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a")]
 TOKENS = SPECIALS + byte_chars() + [a + b for a, b in MERGES]
 VOCAB = len(TOKENS)
 
+# gpt-oss's harmony markers, control tokens of its vocabulary, and a chat template that writes
+# harmony (the official one's shape in brief: the reasoning effort in the system message,
+# tools in a developer message, the answer's channels).
+HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
+HARMONY_TEMPLATE = (
+    "<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
+    "{%- if tools %}<|start|>developer<|message|># Tools{% for t in tools %} {{ t.function.name }}{% endfor %}<|end|>{% endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>"
+    "{%- elif m.role == 'tool' -%}<|start|>functions.tool to=assistant<|channel|>commentary<|message|>{{ m.content }}<|end|>"
+    "{%- else -%}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}"
+)
+
 # Shapes: hidden 64 (so 32-blocks divide everything), 4 query heads of 16, 2 KV heads.
 HIDDEN, HEADS, KV_HEADS, FFN = 64, 4, 2, 128
 # The trained context of the long-context variants, stretched 4 times. llama.cpp rounds its
@@ -58,7 +74,8 @@ def add_vocab(w, pre="default", tokens=TOKENS, merges=MERGES):
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
-    w.add_token_types([3, 3, 2] + [1] * (len(tokens) - 3))
+    # Control tokens: the three specials, and markers spelled <|...|> (harmony's).
+    w.add_token_types([3, 3, 2] + [3 if t.startswith("<|") and t.endswith("|>") else 1 for t in tokens[3:]])
     w.add_token_merges([f"{a} {b}" for a, b in merges])
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
@@ -133,8 +150,9 @@ EXPERTS, EXPERTS_USED, EXPERT_FFN = 8, 2, 32
 
 def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None, experts_type=None):
     rng = np.random.default_rng(seed)
-    tokens, merges, pre = vocab or (TOKENS, MERGES, "default")
+    tokens, merges, pre = vocab or (TOKENS + (HARMONY_TOKENS if arch == "gpt-oss" else []), MERGES, "default")
     head = 32 if arch in ("qwen3", "qwen3moe", "gemma3") else HIDDEN // HEADS  # qwen3/gemma3: head size apart from hidden
+    moe = arch in ("qwen3moe", "gpt-oss")
     q, kv = HEADS * head, KV_HEADS * head
     layers = 6 if arch == "gemma3" else 2
 
@@ -145,7 +163,9 @@ def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None,
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
     w = GGUFWriter(path, arch)
-    w.add_context_length(4 * ORIGINAL if scaling else 256)
+    # The mixtures of experts are trained on 1024 positions, so that long answers fill a small
+    # KV cache (daemon/tests/daemon/moe.rs).
+    w.add_context_length(4 * ORIGINAL if scaling else 1024 if moe else 256)
     w.add_embedding_length(HIDDEN)
     w.add_block_count(layers)
     w.add_feed_forward_length(FFN)
@@ -156,7 +176,7 @@ def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None,
     if head * HEADS != HIDDEN:
         w.add_key_length(head)
         w.add_value_length(head)
-    if arch == "gemma3":
+    if arch in ("gemma3", "gpt-oss"):
         w.add_sliding_window(8)
     if arch == "phi3":
         w.add_rope_dimension_count(12)  # partial rotary, as Phi-4-mini
@@ -172,10 +192,19 @@ def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None,
         # An embedding model: its pooling, and (last-token pooling) an end token after each text.
         w.add_pooling_type(pooling)
         w.add_add_eos_token(pooling == PoolingType.LAST)
-    if arch == "qwen3moe":
+    if arch == "gpt-oss":
+        # gpt-oss's YaRN (its betas written as its conversion writes them), stretched 4 times.
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(4.0)
+        w.add_rope_scaling_orig_ctx_len(64)
+        w.add_rope_scaling_yarn_beta_fast(32.0)
+        w.add_rope_scaling_yarn_beta_slow(1.0)
+    if moe:
         w.add_expert_count(EXPERTS)
         w.add_expert_used_count(EXPERTS_USED)
         w.add_expert_feed_forward_length(EXPERT_FFN)
+    if arch == "gpt-oss":
+        w.add_chat_template(HARMONY_TEMPLATE)
     if rerank is not None:
         # A reranker: "yes" and "no" as its labels, and its prompt (None: llama.cpp's
         # BOS query EOS document EOS).
@@ -206,17 +235,26 @@ def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None,
             t[p + "attn_k.weight"] = mat(kv, HIDDEN)
             t[p + "attn_v.weight"] = mat(kv, HIDDEN)
         t[p + "attn_output.weight"] = mat(HIDDEN, q)
-        if arch == "qwen2":
+        if arch in ("qwen2", "gpt-oss"):
             for n, d in (("q", q), ("k", kv), ("v", kv)):
                 t[p + f"attn_{n}.bias"] = (0.5 * rng.standard_normal(d)).astype(np.float32)
+        if arch == "gpt-oss":
+            t[p + "attn_output.bias"] = (0.5 * rng.standard_normal(HIDDEN)).astype(np.float32)
+            # A sink per query head: some heads give it most of their weight, some little.
+            t[p + "attn_sinks.weight"] = (2.0 * rng.standard_normal(HEADS)).astype(np.float32)
         if arch in ("qwen3", "qwen3moe", "gemma3"):
             t[p + "attn_q_norm.weight"] = norm(head)
             t[p + "attn_k_norm.weight"] = norm(head)
         if arch == "gemma3":
             t[p + "post_attention_norm.weight"] = norm(HIDDEN)
             t[p + "post_ffw_norm.weight"] = norm(HIDDEN)
-        t[p + "ffn_norm.weight"] = norm(HIDDEN)
-        if arch == "qwen3moe":
+        # gpt-oss's norm before the feed-forward has the name of a post-attention norm.
+        t[p + ("post_attention_norm.weight" if arch == "gpt-oss" else "ffn_norm.weight")] = norm(HIDDEN)
+        if arch == "gpt-oss":
+            t[p + "ffn_gate_inp.bias"] = (0.5 * rng.standard_normal(EXPERTS)).astype(np.float32)
+            for name, rows in (("gate", EXPERT_FFN), ("up", EXPERT_FFN), ("down", HIDDEN)):
+                t[p + f"ffn_{name}_exps.bias"] = (0.5 * rng.standard_normal((EXPERTS, rows))).astype(np.float32)
+        if moe:
             # The router, sharper than the rest so that the choice of experts varies.
             t[p + "ffn_gate_inp.weight"] = mat(EXPERTS, HIDDEN, 1.0)
             for name in ("gate", "up"):
@@ -248,7 +286,7 @@ def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None,
             # Expert stacks, in the type asked for.
             qt = getattr(GGMLQuantizationType, experts_type)
             w.add_tensor(name, quantize(value, qt), raw_dtype=qt)
-        elif value.ndim == 2 and name != "token_embd.weight":
+        elif value.ndim == 2 and name != "token_embd.weight" and not name.endswith(".bias"):
             # Q8_0 matrices: quantized products on both sides, as real files have.
             w.add_tensor(name, quantize(value, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
         else:
@@ -376,8 +414,12 @@ ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "phi3"]
 # CLS-pooled one.
 EMBEDDERS = [("tiny-qwen2-embed-last", "qwen2", PoolingType.LAST), ("tiny-llama-embed-cls", "llama", PoolingType.CLS)]
 
-# Mixtures of experts: (name, the experts' type).
-MOES = [("tiny-qwen3moe-q8_0", "Q8_0"), ("tiny-qwen3moe-mxfp4", "MXFP4")]
+# Mixtures of experts: (name, architecture, the experts' type).
+MOES = [
+    ("tiny-qwen3moe-q8_0", "qwen3moe", "Q8_0"),
+    ("tiny-qwen3moe-mxfp4", "qwen3moe", "MXFP4"),
+    ("tiny-gpt-oss-mxfp4", "gpt-oss", "MXFP4"),
+]
 
 # Rerankers (Qwen3's form): (name, prompt template).
 RERANKERS = [("tiny-qwen3-rerank", "<s>query: {query}\ndocument: {document}</s>"), ("tiny-qwen3-rerank-bare", None)]
@@ -386,8 +428,8 @@ RERANKERS = [("tiny-qwen3-rerank", "<s>query: {query}\ndocument: {document}</s>"
 SCALED = [("tiny-phi3-longrope", "phi3", "longrope"), ("tiny-qwen2-yarn", "qwen2", "yarn")]
 
 if __name__ == "__main__" and sys.argv[1] == "moe":
-    for seed, (name, experts_type) in enumerate(MOES, start=200):
-        model("qwen3moe", f"{sys.argv[2]}/{name}.gguf", seed, experts_type=experts_type)
+    for seed, (name, arch, experts_type) in enumerate(MOES, start=200):
+        model(arch, f"{sys.argv[2]}/{name}.gguf", seed, experts_type=experts_type)
 elif __name__ == "__main__" and sys.argv[1] == "rerankers":
     for seed, (name, template) in enumerate(RERANKERS, start=100):
         model("qwen3", f"{sys.argv[2]}/{name}.gguf", seed, rerank={"template": template})

@@ -13,7 +13,7 @@
 use super::api::ApiError;
 use super::chat::Tools;
 use super::conn::Hangup;
-use super::reasoning::{Part, Split};
+use super::reasoning::{Part, Reader, Reading};
 use super::remote::events::{Event as Upstream, Events};
 use super::remote::{Opened, Remote};
 use super::request::{Output, Piece, Scored, Submitted};
@@ -111,8 +111,8 @@ enum Source {
 struct Local {
     sub: Submitted,
     out: Output,
-    /// Per choice: its reasoning splitter (a thinking model's chat answer).
-    think: Vec<Option<Split>>,
+    /// Per choice: its reasoning reader (a thinking model's chat answer).
+    think: Vec<Option<Reader>>,
     /// Per choice: its tool-call parser (with tools) and the calls it found.
     split: Vec<Option<ToolStream>>,
     calls: Vec<usize>,
@@ -156,12 +156,16 @@ impl Answers {
         Answers { source: Source::Remote(Box::new(relay)), queue: VecDeque::new(), over: false, n: 1 }
     }
 
-    /// Reads each choice's `<think>` block as reasoning ([`Split`]) when `start` says the
-    /// answer has one (`Some(open)`: the prompt opened it; [`super::reasoning::start`]). An
-    /// upstream's reasoning comes apart already.
-    pub fn thinking(mut self, start: Option<bool>) -> Answers {
-        if let (Source::Local(l), Some(open)) = (&mut self.source, start) {
-            l.think = (0..self.n).map(|_| Some(Split::new(open))).collect();
+    /// Reads each choice's reasoning apart as `reading` says ([`super::reasoning::start`]): a
+    /// `<think>` block, or harmony's channels (whose markers the text then keeps, and whose
+    /// calls are the answer's). An upstream's reasoning comes apart already.
+    pub fn thinking(mut self, reading: Option<Reading>) -> Answers {
+        if let (Source::Local(l), Some(reading)) = (&mut self.source, reading) {
+            if reading == Reading::Harmony {
+                let out = std::mem::replace(&mut l.out, Output::new(0, Vec::new()));
+                l.out = out.keeping(&l.sub.model.model.tokenizer, &inferd_engine::tools::harmony::MARKERS);
+            }
+            l.think = (0..self.n).map(|_| Some(Reader::new(reading))).collect();
         }
         self
     }
@@ -325,6 +329,12 @@ impl Local {
             match p {
                 Part::Reasoning(r) => q.push_back(Answer::Reasoning { choice, text: r }),
                 Part::Content(c) => content.push_str(&c),
+                Part::Call(call) => {
+                    let i = choice as usize;
+                    let index = self.calls[i];
+                    self.calls[i] += 1;
+                    q.push_back(Answer::Call { choice, index, call });
+                }
             }
         }
         let token = token.filter(|_| content == text);

@@ -19,14 +19,29 @@ pub fn capable(template: Option<&str>) -> bool {
     [OPEN, "enable_thinking", "reasoning_content", "reasoning_effort"].iter().any(|k| t.contains(k))
 }
 
-/// How a chat answer of `model` to `prompt` is read: `None` when its template has no `<think>`
-/// block; else whether the prompt ends inside one it opened (its last tokens spell it).
-pub fn start(model: &Model, prompt: &[u32]) -> Option<bool> {
-    if !model.chat_template.as_deref().is_some_and(|t| t.contains(OPEN)) {
+/// How a thinking model's chat answer is read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reading {
+    /// A `<think>` block, which the prompt opened already (`open`) or the answer may open.
+    Think { open: bool },
+    /// gpt-oss's harmony channels ([`inferd_engine::tools::harmony`]).
+    Harmony,
+}
+
+/// How a chat answer of `model` to `prompt` is read: harmony where its template writes it;
+/// `None` when its template has no `<think>` block; else whether the prompt ends inside one it
+/// opened (its last tokens spell it).
+pub fn start(model: &Model, prompt: &[u32]) -> Option<Reading> {
+    let template = model.chat_template.as_deref();
+    if inferd_engine::tools::harmony::is_harmony(template) {
+        return Some(Reading::Harmony);
+    }
+    if !template.is_some_and(|t| t.contains(OPEN)) {
         return None;
     }
     let tail = &prompt[prompt.len().saturating_sub(8)..];
-    Some(model.tokenizer.decode(tail, false).is_ok_and(|t| t.trim_end().ends_with(OPEN)))
+    let open = model.tokenizer.decode(tail, false).is_ok_and(|t| t.trim_end().ends_with(OPEN));
+    Some(Reading::Think { open })
 }
 
 /// The template variables for a request's thinking: `enable` (on or off) and `effort`
@@ -83,11 +98,55 @@ pub fn ollama(think: Option<&Value>, model: &str, template: Option<&str>) -> Res
     Ok(switch(Some(enable), effort))
 }
 
-/// A piece of an answer's text: reasoning or the answer proper.
+/// A piece of an answer's text: reasoning, the answer proper, or (harmony) a tool call.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Part {
     Reasoning(String),
     Content(String),
+    Call(inferd_engine::tools::ToolCall),
+}
+
+/// One choice's reader: a `<think>` block's splitter or harmony's channels.
+#[derive(Debug)]
+pub enum Reader {
+    Think(Split),
+    Harmony(Box<inferd_engine::tools::harmony::Harmony>),
+}
+
+impl Reader {
+    pub fn new(reading: Reading) -> Reader {
+        match reading {
+            Reading::Think { open } => Reader::Think(Split::new(open)),
+            Reading::Harmony => Reader::Harmony(Box::default()),
+        }
+    }
+
+    /// The parts `text` completes.
+    pub fn push(&mut self, text: &str) -> Vec<Part> {
+        match self {
+            Reader::Think(s) => s.push(text),
+            Reader::Harmony(h) => h.push(text).into_iter().map(Part::from).collect(),
+        }
+    }
+
+    /// The parts held at the end of the answer.
+    pub fn finish(&mut self) -> Vec<Part> {
+        match self {
+            Reader::Think(s) => s.finish(),
+            Reader::Harmony(h) => h.finish().into_iter().map(Part::from).collect(),
+        }
+    }
+}
+
+impl From<inferd_engine::tools::harmony::Part> for Part {
+    fn from(p: inferd_engine::tools::harmony::Part) -> Part {
+        use inferd_engine::tools::harmony::Part as H;
+        match p {
+            H::Reasoning(t) => Part::Reasoning(t),
+            H::Content(t) => Part::Content(t),
+            H::Call(c) => Part::Call(c),
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -203,6 +262,7 @@ mod tests {
             match p {
                 Part::Reasoning(t) => r.push_str(&t),
                 Part::Content(t) => c.push_str(&t),
+                Part::Call(_) => unreachable!("a <think> block has no calls"),
             }
         }
         (r, c)

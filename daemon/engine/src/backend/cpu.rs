@@ -85,6 +85,8 @@ pub fn runs(arch: &Architecture) -> Result<(), BackendError> {
         activation,
         qkv_bias: _,
         qk_norm: _,
+        attn_sinks: _,
+        attn_out_bias: _,
         layers,
         embedding_scale: _,
         attention_scale: _,
@@ -92,14 +94,14 @@ pub fn runs(arch: &Architecture) -> Result<(), BackendError> {
         layout: _,
         moe,
     } = arch;
-    if moe.is_some() && *activation != Activation::SiluGated {
-        return Err(BackendError::Unsupported(format!("{}: experts with an activation other than SwiGLU", arch.name)));
+    if moe.is_some() && *activation == Activation::GeluTanhGated {
+        return Err(BackendError::Unsupported(format!("{}: experts with GeGLU", arch.name)));
     }
     match norm {
         NormPlacement::Pre | NormPlacement::PreAndPost => {}
     }
     match activation {
-        Activation::SiluGated | Activation::GeluTanhGated => {}
+        Activation::SiluGated | Activation::GeluTanhGated | Activation::SwigluOai => {}
     }
     for l in layers {
         let LayerAttention { window, rope_base: _, rope_scaling } = l;
@@ -115,6 +117,20 @@ pub fn runs(arch: &Architecture) -> Result<(), BackendError> {
         }
     }
     Ok(())
+}
+
+/// `gate = act(gate, up)` in place for the architecture's activation, from the kernel table.
+fn activation_fn(k: &Kernels, a: Activation) -> fn(&mut [f32], &[f32]) {
+    match a {
+        Activation::SiluGated => k.swiglu,
+        Activation::GeluTanhGated => k.geglu,
+        Activation::SwigluOai => inferd_kernels::ops::swiglu_oai,
+    }
+}
+
+/// Adds `bias` to every row of `rows` (rows of `bias.len()`).
+fn add_bias_rows(rows: &mut [f32], bias: &[f32]) {
+    rows.chunks_exact_mut(bias.len()).for_each(|row| row.iter_mut().zip(bias).for_each(|(x, b)| *x += b));
 }
 
 /// Bytes of K and V that `block_size` positions take in every layer of this model.
@@ -274,6 +290,7 @@ impl CpuBackend {
         lw: &crate::model::weights::LayerWeights,
         router: &Tensor,
         moe: &crate::model::arch::Moe,
+        activation: Activation,
         s: &mut Scratch,
         n: usize,
         h: usize,
@@ -281,16 +298,26 @@ impl CpuBackend {
         use inferd_kernels::moe::{experts_ffn, route, ExpertFfn, Experts};
         Self::project(pool, k, Phase::FfnGateUp, laps, &[router], &s.xb[..n * h], n, &mut s.q8, &mut [&mut s.router]);
         let e = moe.experts;
+        if let Some(b) = &lw.router_bias {
+            add_bias_rows(&mut s.router[..n * e], b);
+        }
         let chosen: Vec<Vec<(u32, f32)>> =
             s.router.chunks_exact(e).take(n).map(|logits| route(&moe.routing, logits, None)).collect();
         fn stack(t: &Tensor, e: usize) -> Experts<'_> {
             Experts { dtype: t.dtype, n: e, rows: t.rows / e, cols: t.cols, data: t.bytes(), layout: t.layout() }
         }
-        let ffn =
-            ExpertFfn { gate: stack(&lw.w_gate, e), up: stack(&lw.w_up, e), down: stack(&lw.w_down, e), act: k.swiglu };
+        let ffn = ExpertFfn {
+            gate: stack(&lw.w_gate, e),
+            up: stack(&lw.w_up, e),
+            down: stack(&lw.w_down, e),
+            act: activation_fn(k, activation),
+            biases: lw.expert_biases.as_ref().map(|[g, u, d]| [&g[..], &u[..], &d[..]]),
+        };
         resize(&mut s.out, n * h);
-        experts_ffn(pool, k, &ffn, &s.xb[..n * h], &chosen, &mut s.out[..n * h], &mut s.moe);
-        laps.lap(Phase::FfnDown, &[]);
+        let ran = experts_ffn(pool, k, &ffn, &s.xb[..n * h], &chosen, &mut s.out[..n * h], &mut s.moe);
+        // The chosen experts' bytes: what the step read of the stacks.
+        let per_expert = [&lw.w_gate, &lw.w_up, &lw.w_down].iter().map(|t| t.bytes().len() / e).sum::<usize>();
+        laps.lap_bytes(Phase::FfnDown, (ran * per_expert) as u64);
     }
 }
 
@@ -438,7 +465,7 @@ impl CpuBackend {
             );
             if let Some([bq, bk, bv]) = &lw.qkv_bias {
                 for (out, b) in [(&mut s.q, bq), (&mut s.k, bk), (&mut s.v, bv)] {
-                    out.chunks_exact_mut(b.len()).for_each(|row| row.iter_mut().zip(b).for_each(|(x, b)| *x += b));
+                    add_bias_rows(out, b);
                 }
             }
             if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
@@ -467,7 +494,8 @@ impl CpuBackend {
             let kv = PagedKv { k: kc, v: vc, block_size: bs, n_kv_heads: nkv, head_dim: hd };
             debug_assert_eq!(la.window, self.groups.windows[group], "a layer's group has its window");
             laps.lap(Phase::Between, &[]);
-            attend_batch(pool, k, &kv, cfg.n_heads, arch.attention_scale, &s.q, ctx, &mut s.att);
+            let sinks = lw.attn_sinks.as_deref();
+            attend_batch(pool, k, &kv, cfg.n_heads, arch.attention_scale, sinks, &s.q, ctx, &mut s.att);
             laps.lap(Phase::Attention, &[]);
             Self::project(
                 pool,
@@ -480,6 +508,9 @@ impl CpuBackend {
                 &mut s.q8,
                 &mut [&mut s.out],
             );
+            if let Some(b) = &lw.wo_bias {
+                add_bias_rows(&mut s.out, b);
+            }
             if let Some(post) = &lw.attn_post_norm {
                 rms_norm_each(&mut s.out, post, eps);
             }
@@ -490,7 +521,7 @@ impl CpuBackend {
                 rms_norm(&s.x[t * h..(t + 1) * h], &lw.ffn_norm, eps, &mut s.xb[t * h..(t + 1) * h]);
             }
             if let (Some(router), Some(moe)) = (&lw.router, &arch.moe) {
-                Self::experts(pool, k, &mut laps, lw, router, moe, s, n, h);
+                Self::experts(pool, k, &mut laps, lw, router, moe, arch.activation, s, n, h);
                 s.x.iter_mut().zip(&s.out).for_each(|(x, o)| *x += o);
                 continue;
             }
@@ -505,10 +536,7 @@ impl CpuBackend {
                 &mut s.q8,
                 &mut [&mut s.gate, &mut s.up],
             );
-            match arch.activation {
-                Activation::SiluGated => (k.swiglu)(&mut s.gate, &s.up),
-                Activation::GeluTanhGated => (k.geglu)(&mut s.gate, &s.up),
-            }
+            activation_fn(k, arch.activation)(&mut s.gate, &s.up);
             Self::project(pool, k, Phase::FfnDown, &mut laps, &[&lw.w_down], &s.gate, n, &mut s.q8, &mut [&mut s.out]);
             if let Some(post) = &lw.ffn_post_norm {
                 rms_norm_each(&mut s.out, post, eps);

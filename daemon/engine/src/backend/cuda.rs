@@ -115,6 +115,13 @@ impl<S: Stream> CudaBackend<S> {
             let why = format!("{}: a mixture of experts runs on the CPU backend alone for now", model.arch.name);
             return Err(BackendError::Unsupported(why));
         }
+        if model.arch.attn_sinks || model.arch.attn_out_bias || model.arch.activation == Activation::SwigluOai {
+            let why = format!(
+                "{}: attention sinks, output biases and the clamped SwiGLU run on the CPU backend alone for now",
+                model.arch.name
+            );
+            return Err(BackendError::Unsupported(why));
+        }
         let (cfg, w) = (&model.config, &model.weights);
         let bs = opts.block_size;
         let kv_blocks = (opts.kv_budget_bytes / super::cpu::kv_page_bytes(cfg, &model.arch, bs)).max(1);

@@ -24,9 +24,12 @@ pub enum Phase {
     Attention,
     /// The attention output projection.
     OutputProjection,
-    /// The feed-forward gate and up projections (one dispatch).
+    /// The feed-forward gate and up projections (one dispatch); of a mixture of experts, the
+    /// router's.
     FfnGateUp,
-    /// The feed-forward down projection.
+    /// The feed-forward down projection; of a mixture of experts, the chosen experts' gate, up
+    /// and down products (two dispatches) with the routing and their weighted sum, and the
+    /// weights counted are the chosen experts' alone.
     FfnDown,
     /// The output projection of the rows that want logits.
     Logits,
@@ -125,12 +128,17 @@ impl<'a> Laps<'a> {
     /// Ends `phase`, whose products read `weights`: the time and dispatches since the last lap
     /// are its.
     pub(crate) fn lap(&mut self, phase: Phase, weights: &[&Tensor]) {
+        self.lap_bytes(phase, weights.iter().map(|w| w.bytes().len() as u64).sum::<u64>());
+    }
+
+    /// [`Laps::lap`] for a phase that read `weight_bytes` of weights (some of a tensor's).
+    pub(crate) fn lap_bytes(&mut self, phase: Phase, weight_bytes: u64) {
         if let Some((profile, last, pool_last)) = &mut self.on {
             let (now, pool_now) = (Instant::now(), self.pool.time());
             let p = &mut profile.phases[phase as usize];
             p.time += now - *last;
             p.pool += pool_now - *pool_last;
-            p.weight_bytes += weights.iter().map(|w| w.bytes().len() as u64).sum::<u64>();
+            p.weight_bytes += weight_bytes;
             (*last, *pool_last) = (now, pool_now);
         }
     }

@@ -145,8 +145,12 @@ pub struct LayerWeights {
     pub wk: Tensor,
     pub wv: Tensor,
     pub wo: Tensor,
-    /// Biases of Q, K and V (Qwen 2).
+    /// Biases of Q, K and V (Qwen 2, gpt-oss).
     pub qkv_bias: Option<[Vec<f32>; 3]>,
+    /// The attention output projection's bias (gpt-oss).
+    pub wo_bias: Option<Vec<f32>>,
+    /// Each query head's sink logit (gpt-oss).
+    pub attn_sinks: Option<Vec<f32>>,
     /// Per-head RMSNorm weights of Q and K (`head_dim` each).
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
@@ -161,6 +165,10 @@ pub struct LayerWeights {
     pub w_down: Tensor,
     /// A mixture of experts' router (`experts` rows of `hidden`).
     pub router: Option<Tensor>,
+    /// The router's bias (one per expert) and the experts' gate, up and down biases (each
+    /// expert's rows after the one before's), where the family has them (gpt-oss).
+    pub router_bias: Option<Vec<f32>>,
+    pub expert_biases: Option<[Vec<f32>; 3]>,
     /// RMSNorm of the MLP output before the residual add (Gemma).
     pub ffn_post_norm: Option<Vec<f32>>,
 }
@@ -319,6 +327,9 @@ impl LlamaWeights {
             };
             let bias = |role: Role, n: usize| vector(naming.layer(role, i, layout.gemma_names, "bias"), n);
             let post = arch.norm == super::arch::NormPlacement::PreAndPost;
+            let ffn_norm = if layout.ffn_norm_is_post_attention { Role::AttnPostNorm } else { Role::FfnNorm };
+            let biased = moe.filter(|m| m.biased);
+            let gguf_bias = |what: &str, n: usize| vector(format!("blk.{i}.{what}.bias"), n);
             layers.push(LayerWeights {
                 attn_norm: norm(name(Role::AttnNorm), h)?,
                 wq,
@@ -330,10 +341,15 @@ impl LlamaWeights {
                 } else {
                     None
                 },
+                wo_bias: arch.attn_out_bias.then(|| bias(Role::O, h)).transpose()?,
+                attn_sinks: arch
+                    .attn_sinks
+                    .then(|| vector(format!("blk.{i}.attn_sinks.weight"), cfg.n_heads))
+                    .transpose()?,
                 q_norm: arch.qk_norm.then(|| norm(name(Role::QNorm), hd)).transpose()?,
                 k_norm: arch.qk_norm.then(|| norm(name(Role::KNorm), hd)).transpose()?,
                 attn_post_norm: post.then(|| norm(name(Role::AttnPostNorm), h)).transpose()?,
-                ffn_norm: norm(name(Role::FfnNorm), h)?,
+                ffn_norm: norm(name(ffn_norm), h)?,
                 w_gate,
                 w_up,
                 w_down: match moe {
@@ -341,6 +357,17 @@ impl LlamaWeights {
                     None => fetch(name(Role::Down))?.expect(h, f)?,
                 },
                 router: moe.map(|m| fetch(format!("blk.{i}.ffn_gate_inp.weight"))?.expect(m.experts, h)).transpose()?,
+                router_bias: biased.map(|m| gguf_bias("ffn_gate_inp", m.experts)).transpose()?,
+                expert_biases: biased
+                    .map(|m| -> Result<[Vec<f32>; 3], ModelError> {
+                        let width = m.experts * m.expert_ffn;
+                        Ok([
+                            gguf_bias("ffn_gate_exps", width)?,
+                            gguf_bias("ffn_up_exps", width)?,
+                            gguf_bias("ffn_down_exps", m.experts * h)?,
+                        ])
+                    })
+                    .transpose()?,
                 ffn_post_norm: post.then(|| norm(name(Role::FfnPostNorm), h)).transpose()?,
             });
         }

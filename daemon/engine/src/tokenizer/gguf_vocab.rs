@@ -84,6 +84,14 @@ fn end_tokens(g: &Gguf, tokens: &[String], fim: &FimTokens) -> Vec<u32> {
             eos.push(t);
         }
     }
+    // gpt-oss's harmony ends a turn with `<|return|>` or `<|call|>`; its `<|end|>` closes a
+    // message inside the turn (the reasoning before the answer), so it must not end
+    // generation (llama.cpp reads the vocabulary so too).
+    let text = |id: u32| tokens.get(id as usize).map(String::as_str);
+    let has = |t: &str| eos.iter().any(|&id| text(id) == Some(t));
+    if has("<|return|>") && has("<|call|>") {
+        eos.retain(|&id| text(id) != Some("<|end|>"));
+    }
     eos
 }
 

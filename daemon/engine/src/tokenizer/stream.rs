@@ -22,6 +22,11 @@ impl StreamDecoder {
         StreamDecoder { pending: Vec::new(), skip_special: true, keep }
     }
 
+    /// The special tokens written even while skipping the others.
+    pub fn kept(&self) -> &[u32] {
+        &self.keep
+    }
+
     /// Adds one token; returns the text that became complete (possibly empty).
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String, TokenizerError> {
         if !(self.skip_special && tok.is_special(id) && !self.keep.contains(&id)) {

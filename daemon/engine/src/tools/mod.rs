@@ -1,6 +1,7 @@
 //! Tool calling as each model family writes it: the tools rendered into the prompt, the grammar
 //! that makes the model call one when the client requires it, and the calls parsed back out of
-//! the text (`parse.rs`, whole and streamed).
+//! the text (`parse.rs`, whole and streamed); gpt-oss's harmony format, whose channels say
+//! what is reasoning, answer or call (`harmony.rs`).
 //!
 //! Three syntaxes cover the families inferd loads, each detected from the chat template:
 //! - Hermes (Qwen 2.5 / 3, Hermes, and the fallback): `<tool_call>\n{"name": .., "arguments":
@@ -14,6 +15,7 @@
 //! then parsed in. Nothing here knows HTTP: the edges turn their JSON into [`Tool`]s and
 //! [`ToolCall`]s.
 
+pub mod harmony;
 pub mod parse;
 
 use crate::constraint::{ResponseFormat, Vocabulary};

@@ -15,7 +15,7 @@ use std::hash::{BuildHasher, Hasher};
 /// Ids for the calls of one answer: `call_` and 16 letters or digits, or the 9 that Mistral's
 /// templates insist on when the conversation comes back.
 #[derive(Debug)]
-struct CallIds {
+pub(crate) struct CallIds {
     state: std::collections::hash_map::RandomState,
     n: u64,
     mistral: bool,
@@ -26,7 +26,12 @@ impl CallIds {
         CallIds { state: Default::default(), n: 0, mistral: format.syntax == Syntax::Mistral }
     }
 
-    fn next(&mut self) -> String {
+    /// OpenAI's form of ids (`call_` and 16 letters and digits).
+    pub(crate) fn plain() -> CallIds {
+        CallIds { state: Default::default(), n: 0, mistral: false }
+    }
+
+    pub(crate) fn next(&mut self) -> String {
         const ALNUM: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
         self.n += 1;
         let mut h = self.state.build_hasher();

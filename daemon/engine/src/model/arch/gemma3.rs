@@ -44,6 +44,8 @@ fn describe(
         activation: Activation::GeluTanhGated,
         qkv_bias: false,
         qk_norm: true,
+        attn_sinks: false,
+        attn_out_bias: false,
         layers,
         embedding_scale: Some((cfg.hidden as f32).sqrt()),
         attention_scale,
@@ -53,25 +55,11 @@ fn describe(
     }
 }
 
-/// Layer `i` slides unless it closes a period of `pattern` layers.
-fn pattern(n_layers: usize, pattern: usize) -> Vec<bool> {
-    (0..n_layers).map(|i| pattern == 0 || i % pattern < pattern - 1).collect()
-}
-
 pub fn from_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
     let keys = GgufKeys::new(g, "gemma3");
     let config = keys.config(RopeStyle::Neox)?;
     let window = keys.opt_uint("attention.sliding_window")?.filter(|&w| w > 0);
-    let sliding = match keys.get("attention.sliding_window_pattern") {
-        None => pattern(config.n_layers, PATTERN),
-        Some(v) => match (v.as_u64(), v.as_array()) {
-            (Some(n), _) => pattern(config.n_layers, n as usize),
-            (None, Some(a)) if a.len() == config.n_layers && a.iter().all(|b| b.as_bool().is_some()) => {
-                a.iter().map(|b| b.as_bool() == Some(true)).collect()
-            }
-            _ => return Err(ModelError::Config(format!("gemma3.attention.sliding_window_pattern = {v:?}"))),
-        },
-    };
+    let sliding = keys.sliding_layers(config.n_layers, PATTERN)?;
     let local_base = keys.opt_float("rope.freq_base_swa")?.unwrap_or(LOCAL_BASE);
     let scaling = keys.rope_scaling(&config)?;
     if keys.opt_float("final_logit_softcapping")?.is_some_and(|c| c != 0.0) {
@@ -111,7 +99,7 @@ pub fn from_hf(cfg: &Map<String, Value>) -> Result<(Architecture, LlamaConfig), 
         Some(_) => return Err(ModelError::Config("config.json: layer_types is not one per layer".into())),
         None => {
             let p = keys.opt_uint("sliding_window_pattern")?.or(keys.opt_uint("_sliding_window_pattern")?);
-            pattern(config.n_layers, p.unwrap_or(PATTERN))
+            super::sliding_pattern(config.n_layers, p.unwrap_or(PATTERN))
         }
     };
     // Read by transformers only to build `layer_types` when it is missing.

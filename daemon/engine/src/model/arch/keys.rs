@@ -156,6 +156,25 @@ impl<'a> GgufKeys<'a> {
         }
     }
 
+    /// Which of `n_layers` layers attend through the sliding window, as llama.cpp reads
+    /// `attention.sliding_window_pattern`: an array of flags, or a period whose last layer
+    /// alone attends globally (`default` when the file is silent).
+    pub fn sliding_layers(&self, n_layers: usize, default: usize) -> Result<Vec<bool>, ModelError> {
+        Ok(match self.get("attention.sliding_window_pattern") {
+            None => super::sliding_pattern(n_layers, default),
+            Some(v) => match (v.as_u64(), v.as_array()) {
+                (Some(n), _) => super::sliding_pattern(n_layers, n as usize),
+                (None, Some(a)) if a.len() == n_layers && a.iter().all(|b| b.as_bool().is_some()) => {
+                    a.iter().map(|b| b.as_bool() == Some(true)).collect()
+                }
+                _ => {
+                    let key = self.full("attention.sliding_window_pattern");
+                    return Err(ModelError::Config(format!("{key} = {v:?}")));
+                }
+            },
+        })
+    }
+
     /// The f32 values of a small GGUF tensor (`rope_freqs.weight`, LongRoPE's factors).
     pub fn f32_tensor(&self, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
         let g = self.g;

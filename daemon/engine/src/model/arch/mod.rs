@@ -2,7 +2,7 @@
 //! placement, activation, QKV bias, QK-norm, attention window and RoPE per layer, embedding
 //! scale, tied output), and the backends run that description instead of a code path per
 //! family. One small file per architecture maps a GGUF's metadata or a `config.json` onto it
-//! (`llama.rs` for Llama and Mistral, `qwen.rs`, `gemma3.rs`, `phi3.rs`; [`for_gguf`] and
+//! (`llama.rs` for Llama and Mistral, `qwen.rs`, `gpt_oss.rs`, `gemma3.rs`, `phi3.rs`; [`for_gguf`] and
 //! [`for_hf`] pick the file by name; `keys.rs` reads metadata and remembers what was read).
 //!
 //! Whatever a file says that its architecture's file does not understand is an error that
@@ -10,6 +10,7 @@
 //! nobody reads. A model inferd cannot run exactly is refused, never run differently.
 
 pub mod gemma3;
+pub mod gpt_oss;
 mod keys;
 pub mod llama;
 pub mod phi3;
@@ -39,17 +40,23 @@ pub enum Activation {
     SiluGated,
     /// `down(gelu_tanh(gate(x)) * up(x))` (GeGLU with GELU's tanh approximation).
     GeluTanhGated,
+    /// gpt-oss's SwiGLU: the gate clamped from above, the linear part both ways, `σ(1.702 x)`,
+    /// and one added to the linear part ([`inferd_kernels::ops::swiglu_oai`]).
+    SwigluOai,
 }
 
 /// A mixture-of-experts feed-forward (every layer's, in the families here): a router picks
-/// `used` of `experts` experts per token, each a SwiGLU of width `expert_ffn`
-/// ([`inferd_kernels::moe`]).
+/// `used` of `experts` experts per token, each a gated MLP of width `expert_ffn` with the
+/// architecture's activation ([`inferd_kernels::moe`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Moe {
     pub experts: usize,
     pub used: usize,
     pub expert_ffn: usize,
     pub routing: inferd_kernels::moe::Routing,
+    /// The router's logits and every expert's gate, up and down products carry a bias
+    /// (gpt-oss).
+    pub biased: bool,
 }
 
 /// One layer's attention.
@@ -74,6 +81,8 @@ pub struct TensorLayout {
     pub norm_offset: f32,
     /// Hugging Face names the norms as Gemma does (`pre_feedforward_layernorm`, ...).
     pub gemma_names: bool,
+    /// The norm before the feed-forward is GGUF's `post_attention_norm` (gpt-oss's name).
+    pub ffn_norm_is_post_attention: bool,
 }
 
 /// A transformer as the backends run it; see the module docs.
@@ -87,6 +96,11 @@ pub struct Architecture {
     pub qkv_bias: bool,
     /// Q and K are RMS-normalized per head before RoPE.
     pub qk_norm: bool,
+    /// Each query head has a learned sink: a logit that joins its softmax's denominator and
+    /// adds nothing to its output (gpt-oss).
+    pub attn_sinks: bool,
+    /// The attention output projection carries a bias (gpt-oss).
+    pub attn_out_bias: bool,
     pub layers: Vec<LayerAttention>,
     /// The token embeddings are multiplied by this before the first layer.
     pub embedding_scale: Option<f32>,
@@ -109,6 +123,8 @@ impl Architecture {
             activation: Activation::SiluGated,
             qkv_bias: false,
             qk_norm: false,
+            attn_sinks: false,
+            attn_out_bias: false,
             layers: vec![
                 LayerAttention { window: None, rope_base: cfg.rope_base, rope_scaling: scaling };
                 cfg.n_layers
@@ -122,8 +138,14 @@ impl Architecture {
     }
 }
 
+/// Layer `i` slides unless it closes a period of `pattern` layers (every layer slides when
+/// `pattern` is 0), as llama.cpp's `set_swa_pattern`.
+pub fn sliding_pattern(n_layers: usize, pattern: usize) -> Vec<bool> {
+    (0..n_layers).map(|i| pattern == 0 || i % pattern < pattern - 1).collect()
+}
+
 /// The families [`for_gguf`] and [`for_hf`] know, for their refusals.
-const KNOWN: &str = "llama, mistral, qwen2, qwen3, qwen3moe, gemma3, phi3";
+const KNOWN: &str = "llama, mistral, qwen2, qwen3, qwen3moe, gpt-oss, gemma3, phi3";
 
 /// The architecture and hyperparameters of a GGUF file, by its `general.architecture`.
 pub fn for_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
@@ -137,6 +159,7 @@ pub fn for_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
         "qwen2" => qwen::from_gguf(g, qwen::Qwen::Two),
         "qwen3" => qwen::from_gguf(g, qwen::Qwen::Three),
         "qwen3moe" => qwen::from_gguf(g, qwen::Qwen::ThreeMoe),
+        "gpt-oss" => gpt_oss::from_gguf(g),
         "gemma3" => gemma3::from_gguf(g),
         "phi3" => phi3::from_gguf(g),
         other => Err(ModelError::Unsupported(format!("architecture '{other}' (supported: {KNOWN})"))),

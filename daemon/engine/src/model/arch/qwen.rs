@@ -51,7 +51,7 @@ fn experts(keys: &GgufKeys<'_>, cfg: &LlamaConfig) -> Result<Moe, ModelError> {
     }
     let scale = keys.opt_float("expert_weights_scale")?.filter(|s| *s != 0.0).unwrap_or(1.0);
     let routing = Routing { gate: Gate::Softmax, top_k: used, normalize: true, scale };
-    Ok(Moe { experts, used, expert_ffn, routing })
+    Ok(Moe { experts, used, expert_ffn, routing, biased: false })
 }
 
 pub fn from_gguf(g: &Gguf, q: Qwen) -> Result<(Architecture, LlamaConfig), ModelError> {
