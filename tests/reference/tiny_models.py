@@ -255,7 +255,8 @@ def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None,
             for name, rows in (("gate", EXPERT_FFN), ("up", EXPERT_FFN), ("down", HIDDEN)):
                 t[p + f"ffn_{name}_exps.bias"] = (0.5 * rng.standard_normal((EXPERTS, rows))).astype(np.float32)
         if moe:
-            # The router, sharper than the rest so that the choice of experts varies.
+            # The router, sharper than the rest so that the choice of experts varies; in f32, as
+            # llama-quantize leaves it in real files.
             t[p + "ffn_gate_inp.weight"] = mat(EXPERTS, HIDDEN, 1.0)
             for name in ("gate", "up"):
                 t[p + f"ffn_{name}_exps.weight"] = np.stack([mat(EXPERT_FFN, HIDDEN) for _ in range(EXPERTS)])
@@ -286,7 +287,7 @@ def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None,
             # Expert stacks, in the type asked for.
             qt = getattr(GGMLQuantizationType, experts_type)
             w.add_tensor(name, quantize(value, qt), raw_dtype=qt)
-        elif value.ndim == 2 and name != "token_embd.weight" and not name.endswith(".bias"):
+        elif value.ndim == 2 and name != "token_embd.weight" and not name.endswith((".bias", "ffn_gate_inp.weight")):
             # Q8_0 matrices: quantized products on both sides, as real files have.
             w.add_tensor(name, quantize(value, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
         else:

@@ -10,9 +10,11 @@
 use super::remote::{free_port, llama_server, spawn_llama_server, tcp_http};
 use super::*;
 
-/// How close the log-probabilities must be: twice the most they differ here (0.076, Intel Xeon
-/// AVX-512; both sides' products of 8-bit activations round differently), and below what
-/// leaving the chosen weights unnormalized moves them (0.24).
+/// How close the log-probabilities must be: twice the most they differ here (0.060 over 113
+/// steps of the three models, Intel Xeon AVX-512; both sides' products of 8-bit activations
+/// round differently; with the routers in Q8_0 rather than f32 as real files keep them, a
+/// router's near-tie flipped a choice of experts once, to 0.156), and below what leaving the
+/// chosen weights unnormalized moves them (0.24).
 const TOL: f64 = 0.15;
 
 fn tiny_moes(dir: &Path) -> Vec<(PathBuf, &'static str)> {
@@ -166,14 +168,17 @@ fn mixtures_of_experts_through_chunks_forks_preemption_and_the_prefix_cache() {
     // Long answers of many requests at once (the end of text biased away): about 17,000
     // positions for a 1 MiB cache's 2,048 (Qwen3 MoE: 512 bytes a position) or 8,192 (gpt-oss:
     // 128 a layer, and its sliding-window layer's blocks go back as the window passes them).
-    let requests: Vec<(String, usize)> = prompts()
+    // The end tokens biased away: `</s>`, and gpt-oss's `<|return|>` and `<|call|>`.
+    let requests = |name: &str| -> Vec<(String, usize)> {
+        let bias = if name == "gpt-oss" { r#"{"1": -100, "268": -100, "269": -100}"# } else { r#"{"1": -100}"# };
+        prompts()
         .iter()
         .flat_map(|p| {
             [
-                (format!(r#""prompt": {p:?}, "max_tokens": 900, "temperature": 0, "logit_bias": {{"1": -100}}"#), 1),
+                (format!(r#""prompt": {p:?}, "max_tokens": 900, "temperature": 0, "logit_bias": {bias}"#), 1),
                 (
                     format!(
-                        r#""prompt": {p:?}, "max_tokens": 900, "temperature": 0, "n": 2, "logit_bias": {{"1": -100}}"#
+                        r#""prompt": {p:?}, "max_tokens": 900, "temperature": 0, "n": 2, "logit_bias": {bias}"#
                     ),
                     2,
                 ),
@@ -185,7 +190,8 @@ fn mixtures_of_experts_through_chunks_forks_preemption_and_the_prefix_cache() {
                 ),
             ]
         })
-        .collect();
+        .collect()
+    };
     let texts =
         |v: &Value| -> Vec<Value> { v["choices"].as_array().unwrap().iter().map(|c| c["text"].clone()).collect() };
     let (roomy_dir, tight_dir) = (dir.join("roomy"), dir.join("tight"));
@@ -196,11 +202,11 @@ fn mixtures_of_experts_through_chunks_forks_preemption_and_the_prefix_cache() {
         .iter()
         .flat_map(|(_, name)| {
             let roomy = &roomy;
-            requests.iter().map(move |(r, n)| {
+            requests(name).into_iter().map(move |(r, n)| {
                 let (st, body) = roomy.http("POST", "/v1/completions", &format!(r#"{{"model": "{name}", {r}}}"#));
                 assert_eq!(st, 200, "{body}");
                 let t = texts(&json(&body));
-                assert_eq!(t.len(), *n, "{body}");
+                assert_eq!(t.len(), n, "{body}");
                 t
             })
         })
@@ -215,7 +221,9 @@ fn mixtures_of_experts_through_chunks_forks_preemption_and_the_prefix_cache() {
         let together: Vec<Vec<Value>> = std::thread::scope(|s| {
             let jobs: Vec<_> = models
                 .iter()
-                .flat_map(|(_, name)| requests.iter().map(move |(r, _)| format!(r#"{{"model": "{name}", {r}}}"#)))
+                .flat_map(|(_, name)| {
+                    requests(name).into_iter().map(move |(r, _)| format!(r#"{{"model": "{name}", {r}}}"#))
+                })
                 .map(|body| {
                     let tight = &tight;
                     s.spawn(move || {
@@ -228,7 +236,7 @@ fn mixtures_of_experts_through_chunks_forks_preemption_and_the_prefix_cache() {
             jobs.into_iter().map(|j| j.join().unwrap()).collect()
         });
         for (i, (got, want)) in together.iter().zip(&alone).enumerate() {
-            assert_eq!(got, want, "round {round}, request {i} ({}) in the tight cache", requests[i % requests.len()].0);
+            assert_eq!(got, want, "round {round}, request {i} in the tight cache");
         }
     }
     let (_, text) = tight.http("GET", "/metrics", "");
