@@ -118,8 +118,7 @@ pub struct ExpertFfn<'a> {
 
 /// Adds expert `e`'s bias (of `rows` per expert in `bias`) to each of the `out` rows.
 fn add_bias(out: &mut [f32], bias: &[f32], e: usize, rows: usize) {
-    let b = &bias[e * rows..(e + 1) * rows];
-    out.chunks_exact_mut(rows).for_each(|row| row.iter_mut().zip(b).for_each(|(o, b)| *o += b));
+    crate::ops::add_bias_rows(out, &bias[e * rows..(e + 1) * rows]);
 }
 
 /// The buffers of [`experts_ffn`], kept between calls (it runs in every layer of every step).

@@ -112,6 +112,11 @@ pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// Adds `bias` to every row of `rows` (rows of `bias.len()` values): a projection's bias.
+pub fn add_bias_rows(rows: &mut [f32], bias: &[f32]) {
+    rows.chunks_exact_mut(bias.len()).for_each(|row| row.iter_mut().zip(bias).for_each(|(x, b)| *x += b));
+}
+
 /// gpt-oss's clamped SwiGLU, in place: `gate = x σ(1.702 x) (y + 1)` with the gate clamped
 /// from above, `x = min(gate, 7)`, and the linear part both ways, `y = clamp(up, -7, 7)` (as
 /// its reference and llama.cpp's `swiglu_oai`).

@@ -162,8 +162,7 @@ impl Answers {
     pub fn thinking(mut self, reading: Option<Reading>) -> Answers {
         if let (Source::Local(l), Some(reading)) = (&mut self.source, reading) {
             if reading == Reading::Harmony {
-                let out = std::mem::replace(&mut l.out, Output::new(0, Vec::new()));
-                l.out = out.keeping(&l.sub.model.model.tokenizer, &inferd_engine::tools::harmony::MARKERS);
+                l.out.keep(&l.sub.model.model.tokenizer, &inferd_engine::tools::harmony::MARKERS);
             }
             l.think = (0..self.n).map(|_| Some(Reader::new(reading))).collect();
         }

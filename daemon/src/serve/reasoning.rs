@@ -10,6 +10,9 @@ use inferd_engine::chat::Extra;
 use inferd_engine::model::Model;
 use serde_json::{json, Value};
 
+/// A piece of an answer's text: reasoning, the answer proper, or (harmony's) a tool call.
+pub use inferd_engine::tools::harmony::Part;
+
 const OPEN: &str = "<think>";
 const CLOSE: &str = "</think>";
 
@@ -98,14 +101,6 @@ pub fn ollama(think: Option<&Value>, model: &str, template: Option<&str>) -> Res
     Ok(switch(Some(enable), effort))
 }
 
-/// A piece of an answer's text: reasoning, the answer proper, or (harmony) a tool call.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Part {
-    Reasoning(String),
-    Content(String),
-    Call(inferd_engine::tools::ToolCall),
-}
-
 /// One choice's reader: a `<think>` block's splitter or harmony's channels.
 #[derive(Debug)]
 pub enum Reader {
@@ -125,7 +120,7 @@ impl Reader {
     pub fn push(&mut self, text: &str) -> Vec<Part> {
         match self {
             Reader::Think(s) => s.push(text),
-            Reader::Harmony(h) => h.push(text).into_iter().map(Part::from).collect(),
+            Reader::Harmony(h) => h.push(text),
         }
     }
 
@@ -133,18 +128,7 @@ impl Reader {
     pub fn finish(&mut self) -> Vec<Part> {
         match self {
             Reader::Think(s) => s.finish(),
-            Reader::Harmony(h) => h.finish().into_iter().map(Part::from).collect(),
-        }
-    }
-}
-
-impl From<inferd_engine::tools::harmony::Part> for Part {
-    fn from(p: inferd_engine::tools::harmony::Part) -> Part {
-        use inferd_engine::tools::harmony::Part as H;
-        match p {
-            H::Reasoning(t) => Part::Reasoning(t),
-            H::Content(t) => Part::Content(t),
-            H::Call(c) => Part::Call(c),
+            Reader::Harmony(h) => h.finish(),
         }
     }
 }

@@ -461,24 +461,28 @@ impl Output {
 
     /// Tool-call markers that are special tokens (`[TOOL_CALLS]` in Mistral's vocabulary) are
     /// kept in the text, for the parser; the other special tokens stay out as before.
-    pub fn keeping_special(self, tok: &inferd_engine::tokenizer::Tokenizer) -> Output {
-        self.keeping(tok, &inferd_engine::tools::parse::MARKERS)
+    pub fn keeping_special(mut self, tok: &inferd_engine::tokenizer::Tokenizer) -> Output {
+        self.keep(tok, &inferd_engine::tools::parse::MARKERS);
+        self
     }
 
     /// `markers` that are single special tokens of this vocabulary are kept in the text too
     /// (with those kept already); the other specials (a turn's `<|im_start|>` the model writes
     /// before a call) stay out of the answer.
-    pub fn keeping(mut self, tok: &inferd_engine::tokenizer::Tokenizer, markers: &[&str]) -> Output {
+    pub fn keep(&mut self, tok: &inferd_engine::tokenizer::Tokenizer, markers: &[&str]) {
         let more = markers.iter().filter_map(|m| match tok.encode_bare(m, true).ok()?.as_slice() {
             [id] if tok.is_special(*id) => Some(*id),
             _ => None,
         });
         let mut keep: Vec<u32> = self.choices.first().map(|c| c.dec.kept().to_vec()).unwrap_or_default();
-        keep.extend(more.filter(|id| !keep.contains(id)).collect::<Vec<_>>());
+        for id in more {
+            if !keep.contains(&id) {
+                keep.push(id);
+            }
+        }
         for c in &mut self.choices {
             c.dec = StreamDecoder::keeping(keep.clone());
         }
-        self
     }
 
     /// Every choice ended through a stop string: the request can be cancelled.

@@ -128,11 +128,6 @@ fn activation_fn(k: &Kernels, a: Activation) -> fn(&mut [f32], &[f32]) {
     }
 }
 
-/// Adds `bias` to every row of `rows` (rows of `bias.len()`).
-fn add_bias_rows(rows: &mut [f32], bias: &[f32]) {
-    rows.chunks_exact_mut(bias.len()).for_each(|row| row.iter_mut().zip(bias).for_each(|(x, b)| *x += b));
-}
-
 /// Bytes of K and V that `block_size` positions take in every layer of this model.
 pub fn kv_block_bytes(cfg: &LlamaConfig, block_size: usize) -> usize {
     cfg.n_layers * 2 * cfg.kv_dim() * block_size * std::mem::size_of::<f16>()
@@ -299,7 +294,7 @@ impl CpuBackend {
         Self::project(pool, k, Phase::FfnGateUp, laps, &[router], &s.xb[..n * h], n, &mut s.q8, &mut [&mut s.router]);
         let e = moe.experts;
         if let Some(b) = &lw.router_bias {
-            add_bias_rows(&mut s.router[..n * e], b);
+            inferd_kernels::ops::add_bias_rows(&mut s.router[..n * e], b);
         }
         let chosen: Vec<Vec<(u32, f32)>> =
             s.router.chunks_exact(e).take(n).map(|logits| route(&moe.routing, logits, None)).collect();
@@ -465,7 +460,7 @@ impl CpuBackend {
             );
             if let Some([bq, bk, bv]) = &lw.qkv_bias {
                 for (out, b) in [(&mut s.q, bq), (&mut s.k, bk), (&mut s.v, bv)] {
-                    add_bias_rows(out, b);
+                    inferd_kernels::ops::add_bias_rows(out, b);
                 }
             }
             if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
@@ -509,7 +504,7 @@ impl CpuBackend {
                 &mut [&mut s.out],
             );
             if let Some(b) = &lw.wo_bias {
-                add_bias_rows(&mut s.out, b);
+                inferd_kernels::ops::add_bias_rows(&mut s.out, b);
             }
             if let Some(post) = &lw.attn_post_norm {
                 rms_norm_each(&mut s.out, post, eps);

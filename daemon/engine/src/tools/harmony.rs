@@ -29,7 +29,8 @@ pub fn is_harmony(template: Option<&str>) -> bool {
     template.is_some_and(|t| t.contains(CHANNEL) && t.contains(MESSAGE))
 }
 
-/// A piece of an answer read as harmony.
+/// A piece of an answer: reasoning, the answer proper, or a tool call (the daemon's `<think>`
+/// splitter gives the first two).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Part {
     Reasoning(String),

@@ -2,8 +2,9 @@
 //! placement, activation, QKV bias, QK-norm, attention window and RoPE per layer, embedding
 //! scale, tied output), and the backends run that description instead of a code path per
 //! family. One small file per architecture maps a GGUF's metadata or a `config.json` onto it
-//! (`llama.rs` for Llama and Mistral, `qwen.rs`, `gpt_oss.rs`, `gemma3.rs`, `phi3.rs`; [`for_gguf`] and
-//! [`for_hf`] pick the file by name; `keys.rs` reads metadata and remembers what was read).
+//! (`llama.rs` for Llama and Mistral, `qwen.rs`, `gpt_oss.rs`, `gemma3.rs`, `phi3.rs`;
+//! [`for_gguf`] and [`for_hf`] pick the file by name; `keys.rs` reads metadata and remembers
+//! what was read).
 //!
 //! Whatever a file says that its architecture's file does not understand is an error that
 //! names it: an unknown metadata key or config field, a RoPE scaling type, a bias or a tensor
