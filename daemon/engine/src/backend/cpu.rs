@@ -8,10 +8,12 @@
 //! mixture of experts routes each token and runs the step's tokens grouped by expert
 //! ([`inferd_kernels::moe`]), each chosen expert read once per step.
 
+use super::layer::{layer, Act, LayerOps};
 use super::profile::{Laps, Phase, StepProfile};
 use super::{validate_batch, Backend, BackendError, SeqBatch};
 use crate::kv::{BlockCopy, KvGroups};
-use crate::model::arch::{Activation, Architecture, LayerAttention, NormPlacement, RopeScaling};
+use crate::model::arch::{Activation, Architecture, LayerAttention, Moe, NormPlacement, RopeScaling};
+use crate::model::weights::LayerWeights;
 use crate::model::{LlamaConfig, LlamaWeights, Tensor};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -26,16 +28,9 @@ use inferd_kernels::{BlockQ8, Kernels};
 /// Activation buffers, grown to the largest batch seen and reused.
 #[derive(Default)]
 struct Scratch {
-    x: Vec<f32>,  // (tokens, hidden) residual stream
-    xb: Vec<f32>, // (tokens, hidden) normed input
+    /// The layer's buffers ([`Act`]), each `(tokens, width)`.
+    acts: [Vec<f32>; Act::COUNT],
     q8: Vec<BlockQ8>,
-    q: Vec<f32>,      // (tokens, n_heads * head_dim)
-    k: Vec<f32>,      // (tokens, n_kv_heads * head_dim)
-    v: Vec<f32>,      // (tokens, n_kv_heads * head_dim)
-    att: Vec<f32>,    // (tokens, n_heads * head_dim)
-    gate: Vec<f32>,   // (tokens, ffn)
-    up: Vec<f32>,     // (tokens, ffn)
-    out: Vec<f32>,    // (tokens, hidden) projection output
     logits: Vec<f32>, // (rows, vocab) logits of a batch that also returns hidden rows
     router: Vec<f32>, // (tokens, experts) a mixture of experts' router logits
     moe: inferd_kernels::moe::MoeScratch,
@@ -274,48 +269,6 @@ impl CpuBackend {
     }
 }
 
-impl CpuBackend {
-    /// A mixture of experts' feed-forward of the `n` normed rows in `s.xb` into `s.out`: the
-    /// router's logits, each token's choice, the experts' products grouped by expert.
-    #[allow(clippy::too_many_arguments)]
-    fn experts(
-        pool: &ThreadPool,
-        k: &Kernels,
-        laps: &mut Laps<'_>,
-        lw: &crate::model::weights::LayerWeights,
-        router: &Tensor,
-        moe: &crate::model::arch::Moe,
-        activation: Activation,
-        s: &mut Scratch,
-        n: usize,
-        h: usize,
-    ) {
-        use inferd_kernels::moe::{experts_ffn, route, ExpertFfn, Experts};
-        Self::project(pool, k, Phase::FfnGateUp, laps, &[router], &s.xb[..n * h], n, &mut s.q8, &mut [&mut s.router]);
-        let e = moe.experts;
-        if let Some(b) = &lw.router_bias {
-            inferd_kernels::ops::add_bias_rows(&mut s.router[..n * e], b);
-        }
-        let chosen: Vec<Vec<(u32, f32)>> =
-            s.router.chunks_exact(e).take(n).map(|logits| route(&moe.routing, logits, None)).collect();
-        fn stack(t: &Tensor, e: usize) -> Experts<'_> {
-            Experts { dtype: t.dtype, n: e, rows: t.rows / e, cols: t.cols, data: t.bytes(), layout: t.layout() }
-        }
-        let ffn = ExpertFfn {
-            gate: stack(&lw.w_gate, e),
-            up: stack(&lw.w_up, e),
-            down: stack(&lw.w_down, e),
-            act: activation_fn(k, activation),
-            biases: lw.expert_biases.as_ref().map(|[g, u, d]| [&g[..], &u[..], &d[..]]),
-        };
-        resize(&mut s.out, n * h);
-        let ran = experts_ffn(pool, k, &ffn, &s.xb[..n * h], &chosen, &mut s.out[..n * h], &mut s.moe);
-        // The chosen experts' bytes: what the step read of the stacks.
-        let per_expert = [&lw.w_gate, &lw.w_up, &lw.w_down].iter().map(|t| t.bytes().len() / e).sum::<usize>();
-        laps.lap_bytes(Phase::FfnDown, (ran * per_expert) as u64);
-    }
-}
-
 impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
         "cpu"
@@ -397,8 +350,7 @@ impl CpuBackend {
     fn run(&mut self, batch: &[SeqBatch<'_>], out: &mut Vec<f32>) -> Result<(), BackendError> {
         validate_batch(&self.cfg, &self.groups, self.kv_blocks, self.block_size, batch)?;
         let cfg = &self.cfg;
-        let (h, hd, nkv, bs) = (cfg.hidden, cfg.head_dim, cfg.n_kv_heads, self.block_size);
-        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        let (h, bs) = (cfg.hidden, self.block_size);
         // Flatten: token t of the batch belongs to sequence seq_of[t] at position pos_of[t].
         let tokens: Vec<u32> = batch.iter().flat_map(|s| s.tokens.iter().copied()).collect();
         let pos_of: Vec<usize> = batch.iter().flat_map(|s| s.start_pos..s.start_pos + s.tokens.len()).collect();
@@ -421,17 +373,15 @@ impl CpuBackend {
         let s = &mut self.s;
         let (pool, k, arch) = (&self.pool, &self.kernels, &self.arch);
         let mut laps = Laps::start(self.profile.as_mut(), pool, n);
-        let eps = cfg.rms_eps;
 
-        resize(&mut s.x, n * h);
+        let x = &mut s.acts[Act::X.index()];
+        resize(x, n * h);
         for (t, &tok) in tokens.iter().enumerate() {
-            self.w.token_embd.row_f32(tok as usize, &mut s.x[t * h..(t + 1) * h]);
+            self.w.token_embd.row_f32(tok as usize, &mut x[t * h..(t + 1) * h]);
         }
         if let Some(scale) = arch.embedding_scale {
-            s.x.iter_mut().for_each(|v| *v *= scale);
+            x.iter_mut().for_each(|v| *v *= scale);
         }
-        resize(&mut s.xb, n * h);
-        resize(&mut s.att, n * qd);
         // (tokens, rope_dim / 2) rotations of each kind, shared by the layers of that kind.
         s.angles.resize_with(self.ropes.len(), Vec::new);
         for (rope, angles) in self.ropes.iter().zip(s.angles.iter_mut()) {
@@ -441,103 +391,27 @@ impl CpuBackend {
                 rope.angles(p, &mut angles[t * pairs..(t + 1) * pairs]);
             }
         }
+        let mut ops = CpuOps {
+            pool,
+            k,
+            laps: &mut laps,
+            cfg,
+            arch,
+            s,
+            n,
+            pos_of: &pos_of,
+            ctxs: &ctxs,
+            ropes: &self.ropes,
+            rope_of: &self.rope_of,
+            groups: &self.groups,
+            k_cache: &mut self.k_cache,
+            v_cache: &mut self.v_cache,
+            block_size: bs,
+        };
         for (li, lw) in self.w.layers.iter().enumerate() {
-            let la = &arch.layers[li];
-            // Attention block.
-            for t in 0..n {
-                rms_norm(&s.x[t * h..(t + 1) * h], &lw.attn_norm, eps, &mut s.xb[t * h..(t + 1) * h]);
-            }
-            Self::project(
-                pool,
-                k,
-                Phase::QkvProjection,
-                &mut laps,
-                &[&lw.wq, &lw.wk, &lw.wv],
-                &s.xb,
-                n,
-                &mut s.q8,
-                &mut [&mut s.q, &mut s.k, &mut s.v],
-            );
-            if let Some([bq, bk, bv]) = &lw.qkv_bias {
-                for (out, b) in [(&mut s.q, bq), (&mut s.k, bk), (&mut s.v, bv)] {
-                    inferd_kernels::ops::add_bias_rows(out, b);
-                }
-            }
-            if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
-                rms_norm_each(&mut s.q, qn, eps);
-                rms_norm_each(&mut s.k, kn, eps);
-            }
-            let (rope, angles) = (&self.ropes[self.rope_of[li]], &s.angles[self.rope_of[li]]);
-            for (t, angles) in angles.chunks_exact(rope.pairs()).enumerate() {
-                rope.apply_angles(&mut s.q[t * qd..(t + 1) * qd], hd, angles);
-                rope.apply_angles(&mut s.k[t * kvd..(t + 1) * kvd], hd, angles);
-            }
-            let (group, slot) = self.groups.layer_slot[li];
-            let ctx = &ctxs[group];
-            let (kc, vc) = (&mut self.k_cache[slot], &mut self.v_cache[slot]);
-            for t in 0..n {
-                let p = pos_of[t];
-                let blk = ctx[t].table[p / bs] as usize;
-                for g in 0..nkv {
-                    let o = PagedKv::offset(bs, nkv, hd, blk, g, p % bs);
-                    let src = t * kvd + g * hd;
-                    // The half crate converts slices 4 or 8 at a time where the CPU has F16C.
-                    kc[o..o + hd].convert_from_f32_slice(&s.k[src..src + hd]);
-                    vc[o..o + hd].convert_from_f32_slice(&s.v[src..src + hd]);
-                }
-            }
-            let kv = PagedKv { k: kc, v: vc, block_size: bs, n_kv_heads: nkv, head_dim: hd };
-            debug_assert_eq!(la.window, self.groups.windows[group], "a layer's group has its window");
-            laps.lap(Phase::Between, &[]);
-            let sinks = lw.attn_sinks.as_deref();
-            attend_batch(pool, k, &kv, cfg.n_heads, arch.attention_scale, sinks, &s.q, ctx, &mut s.att);
-            laps.lap(Phase::Attention, &[]);
-            Self::project(
-                pool,
-                k,
-                Phase::OutputProjection,
-                &mut laps,
-                &[&lw.wo],
-                &s.att,
-                n,
-                &mut s.q8,
-                &mut [&mut s.out],
-            );
-            if let Some(b) = &lw.wo_bias {
-                inferd_kernels::ops::add_bias_rows(&mut s.out, b);
-            }
-            if let Some(post) = &lw.attn_post_norm {
-                rms_norm_each(&mut s.out, post, eps);
-            }
-            s.x.iter_mut().zip(&s.out).for_each(|(x, o)| *x += o);
-
-            // Feed-forward block (gated).
-            for t in 0..n {
-                rms_norm(&s.x[t * h..(t + 1) * h], &lw.ffn_norm, eps, &mut s.xb[t * h..(t + 1) * h]);
-            }
-            if let (Some(router), Some(moe)) = (&lw.router, &arch.moe) {
-                Self::experts(pool, k, &mut laps, lw, router, moe, arch.activation, s, n, h);
-                s.x.iter_mut().zip(&s.out).for_each(|(x, o)| *x += o);
-                continue;
-            }
-            Self::project(
-                pool,
-                k,
-                Phase::FfnGateUp,
-                &mut laps,
-                &[&lw.w_gate, &lw.w_up],
-                &s.xb,
-                n,
-                &mut s.q8,
-                &mut [&mut s.gate, &mut s.up],
-            );
-            activation_fn(k, arch.activation)(&mut s.gate, &s.up);
-            Self::project(pool, k, Phase::FfnDown, &mut laps, &[&lw.w_down], &s.gate, n, &mut s.q8, &mut [&mut s.out]);
-            if let Some(post) = &lw.ffn_post_norm {
-                rms_norm_each(&mut s.out, post, eps);
-            }
-            s.x.iter_mut().zip(&s.out).for_each(|(x, o)| *x += o);
+            layer(&mut ops, arch, li, lw)?;
         }
+        let [x, xb, .., o] = &mut s.acts;
 
         // Rows only for the positions asked for; logits only for the sequences that want them.
         let (mut rows, mut logit_rows) = (Vec::new(), Vec::new());
@@ -550,35 +424,25 @@ impl CpuBackend {
             rows.extend(t0 + len - sb.logits..t0 + len);
             t0 += len;
         }
-        resize(&mut s.xb, rows.len() * h);
+        resize(xb, rows.len() * h);
         for (i, &t) in rows.iter().enumerate() {
-            rms_norm(&s.x[t * h..(t + 1) * h], &self.w.output_norm, cfg.rms_eps, &mut s.xb[i * h..(i + 1) * h]);
+            rms_norm(&x[t * h..(t + 1) * h], &self.w.output_norm, cfg.rms_eps, &mut xb[i * h..(i + 1) * h]);
         }
         out.clear();
         if logit_rows.len() == rows.len() && !rows.is_empty() {
             // Logits only (every decode step): projected straight into `out`.
-            Self::project(
-                pool,
-                k,
-                Phase::Logits,
-                &mut laps,
-                &[&self.w.output],
-                &s.xb,
-                rows.len(),
-                &mut s.q8,
-                &mut [out],
-            );
+            Self::project(pool, k, Phase::Logits, &mut laps, &[&self.w.output], xb, rows.len(), &mut s.q8, &mut [out]);
             return Ok(());
         }
         if logit_rows.is_empty() {
-            out.extend_from_slice(&s.xb[..rows.len() * h]);
+            out.extend_from_slice(&xb[..rows.len() * h]);
             laps.lap(Phase::Between, &[]);
             return Ok(());
         }
         // Both: the logits rows projected together, then every row placed in batch order.
-        resize(&mut s.out, logit_rows.len() * h);
+        resize(o, logit_rows.len() * h);
         for (j, &i) in logit_rows.iter().enumerate() {
-            s.out[j * h..(j + 1) * h].copy_from_slice(&s.xb[i * h..(i + 1) * h]);
+            o[j * h..(j + 1) * h].copy_from_slice(&xb[i * h..(i + 1) * h]);
         }
         Self::project(
             pool,
@@ -586,7 +450,7 @@ impl CpuBackend {
             Phase::Logits,
             &mut laps,
             &[&self.w.output],
-            &s.out[..logit_rows.len() * h],
+            &o[..logit_rows.len() * h],
             logit_rows.len(),
             &mut s.q8,
             &mut [&mut s.logits],
@@ -599,9 +463,186 @@ impl CpuBackend {
                     out.extend_from_slice(&s.logits[j * vocab..(j + 1) * vocab]);
                     next.next();
                 }
-                _ => out.extend_from_slice(&s.xb[i * h..(i + 1) * h]),
+                _ => out.extend_from_slice(&xb[i * h..(i + 1) * h]),
             }
         }
+        Ok(())
+    }
+}
+
+/// The CPU's [`LayerOps`] for one forward pass: the scratch buffers, the pass's positions and
+/// what each token sees in each KV group, the cache.
+struct CpuOps<'a, 'p> {
+    pool: &'a ThreadPool,
+    k: &'a Kernels,
+    laps: &'a mut Laps<'p>,
+    cfg: &'a LlamaConfig,
+    arch: &'a Architecture,
+    s: &'a mut Scratch,
+    n: usize,
+    pos_of: &'a [usize],
+    ctxs: &'a [Vec<QueryCtx<'a>>],
+    ropes: &'a [Rope],
+    rope_of: &'a [usize],
+    groups: &'a KvGroups,
+    k_cache: &'a mut [Vec<f16>],
+    v_cache: &'a mut [Vec<f16>],
+    block_size: usize,
+}
+
+impl CpuOps<'_, '_> {
+    /// Buffer `a`, and the buffers `outs` taken out of the scratch to be written (put back
+    /// with [`CpuOps::put`]).
+    fn take(&mut self, outs: &[Act]) -> Vec<Vec<f32>> {
+        outs.iter().map(|o| std::mem::take(&mut self.s.acts[o.index()])).collect()
+    }
+
+    fn put(&mut self, outs: &[Act], bufs: Vec<Vec<f32>>) {
+        for (o, b) in outs.iter().zip(bufs) {
+            self.s.acts[o.index()] = b;
+        }
+    }
+}
+
+impl LayerOps for CpuOps<'_, '_> {
+    type Matrix = crate::model::Tensor;
+    type Vector = Vec<f32>;
+
+    fn norm(&mut self, from: Act, w: &Vec<f32>, to: Act) -> Result<(), BackendError> {
+        let eps = self.cfg.rms_eps;
+        if from == to {
+            rms_norm_each(&mut self.s.acts[to.index()], w, eps);
+            return Ok(());
+        }
+        let mut bufs = self.take(&[to]);
+        let x = &self.s.acts[from.index()];
+        resize(&mut bufs[0], x.len());
+        for (x, y) in x.chunks_exact(w.len()).zip(bufs[0].chunks_exact_mut(w.len())) {
+            rms_norm(x, w, eps, y);
+        }
+        self.put(&[to], bufs);
+        Ok(())
+    }
+
+    fn project(&mut self, phase: Phase, from: Act, products: &[(&Tensor, Act)]) -> Result<(), BackendError> {
+        let outs: Vec<Act> = products.iter().map(|p| p.1).collect();
+        debug_assert!(!outs.contains(&from), "a product's output is its input");
+        let mut bufs = self.take(&outs);
+        let ws: Vec<&Tensor> = products.iter().map(|p| p.0).collect();
+        let mut ys: Vec<&mut Vec<f32>> = bufs.iter_mut().collect();
+        let x = &self.s.acts[from.index()];
+        CpuBackend::project(self.pool, self.k, phase, self.laps, &ws, x, self.n, &mut self.s.q8, &mut ys);
+        self.put(&outs, bufs);
+        Ok(())
+    }
+
+    fn add_bias(&mut self, a: Act, b: &Vec<f32>) -> Result<(), BackendError> {
+        inferd_kernels::ops::add_bias_rows(&mut self.s.acts[a.index()], b);
+        Ok(())
+    }
+
+    fn rope(&mut self, layer: usize, q: Act, k: Act) -> Result<(), BackendError> {
+        let (qd, kvd, hd) = (self.cfg.q_dim(), self.cfg.kv_dim(), self.cfg.head_dim);
+        let (rope, angles) = (&self.ropes[self.rope_of[layer]], &self.s.angles[self.rope_of[layer]]);
+        for (t, angles) in angles.chunks_exact(rope.pairs()).take(self.n).enumerate() {
+            rope.apply_angles(&mut self.s.acts[q.index()][t * qd..(t + 1) * qd], hd, angles);
+            rope.apply_angles(&mut self.s.acts[k.index()][t * kvd..(t + 1) * kvd], hd, angles);
+        }
+        Ok(())
+    }
+
+    fn attend(&mut self, layer: usize, qkv: [Act; 3], sinks: Option<&Vec<f32>>, to: Act) -> Result<(), BackendError> {
+        let (hd, nkv, bs, kvd) = (self.cfg.head_dim, self.cfg.n_kv_heads, self.block_size, self.cfg.kv_dim());
+        let (group, slot) = self.groups.layer_slot[layer];
+        let ctx = &self.ctxs[group];
+        let (kc, vc) = (&mut self.k_cache[slot], &mut self.v_cache[slot]);
+        let (k, v) = (&self.s.acts[qkv[1].index()], &self.s.acts[qkv[2].index()]);
+        for (t, &p) in self.pos_of.iter().enumerate() {
+            let blk = ctx[t].table[p / bs] as usize;
+            for g in 0..nkv {
+                let o = PagedKv::offset(bs, nkv, hd, blk, g, p % bs);
+                let src = t * kvd + g * hd;
+                // The half crate converts slices 4 or 8 at a time where the CPU has F16C.
+                kc[o..o + hd].convert_from_f32_slice(&k[src..src + hd]);
+                vc[o..o + hd].convert_from_f32_slice(&v[src..src + hd]);
+            }
+        }
+        let kv = PagedKv { k: kc, v: vc, block_size: bs, n_kv_heads: nkv, head_dim: hd };
+        debug_assert_eq!(self.arch.layers[layer].window, self.groups.windows[group], "a layer's group has its window");
+        let mut out = std::mem::take(&mut self.s.acts[to.index()]);
+        resize(&mut out, self.n * self.cfg.q_dim());
+        self.laps.lap(Phase::Between, &[]);
+        let q = &self.s.acts[qkv[0].index()];
+        let scale = self.arch.attention_scale;
+        attend_batch(self.pool, self.k, &kv, self.cfg.n_heads, scale, sinks.map(|s| &s[..]), q, ctx, &mut out);
+        self.laps.lap(Phase::Attention, &[]);
+        self.s.acts[to.index()] = out;
+        Ok(())
+    }
+
+    fn gated(&mut self, act: Activation, gate: Act, up: Act) -> Result<(), BackendError> {
+        let mut bufs = self.take(&[gate]);
+        activation_fn(self.k, act)(&mut bufs[0], &self.s.acts[up.index()]);
+        self.put(&[gate], bufs);
+        Ok(())
+    }
+
+    fn add(&mut self, x: Act, y: Act) -> Result<(), BackendError> {
+        let mut bufs = self.take(&[x]);
+        bufs[0].iter_mut().zip(&self.s.acts[y.index()]).for_each(|(x, y)| *x += y);
+        self.put(&[x], bufs);
+        Ok(())
+    }
+
+    fn experts(
+        &mut self,
+        lw: &LayerWeights,
+        router: &Tensor,
+        moe: &Moe,
+        act: Activation,
+        from: Act,
+        to: Act,
+    ) -> Result<(), BackendError> {
+        use inferd_kernels::moe::{experts_ffn, route, ExpertFfn, Experts};
+        let (n, h, e) = (self.n, self.cfg.hidden, moe.experts);
+        let mut router_logits = std::mem::take(&mut self.s.router);
+        let x = &self.s.acts[from.index()];
+        let (pool, k) = (self.pool, self.k);
+        CpuBackend::project(
+            pool,
+            k,
+            Phase::FfnGateUp,
+            self.laps,
+            &[router],
+            x,
+            n,
+            &mut self.s.q8,
+            &mut [&mut router_logits],
+        );
+        if let Some(b) = &lw.router_bias {
+            inferd_kernels::ops::add_bias_rows(&mut router_logits[..n * e], b);
+        }
+        let chosen: Vec<Vec<(u32, f32)>> =
+            router_logits.chunks_exact(e).take(n).map(|logits| route(&moe.routing, logits, None)).collect();
+        self.s.router = router_logits;
+        fn stack(t: &Tensor, e: usize) -> Experts<'_> {
+            Experts { dtype: t.dtype, n: e, rows: t.rows / e, cols: t.cols, data: t.bytes(), layout: t.layout() }
+        }
+        let ffn = ExpertFfn {
+            gate: stack(&lw.w_gate, e),
+            up: stack(&lw.w_up, e),
+            down: stack(&lw.w_down, e),
+            act: activation_fn(k, act),
+            biases: lw.expert_biases.as_ref().map(|[g, u, d]| [&g[..], &u[..], &d[..]]),
+        };
+        let mut bufs = self.take(&[to]);
+        resize(&mut bufs[0], n * h);
+        let x = &self.s.acts[from.index()];
+        let ran = experts_ffn(pool, k, &ffn, &x[..n * h], &chosen, &mut bufs[0][..n * h], &mut self.s.moe);
+        self.put(&[to], bufs);
+        // The chosen experts' bytes: what the step read of the stacks.
+        let per_expert = [&lw.w_gate, &lw.w_up, &lw.w_down].iter().map(|t| t.bytes().len() / e).sum::<usize>();
+        self.laps.lap_bytes(Phase::FfnDown, (ran * per_expert) as u64);
         Ok(())
     }
 }

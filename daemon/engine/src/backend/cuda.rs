@@ -17,12 +17,17 @@
 //! few to fill the GPU (`attention_plan`, per KV group, once a pass). Logits come back to the
 //! host for the decoding plugins, only for the positions asked for.
 
+use super::layer::{layer, Act, LayerOps};
+use super::profile::Phase;
 use super::{validate_batch, Backend, BackendError, DeviceMemory, KernelProfile, SeqBatch};
 use crate::engine::EngineOptions;
 use crate::kv::{BlockCopy, KvGroups};
 use crate::model::arch::{Activation, Architecture};
+use crate::model::weights::LayerWeights;
 use crate::model::{LlamaConfig, Model, Tensor};
-use inferd_kernels::cuda::calls::{is_quantized, AttentionShape, KernelCalls, Q8Activations, WeightShape};
+use inferd_kernels::cuda::calls::{
+    is_quantized, AttentionPlan, AttentionShape, KernelCalls, Q8Activations, WeightShape,
+};
 use inferd_kernels::cuda::gpu::Gpu;
 use inferd_kernels::cuda::stream::{GemmShape, GpuError, Stream};
 use inferd_kernels::ops::RopeStyle;
@@ -63,21 +68,8 @@ impl<S: Stream> Weight<S> {
     }
 }
 
-struct Layer<S: Stream> {
-    attn_norm: S::Buf<f32>,
-    wq: Weight<S>,
-    wk: Weight<S>,
-    wv: Weight<S>,
-    wo: Weight<S>,
-    qkv_bias: Option<[S::Buf<f32>; 3]>,
-    qk_norm: Option<(S::Buf<f32>, S::Buf<f32>)>,
-    attn_post_norm: Option<S::Buf<f32>>,
-    ffn_norm: S::Buf<f32>,
-    w_gate: Weight<S>,
-    w_up: Weight<S>,
-    w_down: Weight<S>,
-    ffn_post_norm: Option<S::Buf<f32>>,
-}
+/// A layer's weights in the stream's memory: matrices in their file's encoding, vectors f32.
+type Layer<S> = LayerWeights<Weight<S>, <S as Stream>::Buf<f32>>;
 
 /// The CUDA implementation of [`Backend`], on stream `S`.
 pub struct CudaBackend<S: Stream> {
@@ -144,27 +136,7 @@ impl<S: Stream> CudaBackend<S> {
         let vec = |v: &[f32]| s.upload(v);
         let mut layers = Vec::with_capacity(w.layers.len());
         for l in &w.layers {
-            layers.push(Layer {
-                attn_norm: vec(&l.attn_norm)?,
-                wq: up(&l.wq)?,
-                wk: up(&l.wk)?,
-                wv: up(&l.wv)?,
-                wo: up(&l.wo)?,
-                qkv_bias: match &l.qkv_bias {
-                    Some([q, k, v]) => Some([vec(q)?, vec(k)?, vec(v)?]),
-                    None => None,
-                },
-                qk_norm: match (&l.q_norm, &l.k_norm) {
-                    (Some(q), Some(k)) => Some((vec(q)?, vec(k)?)),
-                    _ => None,
-                },
-                attn_post_norm: l.attn_post_norm.as_deref().map(vec).transpose()?,
-                ffn_norm: vec(&l.ffn_norm)?,
-                w_gate: up(&l.w_gate)?,
-                w_up: up(&l.w_up)?,
-                w_down: up(&l.w_down)?,
-                ffn_post_norm: l.ffn_post_norm.as_deref().map(vec).transpose()?,
-            });
+            layers.push(l.try_map(|t| up(t), |v| vec(v))?);
         }
         let (rotations, rope_of) = super::rotations(cfg, &model.arch);
         let ropes = rotations.iter().map(|(f, scale)| Ok((vec(f)?, *scale))).collect::<Result<_, GpuError>>()?;
@@ -275,45 +247,55 @@ fn index(batch: &[SeqBatch<'_>], groups: &KvGroups, bs: usize) -> Result<BatchIn
     Ok(ix)
 }
 
-impl<S: Stream + Send> CudaBackend<S> {
-    /// `x` as the input of `weights`' products: with its 8-bit rounding where one of them is
-    /// quantized and the products are `matvec`'s (up to [`GEMM_TOKENS`] tokens, or no GEMM).
-    fn input<'a>(&self, x: &'a S::Buf<f32>, tokens: usize, weights: &[&Weight<S>]) -> Result<Input<'a, S>, GpuError> {
-        let s = &self.s;
-        let cols = weights.first().map_or(0, |w| w.shape.cols);
-        let small = tokens <= GEMM_TOKENS || !s.has_gemm();
-        let q8 = if small && cols.is_multiple_of(32) && weights.iter().any(|w| is_quantized(w.shape.ggml_type)) {
-            Some(s.quantize_q8(x, tokens, cols)?)
-        } else {
-            None
-        };
-        Ok(Input { x, q8, tokens })
-    }
+/// `x` as the input of `weights`' products: with its 8-bit rounding where one of them is
+/// quantized and the products are `matvec`'s (up to [`GEMM_TOKENS`] tokens, or no GEMM).
+fn input<'a, S: Stream>(
+    s: &S,
+    x: &'a S::Buf<f32>,
+    tokens: usize,
+    weights: &[&Weight<S>],
+) -> Result<Input<'a, S>, GpuError> {
+    let cols = weights.first().map_or(0, |w| w.shape.cols);
+    let small = tokens <= GEMM_TOKENS || !s.has_gemm();
+    let q8 = if small && cols.is_multiple_of(32) && weights.iter().any(|w| is_quantized(w.shape.ggml_type)) {
+        Some(s.quantize_q8(x, tokens, cols)?)
+    } else {
+        None
+    };
+    Ok(Input { x, q8, tokens })
+}
 
-    /// `y = x · Wᵀ` for the input's tokens, into a new buffer: over halves on the stream's GEMM
-    /// beyond [`GEMM_TOKENS`] tokens, else `matvec_q8` on the 8-bit activations for a quantized
-    /// matrix and `matvec` for a float one.
-    fn project(&self, w: &Weight<S>, input: &Input<'_, S>) -> Result<S::Buf<f32>, GpuError> {
-        let s = &self.s;
-        let (x, tokens) = (input.x, input.tokens);
-        let WeightShape { rows, cols, ggml_type, .. } = w.shape;
-        let mut y = s.alloc::<f32>(tokens * rows)?;
-        if tokens <= GEMM_TOKENS || !s.has_gemm() {
-            match &input.q8 {
-                Some(a) if is_quantized(ggml_type) => s.matvec_q8(&w.data, w.shape, a, &mut y)?,
-                _ => s.matvec(&w.data, w.shape, x, tokens, &mut y)?,
-            }
-            return Ok(y);
+/// `y = x · Wᵀ` for the input's tokens, into a new buffer: over halves on the stream's GEMM
+/// beyond [`GEMM_TOKENS`] tokens, else `matvec_q8` on the 8-bit activations for a quantized
+/// matrix and `matvec` for a float one.
+fn project<S: Stream>(s: &S, w: &Weight<S>, input: &Input<'_, S>) -> Result<S::Buf<f32>, GpuError> {
+    let (x, tokens) = (input.x, input.tokens);
+    let WeightShape { rows, cols, ggml_type, .. } = w.shape;
+    let mut y = s.alloc::<f32>(tokens * rows)?;
+    if tokens <= GEMM_TOKENS || !s.has_gemm() {
+        match &input.q8 {
+            Some(a) if is_quantized(ggml_type) => s.matvec_q8(&w.data, w.shape, a, &mut y)?,
+            _ => s.matvec(&w.data, w.shape, x, tokens, &mut y)?,
         }
-        // BF16 weights stay bf16 (f16 lacks their range); every other type becomes f16.
-        let bf16 = ggml_type == inferd_kernels::DType::BF16.ggml_type();
-        let (mut w16, mut x16) = (s.alloc::<u16>(rows * cols)?, s.alloc::<u16>(tokens * cols)?);
-        s.dequantize_half(&w.data, w.shape, bf16, &mut w16)?;
-        s.to_half(x, tokens * cols, bf16, &mut x16)?;
-        s.gemm(&w16, &x16, GemmShape { tokens, rows, cols, bf16 }, &mut y)?;
-        Ok(y)
+        return Ok(y);
     }
+    // BF16 weights stay bf16 (f16 lacks their range); every other type becomes f16.
+    let bf16 = ggml_type == inferd_kernels::DType::BF16.ggml_type();
+    let (mut w16, mut x16) = (s.alloc::<u16>(rows * cols)?, s.alloc::<u16>(tokens * cols)?);
+    s.dequantize_half(&w.data, w.shape, bf16, &mut w16)?;
+    s.to_half(x, tokens * cols, bf16, &mut x16)?;
+    s.gemm(&w16, &x16, GemmShape { tokens, rows, cols, bf16 }, &mut y)?;
+    Ok(y)
+}
 
+/// RMSNorm of each piece of `x` with weights `w`, into a new buffer.
+fn norm<S: Stream>(s: &S, x: &S::Buf<f32>, w: &S::Buf<f32>, eps: f32) -> Result<S::Buf<f32>, GpuError> {
+    let mut y = s.alloc::<f32>(S::len(x))?;
+    s.rms_norm(x, w, &mut y, eps)?;
+    Ok(y)
+}
+
+impl<S: Stream + Send> CudaBackend<S> {
     /// The attention launch's shape for the layers of KV group `group`.
     fn attention_shape(&self, group: usize) -> AttentionShape {
         AttentionShape {
@@ -326,27 +308,12 @@ impl<S: Stream + Send> CudaBackend<S> {
         }
     }
 
-    /// RMSNorm of each piece of `x` with weights `w`, into a new buffer.
-    fn norm(&self, x: &S::Buf<f32>, w: &S::Buf<f32>) -> Result<S::Buf<f32>, GpuError> {
-        let mut y = self.s.alloc::<f32>(S::len(x))?;
-        self.s.rms_norm(x, w, &mut y, self.cfg.rms_eps)?;
-        Ok(y)
-    }
-
-    /// `x += out`, through the post-norm first where the layer has one.
-    fn residual(&self, x: &mut S::Buf<f32>, out: S::Buf<f32>, post: Option<&S::Buf<f32>>) -> Result<(), GpuError> {
-        match post {
-            Some(w) => self.s.add_in_place(x, &self.norm(&out, w)?),
-            None => self.s.add_in_place(x, &out),
-        }
-    }
-
-    fn run(&mut self, batch: &[SeqBatch<'_>], ix: &BatchIndex, logits: &mut Vec<f32>) -> Result<(), GpuError> {
+    fn run(&mut self, batch: &[SeqBatch<'_>], ix: &BatchIndex, logits: &mut Vec<f32>) -> Result<(), BackendError> {
         let issued = std::time::Instant::now();
         let s = &self.s;
         let (cfg, arch) = (&self.cfg, &self.arch);
         let n = ix.ids.len();
-        let (h, hd) = (cfg.hidden, cfg.head_dim);
+        let h = cfg.hidden;
         let (ids, pos, seq_of) = (s.upload(&ix.ids)?, s.upload(&ix.pos)?, s.upload(&ix.seq_of)?);
         let groups = ix
             .groups
@@ -362,57 +329,174 @@ impl<S: Stream + Send> CudaBackend<S> {
             .collect::<Result<Vec<_>, GpuError>>()?;
         let mut x = s.alloc::<f32>(n * h)?;
         s.embed(&self.token_embd.data, self.token_embd.shape, &ids, arch.embedding_scale.unwrap_or(1.0), &mut x)?;
-        let neox = cfg.rope_style == RopeStyle::Neox;
+        let mut ops = CudaOps {
+            s,
+            cfg,
+            acts: Default::default(),
+            n,
+            pos: &pos,
+            seq_of: &seq_of,
+            groups: &groups,
+            plans: &mut plans,
+            ropes: &self.ropes,
+            rope_of: &self.rope_of,
+            layer_slot: &self.groups.layer_slot,
+            k_cache: &mut self.k_cache,
+            v_cache: &mut self.v_cache,
+        };
+        ops.acts[Act::X.index()] = Some(x);
         for (li, l) in self.layers.iter().enumerate() {
-            let xb = self.norm(&x, &l.attn_norm)?;
-            let input = self.input(&xb, n, &[&l.wq, &l.wk, &l.wv])?;
-            let (mut q, mut k, v) =
-                (self.project(&l.wq, &input)?, self.project(&l.wk, &input)?, self.project(&l.wv, &input)?);
-            let mut v = v;
-            if let Some([bq, bk, bv]) = &l.qkv_bias {
-                s.add_bias(&mut q, bq)?;
-                s.add_bias(&mut k, bk)?;
-                s.add_bias(&mut v, bv)?;
-            }
-            if let Some((qn, kn)) = &l.qk_norm {
-                q = self.norm(&q, qn)?;
-                k = self.norm(&k, kn)?;
-            }
-            let (freq, scale) = &self.ropes[self.rope_of[li]];
-            s.rope(&mut q, &pos, freq, cfg.n_heads, hd, neox, *scale)?;
-            s.rope(&mut k, &pos, freq, cfg.n_kv_heads, hd, neox, *scale)?;
-            let (group, slot) = self.groups.layer_slot[li];
-            let (slots, tables, table_len) = &groups[group];
-            let (kc, vc) = (&mut self.k_cache[slot], &mut self.v_cache[slot]);
-            s.kv_store(&k, &v, (kc, vc), slots, cfg.kv_dim())?;
-            let mut att = s.alloc::<f32>(n * cfg.q_dim())?;
-            let (plan, shape) = &mut plans[group];
-            s.attention(&q, (kc, vc), tables, &seq_of, *table_len, &pos, plan, *shape, &mut att)?;
-            let out = self.project(&l.wo, &self.input(&att, n, &[&l.wo])?)?;
-            self.residual(&mut x, out, l.attn_post_norm.as_ref())?;
-
-            let xb = self.norm(&x, &l.ffn_norm)?;
-            let input = self.input(&xb, n, &[&l.w_gate, &l.w_up])?;
-            let (mut gate, up) = (self.project(&l.w_gate, &input)?, self.project(&l.w_up, &input)?);
-            s.gated_act(&mut gate, &up, arch.activation == Activation::GeluTanhGated)?;
-            let out = self.project(&l.w_down, &self.input(&gate, n, &[&l.w_down])?)?;
-            self.residual(&mut x, out, l.ffn_post_norm.as_ref())?;
+            layer(&mut ops, arch, li, l)?;
         }
+        let x = ops.get(Act::X)?;
         let rows = ix.logit_rows.len();
         logits.clear();
         if rows == 0 {
             return Ok(());
         }
         let mut picked = s.alloc::<f32>(rows * h)?;
-        s.gather_rows(&x, &s.upload(&ix.logit_rows)?, h, &mut picked)?;
-        let xn = self.norm(&picked, &self.output_norm)?;
+        s.gather_rows(x, &s.upload(&ix.logit_rows)?, h, &mut picked)?;
+        let xn = norm(s, &picked, &self.output_norm, cfg.rms_eps)?;
         let output = self.output.as_ref().unwrap_or(&self.token_embd);
-        let out = self.project(output, &self.input(&xn, rows, &[output])?)?;
+        let out = project(s, output, &input(s, &xn, rows, &[output])?)?;
         let issue = issued.elapsed();
         logits.extend_from_slice(&s.download(&out)?[..rows * cfg.vocab]);
         self.host_issue += issue;
         debug_assert_eq!(batch.iter().map(|b| b.logits).sum::<usize>(), rows);
         Ok(())
+    }
+}
+
+/// A KV group's index arrays of a pass: each token's cache slot, the flattened block tables,
+/// their length.
+type GroupIndex<S> = (<S as Stream>::Buf<i32>, <S as Stream>::Buf<i32>, usize);
+
+/// The CUDA backend's [`LayerOps`] for one forward pass: each activation buffer as the last
+/// kernel that wrote it left it, the pass's index arrays and attention plans, the cache.
+struct CudaOps<'a, S: Stream> {
+    s: &'a S,
+    cfg: &'a LlamaConfig,
+    acts: [Option<S::Buf<f32>>; Act::COUNT],
+    n: usize,
+    pos: &'a S::Buf<i32>,
+    seq_of: &'a S::Buf<i32>,
+    groups: &'a [GroupIndex<S>],
+    plans: &'a mut [(AttentionPlan<S>, AttentionShape)],
+    ropes: &'a [(S::Buf<f32>, f32)],
+    rope_of: &'a [usize],
+    layer_slot: &'a [(usize, usize)],
+    k_cache: &'a mut [S::Buf<u16>],
+    v_cache: &'a mut [S::Buf<u16>],
+}
+
+impl<S: Stream> CudaOps<'_, S> {
+    /// Buffer `a`, which an earlier operation of the pass wrote.
+    fn get(&self, a: Act) -> Result<&S::Buf<f32>, BackendError> {
+        self.acts[a.index()].as_ref().ok_or_else(|| BackendError::Device(format!("{a:?} read before it was written")))
+    }
+
+    fn take(&mut self, a: Act) -> Result<S::Buf<f32>, BackendError> {
+        self.acts[a.index()].take().ok_or_else(|| BackendError::Device(format!("{a:?} read before it was written")))
+    }
+}
+
+impl<S: Stream> LayerOps for CudaOps<'_, S> {
+    type Matrix = Weight<S>;
+    type Vector = S::Buf<f32>;
+
+    fn norm(&mut self, from: Act, w: &S::Buf<f32>, to: Act) -> Result<(), BackendError> {
+        let y = norm(self.s, self.get(from)?, w, self.cfg.rms_eps)?;
+        self.acts[to.index()] = Some(y);
+        Ok(())
+    }
+
+    fn project(&mut self, _phase: Phase, from: Act, products: &[(&Weight<S>, Act)]) -> Result<(), BackendError> {
+        let ws: Vec<&Weight<S>> = products.iter().map(|p| p.0).collect();
+        let x = self.get(from)?;
+        let inp = input(self.s, x, self.n, &ws)?;
+        let ys = ws.iter().map(|w| project(self.s, w, &inp)).collect::<Result<Vec<_>, GpuError>>()?;
+        drop(inp);
+        for ((_, to), y) in products.iter().zip(ys) {
+            self.acts[to.index()] = Some(y);
+        }
+        Ok(())
+    }
+
+    fn add_bias(&mut self, a: Act, b: &S::Buf<f32>) -> Result<(), BackendError> {
+        let mut y = self.take(a)?;
+        self.s.add_bias(&mut y, b)?;
+        self.acts[a.index()] = Some(y);
+        Ok(())
+    }
+
+    fn rope(&mut self, layer: usize, q: Act, k: Act) -> Result<(), BackendError> {
+        let cfg = self.cfg;
+        let neox = cfg.rope_style == RopeStyle::Neox;
+        let (freq, scale) = &self.ropes[self.rope_of[layer]];
+        for (a, heads) in [(q, cfg.n_heads), (k, cfg.n_kv_heads)] {
+            let mut y = self.take(a)?;
+            self.s.rope(&mut y, self.pos, freq, heads, cfg.head_dim, neox, *scale)?;
+            self.acts[a.index()] = Some(y);
+        }
+        Ok(())
+    }
+
+    fn attend(
+        &mut self,
+        layer: usize,
+        qkv: [Act; 3],
+        sinks: Option<&S::Buf<f32>>,
+        to: Act,
+    ) -> Result<(), BackendError> {
+        if sinks.is_some() {
+            return Err(BackendError::Unsupported("attention sinks on the cuda backend".into()));
+        }
+        let (group, slot) = self.layer_slot[layer];
+        let (slots, tables, table_len) = &self.groups[group];
+        let (kc, vc) = (&mut self.k_cache[slot], &mut self.v_cache[slot]);
+        let [q, k, v] = qkv.map(|a| self.acts[a.index()].as_ref());
+        let (Some(q), Some(k), Some(v)) = (q, k, v) else {
+            return Err(BackendError::Device("attention before its queries, keys and values".into()));
+        };
+        self.s.kv_store(k, v, (kc, vc), slots, self.cfg.kv_dim())?;
+        let mut att = self.s.alloc::<f32>(self.n * self.cfg.q_dim())?;
+        let (plan, shape) = &mut self.plans[group];
+        self.s.attention(q, (kc, vc), tables, self.seq_of, *table_len, self.pos, plan, *shape, &mut att)?;
+        self.acts[to.index()] = Some(att);
+        Ok(())
+    }
+
+    fn gated(&mut self, act: Activation, gate: Act, up: Act) -> Result<(), BackendError> {
+        let gelu = match act {
+            Activation::SiluGated => false,
+            Activation::GeluTanhGated => true,
+            Activation::SwigluOai => {
+                return Err(BackendError::Unsupported("the clamped SwiGLU on the cuda backend".into()))
+            }
+        };
+        let mut g = self.take(gate)?;
+        self.s.gated_act(&mut g, self.get(up)?, gelu)?;
+        self.acts[gate.index()] = Some(g);
+        Ok(())
+    }
+
+    fn add(&mut self, x: Act, y: Act) -> Result<(), BackendError> {
+        let mut xb = self.take(x)?;
+        self.s.add_in_place(&mut xb, self.get(y)?)?;
+        self.acts[x.index()] = Some(xb);
+        Ok(())
+    }
+
+    fn experts(
+        &mut self,
+        _w: &Layer<S>,
+        _router: &Weight<S>,
+        _moe: &crate::model::arch::Moe,
+        _act: Activation,
+        _from: Act,
+        _to: Act,
+    ) -> Result<(), BackendError> {
+        Err(BackendError::Unsupported("a mixture of experts on the cuda backend".into()))
     }
 }
 
@@ -481,7 +565,7 @@ impl<S: Stream + Send> Backend for CudaBackend<S> {
             return Err(BackendError::Unsupported("the cuda backend does not compute embeddings yet".into()));
         }
         let ix = index(batch, &self.groups, self.block_size)?;
-        self.run(batch, &ix, logits).map_err(BackendError::from)
+        self.run(batch, &ix, logits)
     }
 }
 

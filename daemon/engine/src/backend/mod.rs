@@ -9,6 +9,7 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod layer;
 pub mod profile;
 
 use crate::engine::EngineOptions;

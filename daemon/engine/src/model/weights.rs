@@ -137,40 +137,43 @@ impl Tensor {
 }
 
 /// The weights of one transformer block; the optional ones are there exactly when the
-/// architecture asks for them (QKV bias, QK-norm, post-norms).
+/// architecture asks for them (QKV bias, QK-norm, post-norms). Generic over where they live: the
+/// model's own are [`Tensor`]s and `Vec<f32>`s borrowed from the file; a device backend holds a
+/// copy in its own memory ([`LayerWeights::try_map`]) and the layer's description
+/// ([`crate::backend::layer`]) reads either.
 #[derive(Clone, Debug)]
-pub struct LayerWeights {
-    pub attn_norm: Vec<f32>,
-    pub wq: Tensor,
-    pub wk: Tensor,
-    pub wv: Tensor,
-    pub wo: Tensor,
+pub struct LayerWeights<M = Tensor, V = Vec<f32>> {
+    pub attn_norm: V,
+    pub wq: M,
+    pub wk: M,
+    pub wv: M,
+    pub wo: M,
     /// Biases of Q, K and V (Qwen 2, gpt-oss).
-    pub qkv_bias: Option<[Vec<f32>; 3]>,
+    pub qkv_bias: Option<[V; 3]>,
     /// The attention output projection's bias (gpt-oss).
-    pub wo_bias: Option<Vec<f32>>,
+    pub wo_bias: Option<V>,
     /// Each query head's sink logit (gpt-oss).
-    pub attn_sinks: Option<Vec<f32>>,
+    pub attn_sinks: Option<V>,
     /// Per-head RMSNorm weights of Q and K (`head_dim` each).
-    pub q_norm: Option<Vec<f32>>,
-    pub k_norm: Option<Vec<f32>>,
+    pub q_norm: Option<V>,
+    pub k_norm: Option<V>,
     /// RMSNorm of the attention output before the residual add (Gemma).
-    pub attn_post_norm: Option<Vec<f32>>,
-    pub ffn_norm: Vec<f32>,
+    pub attn_post_norm: Option<V>,
+    pub ffn_norm: V,
     /// The feed-forward's matrices; of a mixture of experts, every expert's stacked as GGUF's
     /// 3-D tensors hold them (`experts * expert_ffn` rows of gate and up, `experts * hidden`
     /// of down: [`inferd_kernels::moe::Experts`]).
-    pub w_gate: Tensor,
-    pub w_up: Tensor,
-    pub w_down: Tensor,
+    pub w_gate: M,
+    pub w_up: M,
+    pub w_down: M,
     /// A mixture of experts' router (`experts` rows of `hidden`).
-    pub router: Option<Tensor>,
+    pub router: Option<M>,
     /// The router's bias (one per expert) and the experts' gate, up and down biases (each
     /// expert's rows after the one before's), where the family has them (gpt-oss).
-    pub router_bias: Option<Vec<f32>>,
-    pub expert_biases: Option<[Vec<f32>; 3]>,
+    pub router_bias: Option<V>,
+    pub expert_biases: Option<[V; 3]>,
     /// RMSNorm of the MLP output before the residual add (Gemma).
-    pub ffn_post_norm: Option<Vec<f32>>,
+    pub ffn_post_norm: Option<V>,
 }
 
 impl LayerWeights {
@@ -178,6 +181,49 @@ impl LayerWeights {
     /// of experts' stacks whole, though a step reads only the experts its tokens chose).
     pub fn matrices(&self) -> [&Tensor; 7] {
         [&self.wq, &self.wk, &self.wv, &self.wo, &self.w_gate, &self.w_up, &self.w_down]
+    }
+}
+
+impl<M, V> LayerWeights<M, V> {
+    /// The same layer with every matrix through `m` and every vector through `v` (a device
+    /// backend's upload); the first error stops it.
+    pub fn try_map<M2, V2, E>(
+        &self,
+        mut m: impl FnMut(&M) -> Result<M2, E>,
+        mut v: impl FnMut(&V) -> Result<V2, E>,
+    ) -> Result<LayerWeights<M2, V2>, E> {
+        let mut opt = |x: &Option<V>| x.as_ref().map(&mut v).transpose();
+        let (qkv_bias, wo_bias, attn_sinks) = (self.qkv_bias.as_ref(), opt(&self.wo_bias)?, opt(&self.attn_sinks)?);
+        let (q_norm, k_norm, attn_post_norm) = (opt(&self.q_norm)?, opt(&self.k_norm)?, opt(&self.attn_post_norm)?);
+        let (router_bias, ffn_post_norm) = (opt(&self.router_bias)?, opt(&self.ffn_post_norm)?);
+        let mut three = |x: Option<&[V; 3]>| -> Result<Option<[V2; 3]>, E> {
+            Ok(match x {
+                Some([a, b, c]) => Some([v(a)?, v(b)?, v(c)?]),
+                None => None,
+            })
+        };
+        let (qkv_bias, expert_biases) = (three(qkv_bias)?, three(self.expert_biases.as_ref())?);
+        Ok(LayerWeights {
+            attn_norm: v(&self.attn_norm)?,
+            wq: m(&self.wq)?,
+            wk: m(&self.wk)?,
+            wv: m(&self.wv)?,
+            wo: m(&self.wo)?,
+            qkv_bias,
+            wo_bias,
+            attn_sinks,
+            q_norm,
+            k_norm,
+            attn_post_norm,
+            ffn_norm: v(&self.ffn_norm)?,
+            w_gate: m(&self.w_gate)?,
+            w_up: m(&self.w_up)?,
+            w_down: m(&self.w_down)?,
+            router: self.router.as_ref().map(&mut m).transpose()?,
+            router_bias,
+            expert_biases,
+            ffn_post_norm,
+        })
     }
 }
 
