@@ -51,12 +51,15 @@ extern "C" __global__ void kv_copy_blocks(uint16_t* k_cache, uint16_t* v_cache, 
 // block covers positions [lo + split * split_len, lo + (split + 1) * split_len) of its tile
 // (lo the tile's first visible position) and leaves its unnormalized output and its (max, sum)
 // in part_o / part_ml for attention_combine; else it writes out: (tokens, q_heads, head_dim).
+// With has_sinks, head h's sink logit sinks[h] joins each of its rows' softmax denominators
+// (gpt-oss), added where the splits are merged when split.
 template <int DPL, int RPW>
 __device__ void attention_block(const float* q, const uint16_t* k_cache, const uint16_t* v_cache, const int* tables,
                                 const int* table_of, int table_len, const int* q_pos, int t0, int count, int h0, int nh,
                                 int kvh, int split, int splits, int split_len, int tokens, int q_heads, int kv_heads,
-                                int head_dim, int block_size, int window, float scale, float* out, float* part_o,
-                                float* part_ml, float* qs, uint32_t* ks, uint16_t* vs) {
+                                int head_dim, int block_size, int window, float scale, const float* sinks,
+                                int has_sinks, float* out, float* part_o, float* part_ml, float* qs, uint32_t* ks,
+                                uint16_t* vs) {
     int lane = threadIdx.x, warp = threadIdx.y, tid = warp * 32 + lane, nthreads = 32 * ATT_WARPS;
     int rows = count * nh, kv_dim = kv_heads * head_dim, words = head_dim / 2, kstride = words + 1;
     const int* table = tables + (long long)table_of[t0] * table_len;
@@ -182,7 +185,9 @@ __device__ void attention_block(const float* q, const uint16_t* k_cache, const u
             if (splits > 1) {
                 part_o[((long long)split * tokens * q_heads + row) * head_dim + d] = acc[rr][i];
             } else {
-                out[row * head_dim + d] = l[rr] > 0.0f ? acc[rr][i] / l[rr] : 0.0f;
+                // A sink's logit joins the denominator (and nothing the values).
+                float z = l[rr] + (has_sinks && m[rr] != NEG_INF ? expf(sinks[h] - m[rr]) : 0.0f);
+                out[row * head_dim + d] = z > 0.0f ? acc[rr][i] / z : 0.0f;
             }
         }
         if (splits > 1 && lane == 0) {
@@ -200,7 +205,7 @@ extern "C" __global__ void attention(const float* q, const uint16_t* k_cache, co
                                      const int* tables, const int* table_of, int table_len, const int* q_pos,
                                      const int* tiles, int heads_per_block, int splits, int split_len, int tokens,
                                      int q_heads, int kv_heads, int head_dim, int block_size, int window, float scale,
-                                     float* out, float* part_o, float* part_ml) {
+                                     const float* sinks, int has_sinks, float* out, float* part_o, float* part_ml) {
     __shared__ float qs[ATT_Q_FLOATS];
     __shared__ uint32_t ks[ATT_TILE * (ATT_MAX_HEAD_DIM / 2 + 1)];
     __shared__ __align__(16) uint16_t vs[ATT_TILE * ATT_MAX_HEAD_DIM];
@@ -211,7 +216,7 @@ extern "C" __global__ void attention(const float* q, const uint16_t* k_cache, co
     int t0 = tiles[2 * blockIdx.x], count = tiles[2 * blockIdx.x + 1];
 #define ATT_ARGS                                                                                                    \
     q, k_cache, v_cache, tables, table_of, table_len, q_pos, t0, count, h0, nh, kvh, split, splits, split_len, tokens, \
-        q_heads, kv_heads, head_dim, block_size, window, scale, out, part_o, part_ml, qs, ks, vs
+        q_heads, kv_heads, head_dim, block_size, window, scale, sinks, has_sinks, out, part_o, part_ml, qs, ks, vs
     if (head_dim <= 32) {
         attention_block<1, 14>(ATT_ARGS);
     } else if (head_dim <= 64) {
@@ -225,9 +230,11 @@ extern "C" __global__ void attention(const float* q, const uint16_t* k_cache, co
 }
 
 // The splits of attention's positions merged: per (token, head) row, out = sum_s o_s
-// exp(m_s - M) / sum_s l_s exp(m_s - M), M the largest m_s. A warp per row.
+// exp(m_s - M) / (sum_s l_s exp(m_s - M) + sink), M the largest m_s, sink = exp(sinks[h] - M)
+// for the row's head h where has_sinks, else 0. A warp per row.
 extern "C" __global__ void attention_combine(const float* part_o, const float* part_ml, int splits, int rows,
-                                             int head_dim, float* out) {
+                                             int head_dim, const float* sinks, int has_sinks, int q_heads,
+                                             float* out) {
     int row = blockIdx.x * blockDim.y + threadIdx.y;
     if (row >= rows) return;
     float mx = NEG_INF;
@@ -237,6 +244,7 @@ extern "C" __global__ void attention_combine(const float* part_o, const float* p
         float ms = part_ml[2 * ((long long)s * rows + row)];
         total += ms == NEG_INF ? 0.0f : part_ml[2 * ((long long)s * rows + row) + 1] * expf(ms - mx);
     }
+    if (has_sinks && mx != NEG_INF) total += expf(sinks[row % q_heads] - mx);
     for (int d = threadIdx.x; d < head_dim; d += 32) {
         float v = 0.0f;
         for (int s = 0; s < splits; s++) {

@@ -68,6 +68,8 @@ static bool launch(const std::string& k, dim3 grid, dim3 block) {
         run([] { to_half(P<float>(0), V<long long>(1), V<int>(2), P<uint16_t>(3)); });
     } else if (k == "gather_rows") {
         run([] { gather_rows(P<float>(0), P<int>(1), V<int>(2), P<float>(3)); });
+    } else if (k == "scatter_add_rows") {
+        run([] { scatter_add_rows(P<float>(0), P<int>(1), P<float>(2), V<int>(3), P<float>(4)); });
     } else if (k == "kv_store") {
         run([] { kv_store(P<float>(0), P<float>(1), P<uint16_t>(2), P<uint16_t>(3), P<int>(4), V<int>(5)); });
     } else if (k == "kv_copy_blocks") {
@@ -76,10 +78,13 @@ static bool launch(const std::string& k, dim3 grid, dim3 block) {
         run([] {
             attention(P<float>(0), P<uint16_t>(1), P<uint16_t>(2), P<int>(3), P<int>(4), V<int>(5), P<int>(6), P<int>(7),
                       V<int>(8), V<int>(9), V<int>(10), V<int>(11), V<int>(12), V<int>(13), V<int>(14), V<int>(15),
-                      V<int>(16), V<float>(17), P<float>(18), P<float>(19), P<float>(20));
+                      V<int>(16), V<float>(17), P<float>(18), V<int>(19), P<float>(20), P<float>(21), P<float>(22));
         });
     } else if (k == "attention_combine") {
-        run([] { attention_combine(P<float>(0), P<float>(1), V<int>(2), V<int>(3), V<int>(4), P<float>(5)); });
+        run([] {
+            attention_combine(P<float>(0), P<float>(1), V<int>(2), V<int>(3), V<int>(4), P<float>(5), V<int>(6), V<int>(7),
+                              P<float>(8));
+        });
     } else {
         return false;
     }

@@ -85,19 +85,23 @@ extern "C" __global__ void rope(float* x, const int* pos, const float* inv_freq,
     }
 }
 
-// gate = act(gate) * up over n values: SwiGLU (gelu = 0) or GeGLU with GELU's tanh form,
-// computed as x * sigmoid(2 y) (the CPU backend's form, without tanh's cancellation).
-extern "C" __global__ void gated_act(float* gate, const float* up, long long n, int gelu) {
+// gate = act(gate, up) over n values, by kind: 0 SwiGLU; 1 GeGLU with GELU's tanh form,
+// computed as x * sigmoid(2 y) (the CPU backend's form, without tanh's cancellation); 2
+// gpt-oss's clamped SwiGLU, x * sigmoid(1.702 x) * (y + 1) with x = min(gate, 7) and
+// y = clamp(up, -7, 7).
+extern "C" __global__ void gated_act(float* gate, const float* up, long long n, int kind) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         float x = gate[i];
-        float a;
-        if (gelu) {
+        if (kind == 1) {
             float y = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-            a = x / (1.0f + expf(-2.0f * y));
+            gate[i] = x / (1.0f + expf(-2.0f * y)) * up[i];
+        } else if (kind == 2) {
+            x = fminf(x, 7.0f);
+            float y = fminf(fmaxf(up[i], -7.0f), 7.0f);
+            gate[i] = x / (1.0f + expf(-1.702f * x)) * (y + 1.0f);
         } else {
-            a = x / (1.0f + expf(-x));
+            gate[i] = x / (1.0f + expf(-x)) * up[i];
         }
-        gate[i] = a * up[i];
     }
 }
 
@@ -112,4 +116,14 @@ extern "C" __global__ void add_in_place(float* x, const float* y, long long n) {
 extern "C" __global__ void gather_rows(const float* src, const int* rows, int n, float* dst) {
     int i = blockIdx.x;
     for (int k = threadIdx.x; k < n; k += blockDim.x) dst[(long long)i * n + k] = src[(long long)rows[i] * n + k];
+}
+
+// dst[rows[i]] += weights[i] * src[i] for rows of n floats: a mixture of experts' outputs of
+// one expert added to the rows of the tokens that chose it (no row twice in a launch). A block
+// per source row.
+extern "C" __global__ void scatter_add_rows(const float* src, const int* rows, const float* weights, int n,
+                                            float* dst) {
+    int i = blockIdx.x;
+    float w = weights[i];
+    for (int k = threadIdx.x; k < n; k += blockDim.x) dst[(long long)rows[i] * n + k] += w * src[(long long)i * n + k];
 }

@@ -205,3 +205,76 @@ fn on_the_gpu_gemma3_270m_q4_k_m_matches_llama_cpp() {
     let worst = check_cases_on(&mut engine(gpu(), &model, &opts), &model, entry, GEMMA_LOGIT_TOL);
     eprintln!("gemma-3-270m Q4_K_M on the GPU: largest logit difference from llama.cpp {worst:.4}");
 }
+
+/// The tiny mixtures of experts (`tiny_models.py moe`: Qwen3 MoE with Q8_0 and MXFP4 experts,
+/// gpt-oss with MXFP4 experts, attention sinks, output biases, the clamped SwiGLU and
+/// alternating windows), written once per test process.
+fn tiny_moes() -> &'static std::path::PathBuf {
+    static D: OnceLock<std::path::PathBuf> = OnceLock::new();
+    D.get_or_init(|| {
+        let dir = temp_dir("cuda-host-moe");
+        inferd_e2e::run_python("reference/tiny_models.py", &["moe".as_ref(), dir.as_os_str()]);
+        dir
+    })
+}
+
+/// How far the CUDA pass's logits may stray from the CPU backend's on the tiny mixtures: both
+/// round a quantized product's activations to 8 bits the same way and differ by the order of
+/// their sums (the experts' weighted sum among them), so at least half the steps agree to 0.001 (15 of 24 the fewest seen), and where
+/// that order flips one 8-bit rounding a step moves by up to 0.07 (seen), then less as later
+/// steps read its K and V.
+const MOE_TOL: f32 = 0.15;
+
+fn runs_mixtures_of_experts_as_the_cpu_backend<S: Stream + Send + 'static>(on: impl Fn() -> S) {
+    // Two prompts prefilled together in chunks of 7, then 12 decode steps batched, both engines
+    // fed the CPU's greedy tokens: the routing, each expert's gathered rows, its biases and
+    // activation and the weighted scatter of its outputs, sinks and windows, on the kernels.
+    for name in ["tiny-qwen3moe-q8_0", "tiny-qwen3moe-mxfp4", "tiny-gpt-oss-mxfp4"] {
+        let m = Model::load(&tiny_moes().join(format!("{name}.gguf"))).unwrap();
+        let page = kv_page_bytes(&m.config, &m.arch, 4);
+        let opts = EngineOptions { kv_budget_bytes: 64 * page, block_size: 4, prefill_chunk: 7, threads: 2 };
+        let (mut cpu, mut gpu) = (Engine::cpu(&m, &opts).unwrap(), engine(on(), &m, &opts));
+        let prompts = [prompt(17, 1), prompt(9, 2)];
+        let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+        let (pc, pg) = (cpu.prefill(&refs).unwrap(), gpu.prefill(&refs).unwrap());
+        let (mut worst, mut close, mut rows) = (0f32, 0, 0);
+        let mut last: Vec<(Vec<f32>, Vec<f32>)> = pc.iter().zip(&pg).map(|(c, g)| (c.1.clone(), g.1.clone())).collect();
+        for step in 0..12 {
+            for (i, (lc, lg)) in last.iter().enumerate() {
+                let d = max_diff(lc, lg);
+                worst = worst.max(d);
+                close += usize::from(d <= 1e-3);
+                rows += 1;
+                assert!(d <= MOE_TOL, "{name} sequence {i} step {step}: logits differ by {d}");
+            }
+            let toks: Vec<u32> = last.iter().map(|(lc, _)| argmax(lc)).collect();
+            let vocab = m.config.vocab;
+            let lc = cpu.decode(&[(pc[0].0, toks[0]), (pc[1].0, toks[1])]).unwrap().to_vec();
+            let lg = gpu.decode(&[(pg[0].0, toks[0]), (pg[1].0, toks[1])]).unwrap().to_vec();
+            last = (0..2)
+                .map(|i| (lc[i * vocab..(i + 1) * vocab].to_vec(), lg[i * vocab..(i + 1) * vocab].to_vec()))
+                .collect();
+        }
+        eprintln!(
+            "{name} on the CUDA kernels: {close} of {rows} steps' logits within 0.001 of the CPU backend's, the \
+             largest difference {worst:.4}"
+        );
+        assert!(2 * close >= rows, "{name}: only {close} of {rows} steps within 0.001");
+        for (c, g) in pc.iter().zip(&pg) {
+            cpu.release(c.0);
+            gpu.release(g.0);
+        }
+        assert_eq!(gpu.kv.stats().free, gpu.kv.stats().total, "every block returned");
+    }
+}
+
+#[test]
+fn on_the_host_the_cuda_forward_pass_runs_mixtures_of_experts_as_the_cpu_backend() {
+    runs_mixtures_of_experts_as_the_cpu_backend(host);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: tests/gpu/run"]
+fn on_the_gpu_the_cuda_forward_pass_runs_mixtures_of_experts_as_the_cpu_backend() {
+    runs_mixtures_of_experts_as_the_cpu_backend(gpu);
+}

@@ -57,6 +57,17 @@ pub struct AttentionPlan<S: Stream> {
     pub part_ml: S::Buf<f32>,
 }
 
+/// A gated activation of `gated_act`, as the kernel numbers them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gated {
+    /// `silu(gate) * up`.
+    Swiglu = 0,
+    /// `gelu_tanh(gate) * up`.
+    Geglu = 1,
+    /// gpt-oss's clamped SwiGLU ([`crate::ops::swiglu_oai`]).
+    SwigluOai = 2,
+}
+
 /// The (token, head) rows one attention block holds for a head size: the kernel's rows per
 /// warp (by head size, attention.cu's dispatch) times its four warps.
 pub fn attention_rows(head_dim: usize) -> usize {
@@ -184,11 +195,11 @@ pub trait KernelCalls: Stream + Sized {
         unsafe { self.launch("rope", (grid_dim("rope", "x", tokens)?, 1), (128, 1), &mut a) }
     }
 
-    /// `gate = act(gate) * up` (GeGLU when `gelu`, else SwiGLU).
-    fn gated_act(&self, gate: &mut Self::Buf<f32>, up: &Self::Buf<f32>, gelu: bool) -> Result<(), GpuError> {
+    /// `gate = act(gate, up)`, the gated activation `kind`.
+    fn gated_act(&self, gate: &mut Self::Buf<f32>, up: &Self::Buf<f32>, kind: Gated) -> Result<(), GpuError> {
         let n = Self::len(gate);
         check("gated_act", Self::len(up) == n, || format!("gate {n} up {}", Self::len(up)))?;
-        let mut a = [Arg::F32Mut(gate), Arg::F32(up), Arg::Long(n as i64), Arg::Int(i32::from(gelu))];
+        let mut a = [Arg::F32Mut(gate), Arg::F32(up), Arg::Long(n as i64), Arg::Int(kind as i32)];
         // SAFETY: gated_act's (float*, float*, long long, int); equal lengths checked above.
         unsafe { self.launch("gated_act", elementwise(n), (256, 1), &mut a) }
     }
@@ -412,6 +423,32 @@ pub trait KernelCalls: Stream + Sized {
         unsafe { self.launch("gather_rows", (grid_dim("gather_rows", "x", count)?, 1), (256, 1), &mut a) }
     }
 
+    /// `dst[rows[i]] += weights[i] * src[i]`, rows of `n` floats; no row of `dst` twice.
+    fn scatter_add_rows(
+        &self,
+        src: &Self::Buf<f32>,
+        rows: &Self::Buf<i32>,
+        weights: &Self::Buf<f32>,
+        n: usize,
+        dst: &mut Self::Buf<f32>,
+    ) -> Result<(), GpuError> {
+        let count = Self::len(rows);
+        check("scatter_add_rows", Self::len(src) >= count * n && Self::len(weights) == count, || {
+            format!("src {} weights {} for {count} rows of {n}", Self::len(src), Self::len(weights))
+        })?;
+        let mut a = [
+            Arg::F32(src),
+            Arg::I32(rows),
+            Arg::F32(weights),
+            Arg::Int(int("scatter_add_rows", "n", n)?),
+            Arg::F32Mut(dst),
+        ];
+        // SAFETY: scatter_add_rows's (float*, int*, float*, int, float*); every row index must
+        // be a row of `dst` (the backend's own list of token rows), each once; `src` and
+        // `weights` checked above.
+        unsafe { self.launch("scatter_add_rows", (grid_dim("scatter_add_rows", "x", count)?, 1), (256, 1), &mut a) }
+    }
+
     /// The K and V rows of `slot.len()` tokens into their cache slots (f16 bits).
     fn kv_store(
         &self,
@@ -528,6 +565,7 @@ pub trait KernelCalls: Stream + Sized {
         q_pos: &Self::Buf<i32>,
         plan: &mut AttentionPlan<Self>,
         s: AttentionShape,
+        sinks: Option<&Self::Buf<f32>>,
         out: &mut Self::Buf<f32>,
     ) -> Result<(), GpuError> {
         let tokens = Self::len(q_pos);
@@ -543,7 +581,8 @@ pub trait KernelCalls: Stream + Sized {
                 && plan.splits > 0
                 && plan.heads_per_block > 0
                 && plan.chunks == (s.q_heads / s.kv_heads).div_ceil(plan.heads_per_block)
-                && Self::len(&plan.tiles) >= 2 * plan.n_tiles,
+                && Self::len(&plan.tiles) >= 2 * plan.n_tiles
+                && sinks.is_none_or(|k| Self::len(k) == s.q_heads),
             || {
                 format!(
                     "q {} out {} for {tokens} queries of {} heads of {}",
@@ -586,6 +625,9 @@ pub trait KernelCalls: Stream + Sized {
             Arg::Int(i("block_size", s.block_size)?),
             Arg::Int(i("window", s.window.unwrap_or(0))?),
             Arg::Float(s.scale),
+            // Without sinks the kernel reads none: any buffer stands in for the pointer.
+            Arg::F32(sinks.unwrap_or(q)),
+            Arg::Int(i32::from(sinks.is_some())),
             Arg::F32Mut(out),
             Arg::F32Mut(&mut plan.part_o),
             Arg::F32Mut(&mut plan.part_ml),
@@ -595,7 +637,8 @@ pub trait KernelCalls: Stream + Sized {
             grid_dim("attention", "y", s.kv_heads * plan.chunks * plan.splits)?,
         );
         // SAFETY: attention's (float*, uint16*, uint16*, int*, int*, int, int*, int*, int, int,
-        // int, int, int, int, int, int, int, float, float*, float*, float*); head_dim <=
+        // int, int, int, int, int, int, int, float, float*, int, float*, float*, float*); the
+        // sinks, where read, one per query head (checked above); head_dim <=
         // ATT_MAX_HEAD_DIM and even, the shapes and the plan checked above (its tiles cut by
         // attention_plan to at most attention_rows rows, the kernel's per block); the part
         // buffers hold splits x rows outputs where split; the tables must cover every query's
@@ -610,9 +653,13 @@ pub trait KernelCalls: Stream + Sized {
             Arg::Int(i("splits", plan.splits)?),
             Arg::Int(i("rows", rows)?),
             Arg::Int(i("head_dim", s.head_dim)?),
+            Arg::F32(sinks.unwrap_or(q)),
+            Arg::Int(i32::from(sinks.is_some())),
+            Arg::Int(i("q_heads", s.q_heads)?),
             Arg::F32Mut(out),
         ];
-        // SAFETY: attention_combine's (float*, float*, int, int, int, float*); the part buffers
+        // SAFETY: attention_combine's (float*, float*, int, int, int, float*, int, int, float*);
+        // the sinks, where read, one per query head (checked above); the part buffers
         // hold splits x rows outputs and (max, sum) pairs, out rows x head_dim floats (checked
         // above). A warp per row, 8 rows a block.
         unsafe { self.launch("attention_combine", (grid_dim("attention", "x", rows.div_ceil(8))?, 1), (32, 8), &mut a) }

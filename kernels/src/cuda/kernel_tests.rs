@@ -5,7 +5,7 @@
 //! `tests/gpu/run` runs it). The host run checks the kernels' logic; the GPU run adds the
 //! device's own math, memory and launch geometry.
 
-use super::calls::{AttentionShape, KernelCalls, WeightShape};
+use super::calls::{AttentionShape, Gated, KernelCalls, WeightShape};
 use super::host::Host;
 use super::stream::{GemmShape, Stream};
 use crate::ops::{Rope, RopeStyle};
@@ -24,7 +24,9 @@ trait Runner {
     fn rms_norm(&self, x: &[f32], w: &[f32], eps: f32) -> Vec<f32>;
     #[allow(clippy::too_many_arguments)]
     fn rope(&self, x: &[f32], pos: &[i32], freq: &[f32], heads: usize, hd: usize, neox: bool, scale: f32) -> Vec<f32>;
-    fn gated_act(&self, gate: &[f32], up: &[f32], gelu: bool) -> Vec<f32>;
+    fn gated_act(&self, gate: &[f32], up: &[f32], kind: Gated) -> Vec<f32>;
+    /// `dst` with `src`'s rows times `weights` added to its rows `rows`.
+    fn scatter_add_rows(&self, src: &[f32], rows: &[i32], weights: &[f32], n: usize, dst: &[f32]) -> Vec<f32>;
     fn matvec(&self, dtype: DType, w: &[u8], rows: usize, cols: usize, x: &[f32]) -> Vec<f32>;
     /// `x` rounded to 8 bits (quants, scales, half sums), and a quantized `w`'s product with it.
     fn matvec_q8(&self, dtype: DType, w: &[u8], rows: usize, cols: usize, x: &[f32]) -> (Q8Host, Vec<f32>);
@@ -58,6 +60,8 @@ struct AttentionCase {
     scale: f32,
     /// Positions per split of the launch's plan; `None`: the plan's own choice.
     split_len: Option<usize>,
+    /// A sink logit per query head (gpt-oss), or none.
+    sinks: Option<Vec<f32>>,
 }
 
 /// Every stream runs the checks through the same typed calls.
@@ -73,10 +77,16 @@ impl<S: Stream> Runner for S {
         KernelCalls::rope(self, &mut dx, &dp, &df, heads, hd, neox, scale).unwrap();
         self.download(&dx).unwrap()
     }
-    fn gated_act(&self, gate: &[f32], up: &[f32], gelu: bool) -> Vec<f32> {
+    fn gated_act(&self, gate: &[f32], up: &[f32], kind: Gated) -> Vec<f32> {
         let mut dg = self.upload(gate).unwrap();
-        KernelCalls::gated_act(self, &mut dg, &self.upload(up).unwrap(), gelu).unwrap();
+        KernelCalls::gated_act(self, &mut dg, &self.upload(up).unwrap(), kind).unwrap();
         self.download(&dg).unwrap()
+    }
+    fn scatter_add_rows(&self, src: &[f32], rows: &[i32], weights: &[f32], n: usize, dst: &[f32]) -> Vec<f32> {
+        let mut dd = self.upload(dst).unwrap();
+        let (ds, dr, dw) = (self.upload(src).unwrap(), self.upload(rows).unwrap(), self.upload(weights).unwrap());
+        KernelCalls::scatter_add_rows(self, &ds, &dr, &dw, n, &mut dd).unwrap();
+        self.download(&dd).unwrap()
     }
     fn matvec(&self, dtype: DType, w: &[u8], rows: usize, cols: usize, x: &[f32]) -> Vec<f32> {
         let tokens = x.len() / cols;
@@ -111,6 +121,7 @@ impl<S: Stream> Runner for S {
         let mut out = self.zeros::<f32>(a.q.len()).unwrap();
         let (dq, tables) = (self.upload(&a.q).unwrap(), self.upload(&a.tables).unwrap());
         let (table_of, q_pos) = (self.upload(&a.table_of).unwrap(), self.upload(&a.q_pos).unwrap());
+        let sinks = a.sinks.as_ref().map(|s| self.upload(s).unwrap());
         let shape = AttentionShape {
             q_heads: a.heads.0,
             kv_heads: a.heads.1,
@@ -133,6 +144,7 @@ impl<S: Stream> Runner for S {
             &q_pos,
             &mut plan,
             shape,
+            sinks.as_ref(),
             &mut out,
         )
         .unwrap();
@@ -213,16 +225,31 @@ fn check_norm_rope_activations(on: &dyn Runner) {
 
     let n = 200;
     let (g, u) = (values(n, 4).iter().map(|v| v * 6.0).collect::<Vec<_>>(), values(n, 5));
-    for gelu in [false, true] {
-        let got = on.gated_act(&g, &u, gelu);
-        let mut want = g.clone();
-        if gelu {
-            crate::ops::geglu(&mut want, &u);
-        } else {
-            crate::ops::swiglu(&mut want, &u);
-        }
-        close(&got, &want, 1e-5, if gelu { "geglu" } else { "swiglu" });
+    // The clamped SwiGLU's inputs also past its clamps (7 and -7).
+    let (g2, u2): (Vec<f32>, Vec<f32>) = (g.iter().map(|v| v * 2.0).collect(), u.iter().map(|v| v * 12.0).collect());
+    type Case<'a> = (Gated, &'a [f32], &'a [f32], fn(&mut [f32], &[f32]));
+    let cases: [Case<'_>; 3] = [
+        (Gated::Swiglu, &g, &u, crate::ops::swiglu),
+        (Gated::Geglu, &g, &u, crate::ops::geglu),
+        (Gated::SwigluOai, &g2, &u2, crate::ops::swiglu_oai),
+    ];
+    for (kind, g, u, cpu) in cases {
+        let got = on.gated_act(g, u, kind);
+        let mut want = g.to_vec();
+        cpu(&mut want, u);
+        close(&got, &want, 1e-5, &format!("{kind:?}"));
     }
+    // A mixture of experts' weighted rows added to the rows of the tokens that chose them.
+    let (n, dst, src) = (40, values(5 * 40, 6), values(3 * 40, 7));
+    let (rows, weights) = ([4, 0, 2], [0.5f32, -1.25, 2.0]);
+    let got = on.scatter_add_rows(&src, &rows, &weights, n, &dst);
+    let mut want = dst.clone();
+    for (i, (&r, &w)) in rows.iter().zip(&weights).enumerate() {
+        for k in 0..n {
+            want[r as usize * n + k] += w * src[i * n + k];
+        }
+    }
+    close(&got, &want, 1e-6, "scatter_add_rows");
 }
 
 fn check_matvec_embed(on: &dyn Runner) {
@@ -448,6 +475,9 @@ fn check_attention(on: &dyn Runner) {
     };
     check_attention_case(on, &short(64, 0));
     check_attention_case(on, &short(40, 5));
+    // gpt-oss's sinks: a logit per query head, large and small, unsplit and split.
+    let sinks = |q_heads: usize| Some((0..q_heads).map(|h| [0.5, -1.0, 2.5, 0.0][h % 4]).collect::<Vec<f32>>());
+    check_attention_case(on, &AttentionCase { sinks: sinks(4), ..short(64, 0) });
     // Longer sequences, over several tiles of positions and of queries and split in runs of
     // positions: Llama 3 8B's head (128, 4 query heads a KV head), Gemma's (256, one KV head
     // for 4), a tiny model's (16), each with and without a window; a prefill chunk of 20
@@ -461,6 +491,10 @@ fn check_attention(on: &dyn Runner) {
                 let mut c = attention_case(&tables, &[90, 84], &queries, heads, hd, 8);
                 (c.window, c.split_len) = (window, split_len);
                 check_attention_case(on, &c);
+                if hd == 128 {
+                    c.sinks = sinks(heads.0);
+                    check_attention_case(on, &c);
+                }
             }
         }
     }
@@ -502,6 +536,7 @@ fn attention_case(
         window: 0,
         scale: 1.0 / (hd as f32).sqrt(),
         split_len: None,
+        sinks: None,
     }
 }
 
@@ -521,7 +556,8 @@ fn check_attention_case(on: &dyn Runner, a: &AttentionCase) {
         })
         .collect();
     let row_of = |s: usize, p: usize| lens[..s].iter().sum::<usize>() + p;
-    let what = format!("hd {hd} heads {qh}/{kvh} window {} split {:?}", a.window, a.split_len);
+    let what =
+        format!("hd {hd} heads {qh}/{kvh} window {} split {:?} sinks {}", a.window, a.split_len, a.sinks.is_some());
     for (i, (&s, &p)) in a.table_of.iter().zip(&a.q_pos).enumerate() {
         let (s, p) = (s as usize, p as usize);
         let first = if a.window > 0 { (p + 1).saturating_sub(a.window) } else { 0 };
@@ -538,7 +574,9 @@ fn check_attention_case(on: &dyn Runner, a: &AttentionCase) {
                 .collect();
             let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-            let z: f64 = e.iter().sum();
+            // A sink's logit joins the denominator, and nothing the values.
+            let sink = a.sinks.as_ref().map_or(0.0, |k| (f64::from(k[h]) - m).exp());
+            let z: f64 = e.iter().sum::<f64>() + sink;
             for d in 0..hd {
                 let want: f64 =
                     rows.iter().zip(&e).map(|(&r, w)| w * round(a.v[r * kv_dim + g * hd + d])).sum::<f64>() / z;

@@ -24,13 +24,14 @@ pub const SOURCES: [(&str, &str); 5] = [
 ];
 
 /// Every kernel the sources define (`extern "C" __global__`), for the loader to look up.
-pub const KERNELS: [&str; 16] = [
+pub const KERNELS: [&str; 17] = [
     "embed",
     "rms_norm",
     "rope",
     "gated_act",
     "add_in_place",
     "gather_rows",
+    "scatter_add_rows",
     "matvec",
     "quantize_q8",
     "matvec_q8",

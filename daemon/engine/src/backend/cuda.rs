@@ -26,7 +26,7 @@ use crate::model::arch::{Activation, Architecture};
 use crate::model::weights::LayerWeights;
 use crate::model::{LlamaConfig, Model, Tensor};
 use inferd_kernels::cuda::calls::{
-    is_quantized, AttentionPlan, AttentionShape, KernelCalls, Q8Activations, WeightShape,
+    is_quantized, AttentionPlan, AttentionShape, Gated, KernelCalls, Q8Activations, WeightShape,
 };
 use inferd_kernels::cuda::gpu::Gpu;
 use inferd_kernels::cuda::stream::{GemmShape, GpuError, Stream};
@@ -68,8 +68,51 @@ impl<S: Stream> Weight<S> {
     }
 }
 
+/// A layer's matrix in the stream's memory: one, or a mixture's stack of experts.
+enum Matrix<S: Stream> {
+    One(Weight<S>),
+    /// Each expert's matrix, and its bias where the family has them.
+    Experts {
+        parts: Vec<Weight<S>>,
+        biases: Vec<S::Buf<f32>>,
+    },
+}
+
+impl<S: Stream> Matrix<S> {
+    /// The `experts` matrices stacked in `t`, each uploaded alone, with its rows of `biases`.
+    fn experts(s: &S, t: &Tensor, experts: usize, biases: Option<&[f32]>) -> Result<Self, GpuError> {
+        let rows = t.rows / experts;
+        let parts =
+            (0..experts).map(|e| Weight::upload(s, &t.rows_of(e * rows, (e + 1) * rows))).collect::<Result<_, _>>()?;
+        let biases = biases
+            .map(|b| b.chunks_exact(rows).map(|b| s.upload(b)).collect::<Result<Vec<_>, _>>())
+            .transpose()?
+            .unwrap_or_default();
+        Ok(Matrix::Experts { parts, biases })
+    }
+
+    /// The matrix of a product.
+    fn one(&self) -> Result<&Weight<S>, BackendError> {
+        match self {
+            Matrix::One(w) => Ok(w),
+            Matrix::Experts { .. } => Err(BackendError::Device("a product of a whole stack of experts".into())),
+        }
+    }
+
+    /// Expert `e`'s matrix and bias.
+    fn expert(&self, e: usize) -> Result<Expert<'_, S>, BackendError> {
+        match self {
+            Matrix::Experts { parts, biases } if e < parts.len() => Ok((&parts[e], biases.get(e))),
+            _ => Err(BackendError::Device(format!("expert {e} of a matrix that has no such expert"))),
+        }
+    }
+}
+
+/// An expert's matrix and its bias.
+type Expert<'a, S> = (&'a Weight<S>, Option<&'a <S as Stream>::Buf<f32>>);
+
 /// A layer's weights in the stream's memory: matrices in their file's encoding, vectors f32.
-type Layer<S> = LayerWeights<Weight<S>, <S as Stream>::Buf<f32>>;
+type Layer<S> = LayerWeights<Matrix<S>, <S as Stream>::Buf<f32>>;
 
 /// The CUDA implementation of [`Backend`], on stream `S`.
 pub struct CudaBackend<S: Stream> {
@@ -103,17 +146,6 @@ impl<S: Stream> CudaBackend<S> {
     /// run the same set).
     pub fn new(s: S, model: &Model, opts: &EngineOptions) -> Result<Self, BackendError> {
         super::cpu::runs(&model.arch)?;
-        if model.arch.moe.is_some() {
-            let why = format!("{}: a mixture of experts runs on the CPU backend alone for now", model.arch.name);
-            return Err(BackendError::Unsupported(why));
-        }
-        if model.arch.attn_sinks || model.arch.attn_out_bias || model.arch.activation == Activation::SwigluOai {
-            let why = format!(
-                "{}: attention sinks, output biases and the clamped SwiGLU run on the CPU backend alone for now",
-                model.arch.name
-            );
-            return Err(BackendError::Unsupported(why));
-        }
         let (cfg, w) = (&model.config, &model.weights);
         let bs = opts.block_size;
         let kv_blocks = (opts.kv_budget_bytes / super::cpu::kv_page_bytes(cfg, &model.arch, bs)).max(1);
@@ -125,9 +157,12 @@ impl<S: Stream> CudaBackend<S> {
                 + if tied { 0 } else { w.output.bytes().len() },
             kv_bytes: 2 * groups.slots * kv_blocks * bs * cfg.kv_dim() * 2,
         };
-        // Prefill's work space: the largest matrix as halves, a chunk's activations as halves.
-        let matrices = w.layers.iter().flat_map(|l| l.matrices()).chain([&w.output]);
-        let (largest, widest) = matrices.fold((0, 0), |(n, c), t| (n.max(t.rows * t.cols), c.max(t.cols)));
+        // Prefill's work space: the largest matrix (of a mixture, an expert's) as halves, a
+        // chunk's activations as halves.
+        let experts = |l: &crate::model::weights::LayerWeights| l.router.as_ref().map_or(1, |r| r.rows);
+        let matrices = w.layers.iter().flat_map(|l| l.matrices().map(|t| (t, experts(l))));
+        let (largest, widest) = (matrices.chain([(&w.output, 1)]))
+            .fold((0, 0), |(n, c), (t, e)| (n.max(t.rows / e * t.cols), c.max(t.cols)));
         let scratch = if s.has_gemm() { 2 * (largest + opts.prefill_chunk * widest) } else { 0 };
         if let Some((free, total)) = s.device_memory()? {
             fits(memory, scratch, free, total).map_err(BackendError::Unsupported)?;
@@ -136,7 +171,14 @@ impl<S: Stream> CudaBackend<S> {
         let vec = |v: &[f32]| s.upload(v);
         let mut layers = Vec::with_capacity(w.layers.len());
         for l in &w.layers {
-            layers.push(l.try_map(|t| up(t), |v| vec(v))?);
+            // A mixture's expert stacks go up an expert at a time, each with its biases.
+            let experts = l.router.as_ref().map_or(0, |r| r.rows);
+            let stacks = [&l.w_gate, &l.w_up, &l.w_down];
+            let matrix = |t: &Tensor| match stacks.iter().position(|x| std::ptr::eq(*x, t)) {
+                Some(i) if experts > 0 => Matrix::experts(&s, t, experts, l.expert_biases.as_ref().map(|b| &b[i][..])),
+                _ => Ok(Matrix::One(up(t)?)),
+            };
+            layers.push(l.try_map(matrix, |v| vec(v))?);
         }
         let (rotations, rope_of) = super::rotations(cfg, &model.arch);
         let ropes = rotations.iter().map(|(f, scale)| Ok((vec(f)?, *scale))).collect::<Result<_, GpuError>>()?;
@@ -401,7 +443,7 @@ impl<S: Stream> CudaOps<'_, S> {
 }
 
 impl<S: Stream> LayerOps for CudaOps<'_, S> {
-    type Matrix = Weight<S>;
+    type Matrix = Matrix<S>;
     type Vector = S::Buf<f32>;
 
     fn norm(&mut self, from: Act, w: &S::Buf<f32>, to: Act) -> Result<(), BackendError> {
@@ -410,8 +452,8 @@ impl<S: Stream> LayerOps for CudaOps<'_, S> {
         Ok(())
     }
 
-    fn project(&mut self, _phase: Phase, from: Act, products: &[(&Weight<S>, Act)]) -> Result<(), BackendError> {
-        let ws: Vec<&Weight<S>> = products.iter().map(|p| p.0).collect();
+    fn project(&mut self, _phase: Phase, from: Act, products: &[(&Matrix<S>, Act)]) -> Result<(), BackendError> {
+        let ws = products.iter().map(|p| p.0.one()).collect::<Result<Vec<_>, _>>()?;
         let x = self.get(from)?;
         let inp = input(self.s, x, self.n, &ws)?;
         let ys = ws.iter().map(|w| project(self.s, w, &inp)).collect::<Result<Vec<_>, GpuError>>()?;
@@ -448,9 +490,6 @@ impl<S: Stream> LayerOps for CudaOps<'_, S> {
         sinks: Option<&S::Buf<f32>>,
         to: Act,
     ) -> Result<(), BackendError> {
-        if sinks.is_some() {
-            return Err(BackendError::Unsupported("attention sinks on the cuda backend".into()));
-        }
         let (group, slot) = self.layer_slot[layer];
         let (slots, tables, table_len) = &self.groups[group];
         let (kc, vc) = (&mut self.k_cache[slot], &mut self.v_cache[slot]);
@@ -461,21 +500,14 @@ impl<S: Stream> LayerOps for CudaOps<'_, S> {
         self.s.kv_store(k, v, (kc, vc), slots, self.cfg.kv_dim())?;
         let mut att = self.s.alloc::<f32>(self.n * self.cfg.q_dim())?;
         let (plan, shape) = &mut self.plans[group];
-        self.s.attention(q, (kc, vc), tables, self.seq_of, *table_len, self.pos, plan, *shape, &mut att)?;
+        self.s.attention(q, (kc, vc), tables, self.seq_of, *table_len, self.pos, plan, *shape, sinks, &mut att)?;
         self.acts[to.index()] = Some(att);
         Ok(())
     }
 
     fn gated(&mut self, act: Activation, gate: Act, up: Act) -> Result<(), BackendError> {
-        let gelu = match act {
-            Activation::SiluGated => false,
-            Activation::GeluTanhGated => true,
-            Activation::SwigluOai => {
-                return Err(BackendError::Unsupported("the clamped SwiGLU on the cuda backend".into()))
-            }
-        };
         let mut g = self.take(gate)?;
-        self.s.gated_act(&mut g, self.get(up)?, gelu)?;
+        self.s.gated_act(&mut g, self.get(up)?, gated(act))?;
         self.acts[gate.index()] = Some(g);
         Ok(())
     }
@@ -489,14 +521,69 @@ impl<S: Stream> LayerOps for CudaOps<'_, S> {
 
     fn experts(
         &mut self,
-        _w: &Layer<S>,
-        _router: &Weight<S>,
-        _moe: &crate::model::arch::Moe,
-        _act: Activation,
-        _from: Act,
-        _to: Act,
+        w: &Layer<S>,
+        router: &Matrix<S>,
+        moe: &crate::model::arch::Moe,
+        act: Activation,
+        from: Act,
+        to: Act,
     ) -> Result<(), BackendError> {
-        Err(BackendError::Unsupported("a mixture of experts on the cuda backend".into()))
+        let (s, n, h, e) = (self.s, self.n, self.cfg.hidden, moe.experts);
+        let router = router.one()?;
+        let x = self.get(from)?;
+        let mut logits = project(s, router, &input(s, x, n, &[router])?)?;
+        if let Some(b) = &w.router_bias {
+            s.add_bias(&mut logits, b)?;
+        }
+        // Each token's choice on the host, as the CPU backend makes it (one wait a layer for
+        // the router's logits), then the tokens grouped by expert.
+        let logits = s.download(&logits)?;
+        let mut users: Vec<(Vec<i32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); e];
+        for (t, l) in logits.chunks_exact(e).take(n).enumerate() {
+            for (x, weight) in inferd_kernels::moe::route(&moe.routing, l, None) {
+                let u = users.get_mut(x as usize).ok_or_else(|| BackendError::Device(format!("expert {x} of {e}")))?;
+                u.0.push(t as i32);
+                u.1.push(weight);
+            }
+        }
+        // Each chosen expert once, for all its tokens: their rows gathered, its gated products,
+        // the results weighted into their rows of the output.
+        let mut out = s.zeros::<f32>(n * h)?;
+        for (x, (rows, weights)) in users.iter().enumerate().filter(|(_, u)| !u.0.is_empty()) {
+            let (m, idx) = (rows.len(), s.upload(rows)?);
+            let mut xe = s.alloc::<f32>(m * h)?;
+            s.gather_rows(x_of(&self.acts, from)?, &idx, h, &mut xe)?;
+            let ((gw, gb), (uw, ub), (dw, db)) = (w.w_gate.expert(x)?, w.w_up.expert(x)?, w.w_down.expert(x)?);
+            let inp = input(s, &xe, m, &[gw, uw])?;
+            let (mut g, mut u) = (project(s, gw, &inp)?, project(s, uw, &inp)?);
+            for (y, b) in [(&mut g, gb), (&mut u, ub)] {
+                if let Some(b) = b {
+                    s.add_bias(y, b)?;
+                }
+            }
+            s.gated_act(&mut g, &u, gated(act))?;
+            let mut d = project(s, dw, &input(s, &g, m, &[dw])?)?;
+            if let Some(b) = db {
+                s.add_bias(&mut d, b)?;
+            }
+            s.scatter_add_rows(&d, &idx, &s.upload(weights)?, h, &mut out)?;
+        }
+        self.acts[to.index()] = Some(out);
+        Ok(())
+    }
+}
+
+/// Buffer `a` of `acts`, written earlier in the pass.
+fn x_of<B>(acts: &[Option<B>], a: Act) -> Result<&B, BackendError> {
+    acts[a.index()].as_ref().ok_or_else(|| BackendError::Device(format!("{a:?} read before it was written")))
+}
+
+/// The kernel's gated activation for the architecture's.
+fn gated(a: Activation) -> Gated {
+    match a {
+        Activation::SiluGated => Gated::Swiglu,
+        Activation::GeluTanhGated => Gated::Geglu,
+        Activation::SwigluOai => Gated::SwigluOai,
     }
 }
 
