@@ -13,6 +13,8 @@
 //! - [`matmul`]: the multi-threaded matrix product driver over a [`pool::ThreadPool`].
 //! - [`ops`]: the small per-row operations of a transformer block (RMSNorm, RoPE, SwiGLU, softmax).
 //! - [`attention`]: attention over a paged K/V cache.
+//! - [`deltanet`]: Gated DeltaNet's recurrence (Qwen3.5's linear attention), token by token and
+//!   in chunks of matrix products, and its causal convolution.
 //! - [`pack`]: weights repacked at load time, 16 rows interleaved, for the AVX-512 VNNI kernel.
 //!
 //! No kernel allocates on the hot path; callers own every buffer.
@@ -22,6 +24,7 @@
 pub mod attention;
 pub mod cpu;
 pub mod cuda;
+pub mod deltanet;
 pub mod group;
 pub mod matmul;
 pub mod moe;
