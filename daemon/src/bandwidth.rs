@@ -39,9 +39,8 @@ pub fn weight_bytes_per_token(model: &inferd_engine::model::Model) -> usize {
         .layers
         .iter()
         .map(|l| {
-            let [q, k, v, o, gate, up, down] = l.matrices();
-            let dense: usize = [q, k, v, o].iter().map(|t| t.bytes().len()).sum();
-            let ffn: usize = [gate, up, down].iter().map(|t| t.bytes().len() / experts * used).sum();
+            let dense: usize = l.mixer_matrices().iter().map(|t| t.bytes().len()).sum();
+            let ffn: usize = [&l.w_gate, &l.w_up, &l.w_down].iter().map(|t| t.bytes().len() / experts * used).sum();
             dense + ffn + l.router.as_ref().map_or(0, |r| r.bytes().len())
         })
         .sum();

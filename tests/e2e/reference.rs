@@ -148,7 +148,7 @@ pub(crate) fn check_cases_on(e: &mut Engine, model: &Model, entry: &Value, tol: 
 
 #[test]
 fn tiny_models_of_every_architecture_match_llama_cpp() {
-    for arch in ["llama", "qwen2", "qwen3", "gemma3", "phi3"] {
+    for arch in ["llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen35"] {
         let entry = entry(&format!("tiny-{arch}"));
         let path = tiny_dir().join(entry["file"].as_str().unwrap());
         assert_eq!(sha256(&path), entry["sha256"].as_str().unwrap(), "{arch}: tiny_models.py wrote other bytes");

@@ -63,7 +63,7 @@ fn every_weight_type_loads_and_tracks_the_f32_model() {
         (DType::Q4_0, DType::Q8_0, 0.5),
     ] {
         let m = Model::load(&write_tiny_gguf(&dir.join(format!("{}.gguf", dt.name())), &spec, dt, emb)).unwrap();
-        assert_eq!(m.weights.layers[0].wq.dtype, dt);
+        assert_eq!(m.weights.layers[0].attention().unwrap().wq.dtype, dt);
         let got = last_logits(&m, &p);
         let d = max_diff(&want, &got);
         assert!(d < tol * scale, "{}: max diff {d} vs logit scale {scale}", dt.name());
@@ -265,7 +265,10 @@ fn a_step_that_runs_out_of_blocks_on_a_later_item_changes_nothing() {
             let stats = e.kv.stats();
             let [ia, ib] = step(&[7], &[9]);
             let err = e.step(&[ia, ib, RunItem::logits(c, &long, 1)]).unwrap_err();
-            assert!(matches!(err, EngineError::OutOfBlocks(OutOfBlocks { needed: 5, free: 4 })), "{err}");
+            assert!(
+                matches!(err, EngineError::OutOfBlocks(OutOfBlocks { needed: 5, free: 4, states: false })),
+                "{err}"
+            );
             assert_eq!(e.kv.stats(), stats, "no block moved");
             for (s, t) in [a, b, c].into_iter().zip(&tables) {
                 assert_eq!(e.kv.block_table(s), &t[..], "block tables untouched");
@@ -337,7 +340,7 @@ fn a_profiled_decode_step_is_cut_into_its_phases_and_computes_the_same() {
     let w = &m.weights;
     let bytes =
         |ts: &mut dyn Iterator<Item = &inferd_engine::model::Tensor>| ts.map(|t| t.bytes().len() as u64).sum::<u64>();
-    let qkv = bytes(&mut w.layers.iter().flat_map(|l| [&l.wq, &l.wk, &l.wv]));
+    let qkv = bytes(&mut w.layers.iter().flat_map(|l| l.mixer_matrices().into_iter().take(3)));
     let ffn = bytes(&mut w.layers.iter().flat_map(|l| [&l.w_gate, &l.w_up]));
     assert_eq!(p.phase(Phase::QkvProjection).weight_bytes, qkv * steps);
     assert_eq!(p.phase(Phase::FfnGateUp).weight_bytes, ffn * steps);

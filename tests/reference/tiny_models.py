@@ -299,6 +299,83 @@ def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None,
     return t, head, layers, scaling
 
 
+# Qwen3.5's hybrid layers: Gated DeltaNet key heads, value heads, their size, the convolution's
+# width, and every fourth layer full attention (the last of 4).
+DN_K_HEADS, DN_V_HEADS, DN_HEAD, DN_CONV, HYBRID_LAYERS = 2, 4, 16, 4, 4
+
+
+def hybrid(path, seed):
+    """A tiny Qwen3.5 (`qwen35`): three Gated DeltaNet layers then one gated full-attention
+    layer, partial interleaved M-RoPE, Q8_0 matrices as real files have, the recurrence's
+    small tensors in f32."""
+    rng = np.random.default_rng(seed)
+    head = HIDDEN // HEADS
+    key_dim, value_dim = DN_K_HEADS * DN_HEAD, DN_V_HEADS * DN_HEAD
+
+    def mat(rows, cols, scale=None):
+        return (rng.standard_normal((rows, cols)) * (scale or cols ** -0.5)).astype(np.float32)
+
+    def norm(n):
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    w = GGUFWriter(path, "qwen35")
+    w.add_context_length(1024)
+    w.add_embedding_length(HIDDEN)
+    w.add_block_count(HYBRID_LAYERS)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(8)  # a quarter of the head rotated, as Qwen3.5
+    w.add_rope_dimension_sections([2, 1, 1, 0])
+    w.add_ssm_conv_kernel(DN_CONV)
+    w.add_ssm_inner_size(value_dim)
+    w.add_ssm_state_size(DN_HEAD)
+    w.add_ssm_time_step_rank(DN_V_HEADS)
+    w.add_ssm_group_count(DN_K_HEADS)
+    w.add_full_attention_interval(4)
+    add_vocab(w, "default", TOKENS, MERGES)
+    t = {"token_embd.weight": mat(len(TOKENS), HIDDEN, 1.0), "output_norm.weight": norm(HIDDEN),
+         "output.weight": mat(len(TOKENS), HIDDEN)}
+    for i in range(HYBRID_LAYERS):
+        p = f"blk.{i}."
+        t[p + "attn_norm.weight"] = norm(HIDDEN)
+        if (i + 1) % 4 != 0:
+            # Gated DeltaNet: Q, K and V through the convolution, the output gate z, the decay
+            # (softplus(alpha + dt) * a, a < 0) and the write strength (sigmoid(beta)).
+            t[p + "attn_qkv.weight"] = mat(2 * key_dim + value_dim, HIDDEN)
+            t[p + "attn_gate.weight"] = mat(value_dim, HIDDEN)
+            t[p + "ssm_conv1d.weight"] = (0.5 * rng.standard_normal((2 * key_dim + value_dim, DN_CONV))).astype(np.float32)
+            t[p + "ssm_dt.bias"] = (0.5 * rng.standard_normal(DN_V_HEADS)).astype(np.float32)
+            t[p + "ssm_a"] = (-np.exp(rng.uniform(-1.0, 0.5, DN_V_HEADS))).astype(np.float32)
+            t[p + "ssm_beta.weight"] = mat(DN_V_HEADS, HIDDEN)
+            t[p + "ssm_alpha.weight"] = mat(DN_V_HEADS, HIDDEN)
+            t[p + "ssm_norm.weight"] = norm(DN_HEAD)
+            t[p + "ssm_out.weight"] = mat(HIDDEN, value_dim)
+        else:
+            # Full attention whose Q projection also gives each head's output gate.
+            t[p + "attn_q.weight"] = mat(2 * HEADS * head, HIDDEN)
+            t[p + "attn_k.weight"] = mat(KV_HEADS * head, HIDDEN)
+            t[p + "attn_v.weight"] = mat(KV_HEADS * head, HIDDEN)
+            t[p + "attn_output.weight"] = mat(HIDDEN, HEADS * head)
+            t[p + "attn_q_norm.weight"] = norm(head)
+            t[p + "attn_k_norm.weight"] = norm(head)
+        t[p + "post_attention_norm.weight"] = norm(HIDDEN)
+        t[p + "ffn_gate.weight"] = mat(FFN, HIDDEN)
+        t[p + "ffn_up.weight"] = mat(FFN, HIDDEN)
+        t[p + "ffn_down.weight"] = mat(HIDDEN, FFN)
+    for name, value in t.items():
+        if value.ndim == 2 and name != "token_embd.weight" and not name.split(".")[-2].startswith("ssm_") or name.endswith("ssm_out.weight"):
+            w.add_tensor(name, quantize(value, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def write_safetensors(path, tensors):
     header, blobs, at = {}, [], 0
     for name, value in tensors.items():
@@ -447,3 +524,4 @@ elif __name__ == "__main__":
         model("llama", f"{out}/tiny-pre-{pre}.gguf", seed, vocab=(tokens, merges, pre))
     for seed, (name, arch, pooling) in enumerate(EMBEDDERS, start=len(ARCHS) + len(SCALED) + len(PRE_TYPES)):
         model(arch, f"{out}/{name}.gguf", seed, pooling=pooling)
+    hybrid(f"{out}/tiny-qwen35.gguf", 300)

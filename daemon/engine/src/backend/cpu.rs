@@ -8,12 +8,12 @@
 //! mixture of experts routes each token and runs the step's tokens grouped by expert
 //! ([`inferd_kernels::moe`]), each chosen expert read once per step.
 
-use super::layer::{layer, Act, LayerOps};
+use super::layer::{layer, Act, GateFn, LayerOps};
 use super::profile::{Laps, Phase, StepProfile};
 use super::{validate_batch, Backend, BackendError, SeqBatch};
 use crate::kv::{BlockCopy, KvGroups};
 use crate::model::arch::{Activation, Architecture, LayerAttention, Moe, NormPlacement, RopeScaling};
-use crate::model::weights::LayerWeights;
+use crate::model::weights::{DeltaWeights, LayerWeights};
 use crate::model::{LlamaConfig, LlamaWeights, Tensor};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -34,6 +34,9 @@ struct Scratch {
     logits: Vec<f32>, // (rows, vocab) logits of a batch that also returns hidden rows
     router: Vec<f32>, // (tokens, experts) a mixture of experts' router logits
     moe: inferd_kernels::moe::MoeScratch,
+    /// A DeltaNet's convolved inputs, queries, keys, values, decays and write strengths of
+    /// one sequence.
+    delta: [Vec<f32>; 6],
     angles: Vec<Vec<(f32, f32)>>, // per rotation: (tokens, rope_dim / 2) RoPE (sin, cos)
 }
 
@@ -60,6 +63,10 @@ pub struct CpuBackend {
     /// Per slot: `(kv_blocks, n_kv_heads, block_size, head_dim)` f16.
     k_cache: Vec<Vec<f16>>,
     v_cache: Vec<Vec<f16>>,
+    /// Per DeltaNet layer: `state_slots` states of [`crate::model::arch::DeltaNet::state_floats`]
+    /// each (the convolution's window, then the recurrence's matrices).
+    states: Vec<Vec<f32>>,
+    state_slots: usize,
     s: Scratch,
     /// The passes timed while profiling.
     profile: Option<StepProfile>,
@@ -88,6 +95,8 @@ pub fn runs(arch: &Architecture) -> Result<(), BackendError> {
         tied_output: _,
         layout: _,
         moe,
+        attn_output_gate: _,
+        delta,
     } = arch;
     if moe.is_some() && *activation == Activation::GeluTanhGated {
         return Err(BackendError::Unsupported(format!("{}: experts with GeGLU", arch.name)));
@@ -99,7 +108,10 @@ pub fn runs(arch: &Architecture) -> Result<(), BackendError> {
         Activation::SiluGated | Activation::GeluTanhGated | Activation::SwigluOai => {}
     }
     for l in layers {
-        let LayerAttention { window, rope_base: _, rope_scaling } = l;
+        let LayerAttention { window, rope_base: _, rope_scaling, delta_net } = l;
+        if *delta_net && delta.is_none() {
+            return Err(BackendError::Unsupported(format!("{}: a DeltaNet layer without its shape", arch.name)));
+        }
         match rope_scaling {
             RopeScaling::None
             | RopeScaling::Linear(_)
@@ -123,14 +135,16 @@ fn activation_fn(k: &Kernels, a: Activation) -> fn(&mut [f32], &[f32]) {
     }
 }
 
-/// Bytes of K and V that `block_size` positions take in every layer of this model.
+/// Bytes of K and V that `block_size` positions take in every layer of this model (of a
+/// model without recurrent layers: [`kv_page_bytes`] is the general form).
 pub fn kv_block_bytes(cfg: &LlamaConfig, block_size: usize) -> usize {
     cfg.n_layers * 2 * cfg.kv_dim() * block_size * std::mem::size_of::<f16>()
 }
 
-/// The KV groups of `arch`'s layers (one group when no layer has a window).
+/// The KV groups of `arch`'s layers that keep K/V (one group when no layer has a window); a
+/// layer's group and slot are at its index among those layers ([`Architecture::kv_layer`]).
 pub fn kv_groups(arch: &Architecture) -> KvGroups {
-    KvGroups::for_layers(&arch.layers.iter().map(|l| l.window).collect::<Vec<_>>())
+    KvGroups::for_layers(&arch.kv_layers().iter().map(|&l| arch.layers[l].window).collect::<Vec<_>>())
 }
 
 /// Bytes of one page of the pool: K and V of `block_size` positions for the layers of one
@@ -139,6 +153,25 @@ pub fn kv_page_bytes(cfg: &LlamaConfig, arch: &Architecture, block_size: usize) 
     kv_block_bytes(cfg, block_size) / cfg.n_layers * kv_groups(arch).slots
 }
 
+/// Bytes of one sequence's recurrent state, every DeltaNet layer's (none without them).
+pub fn state_bytes(arch: &Architecture) -> usize {
+    let layers = arch.layers.iter().filter(|l| l.delta_net).count();
+    arch.delta.map_or(0, |d| layers * d.state_floats() * std::mem::size_of::<f32>())
+}
+
+/// The recurrent state slots a hybrid model gets from a cache budget of `budget` bytes: a
+/// quarter of it, at least one slot and at most [`MAX_STATES`] (no batch is larger); none for a
+/// model without recurrent layers.
+pub fn state_slots(arch: &Architecture, budget: usize) -> usize {
+    match state_bytes(arch) {
+        0 => 0,
+        b => (budget / 4 / b).clamp(1, MAX_STATES),
+    }
+}
+
+/// The most recurrent state slots a backend keeps.
+pub const MAX_STATES: usize = 256;
+
 /// `n` zero halves as the allocator's zeroed memory (for a pool this size, a fresh anonymous
 /// mapping): no page is touched here, so the pool becomes resident block by block as the cache
 /// is first written, and an idle model costs about its weights. (`vec![f16::ZERO; n]` writes
@@ -146,6 +179,11 @@ pub fn kv_page_bytes(cfg: &LlamaConfig, arch: &Architecture, block_size: usize) 
 fn zeroed(n: usize) -> Vec<f16> {
     use half::vec::HalfBitsVecExt;
     vec![0u16; n].reinterpret_into()
+}
+
+/// [`zeroed`] for floats.
+fn zeroed_f32(n: usize) -> Vec<f32> {
+    vec![0.0; n]
 }
 
 /// `w` with every matrix whose type the kernels read faster packed ([`Kernels::packs`]) in
@@ -161,7 +199,7 @@ fn pack_weights(mut w: LlamaWeights, k: &Kernels, pool: &ThreadPool) -> LlamaWei
         }
     };
     for l in &mut w.layers {
-        for t in [&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo] {
+        for t in l.mixer_matrices_mut() {
             pack(t);
         }
         // Expert stacks pack whole where each expert's rows are whole groups of 16 (no group
@@ -183,15 +221,20 @@ impl CpuBackend {
     /// something this forward pass does not run ([`runs`]).
     pub fn for_model(model: &crate::model::Model, opts: &crate::engine::EngineOptions) -> Result<Self, BackendError> {
         runs(&model.arch)?;
-        let blocks = (opts.kv_budget_bytes / kv_page_bytes(&model.config, &model.arch, opts.block_size)).max(1);
-        Ok(CpuBackend::new(
+        // A hybrid model's recurrent states come out of the same budget.
+        let states = state_slots(&model.arch, opts.kv_budget_bytes);
+        let kv_budget = opts.kv_budget_bytes.saturating_sub(states * state_bytes(&model.arch));
+        let blocks = (kv_budget / kv_page_bytes(&model.config, &model.arch, opts.block_size)).max(1);
+        let mut b = CpuBackend::new(
             model.config.clone(),
             model.arch.clone(),
             model.weights.clone(),
             blocks,
             opts.block_size,
             opts.threads(),
-        ))
+        );
+        b.set_state_slots(states);
+        Ok(b)
     }
 
     /// A backend with `kv_blocks` cache blocks of `block_size` positions, on `threads` threads.
@@ -226,9 +269,20 @@ impl CpuBackend {
             rope_of,
             block_size,
             kv_blocks,
+            states: Vec::new(),
+            state_slots: 0,
             s: Scratch::default(),
             profile: None,
         }
+    }
+
+    /// Keeps `n` recurrent state slots for the DeltaNet layers (zeroed memory, resident as
+    /// states are first written).
+    pub fn set_state_slots(&mut self, n: usize) {
+        let floats = self.arch.delta.map_or(0, |d| d.state_floats());
+        let layers = self.arch.layers.iter().filter(|l| l.delta_net).count();
+        self.states = (0..layers).map(|_| zeroed_f32(n * floats)).collect();
+        self.state_slots = if layers > 0 { n } else { 0 };
     }
 
     pub fn threads(&self) -> usize {
@@ -305,6 +359,24 @@ impl Backend for CpuBackend {
             let (src, dst) = (c.src as usize * n, c.dst as usize * n);
             for cache in self.k_cache.iter_mut().chain(self.v_cache.iter_mut()) {
                 cache.copy_within(src..src + n, dst);
+            }
+        }
+        Ok(())
+    }
+
+    fn state_slots(&self) -> usize {
+        self.state_slots
+    }
+
+    fn copy_states(&mut self, copies: &[(u32, u32)]) -> Result<(), BackendError> {
+        let floats = self.arch.delta.map_or(0, |d| d.state_floats());
+        for &(src, dst) in copies {
+            if src.max(dst) as usize >= self.state_slots {
+                return Err(BackendError::Invalid(format!("state slot {} of {}", src.max(dst), self.state_slots)));
+            }
+            let (src, dst) = (src as usize * floats, dst as usize * floats);
+            for layer in &mut self.states {
+                layer.copy_within(src..src + floats, dst);
             }
         }
         Ok(())
@@ -391,6 +463,22 @@ impl CpuBackend {
                 rope.angles(p, &mut angles[t * pairs..(t + 1) * pairs]);
             }
         }
+        // Each sequence's first token in the batch, its token count, its first position and its
+        // recurrent state's slot.
+        let mut seqs = Vec::with_capacity(batch.len());
+        let mut t0 = 0;
+        for sb in batch {
+            seqs.push(SeqSpan { t0, n: sb.tokens.len(), start: sb.start_pos, state: sb.state });
+            t0 += sb.tokens.len();
+        }
+        if self.state_slots > 0 {
+            if let Some(sb) = batch.iter().find(|sb| sb.state.is_none_or(|st| st as usize >= self.state_slots)) {
+                return Err(BackendError::Invalid(format!(
+                    "a sequence's recurrent state slot {:?} (the backend keeps {})",
+                    sb.state, self.state_slots
+                )));
+            }
+        }
         let mut ops = CpuOps {
             pool,
             k,
@@ -407,6 +495,8 @@ impl CpuBackend {
             k_cache: &mut self.k_cache,
             v_cache: &mut self.v_cache,
             block_size: bs,
+            seqs: &seqs,
+            states: &mut self.states,
         };
         for (li, lw) in self.w.layers.iter().enumerate() {
             layer(&mut ops, arch, li, lw)?;
@@ -470,6 +560,16 @@ impl CpuBackend {
     }
 }
 
+/// One sequence's part of a pass.
+struct SeqSpan {
+    /// Its first token's row in the pass, its token count, its first position.
+    t0: usize,
+    n: usize,
+    start: usize,
+    /// Its recurrent state's slot.
+    state: Option<u32>,
+}
+
 /// The CPU's [`LayerOps`] for one forward pass: the scratch buffers, the pass's positions and
 /// what each token sees in each KV group, the cache.
 struct CpuOps<'a, 'p> {
@@ -488,6 +588,9 @@ struct CpuOps<'a, 'p> {
     k_cache: &'a mut [Vec<f16>],
     v_cache: &'a mut [Vec<f16>],
     block_size: usize,
+    seqs: &'a [SeqSpan],
+    /// Per DeltaNet layer, every slot's recurrent state.
+    states: &'a mut [Vec<f32>],
 }
 
 impl CpuOps<'_, '_> {
@@ -553,7 +656,9 @@ impl LayerOps for CpuOps<'_, '_> {
 
     fn attend(&mut self, layer: usize, qkv: [Act; 3], sinks: Option<&Vec<f32>>, to: Act) -> Result<(), BackendError> {
         let (hd, nkv, bs, kvd) = (self.cfg.head_dim, self.cfg.n_kv_heads, self.block_size, self.cfg.kv_dim());
-        let (group, slot) = self.groups.layer_slot[layer];
+        let kv_layer =
+            self.arch.kv_layer(layer).ok_or_else(|| BackendError::Invalid(format!("layer {layer} keeps no K/V")))?;
+        let (group, slot) = self.groups.layer_slot[kv_layer];
         let ctx = &self.ctxs[group];
         let (kc, vc) = (&mut self.k_cache[slot], &mut self.v_cache[slot]);
         let (k, v) = (&self.s.acts[qkv[1].index()], &self.s.acts[qkv[2].index()]);
@@ -591,6 +696,100 @@ impl LayerOps for CpuOps<'_, '_> {
         let mut bufs = self.take(&[x]);
         bufs[0].iter_mut().zip(&self.s.acts[y.index()]).for_each(|(x, y)| *x += y);
         self.put(&[x], bufs);
+        Ok(())
+    }
+
+    fn split_heads(&mut self, from: Act, a: Act, b: Act) -> Result<(), BackendError> {
+        let hd = self.cfg.head_dim;
+        let mut bufs = self.take(&[a, b]);
+        let x = &self.s.acts[from.index()];
+        let half = x.len() / 2;
+        let (pa, pb) = bufs.split_at_mut(1);
+        let (pa, pb) = (&mut pa[0], &mut pb[0]);
+        resize(pa, half);
+        resize(pb, half);
+        for ((pair, ya), yb) in x.chunks_exact(2 * hd).zip(pa.chunks_exact_mut(hd)).zip(pb.chunks_exact_mut(hd)) {
+            ya.copy_from_slice(&pair[..hd]);
+            yb.copy_from_slice(&pair[hd..]);
+        }
+        self.put(&[a, b], bufs);
+        Ok(())
+    }
+
+    fn gate(&mut self, x: Act, g: Act, f: GateFn) -> Result<(), BackendError> {
+        let mut bufs = self.take(&[x]);
+        let gv = &self.s.acts[g.index()];
+        let sigmoid = |v: f32| 1.0 / (1.0 + (-v).exp());
+        for (x, &g) in bufs[0].iter_mut().zip(gv) {
+            *x *= match f {
+                GateFn::Sigmoid => sigmoid(g),
+                GateFn::Silu => g * sigmoid(g),
+            };
+        }
+        self.put(&[x], bufs);
+        Ok(())
+    }
+
+    fn delta_net(
+        &mut self,
+        layer: usize,
+        w: &DeltaWeights,
+        [mix, beta, alpha]: [Act; 3],
+        to: Act,
+    ) -> Result<(), BackendError> {
+        use inferd_kernels::deltanet::{chunked, conv, l2_norm_each, recurrent, Inputs};
+        let d = self.arch.delta.ok_or_else(|| BackendError::Invalid("a DeltaNet layer without its shape".into()))?;
+        let di = self.arch.layers[..layer].iter().filter(|l| l.delta_net).count();
+        let (ch, width, sh) = (d.channels(), d.conv, d.shape);
+        let (kd, vd, heads) = (sh.k_heads * sh.dk, sh.v_heads * sh.dv, sh.v_heads);
+        let (floats, conv_len) = (d.state_floats(), (d.conv - 1) * ch);
+        let eps = self.cfg.rms_eps;
+        let mut out = std::mem::take(&mut self.s.acts[to.index()]);
+        resize(&mut out, self.n * vd);
+        let [cv, q, k, v, g, b] = &mut self.s.delta;
+        let (xm, xb, xa) = (&self.s.acts[mix.index()], &self.s.acts[beta.index()], &self.s.acts[alpha.index()]);
+        for sq in self.seqs {
+            let slot = sq.state.ok_or_else(|| BackendError::Invalid("a sequence without a recurrent state".into()))?;
+            let st = &mut self.states[di][slot as usize * floats..(slot as usize + 1) * floats];
+            if sq.start == 0 {
+                st.iter_mut().for_each(|x| *x = 0.0);
+            }
+            let (conv_state, ssm) = st.split_at_mut(conv_len);
+            let n = sq.n;
+            resize(cv, n * ch);
+            conv(&w.conv, width, ch, conv_state, &xm[sq.t0 * ch..(sq.t0 + n) * ch], cv);
+            cv.iter_mut().for_each(|x| *x = *x / (1.0 + (-*x).exp()));
+            q.clear();
+            k.clear();
+            v.clear();
+            for row in cv.chunks_exact(ch) {
+                q.extend_from_slice(&row[..kd]);
+                k.extend_from_slice(&row[kd..2 * kd]);
+                v.extend_from_slice(&row[2 * kd..]);
+            }
+            l2_norm_each(q, sh.dk, eps);
+            l2_norm_each(k, sh.dk, eps);
+            // g = softplus(alpha + dt_bias) * a (llama.cpp's softplus: linear past 20), and
+            // the write strength sigmoid(beta).
+            g.clear();
+            b.clear();
+            for t in sq.t0..sq.t0 + n {
+                for h in 0..heads {
+                    let x = xa[t * heads + h] + w.dt_bias[h];
+                    let sp = if x > 20.0 { x } else { (1.0 + x.exp()).ln() };
+                    g.push(sp * w.a[h]);
+                    b.push(1.0 / (1.0 + (-xb[t * heads + h]).exp()));
+                }
+            }
+            let x = Inputs { q, k, v, g, beta: b };
+            let o = &mut out[sq.t0 * vd..(sq.t0 + n) * vd];
+            if n > 1 {
+                chunked(sh, ssm, &x, o);
+            } else {
+                recurrent(sh, ssm, &x, o);
+            }
+        }
+        self.s.acts[to.index()] = out;
         Ok(())
     }
 

@@ -146,6 +146,11 @@ impl<S: Stream> CudaBackend<S> {
     /// run the same set).
     pub fn new(s: S, model: &Model, opts: &EngineOptions) -> Result<Self, BackendError> {
         super::cpu::runs(&model.arch)?;
+        if model.arch.delta.is_some() || model.arch.attn_output_gate {
+            let why =
+                format!("{}: Gated DeltaNet and gated attention run on the CPU backend alone for now", model.arch.name);
+            return Err(BackendError::Unsupported(why));
+        }
         let (cfg, w) = (&model.config, &model.weights);
         let bs = opts.block_size;
         let kv_blocks = (opts.kv_budget_bytes / super::cpu::kv_page_bytes(cfg, &model.arch, bs)).max(1);
@@ -160,7 +165,7 @@ impl<S: Stream> CudaBackend<S> {
         // Prefill's work space: the largest matrix (of a mixture, an expert's) as halves, a
         // chunk's activations as halves.
         let experts = |l: &crate::model::weights::LayerWeights| l.router.as_ref().map_or(1, |r| r.rows);
-        let matrices = w.layers.iter().flat_map(|l| l.matrices().map(|t| (t, experts(l))));
+        let matrices = w.layers.iter().flat_map(|l| l.matrices().into_iter().map(move |t| (t, experts(l))));
         let (largest, widest) = (matrices.chain([(&w.output, 1)]))
             .fold((0, 0), |(n, c), (t, e)| (n.max(t.rows / e * t.cols), c.max(t.cols)));
         let scratch = if s.has_gemm() { 2 * (largest + opts.prefill_chunk * widest) } else { 0 };
@@ -383,6 +388,7 @@ impl<S: Stream + Send> CudaBackend<S> {
             ropes: &self.ropes,
             rope_of: &self.rope_of,
             layer_slot: &self.groups.layer_slot,
+            kv_layer: (0..arch.layers.len()).map(|l| arch.kv_layer(l)).collect(),
             k_cache: &mut self.k_cache,
             v_cache: &mut self.v_cache,
         };
@@ -427,6 +433,8 @@ struct CudaOps<'a, S: Stream> {
     ropes: &'a [(S::Buf<f32>, f32)],
     rope_of: &'a [usize],
     layer_slot: &'a [(usize, usize)],
+    /// Each layer's index among the layers that keep K/V.
+    kv_layer: Vec<Option<usize>>,
     k_cache: &'a mut [S::Buf<u16>],
     v_cache: &'a mut [S::Buf<u16>],
 }
@@ -490,7 +498,9 @@ impl<S: Stream> LayerOps for CudaOps<'_, S> {
         sinks: Option<&S::Buf<f32>>,
         to: Act,
     ) -> Result<(), BackendError> {
-        let (group, slot) = self.layer_slot[layer];
+        let kv_layer =
+            self.kv_layer[layer].ok_or_else(|| BackendError::Invalid(format!("layer {layer} keeps no K/V")))?;
+        let (group, slot) = self.layer_slot[kv_layer];
         let (slots, tables, table_len) = &self.groups[group];
         let (kc, vc) = (&mut self.k_cache[slot], &mut self.v_cache[slot]);
         let [q, k, v] = qkv.map(|a| self.acts[a.index()].as_ref());
@@ -517,6 +527,24 @@ impl<S: Stream> LayerOps for CudaOps<'_, S> {
         self.s.add_in_place(&mut xb, self.get(y)?)?;
         self.acts[x.index()] = Some(xb);
         Ok(())
+    }
+
+    fn split_heads(&mut self, _from: Act, _a: Act, _b: Act) -> Result<(), BackendError> {
+        Err(BackendError::Unsupported("gated attention on the cuda backend".into()))
+    }
+
+    fn gate(&mut self, _x: Act, _g: Act, _f: super::layer::GateFn) -> Result<(), BackendError> {
+        Err(BackendError::Unsupported("gated outputs on the cuda backend".into()))
+    }
+
+    fn delta_net(
+        &mut self,
+        _layer: usize,
+        _w: &crate::model::weights::DeltaWeights<Matrix<S>, S::Buf<f32>>,
+        _inputs: [Act; 3],
+        _to: Act,
+    ) -> Result<(), BackendError> {
+        Err(BackendError::Unsupported("Gated DeltaNet on the cuda backend".into()))
     }
 
     fn experts(

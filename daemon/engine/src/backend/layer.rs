@@ -12,7 +12,7 @@
 use super::profile::Phase;
 use super::BackendError;
 use crate::model::arch::{Activation, Architecture, Moe};
-use crate::model::weights::LayerWeights;
+use crate::model::weights::{AttnWeights, DeltaWeights, LayerWeights, Mixer};
 
 /// An activation buffer of a forward pass: a row per token of the batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,10 +32,27 @@ pub enum Act {
     Up,
     /// A block's output before the residual add (`hidden` a row).
     Out,
+    /// A projection of two things at once: a gated attention's queries and gates (each head's
+    /// after the other), or a DeltaNet's queries, keys and values before its convolution.
+    Mix,
+    /// The gate of the mixer's output (a gated attention's, a DeltaNet's `z`).
+    MixGate,
+    /// A DeltaNet's write strength and decay inputs (`v_heads` a row).
+    Beta,
+    Alpha,
+}
+
+/// How a gate applies to the values it gates ([`LayerOps::gate`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GateFn {
+    /// `x * sigmoid(g)`.
+    Sigmoid,
+    /// `x * silu(g)`.
+    Silu,
 }
 
 impl Act {
-    pub const COUNT: usize = 9;
+    pub const COUNT: usize = 13;
 
     /// The buffer's index in a backend's array of them.
     pub fn index(self) -> usize {
@@ -73,6 +90,23 @@ pub trait LayerOps {
     ) -> Result<(), BackendError>;
     /// `gate = act(gate, up)`.
     fn gated(&mut self, act: Activation, gate: Act, up: Act) -> Result<(), BackendError>;
+    /// Each row of `from` is pairs of pieces of `head_dim` floats (one pair a query head), the
+    /// first of a pair going to `a` and the second to `b`.
+    fn split_heads(&mut self, from: Act, a: Act, b: Act) -> Result<(), BackendError>;
+    /// `x = x * f(g)`, value by value.
+    fn gate(&mut self, x: Act, g: Act, f: GateFn) -> Result<(), BackendError>;
+    /// Layer `layer`'s Gated DeltaNet over each sequence's tokens, from its input projections
+    /// (`mix`: queries, keys and values before the convolution; `beta`, `alpha`) into `to`
+    /// (rows of `v_heads * dv`): the convolution with the sequence's last inputs, SiLU, the
+    /// L2 norms of queries and keys, the decay and write strength, the recurrence carrying the
+    /// sequence's state (a sequence starting at position 0 starts from zeros).
+    fn delta_net(
+        &mut self,
+        layer: usize,
+        w: &DeltaWeights<Self::Matrix, Self::Vector>,
+        inputs: [Act; 3],
+        to: Act,
+    ) -> Result<(), BackendError>;
     /// `x += y`.
     fn add(&mut self, x: Act, y: Act) -> Result<(), BackendError>;
     /// A mixture of experts' feed-forward of `from` into `to`: the router's logits (and bias),
@@ -100,21 +134,9 @@ pub fn layer<O: LayerOps>(
 ) -> Result<(), BackendError> {
     use Act::*;
     o.norm(X, &w.attn_norm, Normed)?;
-    o.project(Phase::QkvProjection, Normed, &[(&w.wq, Q), (&w.wk, K), (&w.wv, V)])?;
-    if let Some([bq, bk, bv]) = &w.qkv_bias {
-        o.add_bias(Q, bq)?;
-        o.add_bias(K, bk)?;
-        o.add_bias(V, bv)?;
-    }
-    if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
-        o.norm(Q, qn, Q)?;
-        o.norm(K, kn, K)?;
-    }
-    o.rope(li, Q, K)?;
-    o.attend(li, [Q, K, V], w.attn_sinks.as_ref(), Attn)?;
-    o.project(Phase::OutputProjection, Attn, &[(&w.wo, Out)])?;
-    if let Some(b) = &w.wo_bias {
-        o.add_bias(Out, b)?;
+    match &w.mixer {
+        Mixer::Attention(a) => attention(o, arch, li, a)?,
+        Mixer::DeltaNet(d) => delta_net(o, li, d)?,
     }
     residual(o, w.attn_post_norm.as_ref())?;
 
@@ -128,6 +150,53 @@ pub fn layer<O: LayerOps>(
         }
     }
     residual(o, w.ffn_post_norm.as_ref())
+}
+
+/// Attention over the KV cache from [`Act::Normed`] into [`Act::Out`].
+fn attention<O: LayerOps>(
+    o: &mut O,
+    arch: &Architecture,
+    li: usize,
+    w: &AttnWeights<O::Matrix, O::Vector>,
+) -> Result<(), BackendError> {
+    use Act::*;
+    if arch.attn_output_gate {
+        // Q's projection gives each head's queries, then its output gate.
+        o.project(Phase::QkvProjection, Normed, &[(&w.wq, Mix), (&w.wk, K), (&w.wv, V)])?;
+        o.split_heads(Mix, Q, MixGate)?;
+    } else {
+        o.project(Phase::QkvProjection, Normed, &[(&w.wq, Q), (&w.wk, K), (&w.wv, V)])?;
+    }
+    if let Some([bq, bk, bv]) = &w.qkv_bias {
+        o.add_bias(Q, bq)?;
+        o.add_bias(K, bk)?;
+        o.add_bias(V, bv)?;
+    }
+    if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
+        o.norm(Q, qn, Q)?;
+        o.norm(K, kn, K)?;
+    }
+    o.rope(li, Q, K)?;
+    o.attend(li, [Q, K, V], w.sinks.as_ref(), Attn)?;
+    if arch.attn_output_gate {
+        o.gate(Attn, MixGate, GateFn::Sigmoid)?;
+    }
+    o.project(Phase::OutputProjection, Attn, &[(&w.wo, Out)])?;
+    if let Some(b) = &w.wo_bias {
+        o.add_bias(Out, b)?;
+    }
+    Ok(())
+}
+
+/// Gated DeltaNet from [`Act::Normed`] into [`Act::Out`]: its input projections, the
+/// recurrence, the per-head norm gated by SiLU of `z`, the output projection.
+fn delta_net<O: LayerOps>(o: &mut O, li: usize, w: &DeltaWeights<O::Matrix, O::Vector>) -> Result<(), BackendError> {
+    use Act::*;
+    o.project(Phase::QkvProjection, Normed, &[(&w.qkv, Mix), (&w.z, MixGate), (&w.beta, Beta), (&w.alpha, Alpha)])?;
+    o.delta_net(li, w, [Mix, Beta, Alpha], Attn)?;
+    o.norm(Attn, &w.norm, Attn)?;
+    o.gate(Attn, MixGate, GateFn::Silu)?;
+    o.project(Phase::OutputProjection, Attn, &[(&w.out, Out)])
 }
 
 /// `X += post_norm(Out)`, or `X += Out` without a post-norm.

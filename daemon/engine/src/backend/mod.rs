@@ -139,6 +139,9 @@ pub struct SeqBatch<'a> {
     /// One block table per KV group ([`Backend::kv_groups`]); a window group's entries
     /// before its window are [`NO_BLOCK`].
     pub block_tables: &'a [Vec<BlockId>],
+    /// The slot of its recurrent state (a hybrid model's; [`Backend::state_slots`]). A
+    /// sequence whose tokens start at position 0 starts from a zero state.
+    pub state: Option<u32>,
     /// How many of the last positions want logits (1 for decode and the last prefill chunk,
     /// 0 for an earlier prefill chunk, more for speculative verification).
     pub logits: usize,
@@ -161,6 +164,18 @@ pub trait Backend: Send {
     fn block_size(&self) -> usize;
     /// Copies whole blocks (all layers, K and V): copy-on-write for forked sequences.
     fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), BackendError>;
+    /// Recurrent state slots the backend keeps (a hybrid model's sequences take one each;
+    /// none for a model without recurrent layers).
+    fn state_slots(&self) -> usize {
+        0
+    }
+    /// Copies `(src, dst)` recurrent states, every layer's: copy-on-write for forks.
+    fn copy_states(&mut self, copies: &[(u32, u32)]) -> Result<(), BackendError> {
+        match copies.first() {
+            None => Ok(()),
+            Some(_) => Err(BackendError::Invalid("this backend keeps no recurrent states".into())),
+        }
+    }
     /// Gives the memory of `blocks` (free; their contents no longer needed) back to the system
     /// where the backend can (the CPU's pool pages); a later write takes it again.
     fn release_blocks(&mut self, _blocks: &[BlockId]) {}

@@ -93,6 +93,7 @@ impl MockStore {
                 return Err(StoreError::Engine(EngineError::OutOfBlocks(crate::kv::OutOfBlocks {
                     needed: grow,
                     free,
+                    states: false,
                 })));
             }
         }

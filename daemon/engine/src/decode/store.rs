@@ -23,7 +23,7 @@ pub enum StoreError {
     #[error("asked for {wanted} logits rows but only {tokens} tokens run")]
     BadLogitsCount { wanted: usize, tokens: usize },
     #[error(transparent)]
-    Rollback(#[from] crate::kv::WindowReleased),
+    Rollback(#[from] crate::kv::RollbackError),
     #[error(transparent)]
     Engine(#[from] EngineError),
     #[error("this store computes no embeddings")]

@@ -108,7 +108,8 @@ impl Engine {
 
     pub fn new(backend: Box<dyn Backend>, prefill_chunk: usize) -> Self {
         let kv =
-            KvCacheManager::with_groups(backend.kv_blocks(), backend.block_size(), backend.kv_groups().windows.clone());
+            KvCacheManager::with_groups(backend.kv_blocks(), backend.block_size(), backend.kv_groups().windows.clone())
+                .with_states(backend.state_slots());
         Engine { backend, kv, logits: Vec::new(), rows: Vec::new(), prefill_chunk: prefill_chunk.max(1), rank: None }
     }
 
@@ -148,7 +149,11 @@ impl Engine {
         let needed = self.kv.blocks_needed_for_step(&spans);
         let free = self.kv.stats().free;
         if needed > free {
-            return Err(OutOfBlocks { needed, free }.into());
+            return Err(OutOfBlocks { needed, free, states: false }.into());
+        }
+        let (needed, free) = (self.kv.states_needed_for_step(&spans), self.kv.state_slots().1);
+        if needed > free {
+            return Err(OutOfBlocks { needed, free, states: true }.into());
         }
         Ok(())
     }
@@ -209,13 +214,17 @@ impl Engine {
                 Err(e) => {
                     // Unreachable while `check` and `append` agree; leave nothing behind.
                     self.backend.copy_blocks(&copies)?;
+                    self.backend.copy_states(&self.kv.take_state_copies())?;
                     self.undo(items, &start);
                     return Err(e.into());
                 }
             }
         }
-        let result =
-            self.backend.copy_blocks(&copies).map_err(EngineError::from).and_then(|()| self.forward_all(items, &start));
+        let states = self.kv.take_state_copies();
+        let result = (self.backend.copy_blocks(&copies))
+            .and_then(|()| self.backend.copy_states(&states))
+            .map_err(EngineError::from)
+            .and_then(|()| self.forward_all(items, &start));
         if result.is_err() {
             // The backend validates every batch before computing; a failure here is a bug, and
             // the sequences go back to where they were.
@@ -251,6 +260,7 @@ impl Engine {
                     tokens: it.tokens,
                     start_pos: s,
                     block_tables: self.kv.block_tables(it.seq),
+                    state: self.kv.state(it.seq),
                     logits: it.n_logits,
                     hidden: it.hidden,
                 })
@@ -297,6 +307,7 @@ impl Engine {
                     tokens: &items[i].tokens[a..b],
                     start_pos: start[i] + a,
                     block_tables: self.kv.block_tables(items[i].seq),
+                    state: self.kv.state(items[i].seq),
                     logits: rows(i, a, b),
                     hidden: items[i].hidden,
                 })

@@ -12,6 +12,16 @@
 //! every position; in a window group's table, the blocks wholly behind the window (and
 //! [`ROLLBACK`] positions more) are released by [`KvCacheManager::slide`] after each step and
 //! their entries set to [`NO_BLOCK`].
+//!
+//! A hybrid model's sequences also hold a recurrent state (Gated DeltaNet's convolution window
+//! and matrices, every such layer's): a slot of a [`StatePool`] beside the blocks, taken by a
+//! sequence's first [`KvCacheManager::append`], shared by forks and copied by whichever of its
+//! holders writes first (copy-on-write, as a shared partial block: the copies wait in
+//! [`KvCacheManager::take_state_copies`] for the backend), counted by the same
+//! reserve-before-mutate step ([`KvCacheManager::states_needed_for_step`]). A state moves only
+//! forward: truncating a sequence below what it has computed is refused
+//! ([`RollbackError::Recurrent`]), and its prompt matches nothing in the prefix cache (the
+//! state after a cached prefix is not kept yet).
 
 use super::block_pool::{BlockHash, BlockId, BlockPool};
 use std::collections::HashMap;
@@ -28,21 +38,67 @@ pub const NO_BLOCK: BlockId = BlockId::MAX;
 /// (a speculative step's rejected tokens) after its window has moved on.
 pub const ROLLBACK: usize = 32;
 
-/// A truncation to a length whose next query would read window positions already released;
-/// nothing was changed.
+/// A truncation the cache cannot make; nothing was changed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("cannot roll back to {len} tokens: the sliding-window layers have released positions before {kept} (at most {ROLLBACK} positions behind the window can be rolled back)")]
-pub struct WindowReleased {
-    pub len: usize,
-    pub kept: usize,
+pub enum RollbackError {
+    /// The next query would read window positions already released.
+    #[error("cannot roll back to {len} tokens: the sliding-window layers have released positions before {kept} (at most {ROLLBACK} positions behind the window can be rolled back)")]
+    WindowReleased { len: usize, kept: usize },
+    /// The sequence's recurrent state has moved past the length asked for.
+    #[error(
+        "cannot roll back to {len} tokens: the recurrent state (Gated DeltaNet layers) has already run {computed}"
+    )]
+    Recurrent { len: usize, computed: usize },
 }
 
-/// Not enough free blocks for the request; nothing was changed.
+/// Not enough free blocks (or, `states`, recurrent state slots) for the request; nothing was
+/// changed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("out of KV blocks: need {needed}, {free} free")]
+#[error("out of {}: need {needed}, {free} free", if *states { "recurrent state slots" } else { "KV blocks" })]
 pub struct OutOfBlocks {
     pub needed: usize,
     pub free: usize,
+    pub states: bool,
+}
+
+/// The recurrent state slots of a hybrid model's sequences, reference-counted (forks share
+/// one until either writes).
+#[derive(Clone, Debug, Default)]
+pub struct StatePool {
+    refs: Vec<u32>,
+    free: Vec<u32>,
+}
+
+impl StatePool {
+    pub fn new(n: usize) -> StatePool {
+        StatePool { refs: vec![0; n], free: (0..n as u32).rev().collect() }
+    }
+
+    pub fn total(&self) -> usize {
+        self.refs.len()
+    }
+
+    pub fn free(&self) -> usize {
+        self.free.len()
+    }
+
+    fn allocate(&mut self) -> Option<u32> {
+        let s = self.free.pop()?;
+        self.refs[s as usize] = 1;
+        Some(s)
+    }
+
+    fn retain(&mut self, s: u32) {
+        self.refs[s as usize] += 1;
+    }
+
+    fn release(&mut self, s: u32) {
+        let r = &mut self.refs[s as usize];
+        *r -= 1;
+        if *r == 0 {
+            self.free.push(s);
+        }
+    }
 }
 
 /// A block the backend must copy before the next forward pass (copy-on-write).
@@ -75,6 +131,8 @@ struct Sequence {
     hashes: Vec<BlockHash>,
     /// The parent of its first block's hash: its prefix-cache partition (none: shared).
     salt: Option<BlockHash>,
+    /// Its recurrent state's slot (a hybrid model's, once it has appended).
+    state: Option<u32>,
 }
 
 /// The KV cache manager; see the module docs.
@@ -89,6 +147,10 @@ pub struct KvCacheManager {
     hasher: RandomState,
     /// Prompt tokens served from the prefix cache since start (for metrics).
     pub prefix_hit_tokens: u64,
+    /// Recurrent state slots (none for a model without recurrent layers).
+    states: StatePool,
+    /// `(src, dst)` state copies the backend must make before the next forward pass.
+    state_copies: Vec<(u32, u32)>,
 }
 
 impl KvCacheManager {
@@ -110,7 +172,64 @@ impl KvCacheManager {
             next_id: 0,
             hasher: RandomState::new(),
             prefix_hit_tokens: 0,
+            states: StatePool::default(),
+            state_copies: Vec::new(),
         }
+    }
+
+    /// The same cache with `n` recurrent state slots: a hybrid model's, whose every sequence
+    /// takes one ([`StatePool`]).
+    pub fn with_states(mut self, n: usize) -> Self {
+        self.states = StatePool::new(n);
+        self
+    }
+
+    /// Whether sequences hold a recurrent state.
+    pub fn recurrent(&self) -> bool {
+        self.states.total() > 0
+    }
+
+    /// Recurrent state slots: all, and free.
+    pub fn state_slots(&self) -> (usize, usize) {
+        (self.states.total(), self.states.free())
+    }
+
+    /// The slot of the sequence's recurrent state, once it has one.
+    pub fn state(&self, id: SeqId) -> Option<u32> {
+        self.seq(id).state
+    }
+
+    /// The `(src, dst)` state copies (copy-on-write) made since the last call, for the backend
+    /// to perform before the next forward pass.
+    pub fn take_state_copies(&mut self) -> Vec<(u32, u32)> {
+        std::mem::take(&mut self.state_copies)
+    }
+
+    /// State slots a whole step would take: a first state for a sequence without one, and a
+    /// copy for each writer of a shared state but the last of its holders to write (as shared
+    /// partial blocks). Exact; [`KvCacheManager::append`] cannot run out when this is at most
+    /// the free slots.
+    pub fn states_needed_for_step(&self, items: &[(SeqId, usize)]) -> usize {
+        if !self.recurrent() {
+            return 0;
+        }
+        let mut needed = 0;
+        let mut writers: HashMap<u32, u32> = HashMap::new();
+        for &(id, n) in items {
+            let Some(s) = self.seqs.get(&id) else { continue };
+            match s.state {
+                None if n > 0 => needed += 1,
+                Some(st) if n > 0 => *writers.entry(st).or_default() += 1,
+                _ => {}
+            }
+        }
+        for (st, w) in writers {
+            let refs = self.states.refs[st as usize];
+            if refs > 1 {
+                needed += if w >= refs { w as usize - 1 } else { w as usize };
+            }
+        }
+        needed
     }
 
     pub fn block_size(&self) -> usize {
@@ -212,7 +331,7 @@ impl KvCacheManager {
     /// At least one prompt token is always left to compute, so the step yields logits.
     pub fn match_prefix(&mut self, id: SeqId, prompt: &[u32]) -> usize {
         let bs = self.block_size;
-        if !self.seq(id).tokens.is_empty() {
+        if !self.seq(id).tokens.is_empty() || self.recurrent() {
             return 0;
         }
         let max_blocks = prompt.len().saturating_sub(1) / bs;
@@ -298,11 +417,28 @@ impl KvCacheManager {
     pub fn append(&mut self, id: SeqId, new: &[u32]) -> Result<Vec<BlockCopy>, OutOfBlocks> {
         let needed = self.blocks_needed(id, new.len());
         if needed > self.pool.free() {
-            return Err(OutOfBlocks { needed, free: self.pool.free() });
+            return Err(OutOfBlocks { needed, free: self.pool.free(), states: false });
+        }
+        let states = self.states_needed_for_step(&[(id, new.len())]);
+        if states > self.states.free() {
+            return Err(OutOfBlocks { needed: states, free: self.states.free(), states: true });
         }
         let bs = self.block_size;
         let mut copies = Vec::new();
         let s = self.seqs.get_mut(&id).expect("sequence exists");
+        if self.states.total() > 0 && !new.is_empty() {
+            // A first state, or a copy of a shared one (counted above).
+            match s.state {
+                None => s.state = self.states.allocate(),
+                Some(old) if self.states.refs[old as usize] > 1 => {
+                    let fresh = self.states.allocate().expect("counted above");
+                    self.state_copies.push((old, fresh));
+                    self.states.release(old);
+                    s.state = Some(fresh);
+                }
+                Some(_) => {}
+            }
+        }
         let pool = &mut self.pool;
         let len = s.tokens.len() + new.len();
         for table in &mut s.tables {
@@ -379,6 +515,9 @@ impl KvCacheManager {
         for &b in copy.tables.iter().flatten().filter(|&&b| b != NO_BLOCK) {
             self.pool.retain(b);
         }
+        if let Some(st) = copy.state {
+            self.states.retain(st);
+        }
         let new = SeqId(self.next_id);
         self.next_id = self.next_id.wrapping_add(1);
         self.seqs.insert(new, copy);
@@ -387,15 +526,19 @@ impl KvCacheManager {
 
     /// Shortens the sequence to `len` tokens (speculative rollback), releasing whole blocks past
     /// it. Refused, changing nothing, when a window group has already released positions the
-    /// next query would read ([`KvCacheManager::slide`] keeps [`ROLLBACK`] of them).
-    pub fn truncate(&mut self, id: SeqId, len: usize) -> Result<(), WindowReleased> {
+    /// next query would read ([`KvCacheManager::slide`] keeps [`ROLLBACK`] of them), or when a
+    /// recurrent state has already run past `len`.
+    pub fn truncate(&mut self, id: SeqId, len: usize) -> Result<(), RollbackError> {
         let bs = self.block_size;
         let s = self.seq(id);
         if len >= s.tokens.len() {
             return Ok(());
         }
         if let Some(g) = (0..self.windows.len()).find(|&g| self.first_read(g, len) < s.floor[g]) {
-            return Err(WindowReleased { len, kept: s.floor[g] * bs });
+            return Err(RollbackError::WindowReleased { len, kept: s.floor[g] * bs });
+        }
+        if s.state.is_some() && len < s.computed {
+            return Err(RollbackError::Recurrent { len, computed: s.computed });
         }
         let s = self.seqs.get_mut(&id).expect("sequence exists");
         s.tokens.truncate(len);
@@ -417,6 +560,9 @@ impl KvCacheManager {
         if let Some(s) = self.seqs.remove(&id) {
             for b in s.tables.into_iter().flatten().filter(|&b| b != NO_BLOCK) {
                 self.pool.release(b);
+            }
+            if let Some(st) = s.state {
+                self.states.release(st);
             }
         }
     }

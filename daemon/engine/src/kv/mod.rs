@@ -16,4 +16,6 @@ pub mod manager;
 
 pub use block_pool::BlockId;
 pub use groups::KvGroups;
-pub use manager::{BlockCopy, KvCacheManager, KvStats, OutOfBlocks, SeqId, WindowReleased, NO_BLOCK, ROLLBACK};
+pub use manager::{
+    BlockCopy, KvCacheManager, KvStats, OutOfBlocks, RollbackError, SeqId, StatePool, NO_BLOCK, ROLLBACK,
+};

@@ -136,14 +136,11 @@ impl Tensor {
     }
 }
 
-/// The weights of one transformer block; the optional ones are there exactly when the
-/// architecture asks for them (QKV bias, QK-norm, post-norms). Generic over where they live: the
-/// model's own are [`Tensor`]s and `Vec<f32>`s borrowed from the file; a device backend holds a
-/// copy in its own memory ([`LayerWeights::try_map`]) and the layer's description
-/// ([`crate::backend::layer`]) reads either.
+/// A layer's attention over the KV cache.
 #[derive(Clone, Debug)]
-pub struct LayerWeights<M = Tensor, V = Vec<f32>> {
-    pub attn_norm: V,
+pub struct AttnWeights<M = Tensor, V = Vec<f32>> {
+    /// Q (of a gated attention, each head's queries followed by its output gate), K, V and
+    /// the output projection.
     pub wq: M,
     pub wk: M,
     pub wv: M,
@@ -153,10 +150,51 @@ pub struct LayerWeights<M = Tensor, V = Vec<f32>> {
     /// The attention output projection's bias (gpt-oss).
     pub wo_bias: Option<V>,
     /// Each query head's sink logit (gpt-oss).
-    pub attn_sinks: Option<V>,
+    pub sinks: Option<V>,
     /// Per-head RMSNorm weights of Q and K (`head_dim` each).
     pub q_norm: Option<V>,
     pub k_norm: Option<V>,
+}
+
+/// A layer's Gated DeltaNet ([`inferd_kernels::deltanet`]): its input projections, the
+/// convolution in front of the recurrence, the decay and write strength, the gated output norm.
+#[derive(Clone, Debug)]
+pub struct DeltaWeights<M = Tensor, V = Vec<f32>> {
+    /// Queries, keys and values before the convolution (`2 k_heads dk + v_heads dv` rows, in
+    /// that order).
+    pub qkv: M,
+    /// The output gate `z` (`v_heads dv` rows).
+    pub z: M,
+    /// The write strength's and the decay's projections (`v_heads` rows each).
+    pub beta: M,
+    pub alpha: M,
+    /// The convolution's taps, a channel's `width` together, the oldest first.
+    pub conv: V,
+    /// The decay's bias and scale: `g = softplus(alpha + dt_bias) * a`, `a < 0`.
+    pub dt_bias: V,
+    pub a: V,
+    /// The per-head RMSNorm of the output (`dv`), before the gate.
+    pub norm: V,
+    /// The output projection (`hidden` rows of `v_heads dv`).
+    pub out: M,
+}
+
+/// What mixes a layer's tokens.
+#[derive(Clone, Debug)]
+pub enum Mixer<M = Tensor, V = Vec<f32>> {
+    Attention(AttnWeights<M, V>),
+    DeltaNet(DeltaWeights<M, V>),
+}
+
+/// The weights of one transformer block; the optional ones are there exactly when the
+/// architecture asks for them (QKV bias, QK-norm, post-norms). Generic over where they live: the
+/// model's own are [`Tensor`]s and `Vec<f32>`s borrowed from the file; a device backend holds a
+/// copy in its own memory ([`LayerWeights::try_map`]) and the layer's description
+/// ([`crate::backend::layer`]) reads either.
+#[derive(Clone, Debug)]
+pub struct LayerWeights<M = Tensor, V = Vec<f32>> {
+    pub attn_norm: V,
+    pub mixer: Mixer<M, V>,
     /// RMSNorm of the attention output before the residual add (Gemma).
     pub attn_post_norm: Option<V>,
     pub ffn_norm: V,
@@ -176,11 +214,41 @@ pub struct LayerWeights<M = Tensor, V = Vec<f32>> {
     pub ffn_post_norm: Option<V>,
 }
 
+impl<M, V> LayerWeights<M, V> {
+    /// The layer's attention, where it has one.
+    pub fn attention(&self) -> Option<&AttnWeights<M, V>> {
+        match &self.mixer {
+            Mixer::Attention(a) => Some(a),
+            Mixer::DeltaNet(_) => None,
+        }
+    }
+}
+
 impl LayerWeights {
     /// The layer's matrices (its matrix products, each read once per forward pass; a mixture
-    /// of experts' stacks whole, though a step reads only the experts its tokens chose).
-    pub fn matrices(&self) -> [&Tensor; 7] {
-        [&self.wq, &self.wk, &self.wv, &self.wo, &self.w_gate, &self.w_up, &self.w_down]
+    /// of experts' stacks whole, though a step reads only the experts its tokens chose): the
+    /// mixer's, then gate, up and down.
+    pub fn matrices(&self) -> Vec<&Tensor> {
+        let mut m = self.mixer_matrices();
+        m.extend([&self.w_gate, &self.w_up, &self.w_down]);
+        m
+    }
+
+    /// The mixer's matrices: Q, K, V and the output projection, or a DeltaNet's input
+    /// projections and its output projection.
+    pub fn mixer_matrices(&self) -> Vec<&Tensor> {
+        match &self.mixer {
+            Mixer::Attention(a) => vec![&a.wq, &a.wk, &a.wv, &a.wo],
+            Mixer::DeltaNet(d) => vec![&d.qkv, &d.z, &d.beta, &d.alpha, &d.out],
+        }
+    }
+
+    /// The mixer's matrices, to be replaced (the CPU backend's packing).
+    pub fn mixer_matrices_mut(&mut self) -> Vec<&mut Tensor> {
+        match &mut self.mixer {
+            Mixer::Attention(a) => vec![&mut a.wq, &mut a.wk, &mut a.wv, &mut a.wo],
+            Mixer::DeltaNet(d) => vec![&mut d.qkv, &mut d.z, &mut d.beta, &mut d.alpha, &mut d.out],
+        }
     }
 }
 
@@ -192,28 +260,49 @@ impl<M, V> LayerWeights<M, V> {
         mut m: impl FnMut(&M) -> Result<M2, E>,
         mut v: impl FnMut(&V) -> Result<V2, E>,
     ) -> Result<LayerWeights<M2, V2>, E> {
-        let mut opt = |x: &Option<V>| x.as_ref().map(&mut v).transpose();
-        let (qkv_bias, wo_bias, attn_sinks) = (self.qkv_bias.as_ref(), opt(&self.wo_bias)?, opt(&self.attn_sinks)?);
-        let (q_norm, k_norm, attn_post_norm) = (opt(&self.q_norm)?, opt(&self.k_norm)?, opt(&self.attn_post_norm)?);
-        let (router_bias, ffn_post_norm) = (opt(&self.router_bias)?, opt(&self.ffn_post_norm)?);
-        let mut three = |x: Option<&[V; 3]>| -> Result<Option<[V2; 3]>, E> {
-            Ok(match x {
-                Some([a, b, c]) => Some([v(a)?, v(b)?, v(c)?]),
-                None => None,
-            })
+        let mixer = match &self.mixer {
+            Mixer::Attention(a) => {
+                let mut opt = |x: &Option<V>| x.as_ref().map(&mut v).transpose();
+                let (wo_bias, sinks, q_norm, k_norm) =
+                    (opt(&a.wo_bias)?, opt(&a.sinks)?, opt(&a.q_norm)?, opt(&a.k_norm)?);
+                let qkv_bias = match &a.qkv_bias {
+                    Some([x, y, z]) => Some([v(x)?, v(y)?, v(z)?]),
+                    None => None,
+                };
+                Mixer::Attention(AttnWeights {
+                    wq: m(&a.wq)?,
+                    wk: m(&a.wk)?,
+                    wv: m(&a.wv)?,
+                    wo: m(&a.wo)?,
+                    qkv_bias,
+                    wo_bias,
+                    sinks,
+                    q_norm,
+                    k_norm,
+                })
+            }
+            Mixer::DeltaNet(d) => Mixer::DeltaNet(DeltaWeights {
+                qkv: m(&d.qkv)?,
+                z: m(&d.z)?,
+                beta: m(&d.beta)?,
+                alpha: m(&d.alpha)?,
+                conv: v(&d.conv)?,
+                dt_bias: v(&d.dt_bias)?,
+                a: v(&d.a)?,
+                norm: v(&d.norm)?,
+                out: m(&d.out)?,
+            }),
         };
-        let (qkv_bias, expert_biases) = (three(qkv_bias)?, three(self.expert_biases.as_ref())?);
+        let mut opt = |x: &Option<V>| x.as_ref().map(&mut v).transpose();
+        let (attn_post_norm, router_bias, ffn_post_norm) =
+            (opt(&self.attn_post_norm)?, opt(&self.router_bias)?, opt(&self.ffn_post_norm)?);
+        let expert_biases = match &self.expert_biases {
+            Some([a, b, c]) => Some([v(a)?, v(b)?, v(c)?]),
+            None => None,
+        };
         Ok(LayerWeights {
             attn_norm: v(&self.attn_norm)?,
-            wq: m(&self.wq)?,
-            wk: m(&self.wk)?,
-            wv: m(&self.wv)?,
-            wo: m(&self.wo)?,
-            qkv_bias,
-            wo_bias,
-            attn_sinks,
-            q_norm,
-            k_norm,
+            mixer,
             attn_post_norm,
             ffn_norm: v(&self.ffn_norm)?,
             w_gate: m(&self.w_gate)?,
@@ -348,16 +437,7 @@ impl LlamaWeights {
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {
             let name = |role: Role| naming.layer(role, i, layout.gemma_names, "weight");
-            let (wq, wk, wv) = if layout.fused_qkv {
-                let qkv = fetch(name(Role::Qkv))?.expect(q + 2 * kv, h)?;
-                (qkv.rows_of(0, q), qkv.rows_of(q, q + kv), qkv.rows_of(q + kv, q + 2 * kv))
-            } else {
-                (
-                    fetch(name(Role::Q))?.expect(q, h)?,
-                    fetch(name(Role::K))?.expect(kv, h)?,
-                    fetch(name(Role::V))?.expect(kv, h)?,
-                )
-            };
+            let delta = arch.delta.filter(|_| arch.layers[i].delta_net);
             let moe = arch.moe.filter(|_| !hf);
             if arch.moe.is_some() && hf {
                 return Err(ModelError::Unsupported("a mixture of experts from Hugging Face files".into()));
@@ -376,24 +456,59 @@ impl LlamaWeights {
             let ffn_norm = if layout.ffn_norm_is_post_attention { Role::AttnPostNorm } else { Role::FfnNorm };
             let biased = moe.filter(|m| m.biased);
             let gguf_bias = |what: &str, n: usize| vector(format!("blk.{i}.{what}.bias"), n);
+            let mixer = match delta {
+                Some(d) => {
+                    let gguf = |what: &str| format!("blk.{i}.{what}.weight");
+                    let (kd, vd) = (d.shape.k_heads * d.shape.dk, d.shape.v_heads * d.shape.dv);
+                    let heads = d.shape.v_heads;
+                    Mixer::DeltaNet(DeltaWeights {
+                        qkv: fetch(gguf("attn_qkv"))?.expect(2 * kd + vd, h)?,
+                        z: fetch(gguf("attn_gate"))?.expect(vd, h)?,
+                        beta: fetch(gguf("ssm_beta"))?.expect(heads, h)?,
+                        alpha: fetch(gguf("ssm_alpha"))?.expect(heads, h)?,
+                        conv: vector(gguf("ssm_conv1d"), (2 * kd + vd) * d.conv)?,
+                        dt_bias: vector(format!("blk.{i}.ssm_dt.bias"), heads)?,
+                        a: vector(format!("blk.{i}.ssm_a"), heads)?,
+                        norm: vector(gguf("ssm_norm"), d.shape.dv)?,
+                        out: fetch(gguf("ssm_out"))?.expect(h, vd)?,
+                    })
+                }
+                None => {
+                    let (wq, wk, wv) = if layout.fused_qkv {
+                        let qkv = fetch(name(Role::Qkv))?.expect(q + 2 * kv, h)?;
+                        (qkv.rows_of(0, q), qkv.rows_of(q, q + kv), qkv.rows_of(q + kv, q + 2 * kv))
+                    } else {
+                        // A gated attention's Q projection also gives each head's output gate.
+                        let q_rows = if arch.attn_output_gate { 2 * q } else { q };
+                        (
+                            fetch(name(Role::Q))?.expect(q_rows, h)?,
+                            fetch(name(Role::K))?.expect(kv, h)?,
+                            fetch(name(Role::V))?.expect(kv, h)?,
+                        )
+                    };
+                    Mixer::Attention(AttnWeights {
+                        wq,
+                        wk,
+                        wv,
+                        wo: fetch(name(Role::O))?.expect(h, q)?,
+                        qkv_bias: if arch.qkv_bias {
+                            Some([bias(Role::Q, q)?, bias(Role::K, kv)?, bias(Role::V, kv)?])
+                        } else {
+                            None
+                        },
+                        wo_bias: arch.attn_out_bias.then(|| bias(Role::O, h)).transpose()?,
+                        sinks: arch
+                            .attn_sinks
+                            .then(|| vector(format!("blk.{i}.attn_sinks.weight"), cfg.n_heads))
+                            .transpose()?,
+                        q_norm: arch.qk_norm.then(|| norm(name(Role::QNorm), hd)).transpose()?,
+                        k_norm: arch.qk_norm.then(|| norm(name(Role::KNorm), hd)).transpose()?,
+                    })
+                }
+            };
             layers.push(LayerWeights {
                 attn_norm: norm(name(Role::AttnNorm), h)?,
-                wq,
-                wk,
-                wv,
-                wo: fetch(name(Role::O))?.expect(h, q)?,
-                qkv_bias: if arch.qkv_bias {
-                    Some([bias(Role::Q, q)?, bias(Role::K, kv)?, bias(Role::V, kv)?])
-                } else {
-                    None
-                },
-                wo_bias: arch.attn_out_bias.then(|| bias(Role::O, h)).transpose()?,
-                attn_sinks: arch
-                    .attn_sinks
-                    .then(|| vector(format!("blk.{i}.attn_sinks.weight"), cfg.n_heads))
-                    .transpose()?,
-                q_norm: arch.qk_norm.then(|| norm(name(Role::QNorm), hd)).transpose()?,
-                k_norm: arch.qk_norm.then(|| norm(name(Role::KNorm), hd)).transpose()?,
+                mixer,
                 attn_post_norm: post.then(|| norm(name(Role::AttnPostNorm), h)).transpose()?,
                 ffn_norm: norm(name(ffn_norm), h)?,
                 w_gate,

@@ -25,7 +25,7 @@ fn out_of_blocks_changes_nothing() {
     let s = m.create();
     m.append(s, &toks(5, 0)).unwrap();
     let err = m.append(s, &toks(8, 1)).unwrap_err();
-    assert_eq!(err, OutOfBlocks { needed: 2, free: 0 });
+    assert_eq!(err, OutOfBlocks { needed: 2, free: 0, states: false });
     assert_eq!(m.len(s), 5);
     assert_eq!(m.blocks_used(s), 2);
 }
@@ -188,7 +188,7 @@ fn rollback_within_the_margin_works_and_below_it_changes_nothing() {
     m.slide(s);
     let (tables, used) = (m.block_tables(s).to_vec(), m.blocks_used(s));
     let err = m.truncate(s, 20).unwrap_err();
-    assert_eq!(err.len, 20);
+    assert_eq!(err, RollbackError::WindowReleased { len: 20, kept: err_kept(&err) });
     assert_eq!((m.len(s), m.block_tables(s), m.blocks_used(s)), (100, &tables[..], used), "refused: unchanged");
     m.truncate(s, 100 - ROLLBACK).unwrap();
     assert_eq!(m.len(s), 100 - ROLLBACK);
@@ -248,4 +248,58 @@ fn prefix_cache_partitions_match_only_their_own_blocks() {
     m.free(b);
     let (p7, p8) = (m.create_in(Some(7)), m.create_in(Some(8)));
     assert_eq!((m.match_prefix(p7, &prompt), m.match_prefix(p8, &prompt)), (8, 0));
+}
+
+fn err_kept(e: &RollbackError) -> usize {
+    match e {
+        RollbackError::WindowReleased { kept, .. } => *kept,
+        RollbackError::Recurrent { .. } => usize::MAX,
+    }
+}
+
+#[test]
+fn a_recurrent_state_is_taken_on_first_append_shared_by_forks_and_copied_by_the_first_writer() {
+    let mut m = KvCacheManager::new(64, 4).with_states(3);
+    assert!(m.recurrent());
+    let a = m.create();
+    assert_eq!(m.state(a), None, "no state before the first append");
+    assert_eq!(m.match_prefix(a, &toks(20, 0)), 0, "a recurrent sequence matches no cached prefix");
+    assert_eq!(m.states_needed_for_step(&[(a, 5)]), 1);
+    m.append(a, &toks(5, 0)).unwrap();
+    m.commit(a, 5);
+    let sa = m.state(a).unwrap();
+    assert_eq!(m.state_slots(), (3, 2));
+    // Forks share it; the first to write copies it away, the last holder writes in place.
+    let (b, c) = (m.fork(a), m.fork(a));
+    assert_eq!((m.state(b), m.state(c)), (Some(sa), Some(sa)));
+    assert_eq!(m.states_needed_for_step(&[(a, 1), (b, 1), (c, 1)]), 2, "three writers of one state: two copies");
+    assert_eq!(m.states_needed_for_step(&[(b, 1)]), 1);
+    m.append(b, &[7]).unwrap();
+    let sb = m.state(b).unwrap();
+    assert_ne!(sb, sa);
+    assert_eq!(m.take_state_copies(), vec![(sa, sb)]);
+    assert!(m.take_state_copies().is_empty(), "taken once");
+    // Every slot in use: a fourth sequence's first append is refused, changing nothing.
+    m.append(c, &[8]).unwrap();
+    assert_eq!(m.take_state_copies(), vec![(sa, m.state(c).unwrap())]);
+    let d = m.create();
+    let err = m.append(d, &[1]).unwrap_err();
+    assert_eq!(err, OutOfBlocks { needed: 1, free: 0, states: true });
+    assert_eq!((m.len(d), m.state(d)), (0, None));
+    // The last holder of the original writes in place.
+    assert_eq!(m.states_needed_for_step(&[(a, 1)]), 0);
+    m.append(a, &[9]).unwrap();
+    assert_eq!(m.state(a), Some(sa));
+    assert!(m.take_state_copies().is_empty(), "written in place");
+    // A state cannot go back: truncating below what has run is refused; uncomputed tokens
+    // (appended, not run) can go.
+    assert_eq!(m.truncate(a, 3), Err(RollbackError::Recurrent { len: 3, computed: 5 }));
+    assert_eq!(m.len(a), 6);
+    m.truncate(a, 5).unwrap();
+    // Freeing releases the slots.
+    for s in [a, b, c, d] {
+        m.free(s);
+    }
+    assert_eq!(m.state_slots(), (3, 3));
+    assert_eq!(m.stats().free, 64);
 }

@@ -32,10 +32,18 @@ fn describe(
     let layers = sliding
         .iter()
         .map(|&s| match (s, window) {
-            (true, Some(w)) => {
-                LayerAttention { window: Some(w), rope_base: local_base, rope_scaling: RopeScaling::None }
-            }
-            _ => LayerAttention { window: None, rope_base: cfg.rope_base, rope_scaling: global_scaling.clone() },
+            (true, Some(w)) => LayerAttention {
+                window: Some(w),
+                rope_base: local_base,
+                rope_scaling: RopeScaling::None,
+                delta_net: false,
+            },
+            _ => LayerAttention {
+                window: None,
+                rope_base: cfg.rope_base,
+                rope_scaling: global_scaling.clone(),
+                delta_net: false,
+            },
         })
         .collect();
     Architecture {
@@ -52,6 +60,8 @@ fn describe(
         tied_output: tied,
         layout,
         moe: None,
+        attn_output_gate: false,
+        delta: None,
     }
 }
 

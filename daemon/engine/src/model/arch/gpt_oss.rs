@@ -51,6 +51,7 @@ pub fn from_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
             window: s.then_some(window),
             rope_base: if s { local_base } else { config.rope_base },
             rope_scaling: scaling.clone(),
+            delta_net: false,
         })
         .collect();
     arch.layout = TensorLayout { ffn_norm_is_post_attention: true, ..TensorLayout::default() };

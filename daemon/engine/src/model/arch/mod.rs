@@ -2,7 +2,7 @@
 //! placement, activation, QKV bias, QK-norm, attention window and RoPE per layer, embedding
 //! scale, tied output), and the backends run that description instead of a code path per
 //! family. One small file per architecture maps a GGUF's metadata or a `config.json` onto it
-//! (`llama.rs` for Llama and Mistral, `qwen.rs`, `gpt_oss.rs`, `gemma3.rs`, `phi3.rs`;
+//! (`llama.rs` for Llama and Mistral, `qwen.rs`, `qwen35.rs`, `gpt_oss.rs`, `gemma3.rs`, `phi3.rs`;
 //! [`for_gguf`] and [`for_hf`] pick the file by name; `keys.rs` reads metadata and remembers
 //! what was read).
 //!
@@ -16,6 +16,7 @@ mod keys;
 pub mod llama;
 pub mod phi3;
 pub mod qwen;
+pub mod qwen35;
 mod rope;
 
 pub use keys::{GgufKeys, HfKeys};
@@ -68,6 +69,30 @@ pub struct LayerAttention {
     pub window: Option<usize>,
     pub rope_base: f32,
     pub rope_scaling: RopeScaling,
+    /// The layer mixes its tokens with Gated DeltaNet ([`Architecture::delta`]) instead of
+    /// attention: it has no K/V in the cache but a recurrent state per sequence.
+    pub delta_net: bool,
+}
+
+/// The Gated DeltaNet layers of a hybrid model (Qwen3.5): the recurrence's heads and sizes,
+/// and the width of the convolution in front of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeltaNet {
+    pub shape: inferd_kernels::deltanet::DeltaShape,
+    pub conv: usize,
+}
+
+impl DeltaNet {
+    /// Channels through the convolution: queries, keys and values.
+    pub fn channels(&self) -> usize {
+        2 * self.shape.k_heads * self.shape.dk + self.shape.v_heads * self.shape.dv
+    }
+
+    /// Floats of one sequence's state in one layer: the convolution's last `conv - 1` inputs
+    /// and the recurrence's matrices.
+    pub fn state_floats(&self) -> usize {
+        (self.conv - 1) * self.channels() + self.shape.state_len()
+    }
 }
 
 /// How a file stores the tensors: the loader's concern, not the backends'.
@@ -112,6 +137,11 @@ pub struct Architecture {
     pub layout: TensorLayout,
     /// The feed-forward is a mixture of experts.
     pub moe: Option<Moe>,
+    /// Attention's output is gated per head by a sigmoid of a second half of Q's projection
+    /// (Qwen3.5's full-attention layers).
+    pub attn_output_gate: bool,
+    /// The shape of the layers that are Gated DeltaNet ([`LayerAttention::delta_net`]).
+    pub delta: Option<DeltaNet>,
 }
 
 impl Architecture {
@@ -127,7 +157,12 @@ impl Architecture {
             attn_sinks: false,
             attn_out_bias: false,
             layers: vec![
-                LayerAttention { window: None, rope_base: cfg.rope_base, rope_scaling: scaling };
+                LayerAttention {
+                    window: None,
+                    rope_base: cfg.rope_base,
+                    rope_scaling: scaling,
+                    delta_net: false
+                };
                 cfg.n_layers
             ],
             embedding_scale: None,
@@ -135,7 +170,23 @@ impl Architecture {
             tied_output,
             layout: TensorLayout::default(),
             moe: None,
+            attn_output_gate: false,
+            delta: None,
         }
+    }
+}
+
+impl Architecture {
+    /// The layers that keep K/V in the cache (every layer but the DeltaNet ones), in order.
+    pub fn kv_layers(&self) -> Vec<usize> {
+        (0..self.layers.len()).filter(|&l| !self.layers[l].delta_net).collect()
+    }
+
+    /// Layer `layer`'s index among the layers that keep K/V; `None` for a DeltaNet layer.
+    pub fn kv_layer(&self, layer: usize) -> Option<usize> {
+        let l = self.layers.get(layer).filter(|l| !l.delta_net)?;
+        let _ = l;
+        Some(self.layers[..layer].iter().filter(|l| !l.delta_net).count())
     }
 }
 
@@ -146,7 +197,7 @@ pub fn sliding_pattern(n_layers: usize, pattern: usize) -> Vec<bool> {
 }
 
 /// The families [`for_gguf`] and [`for_hf`] know, for their refusals.
-const KNOWN: &str = "llama, mistral, qwen2, qwen3, qwen3moe, gpt-oss, gemma3, phi3";
+const KNOWN: &str = "llama, mistral, qwen2, qwen3, qwen3moe, qwen35, gpt-oss, gemma3, phi3";
 
 /// The architecture and hyperparameters of a GGUF file, by its `general.architecture`.
 pub fn for_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
@@ -160,6 +211,7 @@ pub fn for_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
         "qwen2" => qwen::from_gguf(g, qwen::Qwen::Two),
         "qwen3" => qwen::from_gguf(g, qwen::Qwen::Three),
         "qwen3moe" => qwen::from_gguf(g, qwen::Qwen::ThreeMoe),
+        "qwen35" => qwen35::from_gguf(g),
         "gpt-oss" => gpt_oss::from_gguf(g),
         "gemma3" => gemma3::from_gguf(g),
         "phi3" => phi3::from_gguf(g),
