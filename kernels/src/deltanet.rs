@@ -10,13 +10,15 @@
 //! strength. Value head `h` reads query and key head `h mod k_heads` (llama.cpp's tiling of the
 //! key heads over the value heads, which its GGUF conversion orders the heads for).
 //!
-//! Two forms of the same recurrence: [`recurrent`] token by token (decode, and the reference),
-//! and [`chunked`] for prefill, which takes a chunk's tokens together in matrix products: with
-//! `Γ_t` the chunk's cumulative decay up to `t`, the state after the chunk is
-//! `Γ_C S_0 + Σ_s (Γ_C / Γ_s) u_s k_sᵀ`, where the corrected values `u` solve the unit lower
-//! triangular system `u_t + β_t Σ_{s<t} (Γ_t / Γ_s)(k_t·k_s) u_s = β_t (v_t - Γ_t S_0 k_t)`,
-//! and `o_t = Γ_t S_0 q_t + Σ_{s≤t} (Γ_t / Γ_s)(k_s·q_t) u_s`. The state is then read once a
-//! chunk instead of three times a token.
+//! Two forms of the same recurrence: [`recurrent`] token by token (the reference), and [`step`],
+//! the chunked form the backends run: positions in chunks of [`CHUNK`] from the sequence's
+//! start, and with `Γ_t` a chunk's cumulative decay up to its row `t`, the state after the
+//! chunk is `Γ_C S_0 + Σ_s (Γ_C / Γ_s) u_s k_sᵀ`, where the corrected values `u` solve the unit
+//! lower triangular system `u_t + β_t Σ_{s<t} (Γ_t / Γ_s)(k_t·k_s) u_s = β_t (v_t - Γ_t S_0
+//! k_t)`, and `o_t = Γ_t S_0 q_t + Σ_{s≤t} (Γ_t / Γ_s)(k_s·q_t) u_s`. A row needs only `S_0`
+//! and the rows before it, so the state a sequence carries is `S_0` and its chunk's rows so
+//! far, and a row is computed the same way whether its chunk arrives whole (a prompt) or a
+//! token at a time (decode).
 //!
 //! The short causal convolution in front of it ([`conv`]) keeps the last `width - 1` inputs of
 //! every channel as its state.
@@ -37,6 +39,12 @@ impl DeltaShape {
     pub fn state_len(&self) -> usize {
         self.v_heads * self.dv * self.dk
     }
+
+    /// Floats of one sequence's state for [`step`]: the state at its current chunk's start,
+    /// and per row of a chunk its keys, corrected values and cumulative log decays.
+    pub fn chunk_state_len(&self) -> usize {
+        self.state_len() + CHUNK * (self.k_heads * self.dk + self.v_heads * self.dv + self.v_heads)
+    }
 }
 
 /// One sequence's inputs to the recurrence for `tokens` tokens: `q` and `k` rows of
@@ -51,7 +59,7 @@ pub struct Inputs<'a> {
     pub beta: &'a [f32],
 }
 
-/// Tokens a chunk of [`chunked`] takes together.
+/// Positions a chunk of [`step`] takes together.
 pub const CHUNK: usize = 64;
 
 /// `x / max(|x|, eps)` for each piece of `n` floats of `x` (llama.cpp's `l2_norm`).
@@ -120,93 +128,102 @@ pub fn recurrent(s: DeltaShape, state: &mut [f32], x: &Inputs<'_>, out: &mut [f3
     }
 }
 
-/// [`recurrent`]'s result in chunks of [`CHUNK`] tokens, each in matrix products (module docs).
-pub fn chunked(s: DeltaShape, state: &mut [f32], x: &Inputs<'_>, out: &mut [f32]) {
+/// The recurrence over a sequence's next tokens (positions `start..`), in chunks of [`CHUNK`]
+/// positions aligned to the sequence's start (module docs): `state` is the sequence's
+/// [`DeltaShape::chunk_state_len`] floats, the state `S_0` at the start of the current chunk
+/// followed by that chunk's rows so far (each row's keys, corrected values and cumulative log
+/// decay). Each new row's output is computed from `S_0` and the rows before it in its chunk,
+/// and `S_0` moves to the next chunk's start when a row begins one. Every row's arithmetic is
+/// the same however a sequence's tokens are split across calls, so a token's result does not
+/// depend on how its prompt was cut into steps or batched with others; and the state of a
+/// chunk's start is read once a token for its products with the token's key and query, and
+/// once a chunk to move on, where the token-by-token form reads it three times a token.
+pub fn step(s: DeltaShape, state: &mut [f32], start: usize, x: &Inputs<'_>, out: &mut [f32]) {
     let DeltaShape { k_heads, v_heads, dk, dv } = s;
     let Inputs { q, k, v, g, beta } = *x;
     let tokens = g.len() / v_heads;
-    check(s, state, x, out);
+    assert!(state.len() == s.chunk_state_len(), "state {} for {s:?}", state.len());
+    check_inputs(s, x, out);
     let scale = 1.0 / (dk as f32).sqrt();
-    let mut w = ChunkScratch::default();
-    for h in 0..v_heads {
-        let st = &mut state[h * dv * dk..(h + 1) * dv * dk];
-        let kh = h % k_heads;
-        for t0 in (0..tokens).step_by(CHUNK) {
-            let c = CHUNK.min(tokens - t0);
-            // Token t of the chunk's piece of head hh, in rows of `heads` pieces of `d`.
-            let at = |heads: usize, hh: usize, d: usize, t: usize| {
-                ((t0 + t) * heads + hh) * d..((t0 + t) * heads + hh + 1) * d
-            };
-            // Cumulative log decay within the chunk.
-            w.gcum.clear();
-            let mut acc = 0.0f32;
-            for t in 0..c {
-                acc += g[(t0 + t) * v_heads + h];
-                w.gcum.push(acc);
+    let (s0, rest) = state.split_at_mut(s.state_len());
+    let (krows, rest) = rest.split_at_mut(CHUNK * k_heads * dk);
+    let (urows, grows) = rest.split_at_mut(CHUNK * v_heads * dv);
+    let mut i = 0;
+    while i < tokens {
+        let p = start + i;
+        let c0 = p % CHUNK;
+        if c0 == 0 && p > 0 {
+            finish_chunk(s, s0, krows, urows, grows);
+        }
+        // This call's rows of the current chunk: their keys and cumulative decays first.
+        let m = (CHUNK - c0).min(tokens - i);
+        for j in 0..m {
+            let (c, t) = (c0 + j, i + j);
+            krows[c * k_heads * dk..(c + 1) * k_heads * dk]
+                .copy_from_slice(&k[t * k_heads * dk..(t + 1) * k_heads * dk]);
+            for h in 0..v_heads {
+                let before = if c == 0 { 0.0 } else { grows[(c - 1) * v_heads + h] };
+                grows[c * v_heads + h] = before + g[t * v_heads + h];
             }
-            // Dots of keys with keys and with queries (C x C, lower triangle).
-            w.kk.resize(c * c, 0.0);
-            w.qk.resize(c * c, 0.0);
-            for t in 0..c {
-                let (kt, qt) = (&k[at(k_heads, kh, dk, t)], &q[at(k_heads, kh, dk, t)]);
-                for u in 0..=t {
-                    let ku = &k[at(k_heads, kh, dk, u)];
-                    w.kk[t * c + u] = dot(kt, ku);
-                    w.qk[t * c + u] = dot(qt, ku);
+        }
+        for h in 0..v_heads {
+            let kh = h % k_heads;
+            let st = &s0[h * dv * dk..(h + 1) * dv * dk];
+            for j in 0..m {
+                let (c, t) = (c0 + j, i + j);
+                let qt = &q[(t * k_heads + kh) * dk..][..dk];
+                let kt = &krows[(c * k_heads + kh) * dk..][..dk];
+                let key = |r: usize| &krows[(r * k_heads + kh) * dk..][..dk];
+                let gc = grows[c * v_heads + h];
+                let (gam, b) = (gc.exp(), beta[t * v_heads + h]);
+                // u_c = β (v_c - Γ_c S_0 k_c - Σ_{r<c} (Γ_c / Γ_r)(k_c·k_r) u_r).
+                let (done, cur) = urows.split_at_mut((c * v_heads + h) * dv);
+                let uc = &mut cur[..dv];
+                let vt = &v[(t * v_heads + h) * dv..][..dv];
+                for (jj, (u, row)) in uc.iter_mut().zip(st.chunks_exact(dk)).enumerate() {
+                    *u = b * (vt[jj] - gam * dot(row, kt));
                 }
-            }
-            // Right side: β_t (v_t - Γ_t S_0 k_t), then forward substitution for u.
-            w.u.resize(c * dv, 0.0);
-            for t in 0..c {
-                let kt = &k[at(k_heads, kh, dk, t)];
-                let vt = &v[at(v_heads, h, dv, t)];
-                let (gam, b) = (w.gcum[t].exp(), beta[(t0 + t) * v_heads + h]);
-                for (j, row) in st.chunks_exact(dk).enumerate() {
-                    w.u[t * dv + j] = b * (vt[j] - gam * dot(row, kt));
+                for r in 0..c {
+                    let f = b * (gc - grows[r * v_heads + h]).exp() * dot(kt, key(r));
+                    let ur = &done[(r * v_heads + h) * dv..][..dv];
+                    uc.iter_mut().zip(ur).for_each(|(x, y)| *x -= f * y);
                 }
-                for r in 0..t {
-                    let f = b * (w.gcum[t] - w.gcum[r]).exp() * w.kk[t * c + r];
-                    let (done, rest) = w.u.split_at_mut(t * dv);
-                    rest[..dv].iter_mut().zip(&done[r * dv..(r + 1) * dv]).for_each(|(x, y)| *x -= f * y);
+                // o_c = Γ_c S_0 q_c + Σ_{r≤c} (Γ_c / Γ_r)(k_r·q_c) u_r.
+                let ot = &mut out[(t * v_heads + h) * dv..][..dv];
+                for (o, row) in ot.iter_mut().zip(st.chunks_exact(dk)) {
+                    *o = gam * dot(row, qt);
                 }
-            }
-            // Outputs: Γ_t S_0 q_t + Σ_{s≤t} (Γ_t / Γ_s)(k_s·q_t) u_s.
-            for t in 0..c {
-                let qt = &q[at(k_heads, kh, dk, t)];
-                let ot = &mut out[at(v_heads, h, dv, t)];
-                let gam = w.gcum[t].exp();
-                for (j, row) in st.chunks_exact(dk).enumerate() {
-                    ot[j] = gam * dot(row, qt);
-                }
-                for r in 0..=t {
-                    let f = (w.gcum[t] - w.gcum[r]).exp() * w.qk[t * c + r];
-                    ot.iter_mut().zip(&w.u[r * dv..(r + 1) * dv]).for_each(|(x, y)| *x += f * y);
+                for r in 0..=c {
+                    let f = (gc - grows[r * v_heads + h]).exp() * dot(key(r), qt);
+                    let ur = if r < c { &done[(r * v_heads + h) * dv..][..dv] } else { &cur[..dv] };
+                    ot.iter_mut().zip(ur).for_each(|(x, y)| *x += f * y);
                 }
                 ot.iter_mut().for_each(|x| *x *= scale);
             }
-            // The state after the chunk: Γ_C S_0 + Σ_s (Γ_C / Γ_s) u_s k_sᵀ.
-            let last = w.gcum[c - 1];
-            let decay = last.exp();
-            st.iter_mut().for_each(|x| *x *= decay);
-            for r in 0..c {
-                let kr = &k[at(k_heads, kh, dk, r)];
-                let f = (last - w.gcum[r]).exp();
-                for (j, row) in st.chunks_exact_mut(dk).enumerate() {
-                    let uj = f * w.u[r * dv + j];
-                    row.iter_mut().zip(kr).for_each(|(x, y)| *x += uj * y);
-                }
-            }
         }
+        i += m;
     }
 }
 
-/// Work space of one chunk.
-#[derive(Default)]
-struct ChunkScratch {
-    gcum: Vec<f32>,
-    kk: Vec<f32>,
-    qk: Vec<f32>,
-    u: Vec<f32>,
+/// Moves `S_0` over a whole chunk: `S_0 ← Γ_C S_0 + Σ_r (Γ_C / Γ_r) u_r k_rᵀ`.
+fn finish_chunk(s: DeltaShape, s0: &mut [f32], krows: &[f32], urows: &[f32], grows: &[f32]) {
+    let DeltaShape { k_heads, v_heads, dk, dv } = s;
+    for h in 0..v_heads {
+        let kh = h % k_heads;
+        let st = &mut s0[h * dv * dk..(h + 1) * dv * dk];
+        let last = grows[(CHUNK - 1) * v_heads + h];
+        let decay = last.exp();
+        st.iter_mut().for_each(|x| *x *= decay);
+        for r in 0..CHUNK {
+            let f = (last - grows[r * v_heads + h]).exp();
+            let kr = &krows[(r * k_heads + kh) * dk..][..dk];
+            let ur = &urows[(r * v_heads + h) * dv..][..dv];
+            for (row, &u) in st.chunks_exact_mut(dk).zip(ur) {
+                let a = f * u;
+                row.iter_mut().zip(kr).for_each(|(x, y)| *x += a * y);
+            }
+        }
+    }
 }
 
 fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -214,11 +231,15 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 fn check(s: DeltaShape, state: &[f32], x: &Inputs<'_>, out: &[f32]) {
+    assert!(state.len() == s.state_len(), "state {} for {s:?}", state.len());
+    check_inputs(s, x, out);
+}
+
+fn check_inputs(s: DeltaShape, x: &Inputs<'_>, out: &[f32]) {
     let DeltaShape { k_heads, v_heads, dk, dv } = s;
     let Inputs { q, k, v, g, beta } = *x;
     let tokens = g.len() / v_heads.max(1);
     assert!(k_heads > 0 && v_heads.is_multiple_of(k_heads), "value heads are a multiple of key heads");
-    assert!(state.len() == s.state_len(), "state {} for {s:?}", state.len());
     assert!(q.len() == tokens * k_heads * dk && k.len() == q.len(), "q/k rows");
     assert!(v.len() == tokens * v_heads * dv && out.len() == v.len(), "v/out rows");
     assert!(g.len() == tokens * v_heads && beta.len() == g.len(), "g/beta rows");
@@ -294,6 +315,25 @@ mod tests {
         Case { q, k, v: values(tokens * s.v_heads * s.dv, seed + 4), g, beta, state: values(s.state_len(), seed + 5) }
     }
 
+    /// `x`'s rows `t0..t1`.
+    fn rows<'a>(s: DeltaShape, c: &'a Case, t0: usize, t1: usize) -> Inputs<'a> {
+        let (kq, kv, kg) = (s.k_heads * s.dk, s.v_heads * s.dv, s.v_heads);
+        Inputs {
+            q: &c.q[t0 * kq..t1 * kq],
+            k: &c.k[t0 * kq..t1 * kq],
+            v: &c.v[t0 * kv..t1 * kv],
+            g: &c.g[t0 * kg..t1 * kg],
+            beta: &c.beta[t0 * kg..t1 * kg],
+        }
+    }
+
+    /// A chunk state starting from `s0` at position 0.
+    fn chunk_state(s: DeltaShape, s0: &[f32]) -> Vec<f32> {
+        let mut st = vec![0.0; s.chunk_state_len()];
+        st[..s0.len()].copy_from_slice(s0);
+        st
+    }
+
     #[test]
     fn both_forms_follow_the_recurrence_in_float64() {
         // Head shapes: tiny, Qwen3.5's key heads tiled over twice as many value heads, and
@@ -303,48 +343,49 @@ mod tests {
             DeltaShape { k_heads: 2, v_heads: 4, dk: 32, dv: 32 },
             DeltaShape { k_heads: 2, v_heads: 2, dk: 16, dv: 24 },
         ];
+        let worst = |a: &[f32], b: &[f64]| a.iter().zip(b).map(|(&x, &y)| (f64::from(x) - y).abs()).fold(0.0, f64::max);
         for (i, s) in shapes.into_iter().enumerate() {
             for tokens in [1, 5, CHUNK, CHUNK + 1, 2 * CHUNK + 17] {
                 let c = case(s, tokens, 10 * i as u32 + tokens as u32);
                 let mut want_state: Vec<f64> = c.state.iter().map(|&x| f64::from(x)).collect();
                 let want = reference(s, &mut want_state, &c.inputs());
-                type Form = fn(DeltaShape, &mut [f32], &Inputs<'_>, &mut [f32]);
-                for (name, form) in [("recurrent", recurrent as Form), ("chunked", chunked as Form)] {
-                    let mut state = c.state.clone();
-                    let mut out = vec![0.0; want.len()];
-                    form(s, &mut state, &c.inputs(), &mut out);
-                    let worst = |a: &[f32], b: &[f64]| {
-                        a.iter().zip(b).map(|(&x, &y)| (f64::from(x) - y).abs()).fold(0.0, f64::max)
-                    };
-                    let (o, st) = (worst(&out, &want), worst(&state, &want_state));
-                    assert!(o < 2e-4 && st < 2e-4, "{name} {s:?} {tokens} tokens: output {o}, state {st}");
-                }
+                let mut state = c.state.clone();
+                let mut out = vec![0.0; want.len()];
+                recurrent(s, &mut state, &c.inputs(), &mut out);
+                let (o, st) = (worst(&out, &want), worst(&state, &want_state));
+                assert!(o < 2e-4 && st < 2e-4, "recurrent {s:?} {tokens} tokens: output {o}, state {st}");
+                let mut state = chunk_state(s, &c.state);
+                step(s, &mut state, 0, &c.inputs(), &mut out);
+                let o = worst(&out, &want);
+                assert!(o < 2e-4, "chunked {s:?} {tokens} tokens: output {o}");
             }
         }
     }
 
     #[test]
-    fn a_sequence_in_pieces_is_the_sequence_whole() {
-        // Prefill in chunks then decode: the state carries everything between calls.
+    fn a_token_does_not_depend_on_how_its_sequence_was_split() {
+        // The same 200 tokens whole, in uneven steps (a prefill cut by a budget, then decode)
+        // and a token at a time: the same outputs and state, bit for bit; the chunks' states
+        // follow the token-by-token form.
         let s = DeltaShape { k_heads: 2, v_heads: 4, dk: 16, dv: 16 };
-        let c = case(s, 100, 7);
-        let (mut whole_state, mut whole) = (c.state.clone(), vec![0.0; c.v.len()]);
-        recurrent(s, &mut whole_state, &c.inputs(), &mut whole);
+        let n = 200;
+        let c = case(s, n, 7);
+        let kv = s.v_heads * s.dv;
+        let run = |cuts: &[usize]| {
+            let mut state = chunk_state(s, &c.state);
+            let mut out = vec![0.0; n * kv];
+            for w in cuts.windows(2) {
+                step(s, &mut state, w[0], &rows(s, &c, w[0], w[1]), &mut out[w[0] * kv..w[1] * kv]);
+            }
+            (out, state)
+        };
+        let whole = run(&[0, n]);
+        assert!(run(&[0, 37, 90, 91, 128, 129, n]) == whole, "uneven steps");
+        assert!(run(&(0..=n).collect::<Vec<_>>()) == whole, "a token at a time");
         let mut state = c.state.clone();
-        let mut out = vec![0.0; c.v.len()];
-        for (t0, t1) in [(0, 37), (37, 90), (90, 91), (91, 100)] {
-            let (kq, kv, kg) = (s.k_heads * s.dk, s.v_heads * s.dv, s.v_heads);
-            let form = if t1 - t0 > 1 { chunked } else { recurrent };
-            let x = Inputs {
-                q: &c.q[t0 * kq..t1 * kq],
-                k: &c.k[t0 * kq..t1 * kq],
-                v: &c.v[t0 * kv..t1 * kv],
-                g: &c.g[t0 * kg..t1 * kg],
-                beta: &c.beta[t0 * kg..t1 * kg],
-            };
-            form(s, &mut state, &x, &mut out[t0 * kv..t1 * kv]);
-        }
-        let worst = out.iter().zip(&whole).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+        let mut out = vec![0.0; n * kv];
+        recurrent(s, &mut state, &c.inputs(), &mut out);
+        let worst = out.iter().zip(&whole.0).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
         assert!(worst < 1e-4, "{worst}");
     }
 

@@ -16,7 +16,9 @@ with a `rerank` prompt template or without) are written by `rerankers OUT_DIR`, 
 daemon/tests/daemon/rerank.rs, which checks them against llama-server. The mixtures of experts
 of MOES (Qwen3 MoE and gpt-oss: 8 experts, 2 a token, in Q8_0 or MXFP4; gpt-oss with its
 biases, attention sinks, alternating 8-position windows and YaRN) are written by `moe OUT_DIR`, for
-daemon/tests/daemon/moe.rs, which checks them against llama-server too.
+daemon/tests/daemon/moe.rs, which checks them against llama-server too. The hybrid tiny-qwen35
+(Qwen3.5: three Gated DeltaNet layers, then a gated attention layer) is written with the rest,
+and alone by `hybrid OUT_DIR` for daemon/tests/daemon/hybrid.rs.
 tests/reference/regen runs llama.cpp on the GGUF files; tests/e2e/reference.rs runs inferd on
 them and compares, and checks that each directory gives the logits of its GGUF file."""
 import json
@@ -508,6 +510,8 @@ SCALED = [("tiny-phi3-longrope", "phi3", "longrope"), ("tiny-qwen2-yarn", "qwen2
 if __name__ == "__main__" and sys.argv[1] == "moe":
     for seed, (name, arch, experts_type) in enumerate(MOES, start=200):
         model(arch, f"{sys.argv[2]}/{name}.gguf", seed, experts_type=experts_type)
+elif __name__ == "__main__" and sys.argv[1] == "hybrid":
+    hybrid(f"{sys.argv[2]}/tiny-qwen35.gguf", 300)
 elif __name__ == "__main__" and sys.argv[1] == "rerankers":
     for seed, (name, template) in enumerate(RERANKERS, start=100):
         model("qwen3", f"{sys.argv[2]}/{name}.gguf", seed, rerank={"template": template})

@@ -12,6 +12,7 @@ mod dbus;
 mod fim;
 mod hostile;
 mod http;
+mod hybrid;
 mod isolation;
 mod models;
 mod moe;

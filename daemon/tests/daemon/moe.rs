@@ -53,10 +53,37 @@ fn mixtures_of_experts_answer_as_llama_cpp() {
         .map(|(path, name)| format!("[[model]]\nname = \"{name}\"\npath = \"{}\"\n", path.display()))
         .collect();
     let d = Daemon::start(&dir, &cfg, &[]);
+    let (compared, worst) = answer_as_llama_cpp(&bin, &d, &models, &dir);
+    assert!(compared >= 90, "only {compared} of 144 steps compared");
+    // Ollama's /api/show says what the mixture is; the listing counts every expert's bytes.
+    let (st, show) = d.http("POST", "/api/show", r#"{"model": "q8"}"#);
+    assert_eq!(st, 200, "{show}");
+    let info = &json(&show)["model_info"];
+    assert!(
+        info["qwen3moe.expert_count"] == 8
+            && info["qwen3moe.expert_used_count"] == 2
+            && info["qwen3moe.expert_feed_forward_length"] == 32,
+        "{info}"
+    );
+    let (_, tags) = d.http("GET", "/api/tags", "");
+    let size =
+        json(&tags)["models"].as_array().unwrap().iter().find(|m| m["name"] == "q8:latest").unwrap()["size"].clone();
+    assert_eq!(size, std::fs::metadata(&models[0].0).unwrap().len(), "{tags}");
+    eprintln!("moe: {compared} steps compared, log-probabilities at most {worst:.4} apart");
+    drop(d);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Each of `models` (served by `d` under its name) continued from every prompt a token at a
+/// time against llama-server on the same file (both fed llama.cpp's choice): the same token
+/// and its log-probability within [`TOL`] wherever llama.cpp's choice is not a near-tie; then
+/// the prompts each alone and all at once (batched) give the same answers. Returns the steps
+/// compared and the largest difference.
+pub(super) fn answer_as_llama_cpp(bin: &Path, d: &Daemon, models: &[(PathBuf, &str)], dir: &Path) -> (usize, f64) {
     let port = free_port();
     let (mut compared, mut worst) = (0, 0f64);
-    for (path, name) in &models {
-        let server = spawn_llama_server(&bin, path.to_str().unwrap(), port, &dir, &["-np", "1"]);
+    for (path, name) in models {
+        let server = spawn_llama_server(bin, path.to_str().unwrap(), port, dir, &["-np", "1"]);
         for prompt in prompts() {
             // A token at a time, both fed llama.cpp's choice (its ids are in its answer), so
             // a near-tie cannot send the two down different paths.
@@ -121,33 +148,13 @@ fn mixtures_of_experts_answer_as_llama_cpp() {
         let together: Vec<Value> = std::thread::scope(|s| {
             let jobs: Vec<_> = prompts()
                 .into_iter()
-                .map(|p| {
-                    let d = &d;
-                    s.spawn(move || json(&d.http("POST", "/v1/completions", &body(name, &p, 12)).1))
-                })
+                .map(|p| s.spawn(move || json(&d.http("POST", "/v1/completions", &body(name, &p, 12)).1)))
                 .collect();
             jobs.into_iter().map(|j| j.join().unwrap()["choices"][0]["text"].clone()).collect()
         });
         assert_eq!(together, alone, "{name}: batched answers are each prompt's alone");
     }
-    assert!(compared >= 90, "only {compared} of 144 steps compared");
-    // Ollama's /api/show says what the mixture is; the listing counts every expert's bytes.
-    let (st, show) = d.http("POST", "/api/show", r#"{"model": "q8"}"#);
-    assert_eq!(st, 200, "{show}");
-    let info = &json(&show)["model_info"];
-    assert!(
-        info["qwen3moe.expert_count"] == 8
-            && info["qwen3moe.expert_used_count"] == 2
-            && info["qwen3moe.expert_feed_forward_length"] == 32,
-        "{info}"
-    );
-    let (_, tags) = d.http("GET", "/api/tags", "");
-    let size =
-        json(&tags)["models"].as_array().unwrap().iter().find(|m| m["name"] == "q8:latest").unwrap()["size"].clone();
-    assert_eq!(size, std::fs::metadata(&models[0].0).unwrap().len(), "{tags}");
-    eprintln!("moe: {compared} steps compared, log-probabilities at most {worst:.4} apart");
-    drop(d);
-    let _ = std::fs::remove_dir_all(dir);
+    (compared, worst)
 }
 
 /// The engine's paths with a mixture of experts: against each request run alone in a roomy
@@ -159,18 +166,37 @@ fn mixtures_of_experts_answer_as_llama_cpp() {
 fn mixtures_of_experts_through_chunks_forks_preemption_and_the_prefix_cache() {
     let dir = scratch("moe-paths");
     let models = tiny_moes(&dir);
+    // Long answers of many requests at once (the end of text biased away): about 17,000
+    // positions for a 1 MiB cache's 2,048 (Qwen3 MoE: 512 bytes a position) or 8,192 (gpt-oss:
+    // 128 a layer, and its sliding-window layer's blocks go back as the window passes them).
+    // The end tokens biased away: `</s>`, and gpt-oss's `<|return|>` and `<|call|>`.
+    let bias =
+        |name: &str| if name == "gpt-oss" { r#"{"1": -100, "268": -100, "269": -100}"# } else { r#"{"1": -100}"# };
+    through_chunks_forks_and_preemption(&dir, &models, &bias, 1, true);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The engine's paths with `models`: against each request run alone in a roomy cache (whose
+/// greedy answers [`answer_as_llama_cpp`] holds to llama.cpp), the same requests all at once
+/// in a cache of `kv_mib` MiB too small for them (preempted and recomputed), with prompts
+/// prefilled in chunks of 16 tokens, forks (n = 2, a beam search of width 3) and, sent again,
+/// prefixes from the prefix cache where `prefix_hits`: every answer the same. `bias` names
+/// each model's end tokens, biased away so that answers run long.
+pub(super) fn through_chunks_forks_and_preemption(
+    dir: &Path,
+    models: &[(PathBuf, &str)],
+    bias: &dyn Fn(&str) -> &'static str,
+    kv_mib: usize,
+    prefix_hits: bool,
+) {
     let model_cfg = |kv: &str| -> String {
         models
             .iter()
             .map(|(path, name)| format!("[[model]]\nname = \"{name}\"\npath = \"{}\"\n{kv}", path.display()))
             .collect()
     };
-    // Long answers of many requests at once (the end of text biased away): about 17,000
-    // positions for a 1 MiB cache's 2,048 (Qwen3 MoE: 512 bytes a position) or 8,192 (gpt-oss:
-    // 128 a layer, and its sliding-window layer's blocks go back as the window passes them).
-    // The end tokens biased away: `</s>`, and gpt-oss's `<|return|>` and `<|call|>`.
     let requests = |name: &str| -> Vec<(String, usize)> {
-        let bias = if name == "gpt-oss" { r#"{"1": -100, "268": -100, "269": -100}"# } else { r#"{"1": -100}"# };
+        let bias = bias(name);
         prompts()
         .iter()
         .flat_map(|p| {
@@ -214,7 +240,7 @@ fn mixtures_of_experts_through_chunks_forks_preemption_and_the_prefix_cache() {
     drop(roomy);
     let cfg = format!(
         "[scheduler]\ntoken_budget = 16\n\n[limits]\nmax_requests_per_user = 64\n\n{}",
-        model_cfg("kv_cache_mib = 1\n")
+        model_cfg(&format!("kv_cache_mib = {kv_mib}\n"))
     );
     let tight = Daemon::start(&tight_dir, &cfg, &[]);
     for round in 0..2 {
@@ -245,12 +271,12 @@ fn mixtures_of_experts_through_chunks_forks_preemption_and_the_prefix_cache() {
         let line = text.lines().find(|l| l.starts_with(&key));
         line.and_then(|l| l.rsplit(' ').next()).and_then(|v| v.parse().ok()).unwrap_or(0.0)
     };
-    for (_, name) in &models {
+    for (_, name) in models {
         assert!(metric("inferd_requests_preempted_total", name) > 0.0, "{name} never preempted:\n{text}");
-        assert!(metric("inferd_prompt_tokens_cached_total", name) > 0.0, "{name} never hit the prefix cache:\n{text}");
+        let hits = metric("inferd_prompt_tokens_cached_total", name);
+        assert!((hits > 0.0) == prefix_hits, "{name}: {hits} prompt tokens from the prefix cache:\n{text}");
     }
     drop(tight);
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// gpt-oss's chat format through the APIs: the tiny gpt-oss model has harmony's markers in its

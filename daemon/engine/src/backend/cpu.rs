@@ -737,7 +737,7 @@ impl LayerOps for CpuOps<'_, '_> {
         [mix, beta, alpha]: [Act; 3],
         to: Act,
     ) -> Result<(), BackendError> {
-        use inferd_kernels::deltanet::{chunked, conv, l2_norm_each, recurrent, Inputs};
+        use inferd_kernels::deltanet::{conv, l2_norm_each, step, Inputs};
         let d = self.arch.delta.ok_or_else(|| BackendError::Invalid("a DeltaNet layer without its shape".into()))?;
         let di = self.arch.layers[..layer].iter().filter(|l| l.delta_net).count();
         let (ch, width, sh) = (d.channels(), d.conv, d.shape);
@@ -782,12 +782,7 @@ impl LayerOps for CpuOps<'_, '_> {
                 }
             }
             let x = Inputs { q, k, v, g, beta: b };
-            let o = &mut out[sq.t0 * vd..(sq.t0 + n) * vd];
-            if n > 1 {
-                chunked(sh, ssm, &x, o);
-            } else {
-                recurrent(sh, ssm, &x, o);
-            }
+            step(sh, ssm, sq.start, &x, &mut out[sq.t0 * vd..(sq.t0 + n) * vd]);
         }
         self.s.acts[to.index()] = out;
         Ok(())

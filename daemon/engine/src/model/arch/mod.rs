@@ -89,9 +89,9 @@ impl DeltaNet {
     }
 
     /// Floats of one sequence's state in one layer: the convolution's last `conv - 1` inputs
-    /// and the recurrence's matrices.
+    /// and the recurrence's chunk state ([`inferd_kernels::deltanet::step`]).
     pub fn state_floats(&self) -> usize {
-        (self.conv - 1) * self.channels() + self.shape.state_len()
+        (self.conv - 1) * self.channels() + self.shape.chunk_state_len()
     }
 }
 
