@@ -3,8 +3,9 @@
 //! `tests/reference/tiny_models.py hybrid`, its greedy tokens and log-probabilities a token at a
 //! time, batched answers equal to each prompt's alone; then through chunked prefill, forks
 //! (n = 2, a beam of 3) and preemption in a cache whose recurrent state slots run out before
-//! its blocks: every answer the same as alone (a DeltaNet row is computed the same way however
-//! its sequence was cut into steps).
+//! its blocks, and sent again from the prefix cache's checkpoints of their states: every answer
+//! the same as alone (a DeltaNet row is computed the same way however its sequence was cut into
+//! steps).
 
 use super::moe::{answer_as_llama_cpp, through_chunks_forks_and_preemption};
 use super::remote::llama_server;
@@ -37,8 +38,8 @@ fn a_hybrid_model_through_chunks_forks_and_preemption() {
     let dir = scratch("hybrid-paths");
     let models = tiny_hybrid(&dir);
     // 4 MiB: a quarter for recurrent states (94 KB a sequence: 10 of them) and room for about
-    // 24,000 positions of the attention layer's K/V, so the states run out first; no prefix
-    // hits (a recurrent sequence matches no cached prefix yet).
-    through_chunks_forks_and_preemption(&dir, &models, &|_| r#"{"1": -100}"#, 4, false);
+    // 24,000 positions of the attention layer's K/V, so the states run out first; the prompts
+    // sent again start from their checkpoints in the prefix cache.
+    through_chunks_forks_and_preemption(&dir, &models, &|_| r#"{"1": -100}"#, 4, true);
     let _ = std::fs::remove_dir_all(dir);
 }

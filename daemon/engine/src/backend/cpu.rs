@@ -468,14 +468,29 @@ impl CpuBackend {
         let mut seqs = Vec::with_capacity(batch.len());
         let mut t0 = 0;
         for sb in batch {
-            seqs.push(SeqSpan { t0, n: sb.tokens.len(), start: sb.start_pos, state: sb.state });
+            seqs.push(SeqSpan {
+                t0,
+                n: sb.tokens.len(),
+                start: sb.start_pos,
+                state: sb.state,
+                checkpoint: sb.checkpoint,
+            });
             t0 += sb.tokens.len();
         }
         if self.state_slots > 0 {
-            if let Some(sb) = batch.iter().find(|sb| sb.state.is_none_or(|st| st as usize >= self.state_slots)) {
+            let bad = |sb: &&SeqBatch<'_>| {
+                sb.state.is_none_or(|st| st as usize >= self.state_slots)
+                    || sb.checkpoint.is_some_and(|(at, st)| {
+                        st as usize >= self.state_slots
+                            || Some(st) == sb.state
+                            || at < sb.start_pos
+                            || at > sb.start_pos + sb.tokens.len()
+                    })
+            };
+            if let Some(sb) = batch.iter().find(bad) {
                 return Err(BackendError::Invalid(format!(
-                    "a sequence's recurrent state slot {:?} (the backend keeps {})",
-                    sb.state, self.state_slots
+                    "a sequence's recurrent state slot {:?} or checkpoint {:?} (the backend keeps {} slots)",
+                    sb.state, sb.checkpoint, self.state_slots
                 )));
             }
         }
@@ -566,8 +581,9 @@ struct SeqSpan {
     t0: usize,
     n: usize,
     start: usize,
-    /// Its recurrent state's slot.
+    /// Its recurrent state's slot, and where to copy the state to at which position.
     state: Option<u32>,
+    checkpoint: Option<(usize, u32)>,
 }
 
 /// The CPU's [`LayerOps`] for one forward pass: the scratch buffers, the pass's positions and
@@ -746,43 +762,58 @@ impl LayerOps for CpuOps<'_, '_> {
         let eps = self.cfg.rms_eps;
         let mut out = std::mem::take(&mut self.s.acts[to.index()]);
         resize(&mut out, self.n * vd);
-        let [cv, q, k, v, g, b] = &mut self.s.delta;
+        let [cv, q, k, v, g, wb] = &mut self.s.delta;
         let (xm, xb, xa) = (&self.s.acts[mix.index()], &self.s.acts[beta.index()], &self.s.acts[alpha.index()]);
         for sq in self.seqs {
             let slot = sq.state.ok_or_else(|| BackendError::Invalid("a sequence without a recurrent state".into()))?;
-            let st = &mut self.states[di][slot as usize * floats..(slot as usize + 1) * floats];
+            let layer_states = &mut self.states[di];
             if sq.start == 0 {
-                st.iter_mut().for_each(|x| *x = 0.0);
+                layer_states[slot as usize * floats..(slot as usize + 1) * floats].iter_mut().for_each(|x| *x = 0.0);
             }
-            let (conv_state, ssm) = st.split_at_mut(conv_len);
-            let n = sq.n;
-            resize(cv, n * ch);
-            conv(&w.conv, width, ch, conv_state, &xm[sq.t0 * ch..(sq.t0 + n) * ch], cv);
-            cv.iter_mut().for_each(|x| *x = *x / (1.0 + (-*x).exp()));
-            q.clear();
-            k.clear();
-            v.clear();
-            for row in cv.chunks_exact(ch) {
-                q.extend_from_slice(&row[..kd]);
-                k.extend_from_slice(&row[kd..2 * kd]);
-                v.extend_from_slice(&row[2 * kd..]);
-            }
-            l2_norm_each(q, sh.dk, eps);
-            l2_norm_each(k, sh.dk, eps);
-            // g = softplus(alpha + dt_bias) * a (llama.cpp's softplus: linear past 20), and
-            // the write strength sigmoid(beta).
-            g.clear();
-            b.clear();
-            for t in sq.t0..sq.t0 + n {
-                for h in 0..heads {
-                    let x = xa[t * heads + h] + w.dt_bias[h];
-                    let sp = if x > 20.0 { x } else { (1.0 + x.exp()).ln() };
-                    g.push(sp * w.a[h]);
-                    b.push(1.0 / (1.0 + (-xb[t * heads + h]).exp()));
+            // In two parts where a checkpoint falls inside: the state after the first is
+            // copied out (the parts compute what the whole would, bit for bit).
+            let cut = sq.checkpoint.map_or(sq.n, |(at, _)| at - sq.start);
+            for (a, b) in [(0, cut), (cut, sq.n)] {
+                if a == cut {
+                    if let Some((_, ck)) = sq.checkpoint {
+                        let (src, dst) = (slot as usize * floats, ck as usize * floats);
+                        layer_states.copy_within(src..src + floats, dst);
+                    }
                 }
+                if a == b {
+                    continue;
+                }
+                let st = &mut layer_states[slot as usize * floats..(slot as usize + 1) * floats];
+                let (conv_state, ssm) = st.split_at_mut(conv_len);
+                let (t0, n) = (sq.t0 + a, b - a);
+                resize(cv, n * ch);
+                conv(&w.conv, width, ch, conv_state, &xm[t0 * ch..(t0 + n) * ch], cv);
+                cv.iter_mut().for_each(|x| *x = *x / (1.0 + (-*x).exp()));
+                q.clear();
+                k.clear();
+                v.clear();
+                for row in cv.chunks_exact(ch) {
+                    q.extend_from_slice(&row[..kd]);
+                    k.extend_from_slice(&row[kd..2 * kd]);
+                    v.extend_from_slice(&row[2 * kd..]);
+                }
+                l2_norm_each(q, sh.dk, eps);
+                l2_norm_each(k, sh.dk, eps);
+                // g = softplus(alpha + dt_bias) * a (llama.cpp's softplus: linear past 20), and
+                // the write strength sigmoid(beta).
+                g.clear();
+                wb.clear();
+                for t in t0..t0 + n {
+                    for h in 0..heads {
+                        let x = xa[t * heads + h] + w.dt_bias[h];
+                        let sp = if x > 20.0 { x } else { (1.0 + x.exp()).ln() };
+                        g.push(sp * w.a[h]);
+                        wb.push(1.0 / (1.0 + (-xb[t * heads + h]).exp()));
+                    }
+                }
+                let x = Inputs { q, k, v, g, beta: wb };
+                step(sh, ssm, sq.start + a, &x, &mut out[t0 * vd..(t0 + n) * vd]);
             }
-            let x = Inputs { q, k, v, g, beta: b };
-            step(sh, ssm, sq.start, &x, &mut out[sq.t0 * vd..(sq.t0 + n) * vd]);
         }
         self.s.acts[to.index()] = out;
         Ok(())

@@ -142,6 +142,10 @@ pub struct SeqBatch<'a> {
     /// The slot of its recurrent state (a hybrid model's; [`Backend::state_slots`]). A
     /// sequence whose tokens start at position 0 starts from a zero state.
     pub state: Option<u32>,
+    /// Where to keep a copy of its recurrent state for the prefix cache: the state once the
+    /// tokens before this position have run (a position within `start_pos..=start_pos + len`),
+    /// and the slot to copy it to.
+    pub checkpoint: Option<(usize, u32)>,
     /// How many of the last positions want logits (1 for decode and the last prefill chunk,
     /// 0 for an earlier prefill chunk, more for speculative verification).
     pub logits: usize,

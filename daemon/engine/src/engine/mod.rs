@@ -220,6 +220,9 @@ impl Engine {
                 }
             }
         }
+        // Checkpoints of recurrent states for the prefix cache, from slots the step left.
+        let spans: Vec<(SeqId, usize)> = items.iter().map(|it| (it.seq, it.tokens.len())).collect();
+        self.kv.plan_checkpoints(&spans);
         let states = self.kv.take_state_copies();
         let result = (self.backend.copy_blocks(&copies))
             .and_then(|()| self.backend.copy_states(&states))
@@ -261,6 +264,7 @@ impl Engine {
                     start_pos: s,
                     block_tables: self.kv.block_tables(it.seq),
                     state: self.kv.state(it.seq),
+                    checkpoint: self.kv.checkpoint(it.seq, s, s + it.tokens.len()),
                     logits: it.n_logits,
                     hidden: it.hidden,
                 })
@@ -308,6 +312,7 @@ impl Engine {
                     start_pos: start[i] + a,
                     block_tables: self.kv.block_tables(items[i].seq),
                     state: self.kv.state(items[i].seq),
+                    checkpoint: self.kv.checkpoint(items[i].seq, start[i] + a, start[i] + b),
                     logits: rows(i, a, b),
                     hidden: items[i].hidden,
                 })

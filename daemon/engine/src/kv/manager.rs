@@ -20,8 +20,12 @@
 //! [`KvCacheManager::take_state_copies`] for the backend), counted by the same
 //! reserve-before-mutate step ([`KvCacheManager::states_needed_for_step`]). A state moves only
 //! forward: truncating a sequence below what it has computed is refused
-//! ([`RollbackError::Recurrent`]), and its prompt matches nothing in the prefix cache (the
-//! state after a cached prefix is not kept yet).
+//! ([`RollbackError::Recurrent`]). For the prefix cache, a sequence's state at the last block
+//! boundary of its prompt is kept as a checkpoint: a slot the backend writes when the forward
+//! pass reaches that position ([`KvCacheManager::plan_checkpoints`], taken only from slots no
+//! step needs), registered under that block's hash when committed; a later prompt matching
+//! the blocks up to a checkpoint starts from it (shared, copied on its first write), so it runs
+//! only its own tokens. Checkpoints are evicted oldest first when a sequence needs a slot.
 
 use super::block_pool::{BlockHash, BlockId, BlockPool};
 use std::collections::HashMap;
@@ -133,6 +137,10 @@ struct Sequence {
     salt: Option<BlockHash>,
     /// Its recurrent state's slot (a hybrid model's, once it has appended).
     state: Option<u32>,
+    /// Where its state is to be kept as a prefix-cache checkpoint (the last block boundary of
+    /// its prompt), and the slot taken for it once a step reaches there.
+    checkpoint_at: Option<usize>,
+    checkpoint: Option<u32>,
 }
 
 /// The KV cache manager; see the module docs.
@@ -151,6 +159,9 @@ pub struct KvCacheManager {
     states: StatePool,
     /// `(src, dst)` state copies the backend must make before the next forward pass.
     state_copies: Vec<(u32, u32)>,
+    /// Prefix-cache checkpoints of recurrent states: the hash of the block a state ends at,
+    /// and its slot; oldest first.
+    checkpoints: Vec<(BlockHash, u32)>,
 }
 
 impl KvCacheManager {
@@ -174,6 +185,7 @@ impl KvCacheManager {
             prefix_hit_tokens: 0,
             states: StatePool::default(),
             state_copies: Vec::new(),
+            checkpoints: Vec::new(),
         }
     }
 
@@ -189,9 +201,48 @@ impl KvCacheManager {
         self.states.total() > 0
     }
 
-    /// Recurrent state slots: all, and free.
+    /// Recurrent state slots: all, and free (checkpoints no sequence holds count as free:
+    /// they are evicted when a slot is needed).
     pub fn state_slots(&self) -> (usize, usize) {
-        (self.states.total(), self.states.free())
+        (self.states.total(), self.states.free() + self.evictable_checkpoints())
+    }
+
+    /// Checkpoints held by the prefix cache alone.
+    fn evictable_checkpoints(&self) -> usize {
+        self.checkpoints.iter().filter(|&&(_, st)| self.states.refs[st as usize] == 1).count()
+    }
+
+    /// A free state slot, evicting the oldest checkpoint no sequence holds where none is free.
+    fn take_state(&mut self) -> Option<u32> {
+        take_state(&mut self.states, &mut self.checkpoints)
+    }
+
+    /// Prefix-cache checkpoints of recurrent states held now.
+    pub fn checkpoints(&self) -> usize {
+        self.checkpoints.len()
+    }
+
+    /// After a step's appends: a slot for the checkpoint of every sequence whose new tokens
+    /// (`(sequence, tokens appended)`) reach the position it is to be kept at, from the slots
+    /// no sequence needs (a checkpoint is never worth a failed step: without a free slot there
+    /// is none).
+    pub fn plan_checkpoints(&mut self, items: &[(SeqId, usize)]) {
+        for &(id, n) in items {
+            let Some(s) = self.seqs.get(&id) else { continue };
+            let end = s.tokens.len();
+            let want = s.checkpoint_at.filter(|&at| s.checkpoint.is_none() && at > end - n.min(end) && at <= end);
+            if want.is_some() && self.states.free() + self.evictable_checkpoints() > 0 {
+                let slot = self.take_state();
+                self.seqs.get_mut(&id).expect("sequence exists").checkpoint = slot;
+            }
+        }
+    }
+
+    /// Where the backend is to copy the sequence's state, and at which position, when its
+    /// tokens `start..end` reach there.
+    pub fn checkpoint(&self, id: SeqId, start: usize, end: usize) -> Option<(usize, u32)> {
+        let s = self.seq(id);
+        s.checkpoint_at.zip(s.checkpoint).filter(|&(at, _)| at >= start && at <= end && at > 0)
     }
 
     /// The slot of the sequence's recurrent state, once it has one.
@@ -331,8 +382,14 @@ impl KvCacheManager {
     /// At least one prompt token is always left to compute, so the step yields logits.
     pub fn match_prefix(&mut self, id: SeqId, prompt: &[u32]) -> usize {
         let bs = self.block_size;
-        if !self.seq(id).tokens.is_empty() || self.recurrent() {
+        if !self.seq(id).tokens.is_empty() {
             return 0;
+        }
+        if self.recurrent() {
+            // Its state is kept at the last block boundary of the prompt that leaves a token
+            // to compute.
+            let at = (prompt.len().saturating_sub(1) / bs) * bs;
+            self.seqs.get_mut(&id).expect("sequence exists").checkpoint_at = (at > 0).then_some(at);
         }
         let max_blocks = prompt.len().saturating_sub(1) / bs;
         let chunks: Vec<&[u32]> = prompt.chunks_exact(bs).take(max_blocks).collect();
@@ -353,6 +410,16 @@ impl KvCacheManager {
         while n > 0 && !(0..groups).all(|g| (self.first_read(g, n * bs)..n).all(|i| find(g, i).is_some())) {
             n -= 1;
         }
+        // A recurrent sequence starts from a checkpoint: the longest run that ends at one.
+        let mut checkpoint = None;
+        if self.recurrent() {
+            while n > 0 && checkpoint.is_none() {
+                checkpoint = self.checkpoints.iter().position(|&(h, _)| h == hashes[n - 1]);
+                if checkpoint.is_none() {
+                    n -= 1;
+                }
+            }
+        }
         let mut tables = vec![Vec::new(); groups];
         let mut floor = vec![0; groups];
         for (g, table) in tables.iter_mut().enumerate() {
@@ -364,9 +431,16 @@ impl KvCacheManager {
         for &b in tables.iter().flatten().filter(|&&b| b != NO_BLOCK) {
             self.pool.retain(b);
         }
+        let state = checkpoint.map(|i| {
+            let entry = self.checkpoints.remove(i);
+            self.checkpoints.push(entry); // the newest now
+            self.states.retain(entry.1);
+            entry.1
+        });
         let s = self.seqs.get_mut(&id).expect("sequence exists");
         s.tables = tables;
         s.floor = floor;
+        s.state = state;
         s.hashes = hashes[..n].to_vec();
         s.tokens = prompt[..n * bs].to_vec();
         s.computed = n * bs;
@@ -420,8 +494,9 @@ impl KvCacheManager {
             return Err(OutOfBlocks { needed, free: self.pool.free(), states: false });
         }
         let states = self.states_needed_for_step(&[(id, new.len())]);
-        if states > self.states.free() {
-            return Err(OutOfBlocks { needed: states, free: self.states.free(), states: true });
+        let free_states = self.state_slots().1;
+        if states > free_states {
+            return Err(OutOfBlocks { needed: states, free: free_states, states: true });
         }
         let bs = self.block_size;
         let mut copies = Vec::new();
@@ -429,9 +504,9 @@ impl KvCacheManager {
         if self.states.total() > 0 && !new.is_empty() {
             // A first state, or a copy of a shared one (counted above).
             match s.state {
-                None => s.state = self.states.allocate(),
+                None => s.state = take_state(&mut self.states, &mut self.checkpoints),
                 Some(old) if self.states.refs[old as usize] > 1 => {
-                    let fresh = self.states.allocate().expect("counted above");
+                    let fresh = take_state(&mut self.states, &mut self.checkpoints).expect("counted above");
                     self.state_copies.push((old, fresh));
                     self.states.release(old);
                     s.state = Some(fresh);
@@ -486,6 +561,19 @@ impl KvCacheManager {
             }
             self.seqs.get_mut(&id).expect("sequence exists").hashes.push(h);
         }
+        // A checkpoint the pass wrote joins the prefix cache under its block's hash.
+        let s = self.seqs.get_mut(&id).expect("sequence exists");
+        if let (Some(at), Some(slot)) = (s.checkpoint_at, s.checkpoint) {
+            if s.computed >= at {
+                let h = s.hashes[at / bs - 1];
+                (s.checkpoint_at, s.checkpoint) = (None, None);
+                if self.checkpoints.iter().any(|&(c, _)| c == h) {
+                    self.states.release(slot);
+                } else {
+                    self.checkpoints.push((h, slot));
+                }
+            }
+        }
     }
 
     /// Releases the blocks of the window groups that no query at or after the sequence's
@@ -518,6 +606,7 @@ impl KvCacheManager {
         if let Some(st) = copy.state {
             self.states.retain(st);
         }
+        let copy = Sequence { checkpoint_at: None, checkpoint: None, ..copy };
         let new = SeqId(self.next_id);
         self.next_id = self.next_id.wrapping_add(1);
         self.seqs.insert(new, copy);
@@ -541,6 +630,11 @@ impl KvCacheManager {
             return Err(RollbackError::Recurrent { len, computed: s.computed });
         }
         let s = self.seqs.get_mut(&id).expect("sequence exists");
+        if s.checkpoint_at.is_some_and(|at| at > len) {
+            if let Some(st) = s.checkpoint.take() {
+                self.states.release(st);
+            }
+        }
         s.tokens.truncate(len);
         s.computed = s.computed.min(len);
         s.hashes.truncate(len / bs);
@@ -561,7 +655,7 @@ impl KvCacheManager {
             for b in s.tables.into_iter().flatten().filter(|&b| b != NO_BLOCK) {
                 self.pool.release(b);
             }
-            if let Some(st) = s.state {
+            for st in s.state.into_iter().chain(s.checkpoint) {
                 self.states.release(st);
             }
         }
@@ -577,6 +671,16 @@ impl KvCacheManager {
     pub fn sequences(&self) -> usize {
         self.seqs.len()
     }
+}
+
+/// [`KvCacheManager::take_state`] over the manager's parts (while a sequence is borrowed).
+fn take_state(states: &mut StatePool, checkpoints: &mut Vec<(BlockHash, u32)>) -> Option<u32> {
+    if states.free() == 0 {
+        let i = checkpoints.iter().position(|&(_, st)| states.refs[st as usize] == 1)?;
+        let (_, st) = checkpoints.remove(i);
+        states.release(st);
+    }
+    states.allocate()
 }
 
 #[cfg(test)]

@@ -263,7 +263,7 @@ fn a_recurrent_state_is_taken_on_first_append_shared_by_forks_and_copied_by_the_
     assert!(m.recurrent());
     let a = m.create();
     assert_eq!(m.state(a), None, "no state before the first append");
-    assert_eq!(m.match_prefix(a, &toks(20, 0)), 0, "a recurrent sequence matches no cached prefix");
+    assert_eq!(m.match_prefix(a, &toks(20, 0)), 0, "nothing cached yet");
     assert_eq!(m.states_needed_for_step(&[(a, 5)]), 1);
     m.append(a, &toks(5, 0)).unwrap();
     m.commit(a, 5);
@@ -302,4 +302,54 @@ fn a_recurrent_state_is_taken_on_first_append_shared_by_forks_and_copied_by_the_
     }
     assert_eq!(m.state_slots(), (3, 3));
     assert_eq!(m.stats().free, 64);
+}
+
+#[test]
+fn a_recurrent_prompt_starts_from_the_checkpoint_at_its_cached_prefix() {
+    let bs = 4;
+    let mut m = KvCacheManager::new(64, bs).with_states(4);
+    let prompt = toks(22, 3);
+    // Cold: nothing cached; the state is to be kept at 20, the last block boundary that leaves
+    // a token to compute.
+    let a = m.create();
+    assert_eq!(m.match_prefix(a, &prompt), 0);
+    m.append(a, &prompt[..10]).unwrap();
+    m.plan_checkpoints(&[(a, 10)]);
+    assert_eq!(m.checkpoint(a, 0, 10), None, "not reached yet");
+    m.commit(a, 10);
+    m.append(a, &prompt[10..]).unwrap();
+    m.plan_checkpoints(&[(a, 12)]);
+    let (at, slot) = m.checkpoint(a, 10, 22).unwrap();
+    assert_eq!(at, 20);
+    assert_ne!(Some(slot), m.state(a));
+    m.commit(a, 22);
+    assert_eq!(m.checkpoints(), 1);
+    assert_eq!(m.checkpoint(a, 22, 23), None, "kept once");
+    // The same prompt again: its 5 blocks and the state at 20; shared until it writes.
+    let b = m.create();
+    assert_eq!(m.match_prefix(b, &prompt), 20);
+    assert_eq!(m.state(b), Some(slot));
+    assert_eq!(m.states_needed_for_step(&[(b, 2)]), 1, "a copy before it writes");
+    m.append(b, &prompt[20..]).unwrap();
+    assert_eq!(m.take_state_copies(), vec![(slot, m.state(b).unwrap())]);
+    // A prompt that leaves the cached blocks before 20 has no checkpoint to start from.
+    let c = m.create();
+    let mut other = prompt.clone();
+    other[18] = 999;
+    assert_eq!(m.match_prefix(c, &other), 0);
+    // Slots run out: the checkpoint no sequence holds is evicted for a sequence's state.
+    m.free(a);
+    m.free(b);
+    let (d, e) = (m.create(), m.create());
+    for s in [c, d, e] {
+        m.append(s, &[1]).unwrap();
+    }
+    assert_eq!((m.checkpoints(), m.state_slots()), (1, (4, 1)));
+    let f = m.create();
+    m.append(f, &[1]).unwrap();
+    assert_eq!((m.checkpoints(), m.state_slots()), (0, (4, 0)), "evicted for f");
+    for s in [c, d, e, f] {
+        m.free(s);
+    }
+    assert_eq!(m.state_slots(), (4, 4));
 }
