@@ -23,6 +23,8 @@
 //! The short causal convolution in front of it ([`conv`]) keeps the last `width - 1` inputs of
 //! every channel as its state.
 
+use crate::pool::{SyncPtr, ThreadPool};
+
 /// The shape of one DeltaNet layer's recurrence.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DeltaShape {
@@ -40,10 +42,16 @@ impl DeltaShape {
         self.v_heads * self.dv * self.dk
     }
 
-    /// Floats of one sequence's state for [`step`]: the state at its current chunk's start,
-    /// and per row of a chunk its keys, corrected values and cumulative log decays.
+    /// Floats of one sequence's state for [`step`]: its chunk's keys so far, then per value
+    /// head ([`DeltaShape::head_state_len`]) the state at the chunk's start and the chunk's
+    /// corrected values and cumulative log decays.
     pub fn chunk_state_len(&self) -> usize {
-        self.state_len() + CHUNK * (self.k_heads * self.dk + self.v_heads * self.dv + self.v_heads)
+        CHUNK * self.k_heads * self.dk + self.v_heads * self.head_state_len()
+    }
+
+    /// One value head's part of [`DeltaShape::chunk_state_len`].
+    pub fn head_state_len(&self) -> usize {
+        self.dv * self.dk + CHUNK * (self.dv + 1)
     }
 }
 
@@ -130,104 +138,160 @@ pub fn recurrent(s: DeltaShape, state: &mut [f32], x: &Inputs<'_>, out: &mut [f3
 
 /// The recurrence over a sequence's next tokens (positions `start..`), in chunks of [`CHUNK`]
 /// positions aligned to the sequence's start (module docs): `state` is the sequence's
-/// [`DeltaShape::chunk_state_len`] floats, the state `S_0` at the start of the current chunk
-/// followed by that chunk's rows so far (each row's keys, corrected values and cumulative log
-/// decay). Each new row's output is computed from `S_0` and the rows before it in its chunk,
-/// and `S_0` moves to the next chunk's start when a row begins one. Every row's arithmetic is
-/// the same however a sequence's tokens are split across calls, so a token's result does not
-/// depend on how its prompt was cut into steps or batched with others; and the state of a
-/// chunk's start is read once a token for its products with the token's key and query, and
-/// once a chunk to move on, where the token-by-token form reads it three times a token.
-pub fn step(s: DeltaShape, state: &mut [f32], start: usize, x: &Inputs<'_>, out: &mut [f32]) {
-    let DeltaShape { k_heads, v_heads, dk, dv } = s;
-    let Inputs { q, k, v, g, beta } = *x;
+/// [`DeltaShape::chunk_state_len`] floats, its current chunk's keys so far, then per value head
+/// the state `S_0` at the chunk's start and the chunk's rows so far (corrected values and
+/// cumulative log decays). Each new row's output is computed from `S_0` and the rows before it
+/// in its chunk, and `S_0` moves to the next chunk's start when a row begins one. Every row's
+/// arithmetic is the same however a sequence's tokens are split across calls (and whichever
+/// thread runs its head), so a token's result does not depend on how its prompt was cut into
+/// steps or batched with others; and the state of a chunk's start is read twice a token (its
+/// products with the token's key and query) and once a chunk to move on, where the
+/// token-by-token form reads it three times a token. The value heads run as tasks of `pool`
+/// where one is given.
+pub fn step(
+    pool: Option<&ThreadPool>,
+    s: DeltaShape,
+    state: &mut [f32],
+    start: usize,
+    x: &Inputs<'_>,
+    out: &mut [f32],
+) {
+    let DeltaShape { k_heads, v_heads, dk, .. } = s;
+    let Inputs { k, g, .. } = *x;
     let tokens = g.len() / v_heads;
     assert!(state.len() == s.chunk_state_len(), "state {} for {s:?}", state.len());
     check_inputs(s, x, out);
-    let scale = 1.0 / (dk as f32).sqrt();
-    let (s0, rest) = state.split_at_mut(s.state_len());
-    let (krows, rest) = rest.split_at_mut(CHUNK * k_heads * dk);
-    let (urows, grows) = rest.split_at_mut(CHUNK * v_heads * dv);
+    let (krows, heads) = state.split_at_mut(CHUNK * k_heads * dk);
+    let per_head = s.head_state_len();
+    let (heads_ptr, out_ptr) = (SyncPtr(heads.as_mut_ptr()), SyncPtr(out.as_mut_ptr()));
     let mut i = 0;
     while i < tokens {
         let p = start + i;
         let c0 = p % CHUNK;
-        if c0 == 0 && p > 0 {
-            finish_chunk(s, s0, krows, urows, grows);
-        }
-        // This call's rows of the current chunk: their keys and cumulative decays first.
         let m = (CHUNK - c0).min(tokens - i);
-        for j in 0..m {
-            let (c, t) = (c0 + j, i + j);
-            krows[c * k_heads * dk..(c + 1) * k_heads * dk]
-                .copy_from_slice(&k[t * k_heads * dk..(t + 1) * k_heads * dk]);
-            for h in 0..v_heads {
-                let before = if c == 0 { 0.0 } else { grows[(c - 1) * v_heads + h] };
-                grows[c * v_heads + h] = before + g[t * v_heads + h];
-            }
+        let seg = Segment { start: p, t0: i, m };
+        let krows_now: &[f32] = krows;
+        // A row beginning a chunk moves every head's S_0 over the chunk before (whose keys are
+        // still in `krows`), then this call's rows' keys go in.
+        if c0 == 0 && p > 0 {
+            let task = |h: usize| {
+                // SAFETY: task h touches only head h's `per_head` floats of `heads`, disjoint
+                // from every other task's; `heads` outlives the dispatch.
+                let hs = unsafe { std::slice::from_raw_parts_mut(heads_ptr.get().add(h * per_head), per_head) };
+                finish_chunk(s, h, hs, krows_now);
+            };
+            run_heads(pool, v_heads, &task);
         }
-        for h in 0..v_heads {
-            let kh = h % k_heads;
-            let st = &s0[h * dv * dk..(h + 1) * dv * dk];
-            for j in 0..m {
-                let (c, t) = (c0 + j, i + j);
-                let qt = &q[(t * k_heads + kh) * dk..][..dk];
-                let kt = &krows[(c * k_heads + kh) * dk..][..dk];
-                let key = |r: usize| &krows[(r * k_heads + kh) * dk..][..dk];
-                let gc = grows[c * v_heads + h];
-                let (gam, b) = (gc.exp(), beta[t * v_heads + h]);
-                // u_c = β (v_c - Γ_c S_0 k_c - Σ_{r<c} (Γ_c / Γ_r)(k_c·k_r) u_r).
-                let (done, cur) = urows.split_at_mut((c * v_heads + h) * dv);
-                let uc = &mut cur[..dv];
-                let vt = &v[(t * v_heads + h) * dv..][..dv];
-                for (jj, (u, row)) in uc.iter_mut().zip(st.chunks_exact(dk)).enumerate() {
-                    *u = b * (vt[jj] - gam * dot(row, kt));
-                }
-                for r in 0..c {
-                    let f = b * (gc - grows[r * v_heads + h]).exp() * dot(kt, key(r));
-                    let ur = &done[(r * v_heads + h) * dv..][..dv];
-                    uc.iter_mut().zip(ur).for_each(|(x, y)| *x -= f * y);
-                }
-                // o_c = Γ_c S_0 q_c + Σ_{r≤c} (Γ_c / Γ_r)(k_r·q_c) u_r.
-                let ot = &mut out[(t * v_heads + h) * dv..][..dv];
-                for (o, row) in ot.iter_mut().zip(st.chunks_exact(dk)) {
-                    *o = gam * dot(row, qt);
-                }
-                for r in 0..=c {
-                    let f = (gc - grows[r * v_heads + h]).exp() * dot(key(r), qt);
-                    let ur = if r < c { &done[(r * v_heads + h) * dv..][..dv] } else { &cur[..dv] };
-                    ot.iter_mut().zip(ur).for_each(|(x, y)| *x += f * y);
-                }
-                ot.iter_mut().for_each(|x| *x *= scale);
-            }
-        }
+        krows[c0 * k_heads * dk..(c0 + m) * k_heads * dk].copy_from_slice(&k[i * k_heads * dk..(i + m) * k_heads * dk]);
+        let krows_now: &[f32] = krows;
+        let task = |h: usize| {
+            // SAFETY: as above (the outputs `head_rows` writes through `out_ptr` are head h's
+            // alone: see there).
+            let hs = unsafe { std::slice::from_raw_parts_mut(heads_ptr.get().add(h * per_head), per_head) };
+            head_rows(s, h, hs, krows_now, x, seg, out_ptr);
+        };
+        run_heads(pool, v_heads, &task);
         i += m;
     }
 }
 
-/// Moves `S_0` over a whole chunk: `S_0 ← Γ_C S_0 + Σ_r (Γ_C / Γ_r) u_r k_rᵀ`.
-fn finish_chunk(s: DeltaShape, s0: &mut [f32], krows: &[f32], urows: &[f32], grows: &[f32]) {
+/// Rows `t0..t0 + m` of a call's tokens, positions `start..start + m`, all in one chunk.
+#[derive(Clone, Copy)]
+struct Segment {
+    start: usize,
+    t0: usize,
+    m: usize,
+}
+
+/// `task(h)` for every value head, as tasks of `pool` or in order.
+fn run_heads(pool: Option<&ThreadPool>, heads: usize, task: &(dyn Fn(usize) + Sync)) {
+    match pool {
+        Some(pool) if pool.threads() > 1 && heads > 1 => pool.run(heads, task),
+        _ => (0..heads).for_each(task),
+    }
+}
+
+/// Head `h`'s rows of a segment: its cumulative decays, corrected values and outputs (into
+/// `out`: the call's output buffer, `v_heads * dv` floats a token).
+fn head_rows(s: DeltaShape, h: usize, hs: &mut [f32], krows: &[f32], x: &Inputs<'_>, seg: Segment, out: SyncPtr<f32>) {
     let DeltaShape { k_heads, v_heads, dk, dv } = s;
-    for h in 0..v_heads {
-        let kh = h % k_heads;
-        let st = &mut s0[h * dv * dk..(h + 1) * dv * dk];
-        let last = grows[(CHUNK - 1) * v_heads + h];
-        let decay = last.exp();
-        st.iter_mut().for_each(|x| *x *= decay);
-        for r in 0..CHUNK {
-            let f = (last - grows[r * v_heads + h]).exp();
-            let kr = &krows[(r * k_heads + kh) * dk..][..dk];
-            let ur = &urows[(r * v_heads + h) * dv..][..dv];
-            for (row, &u) in st.chunks_exact_mut(dk).zip(ur) {
-                let a = f * u;
-                row.iter_mut().zip(kr).for_each(|(x, y)| *x += a * y);
-            }
+    let Inputs { q, v, g, beta, .. } = *x;
+    let scale = 1.0 / (dk as f32).sqrt();
+    let kh = h % k_heads;
+    let (st, rest) = hs.split_at_mut(dv * dk);
+    let (urows, grows) = rest.split_at_mut(CHUNK * dv);
+    let key = |r: usize| &krows[(r * k_heads + kh) * dk..][..dk];
+    let c0 = seg.start % CHUNK;
+    for j in 0..seg.m {
+        let (c, t) = (c0 + j, seg.t0 + j);
+        let before = if c == 0 { 0.0 } else { grows[c - 1] };
+        grows[c] = before + g[t * v_heads + h];
+        let qt = &q[(t * k_heads + kh) * dk..][..dk];
+        let kt = key(c);
+        let gc = grows[c];
+        let (gam, b) = (gc.exp(), beta[t * v_heads + h]);
+        // u_c = β (v_c - Γ_c S_0 k_c - Σ_{r<c} (Γ_c / Γ_r)(k_c·k_r) u_r).
+        let (done, cur) = urows.split_at_mut(c * dv);
+        let uc = &mut cur[..dv];
+        let vt = &v[(t * v_heads + h) * dv..][..dv];
+        for (jj, (u, row)) in uc.iter_mut().zip(st.chunks_exact(dk)).enumerate() {
+            *u = b * (vt[jj] - gam * dot(row, kt));
+        }
+        for r in 0..c {
+            let f = b * (gc - grows[r]).exp() * dot(kt, key(r));
+            uc.iter_mut().zip(&done[r * dv..(r + 1) * dv]).for_each(|(x, y)| *x -= f * y);
+        }
+        // o_c = Γ_c S_0 q_c + Σ_{r≤c} (Γ_c / Γ_r)(k_r·q_c) u_r.
+        // SAFETY: token t's output of head h, `dv` floats at `(t * v_heads + h) * dv` inside
+        // the output buffer (`check_inputs` checked its length): no other head's task writes
+        // them, and nothing reads them while the call runs.
+        let ot = unsafe { std::slice::from_raw_parts_mut(out.get().add((t * v_heads + h) * dv), dv) };
+        for (o, row) in ot.iter_mut().zip(st.chunks_exact(dk)) {
+            *o = gam * dot(row, qt);
+        }
+        for r in 0..=c {
+            let f = (gc - grows[r]).exp() * dot(key(r), qt);
+            let ur = if r < c { &done[r * dv..(r + 1) * dv] } else { &cur[..dv] };
+            ot.iter_mut().zip(ur).for_each(|(x, y)| *x += f * y);
+        }
+        ot.iter_mut().for_each(|x| *x *= scale);
+    }
+}
+
+/// Moves head `h`'s `S_0` over a whole chunk: `S_0 ← Γ_C S_0 + Σ_r (Γ_C / Γ_r) u_r k_rᵀ`.
+fn finish_chunk(s: DeltaShape, h: usize, hs: &mut [f32], krows: &[f32]) {
+    let DeltaShape { k_heads, dk, dv, .. } = s;
+    let kh = h % k_heads;
+    let (st, rest) = hs.split_at_mut(dv * dk);
+    let (urows, grows) = rest.split_at(CHUNK * dv);
+    let last = grows[CHUNK - 1];
+    let decay = last.exp();
+    st.iter_mut().for_each(|x| *x *= decay);
+    for r in 0..CHUNK {
+        let f = (last - grows[r]).exp();
+        let kr = &krows[(r * k_heads + kh) * dk..][..dk];
+        for (row, &u) in st.chunks_exact_mut(dk).zip(&urows[r * dv..(r + 1) * dv]) {
+            let a = f * u;
+            row.iter_mut().zip(kr).for_each(|(x, y)| *x += a * y);
         }
     }
 }
 
+/// `a · b` in eight lanes (element `i` into lane `i mod 8`, the lanes summed pairwise, the
+/// tail after), an order the compiler turns into vector instructions and every call keeps.
 fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
+    let n = a.len().min(b.len());
+    let mut acc = [0.0f32; 8];
+    for (ca, cb) in a[..n].chunks_exact(8).zip(b[..n].chunks_exact(8)) {
+        for l in 0..8 {
+            acc[l] += ca[l] * cb[l];
+        }
+    }
+    let mut sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for i in n / 8 * 8..n {
+        sum += a[i] * b[i];
+    }
+    sum
 }
 
 fn check(s: DeltaShape, state: &[f32], x: &Inputs<'_>, out: &[f32]) {
@@ -327,10 +391,14 @@ mod tests {
         }
     }
 
-    /// A chunk state starting from `s0` at position 0.
+    /// A chunk state starting from `s0` (every head's matrix) at position 0.
     fn chunk_state(s: DeltaShape, s0: &[f32]) -> Vec<f32> {
         let mut st = vec![0.0; s.chunk_state_len()];
-        st[..s0.len()].copy_from_slice(s0);
+        let base = CHUNK * s.k_heads * s.dk;
+        for (h, m) in s0.chunks_exact(s.dv * s.dk).enumerate() {
+            let at = base + h * s.head_state_len();
+            st[at..at + m.len()].copy_from_slice(m);
+        }
         st
     }
 
@@ -355,7 +423,7 @@ mod tests {
                 let (o, st) = (worst(&out, &want), worst(&state, &want_state));
                 assert!(o < 2e-4 && st < 2e-4, "recurrent {s:?} {tokens} tokens: output {o}, state {st}");
                 let mut state = chunk_state(s, &c.state);
-                step(s, &mut state, 0, &c.inputs(), &mut out);
+                step(None, s, &mut state, 0, &c.inputs(), &mut out);
                 let o = worst(&out, &want);
                 assert!(o < 2e-4, "chunked {s:?} {tokens} tokens: output {o}");
             }
@@ -364,24 +432,26 @@ mod tests {
 
     #[test]
     fn a_token_does_not_depend_on_how_its_sequence_was_split() {
-        // The same 200 tokens whole, in uneven steps (a prefill cut by a budget, then decode)
-        // and a token at a time: the same outputs and state, bit for bit; the chunks' states
-        // follow the token-by-token form.
+        // The same 200 tokens whole, in uneven steps (a prefill cut by a budget, then decode),
+        // a token at a time and with the heads on threads: the same outputs and state, bit
+        // for bit; the chunks' states follow the token-by-token form.
         let s = DeltaShape { k_heads: 2, v_heads: 4, dk: 16, dv: 16 };
         let n = 200;
         let c = case(s, n, 7);
         let kv = s.v_heads * s.dv;
-        let run = |cuts: &[usize]| {
+        let pool = ThreadPool::new(3);
+        let run = |cuts: &[usize], pool: Option<&ThreadPool>| {
             let mut state = chunk_state(s, &c.state);
             let mut out = vec![0.0; n * kv];
             for w in cuts.windows(2) {
-                step(s, &mut state, w[0], &rows(s, &c, w[0], w[1]), &mut out[w[0] * kv..w[1] * kv]);
+                step(pool, s, &mut state, w[0], &rows(s, &c, w[0], w[1]), &mut out[w[0] * kv..w[1] * kv]);
             }
             (out, state)
         };
-        let whole = run(&[0, n]);
-        assert!(run(&[0, 37, 90, 91, 128, 129, n]) == whole, "uneven steps");
-        assert!(run(&(0..=n).collect::<Vec<_>>()) == whole, "a token at a time");
+        let whole = run(&[0, n], None);
+        assert!(run(&[0, 37, 90, 91, 128, 129, n], None) == whole, "uneven steps");
+        assert!(run(&(0..=n).collect::<Vec<_>>(), None) == whole, "a token at a time");
+        assert!(run(&[0, 37, 90, 91, 128, 129, n], Some(&pool)) == whole, "heads on three threads");
         let mut state = c.state.clone();
         let mut out = vec![0.0; n * kv];
         recurrent(s, &mut state, &c.inputs(), &mut out);

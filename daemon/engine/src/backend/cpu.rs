@@ -812,7 +812,7 @@ impl LayerOps for CpuOps<'_, '_> {
                     }
                 }
                 let x = Inputs { q, k, v, g, beta: wb };
-                step(sh, ssm, sq.start + a, &x, &mut out[t0 * vd..(t0 + n) * vd]);
+                step(Some(self.pool), sh, ssm, sq.start + a, &x, &mut out[t0 * vd..(t0 + n) * vd]);
             }
         }
         self.s.acts[to.index()] = out;
