@@ -94,7 +94,10 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
     let kv_tokens = (max_batch * (args.prompt_tokens + args.gen_tokens)).max(args.prefill_tokens) * 2;
     let opts = EngineOptions {
         threads: args.threads,
-        kv_budget_bytes: kv_tokens * inferd_engine::backend::cpu::kv_block_bytes(&model.config, 16) / 16,
+        // And a hybrid model's recurrent states for every sequence of the largest batch (the
+        // backend gives states a quarter of the budget).
+        kv_budget_bytes: kv_tokens * inferd_engine::backend::cpu::kv_block_bytes(&model.config, 16) / 16
+            + 4 * (max_batch + 1) * inferd_engine::backend::cpu::state_bytes(&model.arch),
         prefill_chunk: args.prefill_chunk.max(1),
         ..EngineOptions::default()
     };
