@@ -178,7 +178,7 @@ pub fn step(
                 // SAFETY: task h touches only head h's `per_head` floats of `heads`, disjoint
                 // from every other task's; `heads` outlives the dispatch.
                 let hs = unsafe { std::slice::from_raw_parts_mut(heads_ptr.get().add(h * per_head), per_head) };
-                finish_chunk(s, h, hs, krows_now);
+                wide(|| finish_chunk(s, h, hs, krows_now));
             };
             run_heads(pool, v_heads, &task);
         }
@@ -188,7 +188,7 @@ pub fn step(
             // SAFETY: as above (the outputs `head_rows` writes through `out_ptr` are head h's
             // alone: see there).
             let hs = unsafe { std::slice::from_raw_parts_mut(heads_ptr.get().add(h * per_head), per_head) };
-            head_rows(s, h, hs, krows_now, x, seg, out_ptr);
+            wide(|| head_rows(s, h, hs, krows_now, x, seg, out_ptr));
         };
         run_heads(pool, v_heads, &task);
         i += m;
@@ -203,6 +203,25 @@ struct Segment {
     m: usize,
 }
 
+/// Runs `f` (a head's work, inlined into it) compiled for AVX2 and FMA where the processor has
+/// them, so the eight-lane dots and the updates become vector instructions; the same code
+/// otherwise. Which one a machine runs is fixed for the process, so every call computes a row
+/// the same way.
+fn wide<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2,fma")]
+        fn avx2<R>(f: impl FnOnce() -> R) -> R {
+            f()
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            // SAFETY: the processor has AVX2 and FMA (checked just above), all `avx2` asks.
+            return unsafe { avx2(f) };
+        }
+    }
+    f()
+}
+
 /// `task(h)` for every value head, as tasks of `pool` or in order.
 fn run_heads(pool: Option<&ThreadPool>, heads: usize, task: &(dyn Fn(usize) + Sync)) {
     match pool {
@@ -213,6 +232,7 @@ fn run_heads(pool: Option<&ThreadPool>, heads: usize, task: &(dyn Fn(usize) + Sy
 
 /// Head `h`'s rows of a segment: its cumulative decays, corrected values and outputs (into
 /// `out`: the call's output buffer, `v_heads * dv` floats a token).
+#[inline(always)]
 fn head_rows(s: DeltaShape, h: usize, hs: &mut [f32], krows: &[f32], x: &Inputs<'_>, seg: Segment, out: SyncPtr<f32>) {
     let DeltaShape { k_heads, v_heads, dk, dv } = s;
     let Inputs { q, v, g, beta, .. } = *x;
@@ -230,25 +250,24 @@ fn head_rows(s: DeltaShape, h: usize, hs: &mut [f32], krows: &[f32], x: &Inputs<
         let kt = key(c);
         let gc = grows[c];
         let (gam, b) = (gc.exp(), beta[t * v_heads + h]);
-        // u_c = β (v_c - Γ_c S_0 k_c - Σ_{r<c} (Γ_c / Γ_r)(k_c·k_r) u_r).
+        // SAFETY: token t's output of head h, `dv` floats at `(t * v_heads + h) * dv` inside
+        // the output buffer (`check_inputs` checked its length): no other head's task writes
+        // them, and nothing reads them while the call runs.
+        let ot = unsafe { std::slice::from_raw_parts_mut(out.get().add((t * v_heads + h) * dv), dv) };
+        // u_c = β (v_c - Γ_c S_0 k_c - Σ_{r<c} (Γ_c / Γ_r)(k_c·k_r) u_r) and o_c's first term
+        // Γ_c S_0 q_c, in one pass over S_0.
         let (done, cur) = urows.split_at_mut(c * dv);
         let uc = &mut cur[..dv];
         let vt = &v[(t * v_heads + h) * dv..][..dv];
-        for (jj, (u, row)) in uc.iter_mut().zip(st.chunks_exact(dk)).enumerate() {
+        for (jj, ((u, o), row)) in uc.iter_mut().zip(ot.iter_mut()).zip(st.chunks_exact(dk)).enumerate() {
             *u = b * (vt[jj] - gam * dot(row, kt));
+            *o = gam * dot(row, qt);
         }
         for r in 0..c {
             let f = b * (gc - grows[r]).exp() * dot(kt, key(r));
             uc.iter_mut().zip(&done[r * dv..(r + 1) * dv]).for_each(|(x, y)| *x -= f * y);
         }
         // o_c = Γ_c S_0 q_c + Σ_{r≤c} (Γ_c / Γ_r)(k_r·q_c) u_r.
-        // SAFETY: token t's output of head h, `dv` floats at `(t * v_heads + h) * dv` inside
-        // the output buffer (`check_inputs` checked its length): no other head's task writes
-        // them, and nothing reads them while the call runs.
-        let ot = unsafe { std::slice::from_raw_parts_mut(out.get().add((t * v_heads + h) * dv), dv) };
-        for (o, row) in ot.iter_mut().zip(st.chunks_exact(dk)) {
-            *o = gam * dot(row, qt);
-        }
         for r in 0..=c {
             let f = (gc - grows[r]).exp() * dot(key(r), qt);
             let ur = if r < c { &done[r * dv..(r + 1) * dv] } else { &cur[..dv] };
@@ -259,6 +278,7 @@ fn head_rows(s: DeltaShape, h: usize, hs: &mut [f32], krows: &[f32], x: &Inputs<
 }
 
 /// Moves head `h`'s `S_0` over a whole chunk: `S_0 ← Γ_C S_0 + Σ_r (Γ_C / Γ_r) u_r k_rᵀ`.
+#[inline(always)]
 fn finish_chunk(s: DeltaShape, h: usize, hs: &mut [f32], krows: &[f32]) {
     let DeltaShape { k_heads, dk, dv, .. } = s;
     let kh = h % k_heads;
@@ -279,6 +299,7 @@ fn finish_chunk(s: DeltaShape, h: usize, hs: &mut [f32], krows: &[f32]) {
 
 /// `a · b` in eight lanes (element `i` into lane `i mod 8`, the lanes summed pairwise, the
 /// tail after), an order the compiler turns into vector instructions and every call keeps.
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
     let mut acc = [0.0f32; 8];
