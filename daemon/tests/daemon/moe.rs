@@ -180,7 +180,8 @@ fn mixtures_of_experts_through_chunks_forks_preemption_and_the_prefix_cache() {
 /// greedy answers [`answer_as_llama_cpp`] holds to llama.cpp), the same requests all at once
 /// in a cache of `kv_mib` MiB too small for them (preempted and recomputed), with prompts
 /// prefilled in chunks of 16 tokens, forks (n = 2, a beam search of width 3) and, sent again,
-/// prefixes from the prefix cache where `prefix_hits`: every answer the same. `bias` names
+/// prefixes from the prefix cache (and one prompt sent twice with the cache quiet, the second
+/// from the first's cached prefix where `prefix_hits`): every answer the same. `bias` names
 /// each model's end tokens, biased away so that answers run long.
 pub(super) fn through_chunks_forks_and_preemption(
     dir: &Path,
@@ -264,6 +265,17 @@ pub(super) fn through_chunks_forks_and_preemption(
         for (i, (got, want)) in together.iter().zip(&alone).enumerate() {
             assert_eq!(got, want, "round {round}, request {i} in the tight cache");
         }
+    }
+    // One prompt twice more with the cache quiet (under the rounds' load, a hybrid model's
+    // state checkpoints may all have been evicted for running sequences): the second answer
+    // starts from the first's cached prefix, and is the same.
+    let longest = prompts().into_iter().max_by_key(Vec::len).unwrap_or_default();
+    for (_, name) in models {
+        let once = format!(r#"{{"model": "{name}", "prompt": {longest:?}, "max_tokens": 8, "temperature": 0}}"#);
+        let (first, second) =
+            (tight.http("POST", "/v1/completions", &once), tight.http("POST", "/v1/completions", &once));
+        assert_eq!((first.0, second.0), (200, 200), "{}\n{}", first.1, second.1);
+        assert_eq!(texts(&json(&first.1)), texts(&json(&second.1)), "{name}: from the prefix cache");
     }
     let (_, text) = tight.http("GET", "/metrics", "");
     let metric = |name: &str, model: &str| -> f64 {
