@@ -178,7 +178,7 @@ pub fn step(
                 // SAFETY: task h touches only head h's `per_head` floats of `heads`, disjoint
                 // from every other task's; `heads` outlives the dispatch.
                 let hs = unsafe { std::slice::from_raw_parts_mut(heads_ptr.get().add(h * per_head), per_head) };
-                wide(|| finish_chunk(s, h, hs, krows_now));
+                finish_chunk(s, h, hs, krows_now);
             };
             run_heads(pool, v_heads, &task);
         }
@@ -188,7 +188,7 @@ pub fn step(
             // SAFETY: as above (the outputs `head_rows` writes through `out_ptr` are head h's
             // alone: see there).
             let hs = unsafe { std::slice::from_raw_parts_mut(heads_ptr.get().add(h * per_head), per_head) };
-            wide(|| head_rows(s, h, hs, krows_now, x, seg, out_ptr));
+            head_rows(s, h, hs, krows_now, x, seg, out_ptr);
         };
         run_heads(pool, v_heads, &task);
         i += m;
@@ -203,25 +203,6 @@ struct Segment {
     m: usize,
 }
 
-/// Runs `f` (a head's work, inlined into it) compiled for AVX2 and FMA where the processor has
-/// them, so the eight-lane dots and the updates become vector instructions; the same code
-/// otherwise. Which one a machine runs is fixed for the process, so every call computes a row
-/// the same way.
-fn wide<R>(f: impl FnOnce() -> R) -> R {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx2,fma")]
-        fn avx2<R>(f: impl FnOnce() -> R) -> R {
-            f()
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-            // SAFETY: the processor has AVX2 and FMA (checked just above), all `avx2` asks.
-            return unsafe { avx2(f) };
-        }
-    }
-    f()
-}
-
 /// `task(h)` for every value head, as tasks of `pool` or in order.
 fn run_heads(pool: Option<&ThreadPool>, heads: usize, task: &(dyn Fn(usize) + Sync)) {
     match pool {
@@ -232,7 +213,6 @@ fn run_heads(pool: Option<&ThreadPool>, heads: usize, task: &(dyn Fn(usize) + Sy
 
 /// Head `h`'s rows of a segment: its cumulative decays, corrected values and outputs (into
 /// `out`: the call's output buffer, `v_heads * dv` floats a token).
-#[inline(always)]
 fn head_rows(s: DeltaShape, h: usize, hs: &mut [f32], krows: &[f32], x: &Inputs<'_>, seg: Segment, out: SyncPtr<f32>) {
     let DeltaShape { k_heads, v_heads, dk, dv } = s;
     let Inputs { q, v, g, beta, .. } = *x;
@@ -278,7 +258,6 @@ fn head_rows(s: DeltaShape, h: usize, hs: &mut [f32], krows: &[f32], x: &Inputs<
 }
 
 /// Moves head `h`'s `S_0` over a whole chunk: `S_0 ← Γ_C S_0 + Σ_r (Γ_C / Γ_r) u_r k_rᵀ`.
-#[inline(always)]
 fn finish_chunk(s: DeltaShape, h: usize, hs: &mut [f32], krows: &[f32]) {
     let DeltaShape { k_heads, dk, dv, .. } = s;
     let kh = h % k_heads;

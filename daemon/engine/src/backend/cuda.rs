@@ -442,7 +442,7 @@ struct CudaOps<'a, S: Stream> {
 impl<S: Stream> CudaOps<'_, S> {
     /// Buffer `a`, which an earlier operation of the pass wrote.
     fn get(&self, a: Act) -> Result<&S::Buf<f32>, BackendError> {
-        self.acts[a.index()].as_ref().ok_or_else(|| BackendError::Device(format!("{a:?} read before it was written")))
+        x_of(&self.acts, a)
     }
 
     fn take(&mut self, a: Act) -> Result<S::Buf<f32>, BackendError> {
