@@ -8,7 +8,9 @@
 //!
 //! with `q` and `k` L2-normalized, `g ≤ 0` the head's log decay and `β ∈ (0, 1)` its write
 //! strength. Value head `h` reads query and key head `h mod k_heads` (llama.cpp's tiling of the
-//! key heads over the value heads, which its GGUF conversion orders the heads for).
+//! key heads over the value heads, which its GGUF conversion of Qwen3.5 orders the heads for),
+//! or `h / (v_heads / k_heads)` where the file keeps a key head's value heads together
+//! (Qwen3-Next: [`DeltaShape::grouped`]).
 //!
 //! Two forms of the same recurrence: [`recurrent`] token by token (the reference), and [`step`],
 //! the chunked form the backends run: positions in chunks of [`CHUNK`] from the sequence's
@@ -34,9 +36,20 @@ pub struct DeltaShape {
     /// Key and value head sizes.
     pub dk: usize,
     pub dv: usize,
+    /// A key head's value heads are consecutive (Qwen3-Next) instead of tiled (Qwen3.5).
+    pub grouped: bool,
 }
 
 impl DeltaShape {
+    /// The query/key head value head `h` reads.
+    pub fn key_head(&self, h: usize) -> usize {
+        if self.grouped {
+            h / (self.v_heads / self.k_heads)
+        } else {
+            h % self.k_heads
+        }
+    }
+
     /// Floats of one sequence's state: `v_heads` matrices of `dv x dk`.
     pub fn state_len(&self) -> usize {
         self.v_heads * self.dv * self.dk
@@ -111,14 +124,14 @@ pub fn conv(w: &[f32], width: usize, channels: usize, state: &mut [f32], x: &[f3
 /// The recurrence token by token for one sequence's `x` into `out` (rows of `v_heads * dv`),
 /// `state` (`v_heads` matrices of `dv` rows of `dk`) carried through.
 pub fn recurrent(s: DeltaShape, state: &mut [f32], x: &Inputs<'_>, out: &mut [f32]) {
-    let DeltaShape { k_heads, v_heads, dk, dv } = s;
+    let DeltaShape { k_heads, v_heads, dk, dv, .. } = s;
     let Inputs { q, k, v, g, beta } = *x;
     let tokens = g.len() / v_heads;
     check(s, state, x, out);
     let scale = 1.0 / (dk as f32).sqrt();
     for h in 0..v_heads {
         let st = &mut state[h * dv * dk..(h + 1) * dv * dk];
-        let kh = h % k_heads;
+        let kh = s.key_head(h);
         for t in 0..tokens {
             let qt = &q[(t * k_heads + kh) * dk..][..dk];
             let kt = &k[(t * k_heads + kh) * dk..][..dk];
@@ -214,10 +227,10 @@ fn run_heads(pool: Option<&ThreadPool>, heads: usize, task: &(dyn Fn(usize) + Sy
 /// Head `h`'s rows of a segment: its cumulative decays, corrected values and outputs (into
 /// `out`: the call's output buffer, `v_heads * dv` floats a token).
 fn head_rows(s: DeltaShape, h: usize, hs: &mut [f32], krows: &[f32], x: &Inputs<'_>, seg: Segment, out: SyncPtr<f32>) {
-    let DeltaShape { k_heads, v_heads, dk, dv } = s;
+    let DeltaShape { k_heads, v_heads, dk, dv, .. } = s;
     let Inputs { q, v, g, beta, .. } = *x;
     let scale = 1.0 / (dk as f32).sqrt();
-    let kh = h % k_heads;
+    let kh = s.key_head(h);
     let (st, rest) = hs.split_at_mut(dv * dk);
     let (urows, grows) = rest.split_at_mut(CHUNK * dv);
     let key = |r: usize| &krows[(r * k_heads + kh) * dk..][..dk];
@@ -260,7 +273,7 @@ fn head_rows(s: DeltaShape, h: usize, hs: &mut [f32], krows: &[f32], x: &Inputs<
 /// Moves head `h`'s `S_0` over a whole chunk: `S_0 ← Γ_C S_0 + Σ_r (Γ_C / Γ_r) u_r k_rᵀ`.
 fn finish_chunk(s: DeltaShape, h: usize, hs: &mut [f32], krows: &[f32]) {
     let DeltaShape { k_heads, dk, dv, .. } = s;
-    let kh = h % k_heads;
+    let kh = s.key_head(h);
     let (st, rest) = hs.split_at_mut(dv * dk);
     let (urows, grows) = rest.split_at(CHUNK * dv);
     let last = grows[CHUNK - 1];
@@ -300,7 +313,7 @@ fn check(s: DeltaShape, state: &[f32], x: &Inputs<'_>, out: &[f32]) {
 }
 
 fn check_inputs(s: DeltaShape, x: &Inputs<'_>, out: &[f32]) {
-    let DeltaShape { k_heads, v_heads, dk, dv } = s;
+    let DeltaShape { k_heads, v_heads, dk, dv, .. } = s;
     let Inputs { q, k, v, g, beta } = *x;
     let tokens = g.len() / v_heads.max(1);
     assert!(k_heads > 0 && v_heads.is_multiple_of(k_heads), "value heads are a multiple of key heads");
@@ -327,13 +340,13 @@ mod tests {
 
     /// The recurrence in float64, straight from its definition.
     fn reference(s: DeltaShape, state: &mut [f64], x: &Inputs<'_>) -> Vec<f64> {
-        let DeltaShape { k_heads, v_heads, dk, dv } = s;
+        let DeltaShape { k_heads, v_heads, dk, dv, .. } = s;
         let Inputs { q, k, v, g, beta } = *x;
         let tokens = g.len() / v_heads;
         let mut out = vec![0.0; tokens * v_heads * dv];
         for t in 0..tokens {
             for h in 0..v_heads {
-                let kh = h % k_heads;
+                let kh = if s.grouped { h * k_heads / v_heads } else { h % k_heads };
                 let st = &mut state[h * dv * dk..(h + 1) * dv * dk];
                 let a = f64::from(g[t * v_heads + h]).exp();
                 let b = f64::from(beta[t * v_heads + h]);
@@ -404,12 +417,13 @@ mod tests {
 
     #[test]
     fn both_forms_follow_the_recurrence_in_float64() {
-        // Head shapes: tiny, Qwen3.5's key heads tiled over twice as many value heads, and
-        // uneven key and value sizes; lengths below, at and across chunk boundaries.
+        // Head shapes: tiny, Qwen3.5's key heads tiled over twice as many value heads, uneven
+        // key and value sizes, and Qwen3-Next's grouped heads; lengths below, at and across chunk boundaries.
         let shapes = [
-            DeltaShape { k_heads: 1, v_heads: 1, dk: 8, dv: 8 },
-            DeltaShape { k_heads: 2, v_heads: 4, dk: 32, dv: 32 },
-            DeltaShape { k_heads: 2, v_heads: 2, dk: 16, dv: 24 },
+            DeltaShape { k_heads: 1, v_heads: 1, dk: 8, dv: 8, grouped: false },
+            DeltaShape { k_heads: 2, v_heads: 4, dk: 32, dv: 32, grouped: false },
+            DeltaShape { k_heads: 2, v_heads: 2, dk: 16, dv: 24, grouped: false },
+            DeltaShape { k_heads: 2, v_heads: 6, dk: 16, dv: 16, grouped: true },
         ];
         let worst = |a: &[f32], b: &[f64]| a.iter().zip(b).map(|(&x, &y)| (f64::from(x) - y).abs()).fold(0.0, f64::max);
         for (i, s) in shapes.into_iter().enumerate() {
@@ -435,7 +449,7 @@ mod tests {
         // The same 200 tokens whole, in uneven steps (a prefill cut by a budget, then decode),
         // a token at a time and with the heads on threads: the same outputs and state, bit
         // for bit; the chunks' states follow the token-by-token form.
-        let s = DeltaShape { k_heads: 2, v_heads: 4, dk: 16, dv: 16 };
+        let s = DeltaShape { k_heads: 2, v_heads: 4, dk: 16, dv: 16, grouped: false };
         let n = 200;
         let c = case(s, n, 7);
         let kv = s.v_heads * s.dv;

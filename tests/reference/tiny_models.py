@@ -16,9 +16,11 @@ with a `rerank` prompt template or without) are written by `rerankers OUT_DIR`, 
 daemon/tests/daemon/rerank.rs, which checks them against llama-server. The mixtures of experts
 of MOES (Qwen3 MoE and gpt-oss: 8 experts, 2 a token, in Q8_0 or MXFP4; gpt-oss with its
 biases, attention sinks, alternating 8-position windows and YaRN) are written by `moe OUT_DIR`, for
-daemon/tests/daemon/moe.rs, which checks them against llama-server too. The hybrid tiny-qwen35
-(Qwen3.5: three Gated DeltaNet layers, then a gated attention layer) is written with the rest,
-and alone by `hybrid OUT_DIR` for daemon/tests/daemon/hybrid.rs.
+daemon/tests/daemon/moe.rs, which checks them against llama-server too. The hybrids of HYBRIDS
+(tiny-qwen35: three Gated DeltaNet layers, then a gated attention layer; tiny-qwen35moe and
+tiny-qwen3next: the same with a mixture of experts and a shared expert) are written with the
+rest (and again in f32, tiny-ARCH-f32), and alone by `hybrid OUT_DIR` for
+daemon/tests/daemon/hybrid.rs.
 tests/reference/regen runs llama.cpp on the GGUF files; tests/e2e/reference.rs runs inferd on
 them and compares, and checks that each directory gives the logits of its GGUF file."""
 import json
@@ -306,11 +308,22 @@ def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None,
 DN_K_HEADS, DN_V_HEADS, DN_HEAD, DN_CONV, HYBRID_LAYERS = 2, 4, 16, 4, 4
 
 
-def hybrid(path, seed):
+# The hybrids' shared expert's width.
+SHARED_FFN = 96
+
+
+def hybrid(path, seed, arch="qwen35", f32=False):
     """A tiny Qwen3.5 (`qwen35`): three Gated DeltaNet layers then one gated full-attention
     layer, partial interleaved M-RoPE, Q8_0 matrices as real files have, the recurrence's
-    small tensors in f32."""
+    small tensors in f32. `qwen35moe` and `qwen3next` have a mixture of experts (Q8_0 stacks)
+    with a shared expert instead of the dense feed-forward; `qwen3next` keeps a key head's
+    value heads together and fuses its write strength and decay projections per key head
+    (`ssm_ba`), and its first layer has the older fused input projection (`ssm_in`: per key
+    head its queries, keys, values and gates) where the others have `attn_qkv` and `attn_gate`.
+    `f32` writes every tensor in f32: no 8-bit rounding on either side, so inferd and llama.cpp
+    agree to float rounding."""
     rng = np.random.default_rng(seed)
+    moe = arch != "qwen35"
     head = HIDDEN // HEADS
     key_dim, value_dim = DN_K_HEADS * DN_HEAD, DN_V_HEADS * DN_HEAD
 
@@ -320,7 +333,7 @@ def hybrid(path, seed):
     def norm(n):
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
-    w = GGUFWriter(path, "qwen35")
+    w = GGUFWriter(path, arch)
     w.add_context_length(1024)
     w.add_embedding_length(HIDDEN)
     w.add_block_count(HYBRID_LAYERS)
@@ -330,7 +343,13 @@ def hybrid(path, seed):
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0)
     w.add_rope_dimension_count(8)  # a quarter of the head rotated, as Qwen3.5
-    w.add_rope_dimension_sections([2, 1, 1, 0])
+    if arch != "qwen3next":
+        w.add_rope_dimension_sections([2, 1, 1, 0])
+    if moe:
+        w.add_expert_count(EXPERTS)
+        w.add_expert_used_count(EXPERTS_USED)
+        w.add_expert_feed_forward_length(EXPERT_FFN)
+        w.add_expert_shared_feed_forward_length(SHARED_FFN)
     w.add_ssm_conv_kernel(DN_CONV)
     w.add_ssm_inner_size(value_dim)
     w.add_ssm_state_size(DN_HEAD)
@@ -346,13 +365,29 @@ def hybrid(path, seed):
         if (i + 1) % 4 != 0:
             # Gated DeltaNet: Q, K and V through the convolution, the output gate z, the decay
             # (softplus(alpha + dt) * a, a < 0) and the write strength (sigmoid(beta)).
-            t[p + "attn_qkv.weight"] = mat(2 * key_dim + value_dim, HIDDEN)
-            t[p + "attn_gate.weight"] = mat(value_dim, HIDDEN)
+            qkv, z = mat(2 * key_dim + value_dim, HIDDEN), mat(value_dim, HIDDEN)
+            if arch == "qwen3next" and i == 0:
+                # Per key head: its query, key, its value heads' values, their gates.
+                per_v = DN_V_HEADS // DN_K_HEADS * DN_HEAD
+                heads = lambda m, at, n: [m[at + g * n:at + (g + 1) * n] for g in range(DN_K_HEADS)]
+                qs, ks = heads(qkv, 0, DN_HEAD), heads(qkv, key_dim, DN_HEAD)
+                vs, zs = heads(qkv, 2 * key_dim, per_v), heads(z, 0, per_v)
+                t[p + "ssm_in.weight"] = np.concatenate([np.concatenate(g) for g in zip(qs, ks, vs, zs)])
+            else:
+                t[p + "attn_qkv.weight"] = qkv
+                t[p + "attn_gate.weight"] = z
             t[p + "ssm_conv1d.weight"] = (0.5 * rng.standard_normal((2 * key_dim + value_dim, DN_CONV))).astype(np.float32)
             t[p + "ssm_dt.bias"] = (0.5 * rng.standard_normal(DN_V_HEADS)).astype(np.float32)
             t[p + "ssm_a"] = (-np.exp(rng.uniform(-1.0, 0.5, DN_V_HEADS))).astype(np.float32)
-            t[p + "ssm_beta.weight"] = mat(DN_V_HEADS, HIDDEN)
-            t[p + "ssm_alpha.weight"] = mat(DN_V_HEADS, HIDDEN)
+            beta, alpha = mat(DN_V_HEADS, HIDDEN), mat(DN_V_HEADS, HIDDEN)
+            if arch == "qwen3next":
+                # Per key head: its value heads' beta rows, then their alpha rows.
+                per = DN_V_HEADS // DN_K_HEADS
+                t[p + "ssm_ba.weight"] = np.concatenate(
+                    [np.concatenate([beta[g * per:(g + 1) * per], alpha[g * per:(g + 1) * per]]) for g in range(DN_K_HEADS)])
+            else:
+                t[p + "ssm_beta.weight"] = beta
+                t[p + "ssm_alpha.weight"] = alpha
             t[p + "ssm_norm.weight"] = norm(DN_HEAD)
             t[p + "ssm_out.weight"] = mat(HIDDEN, value_dim)
         else:
@@ -364,11 +399,29 @@ def hybrid(path, seed):
             t[p + "attn_q_norm.weight"] = norm(head)
             t[p + "attn_k_norm.weight"] = norm(head)
         t[p + "post_attention_norm.weight"] = norm(HIDDEN)
-        t[p + "ffn_gate.weight"] = mat(FFN, HIDDEN)
-        t[p + "ffn_up.weight"] = mat(FFN, HIDDEN)
-        t[p + "ffn_down.weight"] = mat(HIDDEN, FFN)
+        if moe:
+            # The router (f32, sharp), experts as strong as the residual (stronger ones, four
+            # layers of them, amplify the 8-bit activations' rounding tenfold and more), and
+            # the shared expert with its gate's one row.
+            t[p + "ffn_gate_inp.weight"] = mat(EXPERTS, HIDDEN, 1.0)
+            for name in ("gate", "up"):
+                t[p + f"ffn_{name}_exps.weight"] = np.stack([mat(EXPERT_FFN, HIDDEN) for _ in range(EXPERTS)])
+            t[p + "ffn_down_exps.weight"] = np.stack([mat(HIDDEN, EXPERT_FFN, 2.0 / EXPERT_FFN ** 0.5) for _ in range(EXPERTS)])
+            t[p + "ffn_gate_shexp.weight"] = mat(SHARED_FFN, HIDDEN)
+            t[p + "ffn_up_shexp.weight"] = mat(SHARED_FFN, HIDDEN)
+            t[p + "ffn_down_shexp.weight"] = mat(HIDDEN, SHARED_FFN)
+            t[p + "ffn_gate_inp_shexp.weight"] = (rng.standard_normal(HIDDEN) * HIDDEN ** -0.5).astype(np.float32)
+        else:
+            t[p + "ffn_gate.weight"] = mat(FFN, HIDDEN)
+            t[p + "ffn_up.weight"] = mat(FFN, HIDDEN)
+            t[p + "ffn_down.weight"] = mat(HIDDEN, FFN)
     for name, value in t.items():
-        if value.ndim == 2 and name != "token_embd.weight" and not name.split(".")[-2].startswith("ssm_") or name.endswith("ssm_out.weight"):
+        if f32:
+            w.add_tensor(name, value.astype(np.float32))
+        elif value.ndim == 3:
+            w.add_tensor(name, quantize(value, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
+        elif value.ndim == 2 and name != "token_embd.weight" and not name.endswith("ffn_gate_inp.weight") and (
+                not name.split(".")[-2].startswith("ssm_") or name.endswith(("ssm_out.weight", "ssm_in.weight"))):
             w.add_tensor(name, quantize(value, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
         else:
             w.add_tensor(name, value)
@@ -501,6 +554,11 @@ MOES = [
     ("tiny-gpt-oss-mxfp4", "gpt-oss", "MXFP4"),
 ]
 
+# The hybrid families of hybrid(), and their seeds: ones where no DeltaNet head's query-key
+# cosine at the first position (a head's whole output there, normalized, is its value's times
+# that cosine's sign) lies within 0.06 of zero, where 8-bit rounding would flip its sign.
+HYBRIDS = [("qwen35", 300), ("qwen35moe", 309), ("qwen3next", 309)]
+
 # Rerankers (Qwen3's form): (name, prompt template).
 RERANKERS = [("tiny-qwen3-rerank", "<s>query: {query}\ndocument: {document}</s>"), ("tiny-qwen3-rerank-bare", None)]
 
@@ -511,7 +569,8 @@ if __name__ == "__main__" and sys.argv[1] == "moe":
     for seed, (name, arch, experts_type) in enumerate(MOES, start=200):
         model(arch, f"{sys.argv[2]}/{name}.gguf", seed, experts_type=experts_type)
 elif __name__ == "__main__" and sys.argv[1] == "hybrid":
-    hybrid(f"{sys.argv[2]}/tiny-qwen35.gguf", 300)
+    for arch, seed in HYBRIDS:
+        hybrid(f"{sys.argv[2]}/tiny-{arch}.gguf", seed, arch)
 elif __name__ == "__main__" and sys.argv[1] == "rerankers":
     for seed, (name, template) in enumerate(RERANKERS, start=100):
         model("qwen3", f"{sys.argv[2]}/{name}.gguf", seed, rerank={"template": template})
@@ -528,4 +587,6 @@ elif __name__ == "__main__":
         model("llama", f"{out}/tiny-pre-{pre}.gguf", seed, vocab=(tokens, merges, pre))
     for seed, (name, arch, pooling) in enumerate(EMBEDDERS, start=len(ARCHS) + len(SCALED) + len(PRE_TYPES)):
         model(arch, f"{out}/{name}.gguf", seed, pooling=pooling)
-    hybrid(f"{out}/tiny-qwen35.gguf", 300)
+    for arch, seed in HYBRIDS:
+        hybrid(f"{out}/tiny-{arch}.gguf", seed, arch)
+        hybrid(f"{out}/tiny-{arch}-f32.gguf", seed, arch, f32=True)

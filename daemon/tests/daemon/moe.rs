@@ -53,7 +53,7 @@ fn mixtures_of_experts_answer_as_llama_cpp() {
         .map(|(path, name)| format!("[[model]]\nname = \"{name}\"\npath = \"{}\"\n", path.display()))
         .collect();
     let d = Daemon::start(&dir, &cfg, &[]);
-    let (compared, worst) = answer_as_llama_cpp(&bin, &d, &models, &dir);
+    let (compared, worst) = answer_as_llama_cpp(&bin, &d, &models, &dir, TOL);
     assert!(compared >= 90, "only {compared} of 144 steps compared");
     // Ollama's /api/show says what the mixture is; the listing counts every expert's bytes.
     let (st, show) = d.http("POST", "/api/show", r#"{"model": "q8"}"#);
@@ -76,10 +76,16 @@ fn mixtures_of_experts_answer_as_llama_cpp() {
 
 /// Each of `models` (served by `d` under its name) continued from every prompt a token at a
 /// time against llama-server on the same file (both fed llama.cpp's choice): the same token
-/// and its log-probability within [`TOL`] wherever llama.cpp's choice is not a near-tie; then
+/// and its log-probability within `tol` wherever llama.cpp's choice is not a near-tie; then
 /// the prompts each alone and all at once (batched) give the same answers. Returns the steps
 /// compared and the largest difference.
-pub(super) fn answer_as_llama_cpp(bin: &Path, d: &Daemon, models: &[(PathBuf, &str)], dir: &Path) -> (usize, f64) {
+pub(super) fn answer_as_llama_cpp(
+    bin: &Path,
+    d: &Daemon,
+    models: &[(PathBuf, &str)],
+    dir: &Path,
+    tol: f64,
+) -> (usize, f64) {
     let port = free_port();
     let (mut compared, mut worst) = (0, 0f64);
     for (path, name) in models {
@@ -121,13 +127,13 @@ pub(super) fn answer_as_llama_cpp(bin: &Path, d: &Daemon, models: &[(PathBuf, &s
                         (text, _) => text,
                     };
                     assert!(
-                        margin < 2.0 * TOL || token == text,
+                        margin < 2.0 * tol || token == text,
                         "{name} {p:?} step {step}: {token} vs llama.cpp's {text} (ahead by {margin})"
                     );
                     let got = if token == text { logprob } else { lp["top_logprobs"][0][text].as_f64() };
                     if let Some(got) = got {
                         assert!(
-                            (got - want).abs() <= TOL,
+                            (got - want).abs() <= tol,
                             "{name} {p:?} step {step}: {text} at {got} vs llama.cpp's {want}"
                         );
                         compared += 1;

@@ -202,6 +202,9 @@ fn pack_weights(mut w: LlamaWeights, k: &Kernels, pool: &ThreadPool) -> LlamaWei
         for t in l.mixer_matrices_mut() {
             pack(t);
         }
+        for t in l.shared_matrices_mut() {
+            pack(t);
+        }
         // Expert stacks pack whole where each expert's rows are whole groups of 16 (no group
         // then spans two experts, and each expert's view stays a packed matrix of its own).
         let experts = l.router.as_ref().map_or(1, |r| r.rows);
@@ -735,12 +738,22 @@ impl LayerOps for CpuOps<'_, '_> {
     fn gate(&mut self, x: Act, g: Act, f: GateFn) -> Result<(), BackendError> {
         let mut bufs = self.take(&[x]);
         let gv = &self.s.acts[g.index()];
+        let (xl, gl) = (bufs[0].len(), gv.len());
+        if gl == 0 || !xl.is_multiple_of(gl) {
+            self.put(&[x], bufs);
+            return Err(BackendError::Invalid(format!("{gl} gates for {xl} values")));
+        }
         let sigmoid = |v: f32| 1.0 / (1.0 + (-v).exp());
-        for (x, &g) in bufs[0].iter_mut().zip(gv) {
-            *x *= match f {
-                GateFn::Sigmoid => sigmoid(g),
-                GateFn::Silu => g * sigmoid(g),
-            };
+        let m = |g: f32| match f {
+            GateFn::Sigmoid => sigmoid(g),
+            GateFn::Silu => g * sigmoid(g),
+        };
+        if xl == gl {
+            bufs[0].iter_mut().zip(gv).for_each(|(x, &g)| *x *= m(g));
+        } else {
+            for (xs, &g) in bufs[0].chunks_exact_mut(xl / gl).zip(gv) {
+                xs.iter_mut().for_each(|x| *x *= m(g));
+            }
         }
         self.put(&[x], bufs);
         Ok(())

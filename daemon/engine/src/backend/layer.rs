@@ -40,6 +40,9 @@ pub enum Act {
     /// A DeltaNet's write strength and decay inputs (`v_heads` a row).
     Beta,
     Alpha,
+    /// A mixture's shared expert's output (`hidden` a row) and its gate's logit (one a row).
+    Shared,
+    SharedGate,
 }
 
 /// How a gate applies to the values it gates ([`LayerOps::gate`]).
@@ -52,7 +55,7 @@ pub enum GateFn {
 }
 
 impl Act {
-    pub const COUNT: usize = 13;
+    pub const COUNT: usize = 15;
 
     /// The buffer's index in a backend's array of them.
     pub fn index(self) -> usize {
@@ -93,7 +96,8 @@ pub trait LayerOps {
     /// Each row of `from` is pairs of pieces of `head_dim` floats (one pair a query head), the
     /// first of a pair going to `a` and the second to `b`.
     fn split_heads(&mut self, from: Act, a: Act, b: Act) -> Result<(), BackendError>;
-    /// `x = x * f(g)`, value by value.
+    /// `x = x * f(g)`, value by value; where `g` has fewer values than `x`, each of them
+    /// gates its equal piece of `x` (one a row gates the whole row).
     fn gate(&mut self, x: Act, g: Act, f: GateFn) -> Result<(), BackendError>;
     /// Layer `layer`'s Gated DeltaNet over each sequence's tokens, from its input projections
     /// (`mix`: queries, keys and values before the convolution; `beta`, `alpha`) into `to`
@@ -142,7 +146,16 @@ pub fn layer<O: LayerOps>(
 
     o.norm(X, &w.ffn_norm, Normed)?;
     match (&w.router, &arch.moe) {
-        (Some(router), Some(moe)) => o.experts(w, router, moe, arch.activation, Normed, Out)?,
+        (Some(router), Some(moe)) => {
+            o.experts(w, router, moe, arch.activation, Normed, Out)?;
+            if let Some(s) = &w.shared {
+                o.project(Phase::FfnGateUp, Normed, &[(&s.gate, Gate), (&s.up, Up), (&s.gate_inp, SharedGate)])?;
+                o.gated(arch.activation, Gate, Up)?;
+                o.project(Phase::FfnDown, Gate, &[(&s.down, Shared)])?;
+                o.gate(Shared, SharedGate, GateFn::Sigmoid)?;
+                o.add(Out, Shared)?;
+            }
+        }
         _ => {
             o.project(Phase::FfnGateUp, Normed, &[(&w.w_gate, Gate), (&w.w_up, Up)])?;
             o.gated(arch.activation, Gate, Up)?;

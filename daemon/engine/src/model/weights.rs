@@ -7,6 +7,7 @@
 use super::config::LlamaConfig;
 use super::mmap::Blob;
 use super::ModelError;
+use inferd_kernels::deltanet::DeltaShape;
 use inferd_kernels::matmul::Matrix;
 use inferd_kernels::pack::Layout;
 use inferd_kernels::quant::dequantize_row;
@@ -119,6 +120,22 @@ impl Tensor {
         }
     }
 
+    /// The row ranges `ranges` of this tensor one after the other, in memory of its own (a
+    /// fused matrix whose parts interleave, split at load); of a tensor in the file's layout.
+    pub fn gather(&self, ranges: &[(usize, usize)]) -> Tensor {
+        let rb = self.dtype.bytes_for(self.cols).unwrap_or(0);
+        let mut bytes = Vec::new();
+        let mut rows = 0;
+        for &(r0, r1) in ranges {
+            let t = self.rows_of(r0, r1);
+            bytes.extend_from_slice(t.bytes());
+            rows += t.rows;
+        }
+        debug_assert_eq!(bytes.len(), rows * rb);
+        let (name, dtype, cols) = (format!("{}[gathered]", self.name), self.dtype, self.cols);
+        Tensor { name, dtype, rows, cols, blob: Blob::from_vec(bytes), offset: 0, layout: Layout::Rows }
+    }
+
     fn expect(self, rows: usize, cols: usize) -> Result<Tensor, ModelError> {
         if (self.rows, self.cols) != (rows, cols) {
             return Err(ModelError::Shape(format!(
@@ -179,6 +196,16 @@ pub struct DeltaWeights<M = Tensor, V = Vec<f32>> {
     pub out: M,
 }
 
+/// A mixture's shared expert ([`crate::model::arch::Moe::shared_ffn`]): its gate, up and
+/// down, and the one row of `hidden` whose product with the token is its gate's logit.
+#[derive(Clone, Debug)]
+pub struct SharedExpert<M = Tensor> {
+    pub gate: M,
+    pub up: M,
+    pub down: M,
+    pub gate_inp: M,
+}
+
 /// What mixes a layer's tokens.
 #[derive(Clone, Debug)]
 pub enum Mixer<M = Tensor, V = Vec<f32>> {
@@ -210,6 +237,8 @@ pub struct LayerWeights<M = Tensor, V = Vec<f32>> {
     /// expert's rows after the one before's), where the family has them (gpt-oss).
     pub router_bias: Option<V>,
     pub expert_biases: Option<[V; 3]>,
+    /// The mixture's shared expert, where the family has one.
+    pub shared: Option<SharedExpert<M>>,
     /// RMSNorm of the MLP output before the residual add (Gemma).
     pub ffn_post_norm: Option<V>,
 }
@@ -231,6 +260,7 @@ impl LayerWeights {
     pub fn matrices(&self) -> Vec<&Tensor> {
         let mut m = self.mixer_matrices();
         m.extend([&self.w_gate, &self.w_up, &self.w_down]);
+        m.extend(self.shared.iter().flat_map(|s| [&s.gate, &s.up, &s.down, &s.gate_inp]));
         m
     }
 
@@ -241,6 +271,11 @@ impl LayerWeights {
             Mixer::Attention(a) => vec![&a.wq, &a.wk, &a.wv, &a.wo],
             Mixer::DeltaNet(d) => vec![&d.qkv, &d.z, &d.beta, &d.alpha, &d.out],
         }
+    }
+
+    /// The shared expert's matrices, to be replaced (the CPU backend's packing).
+    pub fn shared_matrices_mut(&mut self) -> Vec<&mut Tensor> {
+        self.shared.iter_mut().flat_map(|s| [&mut s.gate, &mut s.up, &mut s.down, &mut s.gate_inp]).collect()
     }
 
     /// The mixer's matrices, to be replaced (the CPU backend's packing).
@@ -311,6 +346,15 @@ impl<M, V> LayerWeights<M, V> {
             router: self.router.as_ref().map(&mut m).transpose()?,
             router_bias,
             expert_biases,
+            shared: match &self.shared {
+                Some(s) => Some(SharedExpert {
+                    gate: m(&s.gate)?,
+                    up: m(&s.up)?,
+                    down: m(&s.down)?,
+                    gate_inp: m(&s.gate_inp)?,
+                }),
+                None => None,
+            },
             ffn_post_norm,
         })
     }
@@ -461,11 +505,23 @@ impl LlamaWeights {
                     let gguf = |what: &str| format!("blk.{i}.{what}.weight");
                     let (kd, vd) = (d.shape.k_heads * d.shape.dk, d.shape.v_heads * d.shape.dv);
                     let heads = d.shape.v_heads;
+                    let (qkv, z) = match get(&gguf("ssm_in")) {
+                        Some(t) => fused_qkvz(t, d.shape, h)?,
+                        None => {
+                            (fetch(gguf("attn_qkv"))?.expect(2 * kd + vd, h)?, fetch(gguf("attn_gate"))?.expect(vd, h)?)
+                        }
+                    };
+                    let (beta, alpha) = match get(&gguf("ssm_ba")) {
+                        Some(t) => fused_beta_alpha(t, d.shape, h)?,
+                        None => {
+                            (fetch(gguf("ssm_beta"))?.expect(heads, h)?, fetch(gguf("ssm_alpha"))?.expect(heads, h)?)
+                        }
+                    };
                     Mixer::DeltaNet(DeltaWeights {
-                        qkv: fetch(gguf("attn_qkv"))?.expect(2 * kd + vd, h)?,
-                        z: fetch(gguf("attn_gate"))?.expect(vd, h)?,
-                        beta: fetch(gguf("ssm_beta"))?.expect(heads, h)?,
-                        alpha: fetch(gguf("ssm_alpha"))?.expect(heads, h)?,
+                        qkv,
+                        z,
+                        beta,
+                        alpha,
                         conv: vector(gguf("ssm_conv1d"), (2 * kd + vd) * d.conv)?,
                         dt_bias: vector(format!("blk.{i}.ssm_dt.bias"), heads)?,
                         a: vector(format!("blk.{i}.ssm_a"), heads)?,
@@ -529,6 +585,18 @@ impl LlamaWeights {
                         ])
                     })
                     .transpose()?,
+                shared: moe
+                    .and_then(|m| m.shared_ffn)
+                    .map(|sf| -> Result<SharedExpert, ModelError> {
+                        let t = |what: &str| fetch(format!("blk.{i}.{what}.weight"));
+                        Ok(SharedExpert {
+                            gate: t("ffn_gate_shexp")?.expect(sf, h)?,
+                            up: t("ffn_up_shexp")?.expect(sf, h)?,
+                            down: t("ffn_down_shexp")?.expect(h, sf)?,
+                            gate_inp: t("ffn_gate_inp_shexp")?.expect(1, h)?,
+                        })
+                    })
+                    .transpose()?,
                 ffn_post_norm: post.then(|| norm(name(Role::FfnPostNorm), h)).transpose()?,
             });
         }
@@ -541,6 +609,32 @@ impl LlamaWeights {
         let output_norm = norm(naming.global(if hf { "norm" } else { "output_norm" }), h)?;
         Ok(LlamaWeights { token_embd, layers, output_norm, output })
     }
+}
+
+/// Qwen3-Next's older fused input projection (`ssm_in`): per key head its query, key, value
+/// heads and gates, split into the queries, keys and values of every head (in that order) and
+/// the gates.
+fn fused_qkvz(t: Tensor, s: DeltaShape, h: usize) -> Result<(Tensor, Tensor), ModelError> {
+    let (dk, per_v) = (s.dk, s.v_heads / s.k_heads * s.dv);
+    let group = 2 * dk + 2 * per_v;
+    let t = t.expect(s.k_heads * group, h)?;
+    let parts =
+        |at: usize, len: usize| (0..s.k_heads).map(|g| (g * group + at, g * group + at + len)).collect::<Vec<_>>();
+    let mut qkv = parts(0, dk);
+    qkv.extend(parts(dk, dk));
+    qkv.extend(parts(2 * dk, per_v));
+    let (qkv, z) = (t.gather(&qkv), t.gather(&parts(2 * dk + per_v, per_v)));
+    t.release();
+    Ok((qkv, z))
+}
+
+/// Qwen3-Next's fused write strength and decay projection (`ssm_ba`): per key head its value
+/// heads' `beta` rows, then their `alpha` rows.
+fn fused_beta_alpha(t: Tensor, s: DeltaShape, h: usize) -> Result<(Tensor, Tensor), ModelError> {
+    let per = s.v_heads / s.k_heads;
+    let t = t.expect(2 * s.v_heads, h)?;
+    let part = |at: usize| (0..s.k_heads).map(|g| (2 * per * g + at, 2 * per * g + at + per)).collect::<Vec<_>>();
+    Ok((t.gather(&part(0)), t.gather(&part(per))))
 }
 
 #[cfg(test)]

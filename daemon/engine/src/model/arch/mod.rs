@@ -59,6 +59,9 @@ pub struct Moe {
     /// The router's logits and every expert's gate, up and down products carry a bias
     /// (gpt-oss).
     pub biased: bool,
+    /// The width of a shared expert every token runs beside its chosen ones, its output
+    /// scaled by the sigmoid of its own gate's logit (Qwen3.5 MoE, Qwen3-Next).
+    pub shared_ffn: Option<usize>,
 }
 
 /// One layer's attention.
@@ -197,7 +200,7 @@ pub fn sliding_pattern(n_layers: usize, pattern: usize) -> Vec<bool> {
 }
 
 /// The families [`for_gguf`] and [`for_hf`] know, for their refusals.
-const KNOWN: &str = "llama, mistral, qwen2, qwen3, qwen3moe, qwen35, gpt-oss, gemma3, phi3";
+const KNOWN: &str = "llama, mistral, qwen2, qwen3, qwen3moe, qwen35, qwen35moe, qwen3next, gpt-oss, gemma3, phi3";
 
 /// The architecture and hyperparameters of a GGUF file, by its `general.architecture`.
 pub fn for_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
@@ -211,7 +214,9 @@ pub fn for_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
         "qwen2" => qwen::from_gguf(g, qwen::Qwen::Two),
         "qwen3" => qwen::from_gguf(g, qwen::Qwen::Three),
         "qwen3moe" => qwen::from_gguf(g, qwen::Qwen::ThreeMoe),
-        "qwen35" => qwen35::from_gguf(g),
+        "qwen35" => qwen35::from_gguf(g, qwen35::Hybrid::Qwen35),
+        "qwen35moe" => qwen35::from_gguf(g, qwen35::Hybrid::Qwen35Moe),
+        "qwen3next" => qwen35::from_gguf(g, qwen35::Hybrid::Qwen3Next),
         "gpt-oss" => gpt_oss::from_gguf(g),
         "gemma3" => gemma3::from_gguf(g),
         "phi3" => phi3::from_gguf(g),

@@ -38,7 +38,7 @@ impl Qwen {
 
 /// Qwen3 MoE's experts, from its keys (as llama.cpp reads them: the experts' width defaults to
 /// `feed_forward_length / expert_used_count`).
-fn experts(keys: &GgufKeys<'_>, cfg: &LlamaConfig) -> Result<Moe, ModelError> {
+pub(super) fn experts(keys: &GgufKeys<'_>, cfg: &LlamaConfig) -> Result<Moe, ModelError> {
     use inferd_kernels::moe::{Gate, Routing};
     let experts = keys.uint("expert_count")?;
     let used = keys.uint("expert_used_count")?;
@@ -51,7 +51,7 @@ fn experts(keys: &GgufKeys<'_>, cfg: &LlamaConfig) -> Result<Moe, ModelError> {
     }
     let scale = keys.opt_float("expert_weights_scale")?.filter(|s| *s != 0.0).unwrap_or(1.0);
     let routing = Routing { gate: Gate::Softmax, top_k: used, normalize: true, scale };
-    Ok(Moe { experts, used, expert_ffn, routing, biased: false })
+    Ok(Moe { experts, used, expert_ffn, routing, biased: false, shared_ffn: None })
 }
 
 pub fn from_gguf(g: &Gguf, q: Qwen) -> Result<(Architecture, LlamaConfig), ModelError> {
