@@ -92,33 +92,43 @@ pub fn l2_norm_each(x: &mut [f32], n: usize, eps: f32) {
     }
 }
 
+/// GGUF's convolution kernel (`ssm_conv1d`: `width` taps a channel, the oldest first, channel
+/// after channel) as [`conv`] reads it: tap after tap, a row of `channels` each.
+pub fn conv_taps(w: &[f32], width: usize) -> Vec<f32> {
+    let channels = w.len() / width;
+    (0..width * channels).map(|i| w[(i % channels) * width + i / channels]).collect()
+}
+
 /// The causal depthwise convolution of `channels` channels over `tokens` rows of `x` (row-major,
-/// `channels` a row) into `out`, kernel `w` (`width` taps a channel, the oldest first, as GGUF's
-/// `ssm_conv1d` holds them); `state` holds the `width - 1` rows before `x` (oldest first) and
-/// becomes the last `width - 1` rows of the state followed by `x`.
+/// `channels` a row) into `out`, kernel `w` in [`conv_taps`]'s layout; `state` holds the
+/// `width - 1` rows before `x` (oldest first) and becomes the last `width - 1` rows of the
+/// state followed by `x`.
 pub fn conv(w: &[f32], width: usize, channels: usize, state: &mut [f32], x: &[f32], out: &mut [f32]) {
     let keep = width - 1;
     let tokens = x.len() / channels;
     assert!(w.len() == width * channels && state.len() == keep * channels, "conv shapes");
     assert!(x.len() == tokens * channels && out.len() == x.len(), "conv rows");
-    // Row r of the state followed by x.
-    let row = |r: usize| if r < keep { &state[r * channels..(r + 1) * channels] } else { &x[(r - keep) * channels..] };
     for t in 0..tokens {
         let o = &mut out[t * channels..(t + 1) * channels];
         o.iter_mut().for_each(|v| *v = 0.0);
-        for tap in 0..width {
-            let input = row(t + tap);
-            for (c, (o, &xi)) in o.iter_mut().zip(input).enumerate() {
-                *o += xi * w[c * width + tap];
-            }
+        for (tap, wt) in w.chunks_exact(channels).enumerate() {
+            // Row t + tap of the state followed by x.
+            let r = t + tap;
+            let input = if r < keep {
+                &state[r * channels..(r + 1) * channels]
+            } else {
+                &x[(r - keep) * channels..][..channels]
+            };
+            o.iter_mut().zip(input).zip(wt).for_each(|((o, &xi), &wi)| *o += xi * wi);
         }
     }
     // The new state: the last `keep` rows of state ++ x.
-    let mut next = vec![0.0; keep * channels];
-    for r in 0..keep {
-        next[r * channels..(r + 1) * channels].copy_from_slice(&row(tokens + r)[..channels]);
+    if tokens >= keep {
+        state.copy_from_slice(&x[(tokens - keep) * channels..]);
+    } else {
+        state.copy_within(tokens * channels.., 0);
+        state[(keep - tokens) * channels..].copy_from_slice(x);
     }
-    state.copy_from_slice(&next);
 }
 
 /// The recurrence token by token for one sequence's `x` into `out` (rows of `v_heads * dv`),
@@ -191,7 +201,7 @@ pub fn step(
                 // SAFETY: task h touches only head h's `per_head` floats of `heads`, disjoint
                 // from every other task's; `heads` outlives the dispatch.
                 let hs = unsafe { std::slice::from_raw_parts_mut(heads_ptr.get().add(h * per_head), per_head) };
-                finish_chunk(s, h, hs, krows_now);
+                wide::finish_chunk(s, h, hs, krows_now);
             };
             run_heads(pool, v_heads, &task);
         }
@@ -201,7 +211,7 @@ pub fn step(
             // SAFETY: as above (the outputs `head_rows` writes through `out_ptr` are head h's
             // alone: see there).
             let hs = unsafe { std::slice::from_raw_parts_mut(heads_ptr.get().add(h * per_head), per_head) };
-            head_rows(s, h, hs, krows_now, x, seg, out_ptr);
+            wide::head_rows(s, h, hs, krows_now, x, seg, out_ptr);
         };
         run_heads(pool, v_heads, &task);
         i += m;
@@ -216,6 +226,127 @@ struct Segment {
     m: usize,
 }
 
+/// A head's work compiled for AVX2 where the processor has it (the eight-lane dots one
+/// register, the updates eight floats an instruction), the same code otherwise: the same
+/// operations in the same order either way (no fused multiply-adds), so a row's result does
+/// not depend on the machine's vector width.
+mod wide {
+    use super::{DeltaShape, Inputs, Segment, SyncPtr};
+
+    /// How a head's work takes its dot products: [`super::dot`]'s eight lanes, in whichever
+    /// instructions the type stands for.
+    pub(super) trait Lanes {
+        fn dot(&self, a: &[f32], b: &[f32]) -> f32;
+    }
+
+    /// The portable form.
+    pub(super) struct Portable;
+
+    impl Lanes for Portable {
+        #[inline(always)]
+        fn dot(&self, a: &[f32], b: &[f32]) -> f32 {
+            super::dot(a, b)
+        }
+    }
+
+    /// AVX2's registers; a value exists only where the processor has AVX2 ([`avx2`]).
+    #[cfg(target_arch = "x86_64")]
+    pub(super) struct Avx2(());
+
+    #[cfg(target_arch = "x86_64")]
+    impl Lanes for Avx2 {
+        #[inline(always)]
+        fn dot(&self, a: &[f32], b: &[f32]) -> f32 {
+            // SAFETY: an `Avx2` exists only where the processor has AVX2.
+            unsafe { dot_avx2(a, b) }
+        }
+    }
+
+    /// [`super::dot`] in one register: the same products and sums in the same order.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+        use std::arch::x86_64::*;
+        let n = a.len().min(b.len());
+        let (a, b) = (&a[..n], &b[..n]);
+        let mut acc = _mm256_setzero_ps();
+        for (ca, cb) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
+            // SAFETY: each chunk is eight floats, all an unaligned load reads.
+            let (x, y) = unsafe { (_mm256_loadu_ps(ca.as_ptr()), _mm256_loadu_ps(cb.as_ptr())) };
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(x, y));
+        }
+        // Lanes l and l + 4 first, then ((0 + 1) + (2 + 3)), as the portable form.
+        let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
+        let mut p = [0.0f32; 4];
+        // SAFETY: `p` holds the four floats stored.
+        unsafe { _mm_storeu_ps(p.as_mut_ptr(), s) };
+        let mut sum = (p[0] + p[1]) + (p[2] + p[3]);
+        for i in n / 8 * 8..n {
+            sum += a[i] * b[i];
+        }
+        sum
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn avx2() -> Option<Avx2> {
+        std::arch::is_x86_feature_detected!("avx2").then_some(Avx2(()))
+    }
+
+    #[cfg(all(test, target_arch = "x86_64"))]
+    pub(super) fn avx2_for_tests() -> Option<Avx2> {
+        avx2()
+    }
+
+    #[cfg(all(test, not(target_arch = "x86_64")))]
+    pub(super) fn avx2_for_tests() -> Option<Portable> {
+        None
+    }
+
+    pub(super) fn head_rows(
+        s: DeltaShape,
+        h: usize,
+        hs: &mut [f32],
+        krows: &[f32],
+        x: &Inputs<'_>,
+        seg: Segment,
+        out: SyncPtr<f32>,
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(l) = avx2() {
+            #[target_feature(enable = "avx2")]
+            #[allow(clippy::too_many_arguments)]
+            fn run(
+                l: &Avx2,
+                s: DeltaShape,
+                h: usize,
+                hs: &mut [f32],
+                krows: &[f32],
+                x: &Inputs<'_>,
+                seg: Segment,
+                out: SyncPtr<f32>,
+            ) {
+                super::head_rows(l, s, h, hs, krows, x, seg, out)
+            }
+            // SAFETY: the processor has AVX2 (`l` says so), all `run` asks.
+            return unsafe { run(&l, s, h, hs, krows, x, seg, out) };
+        }
+        super::head_rows(&Portable, s, h, hs, krows, x, seg, out)
+    }
+
+    pub(super) fn finish_chunk(s: DeltaShape, h: usize, hs: &mut [f32], krows: &[f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if avx2().is_some() {
+            #[target_feature(enable = "avx2")]
+            fn run(s: DeltaShape, h: usize, hs: &mut [f32], krows: &[f32]) {
+                super::finish_chunk(s, h, hs, krows)
+            }
+            // SAFETY: the processor has AVX2 (checked just above), all `run` asks.
+            return unsafe { run(s, h, hs, krows) };
+        }
+        super::finish_chunk(s, h, hs, krows)
+    }
+}
+
 /// `task(h)` for every value head, as tasks of `pool` or in order.
 fn run_heads(pool: Option<&ThreadPool>, heads: usize, task: &(dyn Fn(usize) + Sync)) {
     match pool {
@@ -226,7 +357,18 @@ fn run_heads(pool: Option<&ThreadPool>, heads: usize, task: &(dyn Fn(usize) + Sy
 
 /// Head `h`'s rows of a segment: its cumulative decays, corrected values and outputs (into
 /// `out`: the call's output buffer, `v_heads * dv` floats a token).
-fn head_rows(s: DeltaShape, h: usize, hs: &mut [f32], krows: &[f32], x: &Inputs<'_>, seg: Segment, out: SyncPtr<f32>) {
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn head_rows<L: wide::Lanes>(
+    l: &L,
+    s: DeltaShape,
+    h: usize,
+    hs: &mut [f32],
+    krows: &[f32],
+    x: &Inputs<'_>,
+    seg: Segment,
+    out: SyncPtr<f32>,
+) {
     let DeltaShape { k_heads, v_heads, dk, dv, .. } = s;
     let Inputs { q, v, g, beta, .. } = *x;
     let scale = 1.0 / (dk as f32).sqrt();
@@ -253,16 +395,16 @@ fn head_rows(s: DeltaShape, h: usize, hs: &mut [f32], krows: &[f32], x: &Inputs<
         let uc = &mut cur[..dv];
         let vt = &v[(t * v_heads + h) * dv..][..dv];
         for (jj, ((u, o), row)) in uc.iter_mut().zip(ot.iter_mut()).zip(st.chunks_exact(dk)).enumerate() {
-            *u = b * (vt[jj] - gam * dot(row, kt));
-            *o = gam * dot(row, qt);
+            *u = b * (vt[jj] - gam * l.dot(row, kt));
+            *o = gam * l.dot(row, qt);
         }
         for r in 0..c {
-            let f = b * (gc - grows[r]).exp() * dot(kt, key(r));
+            let f = b * (gc - grows[r]).exp() * l.dot(kt, key(r));
             uc.iter_mut().zip(&done[r * dv..(r + 1) * dv]).for_each(|(x, y)| *x -= f * y);
         }
         // o_c = Γ_c S_0 q_c + Σ_{r≤c} (Γ_c / Γ_r)(k_r·q_c) u_r.
         for r in 0..=c {
-            let f = (gc - grows[r]).exp() * dot(key(r), qt);
+            let f = (gc - grows[r]).exp() * l.dot(key(r), qt);
             let ur = if r < c { &done[r * dv..(r + 1) * dv] } else { &cur[..dv] };
             ot.iter_mut().zip(ur).for_each(|(x, y)| *x += f * y);
         }
@@ -270,7 +412,10 @@ fn head_rows(s: DeltaShape, h: usize, hs: &mut [f32], krows: &[f32], x: &Inputs<
     }
 }
 
-/// Moves head `h`'s `S_0` over a whole chunk: `S_0 ← Γ_C S_0 + Σ_r (Γ_C / Γ_r) u_r k_rᵀ`.
+/// Moves head `h`'s `S_0` over a whole chunk: `S_0 ← Γ_C S_0 + Σ_r (Γ_C / Γ_r) u_r k_rᵀ`, a
+/// row of `S_0` at a time (the row stays in cache over the chunk's rows; each value gets the
+/// chunk's terms in order).
+#[inline(always)]
 fn finish_chunk(s: DeltaShape, h: usize, hs: &mut [f32], krows: &[f32]) {
     let DeltaShape { k_heads, dk, dv, .. } = s;
     let kh = s.key_head(h);
@@ -278,12 +423,13 @@ fn finish_chunk(s: DeltaShape, h: usize, hs: &mut [f32], krows: &[f32]) {
     let (urows, grows) = rest.split_at(CHUNK * dv);
     let last = grows[CHUNK - 1];
     let decay = last.exp();
-    st.iter_mut().for_each(|x| *x *= decay);
-    for r in 0..CHUNK {
-        let f = (last - grows[r]).exp();
-        let kr = &krows[(r * k_heads + kh) * dk..][..dk];
-        for (row, &u) in st.chunks_exact_mut(dk).zip(&urows[r * dv..(r + 1) * dv]) {
-            let a = f * u;
+    let mut f = [0.0f32; CHUNK];
+    f.iter_mut().zip(&grows[..CHUNK]).for_each(|(f, &g)| *f = (last - g).exp());
+    for (j, row) in st.chunks_exact_mut(dk).enumerate() {
+        row.iter_mut().for_each(|x| *x *= decay);
+        for (r, &fr) in f.iter().enumerate() {
+            let a = fr * urows[r * dv + j];
+            let kr = &krows[(r * k_heads + kh) * dk..][..dk];
             row.iter_mut().zip(kr).for_each(|(x, y)| *x += a * y);
         }
     }
@@ -491,7 +637,7 @@ mod tests {
         let mut out = vec![0.0; x.len()];
         for (t0, t1) in [(0, 2), (2, 3), (3, 11)] {
             conv(
-                &w,
+                &conv_taps(&w, width),
                 width,
                 channels,
                 &mut state,
@@ -502,6 +648,19 @@ mod tests {
         let worst = out.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
         assert!(worst < 1e-6, "{worst}");
         assert_eq!(state, input[input.len() - (width - 1) * channels..], "the state is the last inputs");
+    }
+
+    #[test]
+    fn the_avx2_dot_is_the_portable_dot_bit_for_bit() {
+        use wide::Lanes;
+        let Some(l) = wide::avx2_for_tests() else {
+            eprintln!("skipped: no AVX2");
+            return;
+        };
+        for n in [0, 3, 8, 13, 128, 131] {
+            let (a, b) = (values(n, 5), values(n, 6));
+            assert_eq!(l.dot(&a, &b).to_bits(), dot(&a, &b).to_bits(), "{n} values");
+        }
     }
 
     #[test]

@@ -773,6 +773,7 @@ impl LayerOps for CpuOps<'_, '_> {
         let (kd, vd, heads) = (sh.k_heads * sh.dk, sh.v_heads * sh.dv, sh.v_heads);
         let (floats, conv_len) = (d.state_floats(), (d.conv - 1) * ch);
         let eps = self.cfg.rms_eps;
+        self.laps.lap(Phase::Between, &[]);
         let mut out = std::mem::take(&mut self.s.acts[to.index()]);
         resize(&mut out, self.n * vd);
         let [cv, q, k, v, g, wb] = &mut self.s.delta;
@@ -801,7 +802,11 @@ impl LayerOps for CpuOps<'_, '_> {
                 let (t0, n) = (sq.t0 + a, b - a);
                 resize(cv, n * ch);
                 conv(&w.conv, width, ch, conv_state, &xm[t0 * ch..(t0 + n) * ch], cv);
-                cv.iter_mut().for_each(|x| *x = *x / (1.0 + (-*x).exp()));
+                // SiLU, through the kernels' vector exp.
+                g.clear();
+                g.extend(cv.iter().map(|x| -x));
+                (self.k.exp)(g);
+                cv.iter_mut().zip(g.iter()).for_each(|(x, e)| *x /= 1.0 + e);
                 q.clear();
                 k.clear();
                 v.clear();
@@ -829,6 +834,7 @@ impl LayerOps for CpuOps<'_, '_> {
             }
         }
         self.s.acts[to.index()] = out;
+        self.laps.lap(Phase::Recurrence, &[]);
         Ok(())
     }
 

@@ -22,6 +22,9 @@ pub enum Phase {
     QkvProjection,
     /// Paged attention over the KV cache.
     Attention,
+    /// A DeltaNet layer's work between its products: the convolution, the L2 norms, the decay
+    /// and write strength, the recurrence over the sequence's state.
+    Recurrence,
     /// The attention output projection.
     OutputProjection,
     /// The feed-forward gate and up projections (one dispatch); of a mixture of experts, the
@@ -36,10 +39,11 @@ pub enum Phase {
 }
 
 impl Phase {
-    pub const ALL: [Phase; 7] = [
+    pub const ALL: [Phase; 8] = [
         Phase::Between,
         Phase::QkvProjection,
         Phase::Attention,
+        Phase::Recurrence,
         Phase::OutputProjection,
         Phase::FfnGateUp,
         Phase::FfnDown,
@@ -52,6 +56,7 @@ impl Phase {
             Phase::Between => "between_dispatches",
             Phase::QkvProjection => "qkv_projection",
             Phase::Attention => "attention",
+            Phase::Recurrence => "recurrence",
             Phase::OutputProjection => "attention_output_projection",
             Phase::FfnGateUp => "ffn_gate_up",
             Phase::FfnDown => "ffn_down",

@@ -185,7 +185,8 @@ pub struct DeltaWeights<M = Tensor, V = Vec<f32>> {
     /// The write strength's and the decay's projections (`v_heads` rows each).
     pub beta: M,
     pub alpha: M,
-    /// The convolution's taps, a channel's `width` together, the oldest first.
+    /// The convolution's taps, the oldest first, a row of every channel's each
+    /// ([`inferd_kernels::deltanet::conv_taps`]).
     pub conv: V,
     /// The decay's bias and scale: `g = softplus(alpha + dt_bias) * a`, `a < 0`.
     pub dt_bias: V,
@@ -522,7 +523,10 @@ impl LlamaWeights {
                         z,
                         beta,
                         alpha,
-                        conv: vector(gguf("ssm_conv1d"), (2 * kd + vd) * d.conv)?,
+                        conv: inferd_kernels::deltanet::conv_taps(
+                            &vector(gguf("ssm_conv1d"), (2 * kd + vd) * d.conv)?,
+                            d.conv,
+                        ),
                         dt_bias: vector(format!("blk.{i}.ssm_dt.bias"), heads)?,
                         a: vector(format!("blk.{i}.ssm_a"), heads)?,
                         norm: vector(gguf("ssm_norm"), d.shape.dv)?,
