@@ -53,3 +53,45 @@ fn hybrid_models_through_chunks_forks_and_preemption() {
     through_chunks_forks_and_preemption(&dir, &models, &|_| r#"{"1": -100}"#, 4, true);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Chat requests to a hybrid model with one system prompt and different questions (token
+/// arrays; `</s>`, the tiny vocabulary's end of text, ends each turn): the first keeps its
+/// recurrent state at the system prompt's end, so the others start there (the prefix cache
+/// serves the system prompt's blocks and its state), and answer as a daemon that never saw it.
+#[test]
+fn a_shared_system_prompt_of_a_hybrid_model_comes_from_the_prefix_cache() {
+    let dir = scratch("hybrid-system");
+    let models = tiny_hybrid(&dir);
+    let cfg = format!("[[model]]\nname = \"qwen35\"\npath = \"{}\"\n", models[0].0.display());
+    let system: Vec<u32> = (0..100).map(|i| 3 + (i * 7) % 250).chain([1]).collect();
+    // Questions of 24 tokens: the prompt's last block boundary is past the system prompt's.
+    let chat = |q: u32| -> Vec<u32> { [system.clone(), (q..q + 24).collect(), vec![1, 40, 41]].concat() };
+    let ask = |d: &Daemon, q: u32| {
+        let body = format!(r#"{{"model": "qwen35", "prompt": {:?}, "max_tokens": 6, "temperature": 0}}"#, chat(q));
+        let (st, answer) = d.http("POST", "/v1/completions", &body);
+        assert_eq!(st, 200, "{answer}");
+        json(&answer)["choices"][0]["text"].clone()
+    };
+    let cached = |d: &Daemon| -> f64 {
+        let (_, text) = d.http("GET", "/metrics", "");
+        let line = text.lines().find(|l| l.starts_with("inferd_prompt_tokens_cached_total{model=\"qwen35\"}"));
+        line.and_then(|l| l.rsplit(' ').next()).and_then(|v| v.parse().ok()).unwrap_or(0.0)
+    };
+    let (warm_dir, cold_dir) = (dir.join("warm"), dir.join("cold"));
+    std::fs::create_dir_all(&warm_dir).unwrap();
+    std::fs::create_dir_all(&cold_dir).unwrap();
+    let warm = Daemon::start(&warm_dir, &cfg, &[]);
+    let mut answers = Vec::new();
+    for (i, q) in [10, 50, 90].into_iter().enumerate() {
+        answers.push(ask(&warm, q));
+        // The system prompt's 101 tokens: its blocks of 16 up to 96 and the state there.
+        assert_eq!(cached(&warm), (96 * i) as f64, "request {i}");
+    }
+    drop(warm);
+    for (q, want) in [50, 90].into_iter().zip(&answers[1..]) {
+        let cold = Daemon::start(&cold_dir, &cfg, &[]);
+        assert_eq!(&ask(&cold, q), want, "question {q}: cached as cold");
+        drop(cold);
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}

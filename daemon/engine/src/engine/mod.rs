@@ -96,6 +96,7 @@ impl Engine {
     ) -> Result<(Self, String), EngineError> {
         let (backend, why) = crate::backend::open_with_reason(kind, model, opts)?;
         let mut engine = Engine::new(backend, opts.prefill_chunk);
+        engine.kv = engine.kv.with_turn_ends(model.tokenizer.eos());
         engine.rank = model.rank.clone();
         Ok((engine, why))
     }

@@ -137,8 +137,9 @@ struct Sequence {
     salt: Option<BlockHash>,
     /// Its recurrent state's slot (a hybrid model's, once it has appended).
     state: Option<u32>,
-    /// Where its state is to be kept as a prefix-cache checkpoint (the last block boundary of
-    /// its prompt), and the slot taken for it once a step reaches there.
+    /// Where its state is to be kept as a prefix-cache checkpoint
+    /// ([`KvCacheManager::match_prefix`] chooses), and the slot taken for it once a step
+    /// reaches there.
     checkpoint_at: Option<usize>,
     checkpoint: Option<u32>,
 }
@@ -162,6 +163,9 @@ pub struct KvCacheManager {
     /// Prefix-cache checkpoints of recurrent states: the hash of the block a state ends at,
     /// and its slot; oldest first.
     checkpoints: Vec<(BlockHash, u32)>,
+    /// The tokens that end a chat turn (the model's end-of-turn and end-of-text tokens): where
+    /// a prompt's conversation before its last message ends ([`KvCacheManager::match_prefix`]).
+    turn_ends: Vec<u32>,
 }
 
 impl KvCacheManager {
@@ -186,7 +190,15 @@ impl KvCacheManager {
             states: StatePool::default(),
             state_copies: Vec::new(),
             checkpoints: Vec::new(),
+            turn_ends: Vec::new(),
         }
+    }
+
+    /// The same cache knowing the tokens that end a chat turn, for where prompts' recurrent
+    /// states are kept.
+    pub fn with_turn_ends(mut self, ids: &[u32]) -> Self {
+        self.turn_ends = ids.to_vec();
+        self
     }
 
     /// The same cache with `n` recurrent state slots: a hybrid model's, whose every sequence
@@ -380,16 +392,18 @@ impl KvCacheManager {
     /// For an empty sequence about to be filled with `prompt`: takes every cached full block that
     /// matches the start of the prompt and returns how many prompt tokens are already computed.
     /// At least one prompt token is always left to compute, so the step yields logits.
+    ///
+    /// A hybrid model's sequence starts from a checkpoint of its recurrent state, so only a
+    /// prefix that ends at one counts; and it keeps one checkpoint itself, at the block boundary
+    /// at or before the first of these past where it starts: the end of the conversation before
+    /// its last message (just after its last turn-ending token but one: the system prompt, or
+    /// the turns the next follow-up repeats); where the prefix cache's blocks of an earlier
+    /// prompt leave this one (a prefix two prompts share, kept for the third); the prompt's last
+    /// block boundary.
     pub fn match_prefix(&mut self, id: SeqId, prompt: &[u32]) -> usize {
         let bs = self.block_size;
         if !self.seq(id).tokens.is_empty() {
             return 0;
-        }
-        if self.recurrent() {
-            // Its state is kept at the last block boundary of the prompt that leaves a token
-            // to compute.
-            let at = (prompt.len().saturating_sub(1) / bs) * bs;
-            self.seqs.get_mut(&id).expect("sequence exists").checkpoint_at = (at > 0).then_some(at);
         }
         let max_blocks = prompt.len().saturating_sub(1) / bs;
         let chunks: Vec<&[u32]> = prompt.chunks_exact(bs).take(max_blocks).collect();
@@ -411,14 +425,27 @@ impl KvCacheManager {
             n -= 1;
         }
         // A recurrent sequence starts from a checkpoint: the longest run that ends at one.
-        let mut checkpoint = None;
+        let (mut checkpoint, mut checkpoint_at) = (None, None);
         if self.recurrent() {
+            let cached = n;
             while n > 0 && checkpoint.is_none() {
                 checkpoint = self.checkpoints.iter().position(|&(h, _)| h == hashes[n - 1]);
                 if checkpoint.is_none() {
                     n -= 1;
                 }
             }
+            let last = prompt.len().saturating_sub(1) / bs * bs;
+            let turns = prompt[..prompt.len().saturating_sub(1)]
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| self.turn_ends.contains(t))
+                .map(|(i, _)| i + 1)
+                .collect::<Vec<_>>();
+            let before_last_turn = turns.len().checked_sub(2).map(|i| turns[i] / bs * bs);
+            checkpoint_at = [before_last_turn, (cached > n).then_some(cached * bs), Some(last)]
+                .into_iter()
+                .flatten()
+                .find(|&at| at > n * bs);
         }
         let mut tables = vec![Vec::new(); groups];
         let mut floor = vec![0; groups];
@@ -441,6 +468,7 @@ impl KvCacheManager {
         s.tables = tables;
         s.floor = floor;
         s.state = state;
+        s.checkpoint_at = checkpoint_at;
         s.hashes = hashes[..n].to_vec();
         s.tokens = prompt[..n * bs].to_vec();
         s.computed = n * bs;

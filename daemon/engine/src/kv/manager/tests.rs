@@ -304,6 +304,57 @@ fn a_recurrent_state_is_taken_on_first_append_shared_by_forks_and_copied_by_the_
     assert_eq!(m.stats().free, 64);
 }
 
+/// Runs a recurrent sequence's whole prompt in one step (after its cached prefix) and commits
+/// it, keeping its checkpoint; returns the prompt tokens that came from the cache.
+fn run_prompt(m: &mut KvCacheManager, s: SeqId, prompt: &[u32]) -> usize {
+    let cached = m.match_prefix(s, prompt);
+    m.append(s, &prompt[cached..]).unwrap();
+    m.plan_checkpoints(&[(s, prompt.len() - cached)]);
+    m.commit(s, prompt.len());
+    cached
+}
+
+#[test]
+fn a_shared_system_prompt_keeps_its_recurrent_state_where_the_conversation_turns() {
+    // Token 1 ends a turn. A system prompt of 13 tokens, a question of 6, an answer's header
+    // of 3: the state is kept at 12, the block boundary at the system prompt's end, so another
+    // question after the same system prompt starts there.
+    let bs = 4;
+    let mut m = KvCacheManager::new(64, bs).with_states(8).with_turn_ends(&[1]);
+    let turn = |body: Vec<u32>| body.into_iter().chain([1]).collect::<Vec<u32>>();
+    let system = turn(toks(12, 100));
+    let chat = |q: u32| [system.clone(), turn(toks(5, q)), vec![50, 51, 52]].concat();
+    let a = m.create();
+    assert_eq!(run_prompt(&mut m, a, &chat(200)), 0);
+    let b = m.create();
+    assert_eq!(run_prompt(&mut m, b, &chat(300)), 12, "another question, from the system prompt's state");
+    // A follow-up repeats the first exchange and its answer: it starts from the system
+    // prompt's state and keeps its own at its answer's end (28), where the next follow-up
+    // starts.
+    let answer = |salt: u32| turn(toks(7, salt));
+    let follow_up = [chat(200), answer(400), turn(toks(3, 500)), vec![50, 51, 52]].concat();
+    let c = m.create();
+    assert_eq!(run_prompt(&mut m, c, &follow_up), 12);
+    let third = [follow_up, answer(600), turn(toks(3, 700)), vec![50, 51, 52]].concat();
+    let c2 = m.create();
+    assert_eq!(run_prompt(&mut m, c2, &third), 28);
+    for s in [a, b, c, c2] {
+        m.free(s);
+    }
+    // Without turns (completions), the second of two prompts that share a prefix keeps the
+    // state where they part, for the third.
+    let mut m = KvCacheManager::new(64, bs).with_states(8).with_turn_ends(&[1]);
+    let shared = toks(14, 600);
+    let raw = |salt: u32| [shared.clone(), toks(8, salt)].concat();
+    let (d, e, f) = (m.create(), m.create(), m.create());
+    assert_eq!(run_prompt(&mut m, d, &raw(700)), 0);
+    assert_eq!(run_prompt(&mut m, e, &raw(800)), 0, "no state where they part yet");
+    assert_eq!(run_prompt(&mut m, f, &raw(900)), 12, "the second kept it");
+    for s in [d, e, f] {
+        m.free(s);
+    }
+}
+
 #[test]
 fn a_recurrent_prompt_starts_from_the_checkpoint_at_its_cached_prefix() {
     let bs = 4;
