@@ -1,19 +1,21 @@
 """A random-weight hybrid model at a Qwen3.5 small model's shapes, for the hybrid speed figures in
 BENCHMARKS.md (tests/bench/hybrid-model runs this, then llama-quantize to Q4_K_M).
 
-    python3 hybrid_model.py OUT.gguf
+    python3 hybrid_model.py OUT.gguf [VOCAB.gguf]
 
 The shapes of a 2B-class Qwen3.5 as far as its family's published configs give them: hidden
 2048, 24 layers of which every fourth is gated full attention (8 query heads and 2 key/value
 heads of 256, a quarter of each head rotated) and the rest Gated DeltaNet (16 key heads and 16
 value heads of 128, a convolution of 4), feed-forward 6144; the tests' 264-token vocabulary
 (not its 248,320), so a step's time is the layers'. Matrices are written as random Q8_0 blocks
-(as tests/bench/moe_model.py), the recurrence's small tensors in f32."""
+(as tests/bench/moe_model.py), the recurrence's small tensors in f32. With VOCAB.gguf, that
+file's vocabulary and chat template instead (the prefix-cache figures: chat requests whose
+turns end in the vocabulary's own end-of-turn token)."""
 import os
 import sys
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "reference"))
 from tiny_models import TOKENS, add_vocab  # noqa: E402
@@ -23,7 +25,23 @@ HEADS, KV_HEADS, HEAD, ROPE = 8, 2, 256, 64
 K_HEADS, V_HEADS, DN_HEAD, CONV = 16, 16, 128, 4
 
 
-def main(path):
+def copy_vocab(w, path):
+    """Every `tokenizer.*` key of the GGUF file at `path` into `w`; returns the vocabulary's size."""
+    size = 0
+    for key, field in GGUFReader(path).fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        value, kind = field.contents(), field.types[0]
+        if kind == GGUFValueType.ARRAY:
+            w.add_key_value(key, value, kind, sub_type=field.types[-1])
+        else:
+            w.add_key_value(key, value, kind)
+        if key == "tokenizer.ggml.tokens":
+            size = len(value)
+    return size
+
+
+def main(path, vocab=None):
     rng = np.random.default_rng(35)
 
     def q8_0(rows, cols):
@@ -55,11 +73,15 @@ def main(path):
     w.add_ssm_time_step_rank(V_HEADS)
     w.add_ssm_group_count(K_HEADS)
     w.add_full_attention_interval(4)
-    add_vocab(w)
+    if vocab:
+        n_vocab = copy_vocab(w, vocab)
+    else:
+        add_vocab(w)
+        n_vocab = len(TOKENS)
     q8 = GGMLQuantizationType.Q8_0
-    w.add_tensor("token_embd.weight", q8_0(len(TOKENS), HIDDEN), raw_dtype=q8)
+    w.add_tensor("token_embd.weight", q8_0(n_vocab, HIDDEN), raw_dtype=q8)
     w.add_tensor("output_norm.weight", norm(HIDDEN))
-    w.add_tensor("output.weight", q8_0(len(TOKENS), HIDDEN), raw_dtype=q8)
+    w.add_tensor("output.weight", q8_0(n_vocab, HIDDEN), raw_dtype=q8)
     for i in range(LAYERS):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", norm(HIDDEN))
@@ -91,4 +113,4 @@ def main(path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
