@@ -739,7 +739,7 @@ impl LayerOps for CpuOps<'_, '_> {
         let mut bufs = self.take(&[x]);
         let gv = &self.s.acts[g.index()];
         let (xl, gl) = (bufs[0].len(), gv.len());
-        if gl == 0 || !xl.is_multiple_of(gl) {
+        if (xl, gl) != (0, 0) && (gl == 0 || xl < gl || !xl.is_multiple_of(gl)) {
             self.put(&[x], bufs);
             return Err(BackendError::Invalid(format!("{gl} gates for {xl} values")));
         }
@@ -802,10 +802,11 @@ impl LayerOps for CpuOps<'_, '_> {
                 let (t0, n) = (sq.t0 + a, b - a);
                 resize(cv, n * ch);
                 conv(&w.conv, width, ch, conv_state, &xm[t0 * ch..(t0 + n) * ch], cv);
-                // SiLU, through the kernels' vector exp.
+                // SiLU, through the kernels' vector exp a token's row at a time (which of a
+                // row's values take its scalar tail is then the same however many rows come).
                 g.clear();
                 g.extend(cv.iter().map(|x| -x));
-                (self.k.exp)(g);
+                g.chunks_exact_mut(ch).for_each(|row| (self.k.exp)(row));
                 cv.iter_mut().zip(g.iter()).for_each(|(x, e)| *x /= 1.0 + e);
                 q.clear();
                 k.clear();
