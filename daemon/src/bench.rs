@@ -95,9 +95,11 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
     let opts = EngineOptions {
         threads: args.threads,
         // And a hybrid model's recurrent states for every sequence of the largest batch (the
-        // backend gives states a quarter of the budget).
+        // backend gives states their share of the budget).
         kv_budget_bytes: kv_tokens * inferd_engine::backend::cpu::kv_block_bytes(&model.config, 16) / 16
-            + 4 * (max_batch + 1) * inferd_engine::backend::cpu::state_bytes(&model.arch),
+            + inferd_engine::backend::cpu::STATE_SHARE
+                * (max_batch + 1)
+                * inferd_engine::backend::cpu::state_bytes(&model.arch),
         prefill_chunk: args.prefill_chunk.max(1),
         ..EngineOptions::default()
     };

@@ -22,8 +22,14 @@
 //! far, and a row is computed the same way whether its chunk arrives whole (a prompt) or a
 //! token at a time (decode).
 //!
-//! The short causal convolution in front of it ([`conv`]) keeps the last `width - 1` inputs of
-//! every channel as its state.
+//! The short causal convolution in front of it ([`conv`]) keeps the last inputs of every
+//! channel as its state, a ring of rows by position.
+//!
+//! Both states can go back (a speculative step's rejected tokens): [`step`] keeps the rows and
+//! `S_0` of two chunks, the current one and the one before, so a sequence that has run
+//! positions below `high` can continue from any position `≥ high - CHUNK`, and [`conv`]'s ring
+//! serves any position its rows beyond `width - 1` reach back to. Going back is then only
+//! calling them with an earlier `start`: what the earlier positions left is still there.
 
 use crate::pool::{SyncPtr, ThreadPool};
 
@@ -55,16 +61,28 @@ impl DeltaShape {
         self.v_heads * self.dv * self.dk
     }
 
-    /// Floats of one sequence's state for [`step`]: its chunk's keys so far, then per value
-    /// head ([`DeltaShape::head_state_len`]) the state at the chunk's start and the chunk's
-    /// corrected values and cumulative log decays.
+    /// Floats of one sequence's state for [`step`]: two chunks' keys (even chunks' then odd
+    /// chunks'), then per value head ([`DeltaShape::head_state_len`]) the same two halves of
+    /// the state at a chunk's start and the chunk's corrected values and cumulative log decays.
     pub fn chunk_state_len(&self) -> usize {
-        CHUNK * self.k_heads * self.dk + self.v_heads * self.head_state_len()
+        2 * self.key_rows_len() + self.v_heads * self.head_state_len()
     }
 
-    /// One value head's part of [`DeltaShape::chunk_state_len`].
+    /// One value head's part of [`DeltaShape::chunk_state_len`]: an even chunk's half, then
+    /// an odd chunk's.
     pub fn head_state_len(&self) -> usize {
+        2 * self.half_len()
+    }
+
+    /// A head's floats for one chunk: `S_0`, then the chunk's corrected values (`dv` a row)
+    /// and cumulative log decays.
+    fn half_len(&self) -> usize {
         self.dv * self.dk + CHUNK * (self.dv + 1)
+    }
+
+    /// One chunk's keys: `CHUNK` rows of `k_heads * dk`.
+    fn key_rows_len(&self) -> usize {
+        CHUNK * self.k_heads * self.dk
     }
 }
 
@@ -100,34 +118,35 @@ pub fn conv_taps(w: &[f32], width: usize) -> Vec<f32> {
 }
 
 /// The causal depthwise convolution of `channels` channels over `tokens` rows of `x` (row-major,
-/// `channels` a row) into `out`, kernel `w` in [`conv_taps`]'s layout; `state` holds the
-/// `width - 1` rows before `x` (oldest first) and becomes the last `width - 1` rows of the
-/// state followed by `x`.
-pub fn conv(w: &[f32], width: usize, channels: usize, state: &mut [f32], x: &[f32], out: &mut [f32]) {
-    let keep = width - 1;
+/// `channels` a row; positions `start..`) into `out`, kernel `w` in [`conv_taps`]'s layout.
+/// `ring` is the state: rows of `channels` (at least `width - 1` of them), the input of
+/// position `p` in row `p mod rows`; positions before 0 are zeros. The rows of `x` go in after,
+/// so a later call may start again at any position whose `width - 1` inputs before it the ring
+/// still holds (at most `rows - width + 1` positions back from the furthest run).
+pub fn conv(w: &[f32], width: usize, channels: usize, ring: &mut [f32], start: usize, x: &[f32], out: &mut [f32]) {
+    let rows = ring.len() / channels.max(1);
     let tokens = x.len() / channels;
-    assert!(w.len() == width * channels && state.len() == keep * channels, "conv shapes");
+    assert!(w.len() == width * channels && rows >= width - 1 && ring.len() == rows * channels, "conv shapes");
     assert!(x.len() == tokens * channels && out.len() == x.len(), "conv rows");
     for t in 0..tokens {
         let o = &mut out[t * channels..(t + 1) * channels];
         o.iter_mut().for_each(|v| *v = 0.0);
         for (tap, wt) in w.chunks_exact(channels).enumerate() {
-            // Row t + tap of the state followed by x.
-            let r = t + tap;
-            let input = if r < keep {
-                &state[r * channels..(r + 1) * channels]
+            // The input `back` positions before this one: x's, the ring's, or none (zero).
+            let back = width - 1 - tap;
+            let input = if t >= back {
+                &x[(t - back) * channels..][..channels]
+            } else if let Some(p) = (start + t).checked_sub(back) {
+                &ring[(p % rows) * channels..][..channels]
             } else {
-                &x[(r - keep) * channels..][..channels]
+                continue;
             };
             o.iter_mut().zip(input).zip(wt).for_each(|((o, &xi), &wi)| *o += xi * wi);
         }
     }
-    // The new state: the last `keep` rows of state ++ x.
-    if tokens >= keep {
-        state.copy_from_slice(&x[(tokens - keep) * channels..]);
-    } else {
-        state.copy_within(tokens * channels.., 0);
-        state[(keep - tokens) * channels..].copy_from_slice(x);
+    for t in tokens.saturating_sub(rows)..tokens {
+        let r = (start + t) % rows;
+        ring[r * channels..(r + 1) * channels].copy_from_slice(&x[t * channels..(t + 1) * channels]);
     }
 }
 
@@ -161,10 +180,12 @@ pub fn recurrent(s: DeltaShape, state: &mut [f32], x: &Inputs<'_>, out: &mut [f3
 
 /// The recurrence over a sequence's next tokens (positions `start..`), in chunks of [`CHUNK`]
 /// positions aligned to the sequence's start (module docs): `state` is the sequence's
-/// [`DeltaShape::chunk_state_len`] floats, its current chunk's keys so far, then per value head
-/// the state `S_0` at the chunk's start and the chunk's rows so far (corrected values and
-/// cumulative log decays). Each new row's output is computed from `S_0` and the rows before it
-/// in its chunk, and `S_0` moves to the next chunk's start when a row begins one. Every row's
+/// [`DeltaShape::chunk_state_len`] floats, its chunks' keys so far, then per value head the
+/// state `S_0` at a chunk's start and the chunk's rows so far (corrected values and cumulative
+/// log decays), for the current chunk and the one before. Each new row's output is computed
+/// from its chunk's `S_0` and the rows before it in its chunk; a row beginning a chunk first
+/// computes that chunk's `S_0` from the chunk before (into the other half, so the one before
+/// stays: `start` may go back up to [`CHUNK`] positions from the furthest run). Every row's
 /// arithmetic is the same however a sequence's tokens are split across calls (and whichever
 /// thread runs its head), so a token's result does not depend on how its prompt was cut into
 /// steps or batched with others; and the state of a chunk's start is read twice a token (its
@@ -184,33 +205,39 @@ pub fn step(
     let tokens = g.len() / v_heads;
     assert!(state.len() == s.chunk_state_len(), "state {} for {s:?}", state.len());
     check_inputs(s, x, out);
-    let (krows, heads) = state.split_at_mut(CHUNK * k_heads * dk);
-    let per_head = s.head_state_len();
+    let kr = s.key_rows_len();
+    let (krows, heads) = state.split_at_mut(2 * kr);
+    let (per_head, half) = (s.head_state_len(), s.half_len());
     let (heads_ptr, out_ptr) = (SyncPtr(heads.as_mut_ptr()), SyncPtr(out.as_mut_ptr()));
     let mut i = 0;
     while i < tokens {
         let p = start + i;
         let c0 = p % CHUNK;
+        // The chunk's half of the state: even chunks the first, odd the second.
+        let par = p / CHUNK % 2;
         let m = (CHUNK - c0).min(tokens - i);
         let seg = Segment { start: p, t0: i, m };
-        let krows_now: &[f32] = krows;
-        // A row beginning a chunk moves every head's S_0 over the chunk before (whose keys are
-        // still in `krows`), then this call's rows' keys go in.
+        // A row beginning a chunk computes every head's S_0 for it from the chunk before (its
+        // S_0 and rows, and its keys, in the other half), then this call's rows' keys go in.
         if c0 == 0 && p > 0 {
+            let before = &krows[(1 - par) * kr..(2 - par) * kr];
             let task = |h: usize| {
                 // SAFETY: task h touches only head h's `per_head` floats of `heads`, disjoint
                 // from every other task's; `heads` outlives the dispatch.
                 let hs = unsafe { std::slice::from_raw_parts_mut(heads_ptr.get().add(h * per_head), per_head) };
-                wide::finish_chunk(s, h, hs, krows_now);
+                let (even, odd) = hs.split_at_mut(half);
+                let (from, to) = if par == 1 { (&*even, odd) } else { (&*odd, even) };
+                wide::finish_chunk(s, h, from, &mut to[..s.dv * s.dk], before);
             };
             run_heads(pool, v_heads, &task);
         }
+        let krows = &mut krows[par * kr..(par + 1) * kr];
         krows[c0 * k_heads * dk..(c0 + m) * k_heads * dk].copy_from_slice(&k[i * k_heads * dk..(i + m) * k_heads * dk]);
         let krows_now: &[f32] = krows;
         let task = |h: usize| {
             // SAFETY: as above (the outputs `head_rows` writes through `out_ptr` are head h's
             // alone: see there).
-            let hs = unsafe { std::slice::from_raw_parts_mut(heads_ptr.get().add(h * per_head), per_head) };
+            let hs = unsafe { std::slice::from_raw_parts_mut(heads_ptr.get().add(h * per_head + par * half), half) };
             wide::head_rows(s, h, hs, krows_now, x, seg, out_ptr);
         };
         run_heads(pool, v_heads, &task);
@@ -333,17 +360,17 @@ mod wide {
         super::head_rows(&Portable, s, h, hs, krows, x, seg, out)
     }
 
-    pub(super) fn finish_chunk(s: DeltaShape, h: usize, hs: &mut [f32], krows: &[f32]) {
+    pub(super) fn finish_chunk(s: DeltaShape, h: usize, from: &[f32], to: &mut [f32], krows: &[f32]) {
         #[cfg(target_arch = "x86_64")]
         if avx2().is_some() {
             #[target_feature(enable = "avx2")]
-            fn run(s: DeltaShape, h: usize, hs: &mut [f32], krows: &[f32]) {
-                super::finish_chunk(s, h, hs, krows)
+            fn run(s: DeltaShape, h: usize, from: &[f32], to: &mut [f32], krows: &[f32]) {
+                super::finish_chunk(s, h, from, to, krows)
             }
             // SAFETY: the processor has AVX2 (checked just above), all `run` asks.
-            return unsafe { run(s, h, hs, krows) };
+            return unsafe { run(s, h, from, to, krows) };
         }
-        super::finish_chunk(s, h, hs, krows)
+        super::finish_chunk(s, h, from, to, krows)
     }
 }
 
@@ -412,21 +439,21 @@ fn head_rows<L: wide::Lanes>(
     }
 }
 
-/// Moves head `h`'s `S_0` over a whole chunk: `S_0 ← Γ_C S_0 + Σ_r (Γ_C / Γ_r) u_r k_rᵀ`, a
-/// row of `S_0` at a time (the row stays in cache over the chunk's rows; each value gets the
-/// chunk's terms in order).
+/// Head `h`'s `S_0` for the chunk after a whole one (`from`: its half of the state, `krows`
+/// its keys) into `to`: `Γ_C S_0 + Σ_r (Γ_C / Γ_r) u_r k_rᵀ`, a row at a time (the row stays
+/// in cache over the chunk's rows; each value gets the chunk's terms in order).
 #[inline(always)]
-fn finish_chunk(s: DeltaShape, h: usize, hs: &mut [f32], krows: &[f32]) {
+fn finish_chunk(s: DeltaShape, h: usize, from: &[f32], to: &mut [f32], krows: &[f32]) {
     let DeltaShape { k_heads, dk, dv, .. } = s;
     let kh = s.key_head(h);
-    let (st, rest) = hs.split_at_mut(dv * dk);
+    let (s0, rest) = from.split_at(dv * dk);
     let (urows, grows) = rest.split_at(CHUNK * dv);
     let last = grows[CHUNK - 1];
     let decay = last.exp();
     let mut f = [0.0f32; CHUNK];
     f.iter_mut().zip(&grows[..CHUNK]).for_each(|(f, &g)| *f = (last - g).exp());
-    for (j, row) in st.chunks_exact_mut(dk).enumerate() {
-        row.iter_mut().for_each(|x| *x *= decay);
+    for (j, (row, old)) in to.chunks_exact_mut(dk).zip(s0.chunks_exact(dk)).enumerate() {
+        row.iter_mut().zip(old).for_each(|(x, &o)| *x = o * decay);
         for (r, &fr) in f.iter().enumerate() {
             let a = fr * urows[r * dv + j];
             let kr = &krows[(r * k_heads + kh) * dk..][..dk];
@@ -553,7 +580,7 @@ mod tests {
     /// A chunk state starting from `s0` (every head's matrix) at position 0.
     fn chunk_state(s: DeltaShape, s0: &[f32]) -> Vec<f32> {
         let mut st = vec![0.0; s.chunk_state_len()];
-        let base = CHUNK * s.k_heads * s.dk;
+        let base = 2 * s.key_rows_len();
         for (h, m) in s0.chunks_exact(s.dv * s.dk).enumerate() {
             let at = base + h * s.head_state_len();
             st[at..at + m.len()].copy_from_slice(m);
@@ -619,35 +646,104 @@ mod tests {
         assert!(worst < 1e-4, "{worst}");
     }
 
+    /// The direct convolution of `x` (positions from 0, zeros before).
+    fn direct_conv(w: &[f32], width: usize, channels: usize, x: &[f32]) -> Vec<f32> {
+        (0..x.len())
+            .map(|i| {
+                let (t, c) = (i / channels, i % channels);
+                (0..width)
+                    .filter(|&tap| t + tap >= width - 1)
+                    .map(|tap| w[c * width + tap] * x[(t + tap - (width - 1)) * channels + c])
+                    .sum()
+            })
+            .collect()
+    }
+
+    /// A case whose rows before `len` are `a`'s and the rest `b`'s.
+    fn spliced(s: DeltaShape, a: &Case, b: &Case, len: usize) -> Case {
+        let join = |x: &[f32], y: &[f32], per: usize| x[..len * per].iter().chain(&y[len * per..]).copied().collect();
+        let (kq, kv, kg) = (s.k_heads * s.dk, s.v_heads * s.dv, s.v_heads);
+        Case {
+            q: join(&a.q, &b.q, kq),
+            k: join(&a.k, &b.k, kq),
+            v: join(&a.v, &b.v, kv),
+            g: join(&a.g, &b.g, kg),
+            beta: join(&a.beta, &b.beta, kg),
+            state: a.state.clone(),
+        }
+    }
+
+    #[test]
+    fn a_state_goes_back_up_to_a_chunk() {
+        // Run one sequence's tokens to `high` (a last step of several, as a speculative one),
+        // go back to `len` and run other tokens from there: every output is the one of a
+        // sequence that never went past `len`, bit for bit, within a chunk, at its edges and
+        // across one.
+        let s = DeltaShape { k_heads: 2, v_heads: 4, dk: 16, dv: 16, grouped: false };
+        let n = 3 * CHUNK + 10;
+        let (a, b) = (case(s, n, 21), case(s, n, 22));
+        let kv = s.v_heads * s.dv;
+        let c = CHUNK;
+        let cases = [
+            (c - 10, c - 20),
+            (c, c - 1),
+            (c, c),
+            (c + 1, c),
+            (c + 5, c - 3),
+            (2 * c, c),
+            (2 * c + 3, c + 3),
+            (c + 1, 1),
+        ];
+        for (high, len) in cases {
+            let mut state = chunk_state(s, &a.state);
+            let mut out = vec![0.0; n * kv];
+            let first = len.min(high.saturating_sub(5));
+            step(None, s, &mut state, 0, &rows(s, &a, 0, first), &mut out[..first * kv]);
+            step(None, s, &mut state, first, &rows(s, &a, first, high), &mut out[first * kv..high * kv]);
+            step(None, s, &mut state, len, &rows(s, &b, len, n), &mut out[len * kv..]);
+            let want_case = spliced(s, &a, &b, len);
+            let mut want_state = chunk_state(s, &a.state);
+            let mut want = vec![0.0; n * kv];
+            step(None, s, &mut want_state, 0, &want_case.inputs(), &mut want);
+            assert!(out == want, "ran to {high}, back to {len}");
+        }
+    }
+
     #[test]
     fn the_convolution_carries_its_window_across_calls() {
         let (width, channels) = (4, 6);
         let w = values(width * channels, 1);
         let x = values(11 * channels, 2);
-        let init = values((width - 1) * channels, 3);
-        // Direct: out[t][c] = Σ_tap w[c][tap] * input[t + tap][c], input = init ++ x.
-        let input: Vec<f32> = init.iter().chain(&x).copied().collect();
-        let want: Vec<f32> = (0..11 * channels)
-            .map(|i| {
-                let (t, c) = (i / channels, i % channels);
-                (0..width).map(|tap| w[c * width + tap] * input[(t + tap) * channels + c]).sum()
-            })
-            .collect();
-        let mut state = init.clone();
+        let want = direct_conv(&w, width, channels, &x);
+        let mut ring = vec![0.0; (width - 1) * channels];
         let mut out = vec![0.0; x.len()];
         for (t0, t1) in [(0, 2), (2, 3), (3, 11)] {
-            conv(
-                &conv_taps(&w, width),
-                width,
-                channels,
-                &mut state,
-                &x[t0 * channels..t1 * channels],
-                &mut out[t0 * channels..t1 * channels],
-            );
+            let (x, out) = (&x[t0 * channels..t1 * channels], &mut out[t0 * channels..t1 * channels]);
+            conv(&conv_taps(&w, width), width, channels, &mut ring, t0, x, out);
         }
         let worst = out.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
         assert!(worst < 1e-6, "{worst}");
-        assert_eq!(state, input[input.len() - (width - 1) * channels..], "the state is the last inputs");
+    }
+
+    #[test]
+    fn the_convolution_goes_back_as_far_as_its_ring_reaches() {
+        // A ring of `width - 1 + back` rows: run to `high`, go back to `len` (up to `back`
+        // positions), run other inputs: the same outputs, bit for bit, as never having gone
+        // past `len`.
+        let (width, channels, back) = (4, 5, 7);
+        let w = conv_taps(&values(width * channels, 1), width);
+        let (xa, xb) = (values(40 * channels, 2), values(40 * channels, 3));
+        for (high, len) in [(9, 2), (20, 13), (20, 19), (2, 0), (31, 24)] {
+            let mut ring = vec![0.0; (width - 1 + back) * channels];
+            let mut out = vec![0.0; 40 * channels];
+            conv(&w, width, channels, &mut ring, 0, &xa[..high * channels], &mut out[..high * channels]);
+            conv(&w, width, channels, &mut ring, len, &xb[len * channels..], &mut out[len * channels..]);
+            let x: Vec<f32> = xa[..len * channels].iter().chain(&xb[len * channels..]).copied().collect();
+            let mut fresh = vec![0.0; (width - 1) * channels];
+            let mut want = vec![0.0; 40 * channels];
+            conv(&w, width, channels, &mut fresh, 0, &x, &mut want);
+            assert!(out == want, "ran to {high}, back to {len}");
+        }
     }
 
     #[test]

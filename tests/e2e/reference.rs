@@ -162,6 +162,52 @@ fn hybrids_in_f32_match_llama_cpp() {
     }
 }
 
+/// Speculative rounds on the hybrids: a step of the accepted token and up to 16 drafts, then
+/// the sequence cut back to what was accepted (a DeltaNet state goes back as a KV table does),
+/// across the recurrence's chunks of 64: every accepted position's logits are those of one
+/// cold prefill of the accepted tokens, bit for bit. Further back than the state keeps is
+/// refused, changing nothing.
+#[test]
+fn hybrid_states_go_back_for_speculative_steps() {
+    use inferd_engine::kv::ROLLBACK;
+    for arch in ["qwen35", "qwen35moe", "qwen3next"] {
+        let model = Model::load(&tiny_dir().join(format!("tiny-{arch}.gguf"))).unwrap();
+        let vocab = model.config.vocab;
+        let opts = EngineOptions { kv_budget_bytes: 64 << 20, ..EngineOptions::default() };
+        let accepted: Vec<u32> = (0..230u32).map(|i| 3 + (i * 37 + 11) % (vocab as u32 - 3)).collect();
+        let mut cold = Engine::cpu(&model, &opts).unwrap();
+        let c = cold.kv.create();
+        let want = cold.step(&[RunItem::logits(c, &accepted, accepted.len())]).unwrap().remove(0);
+        let row = |p: usize| &want[p * vocab..(p + 1) * vocab];
+        let mut e = Engine::cpu(&model, &opts).unwrap();
+        let (seq, first) = e.prefill(&[&accepted[..40]]).unwrap().remove(0);
+        assert_eq!(first, row(39), "{arch}: the prompt");
+        let (mut len, mut round) = (40, 0usize);
+        while len < 220 {
+            // k drafts of which `ok` are right: the step runs the next accepted token and the
+            // drafts; the rows up to the first wrong draft are kept.
+            let (k, ok) = (1 + round * 7 % 16, round * 5 % 7);
+            let ok = ok.min(k);
+            let mut drafts: Vec<u32> = accepted[len..len + 1 + ok].to_vec();
+            drafts.extend((0..k - ok).map(|i| 3 + (accepted[len + 1 + ok] + 1 + i as u32) % (vocab as u32 - 3)));
+            let got = e.step(&[RunItem::logits(seq, &drafts, drafts.len())]).unwrap().remove(0);
+            for j in 0..=ok {
+                assert!(&got[j * vocab..(j + 1) * vocab] == row(len + j), "{arch} round {round}: position {}", len + j);
+            }
+            len += 1 + ok;
+            e.kv.truncate(seq, len).unwrap_or_else(|err| panic!("{arch} round {round}: {err}"));
+            round += 1;
+        }
+        // Past the margin: refused, nothing changed, and the sequence goes on as before.
+        let high = e.kv.computed(seq);
+        let err = e.kv.truncate(seq, high - ROLLBACK - 1).unwrap_err();
+        assert!(err.to_string().contains("recurrent state"), "{err}");
+        let got = e.step(&[RunItem::logits(seq, &accepted[len..len + 1], 1)]).unwrap().remove(0);
+        assert!(got == row(len), "{arch}: after a refused rollback");
+        eprintln!("{arch}: {round} speculative rounds to {len} tokens, every kept row as a cold prefill's");
+    }
+}
+
 #[test]
 fn tiny_models_of_every_architecture_match_llama_cpp() {
     for arch in ["llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen35", "qwen35moe", "qwen3next"] {

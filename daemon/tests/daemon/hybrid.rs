@@ -47,8 +47,8 @@ fn hybrid_models_answer_as_llama_cpp() {
 fn hybrid_models_through_chunks_forks_and_preemption() {
     let dir = scratch("hybrid-paths");
     let models = tiny_hybrid(&dir);
-    // 4 MiB: a quarter for recurrent states (94 KB a sequence: 10 of them) and room for about
-    // 24,000 positions of the attention layer's K/V, so the states run out first; the prompts
+    // 4 MiB: half for recurrent states (232 KB a sequence: 9 of them) and room for about
+    // 16,000 positions of the attention layer's K/V, so the states run out first; the prompts
     // sent again start from their checkpoints in the prefix cache.
     through_chunks_forks_and_preemption(&dir, &models, &|_| r#"{"1": -100}"#, 4, true);
     let _ = std::fs::remove_dir_all(dir);
@@ -93,5 +93,60 @@ fn a_shared_system_prompt_of_a_hybrid_model_comes_from_the_prefix_cache() {
         assert_eq!(&ask(&cold, q), want, "question {q}: cached as cold");
         drop(cold);
     }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Speculative decoding on the hybrids at temperature 0: drafts from prompt lookup and from a
+/// draft model that is itself a hybrid (Qwen3.5 MoE drafting for Qwen3.5), the rejected ones
+/// rolled back out of the recurrent states of both, across the recurrence's chunks of 64
+/// positions: the same tokens as greedy decoding.
+#[test]
+fn speculative_decoding_on_hybrid_models_is_greedy() {
+    let dir = scratch("hybrid-speculative");
+    let models = tiny_hybrid(&dir);
+    let mut cfg: String = models
+        .iter()
+        .map(|(path, name)| format!("[[model]]\nname = \"{name}\"\npath = \"{}\"\n", path.display()))
+        .collect();
+    cfg = cfg.replacen("\n[[model]]", &format!("\ndraft = \"{}\"\n[[model]]", models[1].0.display()), 1);
+    let d = Daemon::start(&dir, &cfg, &[]);
+    let complete = |model: &str, prompt: &[u32], decoder: &str| {
+        let body = format!(
+            r#"{{"model": "{model}", "prompt": {prompt:?}, "max_tokens": 40, "temperature": 0, "logprobs": 1{decoder}}}"#
+        );
+        let (st, b) = d.http("POST", "/v1/completions", &body);
+        assert_eq!(st, 200, "{model} {decoder}: {b}");
+        json(&b)
+    };
+    let text = |v: &Value| v["choices"][0]["text"].as_str().unwrap().to_owned();
+    let tokens = |model: &str, text: &str| -> Vec<u32> {
+        let (st, b) = d.http("POST", "/tokenize", &serde_json::json!({"model": model, "content": text}).to_string());
+        assert_eq!(st, 200, "{b}");
+        json(&b)["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
+    };
+    // A prompt, its greedy answer, and the prompt again: prompt lookup drafts the answer, which
+    // the model now partly repeats (drafts kept and drafts rolled back).
+    let (mut drafted, mut accepted) = (0.0, 0.0);
+    let mut runs = vec![(models[0].1, "model"), (models[0].1, "prompt-lookup")];
+    runs.extend(models[1..].iter().map(|(_, name)| (*name, "prompt-lookup")));
+    for (model, drafter) in runs {
+        let first: Vec<u32> = (0..30).map(|i| 3 + (i * 13) % 240).collect();
+        let answer = tokens(model, &text(&complete(model, &first, "")));
+        let prompt = [first.clone(), answer, first].concat();
+        let greedy = complete(model, &prompt, "");
+        let spec = complete(
+            model,
+            &prompt,
+            &format!(r#", "decoder": "speculative", "decoder_params": {{"drafter": "{drafter}"}}"#),
+        );
+        assert_eq!(text(&spec), text(&greedy), "{model}, {drafter} drafts");
+        assert_eq!(spec["choices"][0]["logprobs"], greedy["choices"][0]["logprobs"], "{model}, {drafter} drafts");
+        let stats = &spec["inferd"]["stats"];
+        eprintln!("{model}, {drafter}: {stats}");
+        drafted += stats["draft_tokens"].as_f64().unwrap_or(0.0);
+        accepted += stats["accepted_tokens"].as_f64().unwrap_or(0.0);
+    }
+    assert!(accepted > 0.0 && drafted > accepted, "drafts both kept and rolled back: {accepted} of {drafted}");
+    drop(d);
     let _ = std::fs::remove_dir_all(dir);
 }

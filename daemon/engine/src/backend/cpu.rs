@@ -159,15 +159,19 @@ pub fn state_bytes(arch: &Architecture) -> usize {
     arch.delta.map_or(0, |d| layers * d.state_floats() * std::mem::size_of::<f32>())
 }
 
-/// The recurrent state slots a hybrid model gets from a cache budget of `budget` bytes: a
-/// quarter of it, at least one slot and at most [`MAX_STATES`] (no batch is larger); none for a
-/// model without recurrent layers.
+/// The recurrent state slots a hybrid model gets from a cache budget of `budget` bytes: half of
+/// it (only a quarter of such a model's layers keep K/V, and a state is large: what a chunk of
+/// the recurrence and a speculative rollback need), at least one slot and at most
+/// [`MAX_STATES`] (no batch is larger); none for a model without recurrent layers.
 pub fn state_slots(arch: &Architecture, budget: usize) -> usize {
     match state_bytes(arch) {
         0 => 0,
-        b => (budget / 4 / b).clamp(1, MAX_STATES),
+        b => (budget / STATE_SHARE / b).clamp(1, MAX_STATES),
     }
 }
+
+/// A hybrid model's recurrent states get `1 / STATE_SHARE` of its cache budget.
+pub const STATE_SHARE: usize = 2;
 
 /// The most recurrent state slots a backend keeps.
 pub const MAX_STATES: usize = 256;
@@ -771,7 +775,7 @@ impl LayerOps for CpuOps<'_, '_> {
         let di = self.arch.layers[..layer].iter().filter(|l| l.delta_net).count();
         let (ch, width, sh) = (d.channels(), d.conv, d.shape);
         let (kd, vd, heads) = (sh.k_heads * sh.dk, sh.v_heads * sh.dv, sh.v_heads);
-        let (floats, conv_len) = (d.state_floats(), (d.conv - 1) * ch);
+        let (floats, conv_len) = (d.state_floats(), d.conv_rows() * ch);
         let eps = self.cfg.rms_eps;
         self.laps.lap(Phase::Between, &[]);
         let mut out = std::mem::take(&mut self.s.acts[to.index()]);
@@ -801,7 +805,7 @@ impl LayerOps for CpuOps<'_, '_> {
                 let (conv_state, ssm) = st.split_at_mut(conv_len);
                 let (t0, n) = (sq.t0 + a, b - a);
                 resize(cv, n * ch);
-                conv(&w.conv, width, ch, conv_state, &xm[t0 * ch..(t0 + n) * ch], cv);
+                conv(&w.conv, width, ch, conv_state, sq.start + a, &xm[t0 * ch..(t0 + n) * ch], cv);
                 // SiLU, through the kernels' vector exp a token's row at a time (which of a
                 // row's values take its scalar tail is then the same however many rows come).
                 g.clear();

@@ -18,9 +18,11 @@
 //! sequence's first [`KvCacheManager::append`], shared by forks and copied by whichever of its
 //! holders writes first (copy-on-write, as a shared partial block: the copies wait in
 //! [`KvCacheManager::take_state_copies`] for the backend), counted by the same
-//! reserve-before-mutate step ([`KvCacheManager::states_needed_for_step`]). A state moves only
-//! forward: truncating a sequence below what it has computed is refused
-//! ([`RollbackError::Recurrent`]). For the prefix cache, a sequence's state at the last block
+//! reserve-before-mutate step ([`KvCacheManager::states_needed_for_step`]). A state goes back as
+//! far as a window group does: a sequence truncated up to [`ROLLBACK`] positions behind the
+//! furthest its state has run continues from there (the state keeps what those positions need:
+//! [`inferd_kernels::deltanet`]), so a speculative step's rejected tokens cost nothing to undo;
+//! further back is refused ([`RollbackError::Recurrent`]). For the prefix cache, a sequence's state at the last block
 //! boundary of its prompt is kept as a checkpoint: a slot the backend writes when the forward
 //! pass reaches that position ([`KvCacheManager::plan_checkpoints`], taken only from slots no
 //! step needs), registered under that block's hash when committed; a later prompt matching
@@ -48,11 +50,12 @@ pub enum RollbackError {
     /// The next query would read window positions already released.
     #[error("cannot roll back to {len} tokens: the sliding-window layers have released positions before {kept} (at most {ROLLBACK} positions behind the window can be rolled back)")]
     WindowReleased { len: usize, kept: usize },
-    /// The sequence's recurrent state has moved past the length asked for.
+    /// The sequence's recurrent state has moved further past the length asked for than it
+    /// keeps.
     #[error(
-        "cannot roll back to {len} tokens: the recurrent state (Gated DeltaNet layers) has already run {computed}"
+        "cannot roll back to {len} tokens: the recurrent state (Gated DeltaNet layers) goes back only to {kept} (at most {ROLLBACK} positions behind the furthest it has run)"
     )]
-    Recurrent { len: usize, computed: usize },
+    Recurrent { len: usize, kept: usize },
 }
 
 /// Not enough free blocks (or, `states`, recurrent state slots) for the request; nothing was
@@ -131,6 +134,9 @@ struct Sequence {
     floor: Vec<usize>,
     /// Positions whose K/V has been written by a forward pass.
     computed: usize,
+    /// The furthest its recurrent state has run (positions from [`ROLLBACK`] behind it can be
+    /// gone back to).
+    high: usize,
     /// Chain hashes of the full blocks registered so far (`hashes[i]` covers block `i`).
     hashes: Vec<BlockHash>,
     /// The parent of its first block's hash: its prefix-cache partition (none: shared).
@@ -472,6 +478,9 @@ impl KvCacheManager {
         s.hashes = hashes[..n].to_vec();
         s.tokens = prompt[..n * bs].to_vec();
         s.computed = n * bs;
+        // What a checkpoint keeps of the positions before it is not this sequence's to go
+        // back to.
+        s.high = n * bs + ROLLBACK;
         self.prefix_hit_tokens += (n * bs) as u64;
         n * bs
     }
@@ -573,6 +582,7 @@ impl KvCacheManager {
         let (full, start) = {
             let s = self.seqs.get_mut(&id).expect("sequence exists");
             s.computed = upto.min(s.tokens.len());
+            s.high = s.high.max(s.computed);
             (s.computed / bs, s.hashes.len())
         };
         for i in start..full {
@@ -644,7 +654,7 @@ impl KvCacheManager {
     /// Shortens the sequence to `len` tokens (speculative rollback), releasing whole blocks past
     /// it. Refused, changing nothing, when a window group has already released positions the
     /// next query would read ([`KvCacheManager::slide`] keeps [`ROLLBACK`] of them), or when a
-    /// recurrent state has already run past `len`.
+    /// recurrent state has run more than [`ROLLBACK`] positions past `len`.
     pub fn truncate(&mut self, id: SeqId, len: usize) -> Result<(), RollbackError> {
         let bs = self.block_size;
         let s = self.seq(id);
@@ -654,8 +664,8 @@ impl KvCacheManager {
         if let Some(g) = (0..self.windows.len()).find(|&g| self.first_read(g, len) < s.floor[g]) {
             return Err(RollbackError::WindowReleased { len, kept: s.floor[g] * bs });
         }
-        if s.state.is_some() && len < s.computed {
-            return Err(RollbackError::Recurrent { len, computed: s.computed });
+        if s.state.is_some() && len < s.computed && len + ROLLBACK < s.high {
+            return Err(RollbackError::Recurrent { len, kept: s.high - ROLLBACK });
         }
         let s = self.seqs.get_mut(&id).expect("sequence exists");
         if s.checkpoint_at.is_some_and(|at| at > len) {

@@ -253,7 +253,7 @@ fn prefix_cache_partitions_match_only_their_own_blocks() {
 fn err_kept(e: &RollbackError) -> usize {
     match e {
         RollbackError::WindowReleased { kept, .. } => *kept,
-        RollbackError::Recurrent { .. } => usize::MAX,
+        RollbackError::Recurrent { kept, .. } => *kept,
     }
 }
 
@@ -291,11 +291,20 @@ fn a_recurrent_state_is_taken_on_first_append_shared_by_forks_and_copied_by_the_
     m.append(a, &[9]).unwrap();
     assert_eq!(m.state(a), Some(sa));
     assert!(m.take_state_copies().is_empty(), "written in place");
-    // A state cannot go back: truncating below what has run is refused; uncomputed tokens
-    // (appended, not run) can go.
-    assert_eq!(m.truncate(a, 3), Err(RollbackError::Recurrent { len: 3, computed: 5 }));
-    assert_eq!(m.len(a), 6);
+    // A state goes back up to ROLLBACK positions behind the furthest it has run, and no
+    // further, however it came and went since; uncomputed tokens (appended, not run) can go.
     m.truncate(a, 5).unwrap();
+    m.append(a, &toks(40, 1)).unwrap();
+    m.commit(a, 45);
+    let kept = 45 - ROLLBACK;
+    assert_eq!(m.truncate(a, kept - 1), Err(RollbackError::Recurrent { len: kept - 1, kept }));
+    assert_eq!((m.len(a), m.computed(a)), (45, 45), "refused: unchanged");
+    m.truncate(a, kept + 4).unwrap();
+    m.append(a, &toks(2, 2)).unwrap();
+    m.commit(a, kept + 6);
+    assert_eq!(m.truncate(a, kept - 1), Err(RollbackError::Recurrent { len: kept - 1, kept }), "still from 45");
+    m.truncate(a, kept).unwrap();
+    assert_eq!((m.len(a), m.computed(a), m.state(a)), (kept, kept, Some(sa)), "the same state, gone back");
     // Freeing releases the slots.
     for s in [a, b, c, d] {
         m.free(s);
@@ -383,6 +392,11 @@ fn a_recurrent_prompt_starts_from_the_checkpoint_at_its_cached_prefix() {
     assert_eq!(m.states_needed_for_step(&[(b, 2)]), 1, "a copy before it writes");
     m.append(b, &prompt[20..]).unwrap();
     assert_eq!(m.take_state_copies(), vec![(slot, m.state(b).unwrap())]);
+    // It goes back no further than where its checkpoint put it.
+    m.commit(b, 22);
+    assert_eq!(m.truncate(b, 19), Err(RollbackError::Recurrent { len: 19, kept: 20 }));
+    m.truncate(b, 20).unwrap();
+    m.append(b, &prompt[20..]).unwrap();
     // A prompt that leaves the cached blocks before 20 has no checkpoint to start from.
     let c = m.create();
     let mut other = prompt.clone();

@@ -91,12 +91,23 @@ impl DeltaNet {
         2 * self.shape.k_heads * self.shape.dk + self.shape.v_heads * self.shape.dv
     }
 
-    /// Floats of one sequence's state in one layer: the convolution's last `conv - 1` inputs
-    /// and the recurrence's chunk state ([`inferd_kernels::deltanet::step`]).
+    /// Rows of the convolution's ring ([`inferd_kernels::deltanet::conv`]): the `conv - 1`
+    /// inputs before a position and [`crate::kv::ROLLBACK`] more, so a sequence can go back
+    /// that far (a speculative step's rejected tokens).
+    pub fn conv_rows(&self) -> usize {
+        self.conv - 1 + crate::kv::ROLLBACK
+    }
+
+    /// Floats of one sequence's state in one layer: the convolution's ring and the
+    /// recurrence's chunk state ([`inferd_kernels::deltanet::step`], which can go back a whole
+    /// chunk, more than [`crate::kv::ROLLBACK`]).
     pub fn state_floats(&self) -> usize {
-        (self.conv - 1) * self.channels() + self.shape.chunk_state_len()
+        self.conv_rows() * self.channels() + self.shape.chunk_state_len()
     }
 }
+
+const _: () =
+    assert!(crate::kv::ROLLBACK <= inferd_kernels::deltanet::CHUNK, "a DeltaNet state goes back a chunk at most");
 
 /// How a file stores the tensors: the loader's concern, not the backends'.
 #[derive(Clone, Copy, Debug, PartialEq, Default)]
