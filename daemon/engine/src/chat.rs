@@ -59,6 +59,10 @@ pub struct ChatMessage {
     pub tool_call_id: Option<String>,
     /// The tool's name, on a `tool` message.
     pub name: Option<String>,
+    /// An assistant message's reasoning (OpenAI-compatible servers' `reasoning_content`), which
+    /// thinking models' templates write back where it belongs (Qwen3.5 and Gemma 4: in a tool
+    /// call's turn after the last question).
+    pub reasoning: Option<String>,
 }
 
 impl ChatMessage {
@@ -83,6 +87,9 @@ impl Serialize for ChatMessage {
         }
         if let Some(n) = &self.name {
             m.serialize_entry("name", n)?;
+        }
+        if let Some(r) = &self.reasoning {
+            m.serialize_entry("reasoning_content", r)?;
         }
         m.end()
     }

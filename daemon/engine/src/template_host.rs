@@ -73,6 +73,8 @@ struct WireMessage {
     tool_calls: Vec<(String, String, String)>,
     tool_call_id: Option<String>,
     name: Option<String>,
+    #[serde(default)]
+    reasoning: Option<String>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -91,6 +93,7 @@ impl From<&ChatMessage> for WireMessage {
             tool_calls: m.tool_calls.iter().map(|c| (c.id.clone(), c.name.clone(), c.arguments.clone())).collect(),
             tool_call_id: m.tool_call_id.clone(),
             name: m.name.clone(),
+            reasoning: m.reasoning.clone(),
         }
     }
 }
@@ -107,6 +110,7 @@ impl From<WireMessage> for ChatMessage {
                 .collect(),
             tool_call_id: m.tool_call_id,
             name: m.name,
+            reasoning: m.reasoning,
         }
     }
 }

@@ -191,6 +191,13 @@ pub fn messages(m: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError> {
         }
         cm.tool_call_id = msg.get("tool_call_id").and_then(Value::as_str).map(str::to_owned);
         cm.name = msg.get("name").or_else(|| msg.get("tool_name")).and_then(Value::as_str).map(str::to_owned);
+        // An assistant's reasoning: `reasoning_content` (llama-server, vLLM, DeepSeek),
+        // `reasoning` (OpenRouter, vLLM's newer name), Ollama's `thinking`.
+        cm.reasoning = ["reasoning_content", "reasoning", "thinking"]
+            .iter()
+            .find_map(|k| msg.get(*k).and_then(Value::as_str))
+            .filter(|r| role == "assistant" && !r.is_empty())
+            .map(str::to_owned);
         if msg.get("images").and_then(Value::as_array).is_some_and(|a| !a.is_empty()) {
             return Err(bad(i, "images are not supported by inferd (text models only)".into()));
         }
@@ -213,6 +220,31 @@ pub fn encode(
     tools: Option<&Tools>,
     extra: &inferd_engine::chat::Extra,
 ) -> Result<Vec<u32>, ApiError> {
+    let (text, lit) = render(sh, model, messages, tools, extra)?;
+    lit.encode(&model.tokenizer, &text).map_err(|e| ApiError::bad(e.to_string(), "messages"))
+}
+
+/// The prompt [`encode`] would tokenize, as text (llama-server's `/apply-template`).
+pub fn prompt_text(
+    sh: &Shared,
+    model: &Model,
+    messages: &[ChatMessage],
+    tools: Option<&Tools>,
+    extra: &inferd_engine::chat::Extra,
+) -> Result<String, ApiError> {
+    let (text, lit) = render(sh, model, messages, tools, extra)?;
+    Ok(lit.reveal(&text))
+}
+
+/// The chat template's text for the messages, the clients' text in it hidden behind
+/// placeholders (so it is never read as special tokens), and what they hide.
+fn render(
+    sh: &Shared,
+    model: &Model,
+    messages: &[ChatMessage],
+    tools: Option<&Tools>,
+    extra: &inferd_engine::chat::Extra,
+) -> Result<(String, Literals), ApiError> {
     if messages.is_empty() {
         return Err(ApiError::bad("messages is empty", "messages"));
     }
@@ -250,6 +282,7 @@ pub fn encode(
                 .collect(),
             tool_call_id: m.tool_call_id.as_deref().map(|x| lit.hide(tok, x)),
             name: m.name.as_deref().map(|x| lit.hide(tok, x)),
+            reasoning: m.reasoning.as_deref().map(|x| lit.hide(tok, x)),
         })
         .collect();
     if !format.native {
@@ -275,7 +308,7 @@ pub fn encode(
         .templates
         .render(Template { source: model.chat_template.as_deref(), bos: &bos, eos: &eos }, &msgs, shown, extra, true)
         .map_err(|e| ApiError::bad(format!("the chat template failed: {e}"), "messages"))?;
-    lit.encode(tok, &text).map_err(|e| ApiError::bad(e.to_string(), "messages"))
+    Ok((text, lit))
 }
 
 /// A call as OpenAI writes it in a message (`index` for stream deltas).

@@ -58,6 +58,7 @@ pub fn router(sh: Arc<Shared>) -> Router {
         .layer(axum::middleware::from_fn_with_state(Arc::clone(&sh), super::loading::progress))
         .route("/v1/embeddings", post(embeddings))
         .route("/tokenize", post(tokenize))
+        .route("/apply-template", post(apply_template))
         .route("/infill", post(super::infill::infill))
         .route("/detokenize", post(detokenize))
         .merge(super::loading::routes())
@@ -91,6 +92,7 @@ async fn count(State(sh): State<Arc<Shared>>, req: axum::extract::Request, next:
         "/v1/reranking",
         "/reranking",
         "/tokenize",
+        "/apply-template",
         "/detokenize",
         "/api/version",
         "/api/tags",
@@ -264,6 +266,24 @@ async fn status(State(sh): State<Arc<Shared>>, ConnectInfo(peer): ConnectInfo<Pe
 
 async fn metrics(State(sh): State<Arc<Shared>>) -> Response {
     ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], super::metrics::prometheus(&sh)).into_response()
+}
+
+/// llama-server's `/apply-template`: a chat request's prompt as the model's template renders it
+/// (messages, tools and the thinking switch as `/v1/chat/completions` takes them), nothing
+/// generated.
+async fn apply_template(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
+    if let Err(e) = sh.warm(&body, false, None).await {
+        return error(e);
+    }
+    let run = |sh: &Arc<Shared>, body: &[u8]| -> Result<Value, ApiError> {
+        let m = object(body)?;
+        let model = sh.model(model_field(&m)?)?;
+        let tools = Tools::of(&m, &model.model)?;
+        let extra = super::reasoning::openai(m.get("reasoning_effort"), m.get("chat_template_kwargs"))?;
+        let prompt = chat::prompt_text(sh, &model.model, &chat::messages(&m)?, Some(&tools), &extra)?;
+        Ok(json!({ "prompt": prompt }))
+    };
+    sh.cpu_with(&body, run).await.map_or_else(error, |v| Json(v).into_response())
 }
 
 async fn tokenize(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {

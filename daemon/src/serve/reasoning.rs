@@ -1,9 +1,10 @@
 //! A thinking model's reasoning, apart from its answer: the template's thinking switch as
 //! each API asks for it ([`switch`]: OpenAI's `reasoning_effort` and `chat_template_kwargs`,
 //! Ollama's `think`, Anthropic's `thinking`, the Responses API's `reasoning.effort`), and the
-//! answer's `<think>…</think>` block split off as reasoning ([`Split`]), as llama-server's
-//! default reasoning format and vLLM's reasoning parsers do. A template that opens the block
-//! itself (its generation prompt ends in `<think>`) starts the answer inside it.
+//! answer's `<think>…</think>` block (Gemma 4's `<|channel>thought…<channel|>`) split off as
+//! reasoning ([`Split`]), as llama-server's default reasoning format and vLLM's reasoning
+//! parsers do. A template that opens the block itself (its generation prompt ends in
+//! `<think>`) starts the answer inside it.
 
 use super::api::ApiError;
 use inferd_engine::chat::Extra;
@@ -13,38 +14,49 @@ use serde_json::{json, Value};
 /// A piece of an answer's text: reasoning, the answer proper, or (harmony's) a tool call.
 pub use inferd_engine::tools::harmony::Part;
 
-const OPEN: &str = "<think>";
-const CLOSE: &str = "</think>";
+/// The tags around a block of reasoning.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tags {
+    pub open: &'static str,
+    pub close: &'static str,
+}
 
-/// Whether a chat template speaks of thinking: a `<think>` block, or a switch for it.
+/// Qwen3 / 3.5's, DeepSeek-R1's and most thinking models' block.
+pub const THINK: Tags = Tags { open: "<think>", close: "</think>" };
+
+/// Gemma 4's thought channel.
+pub const THOUGHT_CHANNEL: Tags = Tags { open: "<|channel>thought", close: "<channel|>" };
+
+/// Whether a chat template speaks of thinking: a block of it, or a switch for it.
 pub fn capable(template: Option<&str>) -> bool {
     let t = template.unwrap_or_default();
-    [OPEN, "enable_thinking", "reasoning_content", "reasoning_effort"].iter().any(|k| t.contains(k))
+    [THINK.open, THOUGHT_CHANNEL.open, "enable_thinking", "reasoning_content", "reasoning_effort"]
+        .iter()
+        .any(|k| t.contains(k))
 }
 
 /// How a thinking model's chat answer is read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reading {
-    /// A `<think>` block, which the prompt opened already (`open`) or the answer may open.
-    Think { open: bool },
+    /// A block of reasoning between `tags`, which the prompt opened already (`open`) or the
+    /// answer may open.
+    Think { open: bool, tags: Tags },
     /// gpt-oss's harmony channels ([`inferd_engine::tools::harmony`]).
     Harmony,
 }
 
 /// How a chat answer of `model` to `prompt` is read: harmony where its template writes it;
-/// `None` when its template has no `<think>` block; else whether the prompt ends inside one it
-/// opened (its last tokens spell it).
+/// `None` when its template has no block of reasoning; else its tags, and whether the prompt
+/// ends inside one it opened (its last tokens spell it).
 pub fn start(model: &Model, prompt: &[u32]) -> Option<Reading> {
     let template = model.chat_template.as_deref();
     if inferd_engine::tools::harmony::is_harmony(template) {
         return Some(Reading::Harmony);
     }
-    if !template.is_some_and(|t| t.contains(OPEN)) {
-        return None;
-    }
+    let tags = [THOUGHT_CHANNEL, THINK].into_iter().find(|t| template.is_some_and(|s| s.contains(t.open)))?;
     let tail = &prompt[prompt.len().saturating_sub(8)..];
-    let open = model.tokenizer.decode(tail, false).is_ok_and(|t| t.trim_end().ends_with(OPEN));
-    Some(Reading::Think { open })
+    let open = model.tokenizer.decode(tail, false).is_ok_and(|t| t.trim_end().ends_with(tags.open));
+    Some(Reading::Think { open, tags })
 }
 
 /// The template variables for a request's thinking: `enable` (on or off) and `effort`
@@ -101,7 +113,7 @@ pub fn ollama(think: Option<&Value>, model: &str, template: Option<&str>) -> Res
     Ok(switch(Some(enable), effort))
 }
 
-/// One choice's reader: a `<think>` block's splitter or harmony's channels.
+/// One choice's reader: a reasoning block's splitter or harmony's channels.
 #[derive(Debug)]
 pub enum Reader {
     Think(Split),
@@ -111,7 +123,7 @@ pub enum Reader {
 impl Reader {
     pub fn new(reading: Reading) -> Reader {
         match reading {
-            Reading::Think { open } => Reader::Think(Split::new(open)),
+            Reading::Think { open, tags } => Reader::Think(Split::new(open, tags)),
             Reading::Harmony => Reader::Harmony(Box::default()),
         }
     }
@@ -135,7 +147,7 @@ impl Reader {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum State {
-    /// Nothing but whitespace yet: a `<think>` may still open.
+    /// Nothing but whitespace yet: a block may still open.
     Start,
     Thinking,
     Answer,
@@ -146,6 +158,7 @@ enum State {
 /// block and the answer (and at the block's start) belongs to neither.
 #[derive(Clone, Debug)]
 pub struct Split {
+    tags: Tags,
     state: State,
     held: String,
     /// Nothing of the current part was given out yet (its leading whitespace is dropped).
@@ -154,25 +167,26 @@ pub struct Split {
 
 impl Split {
     /// A splitter for an answer that starts inside the block (`open`) or before it.
-    pub fn new(open: bool) -> Split {
-        Split { state: if open { State::Thinking } else { State::Start }, held: String::new(), fresh: true }
+    pub fn new(open: bool, tags: Tags) -> Split {
+        Split { tags, state: if open { State::Thinking } else { State::Start }, held: String::new(), fresh: true }
     }
 
     /// The parts `text` completes.
     pub fn push(&mut self, text: &str) -> Vec<Part> {
         self.held.push_str(text);
+        let Tags { open, close } = self.tags;
         let mut out = Vec::new();
         loop {
             match self.state {
                 State::Start => {
                     let t = self.held.trim_start();
-                    if let Some(rest) = t.strip_prefix(OPEN) {
+                    if let Some(rest) = t.strip_prefix(open) {
                         self.held = rest.to_owned();
                         self.state = State::Thinking;
                         self.fresh = true;
                         continue;
                     }
-                    if t.is_empty() || OPEN.starts_with(t) {
+                    if t.is_empty() || open.starts_with(t) {
                         return out;
                     }
                     self.state = State::Answer;
@@ -181,20 +195,20 @@ impl Split {
                     return out;
                 }
                 State::Thinking => {
-                    if let Some(i) = self.held.find(CLOSE) {
+                    if let Some(i) = self.held.find(close) {
                         let rest = self.held.split_off(i);
                         self.emit(&mut out, Part::Reasoning);
-                        self.held = rest[CLOSE.len()..].to_owned();
+                        self.held = rest[close.len()..].to_owned();
                         self.state = State::Answer;
                         self.fresh = true;
                         continue;
                     }
                     // Keep what may be the start of the closing tag.
-                    let keep = (1..CLOSE.len().min(self.held.len() + 1))
+                    let keep = (1..close.len().min(self.held.len() + 1))
                         .rev()
                         .find(|&n| {
                             self.held.is_char_boundary(self.held.len() - n)
-                                && CLOSE.starts_with(&self.held[self.held.len() - n..])
+                                && close.starts_with(&self.held[self.held.len() - n..])
                         })
                         .unwrap_or(0);
                     let rest = self.held.split_off(self.held.len() - keep);
@@ -238,7 +252,11 @@ mod tests {
     use super::*;
 
     fn split(open: bool, pieces: &[&str]) -> (String, String) {
-        let mut s = Split::new(open);
+        split_with(THINK, open, pieces)
+    }
+
+    fn split_with(tags: Tags, open: bool, pieces: &[&str]) -> (String, String) {
+        let mut s = Split::new(open, tags);
         let (mut r, mut c) = (String::new(), String::new());
         let mut parts: Vec<Part> = pieces.iter().flat_map(|p| s.push(p)).collect();
         parts.extend(s.finish());
@@ -263,6 +281,17 @@ mod tests {
         }
         let chars: Vec<String> = whole.chars().map(String::from).collect();
         assert_eq!(split(false, &chars.iter().map(String::as_str).collect::<Vec<_>>()), want);
+    }
+
+    #[test]
+    fn gemma_4s_thought_channel_is_reasoning_too() {
+        let whole = "<|channel>thought\nThe user greets.<channel|>Hello!";
+        let want = ("The user greets.".to_owned(), "Hello!".to_owned());
+        for i in 1..whole.len() {
+            assert_eq!(split_with(THOUGHT_CHANNEL, false, &[&whole[..i], &whole[i..]]), want, "cut at {i}");
+        }
+        // Thinking off: the template writes the channel closed and empty, the answer is content.
+        assert_eq!(split_with(THOUGHT_CHANNEL, false, &["Hello!"]), (String::new(), "Hello!".into()));
     }
 
     #[test]

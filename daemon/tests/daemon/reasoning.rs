@@ -116,3 +116,58 @@ fn reasoning_is_split_off_and_each_api_switches_it() {
     drop(d);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Qwen3.5's and Gemma 4's own chat templates (from the llama.cpp source tests/build-llama-server
+/// fetches) on the default model's vocabulary, rendered by inferd's `/apply-template` and by
+/// llama-server's from the same file: the same prompt, byte for byte, thinking on and off, over
+/// a system prompt, a multi-turn chat whose earlier answer carries its reasoning, and a tool
+/// call with its result.
+#[test]
+fn qwen35_and_gemma4_templates_render_as_llama_server() {
+    let Some(bin) = super::remote::llama_server() else {
+        eprintln!("skipped: no llama-server (tests/build-llama-server builds one)");
+        return;
+    };
+    let templates = bin
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("llama.cpp-src/llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates");
+    let dir = scratch("templates-vs-llama");
+    let tools = r#""tools": [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]"#;
+    let chats = [
+        r#""messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2 + 2?"}]"#.to_owned(),
+        r#""messages": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4", "reasoning_content": "Two and two."}, {"role": "user", "content": "And 3 + 3?"}]"#.to_owned(),
+        format!(r#""messages": [{{"role": "user", "content": "Weather in Paris?"}}, {{"role": "assistant", "content": "", "reasoning_content": "A tool knows.", "tool_calls": [{{"id": "call_1", "type": "function", "function": {{"name": "get_weather", "arguments": "{{\"city\": \"Paris\"}}"}}}}]}}, {{"role": "tool", "tool_call_id": "call_1", "content": "sunny"}}], {tools}"#),
+    ];
+    for file in ["Qwen3.5-4B.jinja", "google-gemma-4-31B-it.jinja"] {
+        let template = templates.join(file);
+        assert!(template.exists(), "{} (tests/build-llama-server fetches it)", template.display());
+        let port = super::remote::free_port();
+        let _server = super::remote::spawn_llama_server(
+            &bin,
+            &model(),
+            port,
+            &dir,
+            &["--jinja", "--chat-template-file", template.to_str().unwrap()],
+        );
+        let cfg =
+            format!("[[model]]\npath = \"{}\"\nname = \"m\"\nchat_template = \"{}\"\n", model(), template.display());
+        let d = Daemon::start(&dir, &cfg, &[]);
+        // The switch said each time: llama-server turns thinking on where a request does not
+        // say, inferd leaves the template's default (Gemma 4's is off, Qwen3.5's on).
+        for (chat, think) in chats.iter().flat_map(|c| [(c, true), (c, false)]) {
+            let body = format!(r#"{{"model": "m", {chat}, "chat_template_kwargs": {{"enable_thinking": {think}}}}}"#);
+            let (st, ours) = d.http("POST", "/apply-template", &body);
+            assert_eq!(st, 200, "{file}: {ours}");
+            let (st, theirs) = super::remote::tcp_http(port, "POST", "/apply-template", &body);
+            assert_eq!(st, 200, "{file}: llama-server {theirs}");
+            let (ours, theirs) = (json(&ours)["prompt"].clone(), json(&theirs)["prompt"].clone());
+            assert!(ours.is_string(), "{ours}");
+            assert_eq!(ours, theirs, "{file}, thinking {think}: {chat}");
+        }
+        drop(d);
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -116,6 +116,12 @@ impl Literals {
         tok.encode_pieces_bare(&self.pieces(rendered))
     }
 
+    /// A rendered prompt as text: each placeholder back to the text it hid (what the template
+    /// wrote, as llama-server's `/apply-template` answers).
+    pub fn reveal(&self, rendered: &str) -> String {
+        self.pieces(rendered).into_iter().map(|(text, _)| text).collect()
+    }
+
     /// `rendered` cut at the placeholders: (text, parse special tokens).
     fn pieces<'a>(&'a self, rendered: &'a str) -> Vec<(&'a str, bool)> {
         let mut pieces: Vec<(&str, bool)> = Vec::new();

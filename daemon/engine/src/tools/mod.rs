@@ -31,12 +31,15 @@ pub struct Tool {
 }
 
 impl Tool {
-    /// OpenAI's shape, which tool-aware chat templates iterate over.
+    /// OpenAI's shape, which tool-aware chat templates iterate over, its keys in OpenAI's
+    /// order (name, description, parameters: templates that write a tool as JSON keep it).
     pub fn to_openai(&self) -> Value {
-        let mut f = json!({ "name": self.name, "parameters": self.parameters });
+        let mut f = serde_json::Map::new();
+        f.insert("name".into(), json!(self.name));
         if let Some(d) = &self.description {
-            f["description"] = json!(d);
+            f.insert("description".into(), json!(d));
         }
+        f.insert("parameters".into(), self.parameters.clone());
         json!({ "type": "function", "function": f })
     }
 }
