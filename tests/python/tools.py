@@ -37,7 +37,7 @@ clock = {
     "function": {
         "name": "get_time",
         "description": "The local time in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False},
     },
 }
 ask = [{"role": "user", "content": "What is the weather like in Paris today?"}]
