@@ -216,7 +216,6 @@ pub fn step(
         // The chunk's half of the state: even chunks the first, odd the second.
         let par = p / CHUNK % 2;
         let m = (CHUNK - c0).min(tokens - i);
-        let seg = Segment { start: p, t0: i, m };
         // A row beginning a chunk computes every head's S_0 for it from the chunk before (its
         // S_0 and rows, and its keys, in the other half), then this call's rows' keys go in.
         if c0 == 0 && p > 0 {
@@ -233,24 +232,28 @@ pub fn step(
         }
         let krows = &mut krows[par * kr..(par + 1) * kr];
         krows[c0 * k_heads * dk..(c0 + m) * k_heads * dk].copy_from_slice(&k[i * k_heads * dk..(i + m) * k_heads * dk]);
-        let krows_now: &[f32] = krows;
+        let seg = Segment { s, krows, x, start: p, t0: i, m, out: out_ptr };
         let task = |h: usize| {
             // SAFETY: as above (the outputs `head_rows` writes through `out_ptr` are head h's
             // alone: see there).
             let hs = unsafe { std::slice::from_raw_parts_mut(heads_ptr.get().add(h * per_head + par * half), half) };
-            wide::head_rows(s, h, hs, krows_now, x, seg, out_ptr);
+            wide::head_rows(&seg, h, hs);
         };
         run_heads(pool, v_heads, &task);
         i += m;
     }
 }
 
-/// Rows `t0..t0 + m` of a call's tokens, positions `start..start + m`, all in one chunk.
-#[derive(Clone, Copy)]
-struct Segment {
+/// Rows `t0..t0 + m` of a call's tokens (`x`), positions `start..start + m`, all in one chunk
+/// (its keys so far in `krows`); their outputs go to `out`, the call's output buffer.
+struct Segment<'a, 'b> {
+    s: DeltaShape,
+    krows: &'a [f32],
+    x: &'a Inputs<'b>,
     start: usize,
     t0: usize,
     m: usize,
+    out: SyncPtr<f32>,
 }
 
 /// A head's work compiled for AVX2 where the processor has it (the eight-lane dots one
@@ -258,7 +261,7 @@ struct Segment {
 /// operations in the same order either way (no fused multiply-adds), so a row's result does
 /// not depend on the machine's vector width.
 mod wide {
-    use super::{DeltaShape, Inputs, Segment, SyncPtr};
+    use super::{DeltaShape, Segment};
 
     /// How a head's work takes its dot products: [`super::dot`]'s eight lanes, in whichever
     /// instructions the type stands for.
@@ -329,35 +332,17 @@ mod wide {
         None
     }
 
-    pub(super) fn head_rows(
-        s: DeltaShape,
-        h: usize,
-        hs: &mut [f32],
-        krows: &[f32],
-        x: &Inputs<'_>,
-        seg: Segment,
-        out: SyncPtr<f32>,
-    ) {
+    pub(super) fn head_rows(seg: &Segment<'_, '_>, h: usize, hs: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         if let Some(l) = avx2() {
             #[target_feature(enable = "avx2")]
-            #[allow(clippy::too_many_arguments)]
-            fn run(
-                l: &Avx2,
-                s: DeltaShape,
-                h: usize,
-                hs: &mut [f32],
-                krows: &[f32],
-                x: &Inputs<'_>,
-                seg: Segment,
-                out: SyncPtr<f32>,
-            ) {
-                super::head_rows(l, s, h, hs, krows, x, seg, out)
+            fn run(l: &Avx2, seg: &Segment<'_, '_>, h: usize, hs: &mut [f32]) {
+                super::head_rows(l, seg, h, hs)
             }
             // SAFETY: the processor has AVX2 (`l` says so), all `run` asks.
-            return unsafe { run(&l, s, h, hs, krows, x, seg, out) };
+            return unsafe { run(&l, seg, h, hs) };
         }
-        super::head_rows(&Portable, s, h, hs, krows, x, seg, out)
+        super::head_rows(&Portable, seg, h, hs)
     }
 
     pub(super) fn finish_chunk(s: DeltaShape, h: usize, from: &[f32], to: &mut [f32], krows: &[f32]) {
@@ -382,20 +367,11 @@ fn run_heads(pool: Option<&ThreadPool>, heads: usize, task: &(dyn Fn(usize) + Sy
     }
 }
 
-/// Head `h`'s rows of a segment: its cumulative decays, corrected values and outputs (into
-/// `out`: the call's output buffer, `v_heads * dv` floats a token).
+/// Head `h`'s rows of a segment (`hs`: its half of the state for the segment's chunk): their
+/// cumulative decays, corrected values and outputs (`v_heads * dv` floats a token).
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn head_rows<L: wide::Lanes>(
-    l: &L,
-    s: DeltaShape,
-    h: usize,
-    hs: &mut [f32],
-    krows: &[f32],
-    x: &Inputs<'_>,
-    seg: Segment,
-    out: SyncPtr<f32>,
-) {
+fn head_rows<L: wide::Lanes>(l: &L, seg: &Segment<'_, '_>, h: usize, hs: &mut [f32]) {
+    let Segment { s, krows, x, out, .. } = *seg;
     let DeltaShape { k_heads, v_heads, dk, dv, .. } = s;
     let Inputs { q, v, g, beta, .. } = *x;
     let scale = 1.0 / (dk as f32).sqrt();
