@@ -208,6 +208,20 @@ fn hybrid_states_go_back_for_speculative_steps() {
     }
 }
 
+/// Gemma 4's tiny model (tiny_models.py `gemma4`: its per-layer embeddings, K/V shared across
+/// layers, heads of two sizes) is written byte for byte as llama.cpp's reference was taken
+/// from, and refused by name with the supported architectures listed, until inferd runs it.
+#[test]
+fn tiny_gemma4_is_written_as_recorded_and_refused_by_name() {
+    for name in ["tiny-gemma4", "tiny-gemma4-f32"] {
+        let entry = entry(name);
+        let path = tiny_dir().join(entry["file"].as_str().unwrap());
+        assert_eq!(sha256(&path), entry["sha256"].as_str().unwrap(), "{name}: tiny_models.py wrote other bytes");
+        let err = Model::load(&path).err().map(|e| format!("{e:#}")).unwrap_or_default();
+        assert!(err.contains("architecture 'gemma4'") && err.contains("supported: llama"), "{name}: {err}");
+    }
+}
+
 #[test]
 fn tiny_models_of_every_architecture_match_llama_cpp() {
     for arch in ["llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen35", "qwen35moe", "qwen3next"] {

@@ -559,6 +559,101 @@ MOES = [
 # that cosine's sign) lies within 0.06 of zero, where 8-bit rounding would flip its sign.
 HYBRIDS = [("qwen35", 300), ("qwen35moe", 309), ("qwen3next", 309)]
 
+# Gemma 4's layers: sliding-window ones with heads of G4_SWA_HEAD and two KV heads, global
+# ones with heads of G4_FULL_HEAD, one KV head and a quarter of each head rotated; per-layer
+# embeddings of G4_PLE a layer; the last G4_SHARED layers read the K/V of the last layer of
+# their kind before them.
+G4_LAYERS, G4_SWA_HEAD, G4_FULL_HEAD, G4_PLE, G4_SHARED = 6, 16, 32, 8, 2
+
+
+EMBD_SCALE = 0.3
+
+
+def gemma4(path, seed, f32=False):
+    """A tiny Gemma 4 (`gemma4`, as E2B / E4B): sliding-window and global layers alternating,
+    their heads of two sizes and KV heads of two counts, the global layers' "proportional"
+    RoPE (frequency factors of 1e30 leave three quarters of a head unrotated) with their own
+    base, K and V normed (V without a weight), attention unscaled, one global layer's V its K
+    (no `attn_v`), per-layer embeddings gated into every layer, a scalar on every layer's
+    output, the last two layers sharing earlier layers' K/V, and soft-capped logits."""
+    rng = np.random.default_rng(seed)
+    swa = [i % 2 == 0 for i in range(G4_LAYERS)]
+    kv_heads = [2 if s else 1 for s in swa]
+    first_shared = G4_LAYERS - G4_SHARED
+
+    def mat(rows, cols, scale=None):
+        return (rng.standard_normal((rows, cols)) * (scale or cols ** -0.5)).astype(np.float32)
+
+    def norm(n):
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    w = GGUFWriter(path, "gemma4")
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_block_count(G4_LAYERS)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1000000.0)
+    w.add_rope_freq_base_swa(10000.0)
+    w.add_key_length(G4_FULL_HEAD)
+    w.add_value_length(G4_FULL_HEAD)
+    w.add_key_length_swa(G4_SWA_HEAD)
+    w.add_value_length_swa(G4_SWA_HEAD)
+    w.add_rope_dimension_count(G4_FULL_HEAD)
+    w.add_rope_dimension_count_swa(G4_SWA_HEAD)
+    w.add_sliding_window(8)
+    w.add_sliding_window_pattern(swa)
+    w.add_shared_kv_layers(G4_SHARED)
+    w.add_embedding_length_per_layer_input(G4_PLE)
+    w.add_final_logit_softcapping(30.0)
+    add_vocab(w)
+    t = {}
+    t["token_embd.weight"] = mat(VOCAB, HIDDEN, EMBD_SCALE)
+    t["output_norm.weight"] = norm(HIDDEN)
+    rotated = G4_FULL_HEAD // 8  # of the head's G4_FULL_HEAD / 2 pairs: a quarter of the head
+    t["rope_freqs.weight"] = np.array([1.0] * rotated + [1e30] * (G4_FULL_HEAD // 2 - rotated), dtype=np.float32)
+    t["per_layer_token_embd.weight"] = mat(VOCAB, G4_LAYERS * G4_PLE, 1.0)
+    t["per_layer_model_proj.weight"] = mat(G4_LAYERS * G4_PLE, HIDDEN, 1.0)
+    t["per_layer_proj_norm.weight"] = norm(G4_PLE)
+    for i in range(G4_LAYERS):
+        p = f"blk.{i}."
+        head = G4_SWA_HEAD if swa[i] else G4_FULL_HEAD
+        q, kv = HEADS * head, kv_heads[i] * head
+        t[p + "attn_norm.weight"] = norm(HIDDEN)
+        # Unscaled attention: queries and keys normed to about unit size, so scores stay
+        # moderate.
+        t[p + "attn_q.weight"] = mat(q, HIDDEN)
+        t[p + "attn_q_norm.weight"] = norm(head)
+        if i < first_shared:
+            t[p + "attn_k.weight"] = mat(kv, HIDDEN)
+            t[p + "attn_k_norm.weight"] = norm(head)
+            if i != 1:
+                t[p + "attn_v.weight"] = mat(kv, HIDDEN)
+        t[p + "attn_output.weight"] = mat(HIDDEN, q)
+        t[p + "post_attention_norm.weight"] = norm(HIDDEN)
+        t[p + "ffn_norm.weight"] = norm(HIDDEN)
+        t[p + "ffn_gate.weight"] = mat(FFN, HIDDEN)
+        t[p + "ffn_up.weight"] = mat(FFN, HIDDEN)
+        t[p + "ffn_down.weight"] = mat(HIDDEN, FFN)
+        t[p + "post_ffw_norm.weight"] = norm(HIDDEN)
+        t[p + "inp_gate.weight"] = mat(G4_PLE, HIDDEN)
+        t[p + "proj.weight"] = mat(HIDDEN, G4_PLE)
+        t[p + "post_norm.weight"] = norm(HIDDEN)
+        t[p + "layer_output_scale.weight"] = np.array([0.5 + rng.random()], dtype=np.float32)
+    for name, value in t.items():
+        # Rows shorter than a Q8_0 block (the per-layer projection back) stay f32.
+        small = value.ndim < 2 or value.shape[-1] % 32 != 0 or name in ("token_embd.weight", "per_layer_token_embd.weight")
+        if f32 or small:
+            w.add_tensor(name, value)
+        else:
+            w.add_tensor(name, quantize(value, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
 # Rerankers (Qwen3's form): (name, prompt template).
 RERANKERS = [("tiny-qwen3-rerank", "<s>query: {query}\ndocument: {document}</s>"), ("tiny-qwen3-rerank-bare", None)]
 
@@ -571,6 +666,9 @@ if __name__ == "__main__" and sys.argv[1] == "moe":
 elif __name__ == "__main__" and sys.argv[1] == "hybrid":
     for arch, seed in HYBRIDS:
         hybrid(f"{sys.argv[2]}/tiny-{arch}.gguf", seed, arch)
+elif __name__ == "__main__" and sys.argv[1] == "gemma4":
+    gemma4(f"{sys.argv[2]}/tiny-gemma4.gguf", 400)
+    gemma4(f"{sys.argv[2]}/tiny-gemma4-f32.gguf", 400, f32=True)
 elif __name__ == "__main__" and sys.argv[1] == "rerankers":
     for seed, (name, template) in enumerate(RERANKERS, start=100):
         model("qwen3", f"{sys.argv[2]}/{name}.gguf", seed, rerank={"template": template})
@@ -590,3 +688,5 @@ elif __name__ == "__main__":
     for arch, seed in HYBRIDS:
         hybrid(f"{out}/tiny-{arch}.gguf", seed, arch)
         hybrid(f"{out}/tiny-{arch}-f32.gguf", seed, arch, f32=True)
+    gemma4(f"{out}/tiny-gemma4.gguf", 400)
+    gemma4(f"{out}/tiny-gemma4-f32.gguf", 400, f32=True)
