@@ -55,7 +55,7 @@ fn error_object(e: &ApiError) -> Value {
 }
 
 /// Keys of a Messages body read here.
-const KEYS: [&str; 13] = [
+const KEYS: [&str; 15] = [
     "model",
     "messages",
     "max_tokens",
@@ -69,6 +69,9 @@ const KEYS: [&str; 13] = [
     "tool_choice",
     "thinking",
     "output_config",
+    // inferd's own, as on its OpenAI routes: the decoding strategy and its parameters.
+    "decoder",
+    "decoder_params",
 ];
 
 /// Keys accepted and ignored: bookkeeping of Anthropic's own service (`metadata.user_id`
@@ -138,7 +141,7 @@ impl Ask {
             }
             Some(_) => return Err(ApiError::bad("stop_sequences must be a list of strings", "stop_sequences")),
         }
-        for k in ["temperature", "top_p", "top_k"] {
+        for k in ["temperature", "top_p", "top_k", "decoder", "decoder_params"] {
             if let Some(v) = m.get(k).filter(|v| !v.is_null()) {
                 o.insert(k.into(), v.clone());
             }

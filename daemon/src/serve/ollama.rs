@@ -373,6 +373,15 @@ pub fn options(m: &Map<String, Value>) -> Result<Vec<(String, Field)>, ApiError>
                 )),
                 _ => return Err(bad("options.stop must be a string or an array of strings")),
             },
+            // inferd's own, as on its OpenAI routes: the decoding strategy and its parameters.
+            "decoder" => match v {
+                Value::String(s) => Some((k.clone(), Field::Str(s.clone()))),
+                _ => return Err(bad("options.decoder must be a string: a decoding strategy's name")),
+            },
+            "decoder_params" => match v {
+                Value::Object(_) => Some((k.clone(), Field::Object(v.to_string()))),
+                _ => return Err(bad("options.decoder_params must be an object")),
+            },
             // How and where to run: inferd's configuration decides.
             "num_ctx" | "num_batch" | "num_gpu" | "main_gpu" | "low_vram" | "num_thread" | "numa" | "use_mmap"
             | "use_mlock" | "vocab_only" | "f16_kv" | "logits_all" | "embedding_only" | "num_keep" => None,

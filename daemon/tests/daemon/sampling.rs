@@ -54,3 +54,69 @@ fn the_repetition_penalty_is_llama_cpps() {
     drop(server);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Every API names a decoding strategy the way the OpenAI routes do (`decoder` and
+/// `decoder_params`; Ollama's in `options`): beam search through each is counted under its
+/// name, and speculative decoding at temperature 0 answers as greedy; a strategy that does not
+/// exist is a 404 naming it (as an unknown model is).
+#[test]
+fn every_api_names_a_decoding_strategy() {
+    let dir = scratch("decoder-apis");
+    let d = Daemon::start(&dir, "", &[]);
+    let question = r#"[{"role": "user", "content": "Name a colour."}]"#;
+    // At temperature 0 unless `bare` (beam search and greedy take no temperature).
+    let bodies = |decoder: &str, params: &str, bare: bool| {
+        let t = if bare { "" } else { r#", "temperature": 0"# };
+        let ask = format!(r#""decoder": "{decoder}", "decoder_params": {params}{t}"#);
+        [
+            ("/v1/chat/completions", format!(r#"{{"messages": {question}, "max_tokens": 8, {ask}}}"#)),
+            (
+                "/api/chat",
+                format!(r#"{{"messages": {question}, "stream": false, "options": {{"num_predict": 8, {ask}}}}}"#),
+            ),
+            ("/v1/messages", format!(r#"{{"messages": {question}, "max_tokens": 8, {ask}}}"#)),
+            ("/v1/responses", format!(r#"{{"input": {question}, "max_output_tokens": 8, {ask}}}"#)),
+        ]
+    };
+    let text = |route: &str, v: &Value| -> String {
+        match route {
+            "/v1/chat/completions" => v["choices"][0]["message"]["content"].as_str().unwrap().to_owned(),
+            "/api/chat" => v["message"]["content"].as_str().unwrap().to_owned(),
+            "/v1/messages" => v["content"][0]["text"].as_str().unwrap().to_owned(),
+            _ => v["output"][0]["content"][0]["text"].as_str().unwrap().to_owned(),
+        }
+    };
+    let beams = || -> f64 {
+        let (_, m) = d.http("GET", "/metrics", "");
+        m.lines()
+            .filter(|l| {
+                l.starts_with("inferd_strategy_requests_total") && l.contains("strategy=\"beam\",outcome=\"finished\"")
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    for (i, ((route, beam), ((_, spec), (_, greedy)))) in bodies("beam", r#"{"beam_width": 2}"#, true)
+        .into_iter()
+        .zip(
+            bodies("speculative", r#"{"drafter": "prompt-lookup"}"#, false)
+                .into_iter()
+                .zip(bodies("greedy", "{}", true)),
+        )
+        .enumerate()
+    {
+        let (st, b) = d.http("POST", route, &beam);
+        assert_eq!(st, 200, "{route}: {b}");
+        assert_eq!(beams(), (i + 1) as f64, "{route}: counted as beam search");
+        let (st, s) = d.http("POST", route, &spec);
+        assert_eq!(st, 200, "{route}: {s}");
+        let (st, g) = d.http("POST", route, &greedy);
+        assert_eq!(st, 200, "{route}: {g}");
+        assert_eq!(text(route, &json(&s)), text(route, &json(&g)), "{route}: speculative at temperature 0 is greedy");
+    }
+    for (route, body) in bodies("no-such-strategy", "{}", false) {
+        let (st, b) = d.http("POST", route, &body);
+        assert!(st == 404 && b.contains("no-such-strategy"), "{route}: {st} {b}");
+    }
+    drop(d);
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -34,7 +34,7 @@ pub fn routes() -> Router<Arc<Shared>> {
 }
 
 /// Keys of a Responses body read here.
-const KEYS: [&str; 16] = [
+const KEYS: [&str; 18] = [
     "model",
     "input",
     "instructions",
@@ -51,6 +51,9 @@ const KEYS: [&str; 16] = [
     "previous_response_id",
     "metadata",
     "top_logprobs",
+    // inferd's own, as on its other routes: the decoding strategy and its parameters.
+    "decoder",
+    "decoder_params",
 ];
 
 /// Keys accepted and ignored: OpenAI's own service's bookkeeping (`user` and
@@ -122,6 +125,8 @@ impl Ask {
             ("max_output_tokens", "max_tokens"),
             ("temperature", "temperature"),
             ("top_p", "top_p"),
+            ("decoder", "decoder"),
+            ("decoder_params", "decoder_params"),
         ] {
             if let Some(v) = m.get(from).filter(|v| !v.is_null()) {
                 o.insert(to.into(), v.clone());
