@@ -278,6 +278,7 @@ async fn apply_template(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) 
     let run = |sh: &Arc<Shared>, body: &[u8]| -> Result<Value, ApiError> {
         let m = object(body)?;
         let model = sh.model(model_field(&m)?)?;
+        known_keys(&m, "messages")?;
         let tools = Tools::of(&m, &model.model)?;
         let extra = super::reasoning::openai(m.get("reasoning_effort"), m.get("chat_template_kwargs"))?;
         let prompt = chat::prompt_text(sh, &model.model, &chat::messages(&m)?, Some(&tools), &extra)?;

@@ -23,6 +23,11 @@ fn tiny_hybrid(dir: &Path) -> Vec<(PathBuf, &'static str)> {
     ["qwen35", "qwen35moe", "qwen3next"].into_iter().map(|m| (dir.join(format!("tiny-{m}.gguf")), m)).collect()
 }
 
+/// A daemon configuration serving each model under its name.
+fn config(models: &[(PathBuf, &str)]) -> String {
+    models.iter().map(|(path, name)| format!("[[model]]\nname = \"{name}\"\npath = \"{}\"\n", path.display())).collect()
+}
+
 #[test]
 fn hybrid_models_answer_as_llama_cpp() {
     let Some(bin) = llama_server() else {
@@ -31,10 +36,7 @@ fn hybrid_models_answer_as_llama_cpp() {
     };
     let dir = scratch("hybrid");
     let models = tiny_hybrid(&dir);
-    let cfg: String = models
-        .iter()
-        .map(|(path, name)| format!("[[model]]\nname = \"{name}\"\npath = \"{}\"\n", path.display()))
-        .collect();
+    let cfg = config(&models);
     let d = Daemon::start(&dir, &cfg, &[]);
     let (compared, worst) = answer_as_llama_cpp(&bin, &d, &models, &dir, HYBRID_TOL);
     assert!(compared >= 90, "only {compared} of 144 steps compared");
@@ -104,10 +106,7 @@ fn a_shared_system_prompt_of_a_hybrid_model_comes_from_the_prefix_cache() {
 fn speculative_decoding_on_hybrid_models_is_greedy() {
     let dir = scratch("hybrid-speculative");
     let models = tiny_hybrid(&dir);
-    let mut cfg: String = models
-        .iter()
-        .map(|(path, name)| format!("[[model]]\nname = \"{name}\"\npath = \"{}\"\n", path.display()))
-        .collect();
+    let mut cfg = config(&models);
     cfg = cfg.replacen("\n[[model]]", &format!("\ndraft = \"{}\"\n[[model]]", models[1].0.display()), 1);
     let d = Daemon::start(&dir, &cfg, &[]);
     let complete = |model: &str, prompt: &[u32], decoder: &str| {

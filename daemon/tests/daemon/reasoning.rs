@@ -167,6 +167,9 @@ fn qwen35_and_gemma4_templates_render_as_llama_server() {
             assert!(ours.is_string(), "{ours}");
             assert_eq!(ours, theirs, "{file}, thinking {think}: {chat}");
         }
+        // A key no chat request has is refused, as on /v1/chat/completions.
+        let (st, b) = d.http("POST", "/apply-template", &format!(r#"{{"model": "m", {}, "bogus": 1}}"#, chats[0]));
+        assert!(st == 400 && b.contains("bogus"), "{st} {b}");
         drop(d);
     }
     let _ = std::fs::remove_dir_all(dir);

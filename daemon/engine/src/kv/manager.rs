@@ -441,13 +441,12 @@ impl KvCacheManager {
                 }
             }
             let last = prompt.len().saturating_sub(1) / bs * bs;
-            let turns = prompt[..prompt.len().saturating_sub(1)]
+            // Just after the last turn-ending token but one (the prompt's own last token aside).
+            let before_last_turn = prompt[..prompt.len().saturating_sub(1)]
                 .iter()
-                .enumerate()
-                .filter(|(_, t)| self.turn_ends.contains(t))
-                .map(|(i, _)| i + 1)
-                .collect::<Vec<_>>();
-            let before_last_turn = turns.len().checked_sub(2).map(|i| turns[i] / bs * bs);
+                .rposition(|t| self.turn_ends.contains(t))
+                .and_then(|last| prompt[..last].iter().rposition(|t| self.turn_ends.contains(t)))
+                .map(|i| (i + 1) / bs * bs);
             checkpoint_at = [before_last_turn, (cached > n).then_some(cached * bs), Some(last)]
                 .into_iter()
                 .flatten()
