@@ -71,7 +71,14 @@ fn run() -> Result<String, String> {
         let start = Instant::now();
         for _ in 0..reps {
             for (kc, vc) in &pools {
-                let kv = PagedKv { k: kc, v: vc, block_size: BLOCK, n_kv_heads: nkv, head_dim: hd };
+                let kv = PagedKv {
+                    k: kc,
+                    v: vc,
+                    block_size: BLOCK,
+                    n_kv_heads: nkv,
+                    head_dim: hd,
+                    block_floats: nkv * BLOCK * hd,
+                };
                 attend_batch(&pool, &k, &kv, heads, scale, None, &q, &queries, &mut out);
             }
         }

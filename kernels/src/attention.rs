@@ -19,6 +19,10 @@ pub struct PagedKv<'a> {
     pub block_size: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
+    /// Values from one block's start to the next's: at least `n_kv_heads * block_size *
+    /// head_dim`, more where the pool's pages are sized for a wider layer (Gemma 4's layers of
+    /// two head sizes share one pool).
+    pub block_floats: usize,
 }
 
 impl PagedKv<'_> {
@@ -80,10 +84,10 @@ fn spans<'t>(
     (lo, hi): (usize, usize),
     kv_head: usize,
 ) -> impl Iterator<Item = (usize, usize, usize)> + 't {
-    let (bs, hd, nkv) = (kv.block_size, kv.head_dim, kv.n_kv_heads);
+    let (bs, hd, nkv, stride) = (kv.block_size, kv.head_dim, kv.n_kv_heads, kv.block_floats);
     (lo / bs..hi.div_ceil(bs)).map(move |b| {
         let (from, to) = ((b * bs).max(lo), ((b + 1) * bs).min(hi));
-        (PagedKv::offset(bs, nkv, hd, table[b] as usize, kv_head, from - b * bs), from - lo, to - from)
+        (table[b] as usize * stride + PagedKv::offset(bs, nkv, hd, 0, kv_head, from - b * bs), from - lo, to - from)
     })
 }
 
@@ -540,15 +544,24 @@ mod tests {
 
     #[test]
     fn paged_attention_equals_contiguous_attention() {
+        // Blocks as wide as the layer's K/V, and wider (a pool whose pages are sized for a
+        // wider layer: Gemma 4's two head sizes).
+        for pad in [0, 40] {
+            paged_attention_with_block_padding(pad);
+        }
+    }
+
+    fn paged_attention_with_block_padding(pad: usize) {
         // Two blocks of 4 slots, stored out of order in a pool of 3, one KV head of dim 8.
         let (bs, hd, nkv, ctx) = (4, 8, 1, 6);
+        let stride = nkv * bs * hd + pad;
         let keys: Vec<Vec<f32>> = (0..ctx).map(|p| (0..hd).map(|i| ((p * 3 + i) % 5) as f32 / 5.0).collect()).collect();
         let vals: Vec<Vec<f32>> = (0..ctx).map(|p| (0..hd).map(|i| ((p + i * 2) % 7) as f32).collect()).collect();
         let table = [2u32, 0];
-        let mut kp = vec![f16::ZERO; 3 * bs * hd];
+        let mut kp = vec![f16::ZERO; 3 * stride];
         let mut vp = kp.clone();
         for p in 0..ctx {
-            let o = PagedKv::offset(bs, nkv, hd, table[p / bs] as usize, 0, p % bs);
+            let o = table[p / bs] as usize * stride + PagedKv::offset(bs, nkv, hd, 0, 0, p % bs);
             for i in 0..hd {
                 kp[o + i] = f16::from_f32(keys[p][i]);
                 vp[o + i] = f16::from_f32(vals[p][i]);
@@ -557,7 +570,7 @@ mod tests {
         // Two query heads share the KV head.
         let g = 2;
         let q: Vec<f32> = (0..g * hd).map(|i| (i % 11) as f32 / 4.0 - 1.0).collect();
-        let kv = PagedKv { k: &kp, v: &vp, block_size: bs, n_kv_heads: nkv, head_dim: hd };
+        let kv = PagedKv { k: &kp, v: &vp, block_size: bs, n_kv_heads: nkv, head_dim: hd, block_floats: stride };
         // Whole context, and sliding windows starting inside the first block, at a block
         // boundary and at the last position.
         for (start, kern) in [0, 1, 3, 4, 5].into_iter().flat_map(|s| [(s, Kernels::scalar()), (s, Kernels::detect())])
@@ -576,7 +589,11 @@ mod tests {
                 crate::ops::softmax(&mut w);
                 for i in 0..hd {
                     let want: f32 = (start..ctx).map(|p| w[p - start] * r(vals[p][i])).sum();
-                    assert!((want - out[j * hd + i]).abs() < 1e-4, "start {start}: {want} vs {}", out[j * hd + i]);
+                    assert!(
+                        (want - out[j * hd + i]).abs() < 1e-4,
+                        "pad {pad} start {start}: {want} vs {}",
+                        out[j * hd + i]
+                    );
                 }
             }
         }
@@ -644,7 +661,8 @@ mod tests {
         // across piece boundaries or not; in one batch, in waves, in tiles and alone.
         for (hd, nkv, n_heads, len, scale) in [(8, 2, 4, 1300, 0.3), (256, 1, 4, 400, 0.0625)] {
             let (table, kp, vp) = paged(16, hd, nkv, len, &val);
-            let kv = PagedKv { k: &kp, v: &vp, block_size: 16, n_kv_heads: nkv, head_dim: hd };
+            let kv =
+                PagedKv { k: &kp, v: &vp, block_size: 16, n_kv_heads: nkv, head_dim: hd, block_floats: nkv * 16 * hd };
             let ranges: Vec<(usize, usize)> = [
                 (0, 1),
                 (0, 7),
@@ -719,7 +737,7 @@ mod tests {
     fn prompt_tiles_equal_pieces_and_single_tokens() {
         let (hd, nkv, n_heads) = (8, 2, 4);
         let (table, kp, vp) = paged(16, hd, nkv, 1300, &val);
-        let kv = PagedKv { k: &kp, v: &vp, block_size: 16, n_kv_heads: nkv, head_dim: hd };
+        let kv = PagedKv { k: &kp, v: &vp, block_size: 16, n_kv_heads: nkv, head_dim: hd, block_floats: nkv * 16 * hd };
         let (qdim, pool) = (n_heads * hd, ThreadPool::new(2));
         // A prompt of 40 tokens at 980..1020 (every other one in a 300-position window) and
         // three decode tokens: tiled, in pieces and alone, the same bits.

@@ -208,17 +208,39 @@ fn hybrid_states_go_back_for_speculative_steps() {
     }
 }
 
-/// Gemma 4's tiny model (tiny_models.py `gemma4`: its per-layer embeddings, K/V shared across
-/// layers, heads of two sizes) is written byte for byte as llama.cpp's reference was taken
-/// from, and refused by name with the supported architectures listed, until inferd runs it.
+/// Gemma 4's tiny model in f32 against llama.cpp (measured: at most 0.014). Not float rounding
+/// alone: llama.cpp's GELU reads a table of halves and its attention rounds the queries to
+/// halves, which Gemma 4's unscaled attention (scores of unit-normed heads) sharpens. With both
+/// emulated on inferd's side (tried by hand), the first position is bit for bit llama.cpp's and
+/// every other within 0.0042.
+const GEMMA4_F32_TOL: f64 = 0.05;
+/// The same weights in Q8_0 (measured: at most 0.166 with the AVX-512 kernels, 0.232 with the
+/// scalar ones): each engine rounds activations to 8 bits its own way, and the model amplifies
+/// that; llama.cpp's own Q8_0 and f32 runs of these weights differ by up to 0.41.
+const GEMMA4_Q8_TOL: f64 = 0.4;
+
+/// Gemma 4's tiny model (tiny_models.py `gemma4`: sliding and global layers of two head sizes
+/// and K/V head counts, proportional RoPE, V normed and in one layer K's, per-layer embeddings,
+/// layer output scalars, the last two layers reading earlier layers' K/V, soft-capped logits)
+/// against llama.cpp: logits at every recorded position of prompts of 5 and 40 tokens (the
+/// window is 8) and 12 greedy steps. The two layers that read others' K/V take no place in
+/// the cache: four layers' K/V a page, two groups of two.
 #[test]
-fn tiny_gemma4_is_written_as_recorded_and_refused_by_name() {
-    for name in ["tiny-gemma4", "tiny-gemma4-f32"] {
+fn tiny_gemma4_matches_llama_cpp() {
+    for (name, tol) in [("tiny-gemma4-f32", GEMMA4_F32_TOL), ("tiny-gemma4", GEMMA4_Q8_TOL)] {
         let entry = entry(name);
         let path = tiny_dir().join(entry["file"].as_str().unwrap());
         assert_eq!(sha256(&path), entry["sha256"].as_str().unwrap(), "{name}: tiny_models.py wrote other bytes");
-        let err = Model::load(&path).err().map(|e| format!("{e:#}")).unwrap_or_default();
-        assert!(err.contains("architecture 'gemma4'") && err.contains("supported: llama"), "{name}: {err}");
+        let model = Model::load(&path).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let groups = inferd_engine::backend::cpu::kv_groups(&model.arch);
+        assert_eq!((groups.windows, groups.slots), (vec![Some(8), None], 2), "{name}");
+        assert_eq!((model.arch.kv_layer(4), model.arch.kv_layer(5)), (Some(2), Some(3)), "{name}: shared K/V");
+        // K and V of 2 slots as wide as the widest layer's (the global layers' two heads of
+        // 32; the sliding layers' one head of 16 uses a quarter of a slot).
+        let page = inferd_engine::backend::cpu::kv_page_bytes(&model.config, &model.arch, 16);
+        assert_eq!(page, 2 * 2 * 64 * 16 * 2, "{name}");
+        let worst = check_cases(&model, entry, tol);
+        eprintln!("{name}: largest logit difference from llama.cpp {worst:.6}");
     }
 }
 

@@ -559,8 +559,9 @@ MOES = [
 # that cosine's sign) lies within 0.06 of zero, where 8-bit rounding would flip its sign.
 HYBRIDS = [("qwen35", 300), ("qwen35moe", 309), ("qwen3next", 309)]
 
-# Gemma 4's layers: sliding-window ones with heads of G4_SWA_HEAD and two KV heads, global
-# ones with heads of G4_FULL_HEAD, one KV head and a quarter of each head rotated; per-layer
+# Gemma 4's layers: sliding-window ones with heads of G4_SWA_HEAD and one KV head, global
+# ones with heads of G4_FULL_HEAD, two KV heads (K/V four times as wide as the sliding ones')
+# and a quarter of each head rotated; per-layer
 # embeddings of G4_PLE a layer; the last G4_SHARED layers read the K/V of the last layer of
 # their kind before them.
 G4_LAYERS, G4_SWA_HEAD, G4_FULL_HEAD, G4_PLE, G4_SHARED = 6, 16, 32, 8, 2
@@ -578,7 +579,7 @@ def gemma4(path, seed, f32=False):
     output, the last two layers sharing earlier layers' K/V, and soft-capped logits."""
     rng = np.random.default_rng(seed)
     swa = [i % 2 == 0 for i in range(G4_LAYERS)]
-    kv_heads = [2 if s else 1 for s in swa]
+    kv_heads = [1 if s else 2 for s in swa]
     first_shared = G4_LAYERS - G4_SHARED
 
     def mat(rows, cols, scale=None):

@@ -52,7 +52,7 @@ fn hybrid_models_through_chunks_forks_and_preemption() {
     // 4 MiB: half for recurrent states (232 KB a sequence: 9 of them) and room for about
     // 16,000 positions of the attention layer's K/V, so the states run out first; the prompts
     // sent again start from their checkpoints in the prefix cache.
-    through_chunks_forks_and_preemption(&dir, &models, &|_| r#"{"1": -100}"#, 4, true);
+    through_chunks_forks_and_preemption(&dir, &models, &|_| r#"{"1": -100}"#, (4, 900), true);
     let _ = std::fs::remove_dir_all(dir);
 }
 

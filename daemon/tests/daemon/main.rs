@@ -10,6 +10,7 @@ mod bounds;
 mod clients;
 mod dbus;
 mod fim;
+mod gemma4;
 mod hostile;
 mod http;
 mod hybrid;

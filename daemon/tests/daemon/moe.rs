@@ -178,7 +178,7 @@ fn mixtures_of_experts_through_chunks_forks_preemption_and_the_prefix_cache() {
     // The end tokens biased away: `</s>`, and gpt-oss's `<|return|>` and `<|call|>`.
     let bias =
         |name: &str| if name == "gpt-oss" { r#"{"1": -100, "268": -100, "269": -100}"# } else { r#"{"1": -100}"# };
-    through_chunks_forks_and_preemption(&dir, &models, &bias, 1, true);
+    through_chunks_forks_and_preemption(&dir, &models, &bias, (1, 900), true);
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -188,12 +188,13 @@ fn mixtures_of_experts_through_chunks_forks_preemption_and_the_prefix_cache() {
 /// prefilled in chunks of 16 tokens, forks (n = 2, a beam search of width 3) and, sent again,
 /// prefixes from the prefix cache (and one prompt sent twice with the cache quiet, the second
 /// from the first's cached prefix where `prefix_hits`): every answer the same. `bias` names
-/// each model's end tokens, biased away so that answers run long.
+/// each model's end tokens, biased away so that answers run long (`answer` tokens, within the
+/// models' context).
 pub(super) fn through_chunks_forks_and_preemption(
     dir: &Path,
     models: &[(PathBuf, &str)],
     bias: &dyn Fn(&str) -> &'static str,
-    kv_mib: usize,
+    (kv_mib, answer): (usize, usize),
     prefix_hits: bool,
 ) {
     let model_cfg = |kv: &str| -> String {
@@ -208,10 +209,10 @@ pub(super) fn through_chunks_forks_and_preemption(
         .iter()
         .flat_map(|p| {
             [
-                (format!(r#""prompt": {p:?}, "max_tokens": 900, "temperature": 0, "logit_bias": {bias}"#), 1),
+                (format!(r#""prompt": {p:?}, "max_tokens": {answer}, "temperature": 0, "logit_bias": {bias}"#), 1),
                 (
                     format!(
-                        r#""prompt": {p:?}, "max_tokens": 900, "temperature": 0, "n": 2, "logit_bias": {bias}"#
+                        r#""prompt": {p:?}, "max_tokens": {answer}, "temperature": 0, "n": 2, "logit_bias": {bias}"#
                     ),
                     2,
                 ),

@@ -151,6 +151,19 @@ impl<S: Stream> CudaBackend<S> {
                 format!("{}: Gated DeltaNet and gated attention run on the CPU backend alone for now", model.arch.name);
             return Err(BackendError::Unsupported(why));
         }
+        let a = &model.arch;
+        if a.per_layer.is_some()
+            || a.value_norm
+            || a.final_softcap.is_some()
+            || !a.uniform_heads(&model.config)
+            || a.layers.iter().any(|l| l.kv_from.is_some())
+        {
+            let why = format!(
+                "{}: per-layer embeddings, K/V shared across layers and mixed head sizes run on the CPU backend alone for now",
+                a.name
+            );
+            return Err(BackendError::Unsupported(why));
+        }
         let (cfg, w) = (&model.config, &model.weights);
         let bs = opts.block_size;
         let kv_blocks = (opts.kv_budget_bytes / super::cpu::kv_page_bytes(cfg, &model.arch, bs)).max(1);
@@ -479,10 +492,11 @@ impl<S: Stream> LayerOps for CudaOps<'_, S> {
         Ok(())
     }
 
-    fn rope(&mut self, layer: usize, q: Act, k: Act) -> Result<(), BackendError> {
+    fn rope(&mut self, layer: usize, q: Act, k: Option<Act>) -> Result<(), BackendError> {
         let cfg = self.cfg;
         let neox = cfg.rope_style == RopeStyle::Neox;
         let (freq, scale) = &self.ropes[self.rope_of[layer]];
+        let k = k.ok_or_else(|| BackendError::Unsupported("K/V shared across layers on the cuda backend".into()))?;
         for (a, heads) in [(q, cfg.n_heads), (k, cfg.n_kv_heads)] {
             let mut y = self.take(a)?;
             self.s.rope(&mut y, self.pos, freq, heads, cfg.head_dim, neox, *scale)?;
@@ -527,6 +541,18 @@ impl<S: Stream> LayerOps for CudaOps<'_, S> {
         self.s.add_in_place(&mut xb, self.get(y)?)?;
         self.acts[x.index()] = Some(xb);
         Ok(())
+    }
+
+    fn copy(&mut self, _from: Act, _to: Act) -> Result<(), BackendError> {
+        Err(BackendError::Unsupported("values from the keys' projection on the cuda backend".into()))
+    }
+
+    fn scale(&mut self, _x: Act, _s: &S::Buf<f32>) -> Result<(), BackendError> {
+        Err(BackendError::Unsupported("layer output scalars on the cuda backend".into()))
+    }
+
+    fn per_layer_input(&mut self, _layer: usize, _to: Act) -> Result<(), BackendError> {
+        Err(BackendError::Unsupported("per-layer embeddings on the cuda backend".into()))
     }
 
     fn split_heads(&mut self, _from: Act, _a: Act, _b: Act) -> Result<(), BackendError> {

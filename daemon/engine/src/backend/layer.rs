@@ -43,6 +43,9 @@ pub enum Act {
     /// A mixture's shared expert's output (`hidden` a row) and its gate's logit (one a row).
     Shared,
     SharedGate,
+    /// A layer's per-layer embedding input and its gate (Gemma 4, the embedding's width a row).
+    Ple,
+    PleGate,
 }
 
 /// How a gate applies to the values it gates ([`LayerOps::gate`]).
@@ -55,7 +58,7 @@ pub enum GateFn {
 }
 
 impl Act {
-    pub const COUNT: usize = 15;
+    pub const COUNT: usize = 17;
 
     /// The buffer's index in a backend's array of them.
     pub fn index(self) -> usize {
@@ -78,10 +81,12 @@ pub trait LayerOps {
     fn project(&mut self, phase: Phase, from: Act, products: &[(&Self::Matrix, Act)]) -> Result<(), BackendError>;
     /// `a += b` on every row.
     fn add_bias(&mut self, a: Act, b: &Self::Vector) -> Result<(), BackendError>;
-    /// Rotates the queries and keys of layer `layer` by each token's position (the layer's own
-    /// rotation: its base, scaling and magnitude).
-    fn rope(&mut self, layer: usize, q: Act, k: Act) -> Result<(), BackendError>;
-    /// Writes the keys and values into layer `layer`'s slots of the paged cache, then attends
+    /// Rotates the queries and keys (where the layer computes its own) of layer `layer` by
+    /// each token's position (the layer's own rotation: its base, scaling, magnitude and
+    /// rotated dimensions).
+    fn rope(&mut self, layer: usize, q: Act, k: Option<Act>) -> Result<(), BackendError>;
+    /// Writes the keys and values into layer `layer`'s slots of the paged cache (unless the
+    /// layer reads another's: [`crate::model::arch::LayerAttention::kv_from`]), then attends
     /// every query over its sequence's positions (its layer's window of them), with a sink
     /// logit per query head where `sinks` has them, into `to`.
     fn attend(
@@ -113,6 +118,13 @@ pub trait LayerOps {
     ) -> Result<(), BackendError>;
     /// `x += y`.
     fn add(&mut self, x: Act, y: Act) -> Result<(), BackendError>;
+    /// `to = from`.
+    fn copy(&mut self, from: Act, to: Act) -> Result<(), BackendError>;
+    /// `x *= s[0]` (a layer's output scalar).
+    fn scale(&mut self, x: Act, s: &Self::Vector) -> Result<(), BackendError>;
+    /// `to` = each token's per-layer embedding input for layer `layer` (the pass computes them
+    /// for every layer before the first: [`crate::model::weights::PerLayerEmbd`]).
+    fn per_layer_input(&mut self, layer: usize, to: Act) -> Result<(), BackendError>;
     /// A mixture of experts' feed-forward of `from` into `to`: the router's logits (and bias),
     /// each token's choice of experts, the chosen experts' gated products and their weighted
     /// sum, each chosen expert's weights read once for all the tokens that chose it.
@@ -162,7 +174,19 @@ pub fn layer<O: LayerOps>(
             o.project(Phase::FfnDown, Gate, &[(&w.w_down, Out)])?;
         }
     }
-    residual(o, w.ffn_post_norm.as_ref())
+    residual(o, w.ffn_post_norm.as_ref())?;
+
+    if let Some(p) = &w.ple {
+        o.project(Phase::FfnGateUp, X, &[(&p.gate, PleGate)])?;
+        o.per_layer_input(li, Ple)?;
+        o.gated(Activation::GeluTanhGated, PleGate, Ple)?;
+        o.project(Phase::FfnDown, PleGate, &[(&p.proj, Out)])?;
+        residual(o, Some(&p.post_norm))?;
+    }
+    if let Some(s) = &w.out_scale {
+        o.scale(X, s)?;
+    }
+    Ok(())
 }
 
 /// Attention over the KV cache from [`Act::Normed`] into [`Act::Out`].
@@ -173,23 +197,34 @@ fn attention<O: LayerOps>(
     w: &AttnWeights<O::Matrix, O::Vector>,
 ) -> Result<(), BackendError> {
     use Act::*;
+    // Q's projection of a gated attention gives each head's queries, then its output gate.
+    let mut products = vec![(&w.wq, if arch.attn_output_gate { Mix } else { Q })];
+    products.extend(w.wk.as_ref().map(|m| (m, K)));
+    products.extend(w.wv.as_ref().map(|m| (m, V)));
+    o.project(Phase::QkvProjection, Normed, &products)?;
     if arch.attn_output_gate {
-        // Q's projection gives each head's queries, then its output gate.
-        o.project(Phase::QkvProjection, Normed, &[(&w.wq, Mix), (&w.wk, K), (&w.wv, V)])?;
         o.split_heads(Mix, Q, MixGate)?;
-    } else {
-        o.project(Phase::QkvProjection, Normed, &[(&w.wq, Q), (&w.wk, K), (&w.wv, V)])?;
+    }
+    // Without V's projection, V is K's (before K's norm and rotation).
+    let own_kv = w.wk.is_some();
+    if own_kv && w.wv.is_none() {
+        o.copy(K, V)?;
     }
     if let Some([bq, bk, bv]) = &w.qkv_bias {
         o.add_bias(Q, bq)?;
         o.add_bias(K, bk)?;
         o.add_bias(V, bv)?;
     }
-    if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
+    if let Some(qn) = &w.q_norm {
         o.norm(Q, qn, Q)?;
+    }
+    if let Some(kn) = w.k_norm.as_ref().filter(|_| own_kv) {
         o.norm(K, kn, K)?;
     }
-    o.rope(li, Q, K)?;
+    if let Some(vn) = w.v_norm.as_ref().filter(|_| own_kv) {
+        o.norm(V, vn, V)?;
+    }
+    o.rope(li, Q, own_kv.then_some(K))?;
     o.attend(li, [Q, K, V], w.sinks.as_ref(), Attn)?;
     if arch.attn_output_gate {
         o.gate(Attn, MixGate, GateFn::Sigmoid)?;

@@ -215,12 +215,12 @@ pub trait Backend: Send {
 /// The distinct rotations of `arch`'s layers (one, or a local and a global one), each as its
 /// RoPE frequencies and magnitude factor, and which one each layer uses.
 pub fn rotations(cfg: &LlamaConfig, arch: &Architecture) -> (Vec<(Vec<f32>, f32)>, Vec<usize>) {
-    let mut kinds: Vec<(f32, &RopeScaling)> = Vec::new();
+    let mut kinds: Vec<(f32, &RopeScaling, usize)> = Vec::new();
     let rope_of = arch
         .layers
         .iter()
         .map(|l| {
-            let kind = (l.rope_base, &l.rope_scaling);
+            let kind = (l.rope_base, &l.rope_scaling, l.rope_dim);
             kinds.iter().position(|k| *k == kind).unwrap_or_else(|| {
                 kinds.push(kind);
                 kinds.len() - 1
@@ -229,7 +229,7 @@ pub fn rotations(cfg: &LlamaConfig, arch: &Architecture) -> (Vec<(Vec<f32>, f32)
         .collect();
     let rotations = kinds
         .iter()
-        .map(|(base, scaling)| (scaling.frequencies(cfg.rope_dim, *base, cfg.context_len), scaling.attention_factor()))
+        .map(|(base, scaling, dims)| (scaling.frequencies(*dims, *base, cfg.context_len), scaling.attention_factor()))
         .collect();
     (rotations, rope_of)
 }

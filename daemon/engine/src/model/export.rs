@@ -70,8 +70,10 @@ pub fn export_hf(model: &Model, dir: &Path, dtype: ExportDtype) -> Result<(), Mo
     };
     put("model.embed_tokens.weight".into(), w.token_embd.rows, w.token_embd.cols, w.token_embd.to_f32());
     for (i, l) in w.layers.iter().enumerate() {
-        let Some(a) = l.attention() else {
-            return Err(ModelError::Unsupported("exporting a layer without attention".into()));
+        let (Some(a), Some(wk), Some(wv)) =
+            (l.attention(), l.attention().and_then(|a| a.wk.as_ref()), l.attention().and_then(|a| a.wv.as_ref()))
+        else {
+            return Err(ModelError::Unsupported("exporting a layer without attention and its own K/V".into()));
         };
         let p = |s: &str| format!("model.layers.{i}.{s}.weight");
         let qk = |t: &crate::model::weights::Tensor, heads: usize| {
@@ -83,8 +85,8 @@ pub fn export_hf(model: &Model, dir: &Path, dtype: ExportDtype) -> Result<(), Mo
         };
         put(p("input_layernorm"), 1, l.attn_norm.len(), l.attn_norm.clone());
         put(p("self_attn.q_proj"), a.wq.rows, a.wq.cols, qk(&a.wq, cfg.n_heads));
-        put(p("self_attn.k_proj"), a.wk.rows, a.wk.cols, qk(&a.wk, cfg.n_kv_heads));
-        put(p("self_attn.v_proj"), a.wv.rows, a.wv.cols, a.wv.to_f32());
+        put(p("self_attn.k_proj"), wk.rows, wk.cols, qk(wk, cfg.n_kv_heads));
+        put(p("self_attn.v_proj"), wv.rows, wv.cols, wv.to_f32());
         put(p("self_attn.o_proj"), a.wo.rows, a.wo.cols, a.wo.to_f32());
         put(p("post_attention_layernorm"), 1, l.ffn_norm.len(), l.ffn_norm.clone());
         put(p("mlp.gate_proj"), l.w_gate.rows, l.w_gate.cols, l.w_gate.to_f32());

@@ -157,10 +157,12 @@ impl Tensor {
 #[derive(Clone, Debug)]
 pub struct AttnWeights<M = Tensor, V = Vec<f32>> {
     /// Q (of a gated attention, each head's queries followed by its output gate), K, V and
-    /// the output projection.
+    /// the output projection. A layer without V's projection takes K's as its values (Gemma
+    /// 4); one without K's either computes no K/V and reads another layer's
+    /// ([`crate::model::arch::LayerAttention::kv_from`]).
     pub wq: M,
-    pub wk: M,
-    pub wv: M,
+    pub wk: Option<M>,
+    pub wv: Option<M>,
     pub wo: M,
     /// Biases of Q, K and V (Qwen 2, gpt-oss).
     pub qkv_bias: Option<[V; 3]>,
@@ -171,6 +173,33 @@ pub struct AttnWeights<M = Tensor, V = Vec<f32>> {
     /// Per-head RMSNorm weights of Q and K (`head_dim` each).
     pub q_norm: Option<V>,
     pub k_norm: Option<V>,
+    /// V's per-head RMSNorm, of weights all one ([`crate::model::Architecture::value_norm`]).
+    pub v_norm: Option<V>,
+}
+
+/// A layer's part of the per-layer embeddings ([`PerLayerEmbd`]): after the feed-forward's
+/// residual add, `x += post_norm(proj(gelu(gate · x) * e))` with `e` the token's per-layer input
+/// for this layer.
+#[derive(Clone, Debug)]
+pub struct LayerPle<M = Tensor, V = Vec<f32>> {
+    /// `width` rows of `hidden`, and `hidden` rows of `width`.
+    pub gate: M,
+    pub proj: M,
+    pub post_norm: V,
+}
+
+/// Gemma 4's per-layer embeddings: a token's input to layer `l` is
+/// `(table[token][l] * sqrt(width) + rms_norm(proj(x_emb)[l] / sqrt(hidden))) / sqrt(2)`, with
+/// `x_emb` its scaled embedding. The table (`vocab` rows of `layers * width`) is as large as the
+/// embedding matrix or larger and is read a row per token: it stays in the file's mapping, out
+/// of the set of weights every step reads.
+#[derive(Clone, Debug)]
+pub struct PerLayerEmbd {
+    pub width: usize,
+    pub table: Tensor,
+    /// `layers * width` rows of `hidden`, and the norm of each layer's piece (`width`).
+    pub proj: Tensor,
+    pub proj_norm: Vec<f32>,
 }
 
 /// A layer's Gated DeltaNet ([`inferd_kernels::deltanet`]): its input projections, the
@@ -242,6 +271,10 @@ pub struct LayerWeights<M = Tensor, V = Vec<f32>> {
     pub shared: Option<SharedExpert<M>>,
     /// RMSNorm of the MLP output before the residual add (Gemma).
     pub ffn_post_norm: Option<V>,
+    /// The layer's part of the per-layer embeddings (Gemma 4).
+    pub ple: Option<LayerPle<M, V>>,
+    /// A scalar (one value) the layer's output is multiplied by (Gemma 4).
+    pub out_scale: Option<V>,
 }
 
 impl<M, V> LayerWeights<M, V> {
@@ -262,6 +295,7 @@ impl LayerWeights {
         let mut m = self.mixer_matrices();
         m.extend([&self.w_gate, &self.w_up, &self.w_down]);
         m.extend(self.shared.iter().flat_map(|s| [&s.gate, &s.up, &s.down, &s.gate_inp]));
+        m.extend(self.ple.iter().flat_map(|p| [&p.gate, &p.proj]));
         m
     }
 
@@ -269,20 +303,28 @@ impl LayerWeights {
     /// projections and its output projection.
     pub fn mixer_matrices(&self) -> Vec<&Tensor> {
         match &self.mixer {
-            Mixer::Attention(a) => vec![&a.wq, &a.wk, &a.wv, &a.wo],
+            Mixer::Attention(a) => {
+                [Some(&a.wq), a.wk.as_ref(), a.wv.as_ref(), Some(&a.wo)].into_iter().flatten().collect()
+            }
             Mixer::DeltaNet(d) => vec![&d.qkv, &d.z, &d.beta, &d.alpha, &d.out],
         }
     }
 
-    /// The shared expert's matrices, to be replaced (the CPU backend's packing).
+    /// The shared expert's and the per-layer embedding's matrices, to be replaced (the CPU
+    /// backend's packing).
     pub fn shared_matrices_mut(&mut self) -> Vec<&mut Tensor> {
-        self.shared.iter_mut().flat_map(|s| [&mut s.gate, &mut s.up, &mut s.down, &mut s.gate_inp]).collect()
+        let mut m: Vec<&mut Tensor> =
+            self.shared.iter_mut().flat_map(|s| [&mut s.gate, &mut s.up, &mut s.down, &mut s.gate_inp]).collect();
+        m.extend(self.ple.iter_mut().flat_map(|p| [&mut p.gate, &mut p.proj]));
+        m
     }
 
     /// The mixer's matrices, to be replaced (the CPU backend's packing).
     pub fn mixer_matrices_mut(&mut self) -> Vec<&mut Tensor> {
         match &mut self.mixer {
-            Mixer::Attention(a) => vec![&mut a.wq, &mut a.wk, &mut a.wv, &mut a.wo],
+            Mixer::Attention(a) => {
+                [Some(&mut a.wq), a.wk.as_mut(), a.wv.as_mut(), Some(&mut a.wo)].into_iter().flatten().collect()
+            }
             Mixer::DeltaNet(d) => vec![&mut d.qkv, &mut d.z, &mut d.beta, &mut d.alpha, &mut d.out],
         }
     }
@@ -299,22 +341,23 @@ impl<M, V> LayerWeights<M, V> {
         let mixer = match &self.mixer {
             Mixer::Attention(a) => {
                 let mut opt = |x: &Option<V>| x.as_ref().map(&mut v).transpose();
-                let (wo_bias, sinks, q_norm, k_norm) =
-                    (opt(&a.wo_bias)?, opt(&a.sinks)?, opt(&a.q_norm)?, opt(&a.k_norm)?);
+                let (wo_bias, sinks, q_norm, k_norm, v_norm) =
+                    (opt(&a.wo_bias)?, opt(&a.sinks)?, opt(&a.q_norm)?, opt(&a.k_norm)?, opt(&a.v_norm)?);
                 let qkv_bias = match &a.qkv_bias {
                     Some([x, y, z]) => Some([v(x)?, v(y)?, v(z)?]),
                     None => None,
                 };
                 Mixer::Attention(AttnWeights {
                     wq: m(&a.wq)?,
-                    wk: m(&a.wk)?,
-                    wv: m(&a.wv)?,
+                    wk: a.wk.as_ref().map(&mut m).transpose()?,
+                    wv: a.wv.as_ref().map(&mut m).transpose()?,
                     wo: m(&a.wo)?,
                     qkv_bias,
                     wo_bias,
                     sinks,
                     q_norm,
                     k_norm,
+                    v_norm,
                 })
             }
             Mixer::DeltaNet(d) => Mixer::DeltaNet(DeltaWeights {
@@ -330,8 +373,12 @@ impl<M, V> LayerWeights<M, V> {
             }),
         };
         let mut opt = |x: &Option<V>| x.as_ref().map(&mut v).transpose();
-        let (attn_post_norm, router_bias, ffn_post_norm) =
-            (opt(&self.attn_post_norm)?, opt(&self.router_bias)?, opt(&self.ffn_post_norm)?);
+        let (attn_post_norm, router_bias, ffn_post_norm, out_scale) =
+            (opt(&self.attn_post_norm)?, opt(&self.router_bias)?, opt(&self.ffn_post_norm)?, opt(&self.out_scale)?);
+        let ple = match &self.ple {
+            Some(p) => Some(LayerPle { gate: m(&p.gate)?, proj: m(&p.proj)?, post_norm: v(&p.post_norm)? }),
+            None => None,
+        };
         let expert_biases = match &self.expert_biases {
             Some([a, b, c]) => Some([v(a)?, v(b)?, v(c)?]),
             None => None,
@@ -357,6 +404,8 @@ impl<M, V> LayerWeights<M, V> {
                 None => None,
             },
             ffn_post_norm,
+            ple,
+            out_scale,
         })
     }
 }
@@ -370,6 +419,8 @@ pub struct LlamaWeights {
     /// The output projection; the embedding matrix itself when the model ties them (the CPU
     /// backend packs a copy of its own, the embedding stays as it is).
     pub output: Tensor,
+    /// Per-layer embeddings (Gemma 4).
+    pub per_layer: Option<PerLayerEmbd>,
 }
 
 /// The tensor names of one file format.
@@ -478,9 +529,11 @@ impl LlamaWeights {
             w.iter_mut().for_each(|x| *x += layout.norm_offset);
             Ok(w)
         };
-        let (h, q, kv, f, hd) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.ffn, cfg.head_dim);
+        let (h, f) = (cfg.hidden, cfg.ffn);
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {
+            let la = &arch.layers[i];
+            let (q, kv, hd) = (la.q_dim(cfg.n_heads), la.kv_dim(), la.head_dim);
             let name = |role: Role| naming.layer(role, i, layout.gemma_names, "weight");
             let delta = arch.delta.filter(|_| arch.layers[i].delta_net);
             let moe = arch.moe.filter(|_| !hf);
@@ -534,18 +587,29 @@ impl LlamaWeights {
                     })
                 }
                 None => {
+                    let own_kv = la.kv_from.is_none();
                     let (wq, wk, wv) = if layout.fused_qkv {
                         let qkv = fetch(name(Role::Qkv))?.expect(q + 2 * kv, h)?;
-                        (qkv.rows_of(0, q), qkv.rows_of(q, q + kv), qkv.rows_of(q + kv, q + 2 * kv))
+                        (qkv.rows_of(0, q), Some(qkv.rows_of(q, q + kv)), Some(qkv.rows_of(q + kv, q + 2 * kv)))
                     } else {
                         // A gated attention's Q projection also gives each head's output gate.
                         let q_rows = if arch.attn_output_gate { 2 * q } else { q };
+                        // Gemma 4's layers may take V from K's projection.
+                        let wv = match get(&name(Role::V)) {
+                            None if arch.value_norm => None,
+                            _ => Some(fetch(name(Role::V))?.expect(kv, h)?),
+                        };
                         (
                             fetch(name(Role::Q))?.expect(q_rows, h)?,
-                            fetch(name(Role::K))?.expect(kv, h)?,
-                            fetch(name(Role::V))?.expect(kv, h)?,
+                            own_kv.then(|| fetch(name(Role::K))?.expect(kv, h)).transpose()?,
+                            wv.filter(|_| own_kv),
                         )
                     };
+                    if !own_kv && (get(&name(Role::K)).is_some() || get(&name(Role::V)).is_some()) {
+                        return Err(ModelError::Unsupported(format!(
+                            "layer {i} reads another layer's K/V and has K or V projections of its own"
+                        )));
+                    }
                     Mixer::Attention(AttnWeights {
                         wq,
                         wk,
@@ -562,7 +626,8 @@ impl LlamaWeights {
                             .then(|| vector(format!("blk.{i}.attn_sinks.weight"), cfg.n_heads))
                             .transpose()?,
                         q_norm: arch.qk_norm.then(|| norm(name(Role::QNorm), hd)).transpose()?,
-                        k_norm: arch.qk_norm.then(|| norm(name(Role::KNorm), hd)).transpose()?,
+                        k_norm: (arch.qk_norm && own_kv).then(|| norm(name(Role::KNorm), hd)).transpose()?,
+                        v_norm: (arch.value_norm && own_kv).then(|| vec![1.0; hd]),
                     })
                 }
             };
@@ -602,8 +667,38 @@ impl LlamaWeights {
                     })
                     .transpose()?,
                 ffn_post_norm: post.then(|| norm(name(Role::FfnPostNorm), h)).transpose()?,
+                ple: arch
+                    .per_layer
+                    .map(|p| -> Result<LayerPle, ModelError> {
+                        let t = |what: &str| fetch(format!("blk.{i}.{what}.weight"));
+                        Ok(LayerPle {
+                            gate: t("inp_gate")?.expect(p, h)?,
+                            proj: t("proj")?.expect(h, p)?,
+                            post_norm: norm(format!("blk.{i}.post_norm.weight"), h)?,
+                        })
+                    })
+                    .transpose()?,
+                // Gemma 4's files may leave it out (one).
+                out_scale: match get(&format!("blk.{i}.layer_output_scale.weight")) {
+                    Some(_) if arch.per_layer.is_some() || arch.value_norm => {
+                        Some(vector(format!("blk.{i}.layer_output_scale.weight"), 1)?)
+                    }
+                    _ => None,
+                },
             });
         }
+        let per_layer = arch
+            .per_layer
+            .map(|p| -> Result<PerLayerEmbd, ModelError> {
+                let n = cfg.n_layers * p;
+                Ok(PerLayerEmbd {
+                    width: p,
+                    table: fetch("per_layer_token_embd.weight".into())?.expect(cfg.vocab, n)?,
+                    proj: fetch("per_layer_model_proj.weight".into())?.expect(n, h)?,
+                    proj_norm: norm("per_layer_proj_norm.weight".into(), p)?,
+                })
+            })
+            .transpose()?;
         let token_embd = fetch(naming.global(if hf { "embed_tokens" } else { "token_embd" }))?.expect(cfg.vocab, h)?;
         let output = if arch.tied_output {
             token_embd.clone()
@@ -611,7 +706,7 @@ impl LlamaWeights {
             fetch(naming.global(if hf { "lm_head" } else { "output" }))?.expect(cfg.vocab, h)?
         };
         let output_norm = norm(naming.global(if hf { "norm" } else { "output_norm" }), h)?;
-        Ok(LlamaWeights { token_embd, layers, output_norm, output })
+        Ok(LlamaWeights { token_embd, layers, output_norm, output, per_layer })
     }
 }
 

@@ -38,6 +38,8 @@ struct Scratch {
     /// one sequence.
     delta: [Vec<f32>; 6],
     angles: Vec<Vec<(f32, f32)>>, // per rotation: (tokens, rope_dim / 2) RoPE (sin, cos)
+    /// (tokens, layers * width) every layer's per-layer embedding input (Gemma 4).
+    ple: Vec<f32>,
 }
 
 fn resize(v: &mut Vec<f32>, n: usize) {
@@ -60,7 +62,8 @@ pub struct CpuBackend {
     /// The layers' KV groups: layer `l` keeps its K/V in slot `groups.layer_slot[l].1` of the
     /// blocks of its group's table.
     groups: KvGroups,
-    /// Per slot: `(kv_blocks, n_kv_heads, block_size, head_dim)` f16.
+    /// Per slot: `kv_blocks` blocks of [`Architecture::kv_width`] `* block_size` f16, a layer's
+    /// `(n_kv_heads, block_size, head_dim)` at the start of each.
     k_cache: Vec<Vec<f16>>,
     v_cache: Vec<Vec<f16>>,
     /// Per DeltaNet layer: `state_slots` states of [`crate::model::arch::DeltaNet::state_floats`]
@@ -97,6 +100,9 @@ pub fn runs(arch: &Architecture) -> Result<(), BackendError> {
         moe,
         attn_output_gate: _,
         delta,
+        value_norm: _,
+        per_layer: _,
+        final_softcap: _,
     } = arch;
     if moe.is_some() && *activation == Activation::GeluTanhGated {
         return Err(BackendError::Unsupported(format!("{}: experts with GeGLU", arch.name)));
@@ -108,7 +114,22 @@ pub fn runs(arch: &Architecture) -> Result<(), BackendError> {
         Activation::SiluGated | Activation::GeluTanhGated | Activation::SwigluOai => {}
     }
     for l in layers {
-        let LayerAttention { window, rope_base: _, rope_scaling, delta_net } = l;
+        let LayerAttention {
+            window,
+            rope_base: _,
+            rope_scaling,
+            delta_net,
+            head_dim: _,
+            kv_heads: _,
+            rope_dim: _,
+            kv_from,
+        } = l;
+        if kv_from.is_some_and(|src| arch.layers.get(src).is_none_or(|s| s.kv_from.is_some() || s.window != *window)) {
+            return Err(BackendError::Unsupported(format!(
+                "{}: a layer reads K/V no layer of its kind keeps",
+                arch.name
+            )));
+        }
         if *delta_net && delta.is_none() {
             return Err(BackendError::Unsupported(format!("{}: a DeltaNet layer without its shape", arch.name)));
         }
@@ -148,9 +169,9 @@ pub fn kv_groups(arch: &Architecture) -> KvGroups {
 }
 
 /// Bytes of one page of the pool: K and V of `block_size` positions for the layers of one
-/// group.
-pub fn kv_page_bytes(cfg: &LlamaConfig, arch: &Architecture, block_size: usize) -> usize {
-    kv_block_bytes(cfg, block_size) / cfg.n_layers * kv_groups(arch).slots
+/// group (each slot as wide as the widest layer's K/V: [`Architecture::kv_width`]).
+pub fn kv_page_bytes(_cfg: &LlamaConfig, arch: &Architecture, block_size: usize) -> usize {
+    2 * arch.kv_width() * block_size * std::mem::size_of::<f16>() * kv_groups(arch).slots
 }
 
 /// Bytes of one sequence's recurrent state, every DeltaNet layer's (none without them).
@@ -175,6 +196,13 @@ pub const STATE_SHARE: usize = 2;
 
 /// The most recurrent state slots a backend keeps.
 pub const MAX_STATES: usize = 256;
+
+/// `x = c * tanh(x / c)` on every logit where the model soft-caps them.
+fn softcap(cap: Option<f32>, x: &mut [f32]) {
+    if let Some(c) = cap {
+        x.iter_mut().for_each(|v| *v = c * (*v / c).tanh());
+    }
+}
 
 /// `n` zero halves as the allocator's zeroed memory (for a pool this size, a fresh anonymous
 /// mapping): no page is touched here, so the pool becomes resident block by block as the cache
@@ -253,7 +281,7 @@ impl CpuBackend {
         block_size: usize,
         threads: usize,
     ) -> Self {
-        let per_slot = kv_blocks * cfg.kv_dim() * block_size;
+        let per_slot = kv_blocks * arch.kv_width() * block_size;
         let groups = kv_groups(&arch);
         let (rotations, rope_of) = super::rotations(&cfg, &arch);
         let ropes = rotations
@@ -298,6 +326,36 @@ impl CpuBackend {
 
     pub fn isa(&self) -> inferd_kernels::Isa {
         self.kernels.isa
+    }
+
+    /// Every token's per-layer embedding inputs, `(tokens, layers * width)` into `out`: its
+    /// row of the table times `sqrt(width)`, plus the projection of its (scaled) embedding `x`
+    /// divided by `sqrt(hidden)` and RMS-normed a layer's piece at a time, the sum divided by
+    /// `sqrt(2)`. The table is read a row per token from the file's mapping.
+    #[allow(clippy::too_many_arguments)]
+    fn per_layer_inputs(
+        pool: &ThreadPool,
+        k: &Kernels,
+        laps: &mut Laps<'_>,
+        p: &crate::model::weights::PerLayerEmbd,
+        cfg: &LlamaConfig,
+        tokens: &[u32],
+        x: &[f32],
+        q8: &mut Vec<BlockQ8>,
+        mut out: Vec<f32>,
+    ) -> Vec<f32> {
+        let (n, row) = (tokens.len(), p.proj.rows);
+        Self::project(pool, k, Phase::Between, laps, &[&p.proj], x, n, q8, &mut [&mut out]);
+        let (to_unit, table_scale) = (1.0 / (cfg.hidden as f32).sqrt(), (p.width as f32).sqrt());
+        let mut e = vec![0.0; row];
+        for (t, &tok) in tokens.iter().enumerate() {
+            let y = &mut out[t * row..(t + 1) * row];
+            y.iter_mut().for_each(|v| *v *= to_unit);
+            inferd_kernels::ops::rms_norm_each(y, &p.proj_norm, cfg.rms_eps);
+            p.table.row_f32(tok as usize, &mut e);
+            y.iter_mut().zip(&e).for_each(|(v, e)| *v = (*v + e * table_scale) * std::f32::consts::FRAC_1_SQRT_2);
+        }
+        out
     }
 
     /// `outs[m] = x · ws[m]ᵀ` for `tokens` rows of `x`, in one parallel dispatch, the phase
@@ -356,7 +414,7 @@ impl Backend for CpuBackend {
     }
 
     fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), BackendError> {
-        let n = self.cfg.kv_dim() * self.block_size;
+        let n = self.arch.kv_width() * self.block_size;
         for c in copies {
             for b in [c.src, c.dst] {
                 if b as usize >= self.kv_blocks {
@@ -391,7 +449,7 @@ impl Backend for CpuBackend {
 
     fn release_blocks(&mut self, blocks: &[crate::kv::BlockId]) {
         // Runs of adjacent blocks, so pages spanning two blocks of a run go back too.
-        let n = self.cfg.kv_dim() * self.block_size;
+        let n = self.arch.kv_width() * self.block_size;
         let mut ids: Vec<usize> = blocks.iter().map(|&b| b as usize).filter(|&b| b < self.kv_blocks).collect();
         ids.sort_unstable();
         let mut i = 0;
@@ -460,6 +518,11 @@ impl CpuBackend {
         }
         if let Some(scale) = arch.embedding_scale {
             x.iter_mut().for_each(|v| *v *= scale);
+        }
+        if let Some(p) = &self.w.per_layer {
+            let ple = std::mem::take(&mut s.ple);
+            s.ple =
+                Self::per_layer_inputs(pool, k, &mut laps, p, cfg, &tokens, &s.acts[Act::X.index()], &mut s.q8, ple);
         }
         // (tokens, rope_dim / 2) rotations of each kind, shared by the layers of that kind.
         s.angles.resize_with(self.ropes.len(), Vec::new);
@@ -544,6 +607,7 @@ impl CpuBackend {
         if logit_rows.len() == rows.len() && !rows.is_empty() {
             // Logits only (every decode step): projected straight into `out`.
             Self::project(pool, k, Phase::Logits, &mut laps, &[&self.w.output], xb, rows.len(), &mut s.q8, &mut [out]);
+            softcap(arch.final_softcap, out);
             return Ok(());
         }
         if logit_rows.is_empty() {
@@ -567,6 +631,7 @@ impl CpuBackend {
             &mut s.q8,
             &mut [&mut s.logits],
         );
+        softcap(arch.final_softcap, &mut s.logits);
         let vocab = cfg.vocab;
         let mut next = logit_rows.iter().enumerate().peekable();
         for i in 0..rows.len() {

@@ -104,38 +104,44 @@ impl LayerOps for CpuOps<'_, '_> {
         Ok(())
     }
 
-    fn rope(&mut self, layer: usize, q: Act, k: Act) -> Result<(), BackendError> {
-        let (qd, kvd, hd) = (self.cfg.q_dim(), self.cfg.kv_dim(), self.cfg.head_dim);
+    fn rope(&mut self, layer: usize, q: Act, k: Option<Act>) -> Result<(), BackendError> {
+        let la = &self.arch.layers[layer];
+        let (qd, kvd, hd) = (la.q_dim(self.cfg.n_heads), la.kv_dim(), la.head_dim);
         let (rope, angles) = (&self.ropes[self.rope_of[layer]], &self.s.angles[self.rope_of[layer]]);
         for (t, angles) in angles.chunks_exact(rope.pairs()).take(self.n).enumerate() {
             rope.apply_angles(&mut self.s.acts[q.index()][t * qd..(t + 1) * qd], hd, angles);
-            rope.apply_angles(&mut self.s.acts[k.index()][t * kvd..(t + 1) * kvd], hd, angles);
+            if let Some(k) = k {
+                rope.apply_angles(&mut self.s.acts[k.index()][t * kvd..(t + 1) * kvd], hd, angles);
+            }
         }
         Ok(())
     }
 
     fn attend(&mut self, layer: usize, qkv: [Act; 3], sinks: Option<&Vec<f32>>, to: Act) -> Result<(), BackendError> {
-        let (hd, nkv, bs, kvd) = (self.cfg.head_dim, self.cfg.n_kv_heads, self.block_size, self.cfg.kv_dim());
+        let la = &self.arch.layers[layer];
+        let (hd, nkv, bs, kvd) = (la.head_dim, la.kv_heads, self.block_size, la.kv_dim());
+        let block_floats = self.arch.kv_width() * bs;
         let kv_layer =
             self.arch.kv_layer(layer).ok_or_else(|| BackendError::Invalid(format!("layer {layer} keeps no K/V")))?;
         let (group, slot) = self.groups.layer_slot[kv_layer];
         let ctx = &self.ctxs[group];
         let (kc, vc) = (&mut self.k_cache[slot], &mut self.v_cache[slot]);
         let (k, v) = (&self.s.acts[qkv[1].index()], &self.s.acts[qkv[2].index()]);
-        for (t, &p) in self.pos_of.iter().enumerate() {
+        // A layer reading another's K/V writes none: its source wrote this pass's already.
+        for (t, &p) in self.pos_of.iter().enumerate().filter(|_| la.kv_from.is_none()) {
             let blk = ctx[t].table[p / bs] as usize;
             for g in 0..nkv {
-                let o = PagedKv::offset(bs, nkv, hd, blk, g, p % bs);
+                let o = blk * block_floats + PagedKv::offset(bs, nkv, hd, 0, g, p % bs);
                 let src = t * kvd + g * hd;
                 // The half crate converts slices 4 or 8 at a time where the CPU has F16C.
                 kc[o..o + hd].convert_from_f32_slice(&k[src..src + hd]);
                 vc[o..o + hd].convert_from_f32_slice(&v[src..src + hd]);
             }
         }
-        let kv = PagedKv { k: kc, v: vc, block_size: bs, n_kv_heads: nkv, head_dim: hd };
+        let kv = PagedKv { k: kc, v: vc, block_size: bs, n_kv_heads: nkv, head_dim: hd, block_floats };
         debug_assert_eq!(self.arch.layers[layer].window, self.groups.windows[group], "a layer's group has its window");
         let mut out = std::mem::take(&mut self.s.acts[to.index()]);
-        resize(&mut out, self.n * self.cfg.q_dim());
+        resize(&mut out, self.n * la.q_dim(self.cfg.n_heads));
         self.laps.lap(Phase::Between, &[]);
         let q = &self.s.acts[qkv[0].index()];
         let scale = self.arch.attention_scale;
@@ -156,6 +162,33 @@ impl LayerOps for CpuOps<'_, '_> {
         let mut bufs = self.take(&[x]);
         bufs[0].iter_mut().zip(&self.s.acts[y.index()]).for_each(|(x, y)| *x += y);
         self.put(&[x], bufs);
+        Ok(())
+    }
+
+    fn copy(&mut self, from: Act, to: Act) -> Result<(), BackendError> {
+        let mut bufs = self.take(&[to]);
+        bufs[0].clear();
+        bufs[0].extend_from_slice(&self.s.acts[from.index()]);
+        self.put(&[to], bufs);
+        Ok(())
+    }
+
+    fn scale(&mut self, x: Act, s: &Vec<f32>) -> Result<(), BackendError> {
+        let s = *s.first().ok_or_else(|| BackendError::Invalid("a scale without its value".into()))?;
+        self.s.acts[x.index()].iter_mut().for_each(|v| *v *= s);
+        Ok(())
+    }
+
+    fn per_layer_input(&mut self, layer: usize, to: Act) -> Result<(), BackendError> {
+        let width = self.arch.per_layer.ok_or_else(|| BackendError::Invalid("no per-layer embeddings".into()))?;
+        let row = self.arch.layers.len() * width;
+        let mut bufs = self.take(&[to]);
+        bufs[0].clear();
+        for t in 0..self.n {
+            let at = t * row + layer * width;
+            bufs[0].extend_from_slice(&self.s.ple[at..at + width]);
+        }
+        self.put(&[to], bufs);
         Ok(())
     }
 

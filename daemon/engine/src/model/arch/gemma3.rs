@@ -29,6 +29,7 @@ fn describe(
     tied: bool,
     layout: TensorLayout,
 ) -> Architecture {
+    let global = Architecture::llama_like("gemma3", cfg, global_scaling, tied).layers[0].clone();
     let layers = sliding
         .iter()
         .map(|&s| match (s, window) {
@@ -36,14 +37,9 @@ fn describe(
                 window: Some(w),
                 rope_base: local_base,
                 rope_scaling: RopeScaling::None,
-                delta_net: false,
+                ..global.clone()
             },
-            _ => LayerAttention {
-                window: None,
-                rope_base: cfg.rope_base,
-                rope_scaling: global_scaling.clone(),
-                delta_net: false,
-            },
+            _ => global.clone(),
         })
         .collect();
     Architecture {
@@ -62,6 +58,9 @@ fn describe(
         moe: None,
         attn_output_gate: false,
         delta: None,
+        value_norm: false,
+        per_layer: None,
+        final_softcap: None,
     }
 }
 

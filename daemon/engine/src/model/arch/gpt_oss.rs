@@ -45,13 +45,13 @@ pub fn from_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
     arch.qkv_bias = true;
     arch.attn_sinks = true;
     arch.attn_out_bias = true;
+    let global = arch.layers[0].clone();
     arch.layers = sliding
         .iter()
         .map(|&s| LayerAttention {
             window: s.then_some(window),
             rope_base: if s { local_base } else { config.rope_base },
-            rope_scaling: scaling.clone(),
-            delta_net: false,
+            ..global.clone()
         })
         .collect();
     arch.layout = TensorLayout { ffn_norm_is_post_attention: true, ..TensorLayout::default() };

@@ -50,6 +50,21 @@ impl<'a> GgufKeys<'a> {
         self.opt_uint(k)?.ok_or_else(|| ModelError::MissingKey(self.full(k)))
     }
 
+    /// `{arch}.{k}` of each of `n` layers: one number for all of them, or an array of one per
+    /// layer (Gemma 4's `attention.head_count_kv`).
+    pub fn per_layer_uint(&self, k: &str, n: usize) -> Result<Option<Vec<usize>>, ModelError> {
+        let Some(v) = self.get(k) else { return Ok(None) };
+        let bad = || ModelError::Config(format!("{} = {v:?} is not a count, or one per layer", self.full(k)));
+        if let Some(x) = v.as_u64() {
+            return Ok(Some(vec![usize::try_from(x).map_err(|_| bad())?; n]));
+        }
+        let a = v.as_array().filter(|a| a.len() == n).ok_or_else(bad)?;
+        a.iter()
+            .map(|x| x.as_u64().and_then(|x| usize::try_from(x).ok()).ok_or_else(bad))
+            .collect::<Result<_, _>>()
+            .map(Some)
+    }
+
     pub fn opt_float(&self, k: &str) -> Result<Option<f32>, ModelError> {
         match self.get(k) {
             None => Ok(None),
@@ -79,11 +94,15 @@ impl<'a> GgufKeys<'a> {
             Some(v) => v,
             None => self.g.tensor("token_embd.weight").and_then(|t| t.dims.get(1).copied()).unwrap_or(0),
         };
+        let n_layers = self.uint("block_count")?;
+        // One per layer where they differ (Gemma 4): the most of them here, each layer's in
+        // its family's description.
+        let kv_heads = self.per_layer_uint("attention.head_count_kv", n_layers)?;
         let config = LlamaConfig {
-            n_layers: self.uint("block_count")?,
+            n_layers,
             hidden,
             n_heads,
-            n_kv_heads: self.opt_uint("attention.head_count_kv")?.unwrap_or(n_heads),
+            n_kv_heads: kv_heads.and_then(|h| h.into_iter().max()).unwrap_or(n_heads),
             head_dim,
             rope_dim: self.opt_uint("rope.dimension_count")?.unwrap_or(head_dim),
             ffn: self.uint("feed_forward_length")?,

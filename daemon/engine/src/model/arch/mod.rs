@@ -2,7 +2,8 @@
 //! placement, activation, QKV bias, QK-norm, attention window and RoPE per layer, embedding
 //! scale, tied output), and the backends run that description instead of a code path per
 //! family. One small file per architecture maps a GGUF's metadata or a `config.json` onto it
-//! (`llama.rs` for Llama and Mistral, `qwen.rs`, `qwen35.rs`, `gpt_oss.rs`, `gemma3.rs`, `phi3.rs`;
+//! (`llama.rs` for Llama and Mistral, `qwen.rs`, `qwen35.rs`, `gpt_oss.rs`, `gemma3.rs`, `gemma4.rs`,
+//! `phi3.rs`;
 //! [`for_gguf`] and [`for_hf`] pick the file by name; `keys.rs` reads metadata and remembers
 //! what was read).
 //!
@@ -11,6 +12,7 @@
 //! nobody reads. A model inferd cannot run exactly is refused, never run differently.
 
 pub mod gemma3;
+pub mod gemma4;
 pub mod gpt_oss;
 mod keys;
 pub mod llama;
@@ -75,6 +77,26 @@ pub struct LayerAttention {
     /// The layer mixes its tokens with Gated DeltaNet ([`Architecture::delta`]) instead of
     /// attention: it has no K/V in the cache but a recurrent state per sequence.
     pub delta_net: bool,
+    /// Its heads' size, its K/V heads, and how many of a head's dimensions RoPE rotates (the
+    /// model's own in every family but Gemma 4, whose sliding-window and global layers differ).
+    pub head_dim: usize,
+    pub kv_heads: usize,
+    pub rope_dim: usize,
+    /// The layer computes no K/V of its own and attends over those of this earlier layer
+    /// (Gemma 4's last layers): it takes no place in the cache.
+    pub kv_from: Option<usize>,
+}
+
+impl LayerAttention {
+    /// Floats of a token's queries (`n_heads` heads of the layer's size).
+    pub fn q_dim(&self, n_heads: usize) -> usize {
+        n_heads * self.head_dim
+    }
+
+    /// Floats of a token's keys (or values).
+    pub fn kv_dim(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
 }
 
 /// The Gated DeltaNet layers of a hybrid model (Qwen3.5): the recurrence's heads and sizes,
@@ -156,6 +178,14 @@ pub struct Architecture {
     pub attn_output_gate: bool,
     /// The shape of the layers that are Gated DeltaNet ([`LayerAttention::delta_net`]).
     pub delta: Option<DeltaNet>,
+    /// V is RMS-normalized per head without a weight, as Q and K are with theirs (Gemma 4).
+    pub value_norm: bool,
+    /// Per-layer embeddings of this width (Gemma 4): every token has a row of them per layer,
+    /// from a table of their own and a projection of its embedding, gated into each layer's
+    /// output ([`crate::model::weights::PerLayerEmbd`]).
+    pub per_layer: Option<usize>,
+    /// The logits are soft-capped: `c * tanh(logit / c)` (Gemma 4).
+    pub final_softcap: Option<f32>,
 }
 
 impl Architecture {
@@ -175,7 +205,11 @@ impl Architecture {
                     window: None,
                     rope_base: cfg.rope_base,
                     rope_scaling: scaling,
-                    delta_net: false
+                    delta_net: false,
+                    head_dim: cfg.head_dim,
+                    kv_heads: cfg.n_kv_heads,
+                    rope_dim: cfg.rope_dim,
+                    kv_from: None,
                 };
                 cfg.n_layers
             ],
@@ -186,21 +220,43 @@ impl Architecture {
             moe: None,
             attn_output_gate: false,
             delta: None,
+            value_norm: false,
+            per_layer: None,
+            final_softcap: None,
         }
     }
 }
 
 impl Architecture {
-    /// The layers that keep K/V in the cache (every layer but the DeltaNet ones), in order.
+    /// The layers that keep K/V in the cache (every layer but the DeltaNet ones and those
+    /// that read another layer's), in order.
     pub fn kv_layers(&self) -> Vec<usize> {
-        (0..self.layers.len()).filter(|&l| !self.layers[l].delta_net).collect()
+        (0..self.layers.len()).filter(|&l| self.keeps_kv(l)).collect()
     }
 
-    /// Layer `layer`'s index among the layers that keep K/V; `None` for a DeltaNet layer.
+    fn keeps_kv(&self, layer: usize) -> bool {
+        self.layers.get(layer).is_some_and(|l| !l.delta_net && l.kv_from.is_none())
+    }
+
+    /// The index among the layers that keep K/V of the layer whose K/V layer `layer` attends
+    /// over (its own, or the one it reads: [`LayerAttention::kv_from`]); `None` for a DeltaNet
+    /// layer.
     pub fn kv_layer(&self, layer: usize) -> Option<usize> {
-        let l = self.layers.get(layer).filter(|l| !l.delta_net)?;
-        let _ = l;
-        Some(self.layers[..layer].iter().filter(|l| !l.delta_net).count())
+        let own = self.layers.get(layer).filter(|l| !l.delta_net)?.kv_from.unwrap_or(layer);
+        self.keeps_kv(own).then(|| (0..own).filter(|&l| self.keeps_kv(l)).count())
+    }
+
+    /// Floats of a token's K (or V) in one layer's slot of a cache page: the widest layer's,
+    /// so any page can serve any group.
+    pub fn kv_width(&self) -> usize {
+        self.kv_layers().iter().map(|&l| self.layers[l].kv_dim()).max().unwrap_or(0)
+    }
+
+    /// Every layer's heads are the model's size (no mixed head sizes or K/V head counts).
+    pub fn uniform_heads(&self, cfg: &LlamaConfig) -> bool {
+        self.layers
+            .iter()
+            .all(|l| l.head_dim == cfg.head_dim && l.kv_heads == cfg.n_kv_heads && l.rope_dim == cfg.rope_dim)
     }
 }
 
@@ -211,7 +267,8 @@ pub fn sliding_pattern(n_layers: usize, pattern: usize) -> Vec<bool> {
 }
 
 /// The families [`for_gguf`] and [`for_hf`] know, for their refusals.
-const KNOWN: &str = "llama, mistral, qwen2, qwen3, qwen3moe, qwen35, qwen35moe, qwen3next, gpt-oss, gemma3, phi3";
+const KNOWN: &str =
+    "llama, mistral, qwen2, qwen3, qwen3moe, qwen35, qwen35moe, qwen3next, gpt-oss, gemma3, gemma4, phi3";
 
 /// The architecture and hyperparameters of a GGUF file, by its `general.architecture`.
 pub fn for_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
@@ -230,6 +287,7 @@ pub fn for_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
         "qwen3next" => qwen35::from_gguf(g, qwen35::Hybrid::Qwen3Next),
         "gpt-oss" => gpt_oss::from_gguf(g),
         "gemma3" => gemma3::from_gguf(g),
+        "gemma4" => gemma4::from_gguf(g),
         "phi3" => phi3::from_gguf(g),
         other => Err(ModelError::Unsupported(format!("architecture '{other}' (supported: {KNOWN})"))),
     }
