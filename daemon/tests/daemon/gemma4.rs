@@ -2,8 +2,11 @@
 //! head sizes) against llama-server on the same file: the tiny random-weight model written by
 //! `tests/reference/tiny_models.py gemma4`, its greedy tokens and log-probabilities a token at a
 //! time and batched answers equal to each prompt's alone; then through chunked prefill, forks
-//! (n = 2, a beam of 3), preemption and the prefix cache: every answer the same as alone.
+//! (n = 2, a beam of 3), preemption and the prefix cache: every answer the same as alone; and
+//! speculative decoding (drafts rolled back out of the sliding and global layers' tables) is
+//! greedy decoding.
 
+use super::hybrid::speculative_is_greedy;
 use super::moe::{answer_as_llama_cpp, through_chunks_forks_and_preemption};
 use super::remote::llama_server;
 use super::*;
@@ -47,5 +50,26 @@ fn gemma4_through_chunks_forks_preemption_and_the_prefix_cache() {
     // none), the two sliding ones over 8 positions only: a 1 MiB cache holds about 4,000
     // positions of the global layers for about 36 sequences of up to 256 (the model's context).
     through_chunks_forks_and_preemption(&dir, &[(q8, "gemma4")], &|_| r#"{"1": -100}"#, (1, 216), true);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Speculative decoding of Gemma 4 at temperature 0: drafts from prompt lookup and from draft
+/// models (the f32 weights drafting for the Q8_0 ones, mostly kept; a tiny Qwen3.5 of the same
+/// vocabulary drafting for the f32 ones, mostly rolled back out of both layer kinds' tables):
+/// the same tokens and log-probabilities as greedy decoding.
+#[test]
+fn speculative_decoding_on_gemma4_is_greedy() {
+    let dir = scratch("gemma4-speculative");
+    let (q8, f32_file) = tiny_gemma4(&dir);
+    tiny_models("hybrid", &dir);
+    let model = |name: &str, path: &Path, draft: &Path| {
+        format!("[[model]]\nname = \"{name}\"\npath = \"{}\"\ndraft = \"{}\"\n", path.display(), draft.display())
+    };
+    let cfg = model("gemma4", &q8, &f32_file) + &model("gemma4-f32", &f32_file, &dir.join("tiny-qwen35.gguf"));
+    let d = Daemon::start(&dir, &cfg, &[]);
+    let runs = [("gemma4", "model"), ("gemma4-f32", "model"), ("gemma4", "prompt-lookup")];
+    let (drafted, accepted) = speculative_is_greedy(&d, &runs);
+    assert!(accepted > 0.0 && drafted > accepted, "drafts both kept and rolled back: {accepted} of {drafted}");
+    drop(d);
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -109,6 +109,19 @@ fn speculative_decoding_on_hybrid_models_is_greedy() {
     let mut cfg = config(&models);
     cfg = cfg.replacen("\n[[model]]", &format!("\ndraft = \"{}\"\n[[model]]", models[1].0.display()), 1);
     let d = Daemon::start(&dir, &cfg, &[]);
+    let mut runs = vec![(models[0].1, "model"), (models[0].1, "prompt-lookup")];
+    runs.extend(models[1..].iter().map(|(_, name)| (*name, "prompt-lookup")));
+    let (drafted, accepted) = speculative_is_greedy(&d, &runs);
+    assert!(accepted > 0.0 && drafted > accepted, "drafts both kept and rolled back: {accepted} of {drafted}");
+    drop(d);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Each `(model, drafter)` of `runs` on `d`: a prompt, its greedy answer and the prompt again
+/// (prompt lookup drafts the answer, which the model now partly repeats: drafts kept and drafts
+/// rolled back), decoded greedily and speculatively at temperature 0: the same tokens and
+/// log-probabilities. Returns the drafts made and those accepted.
+pub(super) fn speculative_is_greedy(d: &Daemon, runs: &[(&str, &str)]) -> (f64, f64) {
     let complete = |model: &str, prompt: &[u32], decoder: &str| {
         let body = format!(
             r#"{{"model": "{model}", "prompt": {prompt:?}, "max_tokens": 40, "temperature": 0, "logprobs": 1{decoder}}}"#
@@ -123,12 +136,8 @@ fn speculative_decoding_on_hybrid_models_is_greedy() {
         assert_eq!(st, 200, "{b}");
         json(&b)["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
     };
-    // A prompt, its greedy answer, and the prompt again: prompt lookup drafts the answer, which
-    // the model now partly repeats (drafts kept and drafts rolled back).
     let (mut drafted, mut accepted) = (0.0, 0.0);
-    let mut runs = vec![(models[0].1, "model"), (models[0].1, "prompt-lookup")];
-    runs.extend(models[1..].iter().map(|(_, name)| (*name, "prompt-lookup")));
-    for (model, drafter) in runs {
+    for &(model, drafter) in runs {
         let first: Vec<u32> = (0..30).map(|i| 3 + (i * 13) % 240).collect();
         let answer = tokens(model, &text(&complete(model, &first, "")));
         let prompt = [first.clone(), answer, first].concat();
@@ -145,7 +154,5 @@ fn speculative_decoding_on_hybrid_models_is_greedy() {
         drafted += stats["draft_tokens"].as_f64().unwrap_or(0.0);
         accepted += stats["accepted_tokens"].as_f64().unwrap_or(0.0);
     }
-    assert!(accepted > 0.0 && drafted > accepted, "drafts both kept and rolled back: {accepted} of {drafted}");
-    drop(d);
-    let _ = std::fs::remove_dir_all(dir);
+    (drafted, accepted)
 }
