@@ -592,7 +592,9 @@ def gemma4(path, seed, f32=False):
     w.add_context_length(256)
     w.add_embedding_length(HIDDEN)
     w.add_block_count(G4_LAYERS)
-    w.add_feed_forward_length(FFN)
+    # The layers sharing K/V twice as wide (the converter's `use_double_wide_mlp`).
+    ffn = [FFN if i < first_shared else 2 * FFN for i in range(G4_LAYERS)]
+    w.add_feed_forward_length(ffn)
     w.add_head_count(HEADS)
     w.add_head_count_kv(kv_heads)
     w.add_layer_norm_rms_eps(1e-6)
@@ -635,9 +637,9 @@ def gemma4(path, seed, f32=False):
         t[p + "attn_output.weight"] = mat(HIDDEN, q)
         t[p + "post_attention_norm.weight"] = norm(HIDDEN)
         t[p + "ffn_norm.weight"] = norm(HIDDEN)
-        t[p + "ffn_gate.weight"] = mat(FFN, HIDDEN)
-        t[p + "ffn_up.weight"] = mat(FFN, HIDDEN)
-        t[p + "ffn_down.weight"] = mat(HIDDEN, FFN)
+        t[p + "ffn_gate.weight"] = mat(ffn[i], HIDDEN)
+        t[p + "ffn_up.weight"] = mat(ffn[i], HIDDEN)
+        t[p + "ffn_down.weight"] = mat(HIDDEN, ffn[i])
         t[p + "post_ffw_norm.weight"] = norm(HIDDEN)
         t[p + "inp_gate.weight"] = mat(G4_PLE, HIDDEN)
         t[p + "proj.weight"] = mat(HIDDEN, G4_PLE)

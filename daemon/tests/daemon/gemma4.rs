@@ -12,7 +12,7 @@ use super::remote::llama_server;
 use super::*;
 
 /// How close the log-probabilities must be, on the f32 file: above the most they differ here
-/// (0.0025 over 32 steps, Intel Xeon AVX-512; tests/e2e/reference.rs
+/// (0.0010 over 27 steps, Intel Xeon AVX-512; tests/e2e/reference.rs
 /// `tiny_gemma4_matches_llama_cpp` says where the difference comes from: llama.cpp's GELU table
 /// and its f16 queries in attention, which Gemma 4's unscaled attention sharpens).
 const GEMMA4_TOL: f64 = 0.1;
@@ -36,7 +36,7 @@ fn gemma4_answers_as_llama_cpp() {
     let (compared, worst) = answer_as_llama_cpp(&bin, &d, &models, &dir, GEMMA4_TOL);
     // Steps whose token llama-server reports no probability for (a piece of a UTF-8
     // character) or that ours does not rank second after a near-tie are not compared.
-    assert!(compared >= 24, "only {compared} of 48 steps compared");
+    assert!(compared >= 20, "only {compared} of 48 steps compared");
     eprintln!("gemma4: {compared} steps compared, log-probabilities at most {worst:.4} apart");
     drop(d);
     let _ = std::fs::remove_dir_all(dir);

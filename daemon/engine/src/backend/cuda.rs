@@ -155,7 +155,7 @@ impl<S: Stream> CudaBackend<S> {
         if a.per_layer.is_some()
             || a.value_norm
             || a.final_softcap.is_some()
-            || !a.uniform_heads(&model.config)
+            || !a.uniform_layers(&model.config)
             || a.layers.iter().any(|l| l.kv_from.is_some())
         {
             let why = format!(

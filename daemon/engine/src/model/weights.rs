@@ -529,9 +529,10 @@ impl LlamaWeights {
             w.iter_mut().for_each(|x| *x += layout.norm_offset);
             Ok(w)
         };
-        let (h, f) = (cfg.hidden, cfg.ffn);
+        let h = cfg.hidden;
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {
+            let f = arch.ffn_widths[i];
             let la = &arch.layers[i];
             let (q, kv, hd) = (la.q_dim(cfg.n_heads), la.kv_dim(), la.head_dim);
             let name = |role: Role| naming.layer(role, i, layout.gemma_names, "weight");

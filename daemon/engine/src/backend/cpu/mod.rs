@@ -103,7 +103,11 @@ pub fn runs(arch: &Architecture) -> Result<(), BackendError> {
         value_norm: _,
         per_layer: _,
         final_softcap: _,
+        ffn_widths,
     } = arch;
+    if ffn_widths.len() != layers.len() || ffn_widths.contains(&0) {
+        return Err(BackendError::Unsupported(format!("{}: feed-forward widths {ffn_widths:?}", arch.name)));
+    }
     if moe.is_some() && *activation == Activation::GeluTanhGated {
         return Err(BackendError::Unsupported(format!("{}: experts with GeGLU", arch.name)));
     }

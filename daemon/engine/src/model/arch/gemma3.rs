@@ -61,6 +61,7 @@ fn describe(
         value_norm: false,
         per_layer: None,
         final_softcap: None,
+        ffn_widths: vec![cfg.ffn; cfg.n_layers],
     }
 }
 

@@ -13,7 +13,8 @@
 //!   `per_layer_token_embd` table and a projection of its embedding give each layer a small
 //!   input, gated into the layer's output after the feed-forward
 //!   ([`crate::model::weights::PerLayerEmbd`]);
-//! - a learned scalar on each layer's output, and soft-capped logits.
+//! - a learned scalar on each layer's output, soft-capped logits, and feed-forward widths that may
+//!   be one per layer (`feed_forward_length` an array: the layers sharing K/V twice as wide);
 //!
 //! As llama.cpp reads `gemma4.*`. The mixture-of-experts variant (26B-A4B, `expert_count`) is
 //! refused by name.
@@ -46,6 +47,12 @@ pub fn from_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
         _ => return Err(bad("attention.sliding_window_pattern is not one flag per layer".into())),
     };
     let kv_heads = keys.per_layer_uint("attention.head_count_kv", n)?.unwrap_or(vec![config.n_heads; n]);
+    // One per layer where the layers sharing K/V have a wider feed-forward (the converter's
+    // `use_double_wide_mlp`).
+    let ffn_widths = keys.per_layer_uint("feed_forward_length", n)?.unwrap_or(vec![config.ffn; n]);
+    if ffn_widths.contains(&0) {
+        return Err(bad(format!("feed-forward widths {ffn_widths:?}")));
+    }
     let swa_head = keys.opt_uint("attention.key_length_swa")?.unwrap_or(config.head_dim);
     if keys.opt_uint("attention.value_length_swa")?.is_some_and(|v| v != swa_head) {
         return Err(ModelError::Unsupported("gemma4: value heads apart from key heads".into()));
@@ -115,6 +122,7 @@ pub fn from_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
         value_norm: true,
         per_layer,
         final_softcap: softcap,
+        ffn_widths,
     };
     Ok((arch, config))
 }

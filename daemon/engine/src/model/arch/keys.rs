@@ -95,8 +95,9 @@ impl<'a> GgufKeys<'a> {
             None => self.g.tensor("token_embd.weight").and_then(|t| t.dims.get(1).copied()).unwrap_or(0),
         };
         let n_layers = self.uint("block_count")?;
-        // One per layer where they differ (Gemma 4): the most of them here, each layer's in
-        // its family's description.
+        // K/V heads and feed-forward widths may be one per layer (Gemma 4): the most of them
+        // here, each layer's in its family's description (a family that reads one for all
+        // layers meets a layer's narrower tensors as a shape error).
         let kv_heads = self.per_layer_uint("attention.head_count_kv", n_layers)?;
         let config = LlamaConfig {
             n_layers,
@@ -105,7 +106,10 @@ impl<'a> GgufKeys<'a> {
             n_kv_heads: kv_heads.and_then(|h| h.into_iter().max()).unwrap_or(n_heads),
             head_dim,
             rope_dim: self.opt_uint("rope.dimension_count")?.unwrap_or(head_dim),
-            ffn: self.uint("feed_forward_length")?,
+            ffn: match self.per_layer_uint("feed_forward_length", n_layers)? {
+                Some(f) => f.into_iter().max().unwrap_or(0),
+                None => return Err(ModelError::MissingKey(self.full("feed_forward_length"))),
+            },
             vocab,
             rope_base: self.opt_float("rope.freq_base")?.unwrap_or(10000.0),
             rope_style,

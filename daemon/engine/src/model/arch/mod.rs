@@ -186,6 +186,9 @@ pub struct Architecture {
     pub per_layer: Option<usize>,
     /// The logits are soft-capped: `c * tanh(logit / c)` (Gemma 4).
     pub final_softcap: Option<f32>,
+    /// Each layer's feed-forward width (the model's in every family but Gemma 4, whose layers
+    /// that share K/V may have twice the width).
+    pub ffn_widths: Vec<usize>,
 }
 
 impl Architecture {
@@ -223,6 +226,7 @@ impl Architecture {
             value_norm: false,
             per_layer: None,
             final_softcap: None,
+            ffn_widths: vec![cfg.ffn; cfg.n_layers],
         }
     }
 }
@@ -252,11 +256,13 @@ impl Architecture {
         self.kv_layers().iter().map(|&l| self.layers[l].kv_dim()).max().unwrap_or(0)
     }
 
-    /// Every layer's heads are the model's size (no mixed head sizes or K/V head counts).
-    pub fn uniform_heads(&self, cfg: &LlamaConfig) -> bool {
+    /// Every layer's heads and feed-forward are the model's size (no mixed head sizes, K/V
+    /// head counts or widths).
+    pub fn uniform_layers(&self, cfg: &LlamaConfig) -> bool {
         self.layers
             .iter()
             .all(|l| l.head_dim == cfg.head_dim && l.kv_heads == cfg.n_kv_heads && l.rope_dim == cfg.rope_dim)
+            && self.ffn_widths.iter().all(|&f| f == cfg.ffn)
     }
 }
 
