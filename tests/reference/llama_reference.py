@@ -87,7 +87,7 @@ def main():
     out, tiny_dir, gemma, requantized = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
     models = []
     for arch in ["llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen35", "qwen35moe", "qwen3next", "qwen35-f32",
-                 "qwen35moe-f32", "qwen3next-f32", "gemma4", "gemma4-f32"]:
+                 "qwen35moe-f32", "qwen3next-f32", "gemma4", "gemma4-f32", "gemma4-moe", "gemma4-moe-f32"]:
         path = f"{tiny_dir}/tiny-{arch}.gguf"
         llm = Llama(path, n_ctx=256, logits_all=True, verbose=False, n_threads=2, seed=0)
         rng = np.random.default_rng(100)

@@ -570,8 +570,10 @@ G4_LAYERS, G4_SWA_HEAD, G4_FULL_HEAD, G4_PLE, G4_SHARED = 6, 16, 32, 8, 2
 EMBD_SCALE = 0.3
 
 
-def gemma4(path, seed, f32=False):
-    """A tiny Gemma 4 (`gemma4`, as E2B / E4B): sliding-window and global layers alternating,
+def gemma4(path, seed, f32=False, moe=False):
+    """A tiny Gemma 4 (`gemma4`, as E2B / E4B; with `moe`, as 26B-A4B: experts beside every
+    layer's dense feed-forward, fused gate and up stacks in the even layers, each expert's
+    output scale): sliding-window and global layers alternating,
     their heads of two sizes and KV heads of two counts, the global layers' "proportional"
     RoPE (frequency factors of 1e30 leave three quarters of a head unrotated) with their own
     base, K and V normed (V without a weight), attention unscaled, one global layer's V its K
@@ -611,6 +613,10 @@ def gemma4(path, seed, f32=False):
     w.add_shared_kv_layers(G4_SHARED)
     w.add_embedding_length_per_layer_input(G4_PLE)
     w.add_final_logit_softcapping(30.0)
+    if moe:
+        w.add_expert_count(EXPERTS)
+        w.add_expert_used_count(EXPERTS_USED)
+        w.add_expert_feed_forward_length(EXPERT_FFN)
     add_vocab(w)
     t = {}
     t["token_embd.weight"] = mat(VOCAB, HIDDEN, EMBD_SCALE)
@@ -645,9 +651,26 @@ def gemma4(path, seed, f32=False):
         t[p + "proj.weight"] = mat(HIDDEN, G4_PLE)
         t[p + "post_norm.weight"] = norm(HIDDEN)
         t[p + "layer_output_scale.weight"] = np.array([0.5 + rng.random()], dtype=np.float32)
+        if moe:
+            # The router (f32) reads the normed residual scaled per channel over sqrt(hidden).
+            t[p + "ffn_gate_inp.weight"] = mat(EXPERTS, HIDDEN, 1.0)
+            t[p + "ffn_gate_inp.scale"] = norm(HIDDEN)
+            gate = [mat(EXPERT_FFN, HIDDEN) for _ in range(EXPERTS)]
+            up = [mat(EXPERT_FFN, HIDDEN) for _ in range(EXPERTS)]
+            if i % 2 == 0:
+                t[p + "ffn_gate_up_exps.weight"] = np.stack([np.concatenate([g, u]) for g, u in zip(gate, up)])
+            else:
+                t[p + "ffn_gate_exps.weight"] = np.stack(gate)
+                t[p + "ffn_up_exps.weight"] = np.stack(up)
+            t[p + "ffn_down_exps.weight"] = np.stack([mat(HIDDEN, EXPERT_FFN) for _ in range(EXPERTS)])
+            t[p + "ffn_down_exps.scale"] = (0.5 + rng.random(EXPERTS)).astype(np.float32)
+            t[p + "pre_ffw_norm_2.weight"] = norm(HIDDEN)
+            t[p + "post_ffw_norm_1.weight"] = norm(HIDDEN)
+            t[p + "post_ffw_norm_2.weight"] = norm(HIDDEN)
     for name, value in t.items():
         # Rows shorter than a Q8_0 block (the per-layer projection back) stay f32.
         small = value.ndim < 2 or value.shape[-1] % 32 != 0 or name in ("token_embd.weight", "per_layer_token_embd.weight")
+        small = small or name.endswith("ffn_gate_inp.weight")
         if f32 or small:
             w.add_tensor(name, value)
         else:
@@ -672,6 +695,8 @@ elif __name__ == "__main__" and sys.argv[1] == "hybrid":
 elif __name__ == "__main__" and sys.argv[1] == "gemma4":
     gemma4(f"{sys.argv[2]}/tiny-gemma4.gguf", 400)
     gemma4(f"{sys.argv[2]}/tiny-gemma4-f32.gguf", 400, f32=True)
+    gemma4(f"{sys.argv[2]}/tiny-gemma4-moe.gguf", 401, moe=True)
+    gemma4(f"{sys.argv[2]}/tiny-gemma4-moe-f32.gguf", 401, f32=True, moe=True)
 elif __name__ == "__main__" and sys.argv[1] == "rerankers":
     for seed, (name, template) in enumerate(RERANKERS, start=100):
         model("qwen3", f"{sys.argv[2]}/{name}.gguf", seed, rerank={"template": template})
@@ -693,3 +718,5 @@ elif __name__ == "__main__":
         hybrid(f"{out}/tiny-{arch}-f32.gguf", seed, arch, f32=True)
     gemma4(f"{out}/tiny-gemma4.gguf", 400)
     gemma4(f"{out}/tiny-gemma4-f32.gguf", 400, f32=True)
+    gemma4(f"{out}/tiny-gemma4-moe.gguf", 401, moe=True)
+    gemma4(f"{out}/tiny-gemma4-moe-f32.gguf", 401, f32=True, moe=True)

@@ -580,8 +580,12 @@ impl<S: Stream> LayerOps for CudaOps<'_, S> {
         moe: &crate::model::arch::Moe,
         act: Activation,
         from: Act,
+        router_from: Act,
         to: Act,
     ) -> Result<(), BackendError> {
+        if router_from != from || w.beside_dense.is_some() {
+            return Err(BackendError::Unsupported("experts beside a dense feed-forward on the cuda backend".into()));
+        }
         let (s, n, h, e) = (self.s, self.n, self.cfg.hidden, moe.experts);
         let router = router.one()?;
         let x = self.get(from)?;

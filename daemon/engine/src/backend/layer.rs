@@ -46,6 +46,8 @@ pub enum Act {
     /// A layer's per-layer embedding input and its gate (Gemma 4, the embedding's width a row).
     Ple,
     PleGate,
+    /// The router's input where it has a norm of its own (Gemma 4's experts, `hidden` a row).
+    RouterIn,
 }
 
 /// How a gate applies to the values it gates ([`LayerOps::gate`]).
@@ -58,7 +60,7 @@ pub enum GateFn {
 }
 
 impl Act {
-    pub const COUNT: usize = 17;
+    pub const COUNT: usize = 18;
 
     /// The buffer's index in a backend's array of them.
     pub fn index(self) -> usize {
@@ -125,9 +127,12 @@ pub trait LayerOps {
     /// `to` = each token's per-layer embedding input for layer `layer` (the pass computes them
     /// for every layer before the first: [`crate::model::weights::PerLayerEmbd`]).
     fn per_layer_input(&mut self, layer: usize, to: Act) -> Result<(), BackendError>;
-    /// A mixture of experts' feed-forward of `from` into `to`: the router's logits (and bias),
-    /// each token's choice of experts, the chosen experts' gated products and their weighted
-    /// sum, each chosen expert's weights read once for all the tokens that chose it.
+    /// A mixture of experts' feed-forward of `from` into `to`: the router's logits (of
+    /// `router_from`, and bias), each token's choice of experts, the chosen experts' gated
+    /// products and their weighted sum (each expert's weight times its own scale where the
+    /// layer has them: [`crate::model::weights::BesideDense`]), each chosen expert's weights
+    /// read once for all the tokens that chose it.
+    #[allow(clippy::too_many_arguments)]
     fn experts(
         &mut self,
         w: &LayerWeights<Self::Matrix, Self::Vector>,
@@ -135,6 +140,7 @@ pub trait LayerOps {
         moe: &Moe,
         act: Activation,
         from: Act,
+        router_from: Act,
         to: Act,
     ) -> Result<(), BackendError>;
 }
@@ -157,11 +163,28 @@ pub fn layer<O: LayerOps>(
     residual(o, w.attn_post_norm.as_ref())?;
 
     o.norm(X, &w.ffn_norm, Normed)?;
-    match (&w.router, &arch.moe) {
-        (Some(router), Some(moe)) => {
-            o.experts(w, router, moe, arch.activation, Normed, Out)?;
-            if let Some(s) = &w.shared {
-                o.project(Phase::FfnGateUp, Normed, &[(&s.gate, Gate), (&s.up, Up), (&s.gate_inp, SharedGate)])?;
+    match (&w.router, &arch.moe, &w.shared, &w.beside_dense) {
+        (Some(router), Some(moe), Some(dense), Some(b)) => {
+            // The dense feed-forward, then the experts beside it, each branch normed before
+            // and after (Gemma 4's 26B-A4B).
+            o.project(Phase::FfnGateUp, Normed, &[(&dense.gate, Gate), (&dense.up, Up)])?;
+            o.gated(arch.activation, Gate, Up)?;
+            o.project(Phase::FfnDown, Gate, &[(&dense.down, Shared)])?;
+            o.norm(Shared, &b.dense_post_norm, Shared)?;
+            o.norm(X, &b.pre_norm, Normed)?;
+            o.norm(X, &b.router_norm, RouterIn)?;
+            o.experts(w, router, moe, arch.activation, Normed, RouterIn, Out)?;
+            o.norm(Out, &b.experts_post_norm, Out)?;
+            o.add(Out, Shared)?;
+        }
+        (Some(router), Some(moe), shared, _) => {
+            o.experts(w, router, moe, arch.activation, Normed, Normed, Out)?;
+            if let Some(s) = shared {
+                let gate_inp = s
+                    .gate_inp
+                    .as_ref()
+                    .ok_or_else(|| BackendError::Invalid("a shared expert without its gate".into()))?;
+                o.project(Phase::FfnGateUp, Normed, &[(&s.gate, Gate), (&s.up, Up), (gate_inp, SharedGate)])?;
                 o.gated(arch.activation, Gate, Up)?;
                 o.project(Phase::FfnDown, Gate, &[(&s.down, Shared)])?;
                 o.gate(Shared, SharedGate, GateFn::Sigmoid)?;

@@ -227,13 +227,29 @@ pub struct DeltaWeights<M = Tensor, V = Vec<f32>> {
 }
 
 /// A mixture's shared expert ([`crate::model::arch::Moe::shared_ffn`]): its gate, up and
-/// down, and the one row of `hidden` whose product with the token is its gate's logit.
+/// down, and the one row of `hidden` whose product with the token is its gate's logit; or,
+/// ungated, the dense feed-forward beside the experts ([`BesideDense`]).
 #[derive(Clone, Debug)]
 pub struct SharedExpert<M = Tensor> {
     pub gate: M,
     pub up: M,
     pub down: M,
-    pub gate_inp: M,
+    pub gate_inp: Option<M>,
+}
+
+/// The norms of a layer whose experts run beside its dense feed-forward (Gemma 4's 26B-A4B;
+/// the dense one is the layer's [`SharedExpert`], ungated): `ffn_norm` before the dense
+/// branch and `dense_post_norm` after it, `pre_norm` before the experts and
+/// `experts_post_norm` after them, the router reading `rms_norm(x) * router_norm` (the file's
+/// per-channel scale over `sqrt(hidden)`), and each expert's output scaled by its
+/// `expert_scale`.
+#[derive(Clone, Debug)]
+pub struct BesideDense<V = Vec<f32>> {
+    pub pre_norm: V,
+    pub dense_post_norm: V,
+    pub experts_post_norm: V,
+    pub router_norm: V,
+    pub expert_scale: V,
 }
 
 /// What mixes a layer's tokens.
@@ -275,6 +291,8 @@ pub struct LayerWeights<M = Tensor, V = Vec<f32>> {
     pub ple: Option<LayerPle<M, V>>,
     /// A scalar (one value) the layer's output is multiplied by (Gemma 4).
     pub out_scale: Option<V>,
+    /// The norms and scales of experts beside a dense feed-forward (Gemma 4's 26B-A4B).
+    pub beside_dense: Option<BesideDense<V>>,
 }
 
 impl<M, V> LayerWeights<M, V> {
@@ -294,7 +312,9 @@ impl LayerWeights {
     pub fn matrices(&self) -> Vec<&Tensor> {
         let mut m = self.mixer_matrices();
         m.extend([&self.w_gate, &self.w_up, &self.w_down]);
-        m.extend(self.shared.iter().flat_map(|s| [&s.gate, &s.up, &s.down, &s.gate_inp]));
+        m.extend(
+            self.shared.iter().flat_map(|s| [Some(&s.gate), Some(&s.up), Some(&s.down), s.gate_inp.as_ref()]).flatten(),
+        );
         m.extend(self.ple.iter().flat_map(|p| [&p.gate, &p.proj]));
         m
     }
@@ -313,8 +333,12 @@ impl LayerWeights {
     /// The shared expert's and the per-layer embedding's matrices, to be replaced (the CPU
     /// backend's packing).
     pub fn shared_matrices_mut(&mut self) -> Vec<&mut Tensor> {
-        let mut m: Vec<&mut Tensor> =
-            self.shared.iter_mut().flat_map(|s| [&mut s.gate, &mut s.up, &mut s.down, &mut s.gate_inp]).collect();
+        let mut m: Vec<&mut Tensor> = self
+            .shared
+            .iter_mut()
+            .flat_map(|s| [Some(&mut s.gate), Some(&mut s.up), Some(&mut s.down), s.gate_inp.as_mut()])
+            .flatten()
+            .collect();
         m.extend(self.ple.iter_mut().flat_map(|p| [&mut p.gate, &mut p.proj]));
         m
     }
@@ -379,6 +403,16 @@ impl<M, V> LayerWeights<M, V> {
             Some(p) => Some(LayerPle { gate: m(&p.gate)?, proj: m(&p.proj)?, post_norm: v(&p.post_norm)? }),
             None => None,
         };
+        let beside_dense = match &self.beside_dense {
+            Some(b) => Some(BesideDense {
+                pre_norm: v(&b.pre_norm)?,
+                dense_post_norm: v(&b.dense_post_norm)?,
+                experts_post_norm: v(&b.experts_post_norm)?,
+                router_norm: v(&b.router_norm)?,
+                expert_scale: v(&b.expert_scale)?,
+            }),
+            None => None,
+        };
         let expert_biases = match &self.expert_biases {
             Some([a, b, c]) => Some([v(a)?, v(b)?, v(c)?]),
             None => None,
@@ -399,13 +433,14 @@ impl<M, V> LayerWeights<M, V> {
                     gate: m(&s.gate)?,
                     up: m(&s.up)?,
                     down: m(&s.down)?,
-                    gate_inp: m(&s.gate_inp)?,
+                    gate_inp: s.gate_inp.as_ref().map(&mut m).transpose()?,
                 }),
                 None => None,
             },
             ffn_post_norm,
             ple,
             out_scale,
+            beside_dense,
         })
     }
 }
@@ -543,7 +578,18 @@ impl LlamaWeights {
             }
             let (w_gate, w_up) = if let Some(m) = moe {
                 let stack = |what: &str| fetch(format!("blk.{i}.{what}.weight"))?.expect(m.experts * m.expert_ffn, h);
-                (stack("ffn_gate_exps")?, stack("ffn_up_exps")?)
+                match get(&format!("blk.{i}.ffn_gate_up_exps.weight")).filter(|_| m.beside_dense) {
+                    // Each expert's gate rows, then its up rows: split into two stacks.
+                    Some(t) => {
+                        let (e, f) = (m.experts, m.expert_ffn);
+                        let t = t.expect(e * 2 * f, h)?;
+                        let part = |at: usize| (0..e).map(|x| (x * 2 * f + at, x * 2 * f + at + f)).collect::<Vec<_>>();
+                        let (g, u) = (t.gather(&part(0)), t.gather(&part(f)));
+                        t.release();
+                        (g, u)
+                    }
+                    None => (stack("ffn_gate_exps")?, stack("ffn_up_exps")?),
+                }
             } else if layout.fused_gate_up {
                 let gu = fetch(name(Role::GateUp))?.expect(2 * f, h)?;
                 (gu.rows_of(0, f), gu.rows_of(f, 2 * f))
@@ -655,15 +701,44 @@ impl LlamaWeights {
                         ])
                     })
                     .transpose()?,
-                shared: moe
-                    .and_then(|m| m.shared_ffn)
-                    .map(|sf| -> Result<SharedExpert, ModelError> {
-                        let t = |what: &str| fetch(format!("blk.{i}.{what}.weight"));
-                        Ok(SharedExpert {
-                            gate: t("ffn_gate_shexp")?.expect(sf, h)?,
-                            up: t("ffn_up_shexp")?.expect(sf, h)?,
-                            down: t("ffn_down_shexp")?.expect(h, sf)?,
-                            gate_inp: t("ffn_gate_inp_shexp")?.expect(1, h)?,
+                shared: match moe {
+                    // The dense feed-forward beside the experts: ungated.
+                    Some(m) if m.beside_dense => Some(SharedExpert {
+                        gate: fetch(name(Role::Gate))?.expect(f, h)?,
+                        up: fetch(name(Role::Up))?.expect(f, h)?,
+                        down: fetch(name(Role::Down))?.expect(h, f)?,
+                        gate_inp: None,
+                    }),
+                    _ => moe
+                        .and_then(|m| m.shared_ffn)
+                        .map(|sf| -> Result<SharedExpert, ModelError> {
+                            let t = |what: &str| fetch(format!("blk.{i}.{what}.weight"));
+                            Ok(SharedExpert {
+                                gate: t("ffn_gate_shexp")?.expect(sf, h)?,
+                                up: t("ffn_up_shexp")?.expect(sf, h)?,
+                                down: t("ffn_down_shexp")?.expect(h, sf)?,
+                                gate_inp: Some(t("ffn_gate_inp_shexp")?.expect(1, h)?),
+                            })
+                        })
+                        .transpose()?,
+                },
+                beside_dense: moe
+                    .filter(|m| m.beside_dense)
+                    .map(|m| -> Result<BesideDense, ModelError> {
+                        let t = |what: &str, n: usize| norm(format!("blk.{i}.{what}.weight"), n);
+                        let mut router_norm = vector(format!("blk.{i}.ffn_gate_inp.scale"), h)?;
+                        let to_unit = 1.0 / (h as f32).sqrt();
+                        router_norm.iter_mut().for_each(|x| *x *= to_unit);
+                        let scale = format!("blk.{i}.ffn_down_exps.scale");
+                        Ok(BesideDense {
+                            pre_norm: t("pre_ffw_norm_2", h)?,
+                            dense_post_norm: t("post_ffw_norm_1", h)?,
+                            experts_post_norm: t("post_ffw_norm_2", h)?,
+                            router_norm,
+                            expert_scale: match get(&scale) {
+                                Some(_) => vector(scale, m.experts)?,
+                                None => vec![1.0; m.experts],
+                            },
                         })
                     })
                     .transpose()?,

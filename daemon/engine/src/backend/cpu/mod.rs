@@ -97,7 +97,7 @@ pub fn runs(arch: &Architecture) -> Result<(), BackendError> {
         attention_scale: _,
         tied_output: _,
         layout: _,
-        moe,
+        moe: _,
         attn_output_gate: _,
         delta,
         value_norm: _,
@@ -108,9 +108,7 @@ pub fn runs(arch: &Architecture) -> Result<(), BackendError> {
     if ffn_widths.len() != layers.len() || ffn_widths.contains(&0) {
         return Err(BackendError::Unsupported(format!("{}: feed-forward widths {ffn_widths:?}", arch.name)));
     }
-    if moe.is_some() && *activation == Activation::GeluTanhGated {
-        return Err(BackendError::Unsupported(format!("{}: experts with GeGLU", arch.name)));
-    }
+
     match norm {
         NormPlacement::Pre | NormPlacement::PreAndPost => {}
     }

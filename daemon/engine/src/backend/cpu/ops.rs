@@ -320,12 +320,13 @@ impl LayerOps for CpuOps<'_, '_> {
         moe: &Moe,
         act: Activation,
         from: Act,
+        router_from: Act,
         to: Act,
     ) -> Result<(), BackendError> {
         use inferd_kernels::moe::{experts_ffn, route, ExpertFfn, Experts};
         let (n, h, e) = (self.n, self.cfg.hidden, moe.experts);
         let mut router_logits = std::mem::take(&mut self.s.router);
-        let x = &self.s.acts[from.index()];
+        let x = &self.s.acts[router_from.index()];
         let (pool, k) = (self.pool, self.k);
         CpuBackend::project(
             pool,
@@ -341,8 +342,12 @@ impl LayerOps for CpuOps<'_, '_> {
         if let Some(b) = &lw.router_bias {
             inferd_kernels::ops::add_bias_rows(&mut router_logits[..n * e], b);
         }
-        let chosen: Vec<Vec<(u32, f32)>> =
+        let mut chosen: Vec<Vec<(u32, f32)>> =
             router_logits.chunks_exact(e).take(n).map(|logits| route(&moe.routing, logits, None)).collect();
+        // An expert's own output scale is a factor on its weight.
+        if let Some(b) = &lw.beside_dense {
+            chosen.iter_mut().flatten().for_each(|(x, wt)| *wt *= b.expert_scale[*x as usize]);
+        }
         self.s.router = router_logits;
         fn stack(t: &Tensor, e: usize) -> Experts<'_> {
             Experts { dtype: t.dtype, n: e, rows: t.rows / e, cols: t.cols, data: t.bytes(), layout: t.layout() }

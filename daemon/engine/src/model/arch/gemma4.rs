@@ -16,8 +16,10 @@
 //! - a learned scalar on each layer's output, soft-capped logits, and feed-forward widths that may
 //!   be one per layer (`feed_forward_length` an array: the layers sharing K/V twice as wide);
 //!
-//! As llama.cpp reads `gemma4.*`. The mixture-of-experts variant (26B-A4B, `expert_count`) is
-//! refused by name.
+//! The mixture-of-experts variant (26B-A4B, `expert_count`) runs its experts beside each
+//! layer's dense feed-forward ([`super::Moe::beside_dense`]): softmax routing over all experts,
+//! the chosen ones' weights normalized, GeGLU experts, each expert's output scaled by its own
+//! `ffn_down_exps.scale`. As llama.cpp reads `gemma4.*`.
 
 use super::{Activation, Architecture, GgufKeys, LayerAttention, NormPlacement, RopeScaling};
 use crate::model::config::LlamaConfig;
@@ -31,11 +33,14 @@ pub fn from_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
     let config = keys.config(RopeStyle::Neox)?;
     let n = config.n_layers;
     let bad = |what: String| ModelError::Config(format!("gemma4: {what}"));
-    if keys.opt_uint("expert_count")?.is_some_and(|e| e > 0) {
-        return Err(ModelError::Unsupported("gemma4 with a mixture of experts (26B-A4B)".into()));
-    }
-    keys.get("expert_used_count");
-    keys.get("expert_feed_forward_length");
+    let moe = match keys.opt_uint("expert_count")? {
+        Some(e) if e > 0 => Some(super::Moe { beside_dense: true, ..super::qwen::experts(&keys, &config)? }),
+        _ => {
+            keys.get("expert_used_count");
+            keys.get("expert_feed_forward_length");
+            None
+        }
+    };
     if !matches!(keys.rope_scaling(&config)?, RopeScaling::None) {
         return Err(ModelError::Unsupported("gemma4 with a RoPE scaling type".into()));
     }
@@ -116,7 +121,7 @@ pub fn from_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
         attention_scale: 1.0,
         tied_output: g.tensor("output.weight").is_none(),
         layout: super::TensorLayout::default(),
-        moe: None,
+        moe,
         attn_output_gate: false,
         delta: None,
         value_norm: true,

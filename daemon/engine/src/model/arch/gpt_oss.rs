@@ -56,6 +56,6 @@ pub fn from_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
         .collect();
     arch.layout = TensorLayout { ffn_norm_is_post_attention: true, ..TensorLayout::default() };
     let routing = Routing { gate: Gate::SoftmaxOfChosen, top_k: used, normalize: false, scale };
-    arch.moe = Some(Moe { experts, used, expert_ffn, routing, biased: true, shared_ffn: None });
+    arch.moe = Some(Moe { experts, used, expert_ffn, routing, biased: true, shared_ffn: None, beside_dense: false });
     Ok((arch, config))
 }

@@ -64,6 +64,10 @@ pub struct Moe {
     /// The width of a shared expert every token runs beside its chosen ones, its output
     /// scaled by the sigmoid of its own gate's logit (Qwen3.5 MoE, Qwen3-Next).
     pub shared_ffn: Option<usize>,
+    /// The experts run beside the layer's dense feed-forward, each branch with its own norms,
+    /// and the router reads the residual stream through a norm of its own (Gemma 4's 26B-A4B:
+    /// [`crate::model::weights::BesideDense`]).
+    pub beside_dense: bool,
 }
 
 /// One layer's attention.

@@ -51,7 +51,7 @@ pub(super) fn experts(keys: &GgufKeys<'_>, cfg: &LlamaConfig) -> Result<Moe, Mod
     }
     let scale = keys.opt_float("expert_weights_scale")?.filter(|s| *s != 0.0).unwrap_or(1.0);
     let routing = Routing { gate: Gate::Softmax, top_k: used, normalize: true, scale };
-    Ok(Moe { experts, used, expert_ffn, routing, biased: false, shared_ffn: None })
+    Ok(Moe { experts, used, expert_ffn, routing, biased: false, shared_ffn: None, beside_dense: false })
 }
 
 pub fn from_gguf(g: &Gguf, q: Qwen) -> Result<(Architecture, LlamaConfig), ModelError> {
