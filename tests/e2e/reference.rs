@@ -323,6 +323,27 @@ fn every_gguf_pre_tokenizer_splits_as_llama_cpp() {
     assert_eq!(seen.len(), 6, "every pre-tokenizer splits these texts its own way");
 }
 
+/// Gemma 4's kind of vocabulary (`tokenizer.ggml.model = gemma4`: BPE over raw UTF-8, `▁` for
+/// spaces, split at line breaks alone, `<0xNN>` byte fallback, a BOS always) tokenizes as
+/// llama.cpp does: the pre-tokenizers' texts, runs of line breaks that are a token whole and
+/// that are not, emoji no token spells; and decodes back to the text.
+#[test]
+fn gemma4_vocabulary_tokenizes_as_llama_cpp() {
+    let entry = entry("tiny-gemma4-vocab");
+    let path = tiny_dir().join(entry["file"].as_str().unwrap());
+    assert_eq!(sha256(&path), entry["sha256"].as_str().unwrap(), "tiny_models.py wrote other bytes");
+    let model = Model::load(&path).unwrap_or_else(|e| panic!("{e}"));
+    let mut bytes = 0;
+    for t in entry["tokenizations"].as_array().unwrap() {
+        let text = t["text"].as_str().unwrap();
+        let got = model.tokenizer.encode(text, false).unwrap();
+        assert_eq!(got, ids(&t["tokens"]), "{text:?}");
+        assert_eq!(model.tokenizer.decode(&got, true).unwrap(), text, "round trip");
+        bytes += got.iter().filter(|&&id| (4..260).contains(&id)).count();
+    }
+    assert!(bytes > 0, "some characters fall back to bytes");
+}
+
 /// google/gemma-3-270m Q4_K_M, installed by packaging/fetch-model, and its reference entry.
 pub(crate) fn gemma3_270m() -> (Model, &'static Value) {
     let entry = entry("gemma-3-270m-Q4_K_M");

@@ -115,7 +115,7 @@ def main():
         del llm
     # Every GGUF pre-tokenizer inferd knows, on texts whose splits differ between them.
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from tiny_models import PRE_TEXTS, PRE_TYPES
+    from tiny_models import GEMMA4_TEXTS, PRE_TEXTS, PRE_TYPES
 
     for pre in PRE_TYPES:
         path = f"{tiny_dir}/tiny-pre-{pre}.gguf"
@@ -124,6 +124,15 @@ def main():
         models.append({"name": f"tiny-pre-{pre}", "file": f"tiny-pre-{pre}.gguf", "sha256": sha256(path), "cases": [],
                        "tokenizations": tokenizations})
         del llm
+    # Gemma 4's own kind of vocabulary (`tokenizer.ggml.model = gemma4`).
+    path = f"{tiny_dir}/tiny-gemma4-vocab.gguf"
+    llm = Llama(path, vocab_only=True, verbose=False)
+    tokenizations = [
+        {"text": t, "tokens": llm.tokenize(t.encode(), add_bos=True, special=False)} for t in PRE_TEXTS + GEMMA4_TEXTS
+    ]
+    models.append({"name": "tiny-gemma4-vocab", "file": "tiny-gemma4-vocab.gguf", "sha256": sha256(path), "cases": [],
+                   "tokenizations": tokenizations})
+    del llm
     llm = Llama(gemma, n_ctx=2048, logits_all=True, verbose=False, n_threads=2, seed=0)
     cases = text_cases(llm, GEMMA_PROMPTS)
     tokenizations = [

@@ -104,6 +104,8 @@ PRE_TEXTS = [
     "HelloWorld camelCase DON'T WE'RE IT'S path/\nmore",
 ]
 PRE_TYPES = ["default", "smollm", "llama-bpe", "qwen2", "gpt-4o", "tekken"]
+# More for Gemma 4's vocabulary: runs of line breaks (a token whole, or not), trailing spaces.
+GEMMA4_TEXTS = ["one\n\ntwo\n\n\nthree\n", "\n\n", "trailing space ", "  ", "a\n\n\n\nb"]
 
 
 def learn_merges(text, n):
@@ -132,6 +134,65 @@ def learn_merges(text, n):
                 i += 1
         seq = out
     return merges
+
+
+def gemma4_vocab():
+    """Gemma 4's kind of vocabulary (`tokenizer.ggml.model = gemma4`): BPE over raw UTF-8 with
+    spaces written `▁`, merges learned within lines (its pre-tokenizer splits at line breaks
+    only), byte tokens `<0xNN>` for what no token spells (the emoji, whose characters are left
+    out), and a run of two line breaks as a token no merge makes."""
+    text = "\n".join(PRE_TEXTS * 2) + "\n" + "HelloWorld camelCase DON'T WE'RE IT'S path/\n" * 4
+    lines = [list(line.replace(" ", "\u2581")) for line in text.split("\n") if line]
+    left_out = set("🎉🚀👍")
+    chars = sorted({c for line in lines for c in line} - left_out)
+    merges = []
+    for _ in range(300):
+        counts = {}
+        for line in lines:
+            for pair in zip(line, line[1:]):
+                if not (set(pair[0] + pair[1]) & left_out):
+                    counts[pair] = counts.get(pair, 0) + 1
+        if not counts:
+            break
+        pair = max(counts, key=lambda p: (counts[p], p))
+        if counts[pair] < 2:
+            break
+        merges.append(pair)
+        for j, line in enumerate(lines):
+            out, i = [], 0
+            while i < len(line):
+                if i + 1 < len(line) and (line[i], line[i + 1]) == pair:
+                    out.append(line[i] + line[i + 1])
+                    i += 2
+                else:
+                    out.append(line[i])
+                    i += 1
+            lines[j] = out
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\n", "\n\n"]
+    types = [3, 3, 3, 2] + [6] * 256 + [1, 1]
+    seen = set(tokens)
+    for t in chars + [a + b for a, b in merges]:
+        if t not in seen:
+            seen.add(t)
+            tokens.append(t)
+            types.append(1)
+    return tokens, types, merges
+
+
+def add_gemma4_vocab(w):
+    tokens, types, merges = gemma4_vocab()
+    w.add_tokenizer_model("gemma4")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_types(types)
+    w.add_token_merges([f"{a} {b}" for a, b in merges])
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_pad_token_id(0)
+    w.add_add_space_prefix(False)
+    w.add_add_bos_token(True)
+    return len(tokens)
 
 
 def pre_vocab():
@@ -570,7 +631,7 @@ G4_LAYERS, G4_SWA_HEAD, G4_FULL_HEAD, G4_PLE, G4_SHARED = 6, 16, 32, 8, 2
 EMBD_SCALE = 0.3
 
 
-def gemma4(path, seed, f32=False, moe=False):
+def gemma4(path, seed, f32=False, moe=False, own_vocab=False):
     """A tiny Gemma 4 (`gemma4`, as E2B / E4B; with `moe`, as 26B-A4B: experts beside every
     layer's dense feed-forward, fused gate and up stacks in the even layers, each expert's
     output scale): sliding-window and global layers alternating,
@@ -617,13 +678,15 @@ def gemma4(path, seed, f32=False, moe=False):
         w.add_expert_count(EXPERTS)
         w.add_expert_used_count(EXPERTS_USED)
         w.add_expert_feed_forward_length(EXPERT_FFN)
-    add_vocab(w)
+    vocab = add_gemma4_vocab(w) if own_vocab else VOCAB
+    if not own_vocab:
+        add_vocab(w)
     t = {}
-    t["token_embd.weight"] = mat(VOCAB, HIDDEN, EMBD_SCALE)
+    t["token_embd.weight"] = mat(vocab, HIDDEN, EMBD_SCALE)
     t["output_norm.weight"] = norm(HIDDEN)
     rotated = G4_FULL_HEAD // 8  # of the head's G4_FULL_HEAD / 2 pairs: a quarter of the head
     t["rope_freqs.weight"] = np.array([1.0] * rotated + [1e30] * (G4_FULL_HEAD // 2 - rotated), dtype=np.float32)
-    t["per_layer_token_embd.weight"] = mat(VOCAB, G4_LAYERS * G4_PLE, 1.0)
+    t["per_layer_token_embd.weight"] = mat(vocab, G4_LAYERS * G4_PLE, 1.0)
     t["per_layer_model_proj.weight"] = mat(G4_LAYERS * G4_PLE, HIDDEN, 1.0)
     t["per_layer_proj_norm.weight"] = norm(G4_PLE)
     for i in range(G4_LAYERS):
@@ -697,6 +760,7 @@ elif __name__ == "__main__" and sys.argv[1] == "gemma4":
     gemma4(f"{sys.argv[2]}/tiny-gemma4-f32.gguf", 400, f32=True)
     gemma4(f"{sys.argv[2]}/tiny-gemma4-moe.gguf", 401, moe=True)
     gemma4(f"{sys.argv[2]}/tiny-gemma4-moe-f32.gguf", 401, f32=True, moe=True)
+    gemma4(f"{sys.argv[2]}/tiny-gemma4-vocab.gguf", 402, own_vocab=True)
 elif __name__ == "__main__" and sys.argv[1] == "rerankers":
     for seed, (name, template) in enumerate(RERANKERS, start=100):
         model("qwen3", f"{sys.argv[2]}/{name}.gguf", seed, rerank={"template": template})
@@ -720,3 +784,4 @@ elif __name__ == "__main__":
     gemma4(f"{out}/tiny-gemma4-f32.gguf", 400, f32=True)
     gemma4(f"{out}/tiny-gemma4-moe.gguf", 401, moe=True)
     gemma4(f"{out}/tiny-gemma4-moe-f32.gguf", 401, f32=True, moe=True)
+    gemma4(f"{out}/tiny-gemma4-vocab.gguf", 402, own_vocab=True)

@@ -4,6 +4,10 @@
 //!   by `tokenizer.ggml.pre` (the same regex cascade the model was trained with).
 //! - `llama` models (SentencePiece): BPE whose merges are derived from the token scores, byte
 //!   fallback through the `<0xNN>` tokens, `▁` for spaces.
+//! - `gemma4` models: BPE over raw UTF-8 from the token list and merges, spaces written `▁`,
+//!   the text split at line breaks only (a run of them a token whole where the vocabulary has
+//!   it), byte fallback through the `<0xNN>` tokens, a BOS token always (as llama.cpp reads
+//!   Gemma 4's files).
 //!
 //! Control tokens become special added tokens, parsed only when asked; user-defined ones are
 //! always matched in the raw text (as llama.cpp does).
@@ -159,6 +163,18 @@ fn spm_merges(tokens: &[String], scores: &[f32], normal: &dyn Fn(usize) -> bool)
     merges.into_iter().map(|m| (m.3, m.4)).collect()
 }
 
+/// `tokenizer.ggml.merges`, each pair written `a b`.
+fn merges(g: &Gguf) -> Result<Vec<(String, String)>, TokenizerError> {
+    strings(g, "tokenizer.ggml.merges")?
+        .into_iter()
+        .map(|m| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .ok_or_else(|| TokenizerError::Invalid(format!("merge '{m}' has no space")))
+        })
+        .collect()
+}
+
 impl Tokenizer {
     /// Builds the tokenizer described by a GGUF file's `tokenizer.ggml.*` metadata.
     pub fn from_gguf(g: &Gguf) -> Result<Tokenizer, TokenizerError> {
@@ -179,16 +195,10 @@ impl Tokenizer {
         let ty = |i: usize| types.get(i).copied().unwrap_or(1);
         let vocab: tokenizers::models::bpe::Vocab =
             tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+        let mut normalizer = None;
         let (bpe, pre, decoder, enc) = match model {
             "gpt2" => {
-                let merges: Vec<(String, String)> = strings(g, "tokenizer.ggml.merges")?
-                    .into_iter()
-                    .map(|m| {
-                        m.split_once(' ')
-                            .map(|(a, b)| (a.to_string(), b.to_string()))
-                            .ok_or_else(|| TokenizerError::Invalid(format!("merge '{m}' has no space")))
-                    })
-                    .collect::<Result<_, _>>()?;
+                let merges = merges(g)?;
                 let pre_name = g.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or("default");
                 // As llama.cpp: these take a word that is a token whole, whatever the merges say.
                 let ignore_merges = matches!(pre_name, "llama-bpe" | "llama3" | "llama-v3" | "tekken");
@@ -222,14 +232,43 @@ impl Tokenizer {
                     ByteEncoding::SentencePiece,
                 )
             }
+            "gemma4" => {
+                // A word that is a token whole is that token (llama.cpp does so for runs of
+                // line breaks alone; a word here is a whole line, which the merges spell anyway).
+                let bpe = BPE::builder().vocab_and_merges(vocab, merges(g)?).byte_fallback(true).ignore_merges(true);
+                let bpe = match id(g, "tokenizer.ggml.unknown_token_id").and_then(|i| tokens.get(i as usize)) {
+                    Some(unk) => bpe.unk_token(unk.clone()),
+                    None => bpe,
+                };
+                let lines =
+                    Split::new(SplitPattern::Regex("[^\n]+|[\n]+".into()), SplitDelimiterBehavior::Isolated, false)
+                        .map_err(|e| TokenizerError::Invalid(e.to_string()))?;
+                let space = |from: &str, to: &str| {
+                    tokenizers::normalizers::replace::Replace::new(from, to)
+                        .map_err(|e| TokenizerError::Invalid(e.to_string()))
+                };
+                normalizer = Some(tokenizers::NormalizerWrapper::Replace(space(" ", "\u{2581}")?));
+                let decoder = tokenizers::decoders::sequence::Sequence::new(vec![
+                    DecoderWrapper::Replace(space("\u{2581}", " ")?),
+                    DecoderWrapper::ByteFallback(tokenizers::decoders::byte_fallback::ByteFallback::new()),
+                    DecoderWrapper::Fuse(tokenizers::decoders::fuse::Fuse::new()),
+                ]);
+                (
+                    bpe.build(),
+                    PreTokenizerWrapper::Split(lines),
+                    DecoderWrapper::Sequence(decoder),
+                    ByteEncoding::SentencePiece,
+                )
+            }
             other => {
                 return Err(TokenizerError::Unsupported(format!(
-                    "GGUF tokenizer model '{other}' (supported: gpt2, llama)"
+                    "GGUF tokenizer model '{other}' (supported: gpt2, llama, gemma4)"
                 )))
             }
         };
         let bpe = bpe.map_err(|e| TokenizerError::Invalid(e.to_string()))?;
         let mut tk = tokenizers::Tokenizer::new(bpe);
+        tk.with_normalizer(normalizer);
         tk.with_pre_tokenizer(Some(pre));
         tk.with_decoder(Some(decoder));
         // Control tokens (3) are special: matched whole, and only when special tokens are
@@ -246,7 +285,9 @@ impl Tokenizer {
         tk.add_special_tokens(&added(3, true));
         tk.add_tokens(&added(4, false));
         let bos = id(g, "tokenizer.ggml.bos_token_id");
-        let add_bos = g.get("tokenizer.ggml.add_bos_token").and_then(Value::as_bool).unwrap_or(model == "llama");
+        // llama.cpp adds Gemma 4's BOS whatever the file says.
+        let add_bos = model == "gemma4"
+            || g.get("tokenizer.ggml.add_bos_token").and_then(Value::as_bool).unwrap_or(model == "llama");
         let fim = FimTokens::find(|k| id(g, &format!("tokenizer.ggml.{k}_token_id")), &tokens);
         let eos = end_tokens(g, &tokens, &fim);
         let add_eos = g.get("tokenizer.ggml.add_eos_token").and_then(Value::as_bool).unwrap_or(false);
