@@ -33,6 +33,10 @@ pub fn from_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
     let config = keys.config(RopeStyle::Neox)?;
     let n = config.n_layers;
     let bad = |what: String| ModelError::Config(format!("gemma4: {what}"));
+    // Gemma 4's router is a softmax (GGUF's gating function 1); another is refused.
+    if let Some(f) = keys.opt_uint("expert_gating_func")?.filter(|&f| f != 1) {
+        return Err(ModelError::Unsupported(format!("gemma4.expert_gating_func = {f} (Gemma 4 routes by softmax)")));
+    }
     let moe = match keys.opt_uint("expert_count")? {
         Some(e) if e > 0 => Some(super::Moe { beside_dense: true, ..super::qwen::experts(&keys, &config)? }),
         _ => {
