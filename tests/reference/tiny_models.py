@@ -112,27 +112,35 @@ def learn_merges(text, n):
     """Byte-level BPE merges learned on `text` as one sequence (no pre-tokenization, so merges
     cross word boundaries), most frequent pair first, ties to the larger pair."""
     chars = byte_chars()
-    seq = [chars[b] for b in text.encode()]
+    return learn_pairs([[chars[b] for b in text.encode()]], n)
+
+
+def learn_pairs(seqs, n, skip=lambda pair: False):
+    """Up to `n` merges learned on the sequences of symbols `seqs` (none across two of them),
+    most frequent pair first, ties to the larger pair; pairs `skip` names are never merged."""
     merges = []
     for _ in range(n):
         counts = {}
-        for pair in zip(seq, seq[1:]):
-            counts[pair] = counts.get(pair, 0) + 1
+        for seq in seqs:
+            for pair in zip(seq, seq[1:]):
+                if not skip(pair):
+                    counts[pair] = counts.get(pair, 0) + 1
         if not counts:
             break
         pair = max(counts, key=lambda p: (counts[p], p))
         if counts[pair] < 2:
             break
         merges.append(pair)
-        out, i = [], 0
-        while i < len(seq):
-            if i + 1 < len(seq) and (seq[i], seq[i + 1]) == pair:
-                out.append(seq[i] + seq[i + 1])
-                i += 2
-            else:
-                out.append(seq[i])
-                i += 1
-        seq = out
+        for j, seq in enumerate(seqs):
+            out, i = [], 0
+            while i < len(seq):
+                if i + 1 < len(seq) and (seq[i], seq[i + 1]) == pair:
+                    out.append(seq[i] + seq[i + 1])
+                    i += 2
+                else:
+                    out.append(seq[i])
+                    i += 1
+            seqs[j] = out
     return merges
 
 
@@ -145,29 +153,7 @@ def gemma4_vocab():
     lines = [list(line.replace(" ", "\u2581")) for line in text.split("\n") if line]
     left_out = set("🎉🚀👍")
     chars = sorted({c for line in lines for c in line} - left_out)
-    merges = []
-    for _ in range(300):
-        counts = {}
-        for line in lines:
-            for pair in zip(line, line[1:]):
-                if not (set(pair[0] + pair[1]) & left_out):
-                    counts[pair] = counts.get(pair, 0) + 1
-        if not counts:
-            break
-        pair = max(counts, key=lambda p: (counts[p], p))
-        if counts[pair] < 2:
-            break
-        merges.append(pair)
-        for j, line in enumerate(lines):
-            out, i = [], 0
-            while i < len(line):
-                if i + 1 < len(line) and (line[i], line[i + 1]) == pair:
-                    out.append(line[i] + line[i + 1])
-                    i += 2
-                else:
-                    out.append(line[i])
-                    i += 1
-            lines[j] = out
+    merges = learn_pairs(lines, 300, lambda pair: bool(set(pair[0] + pair[1]) & left_out))
     tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\n", "\n\n"]
     types = [3, 3, 3, 2] + [6] * 256 + [1, 1]
     seen = set(tokens)

@@ -221,10 +221,12 @@ fn attention<O: LayerOps>(
 ) -> Result<(), BackendError> {
     use Act::*;
     // Q's projection of a gated attention gives each head's queries, then its output gate.
-    let mut products = vec![(&w.wq, if arch.attn_output_gate { Mix } else { Q })];
-    products.extend(w.wk.as_ref().map(|m| (m, K)));
-    products.extend(w.wv.as_ref().map(|m| (m, V)));
-    o.project(Phase::QkvProjection, Normed, &products)?;
+    let q = (&w.wq, if arch.attn_output_gate { Mix } else { Q });
+    match (&w.wk, &w.wv) {
+        (Some(k), Some(v)) => o.project(Phase::QkvProjection, Normed, &[q, (k, K), (v, V)])?,
+        (Some(k), None) => o.project(Phase::QkvProjection, Normed, &[q, (k, K)])?,
+        _ => o.project(Phase::QkvProjection, Normed, &[q])?,
+    }
     if arch.attn_output_gate {
         o.split_heads(Mix, Q, MixGate)?;
     }

@@ -59,6 +59,8 @@ pub struct CpuBackend {
     rope_of: Vec<usize>,
     block_size: usize,
     kv_blocks: usize,
+    /// Floats of a token's K (or V) in a cache slot ([`Architecture::kv_width`]).
+    kv_width: usize,
     /// The layers' KV groups: layer `l` keeps its K/V in slot `groups.layer_slot[l].1` of the
     /// blocks of its group's table.
     groups: KvGroups,
@@ -283,7 +285,8 @@ impl CpuBackend {
         block_size: usize,
         threads: usize,
     ) -> Self {
-        let per_slot = kv_blocks * arch.kv_width() * block_size;
+        let kv_width = arch.kv_width();
+        let per_slot = kv_blocks * kv_width * block_size;
         let groups = kv_groups(&arch);
         let (rotations, rope_of) = super::rotations(&cfg, &arch);
         let ropes = rotations
@@ -306,6 +309,7 @@ impl CpuBackend {
             rope_of,
             block_size,
             kv_blocks,
+            kv_width,
             states: Vec::new(),
             state_slots: 0,
             s: Scratch::default(),
@@ -416,7 +420,7 @@ impl Backend for CpuBackend {
     }
 
     fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), BackendError> {
-        let n = self.arch.kv_width() * self.block_size;
+        let n = self.kv_width * self.block_size;
         for c in copies {
             for b in [c.src, c.dst] {
                 if b as usize >= self.kv_blocks {
@@ -451,7 +455,7 @@ impl Backend for CpuBackend {
 
     fn release_blocks(&mut self, blocks: &[crate::kv::BlockId]) {
         // Runs of adjacent blocks, so pages spanning two blocks of a run go back too.
-        let n = self.arch.kv_width() * self.block_size;
+        let n = self.kv_width * self.block_size;
         let mut ids: Vec<usize> = blocks.iter().map(|&b| b as usize).filter(|&b| b < self.kv_blocks).collect();
         ids.sort_unstable();
         let mut i = 0;
@@ -582,6 +586,7 @@ impl CpuBackend {
             k_cache: &mut self.k_cache,
             v_cache: &mut self.v_cache,
             block_size: bs,
+            block_floats: self.kv_width * bs,
             seqs: &seqs,
             states: &mut self.states,
         };

@@ -48,6 +48,9 @@ pub(super) struct CpuOps<'a, 'p> {
     pub(super) k_cache: &'a mut [Vec<f16>],
     pub(super) v_cache: &'a mut [Vec<f16>],
     pub(super) block_size: usize,
+    /// Floats of a cache slot's block: `block_size` positions of the widest layer's K/V
+    /// ([`Architecture::kv_width`]).
+    pub(super) block_floats: usize,
     pub(super) seqs: &'a [SeqSpan],
     /// Per DeltaNet layer, every slot's recurrent state.
     pub(super) states: &'a mut [Vec<f32>],
@@ -120,7 +123,7 @@ impl LayerOps for CpuOps<'_, '_> {
     fn attend(&mut self, layer: usize, qkv: [Act; 3], sinks: Option<&Vec<f32>>, to: Act) -> Result<(), BackendError> {
         let la = &self.arch.layers[layer];
         let (hd, nkv, bs, kvd) = (la.head_dim, la.kv_heads, self.block_size, la.kv_dim());
-        let block_floats = self.arch.kv_width() * bs;
+        let block_floats = self.block_floats;
         let kv_layer =
             self.arch.kv_layer(layer).ok_or_else(|| BackendError::Invalid(format!("layer {layer} keeps no K/V")))?;
         let (group, slot) = self.groups.layer_slot[kv_layer];

@@ -112,26 +112,17 @@ pub fn from_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
             kv_from,
         });
     }
-    let arch = Architecture {
-        name: "gemma4",
-        norm: NormPlacement::PreAndPost,
-        activation: Activation::GeluTanhGated,
-        qkv_bias: false,
-        qk_norm: true,
-        attn_sinks: false,
-        attn_out_bias: false,
-        layers,
-        embedding_scale: Some((config.hidden as f32).sqrt()),
-        attention_scale: 1.0,
-        tied_output: g.tensor("output.weight").is_none(),
-        layout: super::TensorLayout::default(),
-        moe,
-        attn_output_gate: false,
-        delta: None,
-        value_norm: true,
-        per_layer,
-        final_softcap: softcap,
-        ffn_widths,
-    };
+    let mut arch = Architecture::llama_like("gemma4", &config, RopeScaling::None, g.tensor("output.weight").is_none());
+    arch.norm = NormPlacement::PreAndPost;
+    arch.activation = Activation::GeluTanhGated;
+    arch.qk_norm = true;
+    arch.layers = layers;
+    arch.embedding_scale = Some((config.hidden as f32).sqrt());
+    arch.attention_scale = 1.0;
+    arch.moe = moe;
+    arch.value_norm = true;
+    arch.per_layer = per_layer;
+    arch.final_softcap = softcap;
+    arch.ffn_widths = ffn_widths;
     Ok((arch, config))
 }
