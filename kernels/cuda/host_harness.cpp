@@ -11,6 +11,7 @@
 #include "matvec.cu"
 #include "gemm.cu"
 #include "attention.cu"
+#include "deltanet.cu"
 
 #include <cstdio>
 #include <string>
@@ -84,6 +85,15 @@ static bool launch(const std::string& k, dim3 grid, dim3 block) {
         run([] {
             attention_combine(P<float>(0), P<float>(1), V<int>(2), V<int>(3), V<int>(4), P<float>(5), V<int>(6), V<int>(7),
                               P<float>(8));
+        });
+    } else if (k == "delta_finish") {
+        run([] { delta_finish(P<float>(0), V<long long>(1), V<int>(2), V<int>(3), V<int>(4), V<int>(5), V<int>(6), V<int>(7)); });
+    } else if (k == "delta_keys") {
+        run([] { delta_keys(P<float>(0), V<long long>(1), V<int>(2), V<int>(3), P<float>(4), V<long long>(5), V<int>(6), V<int>(7)); });
+    } else if (k == "delta_rows") {
+        run([] {
+            delta_rows(P<float>(0), V<long long>(1), V<int>(2), V<int>(3), V<int>(4), P<float>(5), P<float>(6), P<float>(7),
+                       P<float>(8), V<long long>(9), P<float>(10), V<int>(11), V<int>(12), V<int>(13), V<int>(14), V<int>(15));
         });
     } else {
         return false;

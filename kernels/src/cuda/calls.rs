@@ -4,6 +4,7 @@
 //! here, each beside the signature it must match.
 
 use super::stream::{Arg, GemmShape, GpuError, Stream};
+use crate::deltanet::{DeltaShape, CHUNK};
 
 /// Blocks of 256 threads for `n` elements, capped (the kernels stride over the rest).
 fn elementwise(n: usize) -> (u32, u32) {
@@ -664,6 +665,118 @@ pub trait KernelCalls: Stream + Sized {
         // above). A warp per row, 8 rows a block.
         unsafe { self.launch("attention_combine", (grid_dim("attention", "x", rows.div_ceil(8))?, 1), (32, 8), &mut a) }
     }
+
+    /// Gated DeltaNet's recurrence over one sequence's next `x.tokens` rows (positions
+    /// `start..`, the inputs' rows from `x.t0`), carrying the sequence's state (slot `slot` of
+    /// `state`: [`DeltaShape::chunk_state_len`] floats a slot, the CPU's layout) as
+    /// [`crate::deltanet::step`] does, outputs into `out`'s rows from `x.t0` (`v_heads * dv`
+    /// each). A launch per chunk's segment: the chunk's start state where a row begins one
+    /// (`delta_finish`), the segment's keys (`delta_keys`), its rows (`delta_rows`).
+    fn delta_step(
+        &self,
+        state: &mut Self::Buf<f32>,
+        slot: usize,
+        shape: DeltaShape,
+        start: usize,
+        x: &DeltaRows<'_, Self>,
+        out: &mut Self::Buf<f32>,
+    ) -> Result<(), GpuError> {
+        let DeltaShape { k_heads, v_heads, dk, dv, .. } = shape;
+        let (kd, vd, floats) = (k_heads * dk, v_heads * dv, shape.chunk_state_len());
+        let end = x.t0 + x.tokens;
+        check(
+            "delta_step",
+            k_heads > 0
+                && v_heads.is_multiple_of(k_heads)
+                && Self::len(state) >= (slot + 1) * floats
+                && Self::len(x.q) >= end * kd
+                && Self::len(x.k) >= end * kd
+                && Self::len(x.v) >= end * vd
+                && Self::len(x.g) >= end * v_heads
+                && Self::len(x.beta) >= end * v_heads
+                && Self::len(out) >= end * vd,
+            || format!("{shape:?}, slot {slot} of {} floats, rows {}..{end}", Self::len(state), x.t0),
+        )?;
+        let i = |what, v| int("delta_step", what, v);
+        let (off, grouped) = ((slot * floats) as i64, i32::from(shape.grouped));
+        let (k_heads, v_heads, dk, dv) = (i("k_heads", k_heads)?, i("v_heads", v_heads)?, i("dk", dk)?, i("dv", dv)?);
+        let heads = grid_dim("delta_step", "x", shape.v_heads)?;
+        let threads = (shape.dv.div_ceil(32) * 32).clamp(32, 1024) as u32;
+        let mut done = 0;
+        while done < x.tokens {
+            let p = start + done;
+            let (c0, par) = (p % CHUNK, (p / CHUNK % 2) as i32);
+            let m = (CHUNK - c0).min(x.tokens - done);
+            if c0 == 0 && p > 0 {
+                let mut a = [
+                    Arg::F32Mut(&mut *state),
+                    Arg::Long(off),
+                    Arg::Int(par),
+                    Arg::Int(k_heads),
+                    Arg::Int(v_heads),
+                    Arg::Int(dk),
+                    Arg::Int(dv),
+                    Arg::Int(grouped),
+                ];
+                // SAFETY: delta_finish's (float*, long long, int, int, int, int, int, int); the
+                // slot's floats lie inside the state (checked above); a block per value head.
+                unsafe { self.launch("delta_finish", (heads, 1), (256, 1), &mut a)? };
+            }
+            let t0 = (x.t0 + done) as i64;
+            let mut a = [
+                Arg::F32Mut(&mut *state),
+                Arg::Long(off),
+                Arg::Int(par),
+                Arg::Int(c0 as i32),
+                Arg::F32(x.k),
+                Arg::Long(t0),
+                Arg::Int(m as i32),
+                Arg::Int(i("kdim", kd)?),
+            ];
+            // SAFETY: delta_keys's (float*, long long, int, int, float*, long long, int, int);
+            // rows c0..c0 + m of a chunk (m <= CHUNK - c0) of the slot, and m rows of k from t0
+            // (checked above).
+            unsafe { self.launch("delta_keys", elementwise(m * kd), (256, 1), &mut a)? };
+            let mut a = [
+                Arg::F32Mut(&mut *state),
+                Arg::Long(off),
+                Arg::Int(par),
+                Arg::Int(c0 as i32),
+                Arg::Int(m as i32),
+                Arg::F32(x.q),
+                Arg::F32(x.v),
+                Arg::F32(x.g),
+                Arg::F32(x.beta),
+                Arg::Long(t0),
+                Arg::F32Mut(&mut *out),
+                Arg::Int(k_heads),
+                Arg::Int(v_heads),
+                Arg::Int(dk),
+                Arg::Int(dv),
+                Arg::Int(grouped),
+            ];
+            // SAFETY: delta_rows's (float*, long long, int, int, int, float*, float*, float*,
+            // float*, long long, float*, int, int, int, int, int); the segment's rows of every
+            // input and of out, and the slot, checked above; a block per value head, its
+            // threads over the value rows.
+            unsafe { self.launch("delta_rows", (heads, 1), (threads, 1), &mut a)? };
+            done += m;
+        }
+        Ok(())
+    }
+}
+
+/// One sequence's inputs to [`KernelCalls::delta_step`]: `tokens` rows from row `t0` of the
+/// queries and keys (`k_heads * dk` a row), values (`v_heads * dv`), log decays and write
+/// strengths (`v_heads`).
+pub struct DeltaRows<'a, S: Stream> {
+    pub q: &'a S::Buf<f32>,
+    pub k: &'a S::Buf<f32>,
+    pub v: &'a S::Buf<f32>,
+    pub g: &'a S::Buf<f32>,
+    pub beta: &'a S::Buf<f32>,
+    pub t0: usize,
+    pub tokens: usize,
 }
 
 impl<S: Stream> KernelCalls for S {}

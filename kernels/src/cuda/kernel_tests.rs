@@ -5,9 +5,10 @@
 //! `tests/gpu/run` runs it). The host run checks the kernels' logic; the GPU run adds the
 //! device's own math, memory and launch geometry.
 
-use super::calls::{AttentionShape, Gated, KernelCalls, WeightShape};
+use super::calls::{AttentionShape, DeltaRows, Gated, KernelCalls, WeightShape};
 use super::host::Host;
 use super::stream::{GemmShape, Stream};
+use crate::deltanet::{DeltaShape, Inputs};
 use crate::ops::{Rope, RopeStyle};
 use crate::quant::{dequantize_row, DType, QuantType};
 use crate::quantize::random_blocks;
@@ -36,6 +37,9 @@ trait Runner {
     fn to_half(&self, x: &[f32], bf16: bool) -> Vec<u16>;
     /// `None` where the stream has no product of halves (a GPU without cuBLAS).
     fn gemm(&self, w: &[u16], x: &[u16], shape: GemmShape) -> Option<Vec<f32>>;
+    /// Gated DeltaNet's recurrence from `state` (slot 1 of two) over `x`'s rows at positions
+    /// `start..`: the state after and the outputs.
+    fn delta_step(&self, shape: DeltaShape, state: &[f32], start: usize, x: &Inputs<'_>) -> (Vec<f32>, Vec<f32>);
 }
 
 /// `quantize_q8`'s output, downloaded: quants, scales, half sums.
@@ -160,6 +164,23 @@ impl<S: Stream> Runner for S {
         let mut out = self.zeros::<u16>(x.len()).unwrap();
         KernelCalls::to_half(self, &self.upload(x).unwrap(), x.len(), bf16, &mut out).unwrap();
         self.download(&out).unwrap()
+    }
+    fn delta_step(&self, shape: DeltaShape, state: &[f32], start: usize, x: &Inputs<'_>) -> (Vec<f32>, Vec<f32>) {
+        let floats = shape.chunk_state_len();
+        // The sequence's state in slot 1 of two, the other slot's floats a pattern that must
+        // stay as it is.
+        let mut both = values(floats, 99);
+        both.extend_from_slice(state);
+        let mut dstate = self.upload(&both).unwrap();
+        let up = |v: &[f32]| self.upload(v).unwrap();
+        let (q, k, v, g, beta) = (up(x.q), up(x.k), up(x.v), up(x.g), up(x.beta));
+        let tokens = x.g.len() / shape.v_heads;
+        let rows = DeltaRows { q: &q, k: &k, v: &v, g: &g, beta: &beta, t0: 0, tokens };
+        let mut out = self.zeros::<f32>(tokens * shape.v_heads * shape.dv).unwrap();
+        KernelCalls::delta_step(self, &mut dstate, 1, shape, start, &rows, &mut out).unwrap();
+        let after = self.download(&dstate).unwrap();
+        assert!(after[..floats] == values(floats, 99)[..], "the other slot changed");
+        (after[floats..].to_vec(), self.download(&out).unwrap())
     }
     fn gemm(&self, w: &[u16], x: &[u16], shape: GemmShape) -> Option<Vec<f32>> {
         if !self.has_gemm() {
@@ -604,6 +625,51 @@ fn on_the_host_prefills_operands_as_halves_and_their_product_are_exact() {
     assert!(host().gemms() > before);
 }
 
+/// Gated DeltaNet's recurrence against the CPU's `deltanet::step` on its own state layout: both
+/// shapes of key heads (tiled, grouped), a sequence fed in pieces of 70, 1, 1, 50 and 40 rows
+/// across three chunks of 64 (a piece beginning a chunk, a piece ending one, single decode
+/// rows), then sent back 40 positions, over a chunk boundary (a speculative step's rejected
+/// rows), and run again: the outputs and the state as the CPU's, within `tol` (the host
+/// emulation computes the CPU's floats exactly: the same operations in the same order, libm's
+/// `expf`; a GPU's `expf` differs in the last bits).
+fn check_delta_step(on: &dyn Runner, tol: f32) {
+    for grouped in [false, true] {
+        let shape = DeltaShape { k_heads: 2, v_heads: 4, dk: 16, dv: 12, grouped };
+        let mut cpu_state = vec![0f32; shape.chunk_state_len()];
+        let mut dev_state = cpu_state.clone();
+        let mut start = 0;
+        for (piece, n) in [70usize, 1, 1, 50, 40, 30].into_iter().enumerate() {
+            if piece == 5 {
+                start -= 40;
+            }
+            let seed = 10 * piece as u64 + u64::from(grouped);
+            let (q, mut k) = (values(n * 2 * 16, seed), values(n * 2 * 16, seed + 1));
+            let v = values(n * 4 * 12, seed + 2);
+            // Unit queries and keys, decays below one, write strengths in (0, 1): as the layer
+            // feeds it.
+            let mut q = q;
+            crate::deltanet::l2_norm_each(&mut q, 16, 1e-6);
+            crate::deltanet::l2_norm_each(&mut k, 16, 1e-6);
+            let g: Vec<f32> = values(n * 4, seed + 3).iter().map(|x| -0.05 - 0.3 * x.abs()).collect();
+            let beta: Vec<f32> = values(n * 4, seed + 4).iter().map(|x| 0.5 + 0.45 * x).collect();
+            let x = Inputs { q: &q, k: &k, v: &v, g: &g, beta: &beta };
+            let mut want = vec![0f32; n * 4 * 12];
+            crate::deltanet::step(None, shape, &mut cpu_state, start, &x, &mut want);
+            let (state, got) = on.delta_step(shape, &dev_state, start, &x);
+            let what = format!("delta_step grouped {grouped}, piece {piece} at {start}");
+            close(&got, &want, tol, &what);
+            close(&state, &cpu_state, tol, &format!("{what}: state"));
+            dev_state = state;
+            start += n;
+        }
+    }
+}
+
+#[test]
+fn on_the_host_the_delta_net_recurrence_computes_what_the_cpu_does() {
+    check_delta_step(host(), 0.0);
+}
+
 #[test]
 fn on_the_host_paged_attention_over_scattered_blocks_matches_a_float64_reference() {
     check_attention(host());
@@ -617,6 +683,7 @@ fn on_the_gpu_every_kernel_computes_what_the_cpu_does() {
     check_norm_rope_activations(&gpu);
     check_matvec_embed(&gpu);
     check_attention(&gpu);
+    check_delta_step(&gpu, 1e-4);
     // cuBLAS comes with NVIDIA's CUDA libraries, not with the driver: said, not failed, where
     // it is missing (the CUDA backend's prefill then takes matvec).
     if !check_halves_and_gemm(&gpu) {

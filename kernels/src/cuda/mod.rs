@@ -15,16 +15,17 @@ pub mod nvrtc;
 pub mod stream;
 
 /// The kernel sources, in the order they are compiled.
-pub const SOURCES: [(&str, &str); 5] = [
+pub const SOURCES: [(&str, &str); 6] = [
     ("common.cuh", include_str!("../../cuda/common.cuh")),
     ("ops.cu", include_str!("../../cuda/ops.cu")),
     ("matvec.cu", include_str!("../../cuda/matvec.cu")),
     ("gemm.cu", include_str!("../../cuda/gemm.cu")),
     ("attention.cu", include_str!("../../cuda/attention.cu")),
+    ("deltanet.cu", include_str!("../../cuda/deltanet.cu")),
 ];
 
 /// Every kernel the sources define (`extern "C" __global__`), for the loader to look up.
-pub const KERNELS: [&str; 17] = [
+pub const KERNELS: [&str; 20] = [
     "embed",
     "rms_norm",
     "rope",
@@ -42,6 +43,9 @@ pub const KERNELS: [&str; 17] = [
     "kv_copy_blocks",
     "attention",
     "attention_combine",
+    "delta_finish",
+    "delta_keys",
+    "delta_rows",
 ];
 
 /// The GPU architectures the kernels are checked to compile for: Ampere (A100), Ada (RTX 40,
