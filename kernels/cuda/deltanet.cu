@@ -113,3 +113,93 @@ extern "C" __global__ void delta_rows(float* state, long long off, int par, int 
         __syncthreads();
     }
 }
+
+// The causal depthwise convolution in front of the recurrence, then SiLU: rows t0.. of x (n of
+// them, `channels` a row, positions start..) into the same rows of out, the taps w (width rows
+// of channels, the oldest first) over each row and the width - 1 inputs before it: x's rows,
+// or the sequence's ring (rows of channels from ring_off, position p in row p mod rows), or
+// zeros before position 0 (as the CPU's deltanet::conv, its taps in the same order).
+extern "C" __global__ void delta_conv(const float* x, const float* ring, long long ring_off, int rows, const float* w,
+                                      int width, int channels, long long start, int n, long long t0, float* out) {
+    for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < (long long)n * channels;
+         e += (long long)gridDim.x * blockDim.x) {
+        long long t = e / channels;
+        int c = (int)(e % channels);
+        float o = 0.0f;
+        for (int tap = 0; tap < width; tap++) {
+            int back = width - 1 - tap;
+            float in;
+            if (t >= back) {
+                in = x[(t0 + t - back) * channels + c];
+            } else {
+                long long p = start + t - back;
+                if (p < 0) continue;
+                in = ring[ring_off + (p % rows) * channels + c];
+            }
+            o = ADD(o, MUL(in, w[(long long)tap * channels + c]));
+        }
+        out[(t0 + t) * channels + c] = o / (1.0f + expf(-o));
+    }
+}
+
+// The rows delta_conv read from x into the ring after it (the last `rows` of them), so a later
+// call finds them (and a call that goes back finds the earlier ones still there).
+extern "C" __global__ void delta_ring(const float* x, float* ring, long long ring_off, int rows, int channels,
+                                      long long start, int n, long long t0) {
+    int first = n > rows ? n - rows : 0;
+    for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < (long long)(n - first) * channels;
+         e += (long long)gridDim.x * blockDim.x) {
+        long long t = first + e / channels;
+        int c = (int)(e % channels);
+        ring[ring_off + ((start + t) % rows) * channels + c] = x[(t0 + t) * channels + c];
+    }
+}
+
+// Sum over the block's threads in double (blockDim.x a power of two, at most 256), through
+// shared memory.
+__device__ double delta_block_sum(double v) {
+    __shared__ double part[256];
+    part[threadIdx.x] = v;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s /= 2) {
+        if ((int)threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
+        __syncthreads();
+    }
+    double total = part[0];
+    __syncthreads();
+    return total;
+}
+
+// Row blockIdx.x of the convolved inputs (queries: k_heads heads of dk, keys the same, values
+// vd) into q, k and v, each query and key head L2-normalized as the CPU's l2_norm_each: over
+// max(|x|, eps), the sum of squares in double.
+extern "C" __global__ void delta_split(const float* xc, int k_heads, int dk, int vd, float eps, float* q, float* k,
+                                       float* v) {
+    long long t = blockIdx.x;
+    int kd = k_heads * dk;
+    const float* row = xc + t * (2 * kd + vd);
+    for (int piece = 0; piece < 2 * k_heads; piece++) {
+        const float* src = row + piece * dk;
+        double ss = 0.0;
+        for (int i = threadIdx.x; i < dk; i += blockDim.x) ss += (double)src[i] * (double)src[i];
+        ss = delta_block_sum(ss);
+        float scale = 1.0f / fmaxf((float)sqrt(ss), eps);
+        float* dst = piece < k_heads ? q + t * kd + piece * dk : k + t * kd + (piece - k_heads) * dk;
+        for (int i = threadIdx.x; i < dk; i += blockDim.x) dst[i] = MUL(src[i], scale);
+    }
+    for (int i = threadIdx.x; i < vd; i += blockDim.x) v[t * vd + i] = row[2 * kd + i];
+}
+
+// The log decays g = softplus(alpha + dt_bias) * a (softplus linear past 20, as llama.cpp's)
+// and write strengths beta = sigmoid(b) of n tokens' heads.
+extern "C" __global__ void delta_gates(const float* alpha, const float* b, const float* dt_bias, const float* a,
+                                       int heads, long long n, float* g, float* beta) {
+    for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < n * heads;
+         e += (long long)gridDim.x * blockDim.x) {
+        int h = (int)(e % heads);
+        float x = ADD(alpha[e], dt_bias[h]);
+        float sp = x > 20.0f ? x : logf(1.0f + expf(x));
+        g[e] = MUL(sp, a[h]);
+        beta[e] = 1.0f / (1.0f + expf(-b[e]));
+    }
+}

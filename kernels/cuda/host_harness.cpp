@@ -95,6 +95,17 @@ static bool launch(const std::string& k, dim3 grid, dim3 block) {
             delta_rows(P<float>(0), V<long long>(1), V<int>(2), V<int>(3), V<int>(4), P<float>(5), P<float>(6), P<float>(7),
                        P<float>(8), V<long long>(9), P<float>(10), V<int>(11), V<int>(12), V<int>(13), V<int>(14), V<int>(15));
         });
+    } else if (k == "delta_conv") {
+        run([] {
+            delta_conv(P<float>(0), P<float>(1), V<long long>(2), V<int>(3), P<float>(4), V<int>(5), V<int>(6),
+                       V<long long>(7), V<int>(8), V<long long>(9), P<float>(10));
+        });
+    } else if (k == "delta_ring") {
+        run([] { delta_ring(P<float>(0), P<float>(1), V<long long>(2), V<int>(3), V<int>(4), V<long long>(5), V<int>(6), V<long long>(7)); });
+    } else if (k == "delta_split") {
+        run([] { delta_split(P<float>(0), V<int>(1), V<int>(2), V<int>(3), V<float>(4), P<float>(5), P<float>(6), P<float>(7)); });
+    } else if (k == "delta_gates") {
+        run([] { delta_gates(P<float>(0), P<float>(1), P<float>(2), P<float>(3), V<int>(4), V<long long>(5), P<float>(6), P<float>(7)); });
     } else {
         return false;
     }

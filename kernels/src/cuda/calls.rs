@@ -764,6 +764,146 @@ pub trait KernelCalls: Stream + Sized {
         }
         Ok(())
     }
+
+    /// Gated DeltaNet's convolution and SiLU over one sequence's rows `t0..t0 + n` of `x`
+    /// (`channels` a row, positions `start..`) into the same rows of `out`, the inputs before
+    /// them from the sequence's ring (`ring_rows` rows of `channels` from float `ring_off` of
+    /// `ring`), which then takes these rows (as [`crate::deltanet::conv`]); `taps` in
+    /// [`crate::deltanet::conv_taps`]' layout.
+    #[allow(clippy::too_many_arguments)]
+    fn delta_conv(
+        &self,
+        x: &Self::Buf<f32>,
+        (ring, ring_off, ring_rows): (&mut Self::Buf<f32>, usize, usize),
+        taps: &Self::Buf<f32>,
+        channels: usize,
+        (start, t0, n): (usize, usize, usize),
+        out: &mut Self::Buf<f32>,
+    ) -> Result<(), GpuError> {
+        let width = Self::len(taps) / channels.max(1);
+        check(
+            "delta_conv",
+            channels > 0
+                && width >= 1
+                && Self::len(taps) == width * channels
+                && ring_rows + 1 >= width
+                && Self::len(ring) >= ring_off + ring_rows * channels
+                && Self::len(x) >= (t0 + n) * channels
+                && Self::len(out) >= (t0 + n) * channels,
+            || format!("{channels} channels, {width} taps, ring of {ring_rows} at {ring_off}, rows {t0}..{}", t0 + n),
+        )?;
+        let i = |what, v| int("delta_conv", what, v);
+        let (off, rows, ch, n32) = (ring_off as i64, i("rows", ring_rows)?, i("channels", channels)?, i("n", n)?);
+        let mut a = [
+            Arg::F32(x),
+            Arg::F32(&*ring),
+            Arg::Long(off),
+            Arg::Int(rows),
+            Arg::F32(taps),
+            Arg::Int(i("width", width)?),
+            Arg::Int(ch),
+            Arg::Long(start as i64),
+            Arg::Int(n32),
+            Arg::Long(t0 as i64),
+            Arg::F32Mut(out),
+        ];
+        // SAFETY: delta_conv's (float*, float*, long long, int, float*, int, int, long long,
+        // int, long long, float*); rows t0..t0 + n of x and out, the ring's rows and the taps
+        // checked above.
+        unsafe { self.launch("delta_conv", elementwise(n * channels), (256, 1), &mut a)? };
+        let mut a = [
+            Arg::F32(x),
+            Arg::F32Mut(ring),
+            Arg::Long(off),
+            Arg::Int(rows),
+            Arg::Int(ch),
+            Arg::Long(start as i64),
+            Arg::Int(n32),
+            Arg::Long(t0 as i64),
+        ];
+        // SAFETY: delta_ring's (float*, float*, long long, int, int, long long, int, long long);
+        // as above.
+        unsafe { self.launch("delta_ring", elementwise(n.min(ring_rows) * channels), (256, 1), &mut a) }
+    }
+
+    /// The convolved rows `xc` (`tokens` rows: `k_heads * dk` queries, as many keys, `vd`
+    /// values) into `q`, `k` and `v`, every query and key head L2-normalized
+    /// ([`crate::deltanet::l2_norm_each`]).
+    #[allow(clippy::too_many_arguments)]
+    fn delta_split(
+        &self,
+        xc: &Self::Buf<f32>,
+        (k_heads, dk, vd): (usize, usize, usize),
+        tokens: usize,
+        eps: f32,
+        q: &mut Self::Buf<f32>,
+        k: &mut Self::Buf<f32>,
+        v: &mut Self::Buf<f32>,
+    ) -> Result<(), GpuError> {
+        let kd = k_heads * dk;
+        check(
+            "delta_split",
+            Self::len(xc) >= tokens * (2 * kd + vd)
+                && Self::len(q) >= tokens * kd
+                && Self::len(k) >= tokens * kd
+                && Self::len(v) >= tokens * vd,
+            || format!("{tokens} rows of {k_heads} x {dk} and {vd} from {}", Self::len(xc)),
+        )?;
+        let i = |what, x| int("delta_split", what, x);
+        let mut a = [
+            Arg::F32(xc),
+            Arg::Int(i("k_heads", k_heads)?),
+            Arg::Int(i("dk", dk)?),
+            Arg::Int(i("vd", vd)?),
+            Arg::Float(eps),
+            Arg::F32Mut(q),
+            Arg::F32Mut(k),
+            Arg::F32Mut(v),
+        ];
+        // SAFETY: delta_split's (float*, int, int, int, float, float*, float*, float*); the
+        // rows checked above; a block of 128 threads (a power of two, as its sum wants) a row.
+        unsafe { self.launch("delta_split", (grid_dim("delta_split", "x", tokens)?, 1), (128, 1), &mut a) }
+    }
+
+    /// The log decays `g = softplus(alpha + dt_bias) * a` and write strengths
+    /// `beta = sigmoid(b)` of every token's heads (`dt_bias.len()` heads a token).
+    #[allow(clippy::too_many_arguments)]
+    fn delta_gates(
+        &self,
+        alpha: &Self::Buf<f32>,
+        b: &Self::Buf<f32>,
+        dt_bias: &Self::Buf<f32>,
+        a_log: &Self::Buf<f32>,
+        tokens: usize,
+        g: &mut Self::Buf<f32>,
+        beta: &mut Self::Buf<f32>,
+    ) -> Result<(), GpuError> {
+        let heads = Self::len(dt_bias);
+        let n = tokens * heads;
+        check(
+            "delta_gates",
+            heads > 0
+                && Self::len(a_log) == heads
+                && Self::len(alpha) >= n
+                && Self::len(b) >= n
+                && Self::len(g) >= n
+                && Self::len(beta) >= n,
+            || format!("{tokens} tokens of {heads} heads"),
+        )?;
+        let mut a = [
+            Arg::F32(alpha),
+            Arg::F32(b),
+            Arg::F32(dt_bias),
+            Arg::F32(a_log),
+            Arg::Int(int("delta_gates", "heads", heads)?),
+            Arg::Long(tokens as i64),
+            Arg::F32Mut(g),
+            Arg::F32Mut(beta),
+        ];
+        // SAFETY: delta_gates's (float*, float*, float*, float*, int, long long, float*,
+        // float*); every buffer's length checked above.
+        unsafe { self.launch("delta_gates", elementwise(n), (256, 1), &mut a) }
+    }
 }
 
 /// One sequence's inputs to [`KernelCalls::delta_step`]: `tokens` rows from row `t0` of the

@@ -40,6 +40,13 @@ trait Runner {
     /// Gated DeltaNet's recurrence from `state` (slot 1 of two) over `x`'s rows at positions
     /// `start..`: the state after and the outputs.
     fn delta_step(&self, shape: DeltaShape, state: &[f32], start: usize, x: &Inputs<'_>) -> (Vec<f32>, Vec<f32>);
+    /// The convolution and SiLU of `x`'s rows at positions `start..` with `ring` (at float 3 of
+    /// its buffer): the ring after and the outputs.
+    fn delta_conv(&self, x: &[f32], ring: &[f32], taps: &[f32], channels: usize, start: usize) -> (Vec<f32>, Vec<f32>);
+    /// `xc`'s rows split into L2-normed queries and keys, and values.
+    fn delta_split(&self, xc: &[f32], shape: (usize, usize, usize), eps: f32) -> [Vec<f32>; 3];
+    /// The log decays and write strengths.
+    fn delta_gates(&self, alpha: &[f32], b: &[f32], dt_bias: &[f32], a: &[f32]) -> [Vec<f32>; 2];
 }
 
 /// `quantize_q8`'s output, downloaded: quants, scales, half sums.
@@ -181,6 +188,43 @@ impl<S: Stream> Runner for S {
         let after = self.download(&dstate).unwrap();
         assert!(after[..floats] == values(floats, 99)[..], "the other slot changed");
         (after[floats..].to_vec(), self.download(&out).unwrap())
+    }
+    fn delta_conv(&self, x: &[f32], ring: &[f32], taps: &[f32], channels: usize, start: usize) -> (Vec<f32>, Vec<f32>) {
+        let mut padded = vec![7.0f32; 3];
+        padded.extend_from_slice(ring);
+        let (dx, dt) = (self.upload(x).unwrap(), self.upload(taps).unwrap());
+        let mut dring = self.upload(&padded).unwrap();
+        let mut out = self.zeros::<f32>(x.len()).unwrap();
+        let rows = ring.len() / channels;
+        KernelCalls::delta_conv(
+            self,
+            &dx,
+            (&mut dring, 3, rows),
+            &dt,
+            channels,
+            (start, 0, x.len() / channels),
+            &mut out,
+        )
+        .unwrap();
+        let after = self.download(&dring).unwrap();
+        assert_eq!(after[..3], [7.0; 3], "floats before the ring");
+        (after[3..].to_vec(), self.download(&out).unwrap())
+    }
+    fn delta_split(&self, xc: &[f32], (k_heads, dk, vd): (usize, usize, usize), eps: f32) -> [Vec<f32>; 3] {
+        let tokens = xc.len() / (2 * k_heads * dk + vd);
+        let dx = self.upload(xc).unwrap();
+        let (mut q, mut k) =
+            (self.zeros::<f32>(tokens * k_heads * dk).unwrap(), self.zeros::<f32>(tokens * k_heads * dk).unwrap());
+        let mut v = self.zeros::<f32>(tokens * vd).unwrap();
+        KernelCalls::delta_split(self, &dx, (k_heads, dk, vd), tokens, eps, &mut q, &mut k, &mut v).unwrap();
+        [self.download(&q).unwrap(), self.download(&k).unwrap(), self.download(&v).unwrap()]
+    }
+    fn delta_gates(&self, alpha: &[f32], b: &[f32], dt_bias: &[f32], a: &[f32]) -> [Vec<f32>; 2] {
+        let up = |v: &[f32]| self.upload(v).unwrap();
+        let (da, db, dd, dl) = (up(alpha), up(b), up(dt_bias), up(a));
+        let (mut g, mut beta) = (self.zeros::<f32>(alpha.len()).unwrap(), self.zeros::<f32>(alpha.len()).unwrap());
+        KernelCalls::delta_gates(self, &da, &db, &dd, &dl, alpha.len() / dt_bias.len(), &mut g, &mut beta).unwrap();
+        [self.download(&g).unwrap(), self.download(&beta).unwrap()]
     }
     fn gemm(&self, w: &[u16], x: &[u16], shape: GemmShape) -> Option<Vec<f32>> {
         if !self.has_gemm() {
@@ -665,6 +709,66 @@ fn check_delta_step(on: &dyn Runner, tol: f32) {
     }
 }
 
+/// The rest of a DeltaNet layer's work before its recurrence against the CPU's: the
+/// convolution (4 taps, a ring of 3 + 8 rows) over a prompt, decode rows, a run longer than
+/// the ring, and a step back, then SiLU; the split into L2-normed query and key heads and the
+/// values; the decays (across softplus's linear part) and write strengths.
+fn check_delta_inputs(on: &dyn Runner, tol: f32) {
+    let (ch, width, rows) = (24, 4, 11);
+    let taps = crate::deltanet::conv_taps(&values(ch * width, 70), width);
+    let (mut ring, mut dev_ring) = (vec![0f32; rows * ch], vec![0f32; rows * ch]);
+    let mut start = 0;
+    for (piece, n) in [5usize, 1, 1, 30, 2].into_iter().enumerate() {
+        if piece == 4 {
+            start -= 6;
+        }
+        let x = values(n * ch, 71 + piece as u64);
+        let mut want = vec![0f32; n * ch];
+        crate::deltanet::conv(&taps, width, ch, &mut ring, start, &x, &mut want);
+        want.iter_mut().for_each(|o| *o /= 1.0 + (-*o).exp());
+        let (r, got) = on.delta_conv(&x, &dev_ring, &taps, ch, start);
+        close(&got, &want, tol, &format!("delta_conv piece {piece} at {start}"));
+        close(&r, &ring, 0.0, &format!("delta_conv piece {piece}: the ring"));
+        dev_ring = r;
+        start += n;
+    }
+    // Queries and keys of 2 heads of 8 (one all zeros: eps holds), values of 12, 3 tokens.
+    let (kh, dk, vd) = (2, 8, 12);
+    let mut xc = values(3 * (2 * kh * dk + vd), 80);
+    xc[8..16].iter_mut().for_each(|x| *x = 0.0);
+    let [q, k, v] = on.delta_split(&xc, (kh, dk, vd), 1e-6);
+    let (mut wq, mut wk, mut wv) = (Vec::new(), Vec::new(), Vec::new());
+    for row in xc.chunks_exact(2 * kh * dk + vd) {
+        wq.extend_from_slice(&row[..kh * dk]);
+        wk.extend_from_slice(&row[kh * dk..2 * kh * dk]);
+        wv.extend_from_slice(&row[2 * kh * dk..]);
+    }
+    crate::deltanet::l2_norm_each(&mut wq, dk, 1e-6);
+    crate::deltanet::l2_norm_each(&mut wk, dk, 1e-6);
+    close(&q, &wq, tol, "delta_split: queries");
+    close(&k, &wk, tol, "delta_split: keys");
+    close(&v, &wv, 0.0, "delta_split: values");
+    let heads = 4;
+    let alpha: Vec<f32> = values(5 * heads, 90).iter().map(|x| 30.0 * x).collect();
+    let b = values(5 * heads, 91);
+    let (dt_bias, a) = (values(heads, 92), values(heads, 93).iter().map(|x| -0.1 - x.abs()).collect::<Vec<_>>());
+    let [g, beta] = on.delta_gates(&alpha, &b, &dt_bias, &a);
+    let (mut wg, mut wb) = (Vec::new(), Vec::new());
+    for (e, (&al, &bb)) in alpha.iter().zip(&b).enumerate() {
+        let x = al + dt_bias[e % heads];
+        let sp = if x > 20.0 { x } else { (1.0 + x.exp()).ln() };
+        wg.push(sp * a[e % heads]);
+        wb.push(1.0 / (1.0 + (-bb).exp()));
+    }
+    close(&g, &wg, tol, "delta_gates: decays");
+    close(&beta, &wb, tol, "delta_gates: write strengths");
+}
+
+#[test]
+fn on_the_host_the_delta_net_inputs_are_the_cpu_s() {
+    check_delta_inputs(host(), 1e-6);
+}
+
 #[test]
 fn on_the_host_the_delta_net_recurrence_computes_what_the_cpu_does() {
     check_delta_step(host(), 0.0);
@@ -684,6 +788,7 @@ fn on_the_gpu_every_kernel_computes_what_the_cpu_does() {
     check_matvec_embed(&gpu);
     check_attention(&gpu);
     check_delta_step(&gpu, 1e-4);
+    check_delta_inputs(&gpu, 1e-5);
     // cuBLAS comes with NVIDIA's CUDA libraries, not with the driver: said, not failed, where
     // it is missing (the CUDA backend's prefill then takes matvec).
     if !check_halves_and_gemm(&gpu) {

@@ -25,7 +25,7 @@ pub const SOURCES: [(&str, &str); 6] = [
 ];
 
 /// Every kernel the sources define (`extern "C" __global__`), for the loader to look up.
-pub const KERNELS: [&str; 20] = [
+pub const KERNELS: [&str; 24] = [
     "embed",
     "rms_norm",
     "rope",
@@ -46,6 +46,10 @@ pub const KERNELS: [&str; 20] = [
     "delta_finish",
     "delta_keys",
     "delta_rows",
+    "delta_conv",
+    "delta_ring",
+    "delta_split",
+    "delta_gates",
 ];
 
 /// The GPU architectures the kernels are checked to compile for: Ampere (A100), Ada (RTX 40,
