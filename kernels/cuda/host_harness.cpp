@@ -106,6 +106,12 @@ static bool launch(const std::string& k, dim3 grid, dim3 block) {
         run([] { delta_split(P<float>(0), V<int>(1), V<int>(2), V<int>(3), V<float>(4), P<float>(5), P<float>(6), P<float>(7)); });
     } else if (k == "delta_gates") {
         run([] { delta_gates(P<float>(0), P<float>(1), P<float>(2), P<float>(3), V<int>(4), V<long long>(5), P<float>(6), P<float>(7)); });
+    } else if (k == "split_pairs") {
+        run([] { split_pairs(P<float>(0), V<long long>(1), V<int>(2), P<float>(3), P<float>(4)); });
+    } else if (k == "gate_by") {
+        run([] { gate_by(P<float>(0), P<float>(1), V<long long>(2), V<long long>(3), V<int>(4)); });
+    } else if (k == "move_floats") {
+        run([] { move_floats(P<float>(0), V<long long>(1), V<long long>(2), V<long long>(3)); });
     } else {
         return false;
     }

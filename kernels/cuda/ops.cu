@@ -127,3 +127,31 @@ extern "C" __global__ void scatter_add_rows(const float* src, const int* rows, c
     float w = weights[i];
     for (int k = threadIdx.x; k < n; k += blockDim.x) dst[(long long)rows[i] * n + k] += w * src[(long long)i * n + k];
 }
+
+// Each row of x is pairs of pieces of hd floats (a gated attention's query head and its gate):
+// the first of pair p to a's piece p, the second to b's.
+extern "C" __global__ void split_pairs(const float* x, long long pairs, int hd, float* a, float* b) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < pairs * hd;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long p = i / hd, k = i % hd;
+        a[i] = x[2 * p * hd + k];
+        b[i] = x[(2 * p + 1) * hd + k];
+    }
+}
+
+// x[i] *= f(g[i / per]) over n values, f the sigmoid (silu = 0) or g * sigmoid(g) (silu = 1):
+// a gated attention's heads, a DeltaNet's output; per = 1 gates value by value.
+extern "C" __global__ void gate_by(float* x, const float* g, long long n, long long per, int silu) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        float v = g[i / per], s = 1.0f / (1.0f + expf(-v));
+        x[i] *= silu ? v * s : s;
+    }
+}
+
+// n floats of buf from float `from` to float `to` (regions apart: a recurrent state's slot to
+// another), or, with from < 0, set to zero at `to`.
+extern "C" __global__ void move_floats(float* buf, long long from, long long to, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        buf[to + i] = from < 0 ? 0.0f : buf[from + i];
+    }
+}

@@ -406,6 +406,59 @@ pub trait KernelCalls: Stream + Sized {
         unsafe { self.launch("add_bias", g, (256, 1), &mut a) }
     }
 
+    /// Each row of `x` as pairs of pieces of `hd` floats: the first of each pair into `a`, the
+    /// second into `b` (a gated attention's queries and gates).
+    fn split_pairs(
+        &self,
+        x: &Self::Buf<f32>,
+        hd: usize,
+        a: &mut Self::Buf<f32>,
+        b: &mut Self::Buf<f32>,
+    ) -> Result<(), GpuError> {
+        let n = Self::len(x);
+        let pairs = n / (2 * hd.max(1));
+        check("split_pairs", hd > 0 && n == pairs * 2 * hd && Self::len(a) >= n / 2 && Self::len(b) >= n / 2, || {
+            format!("{n} floats in pairs of {hd}")
+        })?;
+        let mut args = [
+            Arg::F32(x),
+            Arg::Long(pairs as i64),
+            Arg::Int(int("split_pairs", "hd", hd)?),
+            Arg::F32Mut(a),
+            Arg::F32Mut(b),
+        ];
+        // SAFETY: split_pairs's (float*, long long, int, float*, float*); half of x's floats each
+        // into a and b (checked above).
+        unsafe { self.launch("split_pairs", elementwise(n / 2), (256, 1), &mut args) }
+    }
+
+    /// `x *= f(g)` value by value, or each of `g`'s values gating its equal piece of `x`; `f`
+    /// the sigmoid, or `g * sigmoid(g)` with `silu`.
+    fn gate_by(&self, x: &mut Self::Buf<f32>, g: &Self::Buf<f32>, silu: bool) -> Result<(), GpuError> {
+        let (n, gl) = (Self::len(x), Self::len(g));
+        check("gate_by", gl > 0 && n >= gl && n.is_multiple_of(gl), || format!("{gl} gates for {n} values"))?;
+        let mut a =
+            [Arg::F32Mut(x), Arg::F32(g), Arg::Long(n as i64), Arg::Long((n / gl) as i64), Arg::Int(i32::from(silu))];
+        // SAFETY: gate_by's (float*, float*, long long, long long, int); x's n values, g's n /
+        // per (checked above).
+        unsafe { self.launch("gate_by", elementwise(n), (256, 1), &mut a) }
+    }
+
+    /// `n` floats of `buf` from float `from` to float `to` (apart), or zeros at `to` where
+    /// `from` is `None`.
+    fn move_floats(&self, buf: &mut Self::Buf<f32>, from: Option<usize>, to: usize, n: usize) -> Result<(), GpuError> {
+        let len = Self::len(buf);
+        let apart = from.is_none_or(|f| f + n <= to || to + n <= f);
+        check("move_floats", apart && to + n <= len && from.is_none_or(|f| f + n <= len), || {
+            format!("{n} floats from {from:?} to {to} of {len}")
+        })?;
+        let mut a =
+            [Arg::F32Mut(buf), Arg::Long(from.map_or(-1, |f| f as i64)), Arg::Long(to as i64), Arg::Long(n as i64)];
+        // SAFETY: move_floats's (float*, long long, long long, long long); both regions inside
+        // the buffer and apart (checked above).
+        unsafe { self.launch("move_floats", elementwise(n), (256, 1), &mut a) }
+    }
+
     /// `dst[i] = src[rows[i]]`, rows of `n` floats.
     fn gather_rows(
         &self,

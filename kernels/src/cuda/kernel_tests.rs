@@ -47,6 +47,10 @@ trait Runner {
     fn delta_split(&self, xc: &[f32], shape: (usize, usize, usize), eps: f32) -> [Vec<f32>; 3];
     /// The log decays and write strengths.
     fn delta_gates(&self, alpha: &[f32], b: &[f32], dt_bias: &[f32], a: &[f32]) -> [Vec<f32>; 2];
+    fn split_pairs(&self, x: &[f32], hd: usize) -> [Vec<f32>; 2];
+    fn gate_by(&self, x: &[f32], g: &[f32], silu: bool) -> Vec<f32>;
+    /// `buf` after `n` floats moved from `from` (zeros for `None`) to `to`.
+    fn move_floats(&self, buf: &[f32], from: Option<usize>, to: usize, n: usize) -> Vec<f32>;
 }
 
 /// `quantize_q8`'s output, downloaded: quants, scales, half sums.
@@ -225,6 +229,22 @@ impl<S: Stream> Runner for S {
         let (mut g, mut beta) = (self.zeros::<f32>(alpha.len()).unwrap(), self.zeros::<f32>(alpha.len()).unwrap());
         KernelCalls::delta_gates(self, &da, &db, &dd, &dl, alpha.len() / dt_bias.len(), &mut g, &mut beta).unwrap();
         [self.download(&g).unwrap(), self.download(&beta).unwrap()]
+    }
+    fn split_pairs(&self, x: &[f32], hd: usize) -> [Vec<f32>; 2] {
+        let dx = self.upload(x).unwrap();
+        let (mut a, mut b) = (self.zeros::<f32>(x.len() / 2).unwrap(), self.zeros::<f32>(x.len() / 2).unwrap());
+        KernelCalls::split_pairs(self, &dx, hd, &mut a, &mut b).unwrap();
+        [self.download(&a).unwrap(), self.download(&b).unwrap()]
+    }
+    fn gate_by(&self, x: &[f32], g: &[f32], silu: bool) -> Vec<f32> {
+        let (mut dx, dg) = (self.upload(x).unwrap(), self.upload(g).unwrap());
+        KernelCalls::gate_by(self, &mut dx, &dg, silu).unwrap();
+        self.download(&dx).unwrap()
+    }
+    fn move_floats(&self, buf: &[f32], from: Option<usize>, to: usize, n: usize) -> Vec<f32> {
+        let mut d = self.upload(buf).unwrap();
+        KernelCalls::move_floats(self, &mut d, from, to, n).unwrap();
+        self.download(&d).unwrap()
     }
     fn gemm(&self, w: &[u16], x: &[u16], shape: GemmShape) -> Option<Vec<f32>> {
         if !self.has_gemm() {
@@ -764,6 +784,39 @@ fn check_delta_inputs(on: &dyn Runner, tol: f32) {
     close(&beta, &wb, tol, "delta_gates: write strengths");
 }
 
+/// A gated attention's split of queries and gates and its sigmoid gate per head, a DeltaNet's
+/// SiLU gate value by value, and a recurrent state's copy and clearing, against the CPU
+/// backend's forms.
+fn check_gates_and_state_moves(on: &dyn Runner, tol: f32) {
+    let (hd, heads, tokens) = (8, 3, 2);
+    let x = values(tokens * heads * 2 * hd, 60);
+    let [a, b] = on.split_pairs(&x, hd);
+    let (wa, wb): (Vec<f32>, Vec<f32>) =
+        x.chunks_exact(2 * hd).flat_map(|p| (0..hd).map(move |k| (p[k], p[hd + k]))).unzip();
+    close(&a, &wa, 0.0, "split_pairs: first of each pair");
+    close(&b, &wb, 0.0, "split_pairs: second");
+    let sigmoid = |v: f32| 1.0 / (1.0 + (-v).exp());
+    let g = values(tokens * heads, 61);
+    let got = on.gate_by(&a, &g, false);
+    let want: Vec<f32> = a.iter().enumerate().map(|(i, x)| x * sigmoid(g[i / hd])).collect();
+    close(&got, &want, tol, "gate_by: a sigmoid per head");
+    let got = on.gate_by(&a, &b, true);
+    let want: Vec<f32> = a.iter().zip(&b).map(|(x, g)| x * (g * sigmoid(*g))).collect();
+    close(&got, &want, tol, "gate_by: SiLU value by value");
+    let buf = values(100, 62);
+    let mut want = buf.clone();
+    want.copy_within(10..30, 60);
+    close(&on.move_floats(&buf, Some(10), 60, 20), &want, 0.0, "move_floats: a copy");
+    let mut want = buf.clone();
+    want[40..55].iter_mut().for_each(|x| *x = 0.0);
+    close(&on.move_floats(&buf, None, 40, 15), &want, 0.0, "move_floats: zeros");
+}
+
+#[test]
+fn on_the_host_gates_and_state_moves_are_the_cpu_s() {
+    check_gates_and_state_moves(host(), 1e-6);
+}
+
 #[test]
 fn on_the_host_the_delta_net_inputs_are_the_cpu_s() {
     check_delta_inputs(host(), 1e-6);
@@ -789,6 +842,7 @@ fn on_the_gpu_every_kernel_computes_what_the_cpu_does() {
     check_attention(&gpu);
     check_delta_step(&gpu, 1e-4);
     check_delta_inputs(&gpu, 1e-5);
+    check_gates_and_state_moves(&gpu, 1e-5);
     // cuBLAS comes with NVIDIA's CUDA libraries, not with the driver: said, not failed, where
     // it is missing (the CUDA backend's prefill then takes matvec).
     if !check_halves_and_gemm(&gpu) {

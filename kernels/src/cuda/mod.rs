@@ -25,7 +25,7 @@ pub const SOURCES: [(&str, &str); 6] = [
 ];
 
 /// Every kernel the sources define (`extern "C" __global__`), for the loader to look up.
-pub const KERNELS: [&str; 24] = [
+pub const KERNELS: [&str; 27] = [
     "embed",
     "rms_norm",
     "rope",
@@ -33,6 +33,9 @@ pub const KERNELS: [&str; 24] = [
     "add_in_place",
     "gather_rows",
     "scatter_add_rows",
+    "split_pairs",
+    "gate_by",
+    "move_floats",
     "matvec",
     "quantize_q8",
     "matvec_q8",
