@@ -278,3 +278,60 @@ fn on_the_host_the_cuda_forward_pass_runs_mixtures_of_experts_as_the_cpu_backend
 fn on_the_gpu_the_cuda_forward_pass_runs_mixtures_of_experts_as_the_cpu_backend() {
     runs_mixtures_of_experts_as_the_cpu_backend(gpu);
 }
+
+/// The hybrids (Gated DeltaNet layers and gated attention, with experts and a shared expert in
+/// two of them) on the CUDA kernels: against llama.cpp on their recorded cases (f32 weights:
+/// within float rounding), then against the CPU backend through a batched prefill cut into
+/// chunks, decode steps and a speculative step's rollback (rows rejected and run again from
+/// the recurrent state's earlier position): the same greedy tokens, logits within 1e-3.
+fn hybrids_run_as_on_the_cpu<S: Stream + Send + 'static>(on: impl Fn() -> S) {
+    for arch in ["qwen35", "qwen35moe", "qwen3next"] {
+        let entry = entry(&format!("tiny-{arch}-f32"));
+        let model = Model::load(&tiny_dir().join(entry["file"].as_str().unwrap())).unwrap();
+        let page = kv_page_bytes(&model.config, &model.arch, 16);
+        let state = inferd_engine::backend::cpu::state_bytes(&model.arch);
+        let opts = EngineOptions {
+            kv_budget_bytes: 32 * page + 2 * 4 * state,
+            block_size: 16,
+            prefill_chunk: 24,
+            ..EngineOptions::default()
+        };
+        let mut dev = engine(on(), &model, &opts);
+        assert!(dev.backend.state_slots() >= 4, "{arch}: {} state slots", dev.backend.state_slots());
+        let worst = check_cases_on(&mut dev, &model, entry, 1e-3);
+        eprintln!("tiny-{arch}-f32 on the CUDA kernels: largest logit difference from llama.cpp {worst:.6}");
+        let mut cpu = Engine::cpu(&model, &opts).unwrap();
+        let prompts: Vec<Vec<u32>> = (0..3).map(|i| prompt(20 + 30 * i, i as u32)).collect();
+        let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+        let want = cpu.generate_greedy(&refs, 6, &[], &mut |_, _| {}).unwrap();
+        let got = dev.generate_greedy(&refs, 6, &[], &mut |_, _| {}).unwrap();
+        assert_eq!(got, want, "{arch}: greedy tokens");
+        // A speculative step: five rows, three of them rejected and run again.
+        let p = prompt(70, 9);
+        let (sd, _) = dev.prefill(&[&p]).unwrap().remove(0);
+        let (sc, _) = cpu.prefill(&[&p]).unwrap().remove(0);
+        let drafts = [5u32, 6, 7, 8, 9];
+        use inferd_engine::engine::RunItem;
+        let a = dev.step(&[RunItem::logits(sd, &drafts, 5)]).unwrap().remove(0);
+        let b = cpu.step(&[RunItem::logits(sc, &drafts, 5)]).unwrap().remove(0);
+        assert!(max_diff(&a, &b) < 1e-3, "{arch}: drafts' logits {}", max_diff(&a, &b));
+        dev.kv.truncate(sd, 72).unwrap();
+        cpu.kv.truncate(sc, 72).unwrap();
+        let a = dev.step(&[RunItem::logits(sd, &[11, 12, 13], 3)]).unwrap().remove(0);
+        let b = cpu.step(&[RunItem::logits(sc, &[11, 12, 13], 3)]).unwrap().remove(0);
+        assert!(max_diff(&a, &b) < 1e-3, "{arch}: after the rollback {}", max_diff(&a, &b));
+        dev.release(sd);
+        cpu.release(sc);
+    }
+}
+
+#[test]
+fn on_the_host_the_cuda_forward_pass_runs_the_hybrids_as_the_cpu_backend() {
+    hybrids_run_as_on_the_cpu(host);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: tests/gpu/run"]
+fn on_the_gpu_the_cuda_forward_pass_runs_the_hybrids_as_the_cpu_backend() {
+    hybrids_run_as_on_the_cpu(gpu);
+}

@@ -720,15 +720,15 @@ pub trait KernelCalls: Stream + Sized {
     }
 
     /// Gated DeltaNet's recurrence over one sequence's next `x.tokens` rows (positions
-    /// `start..`, the inputs' rows from `x.t0`), carrying the sequence's state (slot `slot` of
-    /// `state`: [`DeltaShape::chunk_state_len`] floats a slot, the CPU's layout) as
+    /// `start..`, the inputs' rows from `x.t0`), carrying the sequence's state (the
+    /// [`DeltaShape::chunk_state_len`] floats of `state` from float `off`, the CPU's layout) as
     /// [`crate::deltanet::step`] does, outputs into `out`'s rows from `x.t0` (`v_heads * dv`
     /// each). A launch per chunk's segment: the chunk's start state where a row begins one
     /// (`delta_finish`), the segment's keys (`delta_keys`), its rows (`delta_rows`).
     fn delta_step(
         &self,
         state: &mut Self::Buf<f32>,
-        slot: usize,
+        off: usize,
         shape: DeltaShape,
         start: usize,
         x: &DeltaRows<'_, Self>,
@@ -741,17 +741,17 @@ pub trait KernelCalls: Stream + Sized {
             "delta_step",
             k_heads > 0
                 && v_heads.is_multiple_of(k_heads)
-                && Self::len(state) >= (slot + 1) * floats
+                && Self::len(state) >= off + floats
                 && Self::len(x.q) >= end * kd
                 && Self::len(x.k) >= end * kd
                 && Self::len(x.v) >= end * vd
                 && Self::len(x.g) >= end * v_heads
                 && Self::len(x.beta) >= end * v_heads
                 && Self::len(out) >= end * vd,
-            || format!("{shape:?}, slot {slot} of {} floats, rows {}..{end}", Self::len(state), x.t0),
+            || format!("{shape:?}, state at {off} of {} floats, rows {}..{end}", Self::len(state), x.t0),
         )?;
         let i = |what, v| int("delta_step", what, v);
-        let (off, grouped) = ((slot * floats) as i64, i32::from(shape.grouped));
+        let (off, grouped) = (off as i64, i32::from(shape.grouped));
         let (k_heads, v_heads, dk, dv) = (i("k_heads", k_heads)?, i("v_heads", v_heads)?, i("dk", dk)?, i("dv", dv)?);
         let heads = grid_dim("delta_step", "x", shape.v_heads)?;
         let threads = (shape.dv.div_ceil(32) * 32).clamp(32, 1024) as u32;

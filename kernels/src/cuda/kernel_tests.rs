@@ -188,7 +188,7 @@ impl<S: Stream> Runner for S {
         let tokens = x.g.len() / shape.v_heads;
         let rows = DeltaRows { q: &q, k: &k, v: &v, g: &g, beta: &beta, t0: 0, tokens };
         let mut out = self.zeros::<f32>(tokens * shape.v_heads * shape.dv).unwrap();
-        KernelCalls::delta_step(self, &mut dstate, 1, shape, start, &rows, &mut out).unwrap();
+        KernelCalls::delta_step(self, &mut dstate, floats, shape, start, &rows, &mut out).unwrap();
         let after = self.download(&dstate).unwrap();
         assert!(after[..floats] == values(floats, 99)[..], "the other slot changed");
         (after[floats..].to_vec(), self.download(&out).unwrap())

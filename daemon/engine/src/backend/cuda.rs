@@ -26,7 +26,7 @@ use crate::model::arch::{Activation, Architecture};
 use crate::model::weights::LayerWeights;
 use crate::model::{LlamaConfig, Model, Tensor};
 use inferd_kernels::cuda::calls::{
-    is_quantized, AttentionPlan, AttentionShape, Gated, KernelCalls, Q8Activations, WeightShape,
+    is_quantized, AttentionPlan, AttentionShape, DeltaRows, Gated, KernelCalls, Q8Activations, WeightShape,
 };
 use inferd_kernels::cuda::gpu::Gpu;
 use inferd_kernels::cuda::stream::{GemmShape, GpuError, Stream};
@@ -133,6 +133,11 @@ pub struct CudaBackend<S: Stream> {
     /// Per slot: `(kv_blocks, block_size, n_kv_heads, head_dim)` f16 bits.
     k_cache: Vec<S::Buf<u16>>,
     v_cache: Vec<S::Buf<u16>>,
+    /// Per DeltaNet layer: `state_slots` recurrent states of
+    /// [`crate::model::arch::DeltaNet::state_floats`] each, the CPU's layout (the convolution's
+    /// ring, then the recurrence's chunk state).
+    states: Vec<S::Buf<f32>>,
+    state_slots: usize,
     memory: DeviceMemory,
     /// The host's time issuing passes, up to the wait for their logits, since it was last
     /// taken ([`Backend::take_kernel_profile`]).
@@ -146,11 +151,6 @@ impl<S: Stream> CudaBackend<S> {
     /// run the same set).
     pub fn new(s: S, model: &Model, opts: &EngineOptions) -> Result<Self, BackendError> {
         super::cpu::runs(&model.arch)?;
-        if model.arch.delta.is_some() || model.arch.attn_output_gate {
-            let why =
-                format!("{}: Gated DeltaNet and gated attention run on the CPU backend alone for now", model.arch.name);
-            return Err(BackendError::Unsupported(why));
-        }
         let a = &model.arch;
         if a.per_layer.is_some()
             || a.value_norm
@@ -166,14 +166,18 @@ impl<S: Stream> CudaBackend<S> {
         }
         let (cfg, w) = (&model.config, &model.weights);
         let bs = opts.block_size;
-        let kv_blocks = (opts.kv_budget_bytes / super::cpu::kv_page_bytes(cfg, &model.arch, bs)).max(1);
+        // A hybrid model's recurrent states come out of the same budget, as on the CPU.
+        let state_slots = super::cpu::state_slots(&model.arch, opts.kv_budget_bytes);
+        let state_bytes = state_slots * super::cpu::state_bytes(&model.arch);
+        let kv_budget = opts.kv_budget_bytes.saturating_sub(state_bytes);
+        let kv_blocks = (kv_budget / super::cpu::kv_page_bytes(cfg, &model.arch, bs)).max(1);
         let groups = super::cpu::kv_groups(&model.arch);
         let tied = w.output.bytes().as_ptr() == w.token_embd.bytes().as_ptr() && w.output.dtype == w.token_embd.dtype;
         let memory = DeviceMemory {
             weights_bytes: w.layers.iter().map(layer_bytes).sum::<usize>()
                 + w.token_embd.bytes().len()
                 + if tied { 0 } else { w.output.bytes().len() },
-            kv_bytes: 2 * groups.slots * kv_blocks * bs * cfg.kv_dim() * 2,
+            kv_bytes: 2 * groups.slots * kv_blocks * bs * cfg.kv_dim() * 2 + state_bytes,
         };
         // Prefill's work space: the largest matrix (of a mixture, an expert's) as halves, a
         // chunk's activations as halves.
@@ -203,6 +207,9 @@ impl<S: Stream> CudaBackend<S> {
         let per_slot = kv_blocks * bs * cfg.kv_dim();
         let caches = |n| (0..n).map(|_| s.zeros::<u16>(per_slot)).collect::<Result<Vec<_>, _>>();
         let (k_cache, v_cache) = (caches(groups.slots)?, caches(groups.slots)?);
+        let floats = model.arch.delta.map_or(0, |d| d.state_floats());
+        let delta_layers = model.arch.layers.iter().filter(|l| l.delta_net).count();
+        let states = (0..delta_layers).map(|_| s.zeros::<f32>(state_slots * floats)).collect::<Result<Vec<_>, _>>()?;
         let b = CudaBackend {
             token_embd: up(&w.token_embd)?,
             output: if tied { None } else { Some(up(&w.output)?) },
@@ -215,6 +222,8 @@ impl<S: Stream> CudaBackend<S> {
             kv_blocks,
             k_cache,
             v_cache,
+            states,
+            state_slots: if delta_layers > 0 { state_slots } else { 0 },
             memory,
             host_issue: std::time::Duration::ZERO,
             cfg: cfg.clone(),
@@ -387,6 +396,13 @@ impl<S: Stream + Send> CudaBackend<S> {
                 Ok((s.attention_plan(&ix.seq_of, &ix.pos, shape, None)?, shape))
             })
             .collect::<Result<Vec<_>, GpuError>>()?;
+        // Each sequence's rows, first position, recurrent state slot and checkpoint.
+        let mut seqs = Vec::with_capacity(batch.len());
+        let mut t0 = 0;
+        for b in batch {
+            seqs.push(Span { t0, n: b.tokens.len(), start: b.start_pos, state: b.state, checkpoint: b.checkpoint });
+            t0 += b.tokens.len();
+        }
         let mut x = s.alloc::<f32>(n * h)?;
         s.embed(&self.token_embd.data, self.token_embd.shape, &ids, arch.embedding_scale.unwrap_or(1.0), &mut x)?;
         let mut ops = CudaOps {
@@ -404,6 +420,9 @@ impl<S: Stream + Send> CudaBackend<S> {
             kv_layer: (0..arch.layers.len()).map(|l| arch.kv_layer(l)).collect(),
             k_cache: &mut self.k_cache,
             v_cache: &mut self.v_cache,
+            arch,
+            states: &mut self.states,
+            seqs: &seqs,
         };
         ops.acts[Act::X.index()] = Some(x);
         for (li, l) in self.layers.iter().enumerate() {
@@ -450,6 +469,20 @@ struct CudaOps<'a, S: Stream> {
     kv_layer: Vec<Option<usize>>,
     k_cache: &'a mut [S::Buf<u16>],
     v_cache: &'a mut [S::Buf<u16>],
+    arch: &'a Architecture,
+    /// Per DeltaNet layer, every slot's recurrent state.
+    states: &'a mut [S::Buf<f32>],
+    seqs: &'a [Span],
+}
+
+/// One sequence's part of a pass: its first row, its rows, its first position, its recurrent
+/// state's slot, and where to copy the state to at which position.
+struct Span {
+    t0: usize,
+    n: usize,
+    start: usize,
+    state: Option<u32>,
+    checkpoint: Option<(usize, u32)>,
 }
 
 impl<S: Stream> CudaOps<'_, S> {
@@ -555,22 +588,95 @@ impl<S: Stream> LayerOps for CudaOps<'_, S> {
         Err(BackendError::Unsupported("per-layer embeddings on the cuda backend".into()))
     }
 
-    fn split_heads(&mut self, _from: Act, _a: Act, _b: Act) -> Result<(), BackendError> {
-        Err(BackendError::Unsupported("gated attention on the cuda backend".into()))
+    fn split_heads(&mut self, from: Act, a: Act, b: Act) -> Result<(), BackendError> {
+        let x = self.get(from)?;
+        let half = S::len(x) / 2;
+        let (mut ya, mut yb) = (self.s.alloc::<f32>(half)?, self.s.alloc::<f32>(half)?);
+        self.s.split_pairs(x, self.cfg.head_dim, &mut ya, &mut yb)?;
+        self.acts[a.index()] = Some(ya);
+        self.acts[b.index()] = Some(yb);
+        Ok(())
     }
 
-    fn gate(&mut self, _x: Act, _g: Act, _f: super::layer::GateFn) -> Result<(), BackendError> {
-        Err(BackendError::Unsupported("gated outputs on the cuda backend".into()))
+    fn gate(&mut self, x: Act, g: Act, f: super::layer::GateFn) -> Result<(), BackendError> {
+        let mut xb = self.take(x)?;
+        let r = self.s.gate_by(&mut xb, self.get(g)?, f == super::layer::GateFn::Silu);
+        self.acts[x.index()] = Some(xb);
+        Ok(r?)
     }
 
     fn delta_net(
         &mut self,
-        _layer: usize,
-        _w: &crate::model::weights::DeltaWeights<Matrix<S>, S::Buf<f32>>,
-        _inputs: [Act; 3],
-        _to: Act,
+        layer: usize,
+        w: &crate::model::weights::DeltaWeights<Matrix<S>, S::Buf<f32>>,
+        [mix, beta, alpha]: [Act; 3],
+        to: Act,
     ) -> Result<(), BackendError> {
-        Err(BackendError::Unsupported("Gated DeltaNet on the cuda backend".into()))
+        let s = self.s;
+        let d = self.arch.delta.ok_or_else(|| BackendError::Invalid("a DeltaNet layer without its shape".into()))?;
+        let di = self.arch.layers[..layer].iter().filter(|l| l.delta_net).count();
+        let (ch, sh, n) = (d.channels(), d.shape, self.n);
+        let (kd, vd, heads) = (sh.k_heads * sh.dk, sh.v_heads * sh.dv, sh.v_heads);
+        let (floats, conv_len, ring_rows) = (d.state_floats(), d.conv_rows() * ch, d.conv_rows());
+        let state = self.states.get_mut(di).ok_or_else(|| BackendError::Invalid(format!("DeltaNet layer {di}")))?;
+        let slot_of = |sq: &Span| {
+            sq.state
+                .map(|st| st as usize)
+                .ok_or_else(|| BackendError::Invalid("a sequence without a recurrent state".into()))
+        };
+        // Each sequence's convolution (in two parts where a checkpoint falls inside: the ring
+        // after the first is copied out with the rest of the state, below).
+        let xm = x_of(&self.acts, mix)?;
+        let mut xc = s.alloc::<f32>(n * ch)?;
+        for sq in self.seqs {
+            let slot = slot_of(sq)?;
+            if sq.start == 0 {
+                s.move_floats(state, None, slot * floats, floats)?;
+            }
+            let cut = sq.checkpoint.map_or(sq.n, |(at, _)| at - sq.start);
+            for (a, b) in [(0, cut), (cut, sq.n)] {
+                if a == cut {
+                    if let Some((_, ck)) = sq.checkpoint {
+                        s.move_floats(state, Some(slot * floats), ck as usize * floats, conv_len)?;
+                    }
+                }
+                if a < b {
+                    s.delta_conv(
+                        xm,
+                        (state, slot * floats, ring_rows),
+                        &w.conv,
+                        ch,
+                        (sq.start + a, sq.t0 + a, b - a),
+                        &mut xc,
+                    )?;
+                }
+            }
+        }
+        let (mut q, mut k, mut v) = (s.alloc::<f32>(n * kd)?, s.alloc::<f32>(n * kd)?, s.alloc::<f32>(n * vd)?);
+        s.delta_split(&xc, (sh.k_heads, sh.dk, vd), n, self.cfg.rms_eps, &mut q, &mut k, &mut v)?;
+        let (mut g, mut wb) = (s.alloc::<f32>(n * heads)?, s.alloc::<f32>(n * heads)?);
+        let (xa, xb) = (x_of(&self.acts, alpha)?, x_of(&self.acts, beta)?);
+        s.delta_gates(xa, xb, &w.dt_bias, &w.a, n, &mut g, &mut wb)?;
+        // Each sequence's recurrence, the state after a checkpoint's part copied out.
+        let mut out = s.alloc::<f32>(n * vd)?;
+        for sq in self.seqs {
+            let slot = slot_of(sq)?;
+            let cut = sq.checkpoint.map_or(sq.n, |(at, _)| at - sq.start);
+            for (a, b) in [(0, cut), (cut, sq.n)] {
+                if a == cut {
+                    if let Some((_, ck)) = sq.checkpoint {
+                        let from = slot * floats + conv_len;
+                        s.move_floats(state, Some(from), ck as usize * floats + conv_len, floats - conv_len)?;
+                    }
+                }
+                if a < b {
+                    let rows = DeltaRows { q: &q, k: &k, v: &v, g: &g, beta: &wb, t0: sq.t0 + a, tokens: b - a };
+                    s.delta_step(state, slot * floats + conv_len, sh, sq.start + a, &rows, &mut out)?;
+                }
+            }
+        }
+        self.acts[to.index()] = Some(out);
+        Ok(())
     }
 
     fn experts(
@@ -683,6 +789,26 @@ impl<S: Stream + Send> Backend for CudaBackend<S> {
         Ok(Some(KernelProfile { kernels: self.s.take_timings()?, host_issue }))
     }
 
+    fn state_slots(&self) -> usize {
+        self.state_slots
+    }
+
+    fn copy_states(&mut self, copies: &[(u32, u32)]) -> Result<(), BackendError> {
+        let floats = self.arch.delta.map_or(0, |d| d.state_floats());
+        for &(src, dst) in copies {
+            if src.max(dst) as usize >= self.state_slots {
+                return Err(BackendError::Invalid(format!("state slot {} of {}", src.max(dst), self.state_slots)));
+            }
+            if src == dst {
+                continue;
+            }
+            for layer in &mut self.states {
+                self.s.move_floats(layer, Some(src as usize * floats), dst as usize * floats, floats)?;
+            }
+        }
+        Ok(())
+    }
+
     fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), BackendError> {
         let mut pairs = Vec::with_capacity(2 * copies.len());
         for c in copies {
@@ -706,6 +832,7 @@ impl<S: Stream + Send> Backend for CudaBackend<S> {
 
     fn forward(&mut self, batch: &[SeqBatch<'_>], logits: &mut Vec<f32>) -> Result<(), BackendError> {
         validate_batch(&self.cfg, &self.groups, self.kv_blocks, self.block_size, batch)?;
+        super::validate_states(self.state_slots, batch)?;
         if batch.iter().any(|b| b.hidden && b.logits > 0) {
             return Err(BackendError::Unsupported("the cuda backend does not compute embeddings yet".into()));
         }

@@ -116,6 +116,12 @@ pub fn open_with_reason(
     let cpu = || -> Result<Box<dyn Backend>, BackendError> { Ok(Box::new(cpu::CpuBackend::for_model(model, opts)?)) };
     match chosen {
         BackendKind::Auto | BackendKind::Cpu => Ok((cpu()?, why)),
+        // The Gated DeltaNet kernels are checked on the host emulation only: `auto` keeps a
+        // hybrid model on the CPU until they have run on a GPU.
+        BackendKind::Cuda if kind == BackendKind::Auto && model.arch.delta.is_some() => Ok((
+            cpu()?,
+            format!("{why}, but its Gated DeltaNet kernels have not yet run on a GPU (backend = \"cuda\" takes it)"),
+        )),
         BackendKind::Cuda => match cuda::open(model, opts) {
             Ok(b) => Ok((b, why)),
             Err(e) if kind == BackendKind::Auto => Ok((cpu()?, format!("{why}, but: {e}"))),
@@ -232,6 +238,27 @@ pub fn rotations(cfg: &LlamaConfig, arch: &Architecture) -> (Vec<(Vec<f32>, f32)
         .map(|(base, scaling, dims)| (scaling.frequencies(*dims, *base, cfg.context_len), scaling.attention_factor()))
         .collect();
     (rotations, rope_of)
+}
+
+/// Checks each sequence's recurrent state slot and checkpoint against a backend keeping
+/// `slots` of them (none to check where it keeps none).
+pub fn validate_states(slots: usize, batch: &[SeqBatch<'_>]) -> Result<(), BackendError> {
+    if slots == 0 {
+        return Ok(());
+    }
+    let bad = |sb: &&SeqBatch<'_>| {
+        sb.state.is_none_or(|st| st as usize >= slots)
+            || sb.checkpoint.is_some_and(|(at, st)| {
+                st as usize >= slots || Some(st) == sb.state || at < sb.start_pos || at > sb.start_pos + sb.tokens.len()
+            })
+    };
+    match batch.iter().find(bad) {
+        Some(sb) => Err(BackendError::Invalid(format!(
+            "a sequence's recurrent state slot {:?} or checkpoint {:?} (the backend keeps {slots} slots)",
+            sb.state, sb.checkpoint
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// Checks a batch against the model and the KV pool before any compute touches it.

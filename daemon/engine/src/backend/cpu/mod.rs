@@ -553,23 +553,7 @@ impl CpuBackend {
             });
             t0 += sb.tokens.len();
         }
-        if self.state_slots > 0 {
-            let bad = |sb: &&SeqBatch<'_>| {
-                sb.state.is_none_or(|st| st as usize >= self.state_slots)
-                    || sb.checkpoint.is_some_and(|(at, st)| {
-                        st as usize >= self.state_slots
-                            || Some(st) == sb.state
-                            || at < sb.start_pos
-                            || at > sb.start_pos + sb.tokens.len()
-                    })
-            };
-            if let Some(sb) = batch.iter().find(bad) {
-                return Err(BackendError::Invalid(format!(
-                    "a sequence's recurrent state slot {:?} or checkpoint {:?} (the backend keeps {} slots)",
-                    sb.state, sb.checkpoint, self.state_slots
-                )));
-            }
-        }
+        super::validate_states(self.state_slots, batch)?;
         let mut ops = CpuOps {
             pool,
             k,
