@@ -794,11 +794,9 @@ impl<S: Stream + Send> Backend for CudaBackend<S> {
     }
 
     fn copy_states(&mut self, copies: &[(u32, u32)]) -> Result<(), BackendError> {
+        super::validate_state_copies(self.state_slots, copies)?;
         let floats = self.arch.delta.map_or(0, |d| d.state_floats());
         for &(src, dst) in copies {
-            if src.max(dst) as usize >= self.state_slots {
-                return Err(BackendError::Invalid(format!("state slot {} of {}", src.max(dst), self.state_slots)));
-            }
             if src == dst {
                 continue;
             }

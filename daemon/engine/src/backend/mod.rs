@@ -240,6 +240,14 @@ pub fn rotations(cfg: &LlamaConfig, arch: &Architecture) -> (Vec<(Vec<f32>, f32)
     (rotations, rope_of)
 }
 
+/// Checks that every `(src, dst)` state copy names slots a backend keeping `slots` has.
+pub fn validate_state_copies(slots: usize, copies: &[(u32, u32)]) -> Result<(), BackendError> {
+    match copies.iter().map(|&(a, b)| a.max(b)).find(|&s| s as usize >= slots) {
+        Some(s) => Err(BackendError::Invalid(format!("state slot {s} of {slots}"))),
+        None => Ok(()),
+    }
+}
+
 /// Checks each sequence's recurrent state slot and checkpoint against a backend keeping
 /// `slots` of them (none to check where it keeps none).
 pub fn validate_states(slots: usize, batch: &[SeqBatch<'_>]) -> Result<(), BackendError> {

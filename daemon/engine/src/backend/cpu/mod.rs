@@ -440,11 +440,9 @@ impl Backend for CpuBackend {
     }
 
     fn copy_states(&mut self, copies: &[(u32, u32)]) -> Result<(), BackendError> {
+        super::validate_state_copies(self.state_slots, copies)?;
         let floats = self.arch.delta.map_or(0, |d| d.state_floats());
         for &(src, dst) in copies {
-            if src.max(dst) as usize >= self.state_slots {
-                return Err(BackendError::Invalid(format!("state slot {} of {}", src.max(dst), self.state_slots)));
-            }
             let (src, dst) = (src as usize * floats, dst as usize * floats);
             for layer in &mut self.states {
                 layer.copy_within(src..src + floats, dst);
