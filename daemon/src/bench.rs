@@ -50,9 +50,15 @@ pub struct BenchArgs {
     /// and acceptance, beam search KV blocks.
     #[arg(long)]
     pub decoders: bool,
-    /// With --decoders: also measure speculative decoding with this draft model.
+    /// With --decoders: also measure speculative decoding with this draft model; with
+    /// --speculative: the draft model measured.
     #[arg(long)]
     pub draft_model: Option<PathBuf>,
+    /// Measure speculative decoding on code completion instead: greedy against prompt lookup
+    /// and the draft model (--draft-model) at several draft lengths, on code prefixes and
+    /// fill-in-the-middle gaps.
+    #[arg(long)]
+    pub speculative: bool,
     /// Measure the engine loop instead: continuous against static batching (max batch 8).
     #[arg(long)]
     pub serving: bool,

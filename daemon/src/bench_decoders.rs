@@ -175,7 +175,10 @@ pub fn run(
     let text = chat.render(&[inferd_engine::chat::ChatMessage::new("user", &format!("Rewrite the following paragraph, changing only the word \"quick\" to \"rough\". Keep everything else exactly the same.\n\n{PARAGRAPH}"))], true)?;
     let prompt = model.tokenizer.encode(&text, true)?;
     let spec = reg.get("speculative")?;
-    let mut draft_engine = draft.map(|d| Engine::cpu(d, &opts)).transpose()?;
+    // The draft on its target's threads, as the daemon runs it.
+    let mut target = draft.map(|_| Engine::cpu(model, &opts)).transpose()?;
+    let draft_opts = EngineOptions { pool: target.as_ref().and_then(|t| t.backend.cpu_pool()), ..opts.clone() };
+    let mut draft_engine = draft.map(|d| Engine::cpu(d, &draft_opts)).transpose()?;
     let measure = |params: &str, engine: &mut Engine, draft: Option<&mut Engine>| -> anyhow::Result<Value> {
         let mut store = match draft {
             Some(d) => EngineStore::with_draft(engine, d),
@@ -220,9 +223,8 @@ pub fn run(
     };
     let mut speculative =
         json!({ "prompt_tokens": prompt.len(), "prompt_lookup": measure(r#"{"temperature": 0}"#, &mut engine, None)? });
-    if let Some(d) = draft_engine.as_mut() {
-        let mut target = Engine::cpu(model, &opts)?;
-        speculative["draft_model"] = measure(r#"{"temperature": 0, "drafter": "model"}"#, &mut target, Some(d))?;
+    if let (Some(d), Some(target)) = (draft_engine.as_mut(), target.as_mut()) {
+        speculative["draft_model"] = measure(r#"{"temperature": 0, "drafter": "model"}"#, target, Some(d))?;
         speculative["draft_model"]["draft"] = json!(draft.map(|m| m.path.display().to_string()));
     }
 

@@ -1,4 +1,5 @@
-//! Writing quantized blocks: test models and round trips, never the serving path.
+//! Writing quantized blocks: test models and round trips, and a draft model's cheaper copy of
+//! its output projection ([`requantize`]); never a served model's own weights.
 //!
 //! A block is first chosen as integers in the form of [`crate::group::Group`] (`q`, per-16 or
 //! per-32 scales `sc` and mins `m`, block factors `d` and `dmin`), then packed into the format's
@@ -54,6 +55,41 @@ pub fn quantize_row(dtype: DType, src: &[f32], out: &mut Vec<u8>) {
             src.chunks(q.block_len()).for_each(|chunk| out.extend_from_slice(&block(q, chunk)))
         }
     }
+}
+
+/// `rows` rows of `cols` weights in `from` (`data`, rows back to back) requantized to `to`
+/// ([`quantize_row`]'s rounding), row by row on `pool`'s threads: a draft model's output
+/// projection in fewer bits, read in full at every drafted token.
+pub fn requantize(
+    pool: &crate::pool::ThreadPool,
+    from: DType,
+    rows: usize,
+    cols: usize,
+    data: &[u8],
+    to: DType,
+) -> Option<Vec<u8>> {
+    let (rb, out_rb) = (from.bytes_for(cols)?, to.bytes_for(cols)?);
+    if data.len() < rows.checked_mul(rb)? {
+        return None;
+    }
+    let per_task = rows.div_ceil(4 * pool.threads()).max(1);
+    let parts: Vec<std::sync::Mutex<Vec<u8>>> =
+        (0..rows.div_ceil(per_task)).map(|_| std::sync::Mutex::new(Vec::new())).collect();
+    pool.run(parts.len(), &|t| {
+        let mut out = parts[t].lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (r0, r1) = (t * per_task, ((t + 1) * per_task).min(rows));
+        out.reserve((r1 - r0) * out_rb);
+        let mut row = vec![0.0; cols];
+        for r in r0..r1 {
+            crate::quant::dequantize_row(from, &data[r * rb..(r + 1) * rb], &mut row);
+            quantize_row(to, &row, &mut out);
+        }
+    });
+    let mut out = Vec::with_capacity(rows * out_rb);
+    for p in parts {
+        out.extend(p.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner));
+    }
+    Some(out)
 }
 
 /// The element of largest magnitude (its sign kept).
@@ -301,4 +337,42 @@ pub fn random_blocks(q: QuantType, blocks: usize, seed: u64) -> Vec<u8> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::dequantize_row;
+
+    #[test]
+    fn requantized_rows_are_each_row_requantized_in_order() {
+        // 37 rows over 2 threads: tasks of uneven lengths, joined back in row order.
+        let (rows, cols) = (37, 96);
+        let from = DType::Q8_0;
+        let data = random_blocks(QuantType::Q8_0, rows * cols / QK, 5);
+        let to = DType::Q4_0;
+        let got = requantize(&crate::pool::ThreadPool::new(2), from, rows, cols, &data, to).unwrap();
+        let rb = from.bytes_for(cols).unwrap();
+        let mut want = Vec::new();
+        let mut row = vec![0.0; cols];
+        for r in 0..rows {
+            dequantize_row(from, &data[r * rb..(r + 1) * rb], &mut row);
+            quantize_row(to, &row, &mut want);
+        }
+        assert_eq!(got.len(), rows * to.bytes_for(cols).unwrap());
+        assert_eq!(got, want);
+        // Within Q4_0's step of the original weights.
+        let (mut a, mut b) = (vec![0.0; cols], vec![0.0; cols]);
+        let orb = to.bytes_for(cols).unwrap();
+        for r in 0..rows {
+            dequantize_row(from, &data[r * rb..(r + 1) * rb], &mut a);
+            dequantize_row(to, &got[r * orb..(r + 1) * orb], &mut b);
+            for (c, (x, y)) in a.chunks(QK).zip(b.chunks(QK)).enumerate() {
+                let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let worst = x.iter().zip(y).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+                assert!(worst <= amax / 8.0 * 1.01, "row {r} block {c}: {worst} against {amax}");
+            }
+        }
+        assert!(requantize(&crate::pool::ThreadPool::new(1), from, rows + 1, cols, &data, to).is_none());
+    }
 }

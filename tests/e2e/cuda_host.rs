@@ -62,7 +62,7 @@ fn equals_the_cpu_backend<S: Stream + Send + 'static>(on: impl Fn() -> S) {
     let dir = temp_dir("cuda-vs-cpu");
     let m = Model::load(&write_tiny_gguf(&dir.join("m.gguf"), &TinySpec::default(), DType::F16, DType::F16)).unwrap();
     let page = kv_page_bytes(&m.config, &m.arch, 4);
-    let opts = EngineOptions { kv_budget_bytes: 48 * page, block_size: 4, prefill_chunk: 7, threads: 2 };
+    let opts = EngineOptions { kv_budget_bytes: 48 * page, block_size: 4, prefill_chunk: 7, threads: 2, pool: None };
     let (mut cpu, mut gpu) = (Engine::cpu(&m, &opts).unwrap(), engine(on(), &m, &opts));
     let memory = gpu.backend.device_memory().unwrap();
     assert_eq!(memory.kv_bytes, 48 * page, "the KV pool is the budget's 48 pages");
@@ -232,7 +232,8 @@ fn runs_mixtures_of_experts_as_the_cpu_backend<S: Stream + Send + 'static>(on: i
     for name in ["tiny-qwen3moe-q8_0", "tiny-qwen3moe-mxfp4", "tiny-gpt-oss-mxfp4"] {
         let m = Model::load(&tiny_moes().join(format!("{name}.gguf"))).unwrap();
         let page = kv_page_bytes(&m.config, &m.arch, 4);
-        let opts = EngineOptions { kv_budget_bytes: 64 * page, block_size: 4, prefill_chunk: 7, threads: 2 };
+        let opts =
+            EngineOptions { kv_budget_bytes: 64 * page, block_size: 4, prefill_chunk: 7, threads: 2, pool: None };
         let (mut cpu, mut gpu) = (Engine::cpu(&m, &opts).unwrap(), engine(on(), &m, &opts));
         let prompts = [prompt(17, 1), prompt(9, 2)];
         let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();

@@ -405,11 +405,14 @@ fn greedy_speculative_decoding_is_token_for_token_greedy_decoding() {
     let (greedy, spec) = (reg.get("greedy").unwrap(), reg.get("speculative").unwrap());
     // A repetitive prompt so prompt lookup finds matches; a draft model that is often wrong.
     let prompt: Vec<u32> = (0..40).map(|i| [3, 1, 4, 1, 5, 9, 2, 6][i % 8]).collect();
-    for (drafter, draft_salt) in [("prompt-lookup", 0), ("model", 99), ("model", 7)] {
+    // With p_min, rounds whose drafting stops early where the draft is unsure.
+    let cases =
+        [("prompt-lookup", 0, 0.0), ("model", 99, 0.0), ("model", 7, 0.0), ("model", 99, 0.4), ("model", 7, 0.4)];
+    for (drafter, draft_salt, p_min) in cases {
         let mut store = MockStore::new(12, salted_model(12, 7, 8.0)).with_draft(salted_model(12, draft_salt, 8.0));
         let top = |params| SessionRequest { logprobs: Some(4), ..req(&prompt, params, 40, 1, 0) };
         let want = generate(&greedy, &mut store, &top("{}"), &mut |_, _| {}).unwrap();
-        let params = format!(r#"{{"drafter": "{drafter}", "temperature": 0, "k": 4}}"#);
+        let params = format!(r#"{{"drafter": "{drafter}", "temperature": 0, "k": 4, "p_min": {p_min}}}"#);
         let got = inferd_engine::decode::generate_with_stats(&spec, &mut store, &top(&params), &mut |_, _| {}).unwrap();
         assert_eq!(got.choices[0].tokens, want[0].tokens, "{drafter} (draft salt {draft_salt})");
         // Each token's numbers come from the verify row that scored its position.
@@ -421,8 +424,11 @@ fn greedy_speculative_decoding_is_token_for_token_greedy_decoding() {
         assert!(accepted <= drafted && got.stats["rounds"] >= 1.0, "{:?}", got.stats);
         if draft_salt == 7 {
             assert_eq!(accepted, drafted, "an identical draft model is always right");
-            assert!(got.stats["rounds"] < 40.0 / 3.0, "{:?}", got.stats);
+            // Fewer rounds than tokens: it drafts where it is sure.
+            assert!(got.stats["rounds"] < 40.0 / if p_min > 0.0 { 1.2 } else { 3.0 }, "{:?}", got.stats);
         }
+        let stops = got.stats.get("unsure_stops").copied().unwrap_or(0.0);
+        assert_eq!(stops > 0.0, p_min > 0.0, "{params}: {:?}", got.stats);
         assert_eq!(store.live(), 0);
     }
 }
@@ -456,11 +462,18 @@ fn sampled_speculative_decoding_keeps_the_targets_distribution() {
     }
     let reg = builtin();
     let spec = reg.get("speculative").unwrap();
-    for params in [r#"{"drafter": "model", "k": 2}"#, r#"{"drafter": "prompt-lookup", "k": 2, "ngram_min": 1}"#] {
+    // p_min stops drafting where the draft is unsure, from its distribution before any draw:
+    // the output distribution stays the target's.
+    let cases = [
+        r#"{"drafter": "model", "k": 2}"#,
+        r#"{"drafter": "model", "k": 2, "p_min": 0.5}"#,
+        r#"{"drafter": "prompt-lookup", "k": 2, "ngram_min": 1}"#,
+    ];
+    for params in cases {
         let mut store = MockStore::new(vocab, salted_model(4, 1, 3.0)).with_draft(salted_model(4, 2, 3.0));
         let draws = 20_000u64;
         let mut counts = vec![0u64; vocab.pow(3)];
-        let mut rejected = 0.0;
+        let (mut rejected, mut stops) = (0.0, 0.0);
         for seed in 0..draws {
             let g = inferd_engine::decode::generate_with_stats(
                 &spec,
@@ -484,8 +497,10 @@ fn sampled_speculative_decoding_keeps_the_targets_distribution() {
             counts[(t[0] as usize * vocab + t[1] as usize) * vocab + t[2] as usize] += 1;
             rejected += g.stats.get("draft_tokens").copied().unwrap_or(0.0)
                 - g.stats.get("accepted_tokens").copied().unwrap_or(0.0);
+            stops += g.stats.get("unsure_stops").copied().unwrap_or(0.0);
         }
         assert!(rejected > 100.0, "{params}: the test must exercise rejections ({rejected})");
+        assert_eq!(stops > 100.0, params.contains("p_min"), "{params}: early stops {stops}");
         for (i, &p) in want.iter().enumerate() {
             let got = counts[i] as f64 / draws as f64;
             let sd = (p * (1.0 - p) / draws as f64).sqrt();
@@ -501,7 +516,10 @@ fn speculative_decoding_on_the_real_model_matches_greedy_with_either_drafter() {
     let (model, draft_model) = (Model::load(&path).unwrap(), Model::load(&path).unwrap());
     let opts = EngineOptions { threads: 2, ..EngineOptions::default() };
     let mut engine = Engine::cpu(&model, &opts).unwrap();
-    let mut draft = Engine::cpu(&draft_model, &opts).unwrap();
+    // The draft computes on its target's threads, as the daemon runs it.
+    let pool = engine.backend.cpu_pool().unwrap();
+    let mut draft = Engine::cpu(&draft_model, &EngineOptions { pool: Some(pool.clone()), ..opts }).unwrap();
+    assert!(std::sync::Arc::ptr_eq(&pool, &draft.backend.cpu_pool().unwrap()));
     let text = "Rewrite with one word changed: The quick brown fox jumps over the lazy dog near the river bank.";
     let prompt = model.tokenizer.encode(text, false).unwrap();
     let reg = builtin();

@@ -8,7 +8,7 @@ use inferd_engine::model::Model;
 use inferd_kernels::DType;
 
 fn opts() -> EngineOptions {
-    EngineOptions { kv_budget_bytes: 8 << 20, block_size: 4, prefill_chunk: 7, threads: 2 }
+    EngineOptions { kv_budget_bytes: 8 << 20, block_size: 4, prefill_chunk: 7, threads: 2, pool: None }
 }
 
 fn prompt(n: usize, salt: u32) -> Vec<u32> {

@@ -247,6 +247,8 @@ fn load(
         .map(|p| {
             let mut d = Model::load(p).map_err(|e| anyhow::anyhow!("loading draft model {}: {e}", p.display()))?;
             d.limit_context(mc.context_len);
+            // What it proposes is verified: its logits may come from a cheaper copy.
+            d.cheapen_output_for_drafting(EngineOptions { threads: lo.threads, ..EngineOptions::default() }.threads());
             Ok::<_, anyhow::Error>(Arc::new(d))
         })
         .transpose()?;

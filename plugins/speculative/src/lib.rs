@@ -6,8 +6,14 @@
 //! - `"prompt-lookup"` (default): the longest n-gram (`ngram_max` down to `ngram_min` tokens) at
 //!   the end of the prompt and output so far that occurred earlier proposes the tokens that
 //!   followed it. The proposal is deterministic (q is a point mass).
-//! - `"model"`: the draft model bound to the request's model (`INFERD_ROLE_DRAFT`) samples `k`
-//!   tokens from its own distribution, one plan round each.
+//! - `"model"`: the draft model bound to the request's model (`INFERD_ROLE_DRAFT`) samples up
+//!   to `k` tokens from its own distribution, one plan round each. With `p_min`, a round's
+//!   drafting stops early where the draft is unsure: at a position whose most likely token the
+//!   draft gives less than `p_min` (its plain softmax, before the request's sampling
+//!   transforms, so it means the same at any temperature), that position is left to the
+//!   target. The decision reads only the draft's distribution before anything is drawn from
+//!   it, so the output distribution stays the target's; it lets `k` be large where the draft
+//!   is sure (code, boilerplate) without paying for long rejected drafts where it is not.
 //!
 //! Verification, for each proposed token x_i: accept with probability min(1, p_i(x_i) / q_i(x_i));
 //! at the first rejection draw from max(0, p_i - q_i) normalized over the vocabulary, and stop;
@@ -16,7 +22,8 @@
 //! request's temperature, top-k, top-p, min-p, penalties and bias), so speculation never bypasses
 //! the sampling parameters. With temperature 0 both are point masses and the output is exactly
 //! greedy decoding's. Both sequences are truncated to the accepted length after each round.
-//! Reported statistics: `draft_tokens`, `accepted_tokens`, `rounds`.
+//! Reported statistics: `draft_tokens`, `accepted_tokens`, `rounds`, and `unsure_stops` (rounds
+//! whose drafting `p_min` ended early).
 
 use inferd_plugin_api::abi;
 use inferd_plugin_api::params::Params;
@@ -35,6 +42,8 @@ struct Config {
     k: usize,
     ngram_max: usize,
     ngram_min: usize,
+    /// Drafting stops at a position whose top draft probability is below this (0: off).
+    p_min: f64,
     sampling: Sampling,
 }
 
@@ -46,6 +55,7 @@ fn parse(p: &mut Params, init: &SessionInit) -> Result<Config, String> {
         Some(_) => return Err("drafter must be \"prompt-lookup\" or \"model\"".into()),
     };
     let k = p.u64("k", 1..=16, if drafter == Drafter::Model { 3 } else { 15 })? as usize;
+    let p_min = p.f64("p_min", 0.0..=1.0, 0.0)?;
     let ngram_max = p.u64("ngram_max", 1..=8, 3)? as usize;
     let ngram_min = p.u64("ngram_min", 1..=8, 1)? as usize;
     if ngram_min > ngram_max {
@@ -58,7 +68,7 @@ fn parse(p: &mut Params, init: &SessionInit) -> Result<Config, String> {
     if init.n > 1 {
         return Err("speculative decoding returns one choice (n = 1)".into());
     }
-    Ok(Config { drafter, k, ngram_max, ngram_min, sampling })
+    Ok(Config { drafter, k, ngram_max, ngram_min, p_min, sampling })
 }
 
 /// Random streams: (kind + 4 * round) keeps every draw of every round independent.
@@ -91,6 +101,9 @@ pub struct Speculative {
     last: u32,
     /// Tokens the draft sequence still has to append before its next step.
     draft_pending: Vec<u32>,
+    /// Proposed tokens the draft sequence holds: all but the last, or all of them when a
+    /// round's drafting stopped early (`p_min`).
+    draft_holds: usize,
     proposal: Vec<u32>,
     /// The draft distribution of each proposed token (empty for prompt lookup: point masses).
     q: Vec<Vec<(u32, f32)>>,
@@ -219,20 +232,18 @@ impl Speculative {
         // The target holds [.., last, x_1..x_m]: keep [.., last, x_1..x_a].
         let len = host.seq_len(self.target)?;
         host.seq_truncate(self.target, len - (m - accepted) as u32)?;
-        // The draft holds [.., last, x_1..x_{m-1}] (x_m was never appended).
+        // The draft holds [.., last, x_1..x_h] (h = draft_holds: m - 1, x_m never appended,
+        // or m when drafting stopped early): keep what was accepted, append the rest.
         if let Some(d) = self.draft {
+            let h = self.draft_holds;
             if m > 0 {
                 let dlen = host.seq_len(d)?;
-                let keep = dlen - (m - 1).saturating_sub(accepted) as u32;
-                host.seq_truncate(d, keep)?;
-            }
-            if m == 0 {
+                host.seq_truncate(d, dlen - h.saturating_sub(accepted) as u32)?;
+                self.draft_pending = self.proposal[h.min(accepted)..accepted].to_vec();
+                self.draft_pending.push(new);
+            } else {
                 // No drafting this round: `last` is still waiting to be appended too.
                 self.draft_pending.push(new);
-            } else if accepted == m {
-                self.draft_pending = vec![self.proposal[m - 1], new];
-            } else {
-                self.draft_pending = vec![new];
             }
         }
         // Row i scored position i: the accepted drafts, then the new token.
@@ -255,7 +266,7 @@ impl Strategy for Speculative {
     const NAME: &'static CStr = c"speculative";
     const DESCRIPTION: &'static CStr =
         c"Speculative decoding with exact rejection sampling: prompt lookup or a draft model";
-    const PARAMS_DOC: &'static CStr = c"{\"drafter\": \"prompt-lookup (default) or model\", \"k\": \"integer 1..16, draft tokens per round (default 15 for prompt lookup, 3 for a model)\", \"ngram_max\": \"integer 1..8, default 3\", \"ngram_min\": \"integer 1..8, default 1\", \"temperature\": \"number 0..2, default 1; 0 is greedy\", \"top_k\": \"integer, 0 off\", \"top_p\": \"number 0..1\", \"min_p\": \"number 0..1\", \"frequency_penalty\": \"number -2..2\", \"presence_penalty\": \"number -2..2\", \"repeat_penalty\": \"number 0..10, 1 off\", \"repeat_last_n\": \"integer, default 64\", \"logit_bias\": \"object token id -> -100..100\"}";
+    const PARAMS_DOC: &'static CStr = c"{\"drafter\": \"prompt-lookup (default) or model\", \"k\": \"integer 1..16, draft tokens per round (default 15 for prompt lookup, 3 for a model)\", \"ngram_max\": \"integer 1..8, default 3\", \"ngram_min\": \"integer 1..8, default 1\", \"p_min\": \"number 0..1, default 0: with a model drafter, stop a round's drafting where the draft's top probability is below this\", \"temperature\": \"number 0..2, default 1; 0 is greedy\", \"top_k\": \"integer, 0 off\", \"top_p\": \"number 0..1\", \"min_p\": \"number 0..1\", \"frequency_penalty\": \"number -2..2\", \"presence_penalty\": \"number -2..2\", \"repeat_penalty\": \"number 0..10, 1 off\", \"repeat_last_n\": \"integer, default 64\", \"logit_bias\": \"object token id -> -100..100\"}";
 
     fn validate(_host: &Host, init: &SessionInit) -> Result<(), String> {
         parse_params(init, |p| parse(p, init)).map(drop)
@@ -280,6 +291,7 @@ impl Strategy for Speculative {
             last: 0,
             // The draft model starts with the whole context.
             draft_pending: all,
+            draft_holds: 0,
             proposal: Vec::new(),
             q: Vec::new(),
             round: 0,
@@ -338,6 +350,14 @@ impl Strategy for Speculative {
             Phase::Drafting => {
                 // The draft ran what it had pending.
                 self.draft_pending.clear();
+                if self.cfg.p_min > 0.0 && top_probability(rows[0]) < self.cfg.p_min {
+                    // Unsure here: the draft now holds every proposed token (with none, the
+                    // round is a plain step of the target).
+                    host.report("unsure_stops", 1.0)?;
+                    self.draft_holds = self.proposal.len();
+                    self.phase = Phase::Verify;
+                    return Ok(());
+                }
                 let mut hist = self.history.clone();
                 hist.extend(&self.proposal);
                 let q = self.cfg.sampling.distribution(rows[0], &hist);
@@ -346,6 +366,7 @@ impl Strategy for Speculative {
                 self.proposal.push(x);
                 self.q.push(q);
                 if self.proposal.len() >= self.budget() {
+                    self.draft_holds = self.proposal.len() - 1;
                     self.phase = Phase::Verify;
                 } else {
                     self.draft_pending = vec![x];
@@ -355,6 +376,18 @@ impl Strategy for Speculative {
             Phase::Verify => self.verify(host, rows[0], vocab / (self.proposal.len() + 1)),
         }
     }
+}
+
+/// The probability of the most likely token under the plain softmax of `logits`.
+fn top_probability(logits: &[f32]) -> f64 {
+    let top = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if !top.is_finite() {
+        return 0.0;
+    }
+    // Terms below e^-20 of the top's add less than 3e-4 over a 150,000-token vocabulary: a
+    // comparison skips their `exp`, most of the row where the draft is sure.
+    let sum: f32 = logits.iter().map(|&l| l - top).filter(|&d| d > -20.0).map(f32::exp).sum();
+    1.0 / f64::from(sum)
 }
 
 inferd_plugin_api::export_plugin!(name: "inferd-speculative", version: env!("CARGO_PKG_VERSION"), strategies: [Speculative]);

@@ -191,6 +191,12 @@ pub trait Backend: Send {
     fn release_blocks(&mut self, _blocks: &[BlockId]) {}
     /// Device memory the weights and the KV pool take, where the backend keeps them apart from
     /// the host's memory (a GPU's).
+    /// The CPU threads it computes on, for a draft model's engine to share
+    /// ([`crate::engine::EngineOptions::pool`]); none on a GPU.
+    fn cpu_pool(&self) -> Option<std::sync::Arc<inferd_kernels::pool::ThreadPool>> {
+        None
+    }
+
     fn device_memory(&self) -> Option<DeviceMemory> {
         None
     }

@@ -8,6 +8,7 @@
 
 pub mod arch;
 pub mod config;
+mod draft;
 pub mod export;
 pub mod facts;
 pub mod gguf;

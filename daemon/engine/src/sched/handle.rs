@@ -62,7 +62,12 @@ impl EngineHandle {
         let device_memory = engine.backend.device_memory();
         let draft = match launch.draft {
             Some((d, kind)) => {
-                let opts = EngineOptions { kv_budget_bytes: launch.options.kv_budget_bytes / 2, ..launch.options };
+                // On the target's threads: the draft's steps and the target's alternate.
+                let opts = EngineOptions {
+                    kv_budget_bytes: launch.options.kv_budget_bytes / 2,
+                    pool: engine.backend.cpu_pool(),
+                    ..launch.options
+                };
                 Some(Engine::open(d, kind, &opts)?)
             }
             None => None,

@@ -24,6 +24,7 @@ use inferd_kernels::pool::ThreadPool;
 use inferd_kernels::quant::QK;
 use inferd_kernels::{BlockQ8, Kernels};
 use ops::{CpuOps, SeqSpan};
+use std::sync::Arc;
 
 /// Activation buffers, grown to the largest batch seen and reused.
 #[derive(Default)]
@@ -52,7 +53,9 @@ pub struct CpuBackend {
     arch: Architecture,
     w: LlamaWeights,
     kernels: Kernels,
-    pool: ThreadPool,
+    /// Its compute threads, shared with a draft model's backend beside it
+    /// ([`Backend::cpu_pool`]).
+    pool: Arc<ThreadPool>,
     /// The distinct rotations of the layers (one, or a local and a global one) and which one
     /// each layer uses.
     ropes: Vec<Rope>,
@@ -256,7 +259,7 @@ fn pack_weights(mut w: LlamaWeights, k: &Kernels, pool: &ThreadPool) -> LlamaWei
 
 impl CpuBackend {
     /// A backend for `model` with its KV pool sized from `opts.kv_budget_bytes` (one block at
-    /// least) on `opts.threads()` threads; refused when the model's architecture asks for
+    /// least) on `opts.pool`, or `opts.threads()` threads of its own; refused when the model's architecture asks for
     /// something this forward pass does not run ([`runs`]).
     pub fn for_model(model: &crate::model::Model, opts: &crate::engine::EngineOptions) -> Result<Self, BackendError> {
         runs(&model.arch)?;
@@ -270,20 +273,20 @@ impl CpuBackend {
             model.weights.clone(),
             blocks,
             opts.block_size,
-            opts.threads(),
+            opts.pool.clone().unwrap_or_else(|| Arc::new(ThreadPool::new(opts.threads().max(1)))),
         );
         b.set_state_slots(states);
         Ok(b)
     }
 
-    /// A backend with `kv_blocks` cache blocks of `block_size` positions, on `threads` threads.
+    /// A backend with `kv_blocks` cache blocks of `block_size` positions, on `pool`'s threads.
     pub fn new(
         cfg: LlamaConfig,
         arch: Architecture,
         w: LlamaWeights,
         kv_blocks: usize,
         block_size: usize,
-        threads: usize,
+        pool: Arc<ThreadPool>,
     ) -> Self {
         let kv_width = arch.kv_width();
         let per_slot = kv_blocks * kv_width * block_size;
@@ -294,7 +297,6 @@ impl CpuBackend {
             .map(|(freq, scale)| Rope::with_frequencies(cfg.rope_style, freq).scaled(scale))
             .collect();
         let kernels = Kernels::detect();
-        let pool = ThreadPool::new(threads.max(1));
         let w = pack_weights(w, &kernels, &pool);
         CpuBackend {
             k_cache: (0..groups.slots).map(|_| zeroed(per_slot)).collect(),
@@ -401,6 +403,10 @@ impl Backend for CpuBackend {
 
     fn device(&self) -> String {
         format!("{:?}", self.kernels.isa)
+    }
+
+    fn cpu_pool(&self) -> Option<Arc<ThreadPool>> {
+        Some(Arc::clone(&self.pool))
     }
 
     fn config(&self) -> &LlamaConfig {
