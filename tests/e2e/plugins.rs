@@ -553,6 +553,139 @@ fn speculative_decoding_on_the_real_model_matches_greedy_with_either_drafter() {
 }
 
 #[test]
+fn sampled_speculative_decoding_on_two_models_keeps_the_targets_distribution() {
+    // Two random-weight models over one vocabulary (seeds 7 and 8) as target and draft on the
+    // engine, at temperature 0.7: over many seeds, the frequencies of the first two tokens (the
+    // second the first a draft proposed) match the target's own distribution, computed exactly from its logits (the second
+    // token's marginal summed over every first token), by a chi-square test; rounds roll
+    // both models' KV back as in serving.
+    use inferd_e2e::{temp_dir, write_tiny_gguf, TinySpec};
+    let dir = temp_dir("spec-dist");
+    let f32 = inferd_kernels::DType::F32;
+    let load = |seed| {
+        let spec = TinySpec { seed, ..TinySpec::default() };
+        Model::load(&write_tiny_gguf(&dir.join(format!("m{seed}.gguf")), &spec, f32, f32)).unwrap()
+    };
+    let (target, drafter) = (load(7), load(8));
+    let opts = EngineOptions { threads: 2, ..EngineOptions::default() };
+    let mut engine = Engine::cpu(&target, &opts).unwrap();
+    let mut draft = Engine::cpu(&drafter, &EngineOptions { pool: engine.backend.cpu_pool(), ..opts }).unwrap();
+    let vocab = target.config.vocab;
+    let temp = 0.7f64;
+    let probs = |e: &mut Engine, p: &[u32]| {
+        let (s, l) = e.prefill(&[p]).unwrap().remove(0);
+        e.release(s);
+        let m = l.iter().copied().fold(f32::MIN, f32::max);
+        let x: Vec<f64> = l.iter().map(|&v| (f64::from(v - m) / temp).exp()).collect();
+        let z: f64 = x.iter().sum();
+        x.into_iter().map(|v| v / z).collect::<Vec<f64>>()
+    };
+    let prompt: Vec<u32> = (0..9u32).map(|i| 3 + (i * 31 + 17) % 250).collect();
+    let first = probs(&mut engine, &prompt);
+    let mut second = vec![0.0f64; vocab];
+    for (a, &pa) in first.iter().enumerate() {
+        let mut p = prompt.clone();
+        p.push(a as u32);
+        for (b, pb) in probs(&mut engine, &p).into_iter().enumerate() {
+            second[b] += pa * pb;
+        }
+    }
+    // The draft disagrees: otherwise nothing would be rejected.
+    let q = probs(&mut draft, &prompt);
+    let tv: f64 = first.iter().zip(&q).map(|(p, q)| (p - q).abs()).sum::<f64>() / 2.0;
+    assert!(tv > 0.1, "target and draft too alike ({tv})");
+    let reg = builtin();
+    let spec = reg.get("speculative").unwrap();
+    let mut store = EngineStore::with_draft(&mut engine, &mut draft);
+    let draws = 6000u64;
+    for params in [
+        r#"{"drafter": "model", "k": 3, "temperature": 0.7}"#,
+        r#"{"drafter": "model", "k": 3, "temperature": 0.7, "p_min": 0.05}"#,
+    ] {
+        let (mut counts, mut rejected) = ([vec![0u64; vocab], vec![0u64; vocab]], 0.0);
+        for seed in 0..draws {
+            // Four tokens: the first the target's own, then a round with two drafted.
+            let r = SessionRequest { eos: &[], ..req(&prompt, params, 4, 1, seed) };
+            let g = inferd_engine::decode::generate_with_stats(&spec, &mut store, &r, &mut |_, _| {}).unwrap();
+            let t = &g.choices[0].tokens;
+            assert_eq!(t.len(), 4);
+            counts[0][t[0] as usize] += 1;
+            counts[1][t[1] as usize] += 1;
+            rejected += g.stats.get("draft_tokens").copied().unwrap_or(0.0)
+                - g.stats.get("accepted_tokens").copied().unwrap_or(0.0);
+        }
+        assert!(rejected > 500.0, "{params}: the test must exercise rejections ({rejected})");
+        for (pos, (want, got)) in [&first, &second].into_iter().zip(&counts).enumerate() {
+            // Bins of at least 5 expected draws; the rest pooled into one.
+            let (mut chi2, mut bins, mut rest) = (0.0, 0usize, (0.0, 0.0));
+            for (&p, &c) in want.iter().zip(got) {
+                let e = p * draws as f64;
+                if e >= 5.0 {
+                    chi2 += (c as f64 - e).powi(2) / e;
+                    bins += 1;
+                } else {
+                    rest = (rest.0 + e, rest.1 + c as f64);
+                }
+            }
+            if rest.0 > 0.0 {
+                chi2 += (rest.1 - rest.0).powi(2) / rest.0;
+                bins += 1;
+            }
+            // A p-value of about 1e-4 for `bins - 1` degrees of freedom (Wilson-Hilferty).
+            let df = (bins - 1) as f64;
+            let bound = df * (1.0 - 2.0 / (9.0 * df) + 3.72 * (2.0 / (9.0 * df)).sqrt()).powi(3);
+            assert!(chi2 < bound, "{params}: token {pos}: chi-square {chi2:.1} over {bins} bins, bound {bound:.1}");
+        }
+    }
+    assert_eq!(store.engine.kv.sequences(), 0);
+    assert_eq!(store.draft.as_ref().unwrap().kv.sequences(), 0);
+}
+
+#[test]
+fn a_draft_with_a_cheaper_output_projection_still_gives_greedy_output() {
+    // The daemon requantizes a draft's output projection to Q4_0 (the default model's is its
+    // Q8_0 embedding, tied): the draft's own guesses move a little, the output not at all.
+    let path = inferd_e2e::default_model();
+    let model = Model::load(&path).unwrap();
+    let mut cheap = Model::load(&path).unwrap();
+    assert!(cheap.cheapen_output_for_drafting(2));
+    assert_eq!(cheap.weights.output.dtype, inferd_kernels::quant::DType::Q4_0);
+    assert_eq!(cheap.weights.token_embd.dtype, model.weights.token_embd.dtype, "the embedding stays");
+    assert!(!cheap.cheapen_output_for_drafting(2), "already cheap");
+    let opts = EngineOptions { threads: 2, ..EngineOptions::default() };
+    let mut engine = Engine::cpu(&model, &opts).unwrap();
+    let mut draft = Engine::cpu(&cheap, &EngineOptions { pool: engine.backend.cpu_pool(), ..opts }).unwrap();
+    let prompt =
+        model.tokenizer.encode("def fibonacci(n):\n    \"\"\"The n-th Fibonacci number.\"\"\"\n", false).unwrap();
+    let reg = builtin();
+    let mut store = EngineStore::with_draft(&mut engine, &mut draft);
+    let r = |params: &'static str| SessionRequest {
+        logprobs: None,
+        prompt: &prompt,
+        generated: &[],
+        params,
+        max_tokens: 48,
+        n: 1,
+        seed: 0,
+        eos: model.tokenizer.eos(),
+        vocabulary: None,
+        grammar: None,
+    };
+    let want = generate(&reg.get("greedy").unwrap(), &mut store, &r("{}"), &mut |_, _| {}).unwrap();
+    let spec = reg.get("speculative").unwrap();
+    for params in [
+        r#"{"temperature": 0, "drafter": "model", "k": 4}"#,
+        r#"{"temperature": 0, "drafter": "model", "k": 8, "p_min": 0.75}"#,
+    ] {
+        let got = inferd_engine::decode::generate_with_stats(&spec, &mut store, &r(params), &mut |_, _| {}).unwrap();
+        assert_eq!(got.choices[0].tokens, want[0].tokens, "{params}");
+        let (drafted, accepted) = (got.stats["draft_tokens"], got.stats["accepted_tokens"]);
+        assert!(drafted > 0.0 && accepted <= drafted && accepted >= 0.5 * drafted, "{params}: {:?}", got.stats);
+    }
+    assert_eq!(store.engine.kv.sequences(), 0);
+}
+
+#[test]
 fn sessions_batched_together_decode_as_they_do_alone() {
     // Greedy, sampled, beam and speculative requests in the daemon's engine loop, their plans
     // merged into one batch per step on the real model: every one gets exactly the tokens and
