@@ -260,8 +260,10 @@ fn run(model: Option<PathBuf>, a: RunArgs, plugins: &PluginDirs, prompt: &str) -
         vocabulary: None,
         grammar: None,
     };
-    let draft = a.draft_model.map(|p| load(Some(p))).transpose()?;
-    if let Some(d) = &draft {
+    let mut draft = a.draft_model.map(|p| load(Some(p))).transpose()?;
+    if let Some(d) = &mut draft {
+        // As the daemon runs a draft: its logits from a cheaper copy, on the target's threads.
+        d.cheapen_output_for_drafting(EngineOptions { threads: a.threads, ..EngineOptions::default() }.threads());
         if d.config.vocab != model.config.vocab {
             bail!(
                 "the draft model's vocabulary ({}) differs from the model's ({})",
@@ -276,7 +278,8 @@ fn run(model: Option<PathBuf>, a: RunArgs, plugins: &PluginDirs, prompt: &str) -
     Session::validate(&strategy, model.config.vocab as u32, roles, &req)?;
     let opts = EngineOptions { threads: a.threads, ..EngineOptions::default() };
     let mut engine = Engine::cpu(&model, &opts)?;
-    let mut draft_engine = draft.as_ref().map(|d| Engine::cpu(d, &opts)).transpose()?;
+    let draft_opts = EngineOptions { pool: engine.backend.cpu_pool(), ..opts };
+    let mut draft_engine = draft.as_ref().map(|d| Engine::cpu(d, &draft_opts)).transpose()?;
     let mut store = match draft_engine.as_mut() {
         Some(d) => EngineStore::with_draft(&mut engine, d),
         None => EngineStore::new(&mut engine),

@@ -659,18 +659,7 @@ fn a_draft_with_a_cheaper_output_projection_still_gives_greedy_output() {
         model.tokenizer.encode("def fibonacci(n):\n    \"\"\"The n-th Fibonacci number.\"\"\"\n", false).unwrap();
     let reg = builtin();
     let mut store = EngineStore::with_draft(&mut engine, &mut draft);
-    let r = |params: &'static str| SessionRequest {
-        logprobs: None,
-        prompt: &prompt,
-        generated: &[],
-        params,
-        max_tokens: 48,
-        n: 1,
-        seed: 0,
-        eos: model.tokenizer.eos(),
-        vocabulary: None,
-        grammar: None,
-    };
+    let r = |params: &'static str| SessionRequest { eos: model.tokenizer.eos(), ..req(&prompt, params, 48, 1, 0) };
     let want = generate(&reg.get("greedy").unwrap(), &mut store, &r("{}"), &mut |_, _| {}).unwrap();
     let spec = reg.get("speculative").unwrap();
     for params in [
