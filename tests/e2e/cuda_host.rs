@@ -45,7 +45,7 @@ fn every_tiny_architecture_matches_llama_cpp<S: Stream + Send + 'static>(on: imp
         let entry = entry(&format!("tiny-{arch}"));
         let model = Model::load(&tiny_dir().join(entry["file"].as_str().unwrap())).unwrap();
         // A small pool (the host emulation passes the whole cache to every attention launch).
-        let page = kv_page_bytes(&model.config, &model.arch, 16);
+        let page = kv_page_bytes(&model.arch, 16);
         let opts = EngineOptions { kv_budget_bytes: 32 * page, block_size: 16, ..EngineOptions::default() };
         let t = std::time::Instant::now();
         let worst = check_cases_on(&mut engine(on(), &model, &opts), &model, entry, TINY_LOGIT_TOL);
@@ -61,7 +61,7 @@ fn every_tiny_architecture_matches_llama_cpp<S: Stream + Send + 'static>(on: imp
 fn equals_the_cpu_backend<S: Stream + Send + 'static>(on: impl Fn() -> S) {
     let dir = temp_dir("cuda-vs-cpu");
     let m = Model::load(&write_tiny_gguf(&dir.join("m.gguf"), &TinySpec::default(), DType::F16, DType::F16)).unwrap();
-    let page = kv_page_bytes(&m.config, &m.arch, 4);
+    let page = kv_page_bytes(&m.arch, 4);
     let opts = EngineOptions { kv_budget_bytes: 48 * page, block_size: 4, prefill_chunk: 7, threads: 2, pool: None };
     let (mut cpu, mut gpu) = (Engine::cpu(&m, &opts).unwrap(), engine(on(), &m, &opts));
     let memory = gpu.backend.device_memory().unwrap();
@@ -231,7 +231,7 @@ fn runs_mixtures_of_experts_as_the_cpu_backend<S: Stream + Send + 'static>(on: i
     // activation and the weighted scatter of its outputs, sinks and windows, on the kernels.
     for name in ["tiny-qwen3moe-q8_0", "tiny-qwen3moe-mxfp4", "tiny-gpt-oss-mxfp4"] {
         let m = Model::load(&tiny_moes().join(format!("{name}.gguf"))).unwrap();
-        let page = kv_page_bytes(&m.config, &m.arch, 4);
+        let page = kv_page_bytes(&m.arch, 4);
         let opts =
             EngineOptions { kv_budget_bytes: 64 * page, block_size: 4, prefill_chunk: 7, threads: 2, pool: None };
         let (mut cpu, mut gpu) = (Engine::cpu(&m, &opts).unwrap(), engine(on(), &m, &opts));
@@ -289,7 +289,7 @@ fn hybrids_run_as_on_the_cpu<S: Stream + Send + 'static>(on: impl Fn() -> S) {
     for arch in ["qwen35", "qwen35moe", "qwen3next"] {
         let entry = entry(&format!("tiny-{arch}-f32"));
         let model = Model::load(&tiny_dir().join(entry["file"].as_str().unwrap())).unwrap();
-        let page = kv_page_bytes(&model.config, &model.arch, 16);
+        let page = kv_page_bytes(&model.arch, 16);
         let state = inferd_engine::backend::cpu::state_bytes(&model.arch);
         let opts = EngineOptions {
             kv_budget_bytes: 32 * page + 2 * 4 * state,

@@ -249,7 +249,7 @@ fn tiny_gemma4_matches_llama_cpp() {
         assert_eq!((model.arch.kv_layer(4), model.arch.kv_layer(5)), (Some(2), Some(3)), "{name}: shared K/V");
         // K and V of 2 slots as wide as the widest layer's (the global layers' two heads of
         // 32; the sliding layers' one head of 16 uses a quarter of a slot).
-        let page = inferd_engine::backend::cpu::kv_page_bytes(&model.config, &model.arch, 16);
+        let page = inferd_engine::backend::cpu::kv_page_bytes(&model.arch, 16);
         assert_eq!(page, 2 * 2 * 64 * 16 * 2, "{name}");
         let worst = check_cases(&model, entry, tol);
         eprintln!("{name}: largest logit difference from llama.cpp {worst:.6}");
@@ -382,7 +382,7 @@ fn tiny_gemma3_window_layers_give_back_their_blocks_and_keep_their_logits() {
     assert!(n_window > 0 && n_full > 0, "{groups:?}");
     let len: usize = 200;
     let tokens: Vec<u32> = (0..len as u32).map(|i| (i * 37 + 11) % model.config.vocab as u32).collect();
-    let page = inferd_engine::backend::cpu::kv_page_bytes(&model.config, &model.arch, bs);
+    let page = inferd_engine::backend::cpu::kv_page_bytes(&model.arch, bs);
     let per_window = (8 + ROLLBACK).div_ceil(bs) + 2;
     let pages = len.div_ceil(bs) * n_full + per_window * n_window;
     assert!(pages < len.div_ceil(bs) * groups.len(), "the pool would not hold the sequence without releases");

@@ -170,7 +170,7 @@ impl<S: Stream> CudaBackend<S> {
         let state_slots = super::cpu::state_slots(&model.arch, opts.kv_budget_bytes);
         let state_bytes = state_slots * super::cpu::state_bytes(&model.arch);
         let kv_budget = opts.kv_budget_bytes.saturating_sub(state_bytes);
-        let kv_blocks = (kv_budget / super::cpu::kv_page_bytes(cfg, &model.arch, bs)).max(1);
+        let kv_blocks = (kv_budget / super::cpu::kv_page_bytes(&model.arch, bs)).max(1);
         let groups = super::cpu::kv_groups(&model.arch);
         let tied = w.output.bytes().as_ptr() == w.token_embd.bytes().as_ptr() && w.output.dtype == w.token_embd.dtype;
         let memory = DeviceMemory {

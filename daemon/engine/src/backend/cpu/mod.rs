@@ -177,7 +177,7 @@ pub fn kv_groups(arch: &Architecture) -> KvGroups {
 
 /// Bytes of one page of the pool: K and V of `block_size` positions for the layers of one
 /// group (each slot as wide as the widest layer's K/V: [`Architecture::kv_width`]).
-pub fn kv_page_bytes(_cfg: &LlamaConfig, arch: &Architecture, block_size: usize) -> usize {
+pub fn kv_page_bytes(arch: &Architecture, block_size: usize) -> usize {
     2 * arch.kv_width() * block_size * std::mem::size_of::<f16>() * kv_groups(arch).slots
 }
 
@@ -266,7 +266,7 @@ impl CpuBackend {
         // A hybrid model's recurrent states come out of the same budget.
         let states = state_slots(&model.arch, opts.kv_budget_bytes);
         let kv_budget = opts.kv_budget_bytes.saturating_sub(states * state_bytes(&model.arch));
-        let blocks = (kv_budget / kv_page_bytes(&model.config, &model.arch, opts.block_size)).max(1);
+        let blocks = (kv_budget / kv_page_bytes(&model.arch, opts.block_size)).max(1);
         let mut b = CpuBackend::new(
             model.config.clone(),
             model.arch.clone(),
