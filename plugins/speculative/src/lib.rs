@@ -7,10 +7,10 @@
 //!   the end of the prompt and output so far that occurred earlier proposes the tokens that
 //!   followed it. The proposal is deterministic (q is a point mass). Its length adapts: after a
 //!   round that kept every proposed token the next may be twice as long plus one (never
-//!   shorter than it was, up to `k`),
-//!   after one that did not, one longer than what was kept. Copying text runs at `k` a round;
-//!   new text, where matches rarely hold, costs a verify of a token or two instead of `k + 1`
-//!   (a 16-token verify of a 1.5B model is about four decode steps' work on a CPU).
+//!   shorter than it was, up to `k`), after one that did not, one longer than what was kept.
+//!   Copying text runs at `k` a round; new text, where matches rarely hold, costs a verify of
+//!   a token or two instead of `k + 1` (a 16-token verify of a 1.5B model is about four decode
+//!   steps' work on a CPU).
 //! - `"model"`: the draft model bound to the request's model (`INFERD_ROLE_DRAFT`) samples up
 //!   to `k` tokens from its own distribution, one plan round each. With `p_min`, a round's
 //!   drafting stops early where the draft is unsure: at a position whose most likely token the
