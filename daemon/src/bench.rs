@@ -59,6 +59,19 @@ pub struct BenchArgs {
     /// fill-in-the-middle gaps.
     #[arg(long)]
     pub speculative: bool,
+    /// Measure accuracy instead: the KL divergence of the model's next-token distributions from
+    /// the reference log-probabilities in this file, written by llama.cpp's `llama-perplexity
+    /// -m F32.gguf -f TEXT --kl-divergence-base FILE` (tests/bench/kl-divergence runs it all).
+    #[arg(long, value_name = "FILE")]
+    pub kl_divergence: Option<PathBuf>,
+    /// With --kl-divergence: another run's log-probabilities of the same tokens (llama.cpp's
+    /// of the same quantized model): its figures too, and where the two disagree, which is
+    /// closer to the reference.
+    #[arg(long, value_name = "FILE", requires = "kl_divergence")]
+    pub versus: Option<PathBuf>,
+    /// With --kl-divergence: only the first N chunks of the file.
+    #[arg(long, requires = "kl_divergence")]
+    pub chunks: Option<usize>,
     /// Measure the engine loop instead: continuous against static batching (max batch 8).
     #[arg(long)]
     pub serving: bool,

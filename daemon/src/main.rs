@@ -484,6 +484,13 @@ fn main() -> Result<()> {
             println!("{}", serde_json::to_string_pretty(&report)?);
             Ok(())
         }
+        Cmd::Bench(args) if args.kl_divergence.is_some() => {
+            let model = load(args.model.clone())?;
+            let base = args.kl_divergence.as_deref().context("--kl-divergence names the reference file")?;
+            let report = inferd::bench_kl::run(&model, base, args.versus.as_deref(), args.threads, args.chunks)?;
+            println!("{}", serde_json::to_string_pretty(&report)?);
+            Ok(())
+        }
         Cmd::Bench(args) if args.speculative => {
             let model = load(args.model.clone())?;
             let draft = args.draft_model.clone().map(|p| load(Some(p))).transpose()?;

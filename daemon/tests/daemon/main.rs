@@ -5,6 +5,7 @@
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
+mod accuracy;
 mod agent;
 mod bounds;
 mod clients;
