@@ -548,6 +548,17 @@ fn speculative_decoding_on_the_real_model_matches_greedy_with_either_drafter() {
             );
         }
     }
+    // The same prompt again: the draft's copy of the context (a sequence the plugin creates
+    // empty and fills with a run) comes from the draft's prefix cache, as the target's prompt
+    // does, and changes no token.
+    use inferd_engine::decode::store::SeqStore;
+    let before = store.cache_stats().unwrap().cached_run_tokens;
+    let params = r#"{"temperature": 0, "drafter": "model", "k": 3}"#;
+    let again = generate(&spec, &mut store, &r(params), &mut |_, _| {}).unwrap();
+    assert_eq!(again[0].tokens, want[0].tokens);
+    let reused = (store.cache_stats().unwrap().cached_run_tokens - before) as usize;
+    // All of its full blocks but the one that holds the last token before drafting.
+    assert!(prompt.len() >= 18 && reused == (prompt.len() - 2) / 16 * 16, "{reused} of {} reused", prompt.len());
     assert_eq!(store.engine.kv.sequences(), 0);
     assert_eq!(store.draft.as_ref().unwrap().kv.sequences(), 0);
 }

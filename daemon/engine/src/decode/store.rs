@@ -123,6 +123,9 @@ pub struct CacheStats {
     pub prompt_tokens: u64,
     /// Of those, the tokens whose K/V came from the prefix cache.
     pub cached_prompt_tokens: u64,
+    /// Tokens of sequences created empty and filled by their first run (a draft model's copy
+    /// of the context) whose K/V came from the prefix cache.
+    pub cached_run_tokens: u64,
 }
 
 /// Sequences in the engine's KV cache, and in a draft model's engine when one is bound
@@ -135,6 +138,7 @@ pub struct EngineStore<'e> {
     pending: HashMap<StoreSeq, Vec<u32>>,
     prompt_tokens: u64,
     cached_prompt_tokens: u64,
+    cached_run_tokens: u64,
     /// Where new sequences go in the prefix cache ([`SeqStore::set_partition`]).
     partition: Option<u64>,
     /// The embeddings being pooled, by sequence ([`SeqStore::create_embedding`]).
@@ -152,6 +156,7 @@ impl<'e> EngineStore<'e> {
             pending: HashMap::new(),
             prompt_tokens: 0,
             cached_prompt_tokens: 0,
+            cached_run_tokens: 0,
             partition: None,
             pools: HashMap::new(),
         }
@@ -165,9 +170,38 @@ impl<'e> EngineStore<'e> {
             pending: HashMap::new(),
             prompt_tokens: 0,
             cached_prompt_tokens: 0,
+            cached_run_tokens: 0,
             partition: None,
             pools: HashMap::new(),
         }
+    }
+
+    /// The first run of a sequence created empty (a draft model's copy of the context, which a
+    /// plugin creates empty and fills with a run) takes what the prefix cache holds of its
+    /// tokens, as a prompt given to `create` does: the tokens of each such item already cached,
+    /// now part of its sequence. The positions an item asks logits of are always run.
+    fn reuse_cached(&mut self, items: &[StoreRun]) -> HashMap<StoreSeq, usize> {
+        let mut skip = HashMap::new();
+        for it in items {
+            let keep = it.n_logits.max(1);
+            if self.pending(it.seq) > 0 || skip.contains_key(&it.seq) || it.tokens.len() < keep {
+                continue;
+            }
+            if it.seq & DRAFT_BIT != 0 && self.draft.is_none() {
+                continue;
+            }
+            let (engine, id) = self.split(it.seq);
+            if !engine.kv.contains(id) || !engine.kv.is_empty(id) {
+                continue;
+            }
+            // At most all but the last `keep` tokens (the cache keeps one of what it is given).
+            let cached = engine.kv.match_prefix(id, &it.tokens[..it.tokens.len() - keep + 1]);
+            if cached > 0 {
+                skip.insert(it.seq, cached);
+                self.cached_run_tokens += cached as u64;
+            }
+        }
+        skip
     }
 
     /// The engine holding `s`, and its id there.
@@ -187,11 +221,11 @@ impl<'e> EngineStore<'e> {
 
     /// The spans `items` (their pending tokens first) and the `prefill` chunks of pending
     /// tokens append (an embedding's chunk asks for every position's hidden state).
-    fn spans(&self, items: &[&StoreRun], prefill: &[(StoreSeq, usize)]) -> Vec<Span> {
+    fn spans(&self, items: &[&StoreRun], prefill: &[(StoreSeq, usize)], skip: &HashMap<StoreSeq, usize>) -> Vec<Span> {
         let pending = |s: &StoreSeq| self.pending.get(s).into_iter().flatten();
         let whole = items.iter().map(|it| Span {
             seq: SeqId(it.seq & !DRAFT_BIT),
-            tokens: pending(&it.seq).chain(&it.tokens).copied().collect(),
+            tokens: pending(&it.seq).chain(&it.tokens[skip.get(&it.seq).copied().unwrap_or(0)..]).copied().collect(),
             rows: it.n_logits,
             hidden: false,
         });
@@ -272,6 +306,7 @@ impl SeqStore for EngineStore<'_> {
             kv: self.engine.kv.stats(),
             prompt_tokens: self.prompt_tokens,
             cached_prompt_tokens: self.cached_prompt_tokens,
+            cached_run_tokens: self.cached_run_tokens,
         })
     }
 
@@ -337,6 +372,27 @@ impl SeqStore for EngineStore<'_> {
         items: &[StoreRun],
         prefill: &[(StoreSeq, usize)],
     ) -> Result<Vec<Vec<f32>>, StoreError> {
+        let skip = self.reuse_cached(items);
+        let ran = self.run_spans(items, prefill, &skip);
+        if ran.is_err() {
+            // The sequences go back to empty, as the caller left them.
+            for &s in skip.keys() {
+                let (engine, id) = self.split(s);
+                let _ = engine.kv.truncate(id, 0);
+            }
+        }
+        ran
+    }
+}
+
+impl EngineStore<'_> {
+    /// [`SeqStore::run_with_prefill`] once cached prefixes are taken (`skip`).
+    fn run_spans(
+        &mut self,
+        items: &[StoreRun],
+        prefill: &[(StoreSeq, usize)],
+        skip: &HashMap<StoreSeq, usize>,
+    ) -> Result<Vec<Vec<f32>>, StoreError> {
         type Indexed<'a> = Vec<(usize, &'a StoreRun)>;
         // Chunks of target sequences that are not also run whole, at most what is pending.
         let prefill: Vec<(StoreSeq, usize)> = prefill
@@ -349,8 +405,8 @@ impl SeqStore for EngineStore<'_> {
             items.iter().enumerate().partition(|(_, it)| it.seq & DRAFT_BIT != 0);
         let t_items: Vec<&StoreRun> = target.iter().map(|x| x.1).collect();
         let d_items: Vec<&StoreRun> = draft.iter().map(|x| x.1).collect();
-        let t_spans = self.spans(&t_items, &prefill);
-        let d_spans = self.spans(&d_items, &[]);
+        let t_spans = self.spans(&t_items, &prefill, skip);
+        let d_spans = self.spans(&d_items, &[], skip);
         // When both engines run, both halves are checked before either does, so a step that
         // does not fit changes nothing (`Engine::step` checks its own half in any case).
         if !d_spans.is_empty() {
