@@ -59,6 +59,11 @@ pub struct BenchArgs {
     /// fill-in-the-middle gaps.
     #[arg(long)]
     pub speculative: bool,
+    /// Measure an editor's completion loop instead: fill-in-the-middle requests as an editor
+    /// plugin sends them while a line is typed in a 2,000-token file (time to first token and
+    /// to the whole completion, prefix cache reuse), greedy and with --draft-model.
+    #[arg(long)]
+    pub editor: bool,
     /// Measure accuracy instead: the KL divergence of the model's next-token distributions from
     /// the reference log-probabilities in this file, written by llama.cpp's `llama-perplexity
     /// -m F32.gguf -f TEXT --kl-divergence-base FILE` (tests/bench/kl-divergence runs it all).

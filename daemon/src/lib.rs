@@ -6,8 +6,8 @@
 //!
 //! - [`serve`]: the daemon: one engine thread per model, the HTTP and D-Bus edges, systemd,
 //!   config, metrics.
-//! - [`bench`], [`bench_decoders`], [`bench_speculative`], [`bench_kl`]: the `inferd bench`
-//!   measurements; [`kl_divergence`]: accuracy against full precision, in llama.cpp's terms.
+//! - [`bench`], [`bench_decoders`], [`bench_speculative`], [`bench_editor`], [`bench_kl`]: the
+//!   `inferd bench` measurements; [`kl_divergence`]: accuracy against full precision, in llama.cpp's terms.
 
 #![deny(unsafe_code)]
 #![cfg_attr(test, allow(clippy::unwrap_used))] // unit tests: a failed unwrap is a failed test
@@ -16,6 +16,7 @@ pub mod bandwidth;
 pub mod bench;
 pub mod bench_constrained;
 pub mod bench_decoders;
+pub mod bench_editor;
 pub mod bench_kl;
 pub mod bench_speculative;
 pub mod kl_divergence;

@@ -491,6 +491,14 @@ fn main() -> Result<()> {
             println!("{}", serde_json::to_string_pretty(&report)?);
             Ok(())
         }
+        Cmd::Bench(args) if args.editor => {
+            let model = load(args.model.clone())?;
+            let draft = args.draft_model.clone().map(|p| load(Some(p))).transpose()?;
+            let reg = PluginDirs { dirs: args.plugin_dirs.clone() }.registry()?;
+            let report = inferd::bench_editor::run(&model, draft.as_ref(), &reg, args.threads)?;
+            println!("{}", serde_json::to_string_pretty(&report)?);
+            Ok(())
+        }
         Cmd::Bench(args) if args.speculative => {
             let model = load(args.model.clone())?;
             let draft = args.draft_model.clone().map(|p| load(Some(p))).transpose()?;
