@@ -76,13 +76,7 @@ pub fn run(model: &Model, draft: Option<&Model>, reg: &Registry, threads: usize)
     let fim_tokens =
         tok.fim().fim().map_err(|why| anyhow::anyhow!("{} cannot fill in the middle: {why}", model.name))?;
     let opts = EngineOptions { threads, ..EngineOptions::default() };
-    let cheaper = draft
-        .map(|d| {
-            let mut m = Model::load(&d.path)?;
-            m.cheapen_output_for_drafting(threads);
-            Ok::<_, anyhow::Error>(m)
-        })
-        .transpose()?;
+    let cheaper = draft.map(|d| crate::bench_speculative::daemon_draft(d, threads)).transpose()?;
     let eos = tok.eos().to_vec();
     let at = middle_line(FILE);
     let edits = edits(FILE, at);

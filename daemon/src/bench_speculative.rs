@@ -152,6 +152,14 @@ fn prompts(model: &Model) -> anyhow::Result<Vec<Vec<u32>>> {
     Ok(out)
 }
 
+/// A second copy of `draft` as the daemon loads a draft model: its output projection cheapened
+/// ([`Model::cheapen_output_for_drafting`]).
+pub(crate) fn daemon_draft(draft: &Model, threads: usize) -> anyhow::Result<Model> {
+    let mut m = Model::load(&draft.path)?;
+    m.cheapen_output_for_drafting(threads);
+    Ok(m)
+}
+
 pub fn run(
     model: &Model,
     draft: Option<&Model>,
@@ -164,13 +172,7 @@ pub fn run(
     // The draft on the target's threads, as the daemon runs it: as the file has it, and with
     // the output projection the daemon gives a draft.
     let draft_opts = EngineOptions { pool: target.backend.cpu_pool(), ..opts };
-    let cheaper = draft
-        .map(|d| {
-            let mut m = Model::load(&d.path)?;
-            m.cheapen_output_for_drafting(threads);
-            Ok::<_, anyhow::Error>(m)
-        })
-        .transpose()?;
+    let cheaper = draft.map(|d| daemon_draft(d, threads)).transpose()?;
     let mut plain = draft.map(|d| Engine::cpu(d, &draft_opts)).transpose()?;
     let mut cheap = cheaper.as_ref().map(|d| Engine::cpu(d, &draft_opts)).transpose()?;
     let eos = model.tokenizer.eos().to_vec();
