@@ -104,29 +104,20 @@ pub fn run(model: &Model, draft: Option<&Model>, reg: &Registry, threads: usize)
             let (mut drafted, mut accepted) = (0.0, 0.0);
             for e in &edits {
                 let enc = |s: &str| tok.encode_bare(s, false);
-                let i = Infill {
+                let mut i = Infill {
                     prefix: enc(&e.prefix)?,
                     suffix: enc(&e.suffix)?,
                     extra: Vec::new(),
                     prompt: enc(&e.typed)?,
                 };
-                let ids = if layout.starts_with("llama-server") {
-                    fim::infill(tok, fim_tokens, &i, model.config.context_len, COMPLETION_TOKENS as usize)
-                        .map_err(|e| anyhow::anyhow!("{e}"))?
-                } else {
-                    let typed = i.prompt.clone();
-                    let mut ids = fim::infill(
-                        tok,
-                        fim_tokens,
-                        &Infill { prompt: Vec::new(), ..i },
-                        model.config.context_len,
-                        COMPLETION_TOKENS as usize,
-                    )
+                // After MID the typed text goes last; llama-server puts it after the prefix.
+                let after_mid = !layout.starts_with("llama-server");
+                let typed = if after_mid { std::mem::take(&mut i.prompt) } else { Vec::new() };
+                let mut ids = fim::infill(tok, fim_tokens, &i, model.config.context_len, COMPLETION_TOKENS as usize)
                     .map_err(|e| anyhow::anyhow!("{e}"))?;
-                    ids.extend(typed);
-                    ids
-                };
-                let cached = seen.iter().map(|s| common_prefix(s, &ids)).max().unwrap_or(0);
+                ids.extend(typed);
+                // The longest prefix shared with an earlier request (the cache holds whole blocks of it).
+                let shared = seen.iter().map(|s| common_prefix(s, &ids)).max().unwrap_or(0);
                 let mut store = match draft_engine.as_mut() {
                     Some(d) if name.ends_with("draft model") => EngineStore::with_draft(&mut target, d),
                     _ => EngineStore::new(&mut target),
@@ -152,16 +143,19 @@ pub fn run(model: &Model, draft: Option<&Model>, reg: &Registry, threads: usize)
                 let stat = |k: &str| out.stats.get(k).copied().unwrap_or(0.0);
                 (drafted, accepted) = (drafted + stat("draft_tokens"), accepted + stat("accepted_tokens"));
                 let n = out.choices[0].tokens.len();
-                rows.push((e.new_line, ids.len(), cached, first.unwrap_or(total), total, n));
+                rows.push((e.new_line, ids.len(), shared, first.unwrap_or(total), total, n));
                 seen.push(ids);
             }
             // The first request found nothing of this file cached (cold); the rest, typing.
             let summary = |pick: &dyn Fn(bool) -> bool| {
                 let r: Vec<_> = rows.iter().skip(1).filter(|r| pick(r.0)).collect();
+                if r.is_empty() {
+                    return Value::Null;
+                }
                 json!({
                     "requests": r.len(),
                     "prompt_tokens_median": median(r.iter().map(|r| r.1 as f64).collect()),
-                    "cached_tokens_median": median(r.iter().map(|r| r.2 as f64).collect()),
+                    "shared_prefix_tokens_median": median(r.iter().map(|r| r.2 as f64).collect()),
                     "ttft_ms_median": 1e3 * median(r.iter().map(|r| r.3).collect()),
                     "ttft_ms_max": 1e3 * r.iter().map(|r| r.3).fold(0.0, f64::max),
                     "total_ms_median": 1e3 * median(r.iter().map(|r| r.4).collect()),

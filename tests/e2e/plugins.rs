@@ -548,9 +548,8 @@ fn speculative_decoding_on_the_real_model_matches_greedy_with_either_drafter() {
             );
         }
     }
-    // The same prompt again: the draft's copy of the context (a sequence the plugin creates
-    // empty and fills with a run) comes from the draft's prefix cache, as the target's prompt
-    // does, and changes no token.
+    // The same prompt again: the draft's copy of the context (created empty, filled by a run)
+    // comes from the draft's prefix cache, as the target's prompt does; no token changes.
     use inferd_engine::decode::store::SeqStore;
     let before = store.cache_stats().unwrap().cached_run_tokens;
     let params = r#"{"temperature": 0, "drafter": "model", "k": 3}"#;
