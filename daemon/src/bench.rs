@@ -188,11 +188,13 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
     // nothing; on a GPU, the device's time per kernel (events around each launch) for one
     // prefill and for those steps.
     let mut profile = None;
+    let mut prefill_profile = None;
     let mut kernels = serde_json::Map::new();
     if engine.backend.set_profiling(true) {
         let p = prompt(args.prefill_tokens, next(), vocab, skip);
         let t = Instant::now();
         let (s, _) = engine.prefill(&[&p])?.remove(0);
+        prefill_profile = engine.backend.take_profile();
         if let Some(p) = engine.backend.take_kernel_profile()? {
             let passes = args.prefill_tokens.div_ceil(opts.prefill_chunk);
             kernels.insert("prefill".into(), kernel_report(&p, passes, t.elapsed()));
@@ -250,6 +252,9 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
     if let Some(p) = profile.filter(|p| p.passes > 0) {
         report["decode_batch1_step"] = step_report(&p, gbs);
     }
+    if let Some(p) = prefill_profile.filter(|p| p.passes > 0) {
+        report["prefill_step"] = prefill_report(&p);
+    }
     if let Some(dir) = &args.llama_cpp {
         report["llama_cpp"] = compare(dir, model, args, threads, &report)?;
     }
@@ -292,6 +297,35 @@ fn step_report(p: &StepProfile, gbs: f64) -> Value {
         "products_weights_gb_s": products_gb_s,
         "products_share_of_read_bandwidth": products_gb_s / gbs,
         "step_share_of_read_bandwidth": rate(p.weight_bytes(), p.time()) / gbs,
+    })
+}
+
+/// Where the profiled prefill's passes went: each phase's time per pass and share, and its
+/// dispatches; weight bandwidth says nothing here (a pass reads each weight once for hundreds
+/// of tokens), so the products' figure is tokens a second through the phase.
+fn prefill_report(p: &StepProfile) -> Value {
+    let passes = p.passes as f64;
+    let step = p.time().as_secs_f64();
+    let mut phases = serde_json::Map::new();
+    for ph in Phase::ALL {
+        let t = p.phase(ph);
+        let s = t.time.as_secs_f64();
+        phases.insert(
+            ph.name().into(),
+            json!({
+                "ms": s * 1e3 / passes,
+                "share": s / step,
+                "dispatches": t.pool.dispatches as f64 / passes,
+                "wait_ms": t.pool.wait.as_secs_f64() * 1e3 / passes,
+            }),
+        );
+    }
+    json!({
+        "passes": p.passes,
+        "tokens": p.tokens,
+        "ms": step * 1e3 / passes,
+        "tok_s": p.tokens as f64 / step.max(1e-12),
+        "phases": phases,
     })
 }
 

@@ -160,8 +160,16 @@ pub fn matmul_grouped(
             // column `r` of output `m`; the outputs outlive `pool.run`.
             unsafe { *out.get().add(tok * n + r) = v };
         };
+        // Columns `r .. r + v.len()` of output row `tok` at once (the 16-row kernel's results).
+        let store_run = |tok: usize, r: usize, v: &[f32]| {
+            assert!(tok < t && r + v.len() <= r1, "a run inside the task's columns");
+            // SAFETY: as `store`, for each of the run's columns, all inside `r0..r1` (asserted).
+            unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), out.get().add(tok * n + r), v.len()) };
+        };
         match (w.dtype.class(), gemv(w)) {
-            (WeightClass::Quantized(q), Some(gemv)) => rows_times_token(k, gemv, q, w, &acts[*xi], r0, r1, &store),
+            (WeightClass::Quantized(q), Some(gemv)) => {
+                rows_times_token(k, gemv, q, w, &acts[*xi], r0, r1, &store, &store_run)
+            }
             (WeightClass::Quantized(q), None) => quantized_rows(k, q, w, x, r0, r1, &store),
             (WeightClass::Float(f), _) => float_rows(k, f, w, x, r0, r1, &store),
         }
@@ -180,6 +188,7 @@ fn rows_times_token(
     r0: usize,
     r1: usize,
     store: &dyn Fn(usize, usize, f32),
+    store_run: &dyn Fn(usize, usize, &[f32]),
 ) {
     let (one, _) = k.quant_dots(q);
     let rb = w.row_bytes();
@@ -191,9 +200,7 @@ fn rows_times_token(
         while r + 16 <= r1 {
             gemv(q, &w.data[r * rb..(r + 16) * rb], rb, group, out);
             for (j, v) in out.iter().enumerate() {
-                for (i, &vi) in v.iter().enumerate() {
-                    store(g * GEMV_TOKENS + j, r + i, vi);
-                }
+                store_run(g * GEMV_TOKENS + j, r, v);
             }
             r += 16;
         }

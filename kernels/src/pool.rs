@@ -17,6 +17,10 @@ use std::time::{Duration, Instant};
 /// How long an idle worker spins before it parks.
 const SPIN: Duration = Duration::from_micros(200);
 
+/// Items below which [`ThreadPool::for_rows`] stays on the calling thread: a decode step's few
+/// rows cost less than waking the workers.
+const PARALLEL_ROWS_MIN: usize = 1 << 15;
+
 struct Job<'a> {
     task: &'a (dyn Fn(usize) + Sync),
     n_tasks: usize,
@@ -177,6 +181,26 @@ impl ThreadPool {
         t.wait.fetch_add(nanos(end - worked), Relaxed);
     }
 
+    /// `f(first, rows)` over `data` cut into runs of whole rows of `row_len` items (`first`:
+    /// the run's first row), one run per thread, where `data` is large enough to pay for a
+    /// dispatch; else `f(0, data)` on the calling thread. Each row sees the same arithmetic
+    /// either way: for a forward pass's per-token work between its products (norms, the
+    /// activation quantization, the gates), which at a prefill's hundreds of tokens would
+    /// otherwise leave every other core idle.
+    pub fn for_rows<T: Send>(&self, data: &mut [T], row_len: usize, f: &(dyn Fn(usize, &mut [T]) + Sync)) {
+        let rows = data.len() / row_len.max(1);
+        if self.threads() == 1 || data.len() < PARALLEL_ROWS_MIN || rows < 2 {
+            return f(0, data);
+        }
+        let per = rows.div_ceil(self.threads());
+        // Each task takes its own run out of its lock: distinct `&mut` runs without unsafe.
+        let runs: Vec<Mutex<&mut [T]>> = data.chunks_mut(per * row_len).map(Mutex::new).collect();
+        self.run(runs.len(), &|i| {
+            let mut run = runs[i].lock().unwrap_or_else(|e| e.into_inner());
+            f(i * per, &mut run);
+        });
+    }
+
     /// [`ThreadPool::run`]'s job; `worked` is called when the caller has run out of tasks.
     fn dispatch(&self, n_tasks: usize, task: &(dyn Fn(usize) + Sync), worked: &mut dyn FnMut()) {
         let job = Job {
@@ -283,6 +307,27 @@ impl<T> SyncPtr<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn for_rows_gives_every_row_once_with_its_index() {
+        let pool = ThreadPool::new(3);
+        // Below and above the size that goes parallel, rows that do and do not divide evenly.
+        for (rows, width) in [(1, 8), (5, 16), (1000, 64), (1001, 33), (7, 1 << 13)] {
+            let mut data = vec![0usize; rows * width];
+            let calls = AtomicUsize::new(0);
+            pool.for_rows(&mut data, width, &|first, run| {
+                calls.fetch_add(1, SeqCst);
+                assert_eq!(run.len() % width, 0, "whole rows");
+                for (i, row) in run.chunks_exact_mut(width).enumerate() {
+                    row.iter_mut().for_each(|v| *v += first + i + 1);
+                }
+            });
+            let want: Vec<usize> = (0..rows * width).map(|i| i / width + 1).collect();
+            assert_eq!(data, want, "{rows} rows of {width}");
+            let parallel = rows * width >= PARALLEL_ROWS_MIN && rows >= 2;
+            assert_eq!(calls.load(SeqCst) > 1, parallel, "{rows} rows of {width}");
+        }
+    }
 
     #[test]
     fn runs_every_task_once() {

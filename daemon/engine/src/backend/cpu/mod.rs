@@ -382,7 +382,8 @@ impl CpuBackend {
     ) {
         if ws.iter().any(|w| w.dtype.is_quantized()) {
             q8.resize(x.len() / QK, BlockQ8::default());
-            (k.quantize_q8)(x, q8);
+            let (quantize, cols) = (k.quantize_q8, x.len() / tokens.max(1));
+            pool.for_rows(q8, cols / QK, &|first, q8| quantize(&x[first * cols..][..q8.len() * QK], q8));
         }
         laps.lap(Phase::Between, &[]);
         let mats: Vec<_> = ws.iter().map(|w| w.matrix()).collect();

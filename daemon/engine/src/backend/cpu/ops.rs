@@ -75,17 +75,19 @@ impl LayerOps for CpuOps<'_, '_> {
     type Vector = Vec<f32>;
 
     fn norm(&mut self, from: Act, w: &Vec<f32>, to: Act) -> Result<(), BackendError> {
-        let eps = self.cfg.rms_eps;
+        let (eps, h) = (self.cfg.rms_eps, w.len());
         if from == to {
-            rms_norm_each(&mut self.s.acts[to.index()], w, eps);
+            self.pool.for_rows(&mut self.s.acts[to.index()], h, &|_, rows| rms_norm_each(rows, w, eps));
             return Ok(());
         }
         let mut bufs = self.take(&[to]);
         let x = &self.s.acts[from.index()];
         resize(&mut bufs[0], x.len());
-        for (x, y) in x.chunks_exact(w.len()).zip(bufs[0].chunks_exact_mut(w.len())) {
-            rms_norm(x, w, eps, y);
-        }
+        self.pool.for_rows(&mut bufs[0], h, &|first, ys| {
+            for (x, y) in x[first * h..].chunks_exact(h).zip(ys.chunks_exact_mut(h)) {
+                rms_norm(x, w, eps, y);
+            }
+        });
         self.put(&[to], bufs);
         Ok(())
     }
@@ -103,7 +105,8 @@ impl LayerOps for CpuOps<'_, '_> {
     }
 
     fn add_bias(&mut self, a: Act, b: &Vec<f32>) -> Result<(), BackendError> {
-        inferd_kernels::ops::add_bias_rows(&mut self.s.acts[a.index()], b);
+        self.pool
+            .for_rows(&mut self.s.acts[a.index()], b.len(), &|_, rows| inferd_kernels::ops::add_bias_rows(rows, b));
         Ok(())
     }
 
@@ -111,11 +114,19 @@ impl LayerOps for CpuOps<'_, '_> {
         let la = &self.arch.layers[layer];
         let (qd, kvd, hd) = (la.q_dim(self.cfg.n_heads), la.kv_dim(), la.head_dim);
         let (rope, angles) = (&self.ropes[self.rope_of[layer]], &self.s.angles[self.rope_of[layer]]);
-        for (t, angles) in angles.chunks_exact(rope.pairs()).take(self.n).enumerate() {
-            rope.apply_angles(&mut self.s.acts[q.index()][t * qd..(t + 1) * qd], hd, angles);
-            if let Some(k) = k {
-                rope.apply_angles(&mut self.s.acts[k.index()][t * kvd..(t + 1) * kvd], hd, angles);
+        // Token t's rows of `x` (`width` each) rotated by its angles.
+        let rotate = |width: usize| {
+            move |first: usize, x: &mut [f32]| {
+                let angles = angles.chunks_exact(rope.pairs()).skip(first);
+                for (x, angles) in x.chunks_exact_mut(width).zip(angles) {
+                    rope.apply_angles(x, hd, angles);
+                }
             }
+        };
+        let n = self.n;
+        self.pool.for_rows(&mut self.s.acts[q.index()][..n * qd], qd, &rotate(qd));
+        if let Some(k) = k {
+            self.pool.for_rows(&mut self.s.acts[k.index()][..n * kvd], kvd, &rotate(kvd));
         }
         Ok(())
     }
@@ -156,14 +167,19 @@ impl LayerOps for CpuOps<'_, '_> {
 
     fn gated(&mut self, act: Activation, gate: Act, up: Act) -> Result<(), BackendError> {
         let mut bufs = self.take(&[gate]);
-        activation_fn(self.k, act)(&mut bufs[0], &self.s.acts[up.index()]);
+        let (f, up) = (activation_fn(self.k, act), &self.s.acts[up.index()]);
+        let width = bufs[0].len() / self.n.max(1);
+        self.pool.for_rows(&mut bufs[0], width, &|first, g| f(g, &up[first * width..first * width + g.len()]));
         self.put(&[gate], bufs);
         Ok(())
     }
 
     fn add(&mut self, x: Act, y: Act) -> Result<(), BackendError> {
         let mut bufs = self.take(&[x]);
-        bufs[0].iter_mut().zip(&self.s.acts[y.index()]).for_each(|(x, y)| *x += y);
+        let (y, width) = (&self.s.acts[y.index()], bufs[0].len() / self.n.max(1));
+        self.pool.for_rows(&mut bufs[0], width, &|first, x| {
+            x.iter_mut().zip(&y[first * width..]).for_each(|(x, y)| *x += y);
+        });
         self.put(&[x], bufs);
         Ok(())
     }
