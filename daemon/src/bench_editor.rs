@@ -93,7 +93,7 @@ pub fn run(model: &Model, draft: Option<&Model>, reg: &Registry, threads: usize)
         ));
     }
     let mut results = Vec::new();
-    for layout in ["llama-server /infill", "typed text after MID"] {
+    for layout in [fim::Layout::LlamaServer, fim::Layout::TypedAfterMiddle] {
         for (name, strategy, params) in &strategies {
             // Each configuration starts from a cold cache; the draft on the target's threads.
             let mut target = Engine::cpu(model, &opts)?;
@@ -104,18 +104,15 @@ pub fn run(model: &Model, draft: Option<&Model>, reg: &Registry, threads: usize)
             let (mut drafted, mut accepted) = (0.0, 0.0);
             for e in &edits {
                 let enc = |s: &str| tok.encode_bare(s, false);
-                let mut i = Infill {
+                let i = Infill {
                     prefix: enc(&e.prefix)?,
                     suffix: enc(&e.suffix)?,
                     extra: Vec::new(),
                     prompt: enc(&e.typed)?,
                 };
-                // After MID the typed text goes last; llama-server puts it after the prefix.
-                let after_mid = !layout.starts_with("llama-server");
-                let typed = if after_mid { std::mem::take(&mut i.prompt) } else { Vec::new() };
-                let mut ids = fim::infill(tok, fim_tokens, &i, model.config.context_len, COMPLETION_TOKENS as usize)
-                    .map_err(|e| anyhow::anyhow!("{e}"))?;
-                ids.extend(typed);
+                let ids =
+                    fim::infill(tok, fim_tokens, &i, layout, model.config.context_len, COMPLETION_TOKENS as usize)
+                        .map_err(|e| anyhow::anyhow!("{e}"))?;
                 // The longest prefix shared with an earlier request (the cache holds whole blocks of it).
                 let shared = seen.iter().map(|s| common_prefix(s, &ids)).max().unwrap_or(0);
                 let mut store = match draft_engine.as_mut() {
@@ -164,7 +161,7 @@ pub fn run(model: &Model, draft: Option<&Model>, reg: &Registry, threads: usize)
                 })
             };
             results.push(json!({
-                "layout": layout,
+                "layout": layout.name(),
                 "strategy": name,
                 "cold": { "prompt_tokens": rows[0].1, "ttft_ms": 1e3 * rows[0].3, "total_ms": 1e3 * rows[0].4 },
                 "same_line": summary(&|new_line| !new_line),

@@ -141,6 +141,10 @@ pub struct Server {
     pub default_model: Option<String>,
     /// The largest model file the daemon installs into its store, in GiB.
     pub max_model_gib: u64,
+    /// Where `/infill` puts the text typed at the cursor: "llama-server" (its prompt, token
+    /// for token) or "typed-after-middle" (after the middle token, where the prefix cache
+    /// keeps everything before it while a line is typed).
+    pub infill_layout: super::fim::Layout,
 }
 
 impl Default for Server {
@@ -163,6 +167,7 @@ impl Default for Server {
             manage: vec!["@inferd-admin".into()],
             default_model: None,
             max_model_gib: 256,
+            infill_layout: super::fim::Layout::LlamaServer,
         }
     }
 }

@@ -4,7 +4,10 @@
 //!   code-model templates write exactly this);
 //! - [`infill`]: llama-server's `/infill` layout, the repository-level form with the editor's
 //!   other files first, each part cut to llama-server's shares so an editor plugin written for
-//!   it gets the same prompt here.
+//!   it gets the same prompt here; or ([`Layout::TypedAfterMiddle`], `server.infill_layout`)
+//!   the same parts with the text typed at the cursor after the middle token, so that while a
+//!   line is typed every request starts with the last one's prompt and the prefix cache holds
+//!   all of it but the newly typed characters.
 //!
 //! The code around the gap is tokenized as text: special-token spellings in a user's file stay
 //! text. A model without the tokens is refused by name.
@@ -36,6 +39,30 @@ pub fn gap(tok: &Tokenizer, fim: Fim, prefix: &str, suffix: &str) -> Result<Vec<
     ids.extend(text(tok, suffix, "suffix")?);
     ids.push(fim.middle);
     Ok(ids)
+}
+
+/// Where `/infill` puts the text typed at the cursor (`prompt`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Layout {
+    /// llama-server's: `PRE prefix prompt SUF suffix MID`. Each keystroke changes the tokens
+    /// before the suffix, so the suffix is read again at every request.
+    #[default]
+    LlamaServer,
+    /// `PRE prefix SUF suffix MID prompt`: the model sees the typed text as the start of the
+    /// middle it writes (as it was trained to continue a middle), and a request typed one
+    /// character further shares all but its last tokens with the one before.
+    TypedAfterMiddle,
+}
+
+impl Layout {
+    /// Its name in `inferd.toml`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Layout::LlamaServer => "llama-server",
+            Layout::TypedAfterMiddle => "typed-after-middle",
+        }
+    }
 }
 
 /// What `/infill` was given, tokenized.
@@ -84,8 +111,17 @@ pub fn mixed(tok: &Tokenizer, v: &Value, param: &'static str) -> Result<Vec<u32>
 /// file (a `--- snippet ---` line where the vocabulary has no file separator), then
 /// `[FILE_SEP]filename\n`, then `[BOS] PRE prefix prompt SUF suffix MID`. The prefix keeps at
 /// most its last 1,536 tokens, the suffix its first 510 less the prompt's; the extra files keep
-/// their last tokens that fit in `ctx` less a batch and twice `max_tokens`.
-pub fn infill(tok: &Tokenizer, fim: Fim, i: &Infill, ctx: usize, max_tokens: usize) -> Result<Vec<u32>, ApiError> {
+/// their last tokens that fit in `ctx` less a batch and twice `max_tokens`. With
+/// [`Layout::TypedAfterMiddle`] the prompt goes after `MID` and the suffix keeps its first 510
+/// whatever the prompt's length, so the tokens before the prompt stay the same as it grows.
+pub fn infill(
+    tok: &Tokenizer,
+    fim: Fim,
+    i: &Infill,
+    layout: Layout,
+    ctx: usize,
+    max_tokens: usize,
+) -> Result<Vec<u32>, ApiError> {
     let extras = |s: &str| text(tok, s, "input_extra");
     let ends = tok.fim();
     let mut extra = Vec::new();
@@ -107,8 +143,10 @@ pub fn infill(tok: &Tokenizer, fim: Fim, i: &Infill, ctx: usize, max_tokens: usi
         extra.push(sep);
         extra.extend(extras("filename\n")?);
     }
+    let after_middle = layout == Layout::TypedAfterMiddle;
     let prefix_take = i.prefix.len().min(3 * (INFILL_BATCH / 4));
-    let suffix_take = i.suffix.len().min((INFILL_BATCH / 4).saturating_sub(2 + i.prompt.len()));
+    let in_suffix_share = if after_middle { 0 } else { i.prompt.len() };
+    let suffix_take = i.suffix.len().min((INFILL_BATCH / 4).saturating_sub(2 + in_suffix_share));
     let extra_take = ctx.saturating_sub(INFILL_BATCH + 2 * max_tokens).min(extra.len());
     let mut ids: Vec<u32> = extra[extra.len() - extra_take..].to_vec();
     if tok.adds_bos() {
@@ -116,9 +154,14 @@ pub fn infill(tok: &Tokenizer, fim: Fim, i: &Infill, ctx: usize, max_tokens: usi
     }
     ids.push(fim.prefix);
     ids.extend_from_slice(&i.prefix[i.prefix.len() - prefix_take..]);
-    ids.extend_from_slice(&i.prompt);
+    if !after_middle {
+        ids.extend_from_slice(&i.prompt);
+    }
     ids.push(fim.suffix);
     ids.extend_from_slice(&i.suffix[..suffix_take]);
     ids.push(fim.middle);
+    if after_middle {
+        ids.extend_from_slice(&i.prompt);
+    }
     Ok(ids)
 }

@@ -118,7 +118,7 @@ pub async fn infill(
             fim::Infill { prefix: part("input_prefix")?, suffix: part("input_suffix")?, extra: extra(&m)?, prompt };
         let req: Request = super::fields::build(fields(&m)?)?;
         let predict = req.max_tokens.map_or(0, |t| t as usize);
-        let ids = fim::infill(tok, toks, &gap, model.context_len(), predict)?;
+        let ids = fim::infill(tok, toks, &gap, sh.infill_layout(), model.context_len(), predict)?;
         let stream = m.get("stream").and_then(Value::as_bool).unwrap_or(false);
         Ok((request::prepare(sh, model, req, ids)?, stream))
     };

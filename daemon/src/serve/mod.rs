@@ -113,6 +113,8 @@ pub struct Shared {
     pub uploads: upload::Uploads,
     /// The Responses API's stored responses, per user.
     pub responses: stored::Responses,
+    /// Where `/infill` puts the typed text (`server.infill_layout`).
+    infill_layout: RwLock<fim::Layout>,
 }
 
 impl Shared {
@@ -130,6 +132,10 @@ impl Shared {
 
     pub fn registry(&self) -> Arc<Registry> {
         self.registry.read().map(|r| Arc::clone(&r)).unwrap_or_default()
+    }
+
+    pub fn infill_layout(&self) -> fim::Layout {
+        self.infill_layout.read().map(|l| *l).unwrap_or_default()
     }
 
     pub fn limits(&self) -> Limits {
@@ -394,6 +400,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         managers: RwLock::new(manage::Managers::new(&cfg.server.manage)),
         uploads: upload::Uploads::new(cfg.server.max_model_gib),
         responses: stored::Responses::new(inferd_engine::paths::state_dir().join("responses")),
+        infill_layout: RwLock::new(cfg.server.infill_layout),
     });
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let call_limit = Duration::from_millis(cfg.plugins.call_timeout_ms.max(1));
@@ -617,6 +624,9 @@ async fn reload(sh: &Arc<Shared>, args: &ServeArgs) {
             }
             sh.models.set_default(cfg.server.default_model.clone());
             sh.uploads.max_bytes.store(cfg.server.max_model_gib.saturating_mul(1 << 30), Ordering::Relaxed);
+            if let Ok(mut l) = sh.infill_layout.write() {
+                *l = cfg.server.infill_layout;
+            }
             if let Ok(mut old) = sh.remotes.write() {
                 *old = new_remotes;
             }

@@ -102,6 +102,85 @@ fn fill_in_the_middle_is_llama_servers_and_the_clients_suffix() {
     drop(server);
 }
 
+/// `server.infill_layout = "typed-after-middle"`: the typed text after the middle token (the
+/// prompt llama-server's `/completion` answers as the same text in special-token form), the
+/// suffix cut to the same share whatever was typed, so a request typed further along the line
+/// takes all but its newest tokens from the prefix cache.
+#[test]
+fn typed_text_after_the_middle_token_keeps_the_rest_cached() {
+    let Some(bin) = llama_server() else {
+        eprintln!("skipped: no llama-server (tests/build-llama-server builds one)");
+        return;
+    };
+    let dir = scratch("fim-typed");
+    let port = free_port();
+    let coder = coder();
+    let server = super::remote::spawn_llama_server(&bin, coder.to_str().unwrap(), port, &dir, &[]);
+    let config =
+        format!("[server]\ninfill_layout = \"typed-after-middle\"\n[[model]]\npath = \"{}\"\n", coder.display());
+    let d = Daemon::start(&dir, &config, &[]);
+    let json = |s: &str| -> Value { serde_json::from_str(s).unwrap_or_else(|e| panic!("{e}: {s}")) };
+    let prefix = "import math\n\n\ndef area(shape, *dims):\n    \"\"\"Area of a circle, square or rectangle.\"\"\"\n";
+    // A suffix past its share (510 tokens less the typed text's, in llama-server's layout).
+    let suffix: String = (0..40).map(|i| format!("\n\ndef f{i}(x):\n    return x * {i} + math.sqrt(x)\n")).collect();
+    let extra = serde_json::json!([{"filename": "shapes.py", "text": "SHAPES = [\"circle\", \"square\"]\n"}]);
+    let ask = |typed: &str| {
+        serde_json::json!({
+            "input_prefix": prefix, "input_suffix": suffix, "input_extra": extra, "prompt": typed,
+            "n_predict": 16, "temperature": 0,
+        })
+        .to_string()
+    };
+    let cached = || {
+        let (_, text) = d.http("GET", "/metrics", "");
+        let key = format!("inferd_prompt_tokens_cached_total{{model=\"{NAME}\"}}");
+        let line = text.lines().find(|l| l.starts_with(&key)).map(str::to_owned);
+        line.and_then(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok())).unwrap_or(0.0)
+    };
+    let mut evaluated = Vec::new();
+    for typed in ["    if shape == \"ci", "    if shape == \"circle\":"] {
+        let before = cached();
+        let (st, ours) = d.http("POST", "/infill", &ask(typed));
+        assert_eq!(st, 200, "{ours}");
+        let ours = json(&ours);
+        let hits = cached() - before;
+        // The same prompt as token ids, each part tokenized apart by llama-server.
+        let ids = |text: &str| -> Vec<Value> {
+            let (st, n) = tcp_http(port, "POST", "/tokenize", &serde_json::json!({ "content": text }).to_string());
+            assert_eq!(st, 200, "{n}");
+            json(&n)["tokens"].as_array().unwrap().clone()
+        };
+        let (fim_prefix, fim_middle, fim_suffix, repo, file_sep) = (151659, 151660, 151661, 151663, 151664);
+        let mut special = vec![Value::from(repo)];
+        special.extend(ids("myproject\n"));
+        special.push(Value::from(file_sep));
+        special.extend(ids("shapes.py\n"));
+        special.extend(ids(extra[0]["text"].as_str().unwrap()));
+        special.push(Value::from(file_sep));
+        special.extend(ids("filename\n"));
+        special.push(Value::from(fim_prefix));
+        special.extend(ids(prefix));
+        special.push(Value::from(fim_suffix));
+        let suffix_ids = ids(&suffix);
+        assert!(suffix_ids.len() > 600, "the suffix is longer than its share");
+        special.extend_from_slice(&suffix_ids[..510]);
+        special.push(Value::from(fim_middle));
+        special.extend(ids(typed));
+        let body = serde_json::json!({ "prompt": special, "n_predict": 16, "temperature": 0 }).to_string();
+        let (st, theirs) = tcp_http(port, "POST", "/completion", &body);
+        assert_eq!(st, 200, "{theirs}");
+        let theirs = json(&theirs);
+        assert_eq!(ours["content"], theirs["content"], "{typed:?}");
+        assert_eq!(ours["tokens_evaluated"], theirs["tokens_evaluated"], "the same prompt: {typed:?}");
+        evaluated.push((ours["tokens_evaluated"].as_f64().unwrap(), hits));
+    }
+    // The second request shares everything before its typed text with the first: all of it
+    // but the last, partly filled block comes from the cache.
+    let [(first, _), (second, hits)] = evaluated[..] else { unreachable!() };
+    assert!(hits >= first - 20.0 - 16.0, "{hits} of {second} prompt tokens from the cache (the first had {first})");
+    drop(server);
+}
+
 #[test]
 fn a_model_without_fim_tokens_is_refused_by_name() {
     let dir = scratch("fim-none");
