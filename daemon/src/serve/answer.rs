@@ -72,6 +72,9 @@ impl Finish {
 pub struct Usage {
     pub prompt: usize,
     pub completion: usize,
+    /// Of the prompt, the tokens whose K/V came from the prefix cache (local answers; 0
+    /// where unknown: an upstream's, an answer cut short by its stop strings).
+    pub cached: usize,
     pub stats: BTreeMap<String, f64>,
 }
 
@@ -272,10 +275,11 @@ impl Local {
         if self.out.all_stopped() && !q.iter().any(|a| matches!(a, Answer::Done(_) | Answer::Failed(_))) {
             // Every choice met a stop string: the engine need not go on.
             self.sub.stop();
-            if let Piece::Done { completion_tokens, stats } = self.out.done_by_stop() {
+            if let Piece::Done { completion_tokens, cached_prompt_tokens, stats } = self.out.done_by_stop() {
                 q.push_back(Answer::Done(Usage {
                     prompt: self.sub.prompt_tokens,
                     completion: completion_tokens,
+                    cached: cached_prompt_tokens.min(self.sub.prompt_tokens),
                     stats,
                 }));
             }
@@ -296,9 +300,10 @@ impl Local {
                 };
                 q.push_back(Answer::Finish { choice, reason });
             }
-            Piece::Done { completion_tokens, stats } => q.push_back(Answer::Done(Usage {
+            Piece::Done { completion_tokens, cached_prompt_tokens, stats } => q.push_back(Answer::Done(Usage {
                 prompt: self.sub.prompt_tokens,
                 completion: completion_tokens,
+                cached: cached_prompt_tokens.min(self.sub.prompt_tokens),
                 stats,
             })),
             Piece::Failed(m) => q.push_back(Answer::Failed(ApiError::new(500, m, None))),
@@ -400,7 +405,12 @@ impl Relay {
         match ev {
             None => {
                 let (prompt, completion) = self.usage.unwrap_or((0, self.pieces as u64));
-                let usage = Usage { prompt: prompt as usize, completion: completion as usize, stats: BTreeMap::new() };
+                let usage = Usage {
+                    prompt: prompt as usize,
+                    completion: completion as usize,
+                    cached: 0,
+                    stats: BTreeMap::new(),
+                };
                 q.push_back(Answer::Done(usage));
             }
             Some(Err(m)) => {

@@ -149,6 +149,8 @@ struct Last {
     predicted: usize,
     t0: Instant,
     first: Option<Instant>,
+    /// Prompt tokens the prefix cache held.
+    cached: usize,
 }
 
 impl Last {
@@ -162,7 +164,7 @@ impl Last {
             "tokens_predicted": self.predicted, "tokens_evaluated": self.prompt, "truncated": false,
             "has_new_line": content.contains('\n'), "stop_type": stop_type(finish),
             "stopping_word": if let Finish::StopSequence(w) = finish { w.as_str() } else { "" },
-            "tokens_cached": 0,
+            "tokens_cached": self.cached,
             "timings": {
                 "prompt_n": self.prompt, "prompt_ms": prompt_ms, "predicted_n": self.predicted, "predicted_ms": predicted_ms,
                 "predicted_per_second": if predicted_ms > 0.0 { self.predicted as f64 * 1e3 / predicted_ms } else { 0.0 },
@@ -173,8 +175,14 @@ impl Last {
 
 async fn respond(mut answers: Answers, stream: bool) -> Response {
     let model = answers.model().map(|m| m.name.clone()).unwrap_or_default();
-    let mut last =
-        Last { model, prompt: answers.prompt_tokens().unwrap_or(0), predicted: 0, t0: Instant::now(), first: None };
+    let mut last = Last {
+        model,
+        prompt: answers.prompt_tokens().unwrap_or(0),
+        predicted: 0,
+        t0: Instant::now(),
+        first: None,
+        cached: 0,
+    };
     if !stream {
         let mut content = String::new();
         let mut finish = Finish::Stop;
@@ -188,6 +196,7 @@ async fn respond(mut answers: Answers, stream: bool) -> Response {
                 Answer::Finish { reason, .. } => finish = reason,
                 Answer::Done(u) => {
                     last.predicted = u.completion;
+                    last.cached = u.cached;
                     return Json(last.json(&content, &finish)).into_response();
                 }
                 Answer::Failed(e) => return error(e),
@@ -214,6 +223,7 @@ async fn respond(mut answers: Answers, stream: bool) -> Response {
                 }
                 Answer::Done(u) => {
                     last.predicted = u.completion;
+                    last.cached = u.cached;
                     let _ = tx.send(last.json("", &finish).to_string());
                     return;
                 }

@@ -81,8 +81,13 @@ impl Format {
         }
     }
 
-    fn usage(prompt: usize, completion: usize) -> Value {
-        json!({ "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion })
+    /// OpenAI's usage object; `prompt_tokens_details.cached_tokens`: the prompt tokens the
+    /// prefix cache held.
+    fn usage(u: &super::answer::Usage) -> Value {
+        json!({
+            "prompt_tokens": u.prompt, "completion_tokens": u.completion, "total_tokens": u.prompt + u.completion,
+            "prompt_tokens_details": { "cached_tokens": u.cached },
+        })
     }
 
     async fn whole(&self, answers: Answers) -> Response {
@@ -93,7 +98,7 @@ impl Format {
         let choices: Vec<Value> = w.choices.iter().enumerate().map(|(i, c)| self.choice(i, c)).collect();
         Json(json!({
             "id": self.id, "object": self.object(), "created": self.created, "model": self.model_name,
-            "choices": choices, "usage": Format::usage(w.usage.prompt, w.usage.completion),
+            "choices": choices, "usage": Format::usage(&w.usage),
             "inferd": { "decoder": self.shape.decoder, "stats": w.usage.stats },
         }))
         .into_response()
@@ -172,7 +177,7 @@ impl Format {
                     }
                     Answer::Done(u) => {
                         if self.shape.usage_chunk {
-                            send(json!({ "id": self.id, "object": self.object(), "created": self.created, "model": self.model_name, "choices": [], "usage": Format::usage(u.prompt, u.completion) }).to_string());
+                            send(json!({ "id": self.id, "object": self.object(), "created": self.created, "model": self.model_name, "choices": [], "usage": Format::usage(&u) }).to_string());
                         }
                         break;
                     }

@@ -418,6 +418,8 @@ pub enum Piece {
     /// Every choice ended.
     Done {
         completion_tokens: usize,
+        /// Prompt tokens the prefix cache held (0 where the engine did not say).
+        cached_prompt_tokens: usize,
         stats: BTreeMap<String, f64>,
     },
     Failed(String),
@@ -539,6 +541,7 @@ impl Output {
                 }
                 out.push(Piece::Done {
                     completion_tokens: self.choices.iter().map(|c| c.tokens).sum(),
+                    cached_prompt_tokens: g.cached_prompt_tokens,
                     stats: g.stats,
                 });
                 out
@@ -550,7 +553,11 @@ impl Output {
     /// The closing piece when every choice stopped on a stop string (the request is cancelled,
     /// so no `Finished` event comes).
     pub fn done_by_stop(&self) -> Piece {
-        Piece::Done { completion_tokens: self.choices.iter().map(|c| c.tokens).sum(), stats: BTreeMap::new() }
+        Piece::Done {
+            completion_tokens: self.choices.iter().map(|c| c.tokens).sum(),
+            cached_prompt_tokens: 0,
+            stats: BTreeMap::new(),
+        }
     }
 }
 

@@ -172,12 +172,39 @@ fn typed_text_after_the_middle_token_keeps_the_rest_cached() {
         let theirs = json(&theirs);
         assert_eq!(ours["content"], theirs["content"], "{typed:?}");
         assert_eq!(ours["tokens_evaluated"], theirs["tokens_evaluated"], "the same prompt: {typed:?}");
+        assert_eq!(ours["tokens_cached"].as_f64(), Some(hits), "the answer's count is the cache's: {ours}");
         evaluated.push((ours["tokens_evaluated"].as_f64().unwrap(), hits));
     }
     // The second request shares everything before its typed text with the first: all of it
     // but the last, partly filled block comes from the cache.
     let [(first, _), (second, hits)] = evaluated[..] else { unreachable!() };
     assert!(hits >= first - 20.0 - 16.0, "{hits} of {second} prompt tokens from the cache (the first had {first})");
+    // The other dialects report the same count: OpenAI's `prompt_tokens_details.cached_tokens`
+    // and the Responses API's `input_tokens_details.cached_tokens`, 0 cold and all but the last
+    // block of the prompt when it comes again.
+    let asks = [
+        (
+            "/v1/completions",
+            r#"{"prompt": "import math\n\n\ndef fib(n):\n    \"\"\"The n-th Fibonacci number, by the closed form of Binet: phi to the n over the square root of five, rounded to the nearest integer.\"\"\"\n", "max_tokens": 4}"#,
+        ),
+        ("/v1/responses", r#"{"input": "Write a Python function that reverses a string.", "max_output_tokens": 4}"#),
+    ];
+    for (route, body) in asks {
+        let mut seen = Vec::new();
+        for _ in 0..2 {
+            let (st, v) = d.http("POST", route, body);
+            assert_eq!(st, 200, "{v}");
+            let u = json(&v)["usage"].clone();
+            let (total, cached) = match route {
+                "/v1/completions" => (&u["prompt_tokens"], &u["prompt_tokens_details"]["cached_tokens"]),
+                _ => (&u["input_tokens"], &u["input_tokens_details"]["cached_tokens"]),
+            };
+            seen.push((total.as_u64().unwrap(), cached.as_u64().unwrap()));
+        }
+        let [(n, cold), (again, warm)] = seen[..] else { unreachable!() };
+        assert_eq!((n, cold), (again, 0), "{route}: a cold prompt has nothing cached");
+        assert!(warm > 0 && warm + 16 >= n, "{route}: {warm} of {n} tokens cached the second time");
+    }
     drop(server);
 }
 

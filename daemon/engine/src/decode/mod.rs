@@ -28,6 +28,9 @@ pub enum DecodeError {
 pub struct Generation {
     pub choices: Vec<Choice>,
     pub stats: BTreeMap<String, f64>,
+    /// Tokens of its prompt whose K/V came from the prefix cache (the engine loop counts them
+    /// when it starts the request; of a request that was preempted, at its last start).
+    pub cached_prompt_tokens: usize,
 }
 
 /// [`generate_with_stats`] for the choices alone.
@@ -74,5 +77,5 @@ pub fn generate_with_stats(
     };
     let stats = session.stats().clone();
     let choices = session.close(store);
-    result.map(|()| Generation { choices, stats })
+    result.map(|()| Generation { choices, stats, cached_prompt_tokens: 0 })
 }

@@ -129,6 +129,8 @@ struct Running {
     prefilled: bool,
     /// Its plan waited for a step with room; it goes first next time.
     deferred: bool,
+    /// Prompt tokens its start took from the prefix cache.
+    cached: usize,
 }
 
 /// Sends a running request's tokens: records them, suppresses what a replay already sent,
@@ -303,7 +305,7 @@ impl Scheduler {
                                 ..Choice::default()
                             })
                             .collect();
-                        let g = Generation { choices, stats: Default::default() };
+                        let g = Generation { choices, ..Generation::default() };
                         self.retire(w.req, None, Exit::Finished(g), store);
                     }
                 }
@@ -429,7 +431,8 @@ impl Scheduler {
             if r.stop {
                 let stats = r.session.stats().clone();
                 let choices = r.session.close(store);
-                let g = Generation { choices: merged(&r.req, r.resume, choices), stats };
+                let g =
+                    Generation { choices: merged(&r.req, r.resume, choices), stats, cached_prompt_tokens: r.cached };
                 self.retire(r.req, None, Exit::Finished(g), store);
             } else if r.gone {
                 self.retire(r.req, Some(r.session), Exit::Cancelled, store);
@@ -507,8 +510,11 @@ impl Scheduler {
             };
             // (Creating a session emits nothing.)
             store.set_partition(partition(self.cfg.prefix_sharing, &w.req.sub.meta));
+            // Sessions start one at a time, so the store's count moves by this request's alone.
+            let before = store.cache_stats().map_or(0, |c| c.cached_prompt_tokens);
             match Session::create(Arc::clone(&w.req.sub.strategy), store, &req, &mut |_, _, _, _| {}) {
                 Ok(session) => {
+                    let cached = store.cache_stats().map_or(0, |c| c.cached_prompt_tokens).saturating_sub(before);
                     self.out.admitted.push(w.req.sub.id);
                     let emitted = vec![0; w.req.streamed.len()];
                     self.running.push(Running {
@@ -521,6 +527,7 @@ impl Scheduler {
                         diverged: false,
                         prefilled: false,
                         deferred: false,
+                        cached: cached as usize,
                     });
                 }
                 Err(e) => self.retire(w.req, None, Exit::Failed(e.to_string()), store),
@@ -701,7 +708,11 @@ impl Scheduler {
                 Ok(()) => {
                     let stats = r.session.stats().clone();
                     let choices = r.session.close(store);
-                    let g = Generation { choices: merged(&r.req, r.resume, choices), stats };
+                    let g = Generation {
+                        choices: merged(&r.req, r.resume, choices),
+                        stats,
+                        cached_prompt_tokens: r.cached,
+                    };
                     self.retire(r.req, None, Exit::Finished(g), store);
                 }
                 Err(msg) => self.retire(r.req, Some(r.session), Exit::Failed(msg), store),

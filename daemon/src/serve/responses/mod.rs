@@ -520,7 +520,7 @@ impl Reply {
         }
         if let Some(u) = &self.turn.usage {
             v["usage"] = json!({
-                "input_tokens": u.prompt, "input_tokens_details": { "cached_tokens": 0 },
+                "input_tokens": u.prompt, "input_tokens_details": { "cached_tokens": u.cached },
                 "output_tokens": u.completion, "output_tokens_details": { "reasoning_tokens": 0 },
                 "total_tokens": u.prompt + u.completion,
             });
