@@ -189,7 +189,7 @@ impl ThreadPool {
     /// otherwise leave every other core idle.
     pub fn for_rows<T: Send>(&self, data: &mut [T], row_len: usize, f: &(dyn Fn(usize, &mut [T]) + Sync)) {
         let rows = data.len() / row_len.max(1);
-        if self.threads() == 1 || data.len() < PARALLEL_ROWS_MIN || rows < 2 {
+        if self.threads() == 1 || data.len() < PARALLEL_ROWS_MIN || rows < 2 || row_len == 0 {
             return f(0, data);
         }
         let per = rows.div_ceil(self.threads());
@@ -312,6 +312,8 @@ mod tests {
     fn for_rows_gives_every_row_once_with_its_index() {
         let pool = ThreadPool::new(3);
         // Below and above the size that goes parallel, rows that do and do not divide evenly.
+        let mut empty = vec![1u8; 1 << 16];
+        pool.for_rows(&mut empty, 0, &|first, run| assert_eq!((first, run.len()), (0, 1 << 16), "rows of nothing"));
         for (rows, width) in [(1, 8), (5, 16), (1000, 64), (1001, 33), (7, 1 << 13)] {
             let mut data = vec![0usize; rows * width];
             let calls = AtomicUsize::new(0);

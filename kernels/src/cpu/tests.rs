@@ -85,9 +85,22 @@ fn f16_attention_kernels_match(k: &Kernels, kv: &[f32], q: &[f32], a: f32) -> Re
 /// Scores and weighted values of `g` heads of size `hd` against `n` keys, for the head sizes
 /// with AVX-512 kernels of their own (64, 128, 256) and others (80: a 16-dimension tail after
 /// the AVX2 value kernel's 32-wide tiles; 96), fewer and more than 16 (key, head) pairs, and
-/// head groups that do and do not fill the kernels' tiles (4 heads for scores, 3 or 4 for values).
+/// head groups that do and do not fill the kernels' tiles (4 heads for scores, 3 or 4 for
+/// values; Qwen2.5's 6 and 7, and 12).
 fn grouped_attention_kernels_match(k: &Kernels, kv: &[f32], q: &[f32], p: &[f32]) -> Result<(), TestCaseError> {
-    for (hd, g, n) in [(64, 3, 5), (64, 3, 37), (128, 7, 9), (256, 4, 20), (256, 1, 3), (80, 2, 11), (96, 5, 17)] {
+    let cases = [
+        (64, 3, 5),
+        (64, 3, 37),
+        (128, 7, 9),
+        (256, 4, 20),
+        (256, 1, 3),
+        (80, 2, 11),
+        (96, 5, 17),
+        (128, 6, 21),
+        (64, 5, 13),
+        (128, 12, 7),
+    ];
+    for (hd, g, n) in cases {
         let take = |v: &[f32], len: usize| -> Vec<f32> {
             (0..len).map(|i| v[i % v.len()] * (1.0 + (i / v.len()) as f32 * 0.1)).collect()
         };
