@@ -30,17 +30,24 @@ fn cases() -> Vec<Value> {
     ]
 }
 
-#[test]
-fn fill_in_the_middle_is_llama_servers_and_the_clients_suffix() {
+/// The coder model under llama-server (its port) and under a daemon whose `[server]` table
+/// holds `server`; None (the test skips) where no llama-server was built.
+fn coder_served_twice(name: &str, server: &str) -> Option<(Daemon, super::remote::LlamaServer, u16)> {
     let Some(bin) = llama_server() else {
         eprintln!("skipped: no llama-server (tests/build-llama-server builds one)");
-        return;
+        return None;
     };
-    let dir = scratch("fim");
+    let dir = scratch(name);
     let port = free_port();
     let coder = coder();
-    let server = super::remote::spawn_llama_server(&bin, coder.to_str().unwrap(), port, &dir, &[]);
-    let d = Daemon::start(&dir, &format!("[[model]]\npath = \"{}\"\n", coder.display()), &[]);
+    let theirs = super::remote::spawn_llama_server(&bin, coder.to_str().unwrap(), port, &dir, &[]);
+    let config = format!("[server]\n{server}[[model]]\npath = \"{}\"\n", coder.display());
+    Some((Daemon::start(&dir, &config, &[]), theirs, port))
+}
+
+#[test]
+fn fill_in_the_middle_is_llama_servers_and_the_clients_suffix() {
+    let Some((d, server, port)) = coder_served_twice("fim", "") else { return };
     let json = |s: &str| -> Value { serde_json::from_str(s).unwrap_or_else(|e| panic!("{e}: {s}")) };
 
     // `/infill`: llama-server's prompt layout (repository form, extra files) and answer shape.
@@ -103,22 +110,14 @@ fn fill_in_the_middle_is_llama_servers_and_the_clients_suffix() {
 }
 
 /// `server.infill_layout = "typed-after-middle"`: the typed text after the middle token (the
-/// prompt llama-server's `/completion` answers as the same text in special-token form), the
-/// suffix cut to the same share whatever was typed, so a request typed further along the line
-/// takes all but its newest tokens from the prefix cache.
+/// prompt llama-server's `/completion` answers when sent the same token ids), the suffix cut
+/// to the same share whatever was typed, so a request typed further along the line takes all
+/// but its newest tokens from the prefix cache, and the answers say how many.
 #[test]
 fn typed_text_after_the_middle_token_keeps_the_rest_cached() {
-    let Some(bin) = llama_server() else {
-        eprintln!("skipped: no llama-server (tests/build-llama-server builds one)");
+    let Some((d, server, port)) = coder_served_twice("fim-typed", "infill_layout = \"typed-after-middle\"\n") else {
         return;
     };
-    let dir = scratch("fim-typed");
-    let port = free_port();
-    let coder = coder();
-    let server = super::remote::spawn_llama_server(&bin, coder.to_str().unwrap(), port, &dir, &[]);
-    let config =
-        format!("[server]\ninfill_layout = \"typed-after-middle\"\n[[model]]\npath = \"{}\"\n", coder.display());
-    let d = Daemon::start(&dir, &config, &[]);
     let json = |s: &str| -> Value { serde_json::from_str(s).unwrap_or_else(|e| panic!("{e}: {s}")) };
     let prefix = "import math\n\n\ndef area(shape, *dims):\n    \"\"\"Area of a circle, square or rectangle.\"\"\"\n";
     // A suffix past its share (510 tokens less the typed text's, in llama-server's layout).
