@@ -8,7 +8,7 @@
 //! Defaults: 2 threads, 1,024 positions, SmolLM2-135M's 9 query heads over 3 KV heads of 64,
 //! 1 token (a query per token, each its own sequence), 30 layers, each with its own pool of
 //! 16-position blocks in shuffled order, so the layers' K/V together come from memory as in a
-//! step; the best of five rounds.
+//! step; the best of fifteen rounds.
 
 use half::f16;
 use inferd_kernels::attention::{attend_batch, PagedKv, QueryCtx};
@@ -67,7 +67,7 @@ fn run() -> Result<String, String> {
     let scale = 1.0 / (hd as f32).sqrt();
     let reps = (400_000_000 / (ctx * heads * hd * tokens * layers)).clamp(1, 50);
     let mut best = f64::MAX;
-    for _ in 0..5 {
+    for _ in 0..15 {
         let start = Instant::now();
         for _ in 0..reps {
             for (kc, vc) in &pools {

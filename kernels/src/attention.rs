@@ -1,13 +1,17 @@
 //! Attention of one query head over a paged K/V cache (the PagedAttention layout of vLLM).
 //!
-//! One layer's cache is a pool of blocks, each `[n_kv_heads][block_size][head_dim]` f16 for K and
-//! the same for V, so the keys of one head within a block are contiguous. A sequence reaches its
-//! positions through its block table: position `p` lives in block `table[p / block_size]`, slot
-//! `p % block_size`.
+//! One layer's cache is a pool of blocks, each holding, for each KV head in turn, a tile of
+//! `block_size × head_dim` f16 for K and the same for V. A V tile is position-major (`[slot]
+//! [head_dim]`, a value row contiguous); a K tile is stored transposed, dimension-major
+//! (`[head_dim][slot]`), so the same dimension of a block's keys is contiguous and a kernel
+//! scores 16 keys in the 16 lanes of a vector with no horizontal sums ([`KeysT`]). A sequence
+//! reaches its positions through its block table: position `p` lives in block `table[p /
+//! block_size]`, slot `p % block_size`.
 
-use crate::cpu::Kernels;
+use crate::cpu::{Ahead, Kernels, KeysT};
 use crate::pool::{SyncPtr, ThreadPool};
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -26,17 +30,34 @@ pub struct PagedKv<'a> {
 }
 
 impl PagedKv<'_> {
-    /// Offset of `(block, kv_head, slot)` in a pool.
+    /// Where the K and V tiles of `(block, kv_head)` start in a pool whose blocks are
+    /// `n_kv_heads * block_size * head_dim` apart.
     #[inline]
-    pub fn offset(
-        block_size: usize,
-        n_kv_heads: usize,
-        head_dim: usize,
-        block: usize,
-        kv_head: usize,
-        slot: usize,
-    ) -> usize {
-        ((block * n_kv_heads + kv_head) * block_size + slot) * head_dim
+    pub fn tile(block_size: usize, n_kv_heads: usize, head_dim: usize, block: usize, kv_head: usize) -> usize {
+        (block * n_kv_heads + kv_head) * block_size * head_dim
+    }
+
+    /// Writes one position's key and value (`head_dim` floats each, as f16) into slot `slot` of
+    /// the tiles starting at `tile` ([`PagedKv::tile`]) of pools `k` and `v`: the value as a
+    /// row, the key down its tile's column.
+    pub fn store(
+        k: &mut [f16],
+        v: &mut [f16],
+        (tile, block_size, slot): (usize, usize, usize),
+        key: &[f32],
+        value: &[f32],
+    ) {
+        let hd = key.len();
+        assert!(slot < block_size && value.len() == hd, "a slot of the block, a value per key");
+        // The half crate converts slices 4 or 8 at a time where the CPU has F16C.
+        v[tile + slot * hd..tile + (slot + 1) * hd].convert_from_f32_slice(value);
+        let mut halves = [f16::ZERO; 64];
+        for (c, part) in key.chunks(64).enumerate() {
+            halves[..part.len()].convert_from_f32_slice(part);
+            for (d, &h) in (64 * c..).zip(&halves[..part.len()]) {
+                k[tile + d * block_size + slot] = h;
+            }
+        }
     }
 }
 
@@ -49,10 +70,11 @@ impl PagedKv<'_> {
 /// prompt) runs a tile of tokens a task, piece by piece, so the tile's tokens read each piece's
 /// keys and values while they are in the cache. Either way a token gets the same pieces, folded
 /// by the same function in the same order: its result is the same in any batch, bit for bit.
-pub const PIECE: usize = 64;
-
-/// Score rows per step of the softmax passes in [`weights`].
-const ROWS: usize = 8;
+/// 128 positions (eight blocks of 16) rather than 64: each piece starts its block stream cold
+/// and is folded once, and at 8,192 positions of Qwen2.5-1.5B's shape twice the length took
+/// a decode step's attention from 64-68 to 60-63 ns a position on two Zen 4 cores (256: 58-60,
+/// at half the tasks for many-core machines; BENCHMARKS.md).
+pub const PIECE: usize = 128;
 
 /// Tokens per task where a batch is attended in tiles ([`PIECE`]).
 const TILE: usize = 16;
@@ -76,31 +98,42 @@ fn slot(g: usize, hd: usize) -> usize {
     g * hd + 2 * g
 }
 
-/// The block runs of positions `lo..hi` of KV head `kv_head`: (pool offset, index from `lo`,
-/// count) for each block the range touches.
+/// One block's run of a range of positions of one KV head.
+#[derive(Clone, Copy, Debug)]
+struct Span {
+    /// Where the block's tiles of the KV head start in the pools.
+    tile: usize,
+    /// The run's first slot in the block.
+    slot: usize,
+    /// The run's first position, counted from the range's start.
+    at: usize,
+    n: usize,
+}
+
+/// The block runs of positions `lo..hi` of KV head `kv_head`, one for each block the range
+/// touches.
 fn spans<'t>(
     kv: &PagedKv<'_>,
     table: &'t [u32],
     (lo, hi): (usize, usize),
     kv_head: usize,
-) -> impl Iterator<Item = (usize, usize, usize)> + 't {
+) -> impl Iterator<Item = Span> + 't {
     let (bs, hd, nkv, stride) = (kv.block_size, kv.head_dim, kv.n_kv_heads, kv.block_floats);
     (lo / bs..hi.div_ceil(bs)).map(move |b| {
         let (from, to) = ((b * bs).max(lo), ((b + 1) * bs).min(hi));
-        (table[b] as usize * stride + PagedKv::offset(bs, nkv, hd, 0, kv_head, from - b * bs), from - lo, to - from)
+        let tile = table[b] as usize * stride + PagedKv::tile(bs, nkv, hd, 0, kv_head);
+        Span { tile, slot: from - b * bs, at: from - lo, n: to - from }
     })
 }
 
-/// Fetches `len` halves at `o` of `pool` (one KV head's keys or values in a block) into L2
-/// ahead of their use. A sequence's blocks lie anywhere in the pool, so the processor's stream
-/// prefetchers, which follow addresses in order, start cold at every block.
-#[inline]
-fn fetch(pool: &[f16], o: usize, len: usize) {
-    crate::cpu::prefetch(&(pool.as_ptr().wrapping_add(o).cast(), 0..(2 * len).div_ceil(64)), 0, 1);
+/// The 64-byte lines of `len` halves at `o` of `pool`.
+fn lines(pool: &[f16], o: usize, len: usize) -> Ahead {
+    (pool.as_ptr().wrapping_add(o).cast(), 0..(2 * len).div_ceil(64))
 }
 
-/// The `g` heads' scores over positions `lo..hi` (`scores`, `[position][head]`), shifted by
-/// each head's maximum and exponentiated; returns each head's maximum and sum of exponentials.
+/// The `g` heads' scores over positions `lo..hi` (`scores`, `[head][position]`, a row of `hi -
+/// lo` a head), shifted by each head's maximum and exponentiated; returns each head's maximum
+/// and sum of exponentials.
 #[allow(clippy::too_many_arguments)]
 fn weights(
     k: &Kernels,
@@ -108,56 +141,40 @@ fn weights(
     table: &[u32],
     range: (usize, usize),
     kv_head: usize,
-    q: &[f32],
+    qt: &[f32],
     g: usize,
     scale: f32,
     scores: &mut [f32],
 ) -> ([f32; 64], [f32; 64]) {
-    let hd = kv.head_dim;
-    // While a block's keys are scored, the next block's keys and this block's values (used
-    // after the softmax) are fetched.
+    let (hd, bs, len) = (kv.head_dim, kv.block_size, range.1 - range.0);
+    // While a block's keys are scored, the kernel fetches the next block's keys and this
+    // block's values (used after the softmax), a part at a time between its products.
     let mut blocks = spans(kv, table, range, kv_head).peekable();
-    while let Some((o, at, n)) = blocks.next() {
-        if let Some(&(next, _, m)) = blocks.peek() {
-            fetch(kv.k, next, m * hd);
-        }
-        fetch(kv.v, o, n * hd);
-        (k.attn_scores)(&kv.k[o..o + n * hd], q, hd, g, scale, &mut scores[at * g..(at + n) * g]);
+    while let Some(s) = blocks.next() {
+        let next = blocks.peek().map_or((kv.k.as_ptr().cast(), 0..0), |n| lines(kv.k, n.tile, hd * bs));
+        let keys = KeysT { k: &kv.k[s.tile + s.slot..s.tile + hd * bs], bs, n: s.n, hd };
+        let ahead = [next, lines(kv.v, s.tile + s.slot * hd, s.n * hd)];
+        (k.attn_scores)(keys, qt, g, scale, &mut scores[s.at..], len, &ahead);
     }
-    // Each head's column (stride g): shift by the column max, one vector exp over everything.
-    // The passes go over [`ROWS`] rows at a time, element-wise against a pattern of those rows,
-    // so they run in vectors whatever g is; the rows past the last whole run one at a time.
-    let run = ROWS * g;
-    let whole = scores.len() / run * run;
-    let mut lanes = [f32::NEG_INFINITY; 64 * ROWS];
-    let lanes = &mut lanes[..run];
-    for c in scores[..whole].chunks_exact(run) {
-        lanes.iter_mut().zip(c).for_each(|(m, &v)| *m = m.max(v));
-    }
+    // Each head's row: its maximum (in 16 running lanes, so the pass runs in vectors), then
+    // its exponentials shifted by it and their sum in one pass of the kernel.
     let mut max = [f32::NEG_INFINITY; 64];
-    for row in lanes.chunks_exact(g).chain(scores[whole..].chunks_exact(g)) {
-        max[..g].iter_mut().zip(row).for_each(|(m, &v)| *m = m.max(v));
-    }
-    lanes.chunks_exact_mut(g).for_each(|row| row.copy_from_slice(&max[..g]));
-    for c in scores[..whole].chunks_exact_mut(run) {
-        c.iter_mut().zip(lanes.iter()).for_each(|(v, m)| *v -= m);
-    }
-    for row in scores[whole..].chunks_exact_mut(g) {
-        row.iter_mut().zip(&max[..g]).for_each(|(v, m)| *v -= m);
-    }
-    (k.exp)(scores);
-    lanes.fill(0.0);
-    for c in scores[..whole].chunks_exact(run) {
-        lanes.iter_mut().zip(c).for_each(|(s, &v)| *s += v);
-    }
     let mut sum = [0f32; 64];
-    for row in lanes.chunks_exact(g).chain(scores[whole..].chunks_exact(g)) {
-        sum[..g].iter_mut().zip(row).for_each(|(s, &v)| *s += v);
+    for ((row, m), s) in scores.chunks_exact_mut(len).zip(&mut max).zip(&mut sum) {
+        let mut lanes = [f32::NEG_INFINITY; 16];
+        let mut chunks = row.chunks_exact(16);
+        for c in &mut chunks {
+            lanes.iter_mut().zip(c).for_each(|(a, &v)| *a = a.max(v));
+        }
+        lanes.iter_mut().zip(chunks.remainder()).for_each(|(a, &v)| *a = a.max(v));
+        *m = lanes.into_iter().fold(f32::NEG_INFINITY, f32::max);
+        *s = (k.exp_sum)(row, *m);
     }
     (max, sum)
 }
 
-/// `out` (`g × head_dim`, zeroed first) = the values of positions `lo..hi` weighted by `p`.
+/// `out` (`g × head_dim`, zeroed first) = the values of positions `lo..hi` weighted by `p`
+/// (`[head][position]`, rows of `hi - lo`).
 #[allow(clippy::too_many_arguments)]
 fn weighted_values(
     k: &Kernels,
@@ -169,26 +186,27 @@ fn weighted_values(
     g: usize,
     out: &mut [f32],
 ) {
-    let hd = kv.head_dim;
+    let (hd, len) = (kv.head_dim, range.1 - range.0);
     out.fill(0.0);
-    for (o, at, n) in spans(kv, table, range, kv_head) {
-        (k.attn_values)(&kv.v[o..o + n * hd], &p[at * g..(at + n) * g], hd, g, out);
+    for s in spans(kv, table, range, kv_head) {
+        let o = s.tile + s.slot * hd;
+        (k.attn_values)(&kv.v[o..o + s.n * hd], &p[s.at..], len, hd, g, out);
     }
 }
 
 /// Causal attention of the `g` query heads that share KV head `kv_head` (GQA), over positions
 /// `start..ctx_len` of the sequence whose blocks are `table` (`start > 0` for a sliding
-/// window), in one piece. `q` holds the `g` rotated query vectors back to back (`g × head_dim`);
-/// the results go to `out` in the same layout. `scores` is scratch of at least `(ctx_len -
-/// start) * g`. Each key and value is converted from f16 once per group.
+/// window), in one piece. `qt` holds the `g` rotated query vectors transposed (`head_dim × g`,
+/// [`transpose_groups`]); the results go to `out` as `g × head_dim`. `scores` is scratch of at
+/// least `(ctx_len - start) * g`. Each key and value is converted from f16 once per group.
 #[allow(clippy::too_many_arguments)]
-pub fn attend_group(
+fn attend_group(
     k: &Kernels,
     kv: &PagedKv<'_>,
     table: &[u32],
     (start, ctx_len): (usize, usize),
     kv_head: usize,
-    q: &[f32],
+    qt: &[f32],
     g: usize,
     scale: f32,
     sinks: Option<&[f32]>,
@@ -197,13 +215,14 @@ pub fn attend_group(
 ) {
     assert!((1..=64).contains(&g), "at most 64 query heads per KV head");
     assert!(start < ctx_len, "a query sees at least its own position");
-    let scores = &mut scores[..(ctx_len - start) * g];
-    let (max, mut sum) = weights(k, kv, table, (start, ctx_len), kv_head, q, g, scale, scores);
+    let len = ctx_len - start;
+    let scores = &mut scores[..len * g];
+    let (max, mut sum) = weights(k, kv, table, (start, ctx_len), kv_head, qt, g, scale, scores);
     if let Some(sinks) = sinks {
         (0..g).for_each(|j| sum[j] += (sinks[j] - max[j]).exp());
     }
-    for row in scores.chunks_exact_mut(g) {
-        row.iter_mut().zip(&sum[..g]).for_each(|(v, s)| *v /= s);
+    for (row, s) in scores.chunks_exact_mut(len).zip(&sum[..g]) {
+        row.iter_mut().for_each(|v| *v /= s);
     }
     weighted_values(k, kv, table, (start, ctx_len), kv_head, scores, g, out);
 }
@@ -217,7 +236,7 @@ fn attend_piece(
     table: &[u32],
     (lo, hi): (usize, usize),
     kv_head: usize,
-    q: &[f32],
+    qt: &[f32],
     g: usize,
     scale: f32,
     scores: &mut [f32],
@@ -225,7 +244,7 @@ fn attend_piece(
 ) {
     let hd = kv.head_dim;
     let scores = &mut scores[..(hi - lo) * g];
-    let (max, sum) = weights(k, kv, table, (lo, hi), kv_head, q, g, scale, scores);
+    let (max, sum) = weights(k, kv, table, (lo, hi), kv_head, qt, g, scale, scores);
     let (values, stats) = out.split_at_mut(g * hd);
     weighted_values(k, kv, table, (lo, hi), kv_head, scores, g, values);
     stats[..g].copy_from_slice(&max[..g]);
@@ -272,6 +291,8 @@ pub struct QueryCtx<'a> {
 
 thread_local! {
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// The calling thread's queries of one [`attend_batch`] call, transposed ([`transpose_groups`]).
+    static QT: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// The calling thread's slots for the pieces of split queries, kept between calls.
     static PARTIALS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// A tile task's running slot for each token of its tile, then one for the current piece.
@@ -333,9 +354,24 @@ pub fn attend_batch(
             "block id outside the pool"
         );
     }
-    match Schedule::for_batch(pool, ctx.len(), kv.n_kv_heads) {
-        Schedule::Tiles => attend_tiles(pool, k, kv, (n_heads, scale, sinks), q, ctx, out),
-        Schedule::Pieces => attend_in_waves(pool, k, kv, (n_heads, scale, sinks), q, ctx, out, WAVE_FLOATS),
+    QT.with_borrow_mut(|qt| {
+        transpose_groups(q, group, hd, qt);
+        match Schedule::for_batch(pool, ctx.len(), kv.n_kv_heads) {
+            Schedule::Tiles => attend_tiles(pool, k, kv, (n_heads, scale, sinks), qt, ctx, out),
+            Schedule::Pieces => attend_in_waves(pool, k, kv, (n_heads, scale, sinks), qt, ctx, out, WAVE_FLOATS),
+        }
+    });
+}
+
+/// `q` (`[token][KV head][g][hd]`) with each KV head's `g × hd` group transposed to `[hd][g]`
+/// into `qt`: the form the score kernels take ([`Kernels::attn_scores`]), made once a call
+/// rather than once a piece.
+fn transpose_groups(q: &[f32], g: usize, hd: usize, qt: &mut Vec<f32>) {
+    qt.resize(q.len(), 0.0);
+    for (src, dst) in q.chunks_exact(g * hd).zip(qt.chunks_exact_mut(g * hd)) {
+        for (j, qj) in src.chunks_exact(hd).enumerate() {
+            dst.iter_mut().skip(j).step_by(g).zip(qj).for_each(|(t, &x)| *t = x);
+        }
     }
 }
 
@@ -347,7 +383,7 @@ fn attend_in_waves(
     k: &Kernels,
     kv: &PagedKv<'_>,
     (n_heads, scale, sinks): (usize, f32, Option<&[f32]>),
-    q: &[f32],
+    qt: &[f32],
     ctx: &[QueryCtx<'_>],
     out: &mut [f32],
     wave_floats: usize,
@@ -364,8 +400,8 @@ fn attend_in_waves(
             }
             (t1, floats) = (t1 + 1, floats + need);
         }
-        let (q, out) = (&q[t0 * qdim..t1 * qdim], &mut out[t0 * qdim..t1 * qdim]);
-        attend_wave(pool, k, kv, (n_heads, scale, sinks), q, &ctx[t0..t1], out);
+        let (qt, out) = (&qt[t0 * qdim..t1 * qdim], &mut out[t0 * qdim..t1 * qdim]);
+        attend_wave(pool, k, kv, (n_heads, scale, sinks), qt, &ctx[t0..t1], out);
         t0 = t1;
     }
 }
@@ -376,7 +412,7 @@ fn attend_wave(
     k: &Kernels,
     kv: &PagedKv<'_>,
     (n_heads, scale, sinks): (usize, f32, Option<&[f32]>),
-    q: &[f32],
+    qt: &[f32],
     ctx: &[QueryCtx<'_>],
     out: &mut [f32],
 ) {
@@ -413,7 +449,7 @@ fn attend_wave(
             let (c, ps) = (ctx[t], pieces(&ctx[t]));
             let (g, piece) = ((i - first[t]) / ps.len(), (i - first[t]) % ps.len());
             let off = t * qdim + g * group * hd;
-            let q = &q[off..off + group * hd];
+            let q = &qt[off..off + group * hd];
             SCORES.with_borrow_mut(|scores| {
                 if scores.len() < PIECE * group {
                     scores.resize(PIECE * group, 0.0);
@@ -462,7 +498,7 @@ fn attend_tiles(
     k: &Kernels,
     kv: &PagedKv<'_>,
     (n_heads, scale, sinks): (usize, f32, Option<&[f32]>),
-    q: &[f32],
+    qt: &[f32],
     ctx: &[QueryCtx<'_>],
     out: &mut [f32],
 ) {
@@ -480,7 +516,7 @@ fn attend_tiles(
         // shape); `out` outlives `pool.run`.
         let out_of =
             |t: usize| unsafe { std::slice::from_raw_parts_mut(dst.get().add(t * qdim + g * group * hd), group * hd) };
-        let q_of = |t: usize| &q[t * qdim + g * group * hd..][..group * hd];
+        let q_of = |t: usize| &qt[t * qdim + g * group * hd..][..group * hd];
         SCORES.with_borrow_mut(|scores| {
             TILE_SLOTS.with_borrow_mut(|slots| {
                 if scores.len() < PIECE * group {
@@ -560,11 +596,12 @@ mod tests {
         let table = [2u32, 0];
         let mut kp = vec![f16::ZERO; 3 * stride];
         let mut vp = kp.clone();
+        // The layout written out: a value row at its slot, a key down its slot's column.
         for p in 0..ctx {
-            let o = table[p / bs] as usize * stride + PagedKv::offset(bs, nkv, hd, 0, 0, p % bs);
+            let (tile, slot) = (table[p / bs] as usize * stride, p % bs);
             for i in 0..hd {
-                kp[o + i] = f16::from_f32(keys[p][i]);
-                vp[o + i] = f16::from_f32(vals[p][i]);
+                kp[tile + i * bs + slot] = f16::from_f32(keys[p][i]);
+                vp[tile + slot * hd + i] = f16::from_f32(vals[p][i]);
             }
         }
         // Two query heads share the KV head.
@@ -577,7 +614,9 @@ mod tests {
         {
             let mut scores = vec![0.0; ctx * g];
             let mut out = vec![0.0; g * hd];
-            attend_group(&kern, &kv, &table, (start, ctx), 0, &q, g, 0.5, None, &mut scores, &mut out);
+            let mut qt = Vec::new();
+            transpose_groups(&q, g, hd, &mut qt);
+            attend_group(&kern, &kv, &table, (start, ctx), 0, &qt, g, 0.5, None, &mut scores, &mut out);
             // Contiguous reference with the same f16-rounded values, one head at a time.
             let r = |x: f32| f16::from_f32(x).to_f32();
             for j in 0..g {
@@ -615,11 +654,10 @@ mod tests {
         let mut vp = kp.clone();
         for p in 0..len {
             for h in 0..nkv {
-                let o = PagedKv::offset(bs, nkv, hd, table[p / bs] as usize, h, p % bs);
-                for i in 0..hd {
-                    kp[o + i] = f16::from_f32(val(p, h, i, 0));
-                    vp[o + i] = f16::from_f32(val(p, h, i, 5));
-                }
+                let tile = PagedKv::tile(bs, nkv, hd, table[p / bs] as usize, h);
+                let key: Vec<f32> = (0..hd).map(|i| val(p, h, i, 0)).collect();
+                let value: Vec<f32> = (0..hd).map(|i| val(p, h, i, 5)).collect();
+                PagedKv::store(&mut kp, &mut vp, (tile, bs, p % bs), &key, &value);
             }
         }
         (table, kp, vp)
@@ -688,17 +726,20 @@ mod tests {
             // gpt-oss's attention sinks: a logit per query head, large and small.
             let sink_logits: Vec<f32> = (0..n_heads).map(|h| [0.5, -1.0, 2.5, 0.0][h % 4]).collect();
             let kernels = [Kernels::scalar(), Kernels::detect()];
+            // The internal schedules take the queries as attend_batch hands them on.
+            let mut qt = Vec::new();
+            transpose_groups(&q, n_heads / nkv, hd, &mut qt);
             for (kern, sinks) in kernels.into_iter().flat_map(|k| [(k, None), (k, Some(&sink_logits[..]))]) {
                 let mut all = vec![0.0; q.len()];
                 attend_batch(&pool, &kern, &kv, n_heads, scale, sinks, &q, &ctx, &mut all);
                 // In waves of a token or two, the same bits.
                 let mut waves = vec![0.0; q.len()];
                 let wave = 2 * nkv * 3 * slot(n_heads / nkv, hd);
-                attend_in_waves(&pool, &kern, &kv, (n_heads, scale, sinks), &q, &ctx, &mut waves, wave);
+                attend_in_waves(&pool, &kern, &kv, (n_heads, scale, sinks), &qt, &ctx, &mut waves, wave);
                 assert!(all.iter().zip(&waves).all(|(a, b)| a.to_bits() == b.to_bits()), "waves differ");
                 // In tiles, the same bits.
                 let mut tiles = vec![0.0; q.len()];
-                attend_tiles(&pool, &kern, &kv, (n_heads, scale, sinks), &q, &ctx, &mut tiles);
+                attend_tiles(&pool, &kern, &kv, (n_heads, scale, sinks), &qt, &ctx, &mut tiles);
                 assert!(all.iter().zip(&tiles).all(|(a, b)| a.to_bits() == b.to_bits()), "tiles differ");
                 for (t, &range) in ranges.iter().enumerate() {
                     // Alone, the token's result is the batch's, bit for bit.
@@ -748,11 +789,13 @@ mod tests {
         let q: Vec<f32> = (0..ctx.len() * qdim).map(|i| ((i * 7) % 19) as f32 / 9.0 - 1.0).collect();
         assert_eq!(Schedule::for_batch(&ThreadPool::new(1), ctx.len(), nkv), Schedule::Tiles);
         assert_eq!(Schedule::for_batch(&pool, ctx.len(), nkv), Schedule::Pieces);
+        let mut qt = Vec::new();
+        transpose_groups(&q, n_heads / nkv, hd, &mut qt);
         for kern in [Kernels::scalar(), Kernels::detect()] {
             let mut tiles = vec![0.0; q.len()];
-            attend_tiles(&pool, &kern, &kv, (n_heads, 0.3, None), &q, &ctx, &mut tiles);
+            attend_tiles(&pool, &kern, &kv, (n_heads, 0.3, None), &qt, &ctx, &mut tiles);
             let mut waves = vec![0.0; q.len()];
-            attend_in_waves(&pool, &kern, &kv, (n_heads, 0.3, None), &q, &ctx, &mut waves, WAVE_FLOATS);
+            attend_in_waves(&pool, &kern, &kv, (n_heads, 0.3, None), &qt, &ctx, &mut waves, WAVE_FLOATS);
             assert!(tiles.iter().zip(&waves).all(|(a, b)| a.to_bits() == b.to_bits()), "tiles and pieces differ");
             for t in [0, 1, 15, 16, 17, 39, 40, 42] {
                 let mut alone = vec![0.0; qdim];

@@ -40,11 +40,15 @@ pub fn kernels() -> Option<Kernels> {
         // SAFETY: as above.
         axpy_f16: |a, x, y| unsafe { axpy_f16(a, x, y) },
         // SAFETY: as above.
-        attn_scores: |k, q, hd, g, scale, out| unsafe { super::avx2_attn::attn_scores(k, q, hd, g, scale, out) },
+        attn_scores: |k, q, g, scale, out, stride, ahead| unsafe {
+            super::avx2_attn::attn_scores(k, q, g, scale, out, stride, ahead)
+        },
         // SAFETY: as above.
-        attn_values: |v, p, hd, g, out| unsafe { super::avx2_attn::attn_values(v, p, hd, g, out) },
+        attn_values: |v, p, stride, hd, g, out| unsafe { super::avx2_attn::attn_values(v, p, stride, hd, g, out) },
         // SAFETY: as above.
         exp: |x| unsafe { exp(x) },
+        // SAFETY: as above.
+        exp_sum: |x, shift| unsafe { exp_sum(x, shift) },
         // SAFETY: as above.
         geglu: |g, u| unsafe { geglu(g, u) },
         // SAFETY: as above.
@@ -273,6 +277,29 @@ unsafe fn axpy_f16(a: f32, x: &[f16], y: &mut [f32]) {
         i += 8;
     }
     super::scalar::axpy_f16(a, &x[i..n], &mut y[i..n]);
+}
+
+/// `x[i] = exp(x[i] - shift)` through [`exp8`], returning their sum (8 running lanes, then
+/// the lanes in order and the tail one at a time).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn exp_sum(x: &mut [f32], shift: f32) -> f32 {
+    let (vs, mut acc) = (_mm256_set1_ps(shift), _mm256_setzero_ps());
+    let mut chunks = x.chunks_exact_mut(8);
+    for c in &mut chunks {
+        // SAFETY: `c` is 8 f32s.
+        unsafe {
+            let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), vs));
+            _mm256_storeu_ps(c.as_mut_ptr(), e);
+            acc = _mm256_add_ps(acc, e);
+        }
+    }
+    let mut lanes = [0f32; 8];
+    // SAFETY: 8 f32 into the local array.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+    lanes.iter().sum::<f32>() + super::scalar::exp_sum(chunks.into_remainder(), shift)
 }
 
 /// `exp` of 8 lanes: `2^n * e^r` with `n = round(x / ln 2)`, `|r| <= ln 2 / 2`, and a degree-6

@@ -25,9 +25,13 @@ pub fn kernels() -> Option<Kernels> {
         // SAFETY: as above.
         gemv16_packed: Some(|dt, w, rb, a, out| unsafe { super::avx512_packed::gemv16_packed(dt, w, rb, a, out) }),
         // SAFETY: as above.
-        attn_scores: |k, q, hd, g, scale, out| unsafe { super::avx512_attn::attn_scores(k, q, hd, g, scale, out) },
+        attn_scores: |k, q, g, scale, out, stride, ahead| unsafe {
+            super::avx512_attn::attn_scores(k, q, g, scale, out, stride, ahead)
+        },
         // SAFETY: as above.
-        attn_values: |v, p, hd, g, out| unsafe { super::avx512_attn::attn_values(v, p, hd, g, out) },
+        attn_values: |v, p, stride, hd, g, out| unsafe { super::avx512_attn::attn_values(v, p, stride, hd, g, out) },
+        // SAFETY: as above.
+        exp_sum: |x, shift| unsafe { super::avx512_attn::exp_sum(x, shift) },
         ..base
     })
 }

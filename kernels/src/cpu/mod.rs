@@ -78,15 +78,21 @@ pub struct Kernels {
     pub dot_f16_f32: fn(&[half::f16], &[f32]) -> f32,
     /// `y += a * x` with `x` stored as f16 (attention-weighted sum of the V cache).
     pub axpy_f16: fn(f32, &[half::f16], &mut [f32]),
-    /// Attention scores of `g` query heads against `n` cached keys of one KV head:
-    /// `out[i * g + j] = scale * k[i] · q[j]` (`k`: `n × hd` f16, `q`: `g × hd`).
+    /// Attention scores of `g` query heads against the keys of one KV head in one block,
+    /// stored transposed ([`KeysT`]): `out[j * stride + i] = scale * k(i) · q[j]`, the queries
+    /// given transposed too (`qt[d * g + j]` is element `d` of head `j`'s), while the lines of
+    /// `ahead` (the next block's keys, this block's values) are fetched a part at a time
+    /// between the products.
     pub attn_scores: AttnScores,
-    /// Attention-weighted values: `out[j] += Σ_i p[i * g + j] * v[i]` (`v`: `n × hd` f16,
-    /// `out`: `g × hd`).
+    /// Attention-weighted values: `out[j] += Σ_i p[j * stride + i] * v[i]` (`v`: `n × hd`
+    /// f16, `out`: `g × hd`), in key order.
     pub attn_values: AttnValues,
     /// `x[i] = exp(x[i])` (softmax and SiLU; the AVX2 version is a polynomial within 2e-7
     /// relative error of `f32::exp`).
     pub exp: fn(&mut [f32]),
+    /// `x[i] = exp(x[i] - shift)`, returning their sum: a softmax row's exponentials and
+    /// denominator in one pass (attention's weights, `shift` the row's maximum).
+    pub exp_sum: fn(&mut [f32], f32) -> f32,
     /// `gate = gelu(gate) * up` with GELU's tanh approximation, in place (Gemma's feed-forward;
     /// the reference is [`crate::ops::geglu`], the AVX2 version `x · σ(2y)` through the vector
     /// `exp`).
@@ -111,7 +117,27 @@ pub type Gemv16 = fn(QuantType, &[u8], usize, &[Acts<'_>], &mut [[f32; 16]]);
 pub const GEMV_TOKENS: usize = 16;
 
 /// Lines (of 64 bytes, from a pointer) to fetch into L2 ahead of their use.
-pub(crate) type Ahead = (*const u8, std::ops::Range<usize>);
+pub type Ahead = (*const u8, std::ops::Range<usize>);
+
+/// The keys `0..n` of one KV head in one block of the K cache, which stores each block's keys
+/// transposed (dimension-major, see [`crate::attention`]): dimension `d` of key `i` is
+/// `k[d * bs + i]`, for `d < hd`. Sixteen keys' dimension `d` are then one vector, so a
+/// kernel scores 16 keys in 16 lanes with no horizontal sums.
+#[derive(Clone, Copy, Debug)]
+pub struct KeysT<'a> {
+    pub k: &'a [half::f16],
+    /// Halves from one dimension's keys to the next's: the block size.
+    pub bs: usize,
+    pub n: usize,
+    pub hd: usize,
+}
+
+impl KeysT<'_> {
+    /// Whether `k` holds every element the keys name, and no more keys than a row has.
+    pub fn valid(&self) -> bool {
+        self.n <= self.bs && (self.n == 0 || self.hd == 0 || (self.hd - 1) * self.bs + self.n <= self.k.len())
+    }
+}
 
 /// Part `i` of `parts` of the lines of `ahead`, fetched into L2 (`parts` 1: all of them): the
 /// packed kernels' next group of rows, attention's next K/V block. Does nothing off x86-64.
@@ -127,6 +153,33 @@ pub(crate) fn prefetch((from, lines): &Ahead, i: usize, parts: usize) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (from, n, i, parts);
+}
+
+/// Line ranges ([`Ahead`]) fetched a step at a time over a kernel's work: step `i` of `steps`
+/// fetches the `i`-th run of each range's lines, the runs as long as `steps` of them cover
+/// the range (no division per step).
+pub(crate) struct Fetch<'a> {
+    ahead: &'a [Ahead],
+    per: [usize; 4],
+}
+
+impl<'a> Fetch<'a> {
+    /// `ahead` (at most four ranges; the rest are not fetched) in `steps` steps.
+    pub(crate) fn new(ahead: &'a [Ahead], steps: usize) -> Self {
+        let ahead = &ahead[..ahead.len().min(4)];
+        let mut per = [0; 4];
+        per.iter_mut().zip(ahead).for_each(|(p, a)| *p = a.1.len().div_ceil(steps.max(1)));
+        Fetch { ahead, per }
+    }
+
+    /// Fetches step `i`'s run of each range into L2 (nothing past a range's end).
+    #[inline]
+    pub(crate) fn step(&self, i: usize) {
+        for ((from, lines), &per) in self.ahead.iter().zip(&self.per) {
+            let first = lines.start + i * per;
+            prefetch(&(*from, first..(first + per).min(lines.end)), 0, 1);
+        }
+    }
 }
 
 /// The first `n` of a [`Kernels::gemv16`] kernel's per-token accumulators `T`, arrays of the
@@ -172,10 +225,10 @@ impl Acts<'_> {
     }
 }
 
-/// See [`Kernels::attn_scores`]: `(k, q, hd, g, scale, out)`.
-pub type AttnScores = fn(&[half::f16], &[f32], usize, usize, f32, &mut [f32]);
-/// See [`Kernels::attn_values`]: `(v, p, hd, g, out)`.
-pub type AttnValues = fn(&[half::f16], &[f32], usize, usize, &mut [f32]);
+/// See [`Kernels::attn_scores`]: `(keys, qt, g, scale, out, stride, ahead)`.
+pub type AttnScores = fn(KeysT<'_>, &[f32], usize, f32, &mut [f32], usize, &[Ahead]);
+/// See [`Kernels::attn_values`]: `(v, p, stride, hd, g, out)`.
+pub type AttnValues = fn(&[half::f16], &[f32], usize, usize, usize, &mut [f32]);
 
 impl std::fmt::Debug for Kernels {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -222,6 +275,7 @@ impl Kernels {
             attn_scores: scalar::attn_scores,
             attn_values: scalar::attn_values,
             exp: scalar::exp,
+            exp_sum: scalar::exp_sum,
             geglu: crate::ops::geglu,
             swiglu: crate::ops::swiglu,
             gemv16: None,

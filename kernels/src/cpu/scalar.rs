@@ -1,6 +1,7 @@
 //! Scalar reference kernels: the numerical definition every fast path is tested against.
 //! Written for clarity, not speed; integer sums are exact so SIMD versions can match them closely.
 
+use super::{Ahead, KeysT};
 use crate::group;
 use crate::quant::{read_bf16, read_f16, read_f32, BlockQ8, QuantType, QK};
 use half::f16;
@@ -133,24 +134,31 @@ pub fn axpy_f16(a: f32, x: &[f16], y: &mut [f32]) {
     }
 }
 
-pub fn attn_scores(k: &[f16], q: &[f32], hd: usize, g: usize, scale: f32, out: &mut [f32]) {
-    let n = k.len() / hd;
-    for i in 0..n {
-        for j in 0..g {
-            out[i * g + j] = scale * dot_f16_f32(&k[i * hd..(i + 1) * hd], &q[j * hd..(j + 1) * hd]);
+pub fn attn_scores(k: KeysT<'_>, qt: &[f32], g: usize, scale: f32, out: &mut [f32], stride: usize, _: &[Ahead]) {
+    assert!(k.valid() && qt.len() >= g * k.hd, "scores: shapes");
+    for j in 0..g {
+        for i in 0..k.n {
+            out[j * stride + i] = scale * (0..k.hd).map(|d| k.k[d * k.bs + i].to_f32() * qt[d * g + j]).sum::<f32>();
         }
     }
 }
 
-pub fn attn_values(v: &[f16], p: &[f32], hd: usize, g: usize, out: &mut [f32]) {
+pub fn attn_values(v: &[f16], p: &[f32], stride: usize, hd: usize, g: usize, out: &mut [f32]) {
     let n = v.len() / hd;
     for i in 0..n {
         for j in 0..g {
-            axpy_f16(p[i * g + j], &v[i * hd..(i + 1) * hd], &mut out[j * hd..(j + 1) * hd]);
+            axpy_f16(p[j * stride + i], &v[i * hd..(i + 1) * hd], &mut out[j * hd..(j + 1) * hd]);
         }
     }
 }
 
 pub fn exp(x: &mut [f32]) {
     x.iter_mut().for_each(|v| *v = v.exp());
+}
+
+pub fn exp_sum(x: &mut [f32], shift: f32) -> f32 {
+    x.iter_mut().fold(0.0, |s, v| {
+        *v = (*v - shift).exp();
+        s + *v
+    })
 }

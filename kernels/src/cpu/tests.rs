@@ -1,6 +1,6 @@
 //! Property tests: every fast kernel against the scalar reference on random rows.
 
-use super::{scalar, Kernels};
+use super::{scalar, Kernels, KeysT};
 use crate::quant::{quantize_row, BlockQ8, DType, QuantType, QK};
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
@@ -83,9 +83,10 @@ fn f16_attention_kernels_match(k: &Kernels, kv: &[f32], q: &[f32], a: f32) -> Re
 }
 
 /// Scores and weighted values of `g` heads of size `hd` against `n` keys, for the head sizes
-/// with AVX-512 kernels of their own (64, 128, 256) and others (80: a 16-dimension tail after
-/// the AVX2 value kernel's 32-wide tiles; 96), fewer and more than 16 (key, head) pairs, and
-/// head groups that do and do not fill the kernels' tiles (4 heads for scores, 3 or 4 for
+/// with AVX-512 value kernels of their own (64, 128, 256) and others (80: a 16-dimension tail
+/// after the AVX2 value kernel's 32-wide tiles; 96), fewer and more keys than a vector's lanes
+/// (a partial last run of 8 or 16), keys from a block's first slot and from inside it, and
+/// head groups that do and do not fill the kernels' tiles (8 or 6 heads for scores, 3 or 4 for
 /// values; Qwen2.5's 6 and 7, and 12).
 fn grouped_attention_kernels_match(k: &Kernels, kv: &[f32], q: &[f32], p: &[f32]) -> Result<(), TestCaseError> {
     let cases = [
@@ -104,26 +105,45 @@ fn grouped_attention_kernels_match(k: &Kernels, kv: &[f32], q: &[f32], p: &[f32]
         let take = |v: &[f32], len: usize| -> Vec<f32> {
             (0..len).map(|i| v[i % v.len()] * (1.0 + (i / v.len()) as f32 * 0.1)).collect()
         };
-        let kh: Vec<half::f16> = take(kv, n * hd).iter().map(|v| half::f16::from_f32(*v)).collect();
+        let key = take(kv, n * hd);
         let (qs, ps) = (take(q, g * hd), take(p, n * g));
-        let (mut s1, mut s2) = (vec![0.0; n * g], vec![0.0; n * g]);
-        scalar::attn_scores(&kh, &qs, hd, g, 0.125, &mut s1);
-        (k.attn_scores)(&kh, &qs, hd, g, 0.125, &mut s2);
-        for (a, b) in s1.iter().zip(&s2) {
-            prop_assert!(
-                close(*a, *b, hd as f32 / 8.0),
-                "{:?} scores hd {} g {} n {}: {} vs {}",
-                k.isa,
-                hd,
-                g,
-                n,
-                a,
-                b
-            );
+        let qt: Vec<f32> = (0..g * hd).map(|x| qs[x % g * hd + x / g]).collect();
+        // The keys down the columns of a block's transposed tile: a block of 16 (or as many
+        // as the keys) from its first slot, and a wider one from slot 3; the scores and
+        // weights in rows longer than the keys, whose ends nothing may touch.
+        for (bs, s0) in [(n.max(16), 0), (n + 5, 3)] {
+            let mut tile = vec![half::f16::ZERO; hd * bs];
+            for (i, d) in (0..n).flat_map(|i| (0..hd).map(move |d| (i, d))) {
+                tile[d * bs + s0 + i] = half::f16::from_f32(key[i * hd + d]);
+            }
+            let keys = KeysT { k: &tile[s0..], bs, n, hd };
+            let ahead = [(tile.as_ptr().cast(), 0..tile.len() / 32)];
+            let stride = n + 2;
+            let (mut s1, mut s2) = (vec![7.0; g * stride], vec![7.0; g * stride]);
+            scalar::attn_scores(keys, &qt, g, 0.125, &mut s1, stride, &[]);
+            (k.attn_scores)(keys, &qt, g, 0.125, &mut s2, stride, &ahead);
+            for (at, (a, b)) in s1.iter().zip(&s2).enumerate() {
+                prop_assert!(
+                    if at % stride >= n { *a == 7.0 && *b == 7.0 } else { close(*a, *b, hd as f32 / 8.0) },
+                    "{:?} scores hd {} g {} n {} bs {}: {} vs {} at {}",
+                    k.isa,
+                    hd,
+                    g,
+                    n,
+                    bs,
+                    a,
+                    b,
+                    at
+                );
+            }
         }
+        let vh: Vec<half::f16> = key.iter().map(|v| half::f16::from_f32(*v)).collect();
+        let stride = n + 3;
+        let pw: Vec<f32> =
+            (0..g * stride).map(|x| if x % stride < n { ps[x / stride * n + x % stride] } else { f32::NAN }).collect();
         let (mut o1, mut o2) = (qs.clone(), qs.clone());
-        scalar::attn_values(&kh, &ps, hd, g, &mut o1);
-        (k.attn_values)(&kh, &ps, hd, g, &mut o2);
+        scalar::attn_values(&vh, &pw, stride, hd, g, &mut o1);
+        (k.attn_values)(&vh, &pw, stride, hd, g, &mut o2);
         for (a, b) in o1.iter().zip(&o2) {
             prop_assert!(close(*a, *b, n as f32), "{:?} values hd {} g {} n {}: {} vs {}", k.isa, hd, g, n, a, b);
         }
@@ -138,6 +158,19 @@ fn exp_matches(k: &Kernels, x: &[f32]) -> Result<(), TestCaseError> {
         let want = a.exp();
         prop_assert!((want - b).abs() <= 2e-6 * want, "exp({}) = {} vs {}", a, b, want);
     }
+    Ok(())
+}
+
+fn exp_sum_matches(k: &Kernels, x: &[f32]) -> Result<(), TestCaseError> {
+    // Shifted by the maximum, as a softmax row is: every value at most 1.
+    let shift = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let (mut want, mut got) = (x.to_vec(), x.to_vec());
+    let s1 = scalar::exp_sum(&mut want, shift);
+    let s2 = (k.exp_sum)(&mut got, shift);
+    for (a, b) in want.iter().zip(&got) {
+        prop_assert!((a - b).abs() <= 2e-6 * a.max(1e-30), "exp: {} vs {}", a, b);
+    }
+    prop_assert!((s1 - s2).abs() <= 1e-5 * s1, "sum over {} values: {} vs {}", x.len(), s1, s2);
     Ok(())
 }
 
@@ -221,6 +254,12 @@ macro_rules! fast_table_tests {
                 #[cfg_attr(not($present), ignore = $why)]
                 fn exp_matches_reference(x in proptest::collection::vec(-80.0f32..80.0, 1..40)) {
                     exp_matches(&k(), &x)?;
+                }
+
+                #[test]
+                #[cfg_attr(not($present), ignore = $why)]
+                fn exp_sum_matches_reference(x in proptest::collection::vec(-80.0f32..10.0, 1..300)) {
+                    exp_sum_matches(&k(), &x)?;
                 }
 
                 #[test]

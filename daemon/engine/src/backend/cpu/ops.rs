@@ -12,7 +12,6 @@ use crate::model::arch::{Activation, Architecture, Moe};
 use crate::model::weights::{DeltaWeights, LayerWeights};
 use crate::model::{LlamaConfig, Tensor};
 use half::f16;
-use half::slice::HalfFloatSliceExt;
 use inferd_kernels::attention::{attend_batch, PagedKv, QueryCtx};
 use inferd_kernels::ops::rms_norm_each;
 use inferd_kernels::ops::{rms_norm, Rope};
@@ -145,11 +144,9 @@ impl LayerOps for CpuOps<'_, '_> {
         for (t, &p) in self.pos_of.iter().enumerate().filter(|_| la.kv_from.is_none()) {
             let blk = ctx[t].table[p / bs] as usize;
             for g in 0..nkv {
-                let o = blk * block_floats + PagedKv::offset(bs, nkv, hd, 0, g, p % bs);
+                let tile = blk * block_floats + PagedKv::tile(bs, nkv, hd, 0, g);
                 let src = t * kvd + g * hd;
-                // The half crate converts slices 4 or 8 at a time where the CPU has F16C.
-                kc[o..o + hd].convert_from_f32_slice(&k[src..src + hd]);
-                vc[o..o + hd].convert_from_f32_slice(&v[src..src + hd]);
+                PagedKv::store(kc, vc, (tile, bs, p % bs), &k[src..src + hd], &v[src..src + hd]);
             }
         }
         let kv = PagedKv { k: kc, v: vc, block_size: bs, n_kv_heads: nkv, head_dim: hd, block_floats };
