@@ -7,12 +7,13 @@
 
 use inferd_engine::backend::profile::{Phase, StepProfile};
 use inferd_engine::backend::{BackendKind, KernelProfile, KernelTime};
-use inferd_engine::engine::{argmax, Engine, EngineOptions};
+use inferd_engine::engine::{argmax, Engine, EngineOptions, RunItem};
+use inferd_engine::kv::SeqId;
 use inferd_engine::model::Model;
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::process::Command;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct BenchArgs {
@@ -27,6 +28,10 @@ pub struct BenchArgs {
     /// Prompt length of the prefill measurement.
     #[arg(long, default_value_t = 512)]
     pub prefill_tokens: usize,
+    /// Context the prefill measurement's prompt continues: a sequence of this many tokens is
+    /// prefilled first, untimed (llama-bench's `-d`, passed on to it with --llama-cpp).
+    #[arg(long, default_value_t = 0)]
+    pub prefill_depth: usize,
     /// Most prompt tokens one forward pass takes (a longer prompt is prefilled in chunks).
     #[arg(long, default_value_t = EngineOptions::default().prefill_chunk)]
     pub prefill_chunk: usize,
@@ -111,11 +116,32 @@ pub fn peak_rss_mib() -> Option<f64> {
     Some(kb / 1024.0)
 }
 
+/// Prefills `p` as one new sequence, or, after `depth` tokens of context (untimed, and any
+/// profile they left dropped), as their continuation; returns the sequence and the time `p`
+/// took.
+fn prefill_after(engine: &mut Engine, depth: &[u32], p: &[u32]) -> anyhow::Result<(SeqId, Duration)> {
+    if depth.is_empty() {
+        let t = Instant::now();
+        let (s, _) = engine.prefill(&[p])?.remove(0);
+        return Ok((s, t.elapsed()));
+    }
+    let (s, _) = engine.prefill(&[depth])?.remove(0);
+    engine.backend.take_profile();
+    engine.backend.take_kernel_profile()?;
+    let t = Instant::now();
+    if let Err(e) = engine.step(&[RunItem::logits(s, p, 1)]) {
+        engine.release(s);
+        return Err(e.into());
+    }
+    Ok((s, t.elapsed()))
+}
+
 pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
     let vocab = model.config.vocab;
     let skip = model.tokenizer.vocab_size().min(vocab).min(256);
     let max_batch = args.batches.iter().copied().max().unwrap_or(1);
-    let kv_tokens = (max_batch * (args.prompt_tokens + args.gen_tokens)).max(args.prefill_tokens) * 2;
+    let kv_tokens =
+        (max_batch * (args.prompt_tokens + args.gen_tokens)).max(args.prefill_depth + args.prefill_tokens) * 2;
     let opts = EngineOptions {
         threads: args.threads,
         // And a hybrid model's recurrent states for every sequence of the largest batch (the
@@ -144,10 +170,9 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
 
     let mut pp = Vec::new();
     for _ in 0..reps {
-        let p = prompt(args.prefill_tokens, next(), vocab, skip);
-        let t = Instant::now();
-        let (s, _) = engine.prefill(&[&p])?.remove(0);
-        pp.push(args.prefill_tokens as f64 / t.elapsed().as_secs_f64());
+        let depth = prompt(args.prefill_depth, next(), vocab, skip);
+        let (s, took) = prefill_after(&mut engine, &depth, &prompt(args.prefill_tokens, next(), vocab, skip))?;
+        pp.push(args.prefill_tokens as f64 / took.as_secs_f64());
         engine.release(s);
     }
     let mut ttft = Vec::new();
@@ -191,13 +216,12 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
     let mut prefill_profile = None;
     let mut kernels = serde_json::Map::new();
     if engine.backend.set_profiling(true) {
-        let p = prompt(args.prefill_tokens, next(), vocab, skip);
-        let t = Instant::now();
-        let (s, _) = engine.prefill(&[&p])?.remove(0);
+        let depth = prompt(args.prefill_depth, next(), vocab, skip);
+        let (s, took) = prefill_after(&mut engine, &depth, &prompt(args.prefill_tokens, next(), vocab, skip))?;
         prefill_profile = engine.backend.take_profile();
         if let Some(p) = engine.backend.take_kernel_profile()? {
             let passes = args.prefill_tokens.div_ceil(opts.prefill_chunk);
-            kernels.insert("prefill".into(), kernel_report(&p, passes, t.elapsed()));
+            kernels.insert("prefill".into(), kernel_report(&p, passes, took));
         }
         engine.release(s);
         let (s, l) = engine.prefill(&[&prompt(args.prompt_tokens, next(), vocab, skip)])?.remove(0);
@@ -222,6 +246,7 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
         "device": engine.backend.device(),
         "threads": threads,
         "prefill_tokens": args.prefill_tokens,
+        "prefill_depth": args.prefill_depth,
         "prefill_tok_s": median(pp),
         "ttft_ms": { "prompt_tokens": args.prompt_tokens, "median": median(ttft) },
         "decode_tok_s": { "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "by_batch": decode },
@@ -387,6 +412,8 @@ fn compare(
             &args.gen_tokens.to_string(),
             "-r",
             &args.repeat.max(1).to_string(),
+            "-d",
+            &args.prefill_depth.to_string(),
             "-o",
             "json",
         ])

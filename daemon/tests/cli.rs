@@ -244,3 +244,35 @@ fn bench_reports_where_a_decode_step_goes() {
     assert!(close(sum("weights_mb"), r["memory"]["weights_read_per_token_mb"].as_f64().unwrap()), "{r}");
     assert!(step["products_share_of_read_bandwidth"].as_f64().unwrap() > 0.0);
 }
+
+/// `inferd bench --prefill-depth`: the measured prompt continues a sequence prefilled first,
+/// and the profile of the prefill covers the prompt's pass alone (the depth's two passes
+/// dropped).
+#[test]
+fn bench_prefills_after_a_depth_of_context() {
+    let out = inferd(&[
+        "bench",
+        "--model",
+        &model(),
+        "--threads",
+        "2",
+        "--repeat",
+        "1",
+        "--batches",
+        "1",
+        "--prefill-tokens",
+        "16",
+        "--prefill-depth",
+        "600",
+        "--prompt-tokens",
+        "16",
+        "--gen-tokens",
+        "2",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["prefill_depth"], 600, "{r}");
+    let step = &r["prefill_step"];
+    assert_eq!((step["passes"].as_u64(), step["tokens"].as_u64()), (Some(1), Some(16)), "{step}");
+    assert!(r["prefill_tok_s"].as_f64().unwrap() > 0.0, "{r}");
+}
