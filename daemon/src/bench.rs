@@ -291,66 +291,62 @@ pub fn run(model: &Model, args: &BenchArgs) -> anyhow::Result<Value> {
 /// rate, against the machine's read bandwidth `gbs`.
 fn step_report(p: &StepProfile, gbs: f64) -> Value {
     let passes = p.passes as f64;
-    let step = p.time().as_secs_f64();
+    let products = [Phase::QkvProjection, Phase::OutputProjection, Phase::FfnGateUp, Phase::FfnDown, Phase::Logits];
+    let products_time: std::time::Duration = products.iter().map(|&ph| p.phase(ph).time).sum();
+    let products_gb_s = gb_s(p.weight_bytes(), products_time);
+    let pool = p.pool();
+    json!({
+        "passes": p.passes,
+        "ms": p.time().as_secs_f64() * 1e3 / passes,
+        "dispatches": pool.dispatches as f64 / passes,
+        "wait_ms": pool.wait.as_secs_f64() * 1e3 / passes,
+        "phases": phases(p, true),
+        "products_weights_gb_s": products_gb_s,
+        "products_share_of_read_bandwidth": products_gb_s / gbs,
+        "step_share_of_read_bandwidth": gb_s(p.weight_bytes(), p.time()) / gbs,
+    })
+}
+
+/// GB/s of `bytes` read in `d`.
+fn gb_s(bytes: u64, d: std::time::Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64().max(1e-12) / 1e9
+}
+
+/// Each phase of a profile: its time per pass and share of the whole, its pool dispatches
+/// and wait per pass, and with `weights` for the products the weights read per pass and at
+/// what rate.
+fn phases(p: &StepProfile, weights: bool) -> serde_json::Map<String, Value> {
+    let (passes, whole) = (p.passes as f64, p.time().as_secs_f64());
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3 / passes;
-    let rate = |bytes: u64, d: std::time::Duration| bytes as f64 / d.as_secs_f64().max(1e-12) / 1e9;
     let mut phases = serde_json::Map::new();
     for ph in Phase::ALL {
         let t = p.phase(ph);
         let mut v = json!({
             "ms": ms(t.time),
-            "share": t.time.as_secs_f64() / step,
+            "share": t.time.as_secs_f64() / whole,
             "dispatches": t.pool.dispatches as f64 / passes,
             "wait_ms": ms(t.pool.wait),
         });
-        if t.weight_bytes > 0 {
+        if weights && t.weight_bytes > 0 {
             v["weights_mb"] = json!(t.weight_bytes as f64 / passes / 1e6);
-            v["weights_gb_s"] = json!(rate(t.weight_bytes, t.time));
+            v["weights_gb_s"] = json!(gb_s(t.weight_bytes, t.time));
         }
         phases.insert(ph.name().into(), v);
     }
-    let products = [Phase::QkvProjection, Phase::OutputProjection, Phase::FfnGateUp, Phase::FfnDown, Phase::Logits];
-    let products_time: std::time::Duration = products.iter().map(|&ph| p.phase(ph).time).sum();
-    let products_gb_s = rate(p.weight_bytes(), products_time);
-    let pool = p.pool();
-    json!({
-        "passes": p.passes,
-        "ms": step * 1e3 / passes,
-        "dispatches": pool.dispatches as f64 / passes,
-        "wait_ms": ms(pool.wait),
-        "phases": phases,
-        "products_weights_gb_s": products_gb_s,
-        "products_share_of_read_bandwidth": products_gb_s / gbs,
-        "step_share_of_read_bandwidth": rate(p.weight_bytes(), p.time()) / gbs,
-    })
+    phases
 }
 
 /// Where the profiled prefill's passes went: each phase's time per pass and share, and its
 /// dispatches; weight bandwidth says nothing here (a pass reads each weight once for hundreds
 /// of tokens), so the products' figure is tokens a second through the phase.
 fn prefill_report(p: &StepProfile) -> Value {
-    let passes = p.passes as f64;
     let step = p.time().as_secs_f64();
-    let mut phases = serde_json::Map::new();
-    for ph in Phase::ALL {
-        let t = p.phase(ph);
-        let s = t.time.as_secs_f64();
-        phases.insert(
-            ph.name().into(),
-            json!({
-                "ms": s * 1e3 / passes,
-                "share": s / step,
-                "dispatches": t.pool.dispatches as f64 / passes,
-                "wait_ms": t.pool.wait.as_secs_f64() * 1e3 / passes,
-            }),
-        );
-    }
     json!({
         "passes": p.passes,
         "tokens": p.tokens,
-        "ms": step * 1e3 / passes,
+        "ms": step * 1e3 / p.passes as f64,
         "tok_s": p.tokens as f64 / step.max(1e-12),
-        "phases": phases,
+        "phases": phases(p, false),
     })
 }
 

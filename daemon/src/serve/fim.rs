@@ -143,10 +143,13 @@ pub fn infill(
         extra.push(sep);
         extra.extend(extras("filename\n")?);
     }
-    let after_middle = layout == Layout::TypedAfterMiddle;
+    // The typed text goes before `SUF` (taking from the suffix's share) or after `MID`.
+    let (before_suffix, after_middle): (&[u32], &[u32]) = match layout {
+        Layout::LlamaServer => (&i.prompt, &[]),
+        Layout::TypedAfterMiddle => (&[], &i.prompt),
+    };
     let prefix_take = i.prefix.len().min(3 * (INFILL_BATCH / 4));
-    let in_suffix_share = if after_middle { 0 } else { i.prompt.len() };
-    let suffix_take = i.suffix.len().min((INFILL_BATCH / 4).saturating_sub(2 + in_suffix_share));
+    let suffix_take = i.suffix.len().min((INFILL_BATCH / 4).saturating_sub(2 + before_suffix.len()));
     let extra_take = ctx.saturating_sub(INFILL_BATCH + 2 * max_tokens).min(extra.len());
     let mut ids: Vec<u32> = extra[extra.len() - extra_take..].to_vec();
     if tok.adds_bos() {
@@ -154,14 +157,10 @@ pub fn infill(
     }
     ids.push(fim.prefix);
     ids.extend_from_slice(&i.prefix[i.prefix.len() - prefix_take..]);
-    if !after_middle {
-        ids.extend_from_slice(&i.prompt);
-    }
+    ids.extend_from_slice(before_suffix);
     ids.push(fim.suffix);
     ids.extend_from_slice(&i.suffix[..suffix_take]);
     ids.push(fim.middle);
-    if after_middle {
-        ids.extend_from_slice(&i.prompt);
-    }
+    ids.extend_from_slice(after_middle);
     Ok(ids)
 }
