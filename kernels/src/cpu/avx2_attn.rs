@@ -48,7 +48,7 @@ pub(super) unsafe fn attn_scores(
     if n == 0 || g == 0 {
         return;
     }
-    assert!(k.valid() && qt.len() >= g * hd && out.len() >= (g - 1) * stride + n && stride >= n, "scores: shapes");
+    assert!(k.fit(qt, g, out, stride), "scores: shapes");
     let fetch = Fetch::new(ahead, n.div_ceil(8) * hd.div_ceil(8));
     for i0 in (0..n).step_by(8) {
         for j0 in (0..g).step_by(6) {

@@ -53,7 +53,7 @@ pub(super) unsafe fn attn_scores(
     if n == 0 || g == 0 {
         return;
     }
-    assert!(k.valid() && qt.len() >= g * hd && out.len() >= (g - 1) * stride + n && stride >= n, "scores: shapes");
+    assert!(k.fit(qt, g, out, stride), "scores: shapes");
     // The fetches go out a part every 8 dimensions of the first head tile of each 16 keys.
     let fetch = Fetch::new(ahead, n.div_ceil(16) * hd.div_ceil(8));
     for i0 in (0..n).step_by(16) {

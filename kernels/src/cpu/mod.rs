@@ -137,6 +137,13 @@ impl KeysT<'_> {
     pub fn valid(&self) -> bool {
         self.n <= self.bs && (self.n == 0 || self.hd == 0 || (self.hd - 1) * self.bs + self.n <= self.k.len())
     }
+
+    /// Whether a score kernel's operands fit these keys ([`Kernels::attn_scores`]): `g`
+    /// transposed queries of `hd` in `qt`, and `g` rows of `stride >= n` scores in `out`.
+    pub fn fit(&self, qt: &[f32], g: usize, out: &[f32], stride: usize) -> bool {
+        let rows = g.checked_sub(1).map_or(0, |r| r * stride + self.n);
+        self.valid() && qt.len() >= g * self.hd && stride >= self.n && out.len() >= rows
+    }
 }
 
 /// Part `i` of `parts` of the lines of `ahead`, fetched into L2 (`parts` 1: all of them): the

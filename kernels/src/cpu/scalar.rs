@@ -135,7 +135,7 @@ pub fn axpy_f16(a: f32, x: &[f16], y: &mut [f32]) {
 }
 
 pub fn attn_scores(k: KeysT<'_>, qt: &[f32], g: usize, scale: f32, out: &mut [f32], stride: usize, _: &[Ahead]) {
-    assert!(k.valid() && qt.len() >= g * k.hd, "scores: shapes");
+    assert!(k.fit(qt, g, out, stride), "scores: shapes");
     for j in 0..g {
         for i in 0..k.n {
             out[j * stride + i] = scale * (0..k.hd).map(|d| k.k[d * k.bs + i].to_f32() * qt[d * g + j]).sum::<f32>();
