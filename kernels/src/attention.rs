@@ -449,7 +449,7 @@ fn attend_wave(
             let (c, ps) = (ctx[t], pieces(&ctx[t]));
             let (g, piece) = ((i - first[t]) / ps.len(), (i - first[t]) % ps.len());
             let off = t * qdim + g * group * hd;
-            let q = &qt[off..off + group * hd];
+            let qt = &qt[off..off + group * hd];
             SCORES.with_borrow_mut(|scores| {
                 if scores.len() < PIECE * group {
                     scores.resize(PIECE * group, 0.0);
@@ -459,7 +459,7 @@ fn attend_wave(
                     // query heads of KV head g for token t), which lies inside `out` (asserted
                     // shape); `out` outlives `pool.run`.
                     let o = unsafe { std::slice::from_raw_parts_mut(dst.get().add(off), group * hd) };
-                    attend_group(k, kv, c.table, (c.start, c.ctx_len), g, q, group, scale, sinks_of(g), scores, o);
+                    attend_group(k, kv, c.table, (c.start, c.ctx_len), g, qt, group, scale, sinks_of(g), scores, o);
                     return;
                 }
                 // SAFETY: task i is the only writer of slot i, which lies inside `partial`
@@ -467,7 +467,7 @@ fn attend_wave(
                 // `pool.run`.
                 let o = unsafe { std::slice::from_raw_parts_mut(pieces_at.get().add(i * slot), slot) };
                 let range = piece_range(&c, ps.start + piece);
-                attend_piece(k, kv, c.table, range, g, q, group, scale, scores, o);
+                attend_piece(k, kv, c.table, range, g, qt, group, scale, scores, o);
             });
             if ps.len() > 1 && left[t * nkv + g].fetch_sub(1, Ordering::AcqRel) == 1 {
                 let n = ps.len();

@@ -109,7 +109,7 @@ unsafe fn scores_tile<const J: usize>(
         }
         for d in d8..(d8 + 8).min(hd) {
             // SAFETY: keys i0.. of dimension d start at d * bs + i0 < (hd - 1) * bs + n <=
-            // k.k.len() (valid()); the mask loads only the keys below n, inside the slice.
+            // k.k.len() (fit()); the mask loads only the keys below n, inside the slice.
             let kv = _mm512_cvtph_ps(unsafe { _mm256_maskz_loadu_epi16(mask, k.k.as_ptr().add(d * bs + i0).cast()) });
             // SAFETY: d * g + j0 + J <= hd * g <= qt.len() (asserted by the caller).
             let qd = unsafe { qt.as_ptr().add(d * g + j0) };

@@ -133,16 +133,13 @@ pub struct KeysT<'a> {
 }
 
 impl KeysT<'_> {
-    /// Whether `k` holds every element the keys name, and no more keys than a row has.
-    pub fn valid(&self) -> bool {
-        self.n <= self.bs && (self.n == 0 || self.hd == 0 || (self.hd - 1) * self.bs + self.n <= self.k.len())
-    }
-
-    /// Whether a score kernel's operands fit these keys ([`Kernels::attn_scores`]): `g`
-    /// transposed queries of `hd` in `qt`, and `g` rows of `stride >= n` scores in `out`.
+    /// Whether a score kernel's operands fit these keys ([`Kernels::attn_scores`]): `k` holds
+    /// every element the keys name (no more keys than a block has), `qt` `g` transposed
+    /// queries of `hd`, and `out` `g` rows of `stride >= n` scores.
     pub fn fit(&self, qt: &[f32], g: usize, out: &[f32], stride: usize) -> bool {
+        let keys = self.n == 0 || self.hd == 0 || (self.hd - 1) * self.bs + self.n <= self.k.len();
         let rows = g.checked_sub(1).map_or(0, |r| r * stride + self.n);
-        self.valid() && qt.len() >= g * self.hd && stride >= self.n && out.len() >= rows
+        self.n <= self.bs && keys && qt.len() >= g * self.hd && stride >= self.n && out.len() >= rows
     }
 }
 
