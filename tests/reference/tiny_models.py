@@ -26,7 +26,9 @@ them and compares, and checks that each directory gives the logits of its GGUF f
 import json
 import math
 import os
+import struct
 import sys
+import zlib
 
 import numpy as np
 from gguf import GGUFWriter, GGMLQuantizationType, PoolingType, RopeScalingType
@@ -66,6 +68,16 @@ HARMONY_TEMPLATE = (
     "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}"
 )
 
+# Gemma 3's turn and image markers (control tokens of the vision variant's vocabulary), and a
+# chat template in the shape of Gemma's: turns between markers, the assistant called `model`.
+GEMMA_TOKENS = ["<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>"]
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{%- for m in messages -%}"
+    "<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n{{ m.content }}<end_of_turn>\n"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<start_of_turn>model\n{%- endif -%}"
+)
+
 # Shapes: hidden 64 (so 32-blocks divide everything), 4 query heads of 16, 2 KV heads.
 HIDDEN, HEADS, KV_HEADS, FFN = 64, 4, 2, 128
 # The trained context of the long-context variants, stretched 4 times. llama.cpp rounds its
@@ -74,12 +86,17 @@ HIDDEN, HEADS, KV_HEADS, FFN = 64, 4, 2, 128
 ORIGINAL = 256
 
 
+def is_control(t):
+    """Markers spelled <|...|> (harmony's) and Gemma's turn and image markers."""
+    return (t.startswith("<|") and t.endswith("|>")) or t in GEMMA_TOKENS
+
+
 def add_vocab(w, pre="default", tokens=TOKENS, merges=MERGES):
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     # Control tokens: the three specials, and markers spelled <|...|> (harmony's).
-    w.add_token_types([3, 3, 2] + [3 if t.startswith("<|") and t.endswith("|>") else 1 for t in tokens[3:]])
+    w.add_token_types([3, 3, 2] + [3 if is_control(t) else 1 for t in tokens[3:]])
     w.add_token_merges([f"{a} {b}" for a, b in merges])
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
@@ -199,7 +216,7 @@ def pre_vocab():
 EXPERTS, EXPERTS_USED, EXPERT_FFN = 8, 2, 32
 
 
-def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None, experts_type=None):
+def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None, experts_type=None, template=None):
     rng = np.random.default_rng(seed)
     tokens, merges, pre = vocab or (TOKENS + (HARMONY_TOKENS if arch == "gpt-oss" else []), MERGES, "default")
     head = 32 if arch in ("qwen3", "qwen3moe", "gemma3") else HIDDEN // HEADS  # qwen3/gemma3: head size apart from hidden
@@ -254,8 +271,8 @@ def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None,
         w.add_expert_count(EXPERTS)
         w.add_expert_used_count(EXPERTS_USED)
         w.add_expert_feed_forward_length(EXPERT_FFN)
-    if arch == "gpt-oss":
-        w.add_chat_template(HARMONY_TEMPLATE)
+    if arch == "gpt-oss" or template:
+        w.add_chat_template(template or HARMONY_TEMPLATE)
     if rerank is not None:
         # A reranker: "yes" and "no" as its labels, and its prompt (None: llama.cpp's
         # BOS query EOS document EOS).
@@ -735,7 +752,94 @@ RERANKERS = [("tiny-qwen3-rerank", "<s>query: {query}\ndocument: {document}</s>"
 # The long-context variants: (name, architecture, scaling).
 SCALED = [("tiny-phi3-longrope", "phi3", "longrope"), ("tiny-qwen2-yarn", "qwen2", "yarn")]
 
-if __name__ == "__main__" and sys.argv[1] == "moe":
+# The vision encoder of a tiny Gemma 3 mmproj (SigLIP's form): images of V_IMAGE pixels a side
+# in patches of V_PATCH (16 x 16 patches, pooled 4 x 4 into 16 image tokens), V_LAYERS layers of
+# width V_HIDDEN with V_HEADS heads; matrices in f16 as llama.cpp's converter writes them (the
+# patch embedding in f32, the projection into the language model's width in f16).
+V_IMAGE, V_PATCH, V_HIDDEN, V_HEADS, V_FFN, V_LAYERS = 224, 14, 64, 4, 128, 2
+
+
+def mmproj(path, seed, text_hidden=HIDDEN):
+    """A Gemma 3 vision projector (`clip.projector_type = gemma3`), as `mmproj-*.gguf` files are."""
+    rng = np.random.default_rng(seed)
+    e, n = V_HIDDEN, (V_IMAGE // V_PATCH) ** 2
+
+    def mat(rows, cols, scale=None):
+        return (rng.standard_normal((rows, cols)) * (scale or cols ** -0.5)).astype(np.float32)
+
+    def vec(k, scale=0.1, mean=0.0):
+        return (mean + scale * rng.standard_normal(k)).astype(np.float32)
+
+    w = GGUFWriter(path, "clip")
+    w.add_type("mmproj")
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_projector_type("gemma3")
+    w.add_vision_image_size(V_IMAGE)
+    w.add_vision_patch_size(V_PATCH)
+    w.add_vision_embedding_length(e)
+    w.add_vision_feed_forward_length(V_FFN)
+    w.add_vision_block_count(V_LAYERS)
+    w.add_vision_head_count(V_HEADS)
+    w.add_vision_projection_dim(text_hidden)
+    w.add_vision_attention_layernorm_eps(1e-6)
+    w.add_vision_image_mean([0.5, 0.5, 0.5])
+    w.add_vision_image_std([0.5, 0.5, 0.5])
+    w.add_vision_use_gelu(True)
+    t = {}
+    t["v.patch_embd.weight"] = (rng.standard_normal((e, 3, V_PATCH, V_PATCH)) * (3 * V_PATCH * V_PATCH) ** -0.5).astype(np.float32)
+    t["v.patch_embd.bias"] = vec(e)
+    t["v.position_embd.weight"] = mat(n, e, 0.5)
+    for i in range(V_LAYERS):
+        p = f"v.blk.{i}."
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            t[p + name + ".weight"] = mat(e, e).astype(np.float16)
+            t[p + name + ".bias"] = vec(e)
+        for name in ("ln1", "ln2"):
+            t[p + name + ".weight"] = vec(e, 0.1, 1.0)
+            t[p + name + ".bias"] = vec(e)
+        t[p + "ffn_up.weight"] = mat(V_FFN, e).astype(np.float16)
+        t[p + "ffn_up.bias"] = vec(V_FFN)
+        t[p + "ffn_down.weight"] = mat(e, V_FFN).astype(np.float16)
+        t[p + "ffn_down.bias"] = vec(e)
+    t["v.post_ln.weight"] = vec(e, 0.1, 1.0)
+    t["v.post_ln.bias"] = vec(e)
+    # Hugging Face's (vision width, text width) parameter, stored as it is.
+    t["mm.input_projection.weight"] = mat(e, text_hidden).astype(np.float16)
+    t["mm.soft_emb_norm.weight"] = vec(e, 0.1, 1.0)
+    for name, value in t.items():
+        w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def png(path, width, height, pixel):
+    """An 8-bit RGB PNG whose pixel (x, y) is pixel(x, y), written with zlib alone."""
+    raw = b"".join(b"\x00" + bytes(v for x in range(width) for v in pixel(x, y)) for y in range(height))
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    with open(path, "wb") as f:
+        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+
+
+def vision(out):
+    """tiny-gemma3-vision.gguf (Gemma 3 with its image markers and chat template) and its
+    projector tiny-gemma3-vision-mmproj.gguf, for daemon/tests/daemon/vision.rs; and two
+    images: square.png, of the encoder's input size (taken as it is), and wide.png, which is
+    resized and letterboxed."""
+    model("gemma3", f"{out}/tiny-gemma3-vision.gguf", 500, vocab=(TOKENS + GEMMA_TOKENS, MERGES, "default"), template=GEMMA_TEMPLATE)
+    mmproj(f"{out}/tiny-gemma3-vision-mmproj.gguf", 501)
+    png(f"{out}/square.png", V_IMAGE, V_IMAGE, lambda x, y: ((x * 7 + y * 3) % 256, (x * y) % 256, int(127 + 127 * math.sin(x / 9 + y / 13))))
+    png(f"{out}/wide.png", 300, 170, lambda x, y: ((x * 5) % 256, (y * 11) % 256, (x ^ y) % 256))
+
+
+if __name__ == "__main__" and sys.argv[1] == "vision":
+    vision(sys.argv[2])
+elif __name__ == "__main__" and sys.argv[1] == "moe":
     for seed, (name, arch, experts_type) in enumerate(MOES, start=200):
         model(arch, f"{sys.argv[2]}/{name}.gguf", seed, experts_type=experts_type)
 elif __name__ == "__main__" and sys.argv[1] == "hybrid":

@@ -17,6 +17,7 @@
 //! - [`sched`]: the engine loop and its scheduler (continuous batching over many requests).
 //! - [`tools`]: tool calls as each model family writes them: prompts, grammars, parsing.
 //! - [`paths`]: where the default model and the plugins are looked for.
+//! - [`vision`]: images in prompts: projector files, image decoding, the vision encoders.
 
 #![deny(unsafe_code)]
 #![cfg_attr(test, allow(clippy::unwrap_used))] // unit tests: a failed unwrap is a failed test
@@ -36,3 +37,4 @@ pub mod template_host;
 pub mod time;
 pub mod tokenizer;
 pub mod tools;
+pub mod vision;

@@ -25,6 +25,7 @@ mod sampling;
 mod soak;
 mod store;
 mod systemd;
+mod vision;
 
 use serde_json::Value;
 use std::io::{Read, Write};
