@@ -752,6 +752,7 @@ fn sessions_batched_together_decode_as_they_do_alone() {
                 meta: Default::default(),
                 events: channel_sink(etx),
                 grammar: None,
+                images: Vec::new(),
             };
             tx.send(Command::Submit(sub)).unwrap();
             outs.push(erx);

@@ -77,6 +77,7 @@ fn submit(tx: &Sender<Command>, reg: &Registry, r: &Req) -> Receiver<Event> {
         meta: Default::default(),
         events: channel_sink(etx),
         grammar: None,
+        images: Vec::new(),
     };
     tx.send(Command::Submit(sub)).unwrap();
     erx
@@ -253,6 +254,7 @@ fn admission_order(reqs: &[(u32, inferd_engine::sched::Priority)], max_running: 
             meta,
             events,
             grammar: None,
+            images: Vec::new(),
         };
         tx.send(Command::Submit(sub)).unwrap();
     }
@@ -336,6 +338,7 @@ fn a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding() {
             meta: Default::default(),
             events: Box::new(move |e| etx.send((id, e)).is_ok()),
             grammar: None,
+            images: Vec::new(),
         };
         tx.send(Command::Submit(sub)).unwrap();
     }
@@ -451,6 +454,7 @@ fn submissions_that_meet_a_shutdown_are_told_so() {
             meta: Default::default(),
             events: channel_sink(etx),
             grammar: None,
+            images: Vec::new(),
         };
         tx.send(Command::Submit(sub)).unwrap();
         if id == 1 {
@@ -517,6 +521,7 @@ fn a_request_sharing_a_prompt_waits_only_for_the_prefill_not_the_whole_generatio
             meta: Default::default(),
             events: Box::new(move |e| etx.send((id, e)).is_ok()),
             grammar: None,
+            images: Vec::new(),
         };
         tx.send(Command::Submit(sub)).unwrap();
     }
@@ -621,6 +626,7 @@ fn several_choices_and_beams_in_a_small_cache_all_succeed_and_leave_the_cache_cl
                 meta: Default::default(),
                 events: channel_sink(etx),
                 grammar: None,
+                images: Vec::new(),
             };
             tx.send(Command::Submit(sub)).unwrap();
             erx

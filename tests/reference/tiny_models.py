@@ -216,7 +216,7 @@ def pre_vocab():
 EXPERTS, EXPERTS_USED, EXPERT_FFN = 8, 2, 32
 
 
-def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None, experts_type=None, template=None):
+def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None, experts_type=None, template=None, embd=1.0):
     rng = np.random.default_rng(seed)
     tokens, merges, pre = vocab or (TOKENS + (HARMONY_TOKENS if arch == "gpt-oss" else []), MERGES, "default")
     head = 32 if arch in ("qwen3", "qwen3moe", "gemma3") else HIDDEN // HEADS  # qwen3/gemma3: head size apart from hidden
@@ -282,7 +282,7 @@ def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None,
         if rerank["template"] is not None:
             w.add_chat_template([{"name": "rerank", "template": rerank["template"]}])
     t = {}
-    t["token_embd.weight"] = mat(len(tokens), HIDDEN, 1.0)
+    t["token_embd.weight"] = mat(len(tokens), HIDDEN, embd)
     t["output_norm.weight"] = norm(HIDDEN)
     if arch != "gemma3":
         t["output.weight"] = mat(len(tokens), HIDDEN)
@@ -831,7 +831,10 @@ def vision(out):
     projector tiny-gemma3-vision-mmproj.gguf, for daemon/tests/daemon/vision.rs; and two
     images: square.png, of the encoder's input size (taken as it is), and wide.png, which is
     resized and letterboxed."""
-    model("gemma3", f"{out}/tiny-gemma3-vision.gguf", 500, vocab=(TOKENS + GEMMA_TOKENS, MERGES, "default"), template=GEMMA_TEMPLATE)
+    # Token embeddings of the image embeddings' size (Gemma scales looked-up rows by
+    # sqrt(hidden), not images'), so that the image weighs in the answer and the tied output's
+    # logits leave several tokens likely.
+    model("gemma3", f"{out}/tiny-gemma3-vision.gguf", 500, vocab=(TOKENS + GEMMA_TOKENS, MERGES, "default"), template=GEMMA_TEMPLATE, embd=0.15)
     mmproj(f"{out}/tiny-gemma3-vision-mmproj.gguf", 501)
     png(f"{out}/square.png", V_IMAGE, V_IMAGE, lambda x, y: ((x * 7 + y * 3) % 256, (x * y) % 256, int(127 + 127 * math.sin(x / 9 + y / 13))))
     png(f"{out}/wide.png", 300, 170, lambda x, y: ((x * 5) % 256, (y * 11) % 256, (x ^ y) % 256))

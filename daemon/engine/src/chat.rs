@@ -63,6 +63,9 @@ pub struct ChatMessage {
     /// thinking models' templates write back where it belongs (Qwen3.5 and Gemma 4: in a tool
     /// call's turn after the last question).
     pub reasoning: Option<String>,
+    /// The images of a message, in the order their markers stand in its content (the
+    /// daemon's private marker text; see the daemon's chat edge).
+    pub images: Vec<std::sync::Arc<crate::vision::RgbImage>>,
 }
 
 impl ChatMessage {

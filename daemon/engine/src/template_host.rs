@@ -111,6 +111,8 @@ impl From<WireMessage> for ChatMessage {
             tool_call_id: m.tool_call_id,
             name: m.name,
             reasoning: m.reasoning,
+            // The template sees an image as its marker in the content; the pixels stay here.
+            images: Vec::new(),
         }
     }
 }

@@ -65,6 +65,7 @@ fn workload(model: &Model, reg: &Registry, threads: usize, batch: usize, groups:
                     true
                 }),
                 grammar: None,
+                images: Vec::new(),
             };
             tx.send(Command::Submit(sub)).is_ok()
         };

@@ -103,6 +103,7 @@ fn engine_only(model: &Model, reg: &Registry, threads: usize) -> anyhow::Result<
                 meta: Default::default(),
                 events,
                 grammar: None,
+                images: Vec::new(),
             };
             tx.send(Command::Submit(sub)).map_err(|_| anyhow::anyhow!("the engine loop stopped"))?;
         }

@@ -11,7 +11,10 @@ use inferd_engine::request::Request;
 use inferd_engine::template_host::Template;
 use inferd_engine::tokenizer::literal::Literals;
 use inferd_engine::tools::{Tool, ToolCall, ToolChoice, ToolFormat};
+use inferd_engine::vision::media::PromptImage;
+use inferd_engine::vision::RgbImage;
 use serde_json::{json, Map, Value};
+use std::sync::Arc;
 
 /// A chat request's tools: what the model is offered and must do.
 #[derive(Clone, Debug)]
@@ -132,8 +135,10 @@ impl Tools {
 }
 
 /// One message's content: a string, or an array of content parts whose text parts are joined
-/// (other part types are refused by name); `null` or absent (an assistant's) is empty.
-fn content(i: usize, v: Option<&Value>) -> Result<String, ApiError> {
+/// and whose images (`image_url` parts with `data:` URLs) become [`media_marker`]s, their
+/// pixels pushed to `images` (other part types are refused by name); `null` or absent (an
+/// assistant's) is empty.
+fn content(i: usize, v: Option<&Value>, images: &mut Vec<Arc<RgbImage>>) -> Result<String, ApiError> {
     let bad = |what: String| ApiError::bad(format!("messages[{i}]: {what}"), "messages");
     match v {
         None | Some(Value::Null) => Ok(String::new()),
@@ -144,6 +149,14 @@ fn content(i: usize, v: Option<&Value>) -> Result<String, ApiError> {
                 match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
                     (Some("text"), Some(t)) => text.push_str(t),
                     (Some("text"), None) => return Err(bad(format!("content[{j}] needs a string text"))),
+                    (Some("image_url"), _) => {
+                        // `{"url": ...}` (OpenAI's shape), or the URL alone (some clients').
+                        let url = part.get("image_url").and_then(|u| u.get("url").unwrap_or(u).as_str());
+                        let url = url.ok_or_else(|| bad(format!("content[{j}].image_url needs a url")))?;
+                        push_image(images, &image_of_url(url).map_err(|e| bad(format!("content[{j}]: {e}")))?)
+                            .map_err(|e| bad(format!("content[{j}]: {e}")))?;
+                        text.push_str(media_marker());
+                    }
                     (Some(other), _) => {
                         return Err(bad(format!("content part type {other:?} is not supported by inferd (text only)")))
                     }
@@ -172,7 +185,8 @@ pub fn messages(m: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError> {
         if role != "assistant" && msg.get("content").is_none_or(Value::is_null) {
             return Err(bad(i, "needs a content: a string or an array of content parts".into()));
         }
-        let mut cm = ChatMessage::new(role, &content(i, msg.get("content"))?);
+        let mut images = Vec::new();
+        let mut cm = ChatMessage::new(role, &content(i, msg.get("content"), &mut images)?);
         if let Some(calls) = msg.get("tool_calls").filter(|v| !v.is_null()) {
             let calls = calls.as_array().ok_or_else(|| bad(i, "tool_calls must be an array".into()))?;
             for (j, c) in calls.iter().enumerate() {
@@ -198,12 +212,127 @@ pub fn messages(m: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError> {
             .find_map(|k| msg.get(*k).and_then(Value::as_str))
             .filter(|r| role == "assistant" && !r.is_empty())
             .map(str::to_owned);
-        if msg.get("images").and_then(Value::as_array).is_some_and(|a| !a.is_empty()) {
-            return Err(bad(i, "images are not supported by inferd (text models only)".into()));
+        // Ollama's `images` (base64), before the message's text, as llama.cpp places images
+        // that the text does not mark.
+        if let Some(list) = msg.get("images").filter(|v| !v.is_null()) {
+            let list = list.as_array().ok_or_else(|| bad(i, "images must be an array of base64 strings".into()))?;
+            let mut markers = String::new();
+            for (j, b64) in list.iter().enumerate() {
+                let b64 = b64.as_str().ok_or_else(|| bad(i, format!("images[{j}] must be a base64 string")))?;
+                let bytes = base64_bytes(b64).map_err(|e| bad(i, format!("images[{j}]: {e}")))?;
+                push_image(&mut images, &bytes).map_err(|e| bad(i, format!("images[{j}]: {e}")))?;
+                markers.push_str(media_marker());
+            }
+            cm.content.insert_str(0, &markers);
         }
+        cm.images = images;
         out.push(cm);
     }
     Ok(out)
+}
+
+/// The text that stands for an image in a message's content until the prompt is tokenized:
+/// random for each daemon process and never shown, so no client can write one.
+pub fn media_marker() -> &'static str {
+    static MARKER: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    MARKER.get_or_init(|| {
+        use std::hash::{BuildHasher, Hasher};
+        let word = |salt: u64| {
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u64(salt);
+            h.finish()
+        };
+        format!("<__inferd_image_{:016x}{:016x}__>", word(1), word(2))
+    })
+}
+
+/// Images one request may hold.
+const MAX_IMAGES: usize = 16;
+
+/// Decodes an image file and adds it to a request's images.
+fn push_image(images: &mut Vec<Arc<RgbImage>>, bytes: &[u8]) -> Result<(), String> {
+    if images.len() >= MAX_IMAGES {
+        return Err(format!("a request takes at most {MAX_IMAGES} images"));
+    }
+    let img = inferd_engine::vision::decode(bytes, inferd_engine::vision::ImageLimits::default())
+        .map_err(|e| e.to_string())?;
+    images.push(Arc::new(img));
+    Ok(())
+}
+
+/// The bytes of an image URL: a `data:` URL's (base64); an `http(s)` URL is not fetched (the
+/// daemon would fetch for whoever can reach its socket).
+fn image_of_url(url: &str) -> Result<Vec<u8>, String> {
+    if let Some(rest) = url.strip_prefix("data:") {
+        let (kind, data) = rest.split_once(',').ok_or("a data: URL needs a comma before its data")?;
+        if !kind.ends_with(";base64") {
+            return Err("an image data: URL must be base64 (data:image/png;base64,...)".into());
+        }
+        return base64_bytes(data);
+    }
+    if url.starts_with("http://") || url.starts_with("https://") {
+        return Err("image URLs are not fetched by inferd: send the image as a data: URL".into());
+    }
+    Err("an image URL must be a data: URL (data:image/png;base64,...)".into())
+}
+
+/// Standard base64 (padding optional, whitespace ignored).
+fn base64_bytes(s: &str) -> Result<Vec<u8>, String> {
+    use base64::Engine as _;
+    let clean: String = s.chars().filter(|c| !c.is_ascii_whitespace()).collect();
+    base64::engine::general_purpose::STANDARD
+        .decode(clean.trim_end_matches('='))
+        .or_else(|_| base64::engine::general_purpose::STANDARD_NO_PAD.decode(clean.trim_end_matches('=')))
+        .map_err(|e| format!("not base64: {e}"))
+}
+
+/// [`encode`], and the images of the messages as they stand in the prompt: each image's
+/// markers (the projector's, such as `<start_of_image>` and `<end_of_image>`) around as many
+/// positions as the encoder makes tokens, whose ids the engine fills. A model without a
+/// projector refuses images.
+pub fn encode_with_images(
+    sh: &Shared,
+    model: &Model,
+    messages: &[ChatMessage],
+    tools: Option<&Tools>,
+    extra: &inferd_engine::chat::Extra,
+) -> Result<(Vec<u32>, Vec<PromptImage>), ApiError> {
+    let images: Vec<&Arc<RgbImage>> = messages.iter().flat_map(|m| &m.images).collect();
+    if images.is_empty() {
+        return Ok((encode(sh, model, messages, tools, extra)?, Vec::new()));
+    }
+    let Some(vision) = &model.vision else {
+        return Err(ApiError::bad(
+            format!("{} takes no images (no projector is paired with it: [[model]] mmproj)", model.name),
+            "messages",
+        ));
+    };
+    let (text, lit) = render(sh, model, messages, tools, extra)?;
+    let segments: Vec<&str> = text.split(media_marker()).collect();
+    if segments.len() != images.len() + 1 {
+        return Err(ApiError::bad(
+            format!("the chat template placed {} of the {} images", segments.len() - 1, images.len()),
+            "messages",
+        ));
+    }
+    let tok = &model.tokenizer;
+    let fail = |e: inferd_engine::tokenizer::TokenizerError| ApiError::bad(e.to_string(), "messages");
+    let (begin, end) = vision.markers();
+    let mut ids: Vec<u32> = if tok.adds_bos() { tok.bos().into_iter().collect() } else { Vec::new() };
+    let mut out = Vec::with_capacity(images.len());
+    for (k, seg) in segments.iter().enumerate() {
+        ids.extend(lit.encode_bare(tok, seg).map_err(fail)?);
+        if let Some(img) = images.get(k) {
+            ids.extend(tok.encode_bare(begin, true).map_err(fail)?);
+            out.push(PromptImage { at: ids.len(), image: Arc::clone(img), media: None });
+            ids.extend(std::iter::repeat_n(0, vision.image_tokens()));
+            ids.extend(tok.encode_bare(end, true).map_err(fail)?);
+        }
+    }
+    if tok.adds_eos() {
+        ids.extend(tok.eos().first());
+    }
+    Ok((ids, out))
 }
 
 /// Chat messages rendered with the model's own template (and the request's tools), as token
@@ -220,6 +349,9 @@ pub fn encode(
     tools: Option<&Tools>,
     extra: &inferd_engine::chat::Extra,
 ) -> Result<Vec<u32>, ApiError> {
+    if messages.iter().any(|m| !m.images.is_empty()) {
+        return Err(ApiError::bad("this route takes no images yet (OpenAI's and Ollama's chat do)", "messages"));
+    }
     let (text, lit) = render(sh, model, messages, tools, extra)?;
     lit.encode(&model.tokenizer, &text).map_err(|e| ApiError::bad(e.to_string(), "messages"))
 }
@@ -233,7 +365,8 @@ pub fn prompt_text(
     extra: &inferd_engine::chat::Extra,
 ) -> Result<String, ApiError> {
     let (text, lit) = render(sh, model, messages, tools, extra)?;
-    Ok(lit.reveal(&text))
+    // Images as llama.cpp's marker: the daemon's own stays private.
+    Ok(lit.reveal(&text).replace(media_marker(), "<__media__>"))
 }
 
 /// The chat template's text for the messages, the clients' text in it hidden behind
@@ -283,6 +416,7 @@ fn render(
             tool_call_id: m.tool_call_id.as_deref().map(|x| lit.hide(tok, x)),
             name: m.name.as_deref().map(|x| lit.hide(tok, x)),
             reasoning: m.reasoning.as_deref().map(|x| lit.hide(tok, x)),
+            images: Vec::new(),
         })
         .collect();
     if !format.native {
@@ -308,6 +442,17 @@ fn render(
         .templates
         .render(Template { source: model.chat_template.as_deref(), bos: &bos, eos: &eos }, &msgs, shown, extra, true)
         .map_err(|e| ApiError::bad(format!("the chat template failed: {e}"), "messages"))?;
+    // A template that writes `bos_token` itself, for a vocabulary that adds BOS when it
+    // tokenizes (Gemma's): one BOS, not two, as llama.cpp and transformers give (and the same
+    // for a closing EOS).
+    let text = match text.strip_prefix(bos.as_str()) {
+        Some(rest) if tok.adds_bos() && !bos.is_empty() => rest.to_owned(),
+        _ => text,
+    };
+    let text = match text.strip_suffix(eos.as_str()) {
+        Some(rest) if tok.adds_eos() && !eos.is_empty() => rest.to_owned(),
+        _ => text,
+    };
     Ok((text, lit))
 }
 

@@ -275,6 +275,9 @@ pub struct ModelConfig {
     pub context_len: usize,
     /// A draft model (same vocabulary) bound to this one for speculative decoding.
     pub draft: Option<PathBuf>,
+    /// A vision projector (`mmproj-*.gguf`) paired with this model: requests may then hold
+    /// images.
+    pub mmproj: Option<PathBuf>,
     /// Where the model runs: "auto", "cpu" or "cuda".
     #[serde(default = "default_backend")]
     pub backend: String,
@@ -312,6 +315,7 @@ impl ModelConfig {
             kv_cache_mib: default_kv_mib(),
             context_len: 0,
             draft: None,
+            mmproj: None,
             backend: default_backend(),
             draft_backend: None,
             chat_template: None,

@@ -543,10 +543,12 @@ async fn chat_completions(
         include_usage(&m)?;
         let tools = Tools::of(&m, &model.model)?;
         let extra = super::reasoning::openai(m.get("reasoning_effort"), m.get("chat_template_kwargs"))?;
-        let ids = chat::encode(sh, &model.model, &chat::messages(&m)?, Some(&tools), &extra)?;
+        let (ids, images) = chat::encode_with_images(sh, &model.model, &chat::messages(&m)?, Some(&tools), &extra)?;
         let mut req = Request { logprobs: wants_logprobs(&m, true)?, ..fields::typed(&m)? };
         tools.constrain(&mut req, model.vocabulary.as_deref())?;
-        Ok((request::prepare(sh, model, req, ids)?, m, tools))
+        let mut p = request::prepare(sh, model, req, ids)?;
+        p.images = images;
+        Ok((p, m, tools))
     };
     match sh.cpu_with(&body, start).await {
         Ok((p, m, tools)) => respond(sh, p, &m, peer, true, tools.active().then_some(tools)).await,

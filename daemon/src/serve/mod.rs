@@ -236,9 +236,13 @@ fn load(
 ) -> anyhow::Result<ModelHandle> {
     let mut files = vec![mc.path.as_path()];
     files.extend(mc.draft.as_deref());
+    files.extend(mc.mmproj.as_deref());
     store::read_ahead(&files, progress);
     let mut model = Model::load(&mc.path).map_err(|e| anyhow::anyhow!("loading {}: {e}", mc.path.display()))?;
     model.limit_context(mc.context_len);
+    if let Some(p) = &mc.mmproj {
+        model.pair_projector(p).map_err(|e| anyhow::anyhow!("the projector {} of {}: {e}", p.display(), model.name))?;
+    }
     if let Some(t) = &mc.chat_template {
         let text = std::fs::read_to_string(t)
             .map_err(|e| anyhow::anyhow!("reading the chat template {} of {}: {e}", t.display(), model.name))?;

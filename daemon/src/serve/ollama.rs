@@ -447,13 +447,15 @@ struct Ask {
     /// The prompt went through the chat template: a thinking model's `<think>` block is
     /// `thinking` ([`super::reasoning::start`]).
     templated: bool,
+    /// The prompt's images.
+    images: Vec<inferd_engine::vision::media::PromptImage>,
 }
 
 impl Ask {
     /// The body's `options` and `stream` (Ollama streams unless told not to) with the prompt.
     fn new(model: Arc<ModelHandle>, prompt: Vec<u32>, m: &Map<String, Value>) -> Result<Ask, ApiError> {
         let stream = m.get("stream").and_then(Value::as_bool) != Some(false);
-        Ok(Ask { model, prompt, fields: options(m)?, stream, tools: None, templated: false })
+        Ok(Ask { model, prompt, fields: options(m)?, stream, tools: None, templated: false, images: Vec::new() })
     }
 }
 
@@ -496,7 +498,7 @@ async fn generate(
     };
     let ask = |sh: &Arc<Shared>, body: &[u8]| -> Result<Ask, ApiError> {
         let m = super::api::object(body)?;
-        check_keys(&m, &["prompt", "system", "context", "raw", "suffix", "think"])?;
+        check_keys(&m, &["prompt", "system", "context", "raw", "suffix", "think", "images"])?;
         let h = model(sh, &m)?;
         let prompt = string(&m, "prompt")?.unwrap_or_default();
         let suffix = string(&m, "suffix")?.unwrap_or_default();
@@ -521,9 +523,18 @@ async fn generate(
             if let Some(system) = string(&m, "system")? {
                 msgs.push(ChatMessage::new("system", &system));
             }
-            msgs.push(ChatMessage::new("user", &prompt));
-            ids.extend(super::chat::encode(sh, &h.model, &msgs, None, &think(&m, &h)?)?);
-            return Ok(Ask { templated: true, ..Ask::new(h, ids, &m)? });
+            // The prompt as a user message with the body's images (before its text).
+            let user = serde_json::json!({ "role": "user", "content": prompt, "images": m.get("images") });
+            let mut one = Map::new();
+            one.insert("messages".into(), Value::Array(vec![user]));
+            msgs.extend(super::chat::messages(&one)?);
+            let (more, mut images) = super::chat::encode_with_images(sh, &h.model, &msgs, None, &think(&m, &h)?)?;
+            images.iter_mut().for_each(|i| i.at += ids.len());
+            ids.extend(more);
+            return Ok(Ask { templated: true, images, ..Ask::new(h, ids, &m)? });
+        }
+        if m.get("images").and_then(Value::as_array).is_some_and(|a| !a.is_empty()) {
+            return Err(ApiError::bad("images need the chat template (not raw, not a suffix)", "images"));
         }
         Ask::new(h, ids, &m)
     };
@@ -547,9 +558,12 @@ async fn chat(
         let msgs = super::chat::messages(&m)?;
         let tools = Tools::of(&m, &h.model)?;
         let extra = think(&m, &h)?;
-        let ids =
-            if msgs.is_empty() { Vec::new() } else { super::chat::encode(sh, &h.model, &msgs, Some(&tools), &extra)? };
-        Ok(Ask { tools: tools.active().then_some(tools), templated: true, ..Ask::new(h, ids, &m)? })
+        let (ids, images) = if msgs.is_empty() {
+            (Vec::new(), Vec::new())
+        } else {
+            super::chat::encode_with_images(sh, &h.model, &msgs, Some(&tools), &extra)?
+        };
+        Ok(Ask { tools: tools.active().then_some(tools), templated: true, images, ..Ask::new(h, ids, &m)? })
     };
     let ask = sh.cpu_with(&body, ask).await;
     reply(sh, ask, peer, true).await
@@ -574,10 +588,11 @@ async fn answer(sh: Arc<Shared>, a: Ask, peer: Peer, chat: bool) -> Response {
     };
     let prompt_ids = a.prompt.clone();
     let think = if a.templated { super::reasoning::start(&a.model.model, &prompt_ids) } else { None };
-    let p = match request::prepare(&sh, a.model, req, a.prompt) {
+    let mut p = match request::prepare(&sh, a.model, req, a.prompt) {
         Ok(p) => p,
         Err(e) => return error(e),
     };
+    p.images = a.images;
     let stop = p.stop.clone();
     let sub = match request::submit(&sh, p, peer.uid(), Some(Arc::clone(&peer.hangup))) {
         Ok(s) => s,

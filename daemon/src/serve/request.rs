@@ -34,6 +34,8 @@ pub struct Prepared {
     pub logprobs: Option<u32>,
     /// The response format, compiled for the model.
     pub grammar: Option<Grammar>,
+    /// The prompt's images, at their positions.
+    pub images: Vec<inferd_engine::vision::media::PromptImage>,
 }
 
 impl Shared {
@@ -248,7 +250,8 @@ pub fn prepare(sh: &Shared, model: Arc<ModelHandle>, req: Request, prompt: Vec<u
     };
     Session::validate(&strategy, model.model.config.vocab as u32, model.roles, &req)
         .map_err(|e| ApiError::bad(e.to_string(), "decoder_params"))?;
-    Ok(Prepared { model, strategy, prompt, params, max_tokens, n, seed, priority, stop, logprobs, grammar })
+    let images = Vec::new();
+    Ok(Prepared { model, strategy, prompt, params, max_tokens, n, seed, priority, stop, logprobs, grammar, images })
 }
 
 /// Requests in flight per user, against `limits.max_requests_per_user`.
@@ -388,6 +391,7 @@ pub fn submit(sh: &Arc<Shared>, p: Prepared, uid: u32, hangup: Option<Arc<Hangup
         meta,
         events: Box::new(move |e| tx.send(e).is_ok()),
         grammar: p.grammar,
+        images: p.images,
     };
     let sent = p.model.engine.submit(sub);
     if !sent {

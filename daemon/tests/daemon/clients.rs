@@ -6,9 +6,14 @@ use super::*;
 /// Runs `tests/python/SCRIPT` (the official clients; tests/run installs them) against the
 /// daemon's socket and parses the JSON it prints.
 pub(super) fn python_client(d: &Daemon, script: &str) -> Value {
+    python_client_with(d, script, &[])
+}
+
+/// [`python_client`] with more arguments after the socket.
+pub(super) fn python_client_with(d: &Daemon, script: &str, args: &[&str]) -> Value {
     let pylib = test_pythonpath();
     let path = format!("{}/../tests/python/{script}", env!("CARGO_MANIFEST_DIR"));
-    let out = Command::new("python3").arg(&path).arg(&d.socket).env("PYTHONPATH", &pylib).output().unwrap();
+    let out = Command::new("python3").arg(&path).arg(&d.socket).args(args).env("PYTHONPATH", &pylib).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{script} (tests/run installs its packages into {pylib}):\n{stderr}");
     serde_json::from_slice(&out.stdout).unwrap()
@@ -55,7 +60,7 @@ fn the_official_openai_python_client_works_unchanged() {
     for (name, says) in [
         ("functions", "functions is not supported by inferd yet (the deprecated functions API; send tools)"),
         ("response_format", "response_format.type must be text, json_object or json_schema"),
-        ("image_url", "content part type \"image_url\" is not supported"),
+        ("image_url", "image URLs are not fetched by inferd: send the image as a data: URL"),
         ("colour", "colour is not supported by inferd"),
         ("stream_options", "stream_options is only allowed when stream is true"),
         ("top_logprobs_alone", "top_logprobs needs logprobs: true"),
@@ -507,7 +512,7 @@ fn the_official_ollama_python_client_works_unchanged() {
     let refused = &v["refused"];
     for (name, status, says) in [
         ("format", 400, "the response format cannot be enforced: Unsatisfiable schema"),
-        ("images", 400, "images are not supported by inferd (text models only)"),
+        ("images", 400, "images[0]: not an image in a supported format (PNG, JPEG, WebP, GIF)"),
         ("mirostat", 400, "options.mirostat is not supported"),
         ("unknown_model", 404, "unknown model"),
     ] {

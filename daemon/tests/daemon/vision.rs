@@ -66,3 +66,107 @@ fn image_embeddings_match_llama_cpps() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A chat body asking `model` about `image` (a PNG, as a data: URL), greedy, with the
+/// log-probability of each token.
+fn ask(model: &str, image: &Path, question: &str) -> String {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::STANDARD.encode(std::fs::read(image).unwrap());
+    serde_json::json!({
+        "model": model,
+        "messages": [{ "role": "user", "content": [
+            { "type": "image_url", "image_url": { "url": format!("data:image/png;base64,{b64}") } },
+            { "type": "text", "text": question },
+        ]}],
+        "max_tokens": 8, "temperature": 0, "logprobs": true, "top_logprobs": 2,
+    })
+    .to_string()
+}
+
+/// An answer's tokens and their log-probabilities.
+fn tokens(answer: &str) -> Vec<(String, f64)> {
+    let v = json(answer);
+    let content = v["choices"][0]["logprobs"]["content"].as_array().cloned().unwrap_or_default();
+    content.iter().map(|t| (t["token"].as_str().unwrap().to_owned(), t["logprob"].as_f64().unwrap())).collect()
+}
+
+/// How close each token's log-probability must be to llama-server's: the text tests'
+/// tolerance for the tiny models (8-bit activations on both sides), the image embeddings'
+/// own difference (at most 0.0012 of their rms) being far below it.
+const LOGPROB_TOL: f64 = 0.1;
+
+/// OpenAI chat requests with an image (a `data:` URL content part), to inferd with the
+/// projector paired (`[[model]] mmproj`) and to llama-server with `--mmproj`: the same greedy
+/// tokens, log-probabilities within [`LOGPROB_TOL`]; another image answers differently; the
+/// same image sent again comes from the prefix cache (its tokens are keyed by its pixels) and
+/// answers the same.
+#[test]
+fn chat_with_an_image_answers_as_llama_server() {
+    let Some(bin) = super::remote::llama_server() else {
+        eprintln!("skipped: no llama-server (tests/build-llama-server builds one)");
+        return;
+    };
+    let dir = scratch("vision-chat");
+    let (model, mmproj) = tiny_vision(&dir);
+    let cfg = format!("[[model]]\nname = \"vis\"\npath = \"{}\"\nmmproj = \"{}\"\n", model.display(), mmproj.display());
+    let d = Daemon::start(&dir, &cfg, &[]);
+    let port = super::remote::free_port();
+    let _server = super::remote::spawn_llama_server(
+        &bin,
+        model.to_str().unwrap(),
+        port,
+        &dir,
+        &["-np", "1", "--mmproj", mmproj.to_str().unwrap(), "--no-warmup"],
+    );
+    let mut answers = Vec::new();
+    let mut worst = 0f64;
+    for (name, question) in [("square.png", "What is this?"), ("wide.png", "What is this?"), ("square.png", "Again?")] {
+        let body = ask("vis", &dir.join(name), question);
+        let (st, ours) = d.http("POST", "/v1/chat/completions", &body);
+        assert_eq!(st, 200, "{ours}");
+        let (st, theirs) = super::remote::tcp_http(port, "POST", "/v1/chat/completions", &body);
+        assert_eq!(st, 200, "{theirs}");
+        let (ours_t, theirs_t) = (tokens(&ours), tokens(&theirs));
+        assert!(!ours_t.is_empty(), "{ours}");
+        let texts = |t: &[(String, f64)]| t.iter().map(|x| x.0.clone()).collect::<Vec<_>>();
+        assert_eq!(texts(&ours_t), texts(&theirs_t), "{name}: {ours} vs {theirs}");
+        for ((_, a), (_, b)) in ours_t.iter().zip(&theirs_t) {
+            worst = worst.max((a - b).abs());
+        }
+        answers.push((ours_t, json(&ours)["usage"].clone()));
+    }
+    eprintln!("vision chat: tokens equal to llama-server's, log-probabilities at most {worst:.4} apart");
+    assert!(worst <= LOGPROB_TOL, "{worst}");
+    // The image matters: another one changes the first token's log-probability.
+    assert!((answers[0].0[0].1 - answers[1].0[0].1).abs() > 1e-3, "{:?} {:?}", answers[0].0, answers[1].0);
+    // The same image again: its blocks are the prefix cache's (BOS, the turn's start, the
+    // image's markers and 16 tokens come before the question).
+    let cached = answers[2].1["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+    assert!(cached >= 16, "{:?}", answers[2].1);
+    // The official clients: OpenAI's with a data: URL, Ollama's with a file in `images` (chat
+    // and generate, the image before the text as llama.cpp places it): the same answer.
+    let image = dir.join("square.png");
+    let v = super::clients::python_client_with(&d, "vision_clients.py", &["vis", image.to_str().unwrap()]);
+    let text: String = answers[0].0.iter().map(|t| t.0.as_str()).collect();
+    for k in ["openai", "ollama_chat", "ollama_generate"] {
+        assert_eq!(v[k].as_str(), Some(text.as_str()), "{k}: {v}");
+    }
+    // A model without a projector refuses an image by name.
+    let plain = format!("[[model]]\nname = \"text\"\npath = \"{}\"\n", model.display());
+    let t = Daemon::start(&scratch("vision-none"), &plain, &[]);
+    let (st, e) = t.http("POST", "/v1/chat/completions", &ask("text", &image, "What is this?"));
+    assert!(st == 400 && e.contains("takes no images"), "{st} {e}");
+    drop(t);
+    drop(d);
+    // Prefilled in chunks of 20 tokens, which would cut the image (its 16 positions see each
+    // other both ways, so they run in one pass): the same answer, bit for bit (a position's
+    // result does not depend on its batch).
+    let small = scratch("vision-chunks");
+    let d = Daemon::start(&small, &format!("[scheduler]\ntoken_budget = 20\n{cfg}"), &[]);
+    let (st, chunked) = d.http("POST", "/v1/chat/completions", &ask("vis", &dir.join("square.png"), "What is this?"));
+    assert_eq!(st, 200, "{chunked}");
+    assert_eq!(tokens(&chunked), answers[0].0, "{chunked}");
+    drop(d);
+    let _ = std::fs::remove_dir_all(small);
+    let _ = std::fs::remove_dir_all(dir);
+}

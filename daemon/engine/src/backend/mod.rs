@@ -158,6 +158,27 @@ pub struct SeqBatch<'a> {
     /// Those positions' rows are their final hidden states (after the output norm, `hidden`
     /// floats a row) instead of logits: what an embedding pools. A batch may mix both.
     pub hidden: bool,
+    /// Input embeddings that take the place of the token lookup at some of these positions
+    /// (an image's); the tokens there are media ids, outside the vocabulary.
+    pub embeds: &'a [Embedded<'a>],
+}
+
+/// Rows of input embeddings (the model's `hidden` floats each, used as they are, not scaled
+/// as looked-up tokens are) for the positions from `pos` on.
+#[derive(Clone, Copy, Debug)]
+pub struct Embedded<'a> {
+    pub pos: usize,
+    pub rows: &'a [f32],
+    /// These positions see each other both ways (Gemma 3's image tokens): each attends up to
+    /// the last of them, not only up to itself.
+    pub both_ways: bool,
+}
+
+impl Embedded<'_> {
+    /// The positions these rows fill, given the model's width.
+    pub fn positions(&self, hidden: usize) -> std::ops::Range<usize> {
+        self.pos..self.pos + self.rows.len() / hidden.max(1)
+    }
 }
 
 /// A compute backend for Llama models over a paged KV cache.
@@ -290,10 +311,25 @@ pub fn validate_batch(
         if s.logits > s.tokens.len() {
             return Err(BackendError::Invalid(format!("{} logits asked for {} tokens", s.logits, s.tokens.len())));
         }
-        if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
+        let end = s.start_pos + s.tokens.len();
+        let mut covered = s.start_pos;
+        for e in s.embeds {
+            let r = e.positions(cfg.hidden);
+            if e.rows.is_empty() || e.rows.len() % cfg.hidden != 0 || r.start < covered || r.end > end {
+                return Err(BackendError::Invalid(format!(
+                    "input embeddings of {} floats at position {} (width {}, positions {}..{end} of which {covered}.. are free)",
+                    e.rows.len(),
+                    e.pos,
+                    cfg.hidden,
+                    s.start_pos
+                )));
+            }
+            covered = r.end;
+        }
+        let looked_up = |i: usize| !s.embeds.iter().any(|e| e.positions(cfg.hidden).contains(&(s.start_pos + i)));
+        if let Some((_, &t)) = s.tokens.iter().enumerate().find(|&(i, &t)| t as usize >= cfg.vocab && looked_up(i)) {
             return Err(BackendError::BadToken(t));
         }
-        let end = s.start_pos + s.tokens.len();
         if end > cfg.context_len {
             return Err(BackendError::ContextOverflow { pos: end - 1, ctx: cfg.context_len });
         }
@@ -320,4 +356,57 @@ pub fn validate_batch(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use inferd_kernels::ops::RopeStyle;
+
+    #[test]
+    fn input_embeddings_must_fill_whole_rows_within_their_span() {
+        let cfg = LlamaConfig {
+            n_layers: 1,
+            hidden: 4,
+            n_heads: 1,
+            n_kv_heads: 1,
+            head_dim: 4,
+            rope_dim: 4,
+            ffn: 8,
+            vocab: 10,
+            rope_base: 10000.0,
+            rope_style: RopeStyle::Neox,
+            rms_eps: 1e-6,
+            context_len: 64,
+            pooling: Default::default(),
+        };
+        let groups = KvGroups::full(1);
+        let tables = vec![vec![0, 1]];
+        let rows = [0.5f32; 8];
+        let check = |tokens: &[u32], embeds: &[Embedded<'_>]| {
+            let sb = SeqBatch {
+                tokens,
+                start_pos: 4,
+                block_tables: &tables,
+                state: None,
+                checkpoint: None,
+                logits: 1,
+                hidden: false,
+                embeds,
+            };
+            validate_batch(&cfg, &groups, 2, 16, &[sb])
+        };
+        let media = [1, 2, 1 << 31, (1 << 31) + 7, 3];
+        let at = |pos: usize, n: usize| Embedded { pos, rows: &rows[..n * 4], both_ways: true };
+        assert_eq!(check(&media, &[at(6, 2)]), Ok(()));
+        // A media id where no row is given, rows outside the span, rows not a whole width.
+        assert_eq!(check(&media, &[at(6, 1)]), Err(BackendError::BadToken((1 << 31) + 7)));
+        assert_eq!(check(&media, &[]), Err(BackendError::BadToken(1 << 31)));
+        assert!(matches!(check(&media, &[at(8, 2)]), Err(BackendError::Invalid(_))));
+        assert!(matches!(check(&media, &[at(3, 1)]), Err(BackendError::Invalid(_))));
+        let ragged = Embedded { pos: 6, rows: &rows[..6], both_ways: true };
+        assert!(matches!(check(&media, &[ragged]), Err(BackendError::Invalid(_))));
+        // Overlapping runs.
+        assert!(matches!(check(&media, &[at(6, 2), at(7, 1)]), Err(BackendError::Invalid(_))));
+    }
 }

@@ -6,6 +6,7 @@
 pub use super::mock::{LogitsFn, MockStore};
 use crate::engine::{Engine, EngineError, Pooler, RunItem};
 use crate::kv::SeqId;
+use crate::vision::media::PromptImage;
 use inferd_plugin_api::abi;
 use std::collections::HashMap;
 
@@ -112,6 +113,19 @@ pub trait SeqStore {
     /// Target-model KV cache occupancy and prefix-cache counters, when the store has a cache.
     fn cache_stats(&self) -> Option<CacheStats> {
         None
+    }
+    /// Registers a prompt's images with the target model: their media ids fill their positions
+    /// in `prompt` ([`crate::engine::Engine::attach_images`]). Held until
+    /// [`SeqStore::release_images`].
+    fn attach_images(&mut self, prompt: &mut [u32], images: &mut [PromptImage]) -> Result<(), StoreError> {
+        let _ = prompt;
+        match images.is_empty() {
+            true => Ok(()),
+            false => Err(StoreError::Engine(EngineError::Image("this store takes no images".into()))),
+        }
+    }
+    fn release_images(&mut self, images: &[PromptImage]) {
+        let _ = images;
     }
 }
 
@@ -282,6 +296,14 @@ impl SeqStore for EngineStore<'_> {
         n
     }
 
+    fn attach_images(&mut self, prompt: &mut [u32], images: &mut [PromptImage]) -> Result<(), StoreError> {
+        Ok(self.engine.attach_images(prompt, images)?)
+    }
+
+    fn release_images(&mut self, images: &[PromptImage]) {
+        self.engine.release_images(images);
+    }
+
     fn create_embedding(&mut self, tokens: &[u32]) -> Result<StoreSeq, StoreError> {
         // Checked here, not at its chunks' step, where one bad text would fail everyone's.
         self.engine.check_prompt(tokens)?;
@@ -399,6 +421,8 @@ impl EngineStore<'_> {
             .iter()
             .filter(|(s, _)| s & DRAFT_BIT == 0 && !items.iter().any(|it| it.seq == *s))
             .map(|&(s, k)| (s, k.min(self.pending(s))))
+            // Never inside an image whose positions see each other both ways.
+            .map(|(s, k)| (s, self.engine.image_end(self.pending.get(&s).map_or(&[][..], Vec::as_slice), k)))
             .filter(|&(_, k)| k > 0)
             .collect();
         let (draft, target): (Indexed<'_>, Indexed<'_>) =

@@ -9,6 +9,7 @@
 //! ([`Engine::check`]). Running out of blocks is therefore an answer that changed nothing, never
 //! a half-applied step to roll back; the scheduler decides what to free and asks again.
 
+mod media;
 pub mod options;
 pub mod pooling;
 
@@ -39,6 +40,9 @@ pub enum EngineError {
     DuplicateSequence(SeqId),
     #[error("token id {token} is outside the vocabulary of {vocab}")]
     BadToken { token: u32, vocab: usize },
+    /// An image the engine cannot take (no projector, a prompt with no room for it).
+    #[error("{0}")]
+    Image(String),
 }
 
 /// One sequence's part of a step: append `tokens`, return the logits of the last `n_logits`
@@ -70,6 +74,10 @@ pub struct Engine {
     prefill_chunk: usize,
     /// A reranker's head, for its poolers ([`Engine::pooler`]).
     rank: Option<Arc<RankHead>>,
+    /// A vision encoder, where the model takes images (`media.rs`).
+    vision: Option<Arc<crate::vision::VisionEncoder>>,
+    /// The images of live requests, as media ids, and recent images' embeddings.
+    pub media: crate::vision::media::MediaTable,
 }
 
 impl std::fmt::Debug for Engine {
@@ -98,6 +106,7 @@ impl Engine {
         let mut engine = Engine::new(backend, opts.prefill_chunk);
         engine.kv = engine.kv.with_turn_ends(model.tokenizer.eos());
         engine.rank = model.rank.clone();
+        engine.vision = model.vision.clone();
         Ok((engine, why))
     }
 
@@ -111,7 +120,16 @@ impl Engine {
         let kv =
             KvCacheManager::with_groups(backend.kv_blocks(), backend.block_size(), backend.kv_groups().windows.clone())
                 .with_states(backend.state_slots());
-        Engine { backend, kv, logits: Vec::new(), rows: Vec::new(), prefill_chunk: prefill_chunk.max(1), rank: None }
+        Engine {
+            backend,
+            kv,
+            logits: Vec::new(),
+            rows: Vec::new(),
+            prefill_chunk: prefill_chunk.max(1),
+            rank: None,
+            vision: None,
+            media: Default::default(),
+        }
     }
 
     /// The pooling of a text of `total` tokens into its embedding (or a reranker's scores).
@@ -138,7 +156,7 @@ impl Engine {
             if it.n_logits > it.tokens.len() {
                 return Err(EngineError::BadLogitsCount { wanted: it.n_logits, tokens: it.tokens.len() });
             }
-            if let Some(&token) = it.tokens.iter().find(|&&t| t as usize >= vocab) {
+            if let Some(&token) = it.tokens.iter().find(|&&t| !self.known(t)) {
                 return Err(EngineError::BadToken { token, vocab });
             }
             let len = self.kv.len(it.seq) + it.tokens.len();
@@ -169,7 +187,7 @@ impl Engine {
         if tokens.len() > ctx {
             return Err(EngineError::PromptTooLong { len: tokens.len(), ctx });
         }
-        match tokens.iter().find(|&&t| t as usize >= vocab) {
+        match tokens.iter().find(|&&t| !self.known(t)) {
             Some(&token) => Err(EngineError::BadToken { token, vocab }),
             None => Ok(()),
         }
@@ -192,6 +210,12 @@ impl Engine {
                 rows
             })
             .collect())
+    }
+
+    /// The width of an input embedding, and whether an image's positions see each other both
+    /// ways.
+    fn embedding_form(&self) -> (usize, bool) {
+        (self.backend.config().hidden, self.vision.as_ref().is_some_and(|v| v.bidirectional()))
     }
 
     /// Floats in one of `it`'s rows: the vocabulary's logits, or a hidden state.
@@ -256,11 +280,16 @@ impl Engine {
         if items.iter().map(|it| it.tokens.len()).sum::<usize>() <= self.prefill_chunk {
             // One forward (every decode step): its rows, sequence by sequence, already are the
             // item-major logits, written in place.
+            let needs =
+                (items.iter().zip(start)).map(|(it, &s)| self.needs(it.tokens, s)).collect::<Result<Vec<_>, _>>()?;
+            let (hidden, both) = self.embedding_form();
+            let embeds: Vec<_> = needs.iter().map(|n| media::embedded(n, hidden, both)).collect();
             let batch: Vec<SeqBatch<'_>> = items
                 .iter()
                 .zip(start)
-                .filter(|(it, _)| !it.tokens.is_empty())
-                .map(|(it, &s)| SeqBatch {
+                .zip(&embeds)
+                .filter(|((it, _), _)| !it.tokens.is_empty())
+                .map(|((it, &s), e)| SeqBatch {
                     tokens: it.tokens,
                     start_pos: s,
                     block_tables: self.kv.block_tables(it.seq),
@@ -268,6 +297,7 @@ impl Engine {
                     checkpoint: self.kv.checkpoint(it.seq, s, s + it.tokens.len()),
                     logits: it.n_logits,
                     hidden: it.hidden,
+                    embeds: e,
                 })
                 .collect();
             self.logits.clear();
@@ -295,8 +325,8 @@ impl Engine {
             let mut chunk: Vec<(usize, usize, usize)> = Vec::new(); // (item, start, end) within its tokens
             for (i, it) in items.iter().enumerate() {
                 if done[i] < it.tokens.len() && budget > 0 {
-                    let end = it.tokens.len().min(done[i] + budget);
-                    budget -= end - done[i];
+                    let end = self.image_end(it.tokens, it.tokens.len().min(done[i] + budget));
+                    budget = budget.saturating_sub(end - done[i]);
                     chunk.push((i, done[i], end));
                 }
             }
@@ -306,9 +336,15 @@ impl Engine {
             // Rows wanted from this chunk: its part of the last n_logits positions (a suffix).
             let rows =
                 |i: usize, a: usize, b: usize| b.saturating_sub(a.max(items[i].tokens.len() - items[i].n_logits));
+            let needs = (chunk.iter())
+                .map(|&(i, a, b)| self.needs(&items[i].tokens[a..b], start[i] + a))
+                .collect::<Result<Vec<_>, _>>()?;
+            let (hidden, both) = self.embedding_form();
+            let embeds: Vec<_> = needs.iter().map(|n| media::embedded(n, hidden, both)).collect();
             let batch: Vec<SeqBatch<'_>> = chunk
                 .iter()
-                .map(|&(i, a, b)| SeqBatch {
+                .zip(&embeds)
+                .map(|(&(i, a, b), e)| SeqBatch {
                     tokens: &items[i].tokens[a..b],
                     start_pos: start[i] + a,
                     block_tables: self.kv.block_tables(items[i].seq),
@@ -316,6 +352,7 @@ impl Engine {
                     checkpoint: self.kv.checkpoint(items[i].seq, start[i] + a, start[i] + b),
                     logits: rows(i, a, b),
                     hidden: items[i].hidden,
+                    embeds: e,
                 })
                 .collect();
             self.backend.forward(&batch, &mut self.rows)?;

@@ -95,5 +95,15 @@ pub(super) fn load(dir: &Path, name: String) -> Result<Model, ModelError> {
     )?;
     let chat_template =
         tok_config.as_ref().and_then(|c| c.get("chat_template")).and_then(|v| v.as_str()).map(str::to_string);
-    Ok(Model { name, path: dir.to_path_buf(), arch, config, weights, tokenizer, chat_template, rank: None })
+    Ok(Model {
+        name,
+        path: dir.to_path_buf(),
+        arch,
+        config,
+        weights,
+        tokenizer,
+        chat_template,
+        rank: None,
+        vision: None,
+    })
 }

@@ -64,6 +64,8 @@ pub struct Model {
     pub chat_template: Option<String>,
     /// A reranker's head and prompt (rank pooling).
     pub rank: Option<std::sync::Arc<rank::RankHead>>,
+    /// Its vision encoder, where a projector file is paired with it ([`Model::pair_projector`]).
+    pub vision: Option<std::sync::Arc<crate::vision::VisionEncoder>>,
 }
 
 impl Model {
@@ -74,6 +76,22 @@ impl Model {
         if n > 0 {
             self.config.context_len = self.config.context_len.min(n);
         }
+    }
+
+    /// Loads the projector file `path` (`mmproj-*.gguf`) as this model's vision encoder: its
+    /// embeddings must be this model's width, and the image markers it writes must be tokens
+    /// of this model's vocabulary.
+    pub fn pair_projector(&mut self, path: &Path) -> Result<(), ModelError> {
+        let enc = crate::vision::VisionEncoder::load(path)?;
+        enc.check_pairing(self.config.hidden)?;
+        let (begin, end) = enc.markers();
+        for m in [begin, end] {
+            if self.tokenizer.encode_bare(m, true)?.len() != 1 {
+                return Err(ModelError::Config(format!("the image marker {m} is not a token of {}", self.name)));
+            }
+        }
+        self.vision = Some(std::sync::Arc::new(enc));
+        Ok(())
     }
 
     /// Loads a GGUF file or a Hugging Face directory (config.json, *.safetensors, tokenizer.json).
@@ -130,5 +148,5 @@ fn load_gguf(g: &Gguf, path: &Path, name: String) -> Result<Model, ModelError> {
         )));
     }
     let chat_template = g.get("tokenizer.chat_template").and_then(|v| v.as_str()).map(str::to_string);
-    Ok(Model { name, path: path.to_path_buf(), arch, config, weights, tokenizer, chat_template, rank })
+    Ok(Model { name, path: path.to_path_buf(), arch, config, weights, tokenizer, chat_template, rank, vision: None })
 }

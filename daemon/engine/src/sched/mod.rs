@@ -48,6 +48,9 @@ pub struct Submission {
     pub grammar: Option<crate::constraint::Grammar>,
     pub meta: RequestMeta,
     pub events: EventSink,
+    /// The prompt's images, each at its first position (registered by the loop when the
+    /// request arrives, released when it ends).
+    pub images: Vec<crate::vision::media::PromptImage>,
 }
 
 /// Who asked and how urgently, for fairness and metrics.

@@ -271,7 +271,14 @@ impl Scheduler {
     /// Takes one command (a `Shutdown` here is [`Scheduler::shutdown`] with no late commands).
     pub fn handle(&mut self, cmd: Command, store: &mut dyn SeqStore) {
         match cmd {
-            Command::Submit(sub) => {
+            Command::Submit(mut sub) => {
+                // Images become media ids in the prompt here, before anything keys on it.
+                if let Err(e) = store.attach_images(&mut sub.prompt, &mut sub.images) {
+                    self.stats.failed += 1;
+                    (sub.events)(Event::Failed(e.to_string()));
+                    self.out.retired.push((sub.id, Outcome::Failed(e.to_string())));
+                    return;
+                }
                 let streamed = vec![Vec::new(); sub.n.max(1) as usize];
                 self.waiting.push_back(Waiting { req: Progress { sub, streamed, started: false }, resumed: false });
             }
@@ -742,6 +749,7 @@ impl Scheduler {
         if let Some(s) = session {
             s.close(store);
         }
+        store.release_images(&req.sub.images);
         self.hold = false;
         let id = req.sub.id;
         let strategy = req.sub.strategy.name().to_owned();

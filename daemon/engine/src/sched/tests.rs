@@ -98,6 +98,7 @@ impl Harness {
             grammar: None,
             meta: RequestMeta { uid: s.uid, priority: s.priority, ..Default::default() },
             events: Box::new(move |e| tx.send((id, e)).is_ok()),
+            images: Vec::new(),
         };
         self.sched.handle(Command::Submit(sub), &mut self.store);
     }

@@ -3,12 +3,14 @@
 //! the prompt between the model's image markers.
 //!
 //! - [`decode`]: image files (PNG, JPEG, WebP, GIF) into pixels, within limits.
+//! - [`media`]: images as tokens of a sequence (media ids from their pixels).
 //! - [`preprocess`]: pixels resized and normalized as the encoder takes them.
 //! - [`clip`]: the projector file's hyperparameters and weights.
 //! - [`siglip`]: the encoder's forward pass (Gemma 3's SigLIP and projector).
 
 pub mod clip;
 pub mod decode;
+pub mod media;
 pub mod preprocess;
 pub mod siglip;
 

@@ -510,7 +510,12 @@ impl CpuBackend {
                     .flat_map(|s| {
                         (s.start_pos..s.start_pos + s.tokens.len()).map(move |p| QueryCtx {
                             table: &s.block_tables[g],
-                            ctx_len: p + 1,
+                            // Positions that see each other both ways see up to the last of
+                            // them (and still not before their window).
+                            ctx_len: (s.embeds.iter().filter(|e| e.both_ways))
+                                .map(|e| e.positions(h))
+                                .find(|r| r.contains(&p))
+                                .map_or(p + 1, |r| r.end),
                             start: window.map_or(0, |w| (p + 1).saturating_sub(w)),
                         })
                     })
@@ -524,11 +529,26 @@ impl CpuBackend {
 
         let x = &mut s.acts[Act::X.index()];
         resize(x, n * h);
+        let vocab = cfg.vocab;
         for (t, &tok) in tokens.iter().enumerate() {
-            self.w.token_embd.row_f32(tok as usize, &mut x[t * h..(t + 1) * h]);
+            // Media ids (validated: only where input embeddings are given) are written below.
+            if (tok as usize) < vocab {
+                self.w.token_embd.row_f32(tok as usize, &mut x[t * h..(t + 1) * h]);
+            }
         }
         if let Some(scale) = arch.embedding_scale {
             x.iter_mut().for_each(|v| *v *= scale);
+        }
+        let mut t0 = 0;
+        for sb in batch {
+            for e in sb.embeds {
+                let at = t0 + e.pos - sb.start_pos;
+                x[at * h..at * h + e.rows.len()].copy_from_slice(e.rows);
+            }
+            t0 += sb.tokens.len();
+        }
+        if self.w.per_layer.is_some() && batch.iter().any(|sb| !sb.embeds.is_empty()) {
+            return Err(BackendError::Unsupported("input embeddings for a model with per-layer embeddings".into()));
         }
         if let Some(p) = &self.w.per_layer {
             let ple = std::mem::take(&mut s.ple);

@@ -1,0 +1,30 @@
+"""The official OpenAI and Ollama Python clients asking about an image, unchanged: the OpenAI
+client with a data: URL content part, the Ollama client with a file in `images` (chat and
+generate). Prints each answer as JSON for the Rust test to compare.
+
+    python3 tests/python/vision_clients.py SOCKET MODEL IMAGE
+"""
+import base64
+import json
+import sys
+
+from clients import ollama_client, openai_client
+
+socket, model, image = sys.argv[1], sys.argv[2], sys.argv[3]
+question = "What is this?"
+out = {}
+with open(image, "rb") as f:
+    url = "data:image/png;base64," + base64.b64encode(f.read()).decode()
+r = openai_client(socket).chat.completions.create(
+    model=model,
+    messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                           {"type": "text", "text": question}]}],
+    max_tokens=8, temperature=0)
+out["openai"] = r.choices[0].message.content
+ollama = ollama_client(socket)
+options = {"temperature": 0, "num_predict": 8}
+c = ollama.chat(model=model, messages=[{"role": "user", "content": question, "images": [image]}], options=options)
+out["ollama_chat"] = c.message.content
+g = ollama.generate(model=model, prompt=question, images=[image], options=options)
+out["ollama_generate"] = g.response
+print(json.dumps(out))
