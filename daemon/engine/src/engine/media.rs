@@ -32,6 +32,9 @@ impl Engine {
     /// Registers a prompt's images: each takes the encoder's number of positions from its
     /// `at`, which get its media ids. On error nothing stays registered.
     pub fn attach_images(&mut self, prompt: &mut [u32], images: &mut [PromptImage]) -> Result<(), EngineError> {
+        if images.is_empty() {
+            return Ok(());
+        }
         let Some(enc) = &self.vision else {
             return Err(EngineError::Image(
                 "this model takes no images (it has no projector: [[model]] mmproj)".into(),
