@@ -25,6 +25,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
 use inferd_engine::tools::ToolCall;
+use inferd_engine::vision::media::PromptImage;
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
 
@@ -240,12 +241,33 @@ fn turns(v: Option<&Value>) -> Result<(Vec<Value>, Option<String>), ApiError> {
             _ => return Err(bad("content must be a string or a list of content blocks".into())),
         };
         let (mut text, mut calls, mut results) = (String::new(), Vec::new(), Vec::new());
+        // A user turn's text and images in order, as OpenAI content parts (where it has images).
+        let mut parts: Vec<Value> = Vec::new();
         for (j, b) in blocks.iter().enumerate() {
             let kind = b.get("type").and_then(Value::as_str).unwrap_or_default();
             match (role, kind) {
                 (_, "text") => {
                     let t = b.get("text").and_then(Value::as_str);
-                    text.push_str(t.ok_or_else(|| bad(format!("content[{j}] needs a string text")))?);
+                    let t = t.ok_or_else(|| bad(format!("content[{j}] needs a string text")))?;
+                    text.push_str(t);
+                    parts.push(json!({ "type": "text", "text": t }));
+                }
+                ("user", "image") => {
+                    // A base64 source as a data: URL; a url source as it is (not fetched).
+                    let src = b.get("source").cloned().unwrap_or_default();
+                    let url = match (src.get("type").and_then(Value::as_str), src.get("data"), src.get("url")) {
+                        (Some("base64"), Some(Value::String(data)), _) => {
+                            let kind = src.get("media_type").and_then(Value::as_str).unwrap_or("image/png");
+                            format!("data:{kind};base64,{data}")
+                        }
+                        (Some("url"), _, Some(Value::String(url))) => url.clone(),
+                        _ => {
+                            return Err(bad(format!(
+                                "content[{j}]: an image block needs a base64 source with data (or a url source)"
+                            )))
+                        }
+                    };
+                    parts.push(json!({ "type": "image_url", "image_url": { "url": url } }));
                 }
                 ("assistant", "tool_use") => {
                     let id = b.get("id").and_then(Value::as_str);
@@ -270,10 +292,8 @@ fn turns(v: Option<&Value>) -> Result<(Vec<Value>, Option<String>), ApiError> {
                     }
                     results.push(r);
                 }
-                (_, "image" | "document" | "search_result" | "container_upload") => {
-                    return Err(bad(format!(
-                        "content[{j}]: {kind} blocks are not supported by inferd (text models only)"
-                    )))
+                (_, "document" | "search_result" | "container_upload") => {
+                    return Err(bad(format!("content[{j}]: {kind} blocks are not supported by inferd")))
                 }
                 (_, "") => return Err(bad(format!("content[{j}] needs a type"))),
                 _ => return Err(bad(format!("content[{j}]: a {role} turn cannot hold a {kind} block"))),
@@ -291,6 +311,8 @@ fn turns(v: Option<&Value>) -> Result<(Vec<Value>, Option<String>), ApiError> {
                 a["tool_calls"] = Value::Array(calls);
             }
             out.push(a);
+        } else if parts.iter().any(|p| p["type"] == "image_url") {
+            out.push(json!({ "role": "user", "content": parts }));
         } else if !text.is_empty() || out.last().is_none_or(|m| m["role"] != "tool") {
             out.push(json!({ "role": "user", "content": text }));
         }
@@ -391,14 +413,19 @@ struct Started {
 
 /// The prompt of a Messages request for a local model, rendered with its template (and the
 /// prefill after the generation prompt), and the request's tools.
-fn prompt(sh: &Arc<Shared>, model: &super::ModelHandle, ask: &Ask) -> Result<(Vec<u32>, Tools), ApiError> {
+fn prompt(
+    sh: &Arc<Shared>,
+    model: &super::ModelHandle,
+    ask: &Ask,
+) -> Result<(Vec<u32>, Tools, Vec<PromptImage>), ApiError> {
     let tools = Tools::of(&ask.openai, &model.model)?;
-    let mut ids = chat::encode(sh, &model.model, &chat::messages(&ask.openai)?, Some(&tools), &ask.extra)?;
+    let (mut ids, images) =
+        chat::encode_with_images(sh, &model.model, &chat::messages(&ask.openai)?, Some(&tools), &ask.extra)?;
     if let Some(p) = ask.prefill.as_deref().filter(|p| !p.is_empty()) {
         let more = model.model.tokenizer.encode_bare(p, false).map_err(|e| ApiError::bad(e.to_string(), "messages"))?;
         ids.extend(more);
     }
-    Ok((ids, tools))
+    Ok((ids, tools, images))
 }
 
 /// `POST /v1/messages`.
@@ -418,10 +445,12 @@ async fn messages(
         let m = object(body)?;
         let ask = Ask::of(&m, false)?;
         let model = sh.model(model_field(&m)?)?;
-        let (ids, tools) = prompt(sh, &model, &ask)?;
+        let (ids, tools, images) = prompt(sh, &model, &ask)?;
         let mut req = fields::typed(&ask.openai)?;
         tools.constrain(&mut req, model.vocabulary.as_deref())?;
-        Ok(Started { prepared: request::prepare(sh, model, req, ids)?, tools, stream: ask.stream })
+        let mut prepared = request::prepare(sh, model, req, ids)?;
+        prepared.images = images;
+        Ok(Started { prepared, tools, stream: ask.stream })
     };
     let Started { prepared, tools, stream } = match sh.cpu_with(&body, start).await {
         Ok(s) => s,
@@ -711,6 +740,21 @@ mod tests {
     }
 
     #[test]
+    fn image_blocks_become_image_parts_in_order() {
+        let a = ask(json!({ "model": "m", "max_tokens": 8, "messages": [{ "role": "user", "content": [
+            { "type": "text", "text": "Compare " },
+            { "type": "image", "source": { "type": "base64", "media_type": "image/jpeg", "data": "AAAA" } },
+            { "type": "image", "source": { "type": "url", "url": "https://example.com/a.png" } },
+            { "type": "text", "text": "please." }] }] }))
+        .expect("valid");
+        let parts = &a.openai["messages"][0]["content"];
+        assert_eq!(parts[0], json!({ "type": "text", "text": "Compare " }));
+        assert_eq!(parts[1]["image_url"]["url"], "data:image/jpeg;base64,AAAA");
+        assert_eq!(parts[2]["image_url"]["url"], "https://example.com/a.png");
+        assert_eq!(parts[3], json!({ "type": "text", "text": "please." }));
+    }
+
+    #[test]
     fn a_last_assistant_turn_is_a_prefill() {
         let a = ask(json!({ "model": "m", "max_tokens": 8, "messages": [
             { "role": "user", "content": "Count" }, { "role": "assistant", "content": "1, 2, " }] }))
@@ -736,7 +780,11 @@ mod tests {
         assert!(refused(base(
             json!({ "messages": [{ "role": "user", "content": [{ "type": "image", "source": {} }] }] })
         ))
-        .contains("image blocks are not supported"));
+        .contains("an image block needs a base64 source with data"));
+        assert!(refused(base(
+            json!({ "messages": [{ "role": "user", "content": [{ "type": "document", "source": {} }] }] })
+        ))
+        .contains("document blocks are not supported"));
         assert!(refused(base(json!({ "tools": [{ "type": "web_search_20250305", "name": "web_search" }] })))
             .contains("web_search_20250305 is one of Anthropic's own tools"));
         assert!(refused(base(json!({ "tools": [{ "name": "f" }] }))).contains("input_schema"));

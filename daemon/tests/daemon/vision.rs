@@ -143,12 +143,13 @@ fn chat_with_an_image_answers_as_llama_server() {
     // image's markers and 16 tokens come before the question).
     let cached = answers[2].1["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
     assert!(cached >= 16, "{:?}", answers[2].1);
-    // The official clients: OpenAI's with a data: URL, Ollama's with a file in `images` (chat
-    // and generate, the image before the text as llama.cpp places it): the same answer.
+    // The official clients: OpenAI's with a data: URL, Anthropic's with a base64 image block,
+    // Ollama's with a file in `images` (chat and generate, the image before the text as
+    // llama.cpp places it): the same answer.
     let image = dir.join("square.png");
     let v = super::clients::python_client_with(&d, "vision_clients.py", &["vis", image.to_str().unwrap()]);
     let text: String = answers[0].0.iter().map(|t| t.0.as_str()).collect();
-    for k in ["openai", "ollama_chat", "ollama_generate"] {
+    for k in ["openai", "anthropic", "ollama_chat", "ollama_generate"] {
         assert_eq!(v[k].as_str(), Some(text.as_str()), "{k}: {v}");
     }
     // A model without a projector refuses an image by name.
