@@ -757,12 +757,18 @@ SCALED = [("tiny-phi3-longrope", "phi3", "longrope"), ("tiny-qwen2-yarn", "qwen2
 # width V_HIDDEN with V_HEADS heads; matrices in f16 as llama.cpp's converter writes them (the
 # patch embedding in f32, the projection into the language model's width in f16).
 V_IMAGE, V_PATCH, V_HIDDEN, V_HEADS, V_FFN, V_LAYERS = 224, 14, 64, 4, 128, 2
+# Gemma 3 4B's vision tower (SigLIP so400m at 896 pixels) and its language model's width, for
+# the speed comparison (tests/bench/vision-encode): image, patch, width, heads, feed-forward.
+G3_4B_VISION = (896, 14, 1152, 16, 4304)
+G3_4B_HIDDEN = 2560
 
 
-def mmproj(path, seed, text_hidden=HIDDEN):
+def mmproj(path, seed, text_hidden=HIDDEN, shapes=None, layers=V_LAYERS):
     """A Gemma 3 vision projector (`clip.projector_type = gemma3`), as `mmproj-*.gguf` files are."""
     rng = np.random.default_rng(seed)
-    e, n = V_HIDDEN, (V_IMAGE // V_PATCH) ** 2
+    V_IMAGE, V_PATCH, e, V_HEADS, V_FFN = shapes or (globals()["V_IMAGE"], globals()["V_PATCH"], V_HIDDEN, globals()["V_HEADS"], globals()["V_FFN"])
+    V_LAYERS = layers
+    n = (V_IMAGE // V_PATCH) ** 2
 
     def mat(rows, cols, scale=None):
         return (rng.standard_normal((rows, cols)) * (scale or cols ** -0.5)).astype(np.float32)
@@ -840,8 +846,25 @@ def vision(out):
     png(f"{out}/wide.png", 300, 170, lambda x, y: ((x * 5) % 256, (y * 11) % 256, (x ^ y) % 256))
 
 
+def vision_bench(out, layers):
+    """A random-weight projector at Gemma 3 4B's vision shapes with `layers` layers, a small
+    language model of its width (llama-mtmd-cli checks the pairing) and an 896 x 896 image, for
+    tests/bench/vision-encode."""
+    mmproj(f"{out}/bench-gemma3-4b-mmproj.gguf", 502, G3_4B_HIDDEN, G3_4B_VISION, layers)
+    global HIDDEN, HEADS, KV_HEADS, FFN
+    saved = (HIDDEN, HEADS, KV_HEADS, FFN)
+    HIDDEN, HEADS, KV_HEADS, FFN = G3_4B_HIDDEN, 8, 4, 256
+    try:
+        model("gemma3", f"{out}/bench-gemma3-4b-lm.gguf", 503, vocab=(TOKENS + GEMMA_TOKENS, MERGES, "default"), template=GEMMA_TEMPLATE, embd=0.15)
+    finally:
+        HIDDEN, HEADS, KV_HEADS, FFN = saved
+    png(f"{out}/image-896.png", 896, 896, lambda x, y: ((x * 7 + y * 3) % 256, (x * y) % 256, (x ^ y) % 256))
+
+
 if __name__ == "__main__" and sys.argv[1] == "vision":
     vision(sys.argv[2])
+elif __name__ == "__main__" and sys.argv[1] == "vision-bench":
+    vision_bench(sys.argv[2], int(sys.argv[3]))
 elif __name__ == "__main__" and sys.argv[1] == "moe":
     for seed, (name, arch, experts_type) in enumerate(MOES, start=200):
         model(arch, f"{sys.argv[2]}/{name}.gguf", seed, experts_type=experts_type)

@@ -94,6 +94,10 @@ enum Cmd {
         /// A system message to start the conversation with.
         #[arg(long)]
         system: Option<String>,
+        /// An image file (PNG, JPEG, WebP, GIF) sent with the first message, for a model with a
+        /// vision projector; may be given several times.
+        #[arg(long, value_name = "FILE")]
+        image: Vec<std::path::PathBuf>,
     },
 }
 
@@ -321,8 +325,9 @@ fn run(client: &Client, cmd: Cmd) -> Result<(), Error> {
             stream_text(client, path, &Value::Object(body), &mut out)?;
             writeln!(out)?;
         }
-        Cmd::Chat { opts, system } => {
+        Cmd::Chat { opts, system, image } => {
             let body = opts.body().map_err(Error::Usage)?;
+            let mut images = image.iter().map(|p| image_part(p)).collect::<Result<Vec<Value>, Error>>()?;
             let mut messages: Vec<Value> = system.iter().map(|s| json!({ "role": "system", "content": s })).collect();
             let first = messages.clone();
             let stdin = std::io::stdin();
@@ -346,7 +351,13 @@ fn run(client: &Client, cmd: Cmd) -> Result<(), Error> {
                     "/quit" | "/exit" => break,
                     _ => {}
                 }
-                messages.push(json!({ "role": "user", "content": line }));
+                if images.is_empty() {
+                    messages.push(json!({ "role": "user", "content": line }));
+                } else {
+                    // The images go with the first message, before its text.
+                    images.push(json!({ "type": "text", "text": line }));
+                    messages.push(json!({ "role": "user", "content": std::mem::take(&mut images) }));
+                }
                 let mut b = body.clone();
                 b.insert("messages".into(), Value::Array(messages.clone()));
                 let answer = stream_text(client, "/v1/chat/completions", &Value::Object(b), &mut out)?;
@@ -356,6 +367,21 @@ fn run(client: &Client, cmd: Cmd) -> Result<(), Error> {
         }
     }
     Ok(())
+}
+
+/// An image file as an OpenAI content part: a `data:` URL, its type read from its first bytes.
+fn image_part(path: &std::path::Path) -> Result<Value, Error> {
+    use base64::Engine as _;
+    let bytes = std::fs::read(path).map_err(|e| Error::Usage(format!("reading {}: {e}", path.display())))?;
+    let kind = match bytes.as_slice() {
+        [0x89, b'P', b'N', b'G', ..] => "image/png",
+        [0xff, 0xd8, ..] => "image/jpeg",
+        [b'G', b'I', b'F', ..] => "image/gif",
+        [b'R', b'I', b'F', b'F', _, _, _, _, b'W', b'E', b'B', b'P', ..] => "image/webp",
+        _ => return Err(Error::Usage(format!("{} is not a PNG, JPEG, WebP or GIF image", path.display()))),
+    };
+    let url = format!("data:{kind};base64,{}", base64::engine::general_purpose::STANDARD.encode(&bytes));
+    Ok(json!({ "type": "image_url", "image_url": { "url": url } }))
 }
 
 /// Streams a completion's text (choice 0) to `out` as it arrives; returns the whole text.

@@ -152,6 +152,14 @@ fn chat_with_an_image_answers_as_llama_server() {
     for k in ["openai", "anthropic", "ollama_chat", "ollama_generate"] {
         assert_eq!(v[k].as_str(), Some(text.as_str()), "{k}: {v}");
     }
+    // inferctl chat --image: the image with the first message (greedy by default).
+    let (ok, out, err) = super::clients::inferctl(
+        &d.socket,
+        &["chat", "--model", "vis", "--max-tokens", "8", "--image", image.to_str().unwrap()],
+        "What is this?\n",
+    );
+    assert!(ok, "{err}");
+    assert_eq!(out.trim_end_matches('\n'), text, "{out:?}");
     // A model without a projector refuses an image by name.
     let plain = format!("[[model]]\nname = \"text\"\npath = \"{}\"\n", model.display());
     let t = Daemon::start(&scratch("vision-none"), &plain, &[]);
