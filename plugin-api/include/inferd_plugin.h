@@ -117,7 +117,9 @@ struct inferd_host_api {
     int32_t (*seq_free)(inferd_call *call, inferd_seq seq);
     /* Number of tokens in the sequence (run or waiting to run). */
     int32_t (*seq_len)(inferd_call *call, inferd_seq seq, uint32_t *out);
-    /* Copies up to `cap` tokens into `buf`; `*len` receives the sequence length. */
+    /* Copies up to `cap` tokens into `buf`; `*len` receives the sequence length. An image's
+     * positions hold media ids, negative here (2^31 and above as unsigned), outside the
+     * vocabulary: a strategy leaves them alone (no logit is theirs). */
     int32_t (*seq_tokens)(inferd_call *call, inferd_seq seq, int32_t *buf, uint32_t cap, uint32_t *len);
     /* Appends a token to the output of choice `choice` (0 <= choice < n). `logprob` is its
      * log-probability under the model at that position: the log-softmax of the target row the

@@ -30,6 +30,7 @@ a = anthropic_client(socket).messages.create(
         {"type": "text", "text": question}]}])
 out["anthropic"] = "".join(b.text for b in a.content if b.type == "text")
 ollama = ollama_client(socket)
+out["capabilities"] = ollama.show(model).capabilities
 options = {"temperature": 0, "num_predict": 8}
 c = ollama.chat(model=model, messages=[{"role": "user", "content": question, "images": [image]}], options=options)
 out["ollama_chat"] = c.message.content

@@ -209,7 +209,8 @@ async fn show(
 /// What a model can do, as Ollama lists it (apps show or hide features by it): `tools` when
 /// its chat template renders tools itself (any model gets them described otherwise, but Ollama
 /// reports the template's support), `insert` when the vocabulary has fill-in-the-middle tokens
-/// (`suffix` works), `thinking` when the template has a reasoning switch or block.
+/// (`suffix` works), `thinking` when the template has a reasoning switch or block, `vision`
+/// when a projector is paired with it (images work).
 fn capabilities(h: &ModelHandle) -> Vec<&'static str> {
     let template = h.model.chat_template.as_deref();
     let mut caps = vec!["completion"];
@@ -222,6 +223,9 @@ fn capabilities(h: &ModelHandle) -> Vec<&'static str> {
     let t = template.unwrap_or_default();
     if super::reasoning::capable(Some(t)) {
         caps.push("thinking");
+    }
+    if h.model.vision.is_some() {
+        caps.push("vision");
     }
     caps
 }

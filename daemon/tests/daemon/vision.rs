@@ -152,6 +152,8 @@ fn chat_with_an_image_answers_as_llama_server() {
     for k in ["openai", "anthropic", "ollama_chat", "ollama_generate"] {
         assert_eq!(v[k].as_str(), Some(text.as_str()), "{k}: {v}");
     }
+    // Ollama's apps offer images to models that list `vision`.
+    assert!(v["capabilities"].as_array().unwrap().contains(&serde_json::json!("vision")), "{v}");
     // inferctl chat --image: the image with the first message (greedy by default).
     let (ok, out, err) = super::clients::inferctl(
         &d.socket,
