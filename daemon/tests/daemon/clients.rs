@@ -286,7 +286,7 @@ fn the_official_anthropic_client_works_unchanged() {
         (&e["image"]["status"], &e["image"]["type"]),
         (&Value::from(400), &Value::from("invalid_request_error"))
     );
-    assert!(e["image"]["message"].as_str().unwrap().contains("image blocks are not supported"), "{e}");
+    assert!(e["image"]["message"].as_str().unwrap().contains("the image cannot be decoded"), "{e}");
     assert!(e["server_tool"]["message"].as_str().unwrap().contains("web_search_20250305"), "{e}");
     let _ = std::fs::remove_dir_all(dir);
 }
