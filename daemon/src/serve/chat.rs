@@ -280,9 +280,8 @@ fn image_of_url(url: &str) -> Result<Vec<u8>, String> {
 fn base64_bytes(s: &str) -> Result<Vec<u8>, String> {
     use base64::Engine as _;
     let clean: String = s.chars().filter(|c| !c.is_ascii_whitespace()).collect();
-    base64::engine::general_purpose::STANDARD
+    base64::engine::general_purpose::STANDARD_NO_PAD
         .decode(clean.trim_end_matches('='))
-        .or_else(|_| base64::engine::general_purpose::STANDARD_NO_PAD.decode(clean.trim_end_matches('=')))
         .map_err(|e| format!("not base64: {e}"))
 }
 
@@ -350,7 +349,10 @@ pub fn encode(
     extra: &inferd_engine::chat::Extra,
 ) -> Result<Vec<u32>, ApiError> {
     if messages.iter().any(|m| !m.images.is_empty()) {
-        return Err(ApiError::bad("this route takes no images yet (OpenAI's and Ollama's chat do)", "messages"));
+        return Err(ApiError::bad(
+            "this route takes no images yet (the chat routes of OpenAI, Anthropic and Ollama do)",
+            "messages",
+        ));
     }
     let (text, lit) = render(sh, model, messages, tools, extra)?;
     lit.encode(&model.tokenizer, &text).map_err(|e| ApiError::bad(e.to_string(), "messages"))

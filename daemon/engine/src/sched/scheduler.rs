@@ -273,14 +273,13 @@ impl Scheduler {
         match cmd {
             Command::Submit(mut sub) => {
                 // Images become media ids in the prompt here, before anything keys on it.
-                if let Err(e) = store.attach_images(&mut sub.prompt, &mut sub.images) {
-                    self.stats.failed += 1;
-                    (sub.events)(Event::Failed(e.to_string()));
-                    self.out.retired.push((sub.id, Outcome::Failed(e.to_string())));
-                    return;
-                }
+                let attached = store.attach_images(&mut sub.prompt, &mut sub.images);
                 let streamed = vec![Vec::new(); sub.n.max(1) as usize];
-                self.waiting.push_back(Waiting { req: Progress { sub, streamed, started: false }, resumed: false });
+                let req = Progress { sub, streamed, started: false };
+                match attached {
+                    Ok(()) => self.waiting.push_back(Waiting { req, resumed: false }),
+                    Err(e) => self.retire(req, None, Exit::Failed(e.to_string()), store),
+                }
             }
             Command::Cancel(id) => {
                 if let Some(i) = self.waiting.iter().position(|w| w.req.sub.id == id) {

@@ -93,9 +93,9 @@ pub struct ClipWeights {
     pub post_ln: LayerNorm,
     /// Gemma 3's projector: the RMS norm's weight (its `1 +` already in the file) and the
     /// projection, transposed at load to `out_width` rows of `hidden` (the file stores it
-    /// `hidden x out_width`, Hugging Face's parameter as it is).
+    /// `hidden x out_width`, Hugging Face's parameter as it is), with no bias.
     pub soft_norm: Vec<f32>,
-    pub projection: Tensor,
+    pub projection: Linear,
 }
 
 /// Reads and checks a projector file.
@@ -104,7 +104,7 @@ pub fn load(path: &Path) -> Result<(ClipConfig, ClipWeights), ModelError> {
     let g = Gguf::parse(Blob::map(path).map_err(io)?)?;
     let mut cfg = config(&g)?;
     let w = weights(&g, &cfg)?;
-    cfg.out_width = w.projection.rows;
+    cfg.out_width = w.projection.w.rows;
     Ok((cfg, w))
 }
 
@@ -247,7 +247,10 @@ fn weights(g: &Gguf, cfg: &ClipConfig) -> Result<ClipWeights, ModelError> {
         layers,
         post_ln: norm("v.post_ln")?,
         soft_norm: vector("mm.soft_emb_norm.weight", e)?,
-        projection: transposed(&matrix("mm.input_projection.weight", e, out_width)?)?,
+        projection: Linear {
+            w: transposed(&matrix("mm.input_projection.weight", e, out_width)?)?,
+            b: vec![0.0; out_width],
+        },
     };
     crate::model::arch::check_unused(g.tensors.iter().map(|t| t.name.as_str()), &used.borrow(), &|_| false)?;
     Ok(w)

@@ -46,7 +46,7 @@ pub fn encode(pool: &ThreadPool, k: &Kernels, cfg: &ClipConfig, w: &ClipWeights,
         x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
         layer_norm(pool, &x, &l.ln2, cfg.eps, &mut h);
         let mut u = linear(pool, k, &l.up, &h, n);
-        // GELU alone: the gated form's kernel with a gate of ones.
+        // GELU alone: the gated form's kernel, its other factor ones.
         let ones = vec![1.0; cfg.ffn];
         pool.for_rows(&mut u, cfg.ffn, &|_, rows| rows.chunks_exact_mut(cfg.ffn).for_each(|r| (k.geglu)(r, &ones)));
         let d = linear(pool, k, &l.down, &u, n);
@@ -68,8 +68,7 @@ pub fn encode(pool: &ThreadPool, k: &Kernels, cfg: &ClipConfig, w: &ClipWeights,
         out.iter_mut().for_each(|o| *o *= inv);
         rms_norm_in_place(out, &w.soft_norm, cfg.eps);
     }
-    let proj = Linear { w: w.projection.clone(), b: vec![0.0; w.projection.rows] };
-    linear(pool, k, &proj, &pooled, pg * pg)
+    linear(pool, k, &w.projection, &pooled, pg * pg)
 }
 
 /// `x / sqrt(mean(x²) + eps) * w`, the mean of squares summed in f64.
