@@ -1,10 +1,10 @@
 //! Tells the kernel tests which instruction sets the build machine has (`host_avx2`,
-//! `host_avx512vnni`), whether it has NVIDIA's runtime compiler (`host_nvrtc`: libnvrtc.so.13 or
-//! .12 on LD_LIBRARY_PATH or in the system's library directories) and an NVIDIA GPU with its driver
-//! (`host_cuda`), so a test this machine cannot run is reported as ignored with the reason, not
-//! as passed. Only for native builds: when cross-compiling (TARGET differs
-//! from HOST) neither is set and those tests are ignored. Nothing outside `#[cfg(test)]` reads
-//! them: the kernels themselves choose their instruction set at run time.
+//! `host_avx512vnni`, `host_avx512bf16`), whether it has NVIDIA's runtime compiler (`host_nvrtc`:
+//! libnvrtc.so.13 or .12 on LD_LIBRARY_PATH or in the system's library directories) and an
+//! NVIDIA GPU with its driver (`host_cuda`), so a test this machine cannot run is reported as
+//! ignored with the reason, not as passed. Only for native builds: when cross-compiling (TARGET
+//! differs from HOST) neither is set and those tests are ignored. Nothing outside
+//! `#[cfg(test)]` reads them: the kernels themselves choose their instruction set at run time.
 //!
 //! The script watches only itself and LD_LIBRARY_PATH. It must not name a file that may not exist
 //! (`/proc/driver/nvidia/version` on a machine without a GPU): Cargo counts a missing watched file
@@ -14,6 +14,7 @@
 fn main() {
     println!("cargo::rustc-check-cfg=cfg(host_avx2)");
     println!("cargo::rustc-check-cfg=cfg(host_avx512vnni)");
+    println!("cargo::rustc-check-cfg=cfg(host_avx512bf16)");
     println!("cargo::rustc-check-cfg=cfg(host_nvrtc)");
     println!("cargo::rustc-check-cfg=cfg(host_cuda)");
     println!("cargo::rerun-if-changed=build.rs");
@@ -46,6 +47,9 @@ fn main() {
         }
         if avx512 {
             println!("cargo::rustc-cfg=host_avx512vnni");
+        }
+        if avx512 && is_x86_feature_detected!("avx512bf16") {
+            println!("cargo::rustc-cfg=host_avx512bf16");
         }
     }
 }

@@ -11,6 +11,8 @@
 //! - [`cpu`]: the kernels proper: a scalar reference (`cpu::scalar`, kept forever and the oracle of
 //!   the property tests) and an AVX2+FMA path (`cpu::avx2`) chosen once at run time.
 //! - [`matmul`]: the multi-threaded matrix product driver over a [`pool::ThreadPool`].
+//! - [`gemm`]: products of many tokens (a vision encoder's patches) in bf16 register tiles,
+//!   and their attention of every token to every token.
 //! - [`ops`]: the small per-row operations of a transformer block (RMSNorm, RoPE, SwiGLU, softmax).
 //! - [`attention`]: attention over a paged K/V cache.
 //! - [`deltanet`]: Gated DeltaNet's recurrence (Qwen3.5's linear attention), token by token and
@@ -25,6 +27,7 @@ pub mod attention;
 pub mod cpu;
 pub mod cuda;
 pub mod deltanet;
+pub mod gemm;
 pub mod group;
 pub mod matmul;
 pub mod moe;

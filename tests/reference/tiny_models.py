@@ -216,13 +216,13 @@ def pre_vocab():
 EXPERTS, EXPERTS_USED, EXPERT_FFN = 8, 2, 32
 
 
-def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None, experts_type=None, template=None, embd=1.0):
+def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None, experts_type=None, template=None, embd=1.0, head=None, layers=None, context=None):
     rng = np.random.default_rng(seed)
     tokens, merges, pre = vocab or (TOKENS + (HARMONY_TOKENS if arch == "gpt-oss" else []), MERGES, "default")
-    head = 32 if arch in ("qwen3", "qwen3moe", "gemma3") else HIDDEN // HEADS  # qwen3/gemma3: head size apart from hidden
+    head = head or (32 if arch in ("qwen3", "qwen3moe", "gemma3") else HIDDEN // HEADS)  # qwen3/gemma3: head size apart from hidden
     moe = arch in ("qwen3moe", "gpt-oss")
     q, kv = HEADS * head, KV_HEADS * head
-    layers = 6 if arch == "gemma3" else 2
+    layers = layers or (6 if arch == "gemma3" else 2)
 
     def mat(rows, cols, scale=None):
         return (rng.standard_normal((rows, cols)) * (scale or cols ** -0.5)).astype(np.float32)
@@ -233,7 +233,7 @@ def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None,
     w = GGUFWriter(path, arch)
     # The mixtures of experts are trained on 1024 positions, so that long answers fill a small
     # KV cache (daemon/tests/daemon/moe.rs).
-    w.add_context_length(4 * ORIGINAL if scaling else 1024 if moe else 256)
+    w.add_context_length(context or (4 * ORIGINAL if scaling else 1024 if moe else 256))
     w.add_embedding_length(HIDDEN)
     w.add_block_count(layers)
     w.add_feed_forward_length(FFN)
@@ -754,13 +754,16 @@ SCALED = [("tiny-phi3-longrope", "phi3", "longrope"), ("tiny-qwen2-yarn", "qwen2
 
 # The vision encoder of a tiny Gemma 3 mmproj (SigLIP's form): images of V_IMAGE pixels a side
 # in patches of V_PATCH (16 x 16 patches, pooled 4 x 4 into 16 image tokens), V_LAYERS layers of
-# width V_HIDDEN with V_HEADS heads; matrices in f16 as llama.cpp's converter writes them (the
-# patch embedding in f32, the projection into the language model's width in f16).
+# width V_HIDDEN with V_HEADS heads; matrices of values bf16 holds (as the published checkpoints'
+# are) in f16 as llama.cpp's converter writes them (the patch embedding in f32, the projection
+# into the language model's width in f16).
 V_IMAGE, V_PATCH, V_HIDDEN, V_HEADS, V_FFN, V_LAYERS = 224, 14, 64, 4, 128, 2
-# Gemma 3 4B's vision tower (SigLIP so400m at 896 pixels) and its language model's width, for
-# the speed comparison (tests/bench/vision-encode): image, patch, width, heads, feed-forward.
+# Gemma 3 4B's vision tower (SigLIP so400m at 896 pixels) and its language model, for the speed
+# comparisons (tests/bench/vision-encode, tests/bench/vision-ttft): image, patch, width, heads,
+# feed-forward; the language model's width, heads, KV heads, head size, feed-forward and layers
+# (27 vision layers to 34).
 G3_4B_VISION = (896, 14, 1152, 16, 4304)
-G3_4B_HIDDEN = 2560
+G3_4B_HIDDEN, G3_4B_TEXT = 2560, (8, 4, 256, 10240, 34)
 
 
 def mmproj(path, seed, text_hidden=HIDDEN, shapes=None, layers=V_LAYERS):
@@ -771,7 +774,11 @@ def mmproj(path, seed, text_hidden=HIDDEN, shapes=None, layers=V_LAYERS):
     n = (V_IMAGE // V_PATCH) ** 2
 
     def mat(rows, cols, scale=None):
-        return (rng.standard_normal((rows, cols)) * (scale or cols ** -0.5)).astype(np.float32)
+        # Values a bf16 holds, as the released checkpoints' are (trained and published in
+        # bf16; the converter's f16 holds them exactly).
+        x = (rng.standard_normal((rows, cols)) * (scale or cols ** -0.5)).astype(np.float32)
+        u = x.view(np.uint32)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
 
     def vec(k, scale=0.1, mean=0.0):
         return (mean + scale * rng.standard_normal(k)).astype(np.float32)
@@ -847,18 +854,21 @@ def vision(out):
 
 
 def vision_bench(out, layers):
-    """A random-weight projector at Gemma 3 4B's vision shapes with `layers` layers, a small
-    language model of its width (llama-mtmd-cli checks the pairing) and an 896 x 896 image, for
-    tests/bench/vision-encode."""
+    """A random-weight projector at Gemma 3 4B's vision shapes with `layers` layers, a language
+    model at Gemma 3 4B's shapes (Q8_0 matrices, the tiny vocabulary) with as many of its 34
+    layers as keep its share (34 / 27 of `layers`), and three 896 x 896 images, for
+    tests/bench/vision-encode and tests/bench/vision-ttft."""
     mmproj(f"{out}/bench-gemma3-4b-mmproj.gguf", 502, G3_4B_HIDDEN, G3_4B_VISION, layers)
     global HIDDEN, HEADS, KV_HEADS, FFN
     saved = (HIDDEN, HEADS, KV_HEADS, FFN)
-    HIDDEN, HEADS, KV_HEADS, FFN = G3_4B_HIDDEN, 8, 4, 256
+    heads, kv_heads, head, ffn, text_layers = G3_4B_TEXT
+    HIDDEN, HEADS, KV_HEADS, FFN = G3_4B_HIDDEN, heads, kv_heads, ffn
     try:
-        model("gemma3", f"{out}/bench-gemma3-4b-lm.gguf", 503, vocab=(TOKENS + GEMMA_TOKENS, MERGES, "default"), template=GEMMA_TEMPLATE, embd=0.15)
+        model("gemma3", f"{out}/bench-gemma3-4b-lm.gguf", 503, vocab=(TOKENS + GEMMA_TOKENS, MERGES, "default"), template=GEMMA_TEMPLATE, embd=0.15, head=head, layers=max(1, round(layers * text_layers / 27)), context=4096)
     finally:
         HIDDEN, HEADS, KV_HEADS, FFN = saved
-    png(f"{out}/image-896.png", 896, 896, lambda x, y: ((x * 7 + y * 3) % 256, (x * y) % 256, (x ^ y) % 256))
+    for i in range(3):
+        png(f"{out}/image-896-{i}.png", 896, 896, lambda x, y: ((x * (7 + i) + y * 3) % 256, (x * y + i) % 256, (x ^ y) % 256))
 
 
 if __name__ == "__main__" and sys.argv[1] == "vision":

@@ -36,12 +36,16 @@ fn mtmd_embeddings(bin: &Path, model: &Path, mmproj: &Path, image: &Path, dir: &
     (n, width, v)
 }
 
-/// How far apart the embeddings may be, relative to their root mean square: four times the
-/// most measured (0.0012 for square.png, 0.0009 for wide.png, AMD EPYC Zen 4), the two sides
-/// rounding differently (llama.cpp's patch products in f16, its GELU from a table of f16
-/// inputs). A pixel resampled differently, a position, norm or pooling out of order is
-/// several times the rms.
+/// How far apart the embeddings may be, relative to their root mean square, where the encoder's
+/// products run on f16 weights and f32 activations: four times the most measured (0.0013 for
+/// square.png, 0.0010 for wide.png, AMD EPYC Zen 4), the two sides rounding differently
+/// (llama.cpp's activations in f16, its GELU from a table of f16 inputs). A pixel resampled
+/// differently, a position, norm or pooling out of order is several times the rms.
 const EMBEDDING_TOL: f32 = 0.005;
+/// The same where they run in bf16 tiles (AVX-512 BF16, `inferd_kernels::gemm`): activations
+/// rounded to 8 significant bits as the checkpoints were trained with (their weights are bf16
+/// values, exact either way), four times the most measured (0.0078, Zen 4).
+const EMBEDDING_TOL_BF16: f32 = 0.03;
 
 #[test]
 fn image_embeddings_match_llama_cpps() {
@@ -53,16 +57,19 @@ fn image_embeddings_match_llama_cpps() {
     let (model, mmproj) = tiny_vision(&dir);
     let enc = VisionEncoder::load(&mmproj).unwrap();
     let pool = inferd_kernels::pool::ThreadPool::new(2);
-    let k = inferd_kernels::Kernels::detect();
     for name in ["square.png", "wide.png"] {
         let (n, width, want) = mtmd_embeddings(&bin, &model, &mmproj, &dir.join(name), &dir);
         assert_eq!((n, width), (enc.image_tokens(), enc.config.out_width), "{name}");
         let img = vision::decode(&std::fs::read(dir.join(name)).unwrap(), ImageLimits::default()).unwrap();
-        let got = enc.encode(&pool, &k, &img);
         let rms = (want.iter().map(|v| v * v).sum::<f32>() / want.len() as f32).sqrt();
-        let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max) / rms;
-        eprintln!("{name}: {n} image tokens of {width}, at most {worst:.5} of their rms ({rms:.3}) from llama.cpp's");
-        assert!(worst < EMBEDDING_TOL, "{name}: {worst}");
+        // Every kernel table this processor has: the f16 products and, where present, bf16's.
+        for k in inferd_kernels::Kernels::all() {
+            let got = enc.encode(&pool, &k, &img);
+            let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max) / rms;
+            let (tol, how) = if k.bf16.is_some() { (EMBEDDING_TOL_BF16, "bf16") } else { (EMBEDDING_TOL, "f16") };
+            eprintln!("{name} ({:?}, {how}): {n} image tokens of {width}, at most {worst:.5} of their rms ({rms:.3}) from llama.cpp's", k.isa);
+            assert!(worst < tol, "{name} ({:?}): {worst}", k.isa);
+        }
     }
     let _ = std::fs::remove_dir_all(dir);
 }
@@ -92,12 +99,30 @@ fn tokens(answer: &str) -> Vec<(String, f64)> {
 
 /// How close each token's log-probability must be to llama-server's: the text tests'
 /// tolerance for the tiny models (8-bit activations on both sides), the image embeddings'
-/// own difference (at most 0.0012 of their rms) being far below it.
+/// own difference (at most 0.0078 of their rms) being far below it.
 const LOGPROB_TOL: f64 = 0.1;
+
+/// How many of the greedy tokens the two answers share: all of them, or those before a step
+/// where llama-server's two likeliest tokens lie within [`LOGPROB_TOL`] of each other and ours
+/// is its second (a tie that neither side's rounding decides; it ends the comparison, since
+/// the texts differ from there). Any other difference fails.
+fn shared_tokens(name: &str, ours: &str, theirs: &str) -> usize {
+    let (a, b) = (tokens(ours), tokens(theirs));
+    assert_eq!(a.len(), b.len(), "{name}: {ours} vs {theirs}");
+    let Some(i) = a.iter().zip(&b).position(|(x, y)| x.0 != y.0) else { return a.len() };
+    let top = json(theirs)["choices"][0]["logprobs"]["content"][i]["top_logprobs"].clone();
+    let second = top.as_array().and_then(|t| t.get(1)).cloned().unwrap_or_default();
+    let gap = b[i].1 - second["logprob"].as_f64().unwrap_or(f64::NEG_INFINITY);
+    assert!(
+        second["token"].as_str() == Some(a[i].0.as_str()) && gap <= LOGPROB_TOL,
+        "{name}: token {i} differs and is no tie: {ours} vs {theirs}"
+    );
+    i
+}
 
 /// OpenAI chat requests with an image (a `data:` URL content part), to inferd with the
 /// projector paired (`[[model]] mmproj`) and to llama-server with `--mmproj`: the same greedy
-/// tokens, log-probabilities within [`LOGPROB_TOL`]; another image answers differently; the
+/// tokens (up to a tie, [`shared_tokens`]), log-probabilities within [`LOGPROB_TOL`]; another image answers differently; the
 /// same image sent again comes from the prefix cache (its tokens are keyed by its pixels) and
 /// answers the same.
 #[test]
@@ -119,7 +144,7 @@ fn chat_with_an_image_answers_as_llama_server() {
         &["-np", "1", "--mmproj", mmproj.to_str().unwrap(), "--no-warmup"],
     );
     let mut answers = Vec::new();
-    let mut worst = 0f64;
+    let (mut worst, mut fewest) = (0f64, usize::MAX);
     for (name, question) in [("square.png", "What is this?"), ("wide.png", "What is this?"), ("square.png", "Again?")] {
         let body = ask("vis", &dir.join(name), question);
         let (st, ours) = d.http("POST", "/v1/chat/completions", &body);
@@ -127,15 +152,15 @@ fn chat_with_an_image_answers_as_llama_server() {
         let (st, theirs) = super::remote::tcp_http(port, "POST", "/v1/chat/completions", &body);
         assert_eq!(st, 200, "{theirs}");
         let (ours_t, theirs_t) = (tokens(&ours), tokens(&theirs));
-        assert!(!ours_t.is_empty(), "{ours}");
-        let texts = |t: &[(String, f64)]| t.iter().map(|x| x.0.clone()).collect::<Vec<_>>();
-        assert_eq!(texts(&ours_t), texts(&theirs_t), "{name}: {ours} vs {theirs}");
-        for ((_, a), (_, b)) in ours_t.iter().zip(&theirs_t) {
+        let shared = shared_tokens(name, &ours, &theirs);
+        assert!(shared >= 6, "{name}: only {shared} tokens alike: {ours} vs {theirs}");
+        fewest = fewest.min(shared);
+        for ((_, a), (_, b)) in ours_t.iter().zip(&theirs_t).take(shared) {
             worst = worst.max((a - b).abs());
         }
         answers.push((ours_t, json(&ours)["usage"].clone()));
     }
-    eprintln!("vision chat: tokens equal to llama-server's, log-probabilities at most {worst:.4} apart");
+    eprintln!("vision chat: at least {fewest} of 8 tokens equal to llama-server's (then a tie), log-probabilities at most {worst:.4} apart");
     assert!(worst <= LOGPROB_TOL, "{worst}");
     // The image matters: another one changes the first token's log-probability.
     assert!((answers[0].0[0].1 - answers[1].0[0].1).abs() > 1e-3, "{:?} {:?}", answers[0].0, answers[1].0);

@@ -56,6 +56,7 @@ pub fn kernels() -> Option<Kernels> {
         gemv16: None,
         // SAFETY: as above.
         gemv16_packed: Some(|dt, w, rb, a, out| unsafe { super::avx2_packed::gemv16_packed(dt, w, rb, a, out) }),
+        bf16: None,
     })
 }
 

@@ -1,7 +1,8 @@
 //! AVX-512 VNNI kernels for quantized products (x86-64 with AVX512F/BW/VL and VNNI), on top of
 //! the AVX2 table: the 16-row kernels (`avx512_gemv.rs` on rows as the file stores them,
 //! `avx512_packed.rs` on packed weights) and attention (`avx512_attn.rs`). The single-row dots
-//! are the AVX2 table's (`lane.rs`): every product here follows their lane arithmetic.
+//! are the AVX2 table's (`lane.rs`): every product here follows their lane arithmetic. Where
+//! the processor also has AVX-512 BF16, the bf16 products of many tokens (`avx512_bf16.rs`).
 
 use super::{Isa, Kernels};
 /// The AVX-512 VNNI table, or `None` when the processor lacks any of the features.
@@ -32,6 +33,14 @@ pub fn kernels() -> Option<Kernels> {
         attn_values: |v, p, stride, hd, g, out| unsafe { super::avx512_attn::attn_values(v, p, stride, hd, g, out) },
         // SAFETY: as above.
         exp_sum: |x, shift| unsafe { super::avx512_attn::exp_sum(x, shift) },
+        bf16: is_x86_feature_detected!("avx512bf16").then_some(super::Bf16Kernels {
+            // SAFETY: as above, and BF16 detected here.
+            tile: |t, c, ldc| unsafe { super::avx512_bf16::tile(t, c, ldc) },
+            // SAFETY: as above.
+            to_bf16: |x, out| unsafe { super::avx512_bf16::to_bf16(x, out) },
+            // SAFETY: as above.
+            softmax: |s, scale, out| unsafe { super::avx512_bf16::softmax(s, scale, out) },
+        }),
         ..base
     })
 }

@@ -227,7 +227,7 @@ pub(super) unsafe fn exp_sum(x: &mut [f32], shift: f32) -> f32 {
 /// round(x / ln 2)`, `|r| <= ln 2 / 2`, and the same degree-6 polynomial for `e^r`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-fn exp16(x: __m512) -> __m512 {
+pub(super) fn exp16(x: __m512) -> __m512 {
     let x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3)), _mm512_set1_ps(88.3));
     let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
         x,

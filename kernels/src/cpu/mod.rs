@@ -23,6 +23,8 @@ pub mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod avx512_attn;
 #[cfg(target_arch = "x86_64")]
+mod avx512_bf16;
+#[cfg(target_arch = "x86_64")]
 mod avx512_gemv;
 #[cfg(target_arch = "x86_64")]
 mod avx512_packed;
@@ -108,6 +110,57 @@ pub struct Kernels {
     /// [`Kernels::gemv16`] on a group of 16 rows in the packed layout ([`crate::pack`]), for
     /// every quantized type; the same results bit for bit.
     pub gemv16_packed: Option<Gemv16>,
+    /// Products of many tokens in bf16 ([`crate::gemm`]), where the processor multiplies bf16
+    /// pairs (AVX-512 BF16); the references are in [`scalar`].
+    pub bf16: Option<Bf16Kernels>,
+}
+
+/// The kernels of [`crate::gemm`]'s bf16 products.
+#[derive(Clone, Copy)]
+pub struct Bf16Kernels {
+    /// `c[i * ldc + j] (+)= Σ_p a(i, p) · b(p, j)` for the tile's tokens `i` and its first
+    /// `lanes` outputs `j`, over bf16 pairs `p` (see [`Tile`]); other outputs untouched.
+    pub tile: fn(Tile<'_>, &mut [f32], usize),
+    /// f32 rounded to bf16 pairs: `out[i] = bf16(x[2i]) | bf16(x[2i + 1]) << 16` (round to
+    /// nearest even; an odd last element's pair has a zero high half).
+    pub to_bf16: fn(&[f32], &mut [u32]),
+    /// A row of attention scores `s` to its unnormalized softmax: `exp(scale * (s - max))` as
+    /// bf16 pairs into `out` (as `to_bf16`), returning the sum of the f32 exponentials.
+    pub softmax: fn(&[f32], f32, &mut [u32]) -> f32,
+}
+
+/// Outputs per panel of packed weights, the width of a [`Tile`].
+pub const PANEL: usize = 32;
+/// The most tokens one [`Tile`] holds.
+pub const TILE_TOKENS: usize = 12;
+
+/// One register tile of a bf16 product: `rows` tokens' bf16 pairs (token `i`'s pair `p` at
+/// `a[i * lda + p]`) against one panel of weights (`b[p * PANEL + j]`: pair `p` of output
+/// `j`), `kc` pairs long; `lanes` of the panel's outputs are stored; `add`: added to the
+/// outputs rather than written over them.
+#[derive(Clone, Copy, Debug)]
+pub struct Tile<'a> {
+    pub a: &'a [u32],
+    pub lda: usize,
+    pub rows: usize,
+    pub b: &'a [u32],
+    pub kc: usize,
+    pub lanes: usize,
+    pub add: bool,
+}
+
+impl Tile<'_> {
+    /// Whether every read and write of the tile lies in its operands, with outputs `c_len`
+    /// long at `ldc` apart.
+    pub fn fits(&self, c_len: usize, ldc: usize) -> bool {
+        let shape = (1..=TILE_TOKENS).contains(&self.rows) && (1..=PANEL).contains(&self.lanes);
+        shape
+            && self.lda >= self.kc
+            && self.a.len() >= (self.rows - 1) * self.lda + self.kc
+            && self.b.len() >= self.kc * PANEL
+            && ldc >= self.lanes
+            && c_len >= (self.rows - 1) * ldc + self.lanes
+    }
 }
 
 /// See [`Kernels::gemv16`]: `(type, rows, rb, tokens' activations, out)`, one output per token.
@@ -284,6 +337,7 @@ impl Kernels {
             swiglu: crate::ops::swiglu,
             gemv16: None,
             gemv16_packed: None,
+            bf16: None,
         }
     }
 

@@ -162,3 +162,44 @@ pub fn exp_sum(x: &mut [f32], shift: f32) -> f32 {
         s + *v
     })
 }
+
+/// The bf16 tile product; see [`super::Bf16Kernels::tile`]. Each output's pairs summed in
+/// order in f32 (a bf16 product is exact in f32), then added to `c` where `t.add`.
+pub fn tile(t: super::Tile<'_>, c: &mut [f32], ldc: usize) {
+    assert!(t.fits(c.len(), ldc), "tile operands out of bounds");
+    let half = |v: u32, h: u32| half::bf16::from_bits((v >> (16 * h)) as u16).to_f32();
+    for i in 0..t.rows {
+        for j in 0..t.lanes {
+            let mut sum = 0f32;
+            for p in 0..t.kc {
+                let (x, w) = (t.a[i * t.lda + p], t.b[p * super::PANEL + j]);
+                sum += half(x, 0) * half(w, 0) + half(x, 1) * half(w, 1);
+            }
+            let out = &mut c[i * ldc + j];
+            *out = if t.add { *out + sum } else { sum };
+        }
+    }
+}
+
+/// `out[i] = bf16(x[2i]) | bf16(x[2i + 1]) << 16`, rounded to nearest even; an odd last
+/// element's pair has a zero high half.
+pub fn to_bf16(x: &[f32], out: &mut [u32]) {
+    assert_eq!(out.len(), x.len().div_ceil(2), "one pair per two inputs");
+    let b = |v: f32| u32::from(half::bf16::from_f32(v).to_bits());
+    for (o, p) in out.iter_mut().zip(x.chunks(2)) {
+        *o = b(p[0]) | p.get(1).map_or(0, |&v| b(v) << 16);
+    }
+}
+
+/// The exponentials `exp(scale * (s - max))` of a row of scores as bf16 pairs, and their sum.
+pub fn softmax_bf16(s: &[f32], scale: f32, out: &mut [u32]) -> f32 {
+    let max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    softmax_tail(s, max, scale, out)
+}
+
+/// [`softmax_bf16`] for a row whose maximum is known (`max`; the vector kernels' tail).
+pub fn softmax_tail(s: &[f32], max: f32, scale: f32, out: &mut [u32]) -> f32 {
+    let e: Vec<f32> = s.iter().map(|&v| ((v - max) * scale).exp()).collect();
+    to_bf16(&e, out);
+    e.iter().sum()
+}

@@ -10,6 +10,7 @@
 
 use super::clip::{ClipConfig, ClipWeights, LayerNorm, Linear};
 use half::f16;
+use inferd_kernels::gemm;
 use inferd_kernels::matmul::{matmul_many, Input, Matrix};
 use inferd_kernels::pack::Layout;
 use inferd_kernels::pool::ThreadPool;
@@ -100,8 +101,9 @@ fn linear(pool: &ThreadPool, k: &Kernels, l: &Linear, x: &[f32], tokens: usize) 
     y
 }
 
-/// Several products of one input in one dispatch, each with its bias; the input quantized to
-/// 8-bit blocks where a matrix is quantized.
+/// Several products of one input, each with its bias: in bf16 tiles ([`gemm`]) where the
+/// processor multiplies bf16, else in one dispatch of the decode driver, the input quantized
+/// to 8-bit blocks where a matrix is quantized.
 fn products<const M: usize>(
     pool: &ThreadPool,
     k: &Kernels,
@@ -109,6 +111,15 @@ fn products<const M: usize>(
     x: &[f32],
     tokens: usize,
 ) -> [Vec<f32>; M] {
+    if let Some(bk) = &k.bf16 {
+        return ls.map(|l| {
+            let w = gemm::pack(pool, bk, &gemm::Source::Matrix(l.w.matrix()));
+            let mut y = vec![0.0; tokens * w.rows];
+            gemm::product(pool, bk, &w, x, tokens, &mut y);
+            y.chunks_exact_mut(w.rows).for_each(|row| row.iter_mut().zip(&l.b).for_each(|(v, b)| *v += b));
+            y
+        });
+    }
     let mut q8 = Vec::new();
     if ls.iter().any(|l| l.w.dtype.is_quantized()) {
         q8 = vec![BlockQ8::default(); x.len() / QK];
@@ -134,6 +145,10 @@ fn attention(pool: &ThreadPool, k: &Kernels, cfg: &ClipConfig, q: &[f32], kk: &[
     let (e, hd) = (cfg.hidden, cfg.head_dim);
     let scale = 1.0 / (hd as f32).sqrt();
     let mut out = vec![0.0; n * e];
+    if let Some(bk) = &k.bf16 {
+        gemm::attention(pool, bk, [q, kk, v], n, cfg.heads, hd, scale, &mut out);
+        return out;
+    }
     let mut qh = vec![0.0; n * hd];
     let mut scores = vec![0.0; n * n];
     let mut oh = vec![0.0; n * hd];
