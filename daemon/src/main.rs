@@ -83,7 +83,8 @@ enum Cmd {
     /// an https:// URL. An interrupted pull resumes where it stopped. The daemon lists the model
     /// at its next look at the store and loads it on first use. This writes the directory
     /// itself (as root, or a user into their own store); `inferctl pull` installs through the
-    /// running daemon.
+    /// running daemon. A repository's vision projector (mmproj, F16 preferred) comes along as
+    /// NAME.mmproj.gguf, which the store pairs with NAME.gguf.
     Pull {
         reference: String,
         /// The file's SHA-256 in hex, checked before it is installed (a hub's is checked anyway).
@@ -431,12 +432,21 @@ fn main() -> Result<()> {
             let target = inferctl::pull::Target::Dir(&store);
             // The file is read as a model before it is one.
             let checks = inferctl::pull::Checks { verify: Some(&inferd::serve::store::readable), ..Default::default() };
-            let pulled = inferctl::pull::locate(&reference, sha256.as_deref())
-                .and_then(|src| inferctl::pull::fetch(&src, target, &checks, &mut |d, t| bar.update(d, t)));
+            // The model, then the vision projector its repository holds (paired by name).
+            let pulled = inferctl::pull::locate(&reference, sha256.as_deref()).and_then(|src| {
+                let mut p = inferctl::pull::fetch(&src, target, &checks, &mut |d, t| bar.update(d, t))?;
+                if let Some(pj) = &src.projector {
+                    p.projector =
+                        Some(Box::new(inferctl::pull::fetch(pj, target, &checks, &mut |d, t| bar.update(d, t))?));
+                }
+                Ok(p)
+            });
             bar.finish();
             let p = pulled?;
-            let how = if p.already { "already installed" } else { "installed" };
-            println!("{}: {how} at {} ({} bytes, sha256 {})", p.name, p.path.display(), p.size, p.sha256);
+            for p in std::iter::once(&p).chain(p.projector.as_deref()) {
+                let how = if p.already { "already installed" } else { "installed" };
+                println!("{}: {how} at {} ({} bytes, sha256 {})", p.name, p.path.display(), p.size, p.sha256);
+            }
             Ok(())
         }
         Cmd::Export { model, dtype, out } => {

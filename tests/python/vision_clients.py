@@ -1,5 +1,6 @@
 """The official OpenAI, Anthropic and Ollama Python clients asking about an image, unchanged: the
-OpenAI client with a data: URL content part, the Anthropic client with a base64 image block,
+OpenAI client with a data: URL content part (chat) and an input_image (Responses), the
+Anthropic client with a base64 image block,
 the Ollama client with a file in `images` (chat and generate). Prints each answer as JSON for
 the Rust test to compare.
 
@@ -23,6 +24,11 @@ r = openai_client(socket).chat.completions.create(
                                            {"type": "text", "text": question}]}],
     max_tokens=8, temperature=0)
 out["openai"] = r.choices[0].message.content
+rs = openai_client(socket).responses.create(
+    model=model, max_output_tokens=8, temperature=0,
+    input=[{"role": "user", "content": [{"type": "input_image", "image_url": url},
+                                        {"type": "input_text", "text": question}]}])
+out["responses"] = rs.output_text
 a = anthropic_client(socket).messages.create(
     model=model, max_tokens=8, extra_body={"temperature": 0},
     messages=[{"role": "user", "content": [

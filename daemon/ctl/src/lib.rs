@@ -54,7 +54,8 @@ enum Cmd {
     /// Install a model into the daemon's model store: hf:ORG/REPO[:QUANT] (a GGUF file of a
     /// Hugging Face repository, checked against the hub's SHA-256) or an https:// URL. This
     /// client downloads and the daemon writes its store (model management: see `manage` in
-    /// inferd.toml(5)). An interrupted pull resumes where it stopped.
+    /// inferd.toml(5)). An interrupted pull resumes where it stopped. A repository's vision
+    /// projector (mmproj, F16 preferred) comes along as NAME.mmproj.gguf.
     Pull {
         reference: String,
         /// The file's SHA-256 in hex, checked before it is installed (a hub's is checked anyway).
@@ -275,8 +276,10 @@ fn run(client: &Client, cmd: Cmd) -> Result<(), Error> {
             };
             bar.finish();
             let p = pulled.map_err(|e| Error::Usage(e.to_string()))?;
-            let how = if p.already { "already installed" } else { "installed" };
-            writeln!(out, "{}: {how} at {} ({} bytes, sha256 {})", p.name, p.path.display(), p.size, p.sha256)?;
+            for p in std::iter::once(&p).chain(p.projector.as_deref()) {
+                let how = if p.already { "already installed" } else { "installed" };
+                writeln!(out, "{}: {how} at {} ({} bytes, sha256 {})", p.name, p.path.display(), p.size, p.sha256)?;
+            }
         }
         Cmd::Rm { name } => {
             let name = name.strip_suffix(":latest").unwrap_or(&name).to_string();

@@ -5,7 +5,10 @@
 //! only GGUF file; Ollama's spelling `hf.co/ORG/REPO[:QUANT]` is the same, `:latest` naming no
 //! quantization), or a plain `https://` URL. The hub is `$HF_ENDPOINT` (default
 //! `https://huggingface.co`), with `$HF_TOKEN` for gated repositories; the file list and each
-//! file's size and SHA-256 come from its API (`/api/models/ORG/REPO/tree/main`).
+//! file's size and SHA-256 come from its API (`/api/models/ORG/REPO/tree/main`). A repository
+//! that also holds a vision projector (`*mmproj*.gguf`, never taken for the model; of several,
+//! the F16 one, else BF16, F32, Q8_0) brings it along, installed as `NAME.mmproj.gguf` beside
+//! `NAME.gguf`, where the model store pairs the two.
 //!
 //! Sources are fetched over `https://` only (`http://` is taken for 127.0.0.1 and localhost
 //! alone, where tests serve a hub), and a URL may carry the file's SHA-256 (`--sha256`).
@@ -62,10 +65,12 @@ pub struct Pulled {
     pub sha256: String,
     /// Whether it was already there (nothing transferred).
     pub already: bool,
+    /// The vision projector installed with it, where its source had one.
+    pub projector: Option<Box<Pulled>>,
 }
 
 /// Where a model comes from, resolved to one file.
-#[derive(Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Source {
     pub url: String,
     /// The file name it is installed as (`NAME.gguf`).
@@ -74,6 +79,8 @@ pub struct Source {
     pub size: Option<u64>,
     /// Its hex SHA-256, where the hub lists it or the caller gave it.
     pub sha256: Option<String>,
+    /// The vision projector its repository holds, to install beside it (as `NAME.mmproj.gguf`).
+    pub projector: Option<Box<Source>>,
 }
 
 /// Reads a whole fetched file before it is installed: `Err(why)` refuses it.
@@ -147,10 +154,31 @@ fn carries(name: &str, quant: &str) -> bool {
     })
 }
 
-/// The file of a repository's listing that `quant` asks for.
+/// Whether a listed file is named as a vision projector.
+fn is_projector(path: &str) -> bool {
+    path.rsplit('/').next().unwrap_or(path).to_ascii_lowercase().contains("mmproj")
+}
+
+/// The vision projector of a repository's listing, if any: of several, the F16 one, else
+/// BF16, F32, Q8_0, else the first by name.
+fn choose_projector(entries: &[Entry]) -> Option<&Entry> {
+    let mut found: Vec<&Entry> =
+        entries.iter().filter(|e| e.kind == "file" && e.path.ends_with(".gguf") && is_projector(&e.path)).collect();
+    found.sort_by(|a, b| a.path.cmp(&b.path));
+    ["F16", "BF16", "F32", "Q8_0"]
+        .iter()
+        .find_map(|q| found.iter().copied().find(|e| carries(&e.path, q)))
+        .or(found.first().copied())
+}
+
+/// The file of a repository's listing that `quant` asks for (projectors aside).
 fn choose<'a>(repo: &str, entries: &'a [Entry], quant: Option<&str>) -> Result<&'a Entry, PullError> {
-    let ggufs: Vec<&Entry> =
-        entries.iter().filter(|e| e.kind == "file" && e.path.ends_with(".gguf") && !e.path.contains("-of-0")).collect();
+    let ggufs: Vec<&Entry> = entries
+        .iter()
+        .filter(|e| {
+            e.kind == "file" && e.path.ends_with(".gguf") && !e.path.contains("-of-0") && !is_projector(&e.path)
+        })
+        .collect();
     let names = || ggufs.iter().map(|e| e.path.as_str()).collect::<Vec<_>>().join(", ");
     if ggufs.is_empty() {
         return Err(PullError::Choice(format!("hf:{repo} has no GGUF file (split GGUFs are not supported)")));
@@ -194,14 +222,18 @@ fn resolve(http: &reqwest::blocking::Client, reference: &str) -> Result<Source, 
         }
         let entries: Vec<Entry> = serde_json::from_reader(resp)
             .map_err(|e| PullError::Choice(format!("{url} sent no file list this client understands: {e}")))?;
-        let e = choose(repo, &entries, quant)?;
-        let file = e.path.rsplit('/').next().unwrap_or(&e.path).to_string();
-        return Ok(Source {
+        let source = |e: &Entry, file: String, projector| Source {
             url: format!("{}/{repo}/resolve/main/{}", endpoint(), e.path),
             file,
             size: e.lfs.as_ref().map(|l| l.size).or(e.size),
             sha256: e.lfs.as_ref().map(|l| l.oid.to_ascii_lowercase()),
-        });
+            projector,
+        };
+        let e = choose(repo, &entries, quant)?;
+        let file = e.path.rsplit('/').next().unwrap_or(&e.path).to_string();
+        let stem = file.strip_suffix(".gguf").unwrap_or(&file);
+        let projector = choose_projector(&entries).map(|p| Box::new(source(p, format!("{stem}.mmproj.gguf"), None)));
+        return Ok(source(e, file, projector));
     }
     if reference.starts_with("https://") || reference.starts_with("http://") {
         secure(reference)?;
@@ -210,7 +242,7 @@ fn resolve(http: &reqwest::blocking::Client, reference: &str) -> Result<Source, 
         if !file.ends_with(".gguf") || file.starts_with('.') {
             return Err(PullError::Choice(format!("{reference} does not name a .gguf file (NAME.gguf)")));
         }
-        return Ok(Source { url: reference.into(), file, size: None, sha256: None });
+        return Ok(Source { url: reference.into(), file, size: None, sha256: None, projector: None });
     }
     Err(PullError::BadRef(reference.into()))
 }
@@ -247,6 +279,7 @@ fn hash_prefix(path: &Path, len: u64, h: &mut Sha256) -> std::io::Result<()> {
 }
 
 /// Where a pull installs its model.
+#[derive(Clone, Copy)]
 pub enum Target<'a> {
     /// A running daemon's store, through the daemon.
     Daemon(&'a crate::client::Client),
@@ -263,7 +296,11 @@ pub fn pull(
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<Pulled, PullError> {
     let src = locate(reference, sha256)?;
-    fetch(&src, target, &Checks::default(), progress)
+    let mut pulled = fetch(&src, target, &Checks::default(), progress)?;
+    if let Some(p) = &src.projector {
+        pulled.projector = Some(Box::new(fetch(p, target, &Checks::default(), progress)?));
+    }
+    Ok(pulled)
 }
 
 /// Resolves `reference` to one file, checked against `sha256` (hex) when given.
@@ -376,6 +413,7 @@ fn pull_through(
                 size: num(&h["installed_size"]),
                 sha256: sha,
                 already: true,
+                projector: None,
             });
         }
     }
@@ -403,6 +441,7 @@ fn pull_through(
             size: num(&v["size"]),
             sha256: v["sha256"].as_str().unwrap_or_default().to_string(),
             already: false,
+            projector: None,
         }),
         Err(e) => Err(PullError::Interrupted { name, done, total: total.to_string(), why: e.to_string() }),
     }
@@ -432,7 +471,7 @@ fn pull_into(
             hash_prefix(&path, size, &mut h).map_err(io(&path))?;
             let sha = hex(&h.finalize());
             if src.sha256.as_ref().is_none_or(|s| *s == sha) {
-                return Ok(Pulled { name, path, size, sha256: sha, already: true });
+                return Ok(Pulled { name, path, size, sha256: sha, already: true, projector: None });
             }
         }
     }
@@ -493,7 +532,7 @@ fn pull_into(
         return Err(PullError::Corrupt { name, why });
     }
     std::fs::rename(&part, &path).map_err(io(&path))?;
-    Ok(Pulled { name, path, size: done, sha256: sha, already: false })
+    Ok(Pulled { name, path, size: done, sha256: sha, already: false, projector: None })
 }
 
 /// A user's model store: `$XDG_DATA_HOME/inferd/models` (`~/.local/share/inferd/models`).
@@ -575,6 +614,20 @@ mod tests {
         assert!(matches!(choose("o/r", &e, Some("Q6_K")), Err(PullError::Choice(m)) if m.contains("m.Q8_0.gguf")));
         assert!(matches!(choose("o/r", &[entry("README.md")], None), Err(PullError::Choice(_))));
         assert_eq!(choose("o/r", &[entry("x-F16.gguf")], None).unwrap().path, "x-F16.gguf");
+    }
+
+    #[test]
+    fn a_projector_is_never_the_model_and_f16_is_preferred() {
+        let names =
+            ["gemma-3-4b-it-Q8_0.gguf", "mmproj-gemma-3-4b-it-Q8_0.gguf", "mmproj-BF16.gguf", "mmproj-F16.gguf"];
+        let e: Vec<Entry> = names.into_iter().map(entry).collect();
+        // The only model file, though several GGUF files are listed.
+        assert_eq!(choose("o/r", &e, None).unwrap().path, "gemma-3-4b-it-Q8_0.gguf");
+        assert_eq!(choose("o/r", &e, Some("Q8_0")).unwrap().path, "gemma-3-4b-it-Q8_0.gguf");
+        assert_eq!(choose_projector(&e).unwrap().path, "mmproj-F16.gguf");
+        assert_eq!(choose_projector(&e[..3]).unwrap().path, "mmproj-BF16.gguf");
+        assert_eq!(choose_projector(&e[..2]).unwrap().path, "mmproj-gemma-3-4b-it-Q8_0.gguf");
+        assert!(choose_projector(&e[..1]).is_none());
     }
 
     #[test]

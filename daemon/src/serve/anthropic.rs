@@ -438,6 +438,10 @@ async fn messages(
         Ok(b) => b,
         Err(answer) => return answer,
     };
+    let body = match super::image_fetch::inline(&sh, body).await {
+        Ok(b) => b,
+        Err(e) => return error(e),
+    };
     if let Err(e) = sh.warm(&body, false, None).await {
         return error(e);
     }

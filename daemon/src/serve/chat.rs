@@ -260,8 +260,8 @@ fn push_image(images: &mut Vec<Arc<RgbImage>>, bytes: &[u8]) -> Result<(), Strin
     Ok(())
 }
 
-/// The bytes of an image URL: a `data:` URL's (base64); an `http(s)` URL is not fetched (the
-/// daemon would fetch for whoever can reach its socket).
+/// The bytes of an image URL: a `data:` URL's (base64); an `http(s)` URL reaches here only
+/// where `[server] fetch_images` is off ([`super::image_fetch`] inlines it otherwise).
 fn image_of_url(url: &str) -> Result<Vec<u8>, String> {
     if let Some(rest) = url.strip_prefix("data:") {
         let (kind, data) = rest.split_once(',').ok_or("a data: URL needs a comma before its data")?;
@@ -271,7 +271,9 @@ fn image_of_url(url: &str) -> Result<Vec<u8>, String> {
         return base64_bytes(data);
     }
     if url.starts_with("http://") || url.starts_with("https://") {
-        return Err("image URLs are not fetched by inferd: send the image as a data: URL".into());
+        return Err("image URLs are not fetched by this daemon ([server] fetch_images is off): send the image as \
+             a data: URL"
+            .into());
     }
     Err("an image URL must be a data: URL (data:image/png;base64,...)".into())
 }

@@ -145,6 +145,9 @@ pub struct Server {
     /// for token) or "typed-after-middle" (after the middle token, where the prefix cache
     /// keeps everything before it while a line is typed).
     pub infill_layout: super::fim::Layout,
+    /// Fetch `http(s)` image URLs in requests (off: only `data:` URLs and inline images are
+    /// taken, since the daemon would fetch for whoever can reach its socket).
+    pub fetch_images: bool,
 }
 
 impl Default for Server {
@@ -168,6 +171,7 @@ impl Default for Server {
             default_model: None,
             max_model_gib: 256,
             infill_layout: super::fim::Layout::LlamaServer,
+            fetch_images: false,
         }
     }
 }

@@ -21,6 +21,7 @@ pub mod fim;
 pub mod gate;
 pub mod guard;
 pub mod http;
+pub mod image_fetch;
 pub mod infill;
 pub mod loading;
 pub mod manage;
@@ -115,6 +116,8 @@ pub struct Shared {
     pub responses: stored::Responses,
     /// Where `/infill` puts the typed text (`server.infill_layout`).
     infill_layout: RwLock<fim::Layout>,
+    /// Whether image URLs are fetched (`server.fetch_images`).
+    fetch_images: AtomicBool,
 }
 
 impl Shared {
@@ -136,6 +139,11 @@ impl Shared {
 
     pub fn infill_layout(&self) -> fim::Layout {
         self.infill_layout.read().map(|l| *l).unwrap_or_default()
+    }
+
+    /// Whether `http(s)` image URLs are fetched ([`image_fetch`]).
+    pub fn fetch_images(&self) -> bool {
+        self.fetch_images.load(Ordering::Relaxed)
     }
 
     pub fn limits(&self) -> Limits {
@@ -405,6 +413,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         uploads: upload::Uploads::new(cfg.server.max_model_gib),
         responses: stored::Responses::new(inferd_engine::paths::state_dir().join("responses")),
         infill_layout: RwLock::new(cfg.server.infill_layout),
+        fetch_images: AtomicBool::new(cfg.server.fetch_images),
     });
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let call_limit = Duration::from_millis(cfg.plugins.call_timeout_ms.max(1));
@@ -631,6 +640,7 @@ async fn reload(sh: &Arc<Shared>, args: &ServeArgs) {
             if let Ok(mut l) = sh.infill_layout.write() {
                 *l = cfg.server.infill_layout;
             }
+            sh.fetch_images.store(cfg.server.fetch_images, Ordering::Relaxed);
             if let Ok(mut old) = sh.remotes.write() {
                 *old = new_remotes;
             }

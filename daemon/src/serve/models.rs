@@ -308,8 +308,13 @@ impl Models {
         let known = |all: &[Arc<Slot>], name: &str, path: &Path| {
             all.iter().any(|s| s.name == name || (s.source == Source::Configured && same_file(&s.config.path, path)))
         };
-        // A store model not loaded whose file changed since its header was read.
-        let stale = |s: &Slot| s.source == Source::Store && s.loaded().is_none() && s.stamp != stamp(&s.config.path);
+        // A store model not loaded whose file changed since its header was read, or whose
+        // projector came or went.
+        let stale = |s: &Slot| {
+            s.source == Source::Store
+                && s.loaded().is_none()
+                && (s.stamp != stamp(&s.config.path) || s.config.mmproj != super::store::projector_of(&s.config.path))
+        };
         let fresh: Vec<Arc<Slot>> = {
             let all = self.slots();
             let current: Vec<Arc<Slot>> = all.iter().filter(|s| !stale(s)).cloned().collect();
@@ -317,7 +322,8 @@ impl Models {
                 .iter()
                 .filter(|(name, path)| !known(&current, name, path))
                 .map(|(name, path)| {
-                    let mc = ModelConfig::for_path(path.clone());
+                    let mut mc = ModelConfig::for_path(path.clone());
+                    mc.mmproj = super::store::projector_of(path);
                     Arc::new(Slot::new(name.clone(), mc, Source::Store, self.default_keep_alive))
                 })
                 .collect()
@@ -633,7 +639,8 @@ impl Models {
         changes
     }
 
-    /// Removes store model `name`: unloads it and deletes its file or directory.
+    /// Removes store model `name`: unloads it and deletes its file or directory, and its
+    /// projector.
     pub fn remove(&self, name: &str) -> Result<PathBuf, ApiError> {
         let slot = self.slot(Some(name))?;
         if slot.source != Source::Store {
@@ -649,8 +656,9 @@ impl Models {
             r.push(h);
         }
         let path = slot.config.path.clone();
-        super::store::remove(&path)
-            .map_err(|e| ApiError::new(500, format!("removing {}: {e}", path.display()), None))?;
+        for p in std::iter::once(&path).chain(slot.config.mmproj.as_ref()) {
+            super::store::remove(p).map_err(|e| ApiError::new(500, format!("removing {}: {e}", p.display()), None))?;
+        }
         if let Ok(mut all) = self.slots.write() {
             all.retain(|s| !Arc::ptr_eq(s, &slot));
         }

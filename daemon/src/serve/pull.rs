@@ -131,22 +131,37 @@ async fn fetch(
             .map_err(|e| ApiError::new(500, e.to_string(), None))?
             .map_err(|e| refusal(reference, e))?
     };
+    let mut pulled = one(sh, peer, reference, &src, tx, &cancel).await?;
+    if let Some(p) = &src.projector {
+        pulled.projector = Some(Box::new(one(sh, peer, reference, p, tx, &cancel).await?));
+    }
+    if !pulled.already || pulled.projector.as_ref().is_some_and(|p| !p.already) {
+        sh.rescan_store().await;
+    }
+    Ok(pulled)
+}
+
+/// One file of a pull (the model, or the projector beside it) into the store.
+async fn one(
+    sh: &Arc<Shared>,
+    peer: &Peer,
+    reference: &str,
+    src: &Source,
+    tx: &UnboundedSender<Result<Value, ApiError>>,
+    cancel: &Arc<AtomicBool>,
+) -> Result<Pulled, ApiError> {
     let (store, file) = super::upload::target(sh, peer, &src.file, &format!("installing {}", src.file))?;
     let _busy = sh.uploads.claim(&file)?;
     let max = sh.uploads.max_bytes.load(Ordering::Relaxed);
-    let tx = tx.clone();
-    let pulled = tokio::task::spawn_blocking(move || {
+    let (tx, cancel, src) = (tx.clone(), Arc::clone(cancel), src.clone());
+    tokio::task::spawn_blocking(move || {
         let checks = Checks { max_bytes: Some(max), verify: Some(&super::store::readable), cancel: Some(&cancel) };
         let mut report = progress(&src, &tx, &cancel);
         inferctl::pull::fetch(&src, Target::Dir(&store), &checks, &mut report)
     })
     .await
     .map_err(|e| ApiError::new(500, e.to_string(), None))?
-    .map_err(|e| refusal(reference, e))?;
-    if !pulled.already {
-        sh.rescan_store().await;
-    }
-    Ok(pulled)
+    .map_err(|e| refusal(reference, e))
 }
 
 /// Ollama's progress lines for `src`: one per percent (and the first and last), then

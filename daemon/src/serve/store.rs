@@ -3,7 +3,10 @@
 //! `/var/lib/inferd/models` for the system's (`server.model_store` names another). Every
 //! `*.gguf` file in it is a model, and so is every directory holding a Hugging Face model
 //! (`config.json` beside `*.safetensors`); a model's name is its file name without `.gguf`.
-//! Transfers under way (`*.partial`, `inferctl pull`) and anything else are not models.
+//! A file with `mmproj` in its name is a vision projector, not a model: `NAME.mmproj.gguf` (as
+//! `inferctl pull` installs one) or `mmproj-NAME.gguf` pairs with `NAME.gguf`, whose requests
+//! may then hold images. Transfers under way (`*.partial`, `inferctl pull`) and anything else
+//! are not models.
 
 use std::path::{Path, PathBuf};
 
@@ -14,9 +17,34 @@ pub fn model_name(path: &Path) -> String {
 }
 
 /// Whether a transfer's whole file `path` reads as a model (its GGUF header, within the
-/// reader's budgets), checked before it is installed: `Err` says why not.
+/// reader's budgets), or, named as a projector, as a vision projector (every tensor its
+/// encoder needs, mapped): checked before it is installed; `Err` says why not.
 pub fn readable(path: &Path) -> Result<(), String> {
+    if is_projector(path) {
+        return inferd_engine::vision::VisionEncoder::load(path)
+            .map(drop)
+            .map_err(|e| format!("not a vision projector inferd reads: {e}"));
+    }
     inferd_engine::model::facts::Facts::read(path).map(drop).map_err(|e| format!("not a model inferd reads: {e}"))
+}
+
+/// Whether the file at `path` is named as a vision projector (`mmproj` in its name, as
+/// llama.cpp's converter and the hubs name them).
+pub fn is_projector(path: &Path) -> bool {
+    path.file_name().and_then(|s| s.to_str()).is_some_and(|f| f.to_ascii_lowercase().contains("mmproj"))
+}
+
+/// The projector the store pairs with the model file `path`: `NAME.mmproj.gguf` or
+/// `mmproj-NAME.gguf` beside `NAME.gguf`.
+pub fn projector_of(path: &Path) -> Option<PathBuf> {
+    if path.is_dir() {
+        return None;
+    }
+    let (dir, name) = (path.parent()?, model_name(path));
+    [format!("{name}.mmproj.gguf"), format!("mmproj-{name}.gguf")]
+        .into_iter()
+        .map(|f| dir.join(f))
+        .find(|p| p.is_file())
 }
 
 /// Whether `path` is a model the store serves.
@@ -27,7 +55,7 @@ fn is_model(path: &Path) -> bool {
                 d.flatten().any(|e| e.path().extension().and_then(|x| x.to_str()) == Some("safetensors"))
             });
     }
-    path.extension().and_then(|x| x.to_str()) == Some("gguf") && path.is_file()
+    path.extension().and_then(|x| x.to_str()) == Some("gguf") && path.is_file() && !is_projector(path)
 }
 
 /// The models in `dir`, by name (none when it does not exist).
@@ -143,11 +171,19 @@ mod tests {
         std::fs::write(dir.join("Qwen2.5-0.5B/config.json"), "{}").unwrap();
         std::fs::write(dir.join("Qwen2.5-0.5B/model.safetensors"), "").unwrap();
         std::fs::create_dir_all(dir.join("empty-dir")).unwrap();
-        for f in ["b.Q4_K_M.gguf", "a.gguf", "c.gguf.partial", "notes.txt", ".hidden.gguf"] {
+        for f in ["b.Q4_K_M.gguf", "a.gguf", "c.gguf.partial", "notes.txt", ".hidden.gguf", "a.mmproj.gguf"] {
             std::fs::write(dir.join(f), "").unwrap();
         }
+        std::fs::write(dir.join("mmproj-b.Q4_K_M.gguf"), "").unwrap();
+        std::fs::write(dir.join("mmproj-other-f16.gguf"), "").unwrap();
         let names: Vec<String> = scan(&dir).into_iter().map(|(n, _)| n).collect();
-        assert_eq!(names, ["Qwen2.5-0.5B", "a", "b.Q4_K_M"]);
+        assert_eq!(names, ["Qwen2.5-0.5B", "a", "b.Q4_K_M"], "projectors are no models");
+        // Each model's own projector, by either name; none for a directory.
+        assert_eq!(projector_of(&dir.join("a.gguf")), Some(dir.join("a.mmproj.gguf")));
+        assert_eq!(projector_of(&dir.join("b.Q4_K_M.gguf")), Some(dir.join("mmproj-b.Q4_K_M.gguf")));
+        assert_eq!(projector_of(&dir.join("Qwen2.5-0.5B")), None);
+        remove(&dir.join("mmproj-b.Q4_K_M.gguf")).unwrap();
+        assert_eq!(projector_of(&dir.join("b.Q4_K_M.gguf")), None);
         assert!(scan(&dir.join("missing")).is_empty());
         remove(&dir.join("Qwen2.5-0.5B")).unwrap();
         remove(&dir.join("a.gguf")).unwrap();

@@ -60,7 +60,7 @@ fn the_official_openai_python_client_works_unchanged() {
     for (name, says) in [
         ("functions", "functions is not supported by inferd yet (the deprecated functions API; send tools)"),
         ("response_format", "response_format.type must be text, json_object or json_schema"),
-        ("image_url", "image URLs are not fetched by inferd: send the image as a data: URL"),
+        ("image_url", "image URLs are not fetched by this daemon ([server] fetch_images is off)"),
         ("colour", "colour is not supported by inferd"),
         ("stream_options", "stream_options is only allowed when stream is true"),
         ("top_logprobs_alone", "top_logprobs needs logprobs: true"),
@@ -358,7 +358,8 @@ fn the_official_openai_client_speaks_the_responses_api() {
     assert!(with >= without + 10, "the call's output reached the model: {rt}");
     let r = &v["refused"];
     assert!(r["web_search"][0] == 400 && r["web_search"][1].as_str().unwrap().contains("web_search tools"), "{r}");
-    assert!(r["image"][0] == 400 && r["image"][1].as_str().unwrap().contains("input_image"), "{r}");
+    // An input_image goes where a chat image part goes: undecodable bytes are a 400 saying so.
+    assert!(r["image"][0] == 400 && r["image"][1].as_str().unwrap().contains("not an image"), "{r}");
     assert_eq!(r["unknown_previous"][0], 404, "{r}");
 
     // Another user's stored response is not there for them.

@@ -27,7 +27,7 @@ fn two_model_store(dir: &Path) -> PathBuf {
     store
 }
 
-fn ids(d: &Daemon) -> Vec<String> {
+pub(super) fn ids(d: &Daemon) -> Vec<String> {
     models(d)["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap().to_string()).collect()
 }
 
@@ -189,7 +189,7 @@ fn sighup_adds_removes_and_replaces_configured_models_without_dropping_requests(
 
 /// The hub server, killed when dropped (a failed test leaves nothing running that holds the
 /// test's output open).
-struct Hub(Child);
+pub(super) struct Hub(Child);
 
 impl Drop for Hub {
     fn drop(&mut self) {
@@ -199,7 +199,7 @@ impl Drop for Hub {
 }
 
 /// Starts tests/python/hf_server.py on `root`; returns it and its base URL.
-fn hub(root: &Path, cut: Option<u64>) -> (Hub, String) {
+pub(super) fn hub(root: &Path, cut: Option<u64>) -> (Hub, String) {
     let port_file = root.join("port");
     let mut cmd = Command::new("python3");
     cmd.arg(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/python/hf_server.py")).arg(root).arg(&port_file);
@@ -212,7 +212,7 @@ fn hub(root: &Path, cut: Option<u64>) -> (Hub, String) {
     (child, format!("http://127.0.0.1:{port}"))
 }
 
-fn pull(args: &[&str], endpoint: &str, socket: &Path) -> (bool, String, String) {
+pub(super) fn pull(args: &[&str], endpoint: &str, socket: &Path) -> (bool, String, String) {
     let out = Command::new(Path::new(env!("CARGO_BIN_EXE_inferd")).with_file_name("inferctl"))
         .arg("--socket")
         .arg(socket)

@@ -168,13 +168,13 @@ fn chat_with_an_image_answers_as_llama_server() {
     // image's markers and 16 tokens come before the question).
     let cached = answers[2].1["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
     assert!(cached >= 16, "{:?}", answers[2].1);
-    // The official clients: OpenAI's with a data: URL, Anthropic's with a base64 image block,
-    // Ollama's with a file in `images` (chat and generate, the image before the text as
-    // llama.cpp places it): the same answer.
+    // The official clients: OpenAI's with a data: URL (chat, and an input_image to the
+    // Responses API), Anthropic's with a base64 image block, Ollama's with a file in `images`
+    // (chat and generate, the image before the text as llama.cpp places it): the same answer.
     let image = dir.join("square.png");
     let v = super::clients::python_client_with(&d, "vision_clients.py", &["vis", image.to_str().unwrap()]);
     let text: String = answers[0].0.iter().map(|t| t.0.as_str()).collect();
-    for k in ["openai", "anthropic", "ollama_chat", "ollama_generate"] {
+    for k in ["openai", "responses", "anthropic", "ollama_chat", "ollama_generate"] {
         assert_eq!(v[k].as_str(), Some(text.as_str()), "{k}: {v}");
     }
     // Ollama's apps offer images to models that list `vision`.
@@ -204,5 +204,136 @@ fn chat_with_an_image_answers_as_llama_server() {
     assert_eq!(tokens(&chunked), answers[0].0, "{chunked}");
     drop(d);
     let _ = std::fs::remove_dir_all(small);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A hub repository holding a vision model and two projectors: `inferctl pull` installs the
+/// model and the F16 projector beside it as `NAME.mmproj.gguf`; the store pairs them (the
+/// projector is no model of its own), so a chat with an image is answered and Ollama's show
+/// lists `vision`; `inferctl rm` removes both. Ollama's `/api/pull` does the same through the
+/// daemon.
+#[test]
+fn a_pulled_vision_model_brings_its_projector() {
+    let dir = scratch("vision-pull");
+    let (model, mmproj) = tiny_vision(&dir);
+    let repo = dir.join("hub/org/vis-GGUF");
+    std::fs::create_dir_all(&repo).unwrap();
+    std::fs::copy(&model, repo.join("vis-Q8_0.gguf")).unwrap();
+    std::fs::copy(&mmproj, repo.join("mmproj-F16.gguf")).unwrap();
+    std::fs::write(repo.join("mmproj-F32.gguf"), b"not the one to take").unwrap();
+    let (hub, endpoint) = super::store::hub(&dir.join("hub"), None);
+    let store = dir.join("store");
+    let cfg = format!("[server]\nmodel_store = \"{}\"\n", store.display());
+    let d = Daemon::start(&dir, &cfg, &[("HF_ENDPOINT", &endpoint)]);
+    let installed = || {
+        let m = std::fs::read(store.join("vis-Q8_0.gguf")).ok() == std::fs::read(&model).ok();
+        let p = std::fs::read(store.join("vis-Q8_0.mmproj.gguf")).ok() == std::fs::read(&mmproj).ok();
+        (m, p)
+    };
+    let answers = |d: &Daemon| {
+        let (st, b) =
+            d.http("POST", "/v1/chat/completions", &ask("vis-Q8_0", &dir.join("square.png"), "What is this?"));
+        assert_eq!(st, 200, "{b}");
+        let (st, show) = d.http("POST", "/api/show", r#"{"model": "vis-Q8_0"}"#);
+        assert!(
+            st == 200 && json(&show)["capabilities"].as_array().unwrap().contains(&serde_json::json!("vision")),
+            "{show}"
+        );
+        assert_eq!(super::store::ids(d), ["vis-Q8_0"], "the projector is no model");
+    };
+
+    let (ok, out, err) = super::store::pull(&["pull", "hf:org/vis-GGUF"], &endpoint, &d.socket);
+    assert!(
+        ok && out.contains("vis-Q8_0: installed at ") && out.contains("vis-Q8_0.mmproj: installed at "),
+        "{out}{err}"
+    );
+    assert_eq!(installed(), (true, true));
+    answers(&d);
+    let (ok, out, err) = super::store::pull(&["rm", "vis-Q8_0"], &endpoint, &d.socket);
+    assert!(ok, "{out}{err}");
+    assert!(!store.join("vis-Q8_0.gguf").exists() && !store.join("vis-Q8_0.mmproj.gguf").exists());
+
+    // Ollama's pull, the daemon fetching both.
+    let (st, b) = d.http("POST", "/api/pull", r#"{"model": "hf.co/org/vis-GGUF", "stream": false}"#);
+    assert!(st == 200 && b.contains("success"), "{st} {b}");
+    assert_eq!(installed(), (true, true));
+    answers(&d);
+    drop(d);
+    drop(hub);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A static file server on 127.0.0.1 (Python's), killed when dropped.
+struct Files(Child);
+
+impl Drop for Files {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `[server] fetch_images`: off (the default), an `http://` image URL is a 400 that names the
+/// setting; on, the daemon fetches it and answers as for the same image sent inline, through
+/// OpenAI chat, the Responses API's `input_image` and an Anthropic `url` source; a URL that
+/// answers 404 is a 400 naming it.
+#[test]
+fn image_urls_are_fetched_only_where_the_config_allows() {
+    let dir = scratch("vision-fetch");
+    let (model, mmproj) = tiny_vision(&dir);
+    let port = super::remote::free_port();
+    let files = Files(
+        Command::new("python3")
+            .args(["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1", "--directory"])
+            .arg(&dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for("the file server", Duration::from_secs(10), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
+    let url = format!("http://127.0.0.1:{port}/square.png");
+    let entry =
+        format!("[[model]]\nname = \"vis\"\npath = \"{}\"\nmmproj = \"{}\"\n", model.display(), mmproj.display());
+    let chat = |url: &str| {
+        serde_json::json!({ "model": "vis", "max_tokens": 8, "temperature": 0, "messages": [{ "role": "user", "content": [
+            { "type": "image_url", "image_url": { "url": url } }, { "type": "text", "text": "What is this?" },
+        ]}]})
+        .to_string()
+    };
+    let text = |b: &str| json(b)["choices"][0]["message"]["content"].as_str().unwrap_or_default().to_string();
+
+    let off = Daemon::start(&scratch("vision-fetch-off"), &entry, &[]);
+    let (st, b) = off.http("POST", "/v1/chat/completions", &chat(&url));
+    assert!(st == 400 && b.contains("fetch_images"), "{st} {b}");
+    let (st, inline) = off.http("POST", "/v1/chat/completions", &ask("vis", &dir.join("square.png"), "What is this?"));
+    assert_eq!(st, 200, "{inline}");
+    let want = text(&inline);
+    assert!(!want.is_empty(), "{inline}");
+    drop(off);
+
+    let on = Daemon::start(&dir, &format!("[server]\nfetch_images = true\n{entry}"), &[]);
+    let (st, b) = on.http("POST", "/v1/chat/completions", &chat(&url));
+    assert!(st == 200 && text(&b) == want, "OpenAI chat: {st} {b}");
+    let responses = serde_json::json!({ "model": "vis", "max_output_tokens": 8, "temperature": 0, "input": [{ "role": "user",
+        "content": [{ "type": "input_image", "image_url": url }, { "type": "input_text", "text": "What is this?" }] }] });
+    let (st, b) = on.http("POST", "/v1/responses", &responses.to_string());
+    let v = json(&b);
+    let said = v["output"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|o| o["type"] == "message")
+        .map(|m| m["content"][0]["text"].clone());
+    assert!(st == 200 && said == Some(serde_json::json!(want)), "Responses: {st} {b}");
+    let anthropic = serde_json::json!({ "model": "vis", "max_tokens": 8, "temperature": 0, "messages": [{ "role": "user",
+        "content": [{ "type": "image", "source": { "type": "url", "url": url } }, { "type": "text", "text": "What is this?" }] }] });
+    let (st, b) = on.http("POST", "/v1/messages", &anthropic.to_string());
+    assert!(st == 200 && json(&b)["content"][0]["text"] == serde_json::json!(want), "Anthropic: {st} {b}");
+    let missing = format!("http://127.0.0.1:{port}/missing.png");
+    let (st, b) = on.http("POST", "/v1/chat/completions", &chat(&missing));
+    assert!(st == 400 && b.contains("missing.png") && b.contains("404"), "{st} {b}");
+    drop(on);
+    drop(files);
     let _ = std::fs::remove_dir_all(dir);
 }

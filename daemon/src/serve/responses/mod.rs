@@ -190,27 +190,45 @@ impl Ask {
     }
 }
 
-/// A message's content: a string, or parts whose text is joined (`input_text`, `output_text`,
-/// a `refusal`'s); images, files and audio are refused by name.
-fn content_text(at: &str, v: Option<&Value>) -> Result<String, ApiError> {
+/// A message's content as a chat message's: a string, or parts whose text is joined
+/// (`input_text`, `output_text`, a `refusal`'s); `input_image` parts (an `image_url`, a
+/// `data:` URL as the chat API takes) make it OpenAI chat content parts, text and images in
+/// their order; files and audio are refused by name.
+fn content(at: &str, v: Option<&Value>) -> Result<Value, ApiError> {
     let bad = |what: String| ApiError::bad(format!("{at}: {what}"), "input");
     match v {
-        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::String(s)) => Ok(json!(s)),
         Some(Value::Array(parts)) => {
-            let mut text = String::new();
+            let (mut text, mut chat) = (String::new(), Vec::new());
             for (j, p) in parts.iter().enumerate() {
                 let kind = p.get("type").and_then(Value::as_str).unwrap_or_default();
                 let t = match kind {
                     "input_text" | "output_text" | "text" => p.get("text"),
                     "refusal" => p.get("refusal"),
-                    "input_image" | "input_file" | "input_audio" => {
-                        return Err(bad(format!("content[{j}]: {kind} is not supported by inferd (text models only)")))
+                    "input_image" => {
+                        let url = p.get("image_url").and_then(Value::as_str).ok_or_else(|| {
+                            bad(format!("content[{j}]: an input_image needs its image_url (file_id is not supported)"))
+                        })?;
+                        if !text.is_empty() {
+                            chat.push(json!({ "type": "text", "text": std::mem::take(&mut text) }));
+                        }
+                        chat.push(json!({ "type": "image_url", "image_url": { "url": url } }));
+                        continue;
+                    }
+                    "input_file" | "input_audio" => {
+                        return Err(bad(format!("content[{j}]: {kind} is not supported by inferd")))
                     }
                     _ => return Err(bad(format!("content[{j}]: unknown content type {kind:?}"))),
                 };
                 text.push_str(t.and_then(Value::as_str).ok_or_else(|| bad(format!("content[{j}] needs its text")))?);
             }
-            Ok(text)
+            if chat.is_empty() {
+                return Ok(json!(text));
+            }
+            if !text.is_empty() {
+                chat.push(json!({ "type": "text", "text": text }));
+            }
+            Ok(Value::Array(chat))
         }
         _ => Err(bad("content must be a string or a list of content parts".into())),
     }
@@ -248,7 +266,7 @@ fn input(v: Option<&Value>, earlier: &[Value]) -> Result<Vec<Value>, ApiError> {
                     Some(r @ ("user" | "system" | "assistant")) => r,
                     _ => return Err(bad("role must be user, assistant, system or developer")),
                 };
-                out.push(json!({ "role": role, "content": content_text(&at, item.get("content"))? }));
+                out.push(json!({ "role": role, "content": content(&at, item.get("content"))? }));
             }
             "function_call" => {
                 let (Some(id), Some(name), Some(args)) = (
@@ -274,7 +292,7 @@ fn input(v: Option<&Value>, earlier: &[Value]) -> Result<Vec<Value>, ApiError> {
                     .get("call_id")
                     .and_then(Value::as_str)
                     .ok_or_else(|| bad("a function_call_output needs a call_id"))?;
-                let output = content_text(&at, item.get("output"))?;
+                let output = content(&at, item.get("output"))?;
                 let mut m = json!({ "role": "tool", "tool_call_id": id, "content": output });
                 if let Some(name) = name_of(&out, id) {
                     m["name"] = json!(name);
@@ -370,6 +388,10 @@ async fn create(
     ConnectInfo(peer): ConnectInfo<Peer>,
     body: axum::body::Bytes,
 ) -> Response {
+    let body = match super::image_fetch::inline(&sh, body).await {
+        Ok(b) => b,
+        Err(e) => return error(e),
+    };
     let m = match object(&body) {
         Ok(m) => m,
         Err(e) => return error(e),
@@ -398,7 +420,8 @@ async fn create(
         let ask = Ask::of(&m, earlier)?;
         let model = sh.model(model_field(&m)?)?;
         let tools = Tools::of(&ask.openai, &model.model)?;
-        let ids = chat::encode(sh, &model.model, &chat::messages(&ask.openai)?, Some(&tools), &ask.extra)?;
+        let (ids, images) =
+            chat::encode_with_images(sh, &model.model, &chat::messages(&ask.openai)?, Some(&tools), &ask.extra)?;
         let logprobs = match ask.openai.get("top_logprobs") {
             None => None,
             Some(v) => match v.as_u64() {
@@ -408,7 +431,9 @@ async fn create(
         };
         let mut req = inferd_engine::request::Request { logprobs, ..fields::typed(&ask.openai)? };
         tools.constrain(&mut req, model.vocabulary.as_deref())?;
-        Ok(Started { prepared: request::prepare(sh, model, req, ids)?, tools, ask })
+        let mut prepared = request::prepare(sh, model, req, ids)?;
+        prepared.images = images;
+        Ok(Started { prepared, tools, ask })
     };
     let Started { prepared, tools, ask } = match sh.cpu_with(&body, start).await {
         Ok(s) => s,
@@ -696,9 +721,31 @@ mod tests {
         assert!(refused(json!({ "input": "x", "background": true })).contains("background is not supported"));
         assert!(refused(json!({ "input": "x", "tools": [{ "type": "web_search" }] })).contains("web_search tools"));
         assert!(refused(
-            json!({ "input": [{ "role": "user", "content": [{ "type": "input_image", "image_url": "u" }] }] })
+            json!({ "input": [{ "role": "user", "content": [{ "type": "input_file", "file_id": "f" }] }] })
         )
-        .contains("input_image is not supported"));
+        .contains("input_file is not supported"));
+        assert!(refused(
+            json!({ "input": [{ "role": "user", "content": [{ "type": "input_image", "file_id": "f" }] }] })
+        )
+        .contains("file_id is not supported"));
+        // An image becomes a chat content part, text and images in their order.
+        let a = ask(
+            json!({ "input": [{ "role": "user", "content": [
+                { "type": "input_text", "text": "Look: " },
+                { "type": "input_image", "image_url": "data:image/png;base64,AA==" },
+                { "type": "input_text", "text": "What is it?" },
+            ] }] }),
+            Vec::new(),
+        )
+        .unwrap();
+        assert_eq!(
+            a.openai["messages"][0]["content"],
+            json!([
+                { "type": "text", "text": "Look: " },
+                { "type": "image_url", "image_url": { "url": "data:image/png;base64,AA==" } },
+                { "type": "text", "text": "What is it?" },
+            ])
+        );
         assert!(refused(json!({ "input": [{ "type": "item_reference", "id": "x" }] })).contains("item_reference items"));
         assert!(refused(json!({ "input": 3 })).contains("input must be"));
     }
