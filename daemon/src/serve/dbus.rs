@@ -85,7 +85,7 @@ pub(crate) async fn caller_uid(conn: &Connection, sender: &UniqueName<'_>) -> fd
 }
 
 /// A call's model, prompt and tools (a chat whose answer may call them).
-type Prompt = (Arc<ModelHandle>, Vec<u32>, Option<Tools>);
+type Prompt = (Arc<ModelHandle>, Vec<u32>, Option<Tools>, Vec<inferd_engine::vision::media::PromptImage>);
 
 /// A submitted call: its answer, its caller, whether it asked for log-probabilities.
 struct Started {
@@ -114,8 +114,10 @@ impl Inference {
             .sh
             .cpu(move || {
                 let mut req = options_request(&options)?;
-                let (handle, ids, tools) = prompt(&sh, &options, &mut req)?;
-                Ok((request::prepare(&sh, handle, req, ids)?, tools))
+                let (handle, ids, tools, images) = prompt(&sh, &options, &mut req)?;
+                let mut p = request::prepare(&sh, handle, req, ids)?;
+                p.images = images;
+                Ok((p, tools))
             })
             .await
             .map_err(failed)?;
@@ -135,12 +137,14 @@ impl Inference {
         prompt: &str,
         options: &HashMap<String, OwnedValue>,
     ) -> Result<Prompt, ApiError> {
-        if let Some(k) = ["tools", "tool_choice", "parallel_tool_calls"].iter().find(|k| options.contains_key(**k)) {
+        if let Some(k) =
+            ["tools", "tool_choice", "parallel_tool_calls", "images"].iter().find(|k| options.contains_key(**k))
+        {
             return Err(ApiError::bad(format!("{k} is an option of Chat"), "tools"));
         }
         let h = sh.model(Some(model))?;
         let ids = request::encode_prompt(&h.model, prompt)?;
-        Ok((h, ids, None))
+        Ok((h, ids, None, Vec::new()))
     }
 
     /// A chat's messages rendered with its tools; a required or named call constrains `req`.
@@ -154,9 +158,10 @@ impl Inference {
         let h = sh.model(Some(model))?;
         let body = chat_body(messages, options)?;
         let tools = Tools::of(&body, &h.model)?;
-        let ids = chat::encode(sh, &h.model, &chat::messages(&body)?, Some(&tools), &Default::default())?;
+        let (ids, images) =
+            chat::encode_with_images(sh, &h.model, &chat::messages(&body)?, Some(&tools), &Default::default())?;
         tools.constrain(req, h.vocabulary.as_deref())?;
-        Ok((h, ids, tools.active().then_some(tools)))
+        Ok((h, ids, tools.active().then_some(tools), images))
     }
 
     /// Loads model `model` unless it is loaded, sending the load's progress to the caller as

@@ -1,6 +1,7 @@
 //! D-Bus call options (`a{sv}`) as request fields: the D-Bus types map straight onto
 //! [`Field`]s and go through the same checks as the HTTP fields (`fields.rs`); a chat's
-//! messages and tool options become the JSON body the HTTP edge reads (`chat.rs`).
+//! messages, tool options and images (file descriptors) become the JSON body the HTTP edge
+//! reads (`chat.rs`).
 
 use super::api::ApiError;
 use super::fields::{self, Field};
@@ -48,8 +49,9 @@ pub(crate) fn option_field(key: &str, v: &Value<'_>) -> Result<Field, ApiError> 
     })
 }
 
-/// Options that are no request field: log-probabilities, and a chat's tools.
-pub(crate) const CALL_OPTIONS: [&str; 5] = ["logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"];
+/// Options that are no request field: log-probabilities, and a chat's tools and images.
+pub(crate) const CALL_OPTIONS: [&str; 6] =
+    ["logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "images"];
 
 /// The `a{sv}` options of a call as a typed request, checked like the HTTP fields.
 pub(crate) fn options_request(options: &HashMap<String, OwnedValue>) -> Result<Request, ApiError> {
@@ -84,8 +86,9 @@ pub(crate) fn options_request(options: &HashMap<String, OwnedValue>) -> Result<R
 
 /// A chat call as the JSON body the HTTP edge reads: each message's `role`, `content`,
 /// `tool_calls` (JSON text), `tool_call_id` and `name`; the options `tools` (JSON text),
-/// `tool_choice` ("auto", "none", "required" or JSON text naming a function) and
-/// `parallel_tool_calls`.
+/// `tool_choice` ("auto", "none", "required" or JSON text naming a function),
+/// `parallel_tool_calls` and `images` ([`images`]: each message's images as `data:` URL
+/// content parts before its text).
 pub(crate) fn chat_body(
     messages: &[HashMap<String, String>],
     options: &HashMap<String, OwnedValue>,
@@ -104,6 +107,19 @@ pub(crate) fn chat_body(
         }
         list.push(Json::Object(msg));
     }
+    for (i, bytes) in options.get("images").map(|v| images(v, list.len())).transpose()?.unwrap_or_default() {
+        use base64::Engine as _;
+        let url = format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(bytes));
+        let part = serde_json::json!({ "type": "image_url", "image_url": { "url": url } });
+        let msg = &mut list[i];
+        match msg.get_mut("content") {
+            Some(Json::Array(parts)) => parts.insert(parts.iter().filter(|p| p["type"] == "image_url").count(), part),
+            other => {
+                let text = other.and_then(|t| t.as_str()).unwrap_or_default().to_string();
+                msg["content"] = serde_json::json!([part, { "type": "text", "text": text }]);
+            }
+        }
+    }
     let mut body = Map::new();
     body.insert("messages".into(), Json::Array(list));
     for key in ["tools", "tool_choice", "parallel_tool_calls"] {
@@ -119,4 +135,57 @@ pub(crate) fn chat_body(
         body.insert(key.into(), json);
     }
     Ok(body)
+}
+
+/// A chat's `images` option, `a(uh)`: for each image the index of its message and a file
+/// descriptor holding it (a regular file opened for reading or a memfd, so a sandboxed app
+/// passes pixels without a path), read from its start as it stands when the call arrives, at
+/// most the decoder's byte limit. Pipes and sockets are refused: reading one could wait
+/// forever.
+fn images(v: &Value<'_>, messages: usize) -> Result<Vec<(usize, Vec<u8>)>, ApiError> {
+    use std::os::fd::AsFd;
+    use std::os::unix::fs::FileExt;
+    let bad = |what: String| ApiError::bad(format!("images: {what}"), "images");
+    let v = if let Value::Value(inner) = v { inner.as_ref() } else { v };
+    let Value::Array(list) = v else { return Err(bad("must be an array of (message index, file descriptor)".into())) };
+    let max = inferd_engine::vision::ImageLimits::default().max_bytes;
+    let mut out = Vec::with_capacity(list.len());
+    for (j, item) in list.iter().enumerate() {
+        let pair = match item {
+            Value::Structure(s) => s.fields(),
+            _ => return Err(bad(format!("[{j}] must be a (message index, file descriptor) pair"))),
+        };
+        let (i, fd) = match pair {
+            [Value::U32(i), Value::Fd(fd)] => (*i as usize, fd),
+            _ => return Err(bad(format!("[{j}] must be a (u, h) pair"))),
+        };
+        if i >= messages {
+            return Err(bad(format!("[{j}] names message {i} of {messages}")));
+        }
+        let file = fd
+            .as_fd()
+            .try_clone_to_owned()
+            .map(std::fs::File::from)
+            .map_err(|e| bad(format!("[{j}]: the file descriptor: {e}")))?;
+        let meta = file.metadata().map_err(|e| bad(format!("[{j}]: {e}")))?;
+        if !meta.is_file() {
+            return Err(bad(format!("[{j}] is no file or memfd (reading a pipe or socket could block)")));
+        }
+        if meta.len() > max as u64 {
+            return Err(bad(format!("[{j}] is {} bytes, over the limit of {max}", meta.len())));
+        }
+        let mut bytes = vec![0u8; meta.len() as usize];
+        let mut at = 0;
+        while at < bytes.len() {
+            match file.read_at(&mut bytes[at..], at as u64) {
+                Ok(0) => break,
+                Ok(n) => at += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(bad(format!("[{j}]: reading it: {e}"))),
+            }
+        }
+        bytes.truncate(at);
+        out.push((i, bytes));
+    }
+    Ok(out)
 }

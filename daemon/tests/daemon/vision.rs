@@ -337,3 +337,73 @@ fn image_urls_are_fetched_only_where_the_config_allows() {
     drop(files);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Images over D-Bus: Chat's `images` option, `a(uh)` (a message index and a file descriptor),
+/// so a sandboxed app passes pixels without a path. A file descriptor of the image answers as
+/// HTTP does for the same image; a pipe, a message index past the end and `images` on Generate
+/// are refused by name.
+#[test]
+fn dbus_chat_takes_images_as_file_descriptors() {
+    use std::collections::HashMap;
+    use std::os::fd::AsFd;
+    use zbus::zvariant::{Fd, Value as V};
+    let dir = scratch("vision-dbus");
+    let (model, mmproj) = tiny_vision(&dir);
+    let bus = super::dbus::Bus::start(&dir);
+    let entry =
+        format!("[[model]]\nname = \"vis\"\npath = \"{}\"\nmmproj = \"{}\"\n", model.display(), mmproj.display());
+    let d = Daemon::start(&dir, &entry, &[("DBUS_SESSION_BUS_ADDRESS", &bus.address)]);
+    bus.wait_for_name();
+    let (st, http) = d.http("POST", "/v1/chat/completions", &ask("vis", &dir.join("square.png"), "What is this?"));
+    assert_eq!(st, 200, "{http}");
+    let want = json(&http)["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let question = vec![HashMap::from([("role", "user"), ("content", "What is this?")])];
+    let image = std::fs::File::open(dir.join("square.png")).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let caller = zbus::connection::Builder::address(bus.address.as_str()).unwrap().build().await.unwrap();
+        let with = |fd: Fd<'static>, at: u32| {
+            HashMap::from([("max_tokens", V::U32(8)), ("temperature", V::F64(0.0)), ("images", V::new(vec![(at, fd)]))])
+        };
+        let owned = |f: &dyn AsFd| Fd::from(f.as_fd().try_clone_to_owned().unwrap());
+        let heard = super::dbus::signals(&caller, "Chat", &("vis", &question, &with(owned(&image), 0))).await;
+        assert_eq!(heard.reason, "length");
+        assert_eq!(heard.text, want, "the same answer as HTTP's");
+        let call = |method: &'static str, opts: HashMap<&'static str, V<'static>>| {
+            let c = caller.clone();
+            let q = question.clone();
+            async move {
+                let r = if method == "Chat" {
+                    c.call_method(
+                        Some("org.inferd.Inference1"),
+                        "/org/inferd/Inference1",
+                        Some("org.inferd.Inference1"),
+                        method,
+                        &("vis", &q, &opts),
+                    )
+                    .await
+                } else {
+                    c.call_method(
+                        Some("org.inferd.Inference1"),
+                        "/org/inferd/Inference1",
+                        Some("org.inferd.Inference1"),
+                        method,
+                        &("vis", "Hi", &opts),
+                    )
+                    .await
+                };
+                r.err().map(|e| e.to_string()).unwrap_or_default()
+            }
+        };
+        let (reader, _writer) = std::io::pipe().unwrap();
+        let e = call("Chat", with(owned(&reader), 0)).await;
+        assert!(e.contains("no file or memfd"), "{e}");
+        let e = call("Chat", with(owned(&image), 1)).await;
+        assert!(e.contains("names message 1 of 1"), "{e}");
+        let e = call("Generate", with(owned(&image), 0)).await;
+        assert!(e.contains("images is an option of Chat"), "{e}");
+    });
+    drop(d);
+    drop(bus);
+    let _ = std::fs::remove_dir_all(dir);
+}

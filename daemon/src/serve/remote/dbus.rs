@@ -42,7 +42,7 @@ pub struct Forwarding {
 /// A call's `a{sv}` options as OpenAI fields (tools belong to [`chat`]).
 fn fields(options: &HashMap<String, OwnedValue>, out: &mut Map<String, Json>) -> Result<(), ApiError> {
     for (k, v) in options {
-        if ["tools", "tool_choice", "parallel_tool_calls"].contains(&k.as_str()) {
+        if ["tools", "tool_choice", "parallel_tool_calls", "images"].contains(&k.as_str()) {
             continue;
         }
         if k == "logprobs" || k == "top_logprobs" {
