@@ -407,3 +407,48 @@ fn dbus_chat_takes_images_as_file_descriptors() {
     drop(bus);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Several images and a text request in the same engine steps: two image requests (each image
+/// encoded when its prefill reaches it) and a text-only one sent at once get, token for token
+/// and log-probability for log-probability, what each gets alone (a position's result does not
+/// depend on its batch).
+#[test]
+fn image_and_text_requests_batch_together_as_each_alone() {
+    let dir = scratch("vision-batch");
+    let (model, mmproj) = tiny_vision(&dir);
+    let entry =
+        format!("[[model]]\nname = \"vis\"\npath = \"{}\"\nmmproj = \"{}\"\n", model.display(), mmproj.display());
+    let text = serde_json::json!({ "model": "vis", "max_tokens": 8, "temperature": 0, "logprobs": true,
+        "messages": [{ "role": "user", "content": "Tell me about squares." }] })
+    .to_string();
+    let bodies =
+        [ask("vis", &dir.join("square.png"), "What is this?"), ask("vis", &dir.join("wide.png"), "And this?"), text];
+    let answer = |socket: &Path, body: &str| {
+        let (st, b) = super::http(socket, "POST", "/v1/chat/completions", body);
+        assert_eq!(st, 200, "{b}");
+        tokens(&b)
+    };
+    // Alone: a daemon per request, so none finds another's blocks in its prefix cache.
+    let alone: Vec<Vec<(String, f64)>> = bodies
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let d = Daemon::start(&scratch(&format!("vision-batch-{i}")), &entry, &[]);
+            answer(&d.socket, b)
+        })
+        .collect();
+    // Together, prefilled 24 tokens a step, so the three prompts (about 44 tokens each) share
+    // steps with each other and with the first answers' decoding.
+    let d = Daemon::start(&dir, &format!("[scheduler]\ntoken_budget = 24\n{entry}"), &[]);
+    let together: Vec<Vec<(String, f64)>> = std::thread::scope(|s| {
+        let handles: Vec<_> = bodies.iter().map(|b| s.spawn(|| answer(&d.socket, b))).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+        assert!(!a.is_empty(), "request {i}");
+        assert_eq!(a, t, "request {i}: alone {a:?}, together {t:?}");
+    }
+    assert_ne!(alone[0], alone[1], "the images answer differently");
+    drop(d);
+    let _ = std::fs::remove_dir_all(dir);
+}
