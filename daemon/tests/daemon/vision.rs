@@ -18,6 +18,11 @@ fn tiny_vision(dir: &Path) -> (PathBuf, PathBuf) {
     (dir.join("tiny-gemma3-vision.gguf"), dir.join("tiny-gemma3-vision-mmproj.gguf"))
 }
 
+/// The `[[model]]` entry serving the tiny pair as `vis`.
+fn vis_entry(model: &Path, mmproj: &Path) -> String {
+    format!("[[model]]\nname = \"vis\"\npath = \"{}\"\nmmproj = \"{}\"\n", model.display(), mmproj.display())
+}
+
 /// The image embeddings llama-mtmd-cli computes for `image` (rows of the model's width).
 fn mtmd_embeddings(bin: &Path, model: &Path, mmproj: &Path, image: &Path, dir: &Path) -> (usize, usize, Vec<f32>) {
     let dump = dir.join("embeddings.bin");
@@ -133,7 +138,7 @@ fn chat_with_an_image_answers_as_llama_server() {
     };
     let dir = scratch("vision-chat");
     let (model, mmproj) = tiny_vision(&dir);
-    let cfg = format!("[[model]]\nname = \"vis\"\npath = \"{}\"\nmmproj = \"{}\"\n", model.display(), mmproj.display());
+    let cfg = vis_entry(&model, &mmproj);
     let d = Daemon::start(&dir, &cfg, &[]);
     let port = super::remote::free_port();
     let _server = super::remote::spawn_llama_server(
@@ -293,8 +298,7 @@ fn image_urls_are_fetched_only_where_the_config_allows() {
     );
     wait_for("the file server", Duration::from_secs(10), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
     let url = format!("http://127.0.0.1:{port}/square.png");
-    let entry =
-        format!("[[model]]\nname = \"vis\"\npath = \"{}\"\nmmproj = \"{}\"\n", model.display(), mmproj.display());
+    let entry = vis_entry(&model, &mmproj);
     let chat = |url: &str| {
         serde_json::json!({ "model": "vis", "max_tokens": 8, "temperature": 0, "messages": [{ "role": "user", "content": [
             { "type": "image_url", "image_url": { "url": url } }, { "type": "text", "text": "What is this?" },
@@ -350,8 +354,7 @@ fn dbus_chat_takes_images_as_file_descriptors() {
     let dir = scratch("vision-dbus");
     let (model, mmproj) = tiny_vision(&dir);
     let bus = super::dbus::Bus::start(&dir);
-    let entry =
-        format!("[[model]]\nname = \"vis\"\npath = \"{}\"\nmmproj = \"{}\"\n", model.display(), mmproj.display());
+    let entry = vis_entry(&model, &mmproj);
     let d = Daemon::start(&dir, &entry, &[("DBUS_SESSION_BUS_ADDRESS", &bus.address)]);
     bus.wait_for_name();
     let (st, http) = d.http("POST", "/v1/chat/completions", &ask("vis", &dir.join("square.png"), "What is this?"));
@@ -416,8 +419,7 @@ fn dbus_chat_takes_images_as_file_descriptors() {
 fn image_and_text_requests_batch_together_as_each_alone() {
     let dir = scratch("vision-batch");
     let (model, mmproj) = tiny_vision(&dir);
-    let entry =
-        format!("[[model]]\nname = \"vis\"\npath = \"{}\"\nmmproj = \"{}\"\n", model.display(), mmproj.display());
+    let entry = vis_entry(&model, &mmproj);
     let text = serde_json::json!({ "model": "vis", "max_tokens": 8, "temperature": 0, "logprobs": true,
         "messages": [{ "role": "user", "content": "Tell me about squares." }] })
     .to_string();
