@@ -434,19 +434,10 @@ fn main() -> Result<()> {
             let checks = inferctl::pull::Checks { verify: Some(&inferd::serve::store::readable), ..Default::default() };
             // The model, then the vision projector its repository holds (paired by name).
             let pulled = inferctl::pull::locate(&reference, sha256.as_deref()).and_then(|src| {
-                let mut p = inferctl::pull::fetch(&src, target, &checks, &mut |d, t| bar.update(d, t))?;
-                if let Some(pj) = &src.projector {
-                    p.projector =
-                        Some(Box::new(inferctl::pull::fetch(pj, target, &checks, &mut |d, t| bar.update(d, t))?));
-                }
-                Ok(p)
+                inferctl::pull::fetch_with_projector(&src, target, &checks, &mut |d, t| bar.update(d, t))
             });
             bar.finish();
-            let p = pulled?;
-            for p in std::iter::once(&p).chain(p.projector.as_deref()) {
-                let how = if p.already { "already installed" } else { "installed" };
-                println!("{}: {how} at {} ({} bytes, sha256 {})", p.name, p.path.display(), p.size, p.sha256);
-            }
+            pulled?.report().iter().for_each(|line| println!("{line}"));
             Ok(())
         }
         Cmd::Export { model, dtype, out } => {

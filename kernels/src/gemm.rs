@@ -5,7 +5,7 @@
 //! is right when the weights are the traffic; with 4,096 tokens the traffic is the tokens and
 //! the work is arithmetic. Here weights are repacked per product into panels of 32 outputs
 //! ([`Panels`]: pair `p` of the panel's 32 rows side by side), the tokens rounded to bf16
-//! pairs once, and a register tile of 12 tokens by 32 outputs ([`crate::cpu::Tile`]) runs
+//! pairs once for every matrix they meet, and a register tile of 12 tokens by 32 outputs ([`crate::cpu::Tile`]) runs
 //! along `KC` pairs at a time: the panel's stretch (16 KiB) stays in L1 while the tokens'
 //! block (`MC` tokens) stays in L2, the outputs summed across stretches in memory. Threads take
 //! runs of tokens, each its own outputs.
@@ -117,12 +117,11 @@ pub fn to_pairs(pool: &ThreadPool, bk: &Bf16Kernels, x: &[f32], cols: usize, tok
     a
 }
 
-/// `y = x · Wᵀ`: `tokens` rows of `x` (`w`'s columns each) against the packed `w`, into
-/// `tokens` rows of `w.rows` outputs, threads taking runs of tokens.
-pub fn product(pool: &ThreadPool, bk: &Bf16Kernels, w: &Panels, x: &[f32], tokens: usize, y: &mut [f32]) {
-    let cols = x.len() / tokens.max(1);
-    assert!(cols.div_ceil(2) == w.pairs && y.len() == tokens * w.rows, "product shapes disagree");
-    let a = to_pairs(pool, bk, x, cols, tokens);
+/// `y = x · Wᵀ`: `tokens` rows of `x` as bf16 pairs ([`to_pairs`]; one rounding serves every
+/// matrix the input meets) against the packed `w`, into `tokens` rows of `w.rows` outputs,
+/// threads taking runs of tokens.
+pub fn product(pool: &ThreadPool, bk: &Bf16Kernels, w: &Panels, a: &[u32], tokens: usize, y: &mut [f32]) {
+    assert!(a.len() == tokens * w.pairs && y.len() == tokens * w.rows, "product shapes disagree");
     pool.for_rows(y, w.rows, &|first, ys| {
         gemm(bk, &a[first * w.pairs..], w.pairs, ys.len() / w.rows, w, ys, w.rows);
     });
@@ -256,7 +255,7 @@ mod tests {
                 let src = Source::Strided { data: &wf, offset: 0, row: cols, col: 1, rows, cols };
                 let w = pack(&pool, &bk, &src);
                 let mut y = vec![f32::NAN; tokens * rows];
-                product(&pool, &bk, &w, &x, tokens, &mut y);
+                product(&pool, &bk, &w, &to_pairs(&pool, &bk, &x, cols, tokens), tokens, &mut y);
                 for t in 0..tokens {
                     for r in 0..rows {
                         let (mag, want) = exact(&x[t * cols..][..cols], &wf[r * cols..][..cols]);
@@ -280,10 +279,10 @@ mod tests {
             let w = pack(&pool, &bk, &Source::Strided { data: &w, offset: 0, row: cols, col: 1, rows, cols });
             let x = noise(150 * cols, 4);
             let mut all = vec![0.0; 150 * rows];
-            product(&pool, &bk, &w, &x, 150, &mut all);
+            product(&pool, &bk, &w, &to_pairs(&pool, &bk, &x, cols, 150), 150, &mut all);
             for t in [0, 11, 12, 97, 149] {
                 let mut one = vec![0.0; rows];
-                product(&pool, &bk, &w, &x[t * cols..][..cols], 1, &mut one);
+                product(&pool, &bk, &w, &to_pairs(&pool, &bk, &x[t * cols..][..cols], cols, 1), 1, &mut one);
                 assert_eq!(one, all[t * rows..][..rows], "token {t}");
             }
         }

@@ -276,9 +276,8 @@ fn run(client: &Client, cmd: Cmd) -> Result<(), Error> {
             };
             bar.finish();
             let p = pulled.map_err(|e| Error::Usage(e.to_string()))?;
-            for p in std::iter::once(&p).chain(p.projector.as_deref()) {
-                let how = if p.already { "already installed" } else { "installed" };
-                writeln!(out, "{}: {how} at {} ({} bytes, sha256 {})", p.name, p.path.display(), p.size, p.sha256)?;
+            for line in p.report() {
+                writeln!(out, "{line}")?;
             }
         }
         Cmd::Rm { name } => {

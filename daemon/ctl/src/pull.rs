@@ -69,6 +69,19 @@ pub struct Pulled {
     pub projector: Option<Box<Pulled>>,
 }
 
+impl Pulled {
+    /// What a pull says it did, a line per file: the model's, then its projector's.
+    pub fn report(&self) -> Vec<String> {
+        std::iter::once(self)
+            .chain(self.projector.as_deref())
+            .map(|p| {
+                let how = if p.already { "already installed" } else { "installed" };
+                format!("{}: {how} at {} ({} bytes, sha256 {})", p.name, p.path.display(), p.size, p.sha256)
+            })
+            .collect()
+    }
+}
+
 /// Where a model comes from, resolved to one file.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Source {
@@ -154,8 +167,9 @@ fn carries(name: &str, quant: &str) -> bool {
     })
 }
 
-/// Whether a listed file is named as a vision projector.
-fn is_projector(path: &str) -> bool {
+/// Whether a file (a path's last part) is named as a vision projector: `mmproj` in its name,
+/// as llama.cpp's converter and the hubs name them (the model store goes by it too).
+pub fn is_projector(path: &str) -> bool {
     path.rsplit('/').next().unwrap_or(path).to_ascii_lowercase().contains("mmproj")
 }
 
@@ -295,10 +309,19 @@ pub fn pull(
     sha256: Option<&str>,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<Pulled, PullError> {
-    let src = locate(reference, sha256)?;
-    let mut pulled = fetch(&src, target, &Checks::default(), progress)?;
+    fetch_with_projector(&locate(reference, sha256)?, target, &Checks::default(), progress)
+}
+
+/// [`fetch`] of `src`, then of the vision projector its repository holds, if any.
+pub fn fetch_with_projector(
+    src: &Source,
+    target: Target<'_>,
+    checks: &Checks<'_>,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<Pulled, PullError> {
+    let mut pulled = fetch(src, target, checks, progress)?;
     if let Some(p) = &src.projector {
-        pulled.projector = Some(Box::new(fetch(p, target, &Checks::default(), progress)?));
+        pulled.projector = Some(Box::new(fetch(p, target, checks, progress)?));
     }
     Ok(pulled)
 }

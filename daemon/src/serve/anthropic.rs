@@ -253,7 +253,8 @@ fn turns(v: Option<&Value>) -> Result<(Vec<Value>, Option<String>), ApiError> {
                     parts.push(json!({ "type": "text", "text": t }));
                 }
                 ("user", "image") => {
-                    // A base64 source as a data: URL; a url source as it is (not fetched).
+                    // A base64 source as a data: URL; a url source as it is (inlined before this where
+                    // `[server] fetch_images` allows it, refused by the chat edge otherwise).
                     let src = b.get("source").cloned().unwrap_or_default();
                     let url = match (src.get("type").and_then(Value::as_str), src.get("data"), src.get("url")) {
                         (Some("base64"), Some(Value::String(data)), _) => {

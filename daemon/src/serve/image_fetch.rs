@@ -29,7 +29,7 @@ pub async fn inline(sh: &Shared, body: axum::body::Bytes) -> Result<axum::body::
     let Ok(mut v) = serde_json::from_slice::<Value>(&body) else { return Ok(body) };
     let mut urls = Vec::new();
     for key in ["messages", "input"] {
-        if let Some(x) = v.get_mut(key) {
+        if let Some(x) = v.get(key) {
             collect(x, &mut urls);
         }
     }

@@ -28,10 +28,9 @@ pub fn readable(path: &Path) -> Result<(), String> {
     inferd_engine::model::facts::Facts::read(path).map(drop).map_err(|e| format!("not a model inferd reads: {e}"))
 }
 
-/// Whether the file at `path` is named as a vision projector (`mmproj` in its name, as
-/// llama.cpp's converter and the hubs name them).
+/// Whether the file at `path` is named as a vision projector ([`inferctl::pull::is_projector`]).
 pub fn is_projector(path: &Path) -> bool {
-    path.file_name().and_then(|s| s.to_str()).is_some_and(|f| f.to_ascii_lowercase().contains("mmproj"))
+    path.file_name().and_then(|s| s.to_str()).is_some_and(inferctl::pull::is_projector)
 }
 
 /// The projector the store pairs with the model file `path`: `NAME.mmproj.gguf` or

@@ -102,8 +102,8 @@ fn linear(pool: &ThreadPool, k: &Kernels, l: &Linear, x: &[f32], tokens: usize) 
 }
 
 /// Several products of one input, each with its bias: in bf16 tiles ([`gemm`]) where the
-/// processor multiplies bf16, else in one dispatch of the decode driver, the input quantized
-/// to 8-bit blocks where a matrix is quantized.
+/// processor multiplies bf16 (the input rounded once for all of them), else in one dispatch
+/// of the decode driver, the input quantized to 8-bit blocks where a matrix is quantized.
 fn products<const M: usize>(
     pool: &ThreadPool,
     k: &Kernels,
@@ -111,24 +111,21 @@ fn products<const M: usize>(
     x: &[f32],
     tokens: usize,
 ) -> [Vec<f32>; M] {
-    if let Some(bk) = &k.bf16 {
-        return ls.map(|l| {
-            let w = gemm::pack(pool, bk, &gemm::Source::Matrix(l.w.matrix()));
-            let mut y = vec![0.0; tokens * w.rows];
-            gemm::product(pool, bk, &w, x, tokens, &mut y);
-            y.chunks_exact_mut(w.rows).for_each(|row| row.iter_mut().zip(&l.b).for_each(|(v, b)| *v += b));
-            y
-        });
-    }
-    let mut q8 = Vec::new();
-    if ls.iter().any(|l| l.w.dtype.is_quantized()) {
-        q8 = vec![BlockQ8::default(); x.len() / QK];
-        let cols = x.len() / tokens.max(1);
-        pool.for_rows(&mut q8, cols / QK, &|first, q8| (k.quantize_q8)(&x[first * cols..][..q8.len() * QK], q8));
-    }
-    let mats: Vec<Matrix<'_>> = ls.iter().map(|l| l.w.matrix()).collect();
     let mut ys: [Vec<f32>; M] = std::array::from_fn(|i| vec![0.0; tokens * ls[i].w.rows]);
-    {
+    let cols = x.len() / tokens.max(1);
+    if let Some(bk) = &k.bf16 {
+        let pairs = gemm::to_pairs(pool, bk, x, cols, tokens);
+        for (y, l) in ys.iter_mut().zip(ls) {
+            let w = gemm::pack(pool, bk, &gemm::Source::Matrix(l.w.matrix()));
+            gemm::product(pool, bk, &w, &pairs, tokens, y);
+        }
+    } else {
+        let mut q8 = Vec::new();
+        if ls.iter().any(|l| l.w.dtype.is_quantized()) {
+            q8 = vec![BlockQ8::default(); x.len() / QK];
+            pool.for_rows(&mut q8, cols / QK, &|first, q8| (k.quantize_q8)(&x[first * cols..][..q8.len() * QK], q8));
+        }
+        let mats: Vec<Matrix<'_>> = ls.iter().map(|l| l.w.matrix()).collect();
         let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
         matmul_many(pool, k, &mats, &Input { f32: x, q8: &q8, tokens }, &mut outs);
     }
