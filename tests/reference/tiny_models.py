@@ -248,6 +248,10 @@ def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None,
         w.add_sliding_window(8)
     if arch == "phi3":
         w.add_rope_dimension_count(12)  # partial rotary, as Phi-4-mini
+    if arch == "qwen2vl":
+        # M-RoPE: of each head's 8 rotated pairs, 2 turn with the time position, 3 with the
+        # row and 3 with the column (Qwen2.5-VL's 16, 24, 24 of 64, scaled down).
+        w.add_rope_dimension_sections([2, 3, 3, 0])
     if scaling:
         w.add_rope_scaling_orig_ctx_len(ORIGINAL)
     if scaling == "yarn":
@@ -303,7 +307,7 @@ def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None,
             t[p + "attn_k.weight"] = mat(kv, HIDDEN)
             t[p + "attn_v.weight"] = mat(kv, HIDDEN)
         t[p + "attn_output.weight"] = mat(HIDDEN, q)
-        if arch in ("qwen2", "gpt-oss"):
+        if arch in ("qwen2", "qwen2vl", "gpt-oss"):
             for n, d in (("q", q), ("k", kv), ("v", kv)):
                 t[p + f"attn_{n}.bias"] = (0.5 * rng.standard_normal(d)).astype(np.float32)
         if arch == "gpt-oss":
@@ -827,6 +831,78 @@ def mmproj(path, seed, text_hidden=HIDDEN, shapes=None, layers=V_LAYERS):
     w.close()
 
 
+# Qwen's chat markers and image markers (control tokens), and a ChatML template as Qwen's.
+QWEN_VL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+QWEN_TEMPLATE = (
+    "{%- for m in messages -%}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+)
+# The vision encoder of a tiny Qwen2.5-VL mmproj: patches of 14 pixels merged 2 x 2 into image
+# tokens, QV_LAYERS layers of width QV_HIDDEN (QV_HEADS heads of 16) where every second one
+# attends over the whole image and the others within windows of 112 pixels (8 x 8 patches).
+QV_PATCH, QV_HIDDEN, QV_HEADS, QV_FFN, QV_LAYERS, QV_WA_PATTERN = 14, 64, 4, 96, 4, 2
+
+
+def qwen_mmproj(path, seed, text_hidden=HIDDEN):
+    """A Qwen2.5-VL vision projector (`clip.projector_type = qwen2.5vl`) as llama.cpp's
+    converter writes it: the temporal patch convolution as two 2-D kernels (no bias), RMS
+    norms, a gated SiLU feed-forward with biases, the merger's RMS norm as `v.post_ln` and its
+    GELU MLP over 2 x 2 patches as `mm.0` and `mm.2`."""
+    rng = np.random.default_rng(seed)
+    e, p = QV_HIDDEN, QV_PATCH
+
+    def mat(rows, cols, scale=None):
+        x = (rng.standard_normal((rows, cols)) * (scale or cols ** -0.5)).astype(np.float32)
+        u = x.view(np.uint32)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+
+    def vec(k, scale=0.1, mean=0.0):
+        return (mean + scale * rng.standard_normal(k)).astype(np.float32)
+
+    w = GGUFWriter(path, "clip")
+    w.add_type("mmproj")
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_projector_type("qwen2.5vl_merger")
+    w.add_vision_image_size(560)
+    w.add_vision_patch_size(p)
+    w.add_vision_embedding_length(e)
+    w.add_vision_feed_forward_length(QV_FFN)
+    w.add_vision_block_count(QV_LAYERS)
+    w.add_vision_head_count(QV_HEADS)
+    w.add_vision_projection_dim(text_hidden)
+    w.add_vision_attention_layernorm_eps(1e-6)
+    w.add_vision_image_mean([0.48145466, 0.4578275, 0.40821073])
+    w.add_vision_image_std([0.26862954, 0.26130258, 0.27577711])
+    w.add_vision_use_silu(True)
+    w.add_vision_n_wa_pattern(QV_WA_PATTERN)
+    t = {}
+    for name in ("v.patch_embd.weight", "v.patch_embd.weight.1"):
+        t[name] = (rng.standard_normal((e, 3, p, p)) * (6 * p * p) ** -0.5).astype(np.float16)
+    for i in range(QV_LAYERS):
+        b = f"v.blk.{i}."
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            t[b + name + ".weight"] = mat(e, e).astype(np.float16)
+            t[b + name + ".bias"] = vec(e)
+        for name in ("ln1", "ln2"):
+            t[b + name + ".weight"] = vec(e, 0.1, 1.0)
+        for name in ("ffn_gate", "ffn_up"):
+            t[b + name + ".weight"] = mat(QV_FFN, e).astype(np.float16)
+            t[b + name + ".bias"] = vec(QV_FFN)
+        t[b + "ffn_down.weight"] = mat(e, QV_FFN).astype(np.float16)
+        t[b + "ffn_down.bias"] = vec(e)
+    t["v.post_ln.weight"] = vec(e, 0.1, 1.0)
+    t["mm.0.weight"] = mat(4 * e, 4 * e).astype(np.float16)
+    t["mm.0.bias"] = vec(4 * e)
+    t["mm.2.weight"] = mat(text_hidden, 4 * e).astype(np.float16)
+    t["mm.2.bias"] = vec(text_hidden)
+    for name, value in t.items():
+        w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def png(path, width, height, pixel):
     """An 8-bit RGB PNG whose pixel (x, y) is pixel(x, y), written with zlib alone."""
     raw = b"".join(b"\x00" + bytes(v for x in range(width) for v in pixel(x, y)) for y in range(height))
@@ -853,6 +929,17 @@ def vision(out):
     png(f"{out}/wide.png", 300, 170, lambda x, y: ((x * 5) % 256, (y * 11) % 256, (x ^ y) % 256))
 
 
+def qwen_vision(out):
+    """tiny-qwen25vl.gguf (`qwen2vl`: Qwen 2's layers with M-RoPE, Qwen's markers and ChatML)
+    and its projector tiny-qwen25vl-mmproj.gguf, for daemon/tests/daemon/vision.rs; and two
+    images: landscape.png, 476 x 280 (a multiple of 28 each way: taken as it is, 17 x 10 image
+    tokens in windows of 8 x 8, the last ones cut), and odd.png, 150 x 230, which is resized."""
+    model("qwen2vl", f"{out}/tiny-qwen25vl.gguf", 510, vocab=(TOKENS + QWEN_VL_TOKENS, MERGES, "default"), template=QWEN_TEMPLATE, context=1024)
+    qwen_mmproj(f"{out}/tiny-qwen25vl-mmproj.gguf", 511)
+    png(f"{out}/landscape.png", 476, 280, lambda x, y: ((x * 3 + y * 5) % 256, (x * y // 7) % 256, int(127 + 127 * math.sin(x / 11 - y / 7))))
+    png(f"{out}/odd.png", 150, 230, lambda x, y: ((x * 9) % 256, (y * 4 + x) % 256, (x ^ (2 * y)) % 256))
+
+
 def vision_bench(out, layers):
     """A random-weight projector at Gemma 3 4B's vision shapes with `layers` layers, a language
     model at Gemma 3 4B's shapes (Q8_0 matrices, the tiny vocabulary) with as many of its 34
@@ -873,6 +960,7 @@ def vision_bench(out, layers):
 
 if __name__ == "__main__" and sys.argv[1] == "vision":
     vision(sys.argv[2])
+    qwen_vision(sys.argv[2])
 elif __name__ == "__main__" and sys.argv[1] == "vision-bench":
     vision_bench(sys.argv[2], int(sys.argv[3]))
 elif __name__ == "__main__" and sys.argv[1] == "moe":

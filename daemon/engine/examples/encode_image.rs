@@ -23,8 +23,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let rows = enc.encode(&pool, &k, &img);
         println!(
             "round {r}: {} image tokens of {} in {:.1} ms",
-            enc.image_tokens(),
-            rows.len() / enc.image_tokens(),
+            enc.image_tokens(&img),
+            rows.len() / enc.image_tokens(&img),
             t.elapsed().as_secs_f64() * 1e3
         );
     }

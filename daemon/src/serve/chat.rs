@@ -326,7 +326,7 @@ pub fn encode_with_images(
         if let Some(img) = images.get(k) {
             ids.extend(tok.encode_bare(begin, true).map_err(fail)?);
             out.push(PromptImage { at: ids.len(), image: Arc::clone(img), media: None });
-            ids.extend(std::iter::repeat_n(0, vision.image_tokens()));
+            ids.extend(std::iter::repeat_n(0, vision.image_tokens(img)));
             ids.extend(tok.encode_bare(end, true).map_err(fail)?);
         }
     }

@@ -29,8 +29,8 @@ impl Engine {
         self.vision.as_ref()
     }
 
-    /// Registers a prompt's images: each takes the encoder's number of positions from its
-    /// `at`, which get its media ids. On error nothing stays registered.
+    /// Registers a prompt's images: each takes as many positions from its `at` as the encoder
+    /// makes tokens of it, which get its media ids. On error nothing stays registered.
     pub fn attach_images(&mut self, prompt: &mut [u32], images: &mut [PromptImage]) -> Result<(), EngineError> {
         if images.is_empty() {
             return Ok(());
@@ -40,21 +40,22 @@ impl Engine {
                 "this model takes no images (it has no projector: [[model]] mmproj)".into(),
             ));
         };
-        let n = enc.image_tokens();
+        let grids: Vec<(usize, usize)> = images.iter().map(|img| enc.token_grid(&img.image)).collect();
         let mut end = 0;
-        for img in images.iter() {
+        for (img, &(w, h)) in images.iter().zip(&grids) {
+            let n = w * h;
             if img.at < end || img.at + n > prompt.len() {
                 return Err(EngineError::Image(format!(
-                    "an image at position {} of a prompt of {} tokens (an image takes {n})",
+                    "an image at position {} of a prompt of {} tokens (the image takes {n})",
                     img.at,
                     prompt.len()
                 )));
             }
             end = img.at + n;
         }
-        for img in images.iter_mut() {
-            let m = self.media.register(Arc::clone(&img.image), n);
-            prompt[img.at..img.at + n].copy_from_slice(&m.ids);
+        for (img, grid) in images.iter_mut().zip(grids) {
+            let m = self.media.register(Arc::clone(&img.image), grid);
+            prompt[img.at..img.at + m.ids.len()].copy_from_slice(&m.ids);
             img.media = Some(m);
         }
         Ok(())

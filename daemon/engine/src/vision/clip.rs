@@ -1,7 +1,8 @@
 //! A vision projector file (`mmproj-*.gguf`, `general.architecture = clip`): its `clip.*`
 //! hyperparameters and its `v.*` (the vision transformer) and `mm.*` (the projection into the
 //! language model's embeddings) tensors, the names llama.cpp's converter writes. The matrices
-//! stay in the file's mapping; the norms and biases are copied to f32.
+//! stay in the file's mapping; the norms and biases are copied to f32 (and Qwen2.5-VL's two
+//! patch kernels summed into one).
 
 use crate::model::gguf::{Gguf, Value};
 use crate::model::mmap::Blob;
@@ -18,13 +19,20 @@ pub enum Projector {
     /// other in the language model (non-causal), between `<start_of_image>` and
     /// `<end_of_image>`.
     Gemma3,
+    /// Qwen2.5-VL's (`qwen2.5vl_merger`): a ViT over patches of any grid (dynamic resolution,
+    /// 2-D rotary positions, RMS norms, a gated SiLU feed-forward, window attention in all
+    /// but every `window_pattern`-th layer), its patches merged `merge x merge` by a GELU MLP
+    /// (`mm.0`, `mm.2`); image tokens between `<|vision_start|>` and `<|vision_end|>`, causal,
+    /// at 2-D positions of the language model's M-RoPE.
+    Qwen25Vl,
 }
 
 /// The hyperparameters of a vision encoder.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ClipConfig {
     pub projector: Projector,
-    /// The square input's side, in pixels, and a patch's.
+    /// The square input's side, in pixels (Gemma 3's; Qwen's inputs take any size), and a
+    /// patch's.
     pub image_size: usize,
     pub patch: usize,
     pub hidden: usize,
@@ -36,21 +44,57 @@ pub struct ClipConfig {
     pub eps: f32,
     pub mean: [f32; 3],
     pub std: [f32; 3],
-    /// Patches pooled into one image token along each axis.
+    /// Patches pooled (Gemma 3) or merged (Qwen) into one image token along each axis.
     pub merge: usize,
+    /// Every this many layers one attends over the whole image, the others within windows
+    /// (Qwen2.5-VL's `n_wa_pattern`); 0: every layer over the whole image.
+    pub window_pattern: usize,
     /// The language model's embedding width: an image token's size.
     pub out_width: usize,
 }
 
+/// Qwen's inputs: at least this many and at most this many image tokens an image (llama.cpp's
+/// limits for the Qwen-VL family, from the models' preprocessor configurations).
+pub const QWEN_MIN_TOKENS: usize = 8;
+pub const QWEN_MAX_TOKENS: usize = 4096;
+
 impl ClipConfig {
-    /// Patches along each side of the input.
+    /// Patches along each side of the (square) input.
     pub fn grid(&self) -> usize {
         self.image_size / self.patch
     }
 
-    /// Tokens one image becomes in the language model's prompt.
-    pub fn image_tokens(&self) -> usize {
-        (self.grid() / self.merge).pow(2)
+    /// The size, in pixels, an image of `width x height` is resized to as the encoder's input:
+    /// Gemma 3's square, or for Qwen the nearest multiple of a merged patch each way, keeping
+    /// the aspect, scaled into the image-token limits (transformers' `smart_resize`, as
+    /// llama.cpp computes it, in f32).
+    pub fn input_size(&self, width: usize, height: usize) -> (usize, usize) {
+        match self.projector {
+            Projector::Gemma3 => (self.image_size, self.image_size),
+            Projector::Qwen25Vl => {
+                let unit = self.patch * self.merge;
+                let f = unit as f32;
+                let (w, h) = (width.max(1) as f32, height.max(1) as f32);
+                let by = |x: f32, r: fn(f32) -> f32| (r(x / f) as usize * unit).max(unit);
+                let (min, max) = ((QWEN_MIN_TOKENS * unit * unit) as f32, (QWEN_MAX_TOKENS * unit * unit) as f32);
+                let (mut tw, mut th) = (by(w, f32::round), by(h, f32::round));
+                if (tw * th) as f32 > max {
+                    let beta = (h * w / max).sqrt();
+                    (tw, th) = (by(w / beta, f32::floor), by(h / beta, f32::floor));
+                } else if ((tw * th) as f32) < min {
+                    let beta = (min / (h * w)).sqrt();
+                    (tw, th) = (by(w * beta, f32::ceil), by(h * beta, f32::ceil));
+                }
+                (tw, th)
+            }
+        }
+    }
+
+    /// The image tokens of an image of `width x height` pixels: columns and rows of them.
+    pub fn token_grid(&self, width: usize, height: usize) -> (usize, usize) {
+        let (w, h) = self.input_size(width, height);
+        let unit = self.patch * self.merge;
+        (w / unit, h / unit)
     }
 }
 
@@ -77,6 +121,8 @@ pub struct ClipLayer {
     pub v: Linear,
     pub out: Linear,
     pub ln2: LayerNorm,
+    /// The feed-forward's gate (Qwen2.5-VL's SiLU-gated form); none for a plain GELU one.
+    pub gate: Option<Linear>,
     pub up: Linear,
     pub down: Linear,
 }
@@ -87,15 +133,34 @@ pub struct ClipWeights {
     /// The patch embedding as a product: `hidden` rows of `3 * patch * patch` (channel, row,
     /// column), its bias.
     pub patch: Linear,
-    /// `grid² x hidden` learned positions.
+    /// `grid² x hidden` learned positions (Gemma 3's; Qwen's rotate instead).
     pub positions: Vec<f32>,
     pub layers: Vec<ClipLayer>,
+    /// The last norm (Qwen's: its merger's `ln_q`), RMS where the projector's layers are.
     pub post_ln: LayerNorm,
+    pub head: Head,
+}
+
+/// How the encoded patches become image tokens.
+#[derive(Clone, Debug)]
+pub enum Head {
     /// Gemma 3's projector: the RMS norm's weight (its `1 +` already in the file) and the
     /// projection, transposed at load to `out_width` rows of `hidden` (the file stores it
     /// `hidden x out_width`, Hugging Face's parameter as it is), with no bias.
-    pub soft_norm: Vec<f32>,
-    pub projection: Linear,
+    Gemma3 { soft_norm: Vec<f32>, projection: Linear },
+    /// Qwen's merger: each `merge x merge` group of patches as one row of their features,
+    /// through `up` (`mm.0`), GELU, `down` (`mm.2`).
+    Merger { up: Linear, down: Linear },
+}
+
+impl Head {
+    /// The language model's width the head writes.
+    fn out_width(&self) -> usize {
+        match self {
+            Head::Gemma3 { projection, .. } => projection.w.rows,
+            Head::Merger { down, .. } => down.w.rows,
+        }
+    }
 }
 
 /// Reads and checks a projector file.
@@ -104,7 +169,7 @@ pub fn load(path: &Path) -> Result<(ClipConfig, ClipWeights), ModelError> {
     let g = Gguf::parse(Blob::map(path).map_err(io)?)?;
     let mut cfg = config(&g)?;
     let w = weights(&g, &cfg)?;
-    cfg.out_width = w.projection.w.rows;
+    cfg.out_width = w.head.out_width();
     Ok((cfg, w))
 }
 
@@ -144,10 +209,22 @@ fn config(g: &Gguf) -> Result<ClipConfig, ModelError> {
         .ok_or_else(|| ModelError::MissingKey("clip.projector_type".into()))?;
     let projector = match kind {
         "gemma3" => Projector::Gemma3,
-        other => return Err(ModelError::Unsupported(format!("vision projector '{other}' (supported: gemma3)"))),
+        "qwen2.5vl_merger" => Projector::Qwen25Vl,
+        other => {
+            return Err(ModelError::Unsupported(format!(
+                "vision projector '{other}' (supported: gemma3, qwen2.5vl_merger)"
+            )))
+        }
     };
-    if g.get("clip.use_gelu").and_then(Value::as_bool) != Some(true) {
-        return Err(ModelError::Unsupported("a vision encoder without clip.use_gelu (quick GELU)".into()));
+    let flag = |k: &str| g.get(k).and_then(Value::as_bool) == Some(true);
+    match projector {
+        Projector::Gemma3 if !flag("clip.use_gelu") => {
+            return Err(ModelError::Unsupported("a vision encoder without clip.use_gelu (quick GELU)".into()))
+        }
+        Projector::Qwen25Vl if !flag("clip.use_silu") => {
+            return Err(ModelError::Unsupported("a Qwen2.5-VL encoder without clip.use_silu".into()))
+        }
+        _ => {}
     }
     let hidden = usize_key(g, "clip.vision.embedding_length")?;
     let heads = usize_key(g, "clip.vision.attention.head_count")?;
@@ -155,9 +232,14 @@ fn config(g: &Gguf) -> Result<ClipConfig, ModelError> {
         Some(_) => usize_key(g, "clip.vision.attention.head_dim")?,
         None => hidden / heads,
     };
-    let merge = match g.get("clip.vision.projector.scale_factor") {
-        Some(_) => usize_key(g, "clip.vision.projector.scale_factor")?,
-        None => 4,
+    let opt = |k: &str, default: usize| if g.get(k).is_some() { usize_key(g, k) } else { Ok(default) };
+    let merge = match projector {
+        Projector::Gemma3 => opt("clip.vision.projector.scale_factor", 4)?,
+        Projector::Qwen25Vl => opt("clip.vision.spatial_merge_size", 2)?,
+    };
+    let window_pattern = match projector {
+        Projector::Gemma3 => 0,
+        Projector::Qwen25Vl => usize_key(g, "clip.vision.n_wa_pattern")?,
     };
     let eps = key(g, "clip.vision.attention.layer_norm_epsilon")?
         .as_f64()
@@ -175,12 +257,16 @@ fn config(g: &Gguf) -> Result<ClipConfig, ModelError> {
         mean: triple(g, "clip.vision.image_mean")?,
         std: triple(g, "clip.vision.image_std")?,
         merge,
+        window_pattern,
         out_width: 0,
     };
     let grid = cfg.image_size / cfg.patch;
+    // Qwen's 2-D rotation turns a quarter of each head with each coordinate, twice over.
+    let qwen_heads = projector != Projector::Qwen25Vl || head_dim.is_multiple_of(4);
     if head_dim * heads != hidden
-        || !cfg.image_size.is_multiple_of(cfg.patch)
-        || !grid.is_multiple_of(merge)
+        || !qwen_heads
+        || (projector == Projector::Gemma3 && (!cfg.image_size.is_multiple_of(cfg.patch) || !grid.is_multiple_of(merge)))
+        || (projector == Projector::Qwen25Vl && merge != 2)
         || eps.is_nan()
         || eps <= 0.0
         || cfg.std.contains(&0.0)
@@ -235,22 +321,49 @@ fn weights(g: &Gguf, cfg: &ClipConfig) -> Result<ClipWeights, ModelError> {
                 v: linear(&format!("{b}.attn_v"), e, e)?,
                 out: linear(&format!("{b}.attn_out"), e, e)?,
                 ln2: norm(&format!("{b}.ln2"))?,
+                gate: match cfg.projector {
+                    Projector::Gemma3 => None,
+                    Projector::Qwen25Vl => Some(linear(&format!("{b}.ffn_gate"), cfg.ffn, e)?),
+                },
                 up: linear(&format!("{b}.ffn_up"), cfg.ffn, e)?,
                 down: linear(&format!("{b}.ffn_down"), e, cfg.ffn)?,
             })
         })
         .collect::<Result<Vec<_>, ModelError>>()?;
-    let out_width = info("mm.input_projection.weight")?.dims[0];
-    let w = ClipWeights {
-        patch: linear("v.patch_embd", e, 3 * p * p)?,
-        positions: matrix("v.position_embd.weight", cfg.grid() * cfg.grid(), e)?.to_f32(),
-        layers,
-        post_ln: norm("v.post_ln")?,
-        soft_norm: vector("mm.soft_emb_norm.weight", e)?,
-        projection: Linear {
-            w: transposed(&matrix("mm.input_projection.weight", e, out_width)?)?,
-            b: vec![0.0; out_width],
-        },
+    let w = match cfg.projector {
+        Projector::Gemma3 => {
+            let out_width = info("mm.input_projection.weight")?.dims[0];
+            ClipWeights {
+                patch: linear("v.patch_embd", e, 3 * p * p)?,
+                positions: matrix("v.position_embd.weight", cfg.grid() * cfg.grid(), e)?.to_f32(),
+                layers,
+                post_ln: norm("v.post_ln")?,
+                head: Head::Gemma3 {
+                    soft_norm: vector("mm.soft_emb_norm.weight", e)?,
+                    projection: Linear {
+                        w: transposed(&matrix("mm.input_projection.weight", e, out_width)?)?,
+                        b: vec![0.0; out_width],
+                    },
+                },
+            }
+        }
+        Projector::Qwen25Vl => {
+            // The temporal pair of kernels (a video's two frames); a still image is both
+            // frames, so the two products are one with the kernels' sum.
+            let (k0, k1) = (matrix("v.patch_embd.weight", e, 3 * p * p)?, matrix("v.patch_embd.weight.1", e, 3 * p * p)?);
+            let sum: Vec<u8> = (k0.to_f32().iter().zip(k1.to_f32()))
+                .flat_map(|(a, b)| (a + b).to_le_bytes())
+                .collect();
+            let patch = Tensor::new("v.patch_embd.weight", DType::F32, e, 3 * p * p, Blob::from_vec(sum), 0)?;
+            let (m, out_width) = (cfg.merge * cfg.merge * e, info("mm.2.weight")?.dims[1]);
+            ClipWeights {
+                patch: Linear { w: patch, b: vec![0.0; e] },
+                positions: Vec::new(),
+                layers,
+                post_ln: norm("v.post_ln")?,
+                head: Head::Merger { up: linear("mm.0", m, m)?, down: linear("mm.2", out_width, m)? },
+            }
+        }
     };
     crate::model::arch::check_unused(g.tensors.iter().map(|t| t.name.as_str()), &used.borrow(), &|_| false)?;
     Ok(w)

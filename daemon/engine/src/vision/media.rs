@@ -49,7 +49,9 @@ pub struct PromptImage {
 pub struct Media {
     pub hash: u128,
     pub image: Arc<RgbImage>,
-    /// Its token ids, one per position it takes, in order.
+    /// Its image tokens' columns and rows.
+    pub grid: (usize, usize),
+    /// Its token ids, one per position it takes, in order (row-major over `grid`).
     pub ids: Vec<u32>,
 }
 
@@ -77,14 +79,16 @@ fn media_id(hash: u128, salt: u64, i: usize) -> u32 {
 }
 
 impl MediaTable {
-    /// Registers `image` as `n` positions and returns its ids; the same pixels registered again
+    /// Registers `image` as a grid of `(columns, rows)` image tokens, one position each, and
+    /// returns its ids; the same pixels registered again
     /// get the same ids (and count one more holder). Ids are a function of the pixels unless
     /// one is taken by another image, when the image takes a salted set (its prefix-cache
     /// entries then are its own).
-    pub fn register(&mut self, image: Arc<RgbImage>, n: usize) -> Arc<Media> {
+    pub fn register(&mut self, image: Arc<RgbImage>, grid: (usize, usize)) -> Arc<Media> {
+        let n = grid.0 * grid.1;
         let hash = pixel_hash(&image);
         if let Some((m, holders)) = self.by_hash.get_mut(&hash) {
-            if m.ids.len() == n {
+            if m.grid == grid {
                 *holders += 1;
                 return Arc::clone(m);
             }
@@ -98,7 +102,7 @@ impl MediaTable {
             }
             salt += 1;
         };
-        let m = Arc::new(Media { hash, image, ids });
+        let m = Arc::new(Media { hash, image, grid, ids });
         for (row, &id) in m.ids.iter().enumerate() {
             self.by_id.insert(id, (Arc::clone(&m), row));
         }
@@ -180,14 +184,14 @@ mod tests {
     #[test]
     fn the_same_pixels_get_the_same_ids_and_others_others() {
         let mut t = MediaTable::default();
-        let a = t.register(image(0), 16);
-        let b = t.register(image(0), 16);
-        let c = t.register(image(9), 16);
+        let a = t.register(image(0), (4, 4));
+        let b = t.register(image(0), (4, 4));
+        let c = t.register(image(9), (4, 4));
         assert_eq!(a.ids, b.ids);
         assert!(a.ids.iter().all(|&id| id >= MEDIA_BASE) && a.ids.iter().all(|id| !c.ids.contains(id)));
         assert_eq!(t.lookup(a.ids[5]).map(|(m, r)| (m.hash, r)), Some((a.hash, 5)));
         // A fresh table gives the same ids: they are a function of the pixels.
-        assert_eq!(MediaTable::default().register(image(0), 16).ids, a.ids);
+        assert_eq!(MediaTable::default().register(image(0), (4, 4)).ids, a.ids);
         t.release(&a);
         assert!(t.lookup(a.ids[0]).is_some(), "still held once");
         t.release(&b);
@@ -198,13 +202,13 @@ mod tests {
     #[test]
     fn a_taken_id_moves_an_image_to_a_salted_set() {
         let mut t = MediaTable::default();
-        let a = t.register(image(0), 4);
+        let a = t.register(image(0), (2, 2));
         // Another image whose first unsalted id is taken (planted by hand).
         let other = image(7);
         let h = pixel_hash(&other);
-        let squatter = Arc::new(Media { hash: 1, image: image(1), ids: vec![media_id(h, 0, 2)] });
+        let squatter = Arc::new(Media { hash: 1, image: image(1), grid: (1, 1), ids: vec![media_id(h, 0, 2)] });
         t.by_id.insert(media_id(h, 0, 2), (Arc::clone(&squatter), 0));
-        let b = t.register(other, 4);
+        let b = t.register(other, (2, 2));
         assert_eq!(b.ids, (0..4).map(|i| media_id(h, 1, i)).collect::<Vec<_>>());
         assert!(b.ids.iter().all(|id| !a.ids.contains(id)));
     }
@@ -212,7 +216,7 @@ mod tests {
     #[test]
     fn embeddings_of_released_images_are_kept_a_while() {
         let mut t = MediaTable::default();
-        let held = t.register(image(200), 1);
+        let held = t.register(image(200), (1, 1));
         t.keep(held.hash, Arc::from(vec![1.0]));
         for s in 0..KEPT_EMBEDDINGS as u8 + 3 {
             t.keep(u128::from(s), Arc::from(vec![f32::from(s)]));

@@ -6,15 +6,17 @@
 //! - [`media`]: images as tokens of a sequence (media ids from their pixels).
 //! - [`preprocess`]: pixels resized and normalized as the encoder takes them.
 //! - [`clip`]: the projector file's hyperparameters and weights.
-//! - [`siglip`]: the encoder's forward pass (Gemma 3's SigLIP and projector).
+//! - [`siglip`]: Gemma 3's encoder (SigLIP and its projector).
+//! - [`qwenvl`]: Qwen2.5-VL's encoder (a ViT over any size, windows, the patch merger).
 
 pub mod clip;
 pub mod decode;
 pub mod media;
 pub mod preprocess;
+pub mod qwenvl;
 pub mod siglip;
 
-pub use clip::{ClipConfig, Projector};
+pub use clip::{ClipConfig, Head, Projector};
 pub use decode::{decode, ImageError, ImageLimits};
 pub use preprocess::{Filter, RgbImage};
 
@@ -48,15 +50,22 @@ impl VisionEncoder {
         Ok(())
     }
 
-    /// Tokens an image takes in the prompt (between the markers).
-    pub fn image_tokens(&self) -> usize {
-        self.config.image_tokens()
+    /// The image tokens `img` becomes (between the markers): columns and rows of them.
+    pub fn token_grid(&self, img: &RgbImage) -> (usize, usize) {
+        self.config.token_grid(img.width, img.height)
+    }
+
+    /// Tokens `img` takes in the prompt (between the markers).
+    pub fn image_tokens(&self, img: &RgbImage) -> usize {
+        let (w, h) = self.token_grid(img);
+        w * h
     }
 
     /// The text before and after an image's tokens in the prompt.
     pub fn markers(&self) -> (&'static str, &'static str) {
         match self.config.projector {
             Projector::Gemma3 => ("<start_of_image>", "<end_of_image>"),
+            Projector::Qwen25Vl => ("<|vision_start|>", "<|vision_end|>"),
         }
     }
 
@@ -64,21 +73,30 @@ impl VisionEncoder {
     pub fn bidirectional(&self) -> bool {
         match self.config.projector {
             Projector::Gemma3 => true,
+            Projector::Qwen25Vl => false,
         }
     }
 
-    /// The pixels as the encoder takes them: letterboxed to its input's size, normalized.
-    pub fn preprocess(&self, img: &RgbImage) -> Vec<f32> {
+    /// The pixels as the encoder takes them, and their size: resized to its input
+    /// ([`ClipConfig::input_size`], letterboxed where the aspect differs), normalized.
+    pub fn preprocess(&self, img: &RgbImage) -> (Vec<f32>, (usize, usize)) {
         let c = &self.config;
-        img.letterboxed(c.image_size, Filter::Bilinear).planes(c.mean, c.std)
+        let (w, h) = c.input_size(img.width, img.height);
+        let filter = match c.projector {
+            Projector::Gemma3 => Filter::Bilinear,
+            Projector::Qwen25Vl => Filter::Bicubic,
+        };
+        (img.fitted(w, h, filter).planes(c.mean, c.std), (w, h))
     }
 
     /// An image's embeddings: [`VisionEncoder::image_tokens`] rows of the language model's
-    /// embedding width.
+    /// embedding width, row-major over [`VisionEncoder::token_grid`].
     pub fn encode(&self, pool: &ThreadPool, k: &Kernels, img: &RgbImage) -> Vec<f32> {
-        let planes = self.preprocess(img);
-        match self.config.projector {
-            Projector::Gemma3 => siglip::encode(pool, k, &self.config, &self.weights, &planes),
+        let (planes, size) = self.preprocess(img);
+        let (c, w) = (&self.config, &self.weights);
+        match &w.head {
+            Head::Gemma3 { soft_norm, projection } => siglip::encode(pool, k, c, w, (soft_norm, projection), &planes),
+            Head::Merger { up, down } => qwenvl::encode(pool, k, c, w, (up, down), &planes, size),
         }
     }
 }

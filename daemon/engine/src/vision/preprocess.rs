@@ -1,5 +1,6 @@
 //! An image as a vision encoder takes it: decoded RGB pixels resized to the encoder's input
-//! (aspect kept, letterboxed in black), then normalized per channel into planes of floats.
+//! (a fixed square, or a size of the image's own aspect; aspect kept, letterboxed in black),
+//! then normalized per channel into planes of floats.
 //!
 //! The resampling is Pillow's (a separable filter per axis, widened by the scale when
 //! shrinking, fixed-point weights of 22 bits, 8-bit pixels between the passes), as the
@@ -121,19 +122,25 @@ impl RgbImage {
     /// This image in a `side x side` square: scaled to fit (the longer side to `side`, the
     /// other rounded up), centred on black. An image of that size already is returned as it is.
     pub fn letterboxed(&self, side: usize, filter: Filter) -> RgbImage {
-        if self.width == side && self.height == side {
+        self.fitted(side, side, filter)
+    }
+
+    /// This image in a `width x height` frame: scaled to fit (aspect kept, the scaled sides
+    /// rounded up), centred on black. An image of that size already is returned as it is.
+    pub fn fitted(&self, width: usize, height: usize, filter: Filter) -> RgbImage {
+        if self.width == width && self.height == height {
             return self.clone();
         }
-        let scale = (side as f32 / self.width as f32).min(side as f32 / self.height as f32);
-        let fit = |n: usize| ((n as f32 * scale).ceil() as usize).clamp(1, side);
-        let (w, h) = (fit(self.width), fit(self.height));
+        let scale = (width as f32 / self.width as f32).min(height as f32 / self.height as f32);
+        let fit = |n: usize, side: usize| ((n as f32 * scale).ceil() as usize).clamp(1, side);
+        let (w, h) = (fit(self.width, width), fit(self.height, height));
         let inner = self.resized(w, h, filter);
-        let (x0, y0) = ((side - w) / 2, (side - h) / 2);
-        let mut out = vec![0; side * side * 3];
+        let (x0, y0) = ((width - w) / 2, (height - h) / 2);
+        let mut out = vec![0; width * height * 3];
         for y in 0..h {
-            out[((y0 + y) * side + x0) * 3..][..w * 3].copy_from_slice(&inner.pixels[y * w * 3..][..w * 3]);
+            out[((y0 + y) * width + x0) * 3..][..w * 3].copy_from_slice(&inner.pixels[y * w * 3..][..w * 3]);
         }
-        RgbImage { width: side, height: side, pixels: out }
+        RgbImage { width, height, pixels: out }
     }
 
     /// The pixels as three planes (R, G, B) of `(v / 255 - mean[c]) / std[c]`.

@@ -18,24 +18,20 @@ use inferd_kernels::quant::{BlockQ8, DType, QK};
 use inferd_kernels::Kernels;
 
 /// The image tokens of `planes` (the normalized input, three `image_size²` planes):
-/// `cfg.image_tokens()` rows of `cfg.out_width` floats.
-pub fn encode(pool: &ThreadPool, k: &Kernels, cfg: &ClipConfig, w: &ClipWeights, planes: &[f32]) -> Vec<f32> {
-    let (g, p, e) = (cfg.grid(), cfg.patch, cfg.hidden);
+/// `(grid / merge)²` rows of `cfg.out_width` floats.
+/// `soft_norm` and `projection` are Gemma 3's projector ([`super::clip::Head::Gemma3`]).
+pub fn encode(
+    pool: &ThreadPool,
+    k: &Kernels,
+    cfg: &ClipConfig,
+    w: &ClipWeights,
+    (soft_norm, projection): (&[f32], &Linear),
+    planes: &[f32],
+) -> Vec<f32> {
+    let (g, e) = (cfg.grid(), cfg.hidden);
     let n = g * g;
-    // The patches as rows of (channel, row, column), the convolution's weight order.
     let side = cfg.image_size;
-    let mut patches = vec![0.0; n * 3 * p * p];
-    pool.for_rows(&mut patches, 3 * p * p, &|first, rows| {
-        for (i, row) in rows.chunks_exact_mut(3 * p * p).enumerate() {
-            let (py, px) = ((first + i) / g, (first + i) % g);
-            for c in 0..3 {
-                for ky in 0..p {
-                    let src = &planes[c * side * side + (py * p + ky) * side + px * p..][..p];
-                    row[(c * p + ky) * p..][..p].copy_from_slice(src);
-                }
-            }
-        }
-    });
+    let patches = patch_rows(pool, planes, (side, side), cfg.patch, n, &|i| (i / g, i % g));
     let mut x = linear(pool, k, &w.patch, &patches, n);
     x.iter_mut().zip(w.positions.iter()).for_each(|(x, p)| *x += p);
     let mut h = vec![0.0; n * e];
@@ -67,20 +63,47 @@ pub fn encode(pool: &ThreadPool, k: &Kernels, cfg: &ClipConfig, w: &ClipWeights,
             }
         }
         out.iter_mut().for_each(|o| *o *= inv);
-        rms_norm_in_place(out, &w.soft_norm, cfg.eps);
+        rms_norm_in_place(out, soft_norm, cfg.eps);
     }
-    linear(pool, k, &w.projection, &pooled, pg * pg)
+    linear(pool, k, projection, &pooled, pg * pg)
+}
+
+/// `n` patches of `planes` (three planes of `width x height`) as rows of (channel, row, column),
+/// the patch convolution's weight order: row `i` is the patch at (row, column) `at(i)` of the
+/// grid of `patch`-pixel squares.
+pub(super) fn patch_rows(
+    pool: &ThreadPool,
+    planes: &[f32],
+    (width, height): (usize, usize),
+    patch: usize,
+    n: usize,
+    at: &(dyn Fn(usize) -> (usize, usize) + Sync),
+) -> Vec<f32> {
+    let p = patch;
+    let mut patches = vec![0.0; n * 3 * p * p];
+    pool.for_rows(&mut patches, 3 * p * p, &|first, rows| {
+        for (i, row) in rows.chunks_exact_mut(3 * p * p).enumerate() {
+            let (py, px) = at(first + i);
+            for c in 0..3 {
+                for ky in 0..p {
+                    let src = &planes[c * width * height + (py * p + ky) * width + px * p..][..p];
+                    row[(c * p + ky) * p..][..p].copy_from_slice(src);
+                }
+            }
+        }
+    });
+    patches
 }
 
 /// `x / sqrt(mean(x²) + eps) * w`, the mean of squares summed in f64.
-fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
+pub(super) fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
     let ms = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / x.len() as f64;
     let inv = 1.0 / ((ms as f32) + eps).sqrt();
     x.iter_mut().zip(w).for_each(|(v, w)| *v = *v * inv * w);
 }
 
 /// Each row of `x` layer-normed into `out`: `(x - mean) / sqrt(var + eps) * w + b`.
-fn layer_norm(pool: &ThreadPool, x: &[f32], ln: &LayerNorm, eps: f32, out: &mut [f32]) {
+pub(super) fn layer_norm(pool: &ThreadPool, x: &[f32], ln: &LayerNorm, eps: f32, out: &mut [f32]) {
     let e = ln.w.len();
     pool.for_rows(out, e, &|r, rows| {
         for (i, o) in rows.chunks_exact_mut(e).enumerate() {
@@ -96,7 +119,7 @@ fn layer_norm(pool: &ThreadPool, x: &[f32], ln: &LayerNorm, eps: f32, out: &mut 
 }
 
 /// `x · Wᵀ + b` for `tokens` rows of `x`.
-fn linear(pool: &ThreadPool, k: &Kernels, l: &Linear, x: &[f32], tokens: usize) -> Vec<f32> {
+pub(super) fn linear(pool: &ThreadPool, k: &Kernels, l: &Linear, x: &[f32], tokens: usize) -> Vec<f32> {
     let [y] = products(pool, k, [l], x, tokens);
     y
 }
@@ -104,7 +127,7 @@ fn linear(pool: &ThreadPool, k: &Kernels, l: &Linear, x: &[f32], tokens: usize) 
 /// Several products of one input, each with its bias: in bf16 tiles ([`gemm`]) where the
 /// processor multiplies bf16 (the input rounded once for all of them), else in one dispatch
 /// of the decode driver, the input quantized to 8-bit blocks where a matrix is quantized.
-fn products<const M: usize>(
+pub(super) fn products<const M: usize>(
     pool: &ThreadPool,
     k: &Kernels,
     ls: [&Linear; M],
@@ -138,7 +161,7 @@ fn products<const M: usize>(
 /// Every patch attending to every patch, head by head: the scores `K_h · q` as one product
 /// (the head's keys, rounded to f16, as the matrix), a softmax per row, then the values the
 /// same way (the head's values transposed, in f16, as the matrix).
-fn attention(pool: &ThreadPool, k: &Kernels, cfg: &ClipConfig, q: &[f32], kk: &[f32], v: &[f32], n: usize) -> Vec<f32> {
+pub(super) fn attention(pool: &ThreadPool, k: &Kernels, cfg: &ClipConfig, q: &[f32], kk: &[f32], v: &[f32], n: usize) -> Vec<f32> {
     let (e, hd) = (cfg.hidden, cfg.head_dim);
     let scale = 1.0 / (hd as f32).sqrt();
     let mut out = vec![0.0; n * e];
