@@ -77,6 +77,22 @@ impl Rope {
         }
     }
 
+    /// [`Rope::angles`] for M-RoPE coordinates (time, row, column, fourth): pair `j` turns by
+    /// the coordinate whose section holds `j` (modulo the sections' sum), `sections` counting
+    /// pairs in that order. Coordinates all equal to `pos` give `angles(pos)`.
+    pub fn angles_sections(&self, coords: [u32; 4], sections: [usize; 4], out: &mut [(f32, f32)]) {
+        let total = sections.iter().sum::<usize>().max(1);
+        for (j, (o, f)) in out.iter_mut().zip(&self.inv_freq).enumerate() {
+            let (mut sector, mut c) = (j % total, 0);
+            while c < 3 && sector >= sections[c] {
+                sector -= sections[c];
+                c += 1;
+            }
+            let (sin, cos) = (coords[c] as f32 * f).sin_cos();
+            *o = (sin * self.scale, cos * self.scale);
+        }
+    }
+
     /// Rotates every head in `x` (`heads * head_dim` floats) to position `pos`.
     pub fn apply(&self, x: &mut [f32], head_dim: usize, pos: usize) {
         let mut angles = vec![(0.0, 0.0); self.inv_freq.len()];
@@ -189,6 +205,27 @@ mod tests {
         assert_eq!(c, x);
         let n = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>();
         assert!((n(&a) - n(&x)).abs() < 1e-3);
+    }
+
+    #[test]
+    fn mrope_sections_pick_each_pairs_coordinate() {
+        // 6 pairs in sections 1, 2, 2, 1: pair 0 by time, 1-2 by row, 3-4 by column, 5 by the
+        // fourth coordinate; equal coordinates are the plain rotation.
+        let rope = Rope::new(RopeStyle::Neox, 12, 10000.0);
+        let (mut a, mut b) = (vec![(0.0, 0.0); 6], vec![(0.0, 0.0); 6]);
+        rope.angles_sections([9; 4], [1, 2, 2, 1], &mut a);
+        rope.angles(9, &mut b);
+        assert_eq!(a, b);
+        rope.angles_sections([2, 3, 5, 7], [1, 2, 2, 1], &mut a);
+        for (j, c) in [2, 3, 3, 5, 5, 7].into_iter().enumerate() {
+            let (s, co) = (c as f32 * rope.inv_freq[j]).sin_cos();
+            assert_eq!(a[j], (s, co), "pair {j}");
+        }
+        // Sections summing to fewer pairs repeat: 1, 1, 1, 0 over 6 pairs is t h w t h w.
+        rope.angles_sections([2, 3, 5, 7], [1, 1, 1, 0], &mut a);
+        for (j, c) in [2, 3, 5, 2, 3, 5].into_iter().enumerate() {
+            assert_eq!(a[j], (c as f32 * rope.inv_freq[j]).sin_cos(), "pair {j}");
+        }
     }
 
     #[test]

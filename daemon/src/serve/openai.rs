@@ -205,9 +205,11 @@ impl Format {
 pub fn logprobs_json(model: &Model, chat: bool, lps: &[Scored], offset: usize) -> Value {
     let text = |t: u32| model.tokenizer.decode(&[t], false).unwrap_or_default();
     let lp = |x: f32| if x.is_finite() { json!(x) } else { json!(-9999.0) };
+    // `bytes` are the token's own (a token ending inside a character shows as U+FFFD in
+    // `token`; its bytes let a client join it to the next, as OpenAI's do).
     let entry = |t: u32, x: f32| {
-        let s = text(t);
-        json!({ "token": s, "logprob": lp(x), "bytes": s.as_bytes() })
+        let bytes = model.tokenizer.token_bytes(t).map(<[u8]>::to_vec).unwrap_or_default();
+        json!({ "token": text(t), "logprob": lp(x), "bytes": bytes })
     };
     if chat {
         let content: Vec<Value> = lps

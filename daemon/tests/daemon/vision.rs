@@ -75,7 +75,9 @@ fn image_embeddings_match_llama_cpps() {
     // Gemma 3's fixed square (an image of its size, one letterboxed) and Qwen2.5-VL's dynamic
     // sizes (one whose sides are whole merged patches, in windows whose last ones are cut; one
     // resized to the nearest such size).
-    for (family, (model, mmproj), names) in [(0, gemma, ["square.png", "wide.png"]), (1, qwen, ["landscape.png", "odd.png"])] {
+    for (family, (model, mmproj), names) in
+        [(0, gemma, ["square.png", "wide.png"]), (1, qwen, ["landscape.png", "odd.png"])]
+    {
         let enc = VisionEncoder::load(&mmproj).unwrap();
         for name in names {
             let (n, width, want) = mtmd_embeddings(&bin, &model, &mmproj, &dir.join(name), &dir);
@@ -86,8 +88,11 @@ fn image_embeddings_match_llama_cpps() {
             for k in inferd_kernels::Kernels::all() {
                 let got = enc.encode(&pool, &k, &img);
                 let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max) / rms;
-                let (tol, how) =
-                    if k.bf16.is_some() { (EMBEDDING_TOL_BF16[family], "bf16") } else { (EMBEDDING_TOL[family], "f16") };
+                let (tol, how) = if k.bf16.is_some() {
+                    (EMBEDDING_TOL_BF16[family], "bf16")
+                } else {
+                    (EMBEDDING_TOL[family], "f16")
+                };
                 eprintln!("{name} ({:?}, {how}): {n} image tokens of {width}, at most {worst:.5} of their rms ({rms:.3}) from llama.cpp's", k.isa);
                 assert!(worst < tol, "{name} ({:?}): {worst}", k.isa);
             }
@@ -99,15 +104,25 @@ fn image_embeddings_match_llama_cpps() {
 /// A chat body asking `model` about `image` (a PNG, as a data: URL), greedy, with the
 /// log-probability of each token.
 fn ask(model: &str, image: &Path, question: &str) -> String {
+    ask_images(model, &[image], question, 8)
+}
+
+/// A chat body asking `model` about `images` (PNGs, as data: URLs, before the question), greedy,
+/// `max_tokens` tokens with the log-probability of each and of the two likeliest.
+fn ask_images(model: &str, images: &[&Path], question: &str, max_tokens: usize) -> String {
     use base64::Engine as _;
-    let b64 = base64::engine::general_purpose::STANDARD.encode(std::fs::read(image).unwrap());
+    let mut parts: Vec<Value> = images
+        .iter()
+        .map(|i| {
+            let b64 = base64::engine::general_purpose::STANDARD.encode(std::fs::read(i).unwrap());
+            serde_json::json!({ "type": "image_url", "image_url": { "url": format!("data:image/png;base64,{b64}") } })
+        })
+        .collect();
+    parts.push(serde_json::json!({ "type": "text", "text": question }));
     serde_json::json!({
         "model": model,
-        "messages": [{ "role": "user", "content": [
-            { "type": "image_url", "image_url": { "url": format!("data:image/png;base64,{b64}") } },
-            { "type": "text", "text": question },
-        ]}],
-        "max_tokens": 8, "temperature": 0, "logprobs": true, "top_logprobs": 2,
+        "messages": [{ "role": "user", "content": parts }],
+        "max_tokens": max_tokens, "temperature": 0, "logprobs": true, "top_logprobs": 2,
     })
     .to_string()
 }
@@ -124,27 +139,59 @@ fn tokens(answer: &str) -> Vec<(String, f64)> {
 /// own difference (at most 0.0078 of their rms) being far below it.
 const LOGPROB_TOL: f64 = 0.1;
 
-/// How many of the greedy tokens the two answers share: all of them, or those before a step
-/// where llama-server's two likeliest tokens lie within [`LOGPROB_TOL`] of each other and ours
-/// is its second (a tie that neither side's rounding decides; it ends the comparison, since
-/// the texts differ from there). Any other difference fails.
-fn shared_tokens(name: &str, ours: &str, theirs: &str) -> usize {
-    let (a, b) = (tokens(ours), tokens(theirs));
-    assert_eq!(a.len(), b.len(), "{name}: {ours} vs {theirs}");
-    let Some(i) = a.iter().zip(&b).position(|(x, y)| x.0 != y.0) else { return a.len() };
-    let top = json(theirs)["choices"][0]["logprobs"]["content"][i]["top_logprobs"].clone();
-    let second = top.as_array().and_then(|t| t.get(1)).cloned().unwrap_or_default();
-    let gap = b[i].1 - second["logprob"].as_f64().unwrap_or(f64::NEG_INFINITY);
-    assert!(
-        second["token"].as_str() == Some(a[i].0.as_str()) && gap <= LOGPROB_TOL,
-        "{name}: token {i} differs and is no tie: {ours} vs {theirs}"
-    );
-    i
+/// An answer's log-probability entries: each one's bytes, log-probability, and its second
+/// likeliest alternative's bytes and log-probability.
+fn entries(answer: &str) -> Vec<(Vec<u8>, f64, Vec<u8>, f64)> {
+    let v = json(answer);
+    let bytes = |t: &Value| -> Vec<u8> {
+        t["bytes"]
+            .as_array()
+            .map(|b| b.iter().filter_map(|x| x.as_u64().map(|x| x as u8)).collect())
+            .unwrap_or_default()
+    };
+    let content = v["choices"][0]["logprobs"]["content"].as_array().cloned().unwrap_or_default();
+    content
+        .iter()
+        .map(|t| {
+            let second = t["top_logprobs"].get(1).cloned().unwrap_or_default();
+            let lp = second["logprob"].as_f64().unwrap_or(f64::NEG_INFINITY);
+            (bytes(t), t["logprob"].as_f64().unwrap(), bytes(&second), lp)
+        })
+        .collect()
+}
+
+/// How many of the greedy tokens the two answers share, and the most their log-probabilities
+/// differ over those: all of them, or those before a step where llama-server's two likeliest
+/// tokens lie within [`LOGPROB_TOL`] of each other and ours is its second (a tie that neither
+/// side's rounding decides; it ends the comparison, since the texts differ from there). Any
+/// other difference fails. llama-server writes the tokens that end inside a character as one
+/// entry with the last one's log-probability: ours are grouped alike.
+fn compare(name: &str, ours: &str, theirs: &str) -> (usize, f64) {
+    let (a, b) = (entries(ours), entries(theirs));
+    let (mut i, mut worst) = (0, 0f64);
+    for (j, e) in b.iter().enumerate() {
+        // Our tokens making up their entry j's bytes.
+        let mut end = i;
+        let mut got = Vec::new();
+        while end < a.len() && got.len() < e.0.len() {
+            got.extend_from_slice(&a[end].0);
+            end += 1;
+        }
+        if got != e.0 {
+            let tie = end == i + 1 && e.2 == a[i].0 && e.1 - e.3 <= LOGPROB_TOL;
+            assert!(tie, "{name}: token {i} (entry {j}) differs and is no tie: {ours} vs {theirs}");
+            return (i, worst);
+        }
+        worst = worst.max((a[end - 1].1 - e.1).abs());
+        i = end;
+    }
+    assert_eq!(i, a.len(), "{name}: {ours} vs {theirs}");
+    (i, worst)
 }
 
 /// OpenAI chat requests with an image (a `data:` URL content part), to inferd with the
 /// projector paired (`[[model]] mmproj`) and to llama-server with `--mmproj`: the same greedy
-/// tokens (up to a tie, [`shared_tokens`]), log-probabilities within [`LOGPROB_TOL`]; another image answers differently; the
+/// tokens (up to a tie, [`compare`]), log-probabilities within [`LOGPROB_TOL`]; another image answers differently; the
 /// same image sent again comes from the prefix cache (its tokens are keyed by its pixels) and
 /// answers the same.
 #[test]
@@ -173,14 +220,10 @@ fn chat_with_an_image_answers_as_llama_server() {
         assert_eq!(st, 200, "{ours}");
         let (st, theirs) = super::remote::tcp_http(port, "POST", "/v1/chat/completions", &body);
         assert_eq!(st, 200, "{theirs}");
-        let (ours_t, theirs_t) = (tokens(&ours), tokens(&theirs));
-        let shared = shared_tokens(name, &ours, &theirs);
+        let (shared, apart) = compare(name, &ours, &theirs);
         assert!(shared >= 6, "{name}: only {shared} tokens alike: {ours} vs {theirs}");
-        fewest = fewest.min(shared);
-        for ((_, a), (_, b)) in ours_t.iter().zip(&theirs_t).take(shared) {
-            worst = worst.max((a - b).abs());
-        }
-        answers.push((ours_t, json(&ours)["usage"].clone()));
+        (fewest, worst) = (fewest.min(shared), worst.max(apart));
+        answers.push((tokens(&ours), json(&ours)["usage"].clone()));
     }
     eprintln!("vision chat: at least {fewest} of 8 tokens equal to llama-server's (then a tie), log-probabilities at most {worst:.4} apart");
     assert!(worst <= LOGPROB_TOL, "{worst}");
@@ -224,6 +267,71 @@ fn chat_with_an_image_answers_as_llama_server() {
     let (st, chunked) = d.http("POST", "/v1/chat/completions", &ask("vis", &dir.join("square.png"), "What is this?"));
     assert_eq!(st, 200, "{chunked}");
     assert_eq!(tokens(&chunked), answers[0].0, "{chunked}");
+    drop(d);
+    let _ = std::fs::remove_dir_all(small);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Qwen2.5-VL (the tiny pair: dynamic resolution, windows, the patch merger, M-RoPE in the
+/// language model), to inferd and to llama-server with `--mmproj`: the same greedy tokens (up
+/// to a tie), log-probabilities within [`LOGPROB_TOL`], for an image of whole merged patches
+/// (17 x 10 tokens), one resized (5 x 8), and both in one message, where the second image's
+/// positions and the question's come after the first's (an image takes `max(w, h)` rotary
+/// positions, not `w * h`: the layout is wrong if the answer matches only one image at a
+/// time). The same image again comes from the prefix cache; prefilled 24 tokens a step (the
+/// image's causal tokens cut between steps) the answer is the same bit for bit.
+#[test]
+fn qwen_vl_chat_answers_as_llama_server() {
+    let Some(bin) = super::remote::llama_server() else {
+        eprintln!("skipped: no llama-server (tests/build-llama-server builds one)");
+        return;
+    };
+    let dir = scratch("vision-qwen");
+    let (model, mmproj) = tiny_qwen_vision(&dir);
+    let cfg = vis_entry(&model, &mmproj);
+    let d = Daemon::start(&dir, &cfg, &[]);
+    let port = super::remote::free_port();
+    let _server = super::remote::spawn_llama_server(
+        &bin,
+        model.to_str().unwrap(),
+        port,
+        &dir,
+        &["-np", "1", "--mmproj", mmproj.to_str().unwrap(), "--no-warmup"],
+    );
+    let (landscape, odd) = (dir.join("landscape.png"), dir.join("odd.png"));
+    let asks: [(&str, Vec<&Path>); 4] = [
+        ("landscape", vec![&landscape]),
+        ("odd", vec![&odd]),
+        ("both", vec![&landscape, &odd]),
+        ("landscape again", vec![&landscape]),
+    ];
+    let (mut worst, mut fewest, mut answers) = (0f64, usize::MAX, Vec::new());
+    for (name, images) in &asks {
+        let body = ask_images("vis", images, "What is this?", 8);
+        let (st, ours) = d.http("POST", "/v1/chat/completions", &body);
+        assert_eq!(st, 200, "{ours}");
+        let (st, theirs) = super::remote::tcp_http(port, "POST", "/v1/chat/completions", &body);
+        assert_eq!(st, 200, "{theirs}");
+        let (shared, apart) = compare(name, &ours, &theirs);
+        assert!(shared >= 6, "{name}: only {shared} tokens alike: {ours} vs {theirs}");
+        (fewest, worst) = (fewest.min(shared), worst.max(apart));
+        let usage = &json(&ours)["usage"];
+        answers.push((tokens(&ours), usage["prompt_tokens"].as_u64().unwrap_or(0), usage.clone()));
+    }
+    eprintln!("qwen2.5-vl chat: at least {fewest} of 8 tokens equal to llama-server's (then a tie), log-probabilities at most {worst:.4} apart");
+    assert!(worst <= LOGPROB_TOL, "{worst}");
+    // Each image takes its own number of tokens: the prompts differ by 170 - 40.
+    assert_eq!(answers[0].1 - answers[1].1, 130, "{:?} {:?}", answers[0].2, answers[1].2);
+    assert!((answers[0].0[0].1 - answers[1].0[0].1).abs() > 1e-3, "the image matters");
+    let cached = answers[3].2["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+    assert!(cached >= 170, "{:?}", answers[3].2);
+    drop(d);
+    let small = scratch("vision-qwen-chunks");
+    let d = Daemon::start(&small, &format!("[scheduler]\ntoken_budget = 24\n{cfg}"), &[]);
+    let (st, chunked) =
+        d.http("POST", "/v1/chat/completions", &ask_images("vis", &[&landscape, &odd], "What is this?", 8));
+    assert_eq!(st, 200, "{chunked}");
+    assert_eq!(tokens(&chunked), answers[2].0, "{chunked}");
     drop(d);
     let _ = std::fs::remove_dir_all(small);
     let _ = std::fs::remove_dir_all(dir);

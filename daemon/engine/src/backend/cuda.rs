@@ -834,7 +834,7 @@ impl<S: Stream + Send> Backend for CudaBackend<S> {
         if batch.iter().any(|b| b.hidden && b.logits > 0) {
             return Err(BackendError::Unsupported("the cuda backend does not compute embeddings yet".into()));
         }
-        if batch.iter().any(|b| !b.embeds.is_empty()) {
+        if batch.iter().any(|b| !b.embeds.is_empty() || !b.mrope.is_empty()) {
             return Err(BackendError::Unsupported("the cuda backend does not take images yet".into()));
         }
         let ix = index(batch, &self.groups, self.block_size)?;

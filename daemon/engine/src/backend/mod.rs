@@ -161,6 +161,10 @@ pub struct SeqBatch<'a> {
     /// Input embeddings that take the place of the token lookup at some of these positions
     /// (an image's); the tokens there are media ids, outside the vocabulary.
     pub embeds: &'a [Embedded<'a>],
+    /// Each token's M-RoPE coordinates (time, row, column, fourth) where the model rotates
+    /// by them ([`crate::model::Architecture::mrope`]) and they are not all its position (a
+    /// sequence with images); empty: every coordinate of a token is its position.
+    pub mrope: &'a [[u32; 4]],
 }
 
 /// Rows of input embeddings (the model's `hidden` floats each, used as they are, not scaled
@@ -333,6 +337,13 @@ pub fn validate_batch(
         if end > cfg.context_len {
             return Err(BackendError::ContextOverflow { pos: end - 1, ctx: cfg.context_len });
         }
+        if !s.mrope.is_empty() && s.mrope.len() != s.tokens.len() {
+            return Err(BackendError::Invalid(format!(
+                "M-RoPE coordinates for {} of {} tokens",
+                s.mrope.len(),
+                s.tokens.len()
+            )));
+        }
         if s.block_tables.len() != groups.len() {
             return Err(BackendError::Invalid(format!(
                 "{} block tables for {} KV groups",
@@ -393,6 +404,7 @@ mod tests {
                 logits: 1,
                 hidden: false,
                 embeds,
+                mrope: &[],
             };
             validate_batch(&cfg, &groups, 2, 16, &[sb])
         };

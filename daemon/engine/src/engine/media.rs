@@ -6,7 +6,8 @@
 
 use super::{Engine, EngineError};
 use crate::backend::{BackendError, Embedded};
-use crate::vision::media::PromptImage;
+use crate::kv::SeqId;
+use crate::vision::media::{PromptImage, MEDIA_BASE};
 use crate::vision::VisionEncoder;
 use std::sync::Arc;
 
@@ -88,6 +89,42 @@ impl Engine {
             }
             _ => end,
         }
+    }
+
+    /// The M-RoPE coordinates of `seq`'s positions `a..b` (its tokens through `b` are in the
+    /// cache's bookkeeping already), where the model rotates by them and an image comes before
+    /// `b`; else none (every coordinate of a token is its position). An image of `w x h`
+    /// tokens whose first is at rotary position `p` puts its token (row `r`, column `c`) at
+    /// (`p`, `p + r`, `p + c`, 0) and moves the positions after it to `p + max(w, h)` on
+    /// (llama.cpp's libmtmd's layout, Qwen2-VL's): a text token's four coordinates are its
+    /// index less what the images before it saved.
+    pub(super) fn mrope(&self, seq: SeqId, a: usize, b: usize) -> Result<Vec<[u32; 4]>, EngineError> {
+        let tokens = &self.kv.tokens(seq)[..b];
+        if !self.mrope || !tokens.iter().any(|&t| t >= MEDIA_BASE) {
+            return Ok(Vec::new());
+        }
+        let (mut out, mut saved) = (Vec::with_capacity(b - a), 0usize);
+        let coord = |x: usize| u32::try_from(x).map_err(|_| EngineError::Image(format!("position {x}")));
+        for (i, &t) in tokens.iter().enumerate() {
+            let image = if t >= MEDIA_BASE { self.media.lookup(t) } else { None };
+            let at = match image {
+                Some((m, row)) => {
+                    let (w, h) = m.grid;
+                    let p = i.checked_sub(row + saved).ok_or_else(|| {
+                        EngineError::Image(format!("an image's token {row} at position {i} without its first"))
+                    })?;
+                    if row + 1 == m.ids.len() {
+                        saved += m.ids.len() - w.max(h);
+                    }
+                    [coord(p)?, coord(p + row / w)?, coord(p + row % w)?, 0]
+                }
+                None => [coord(i - saved)?; 4],
+            };
+            if i >= a {
+                out.push(at);
+            }
+        }
+        Ok(out)
     }
 
     /// The embeddings the media positions among `tokens` (at positions from `start`) need,

@@ -78,6 +78,9 @@ pub struct Engine {
     vision: Option<Arc<crate::vision::VisionEncoder>>,
     /// The images of live requests, as media ids, and recent images' embeddings.
     pub media: crate::vision::media::MediaTable,
+    /// The model rotates by M-RoPE coordinates: an image's tokens take 2-D positions
+    /// ([`Engine::mrope`]).
+    mrope: bool,
 }
 
 impl std::fmt::Debug for Engine {
@@ -107,6 +110,7 @@ impl Engine {
         engine.kv = engine.kv.with_turn_ends(model.tokenizer.eos());
         engine.rank = model.rank.clone();
         engine.vision = model.vision.clone();
+        engine.mrope = model.arch.mrope.is_some();
         Ok((engine, why))
     }
 
@@ -128,6 +132,7 @@ impl Engine {
             prefill_chunk: prefill_chunk.max(1),
             rank: None,
             vision: None,
+            mrope: false,
             media: Default::default(),
         }
     }
@@ -284,12 +289,15 @@ impl Engine {
                 (items.iter().zip(start)).map(|(it, &s)| self.needs(it.tokens, s)).collect::<Result<Vec<_>, _>>()?;
             let (hidden, both) = self.embedding_form();
             let embeds: Vec<_> = needs.iter().map(|n| media::embedded(n, hidden, both)).collect();
+            let mrope = (items.iter().zip(start))
+                .map(|(it, &s)| self.mrope(it.seq, s, s + it.tokens.len()))
+                .collect::<Result<Vec<_>, _>>()?;
             let batch: Vec<SeqBatch<'_>> = items
                 .iter()
                 .zip(start)
-                .zip(&embeds)
+                .zip(embeds.iter().zip(&mrope))
                 .filter(|((it, _), _)| !it.tokens.is_empty())
-                .map(|((it, &s), e)| SeqBatch {
+                .map(|((it, &s), (e, m))| SeqBatch {
                     tokens: it.tokens,
                     start_pos: s,
                     block_tables: self.kv.block_tables(it.seq),
@@ -298,6 +306,7 @@ impl Engine {
                     logits: it.n_logits,
                     hidden: it.hidden,
                     embeds: e,
+                    mrope: m,
                 })
                 .collect();
             self.logits.clear();
@@ -341,10 +350,13 @@ impl Engine {
                 .collect::<Result<Vec<_>, _>>()?;
             let (hidden, both) = self.embedding_form();
             let embeds: Vec<_> = needs.iter().map(|n| media::embedded(n, hidden, both)).collect();
+            let mrope = (chunk.iter())
+                .map(|&(i, a, b)| self.mrope(items[i].seq, start[i] + a, start[i] + b))
+                .collect::<Result<Vec<_>, _>>()?;
             let batch: Vec<SeqBatch<'_>> = chunk
                 .iter()
-                .zip(&embeds)
-                .map(|(&(i, a, b), e)| SeqBatch {
+                .zip(embeds.iter().zip(&mrope))
+                .map(|(&(i, a, b), (e, m))| SeqBatch {
                     tokens: &items[i].tokens[a..b],
                     start_pos: start[i] + a,
                     block_tables: self.kv.block_tables(items[i].seq),
@@ -353,6 +365,7 @@ impl Engine {
                     logits: rows(i, a, b),
                     hidden: items[i].hidden,
                     embeds: e,
+                    mrope: m,
                 })
                 .collect();
             self.backend.forward(&batch, &mut self.rows)?;

@@ -265,7 +265,8 @@ fn config(g: &Gguf) -> Result<ClipConfig, ModelError> {
     let qwen_heads = projector != Projector::Qwen25Vl || head_dim.is_multiple_of(4);
     if head_dim * heads != hidden
         || !qwen_heads
-        || (projector == Projector::Gemma3 && (!cfg.image_size.is_multiple_of(cfg.patch) || !grid.is_multiple_of(merge)))
+        || (projector == Projector::Gemma3
+            && (!cfg.image_size.is_multiple_of(cfg.patch) || !grid.is_multiple_of(merge)))
         || (projector == Projector::Qwen25Vl && merge != 2)
         || eps.is_nan()
         || eps <= 0.0
@@ -350,10 +351,9 @@ fn weights(g: &Gguf, cfg: &ClipConfig) -> Result<ClipWeights, ModelError> {
         Projector::Qwen25Vl => {
             // The temporal pair of kernels (a video's two frames); a still image is both
             // frames, so the two products are one with the kernels' sum.
-            let (k0, k1) = (matrix("v.patch_embd.weight", e, 3 * p * p)?, matrix("v.patch_embd.weight.1", e, 3 * p * p)?);
-            let sum: Vec<u8> = (k0.to_f32().iter().zip(k1.to_f32()))
-                .flat_map(|(a, b)| (a + b).to_le_bytes())
-                .collect();
+            let (k0, k1) =
+                (matrix("v.patch_embd.weight", e, 3 * p * p)?, matrix("v.patch_embd.weight.1", e, 3 * p * p)?);
+            let sum: Vec<u8> = (k0.to_f32().iter().zip(k1.to_f32())).flat_map(|(a, b)| (a + b).to_le_bytes()).collect();
             let patch = Tensor::new("v.patch_embd.weight", DType::F32, e, 3 * p * p, Blob::from_vec(sum), 0)?;
             let (m, out_width) = (cfg.merge * cfg.merge * e, info("mm.2.weight")?.dims[1]);
             ClipWeights {

@@ -36,7 +36,7 @@ pub struct Order {
 /// (`None`: one window over everything, in raster order).
 pub fn order(mw: usize, mh: usize, side: Option<usize>) -> Order {
     let Some(side) = side.filter(|&s| s > 0) else {
-        return Order { merged: (0..mw * mh).collect(), windows: vec![0..mw * mh] };
+        return Order { merged: (0..mw * mh).collect(), windows: std::iter::once(0..mw * mh).collect() };
     };
     let (mut merged, mut windows) = (Vec::with_capacity(mw * mh), Vec::new());
     for y in (0..mh).step_by(side) {
@@ -84,9 +84,10 @@ pub fn encode(
         rotate(pool, &mut q, &angles, cfg.head_dim);
         rotate(pool, &mut kk, &angles, cfg.head_dim);
         let full = !windowed || (il + 1) % cfg.window_pattern == 0;
-        let spans = if full { vec![0..ord.merged.len()] } else { ord.windows.clone() };
+        let whole = std::slice::from_ref(&(0..ord.merged.len())).to_vec();
+        let spans = if full { &whole } else { &ord.windows };
         let mut a = vec![0.0; n * e];
-        for s in spans {
+        for s in spans.iter().cloned() {
             let r = s.start * g * e..s.end * g * e;
             let o = attention(pool, k, cfg, &q[r.clone()], &kk[r.clone()], &v[r.clone()], s.len() * g);
             a[r].copy_from_slice(&o);
@@ -196,7 +197,7 @@ mod tests {
         let mut seen = o.merged.clone();
         seen.sort_unstable();
         assert_eq!(seen, (0..15).collect::<Vec<_>>());
-        assert_eq!(order(3, 2, None), Order { merged: (0..6).collect(), windows: vec![0..6] });
+        assert_eq!(order(3, 2, None), Order { merged: (0..6).collect(), windows: std::iter::once(0..6).collect() });
     }
 
     #[test]

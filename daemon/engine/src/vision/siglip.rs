@@ -161,7 +161,15 @@ pub(super) fn products<const M: usize>(
 /// Every patch attending to every patch, head by head: the scores `K_h · q` as one product
 /// (the head's keys, rounded to f16, as the matrix), a softmax per row, then the values the
 /// same way (the head's values transposed, in f16, as the matrix).
-pub(super) fn attention(pool: &ThreadPool, k: &Kernels, cfg: &ClipConfig, q: &[f32], kk: &[f32], v: &[f32], n: usize) -> Vec<f32> {
+pub(super) fn attention(
+    pool: &ThreadPool,
+    k: &Kernels,
+    cfg: &ClipConfig,
+    q: &[f32],
+    kk: &[f32],
+    v: &[f32],
+    n: usize,
+) -> Vec<f32> {
     let (e, hd) = (cfg.hidden, cfg.head_dim);
     let scale = 1.0 / (hd as f32).sqrt();
     let mut out = vec![0.0; n * e];

@@ -109,6 +109,7 @@ pub fn runs(arch: &Architecture) -> Result<(), BackendError> {
         per_layer: _,
         final_softcap: _,
         ffn_widths,
+        mrope: _,
     } = arch;
     if ffn_widths.len() != layers.len() || ffn_widths.contains(&0) {
         return Err(BackendError::Unsupported(format!("{}: feed-forward widths {ffn_widths:?}", arch.name)));
@@ -556,12 +557,25 @@ impl CpuBackend {
                 Self::per_layer_inputs(pool, k, &mut laps, p, cfg, &tokens, &s.acts[Act::X.index()], &mut s.q8, ple);
         }
         // (tokens, rope_dim / 2) rotations of each kind, shared by the layers of that kind.
+        // M-RoPE's coordinates where a sequence gives them (its images'), else the position's.
+        let coords: Vec<Option<[u32; 4]>> =
+            batch.iter().flat_map(|sb| (0..sb.tokens.len()).map(|i| sb.mrope.get(i).copied())).collect();
+        let sections = match arch.mrope {
+            Some(s) => s,
+            None if coords.iter().any(Option::is_some) => {
+                return Err(BackendError::Invalid(format!("M-RoPE coordinates for {}, which has no M-RoPE", arch.name)))
+            }
+            None => [0; 4],
+        };
         s.angles.resize_with(self.ropes.len(), Vec::new);
         for (rope, angles) in self.ropes.iter().zip(s.angles.iter_mut()) {
             let pairs = rope.pairs();
             angles.resize(n * pairs, (0.0, 0.0));
-            for (t, &p) in pos_of.iter().enumerate() {
-                rope.angles(p, &mut angles[t * pairs..(t + 1) * pairs]);
+            for (t, (&p, c)) in pos_of.iter().zip(&coords).enumerate() {
+                match c {
+                    Some(c) => rope.angles_sections(*c, sections, &mut angles[t * pairs..(t + 1) * pairs]),
+                    None => rope.angles(p, &mut angles[t * pairs..(t + 1) * pairs]),
+                }
             }
         }
         // Each sequence's first token in the batch, its token count, its first position and its

@@ -62,6 +62,7 @@ fn describe(
         per_layer: None,
         final_softcap: None,
         ffn_widths: vec![cfg.ffn; cfg.n_layers],
+        mrope: None,
     }
 }
 

@@ -193,6 +193,12 @@ pub struct Architecture {
     /// Each layer's feed-forward width (the model's in every family but Gemma 4, whose layers
     /// that share K/V may have twice the width).
     pub ffn_widths: Vec<usize>,
+    /// M-RoPE (Qwen2-VL's multimodal rotation): of each head's rotated pairs, how many in turn
+    /// take a position's time, row, column and fourth coordinate (repeating where they sum to
+    /// fewer). A text token's four coordinates are its position (so this is plain RoPE for
+    /// text); an image token's are its image's first position plus its row and column
+    /// ([`crate::backend::SeqBatch::mrope`]).
+    pub mrope: Option<[usize; 4]>,
 }
 
 impl Architecture {
@@ -231,6 +237,7 @@ impl Architecture {
             per_layer: None,
             final_softcap: None,
             ffn_widths: vec![cfg.ffn; cfg.n_layers],
+            mrope: None,
         }
     }
 }
@@ -278,7 +285,7 @@ pub fn sliding_pattern(n_layers: usize, pattern: usize) -> Vec<bool> {
 
 /// The families [`for_gguf`] and [`for_hf`] know, for their refusals.
 const KNOWN: &str =
-    "llama, mistral, qwen2, qwen3, qwen3moe, qwen35, qwen35moe, qwen3next, gpt-oss, gemma3, gemma4, phi3";
+    "llama, mistral, qwen2, qwen2vl, qwen3, qwen3moe, qwen35, qwen35moe, qwen3next, gpt-oss, gemma3, gemma4, phi3";
 
 /// The architecture and hyperparameters of a GGUF file, by its `general.architecture`.
 pub fn for_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
@@ -290,6 +297,7 @@ pub fn for_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
         "llama" => llama::from_gguf(g, "llama"),
         "mistral" => llama::from_gguf(g, "mistral"),
         "qwen2" => qwen::from_gguf(g, qwen::Qwen::Two),
+        "qwen2vl" => qwen::from_gguf(g, qwen::Qwen::TwoVl),
         "qwen3" => qwen::from_gguf(g, qwen::Qwen::Three),
         "qwen3moe" => qwen::from_gguf(g, qwen::Qwen::ThreeMoe),
         "qwen35" => qwen35::from_gguf(g, qwen35::Hybrid::Qwen35),

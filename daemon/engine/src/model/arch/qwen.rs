@@ -15,6 +15,8 @@ use serde_json::{Map, Value};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Qwen {
     Two,
+    /// Qwen2-VL and Qwen2.5-VL's language model: Qwen 2 with M-RoPE.
+    TwoVl,
     Three,
     ThreeMoe,
 }
@@ -23,6 +25,7 @@ impl Qwen {
     fn name(self) -> &'static str {
         match self {
             Qwen::Two => "qwen2",
+            Qwen::TwoVl => "qwen2vl",
             Qwen::Three => "qwen3",
             Qwen::ThreeMoe => "qwen3moe",
         }
@@ -30,8 +33,8 @@ impl Qwen {
 
     fn describe(self, cfg: &LlamaConfig, scaling: RopeScaling, tied: bool) -> Architecture {
         let mut arch = Architecture::llama_like(self.name(), cfg, scaling, tied);
-        arch.qkv_bias = self == Qwen::Two;
-        arch.qk_norm = self != Qwen::Two;
+        arch.qkv_bias = matches!(self, Qwen::Two | Qwen::TwoVl);
+        arch.qk_norm = !arch.qkv_bias;
         arch
     }
 }
@@ -59,11 +62,39 @@ pub fn from_gguf(g: &Gguf, q: Qwen) -> Result<(Architecture, LlamaConfig), Model
     let config = keys.config(RopeStyle::Neox)?;
     let scaling = keys.rope_scaling(&config)?;
     let moe = if q == Qwen::ThreeMoe { Some(experts(&keys, &config)?) } else { None };
+    let mrope = if q == Qwen::TwoVl { Some(sections(&keys, &config)?) } else { None };
     keys.finish(&|k, v| matches!((k, v.as_u64()), ("expert_count" | "expert_used_count", Some(0))))?;
     let tied = g.tensor("output.weight").is_none();
     let mut arch = q.describe(&config, scaling, tied);
     arch.moe = moe;
+    arch.mrope = mrope;
     Ok((arch, config))
+}
+
+/// `rope.dimension_sections`: four counts of rotated pairs, at least one, at most the pairs a
+/// head rotates.
+fn sections(keys: &GgufKeys<'_>, cfg: &LlamaConfig) -> Result<[usize; 4], ModelError> {
+    let bad = |v: &dyn std::fmt::Debug| {
+        ModelError::Config(format!(
+            "rope.dimension_sections = {v:?}: four counts of the head's {} pairs",
+            cfg.rope_dim / 2
+        ))
+    };
+    let v =
+        keys.get("rope.dimension_sections").ok_or_else(|| ModelError::MissingKey("rope.dimension_sections".into()))?;
+    let counts: Option<Vec<usize>> =
+        v.as_array().and_then(|a| a.iter().map(|x| x.as_u64().and_then(|x| usize::try_from(x).ok())).collect());
+    match counts.as_deref() {
+        Some(&[a, b, c, d])
+            if [b, c, d]
+                .iter()
+                .try_fold(a, |s, &x| s.checked_add(x))
+                .is_some_and(|s| (1..=cfg.rope_dim / 2).contains(&s)) =>
+        {
+            Ok([a, b, c, d])
+        }
+        _ => Err(bad(v)),
+    }
 }
 
 pub fn from_hf(cfg: &Map<String, Value>, q: Qwen) -> Result<(Architecture, LlamaConfig), ModelError> {
