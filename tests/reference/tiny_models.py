@@ -249,9 +249,10 @@ def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None,
     if arch == "phi3":
         w.add_rope_dimension_count(12)  # partial rotary, as Phi-4-mini
     if arch == "qwen2vl":
-        # M-RoPE: of each head's 8 rotated pairs, 2 turn with the time position, 3 with the
-        # row and 3 with the column (Qwen2.5-VL's 16, 24, 24 of 64, scaled down).
-        w.add_rope_dimension_sections([2, 3, 3, 0])
+        # M-RoPE: of each head's rotated pairs, a quarter turn with the time position, three
+        # eighths with the row and three eighths with the column (Qwen2.5-VL's 16, 24, 24 of
+        # 64; 2, 3, 3 of a tiny head's 8).
+        w.add_rope_dimension_sections([head // 8, 3 * head // 16, 3 * head // 16, 0])
     if scaling:
         w.add_rope_scaling_orig_ctx_len(ORIGINAL)
     if scaling == "yarn":
@@ -841,15 +842,18 @@ QWEN_TEMPLATE = (
 # tokens, QV_LAYERS layers of width QV_HIDDEN (QV_HEADS heads of 16) where every second one
 # attends over the whole image and the others within windows of 112 pixels (8 x 8 patches).
 QV_PATCH, QV_HIDDEN, QV_HEADS, QV_FFN, QV_LAYERS, QV_WA_PATTERN = 14, 64, 4, 96, 4, 2
+# Qwen2.5-VL 3B's vision tower (patch, width, heads, feed-forward, layers, every 8th layer over
+# the whole image) and its language model's width, for tests/bench/vision-encode --qwen25vl.
+QV_3B, QV_3B_TEXT = (14, 1280, 16, 3420, 32, 8), 2048
 
 
-def qwen_mmproj(path, seed, text_hidden=HIDDEN):
+def qwen_mmproj(path, seed, text_hidden=HIDDEN, shapes=None):
     """A Qwen2.5-VL vision projector (`clip.projector_type = qwen2.5vl`) as llama.cpp's
     converter writes it: the temporal patch convolution as two 2-D kernels (no bias), RMS
     norms, a gated SiLU feed-forward with biases, the merger's RMS norm as `v.post_ln` and its
     GELU MLP over 2 x 2 patches as `mm.0` and `mm.2`."""
     rng = np.random.default_rng(seed)
-    e, p = QV_HIDDEN, QV_PATCH
+    p, e, QV_HEADS, QV_FFN, QV_LAYERS, QV_WA_PATTERN = shapes or (QV_PATCH, QV_HIDDEN, globals()["QV_HEADS"], globals()["QV_FFN"], globals()["QV_LAYERS"], globals()["QV_WA_PATTERN"])
 
     def mat(rows, cols, scale=None):
         x = (rng.standard_normal((rows, cols)) * (scale or cols ** -0.5)).astype(np.float32)
@@ -940,6 +944,23 @@ def qwen_vision(out):
     png(f"{out}/odd.png", 150, 230, lambda x, y: ((x * 9) % 256, (y * 4 + x) % 256, (x ^ (2 * y)) % 256))
 
 
+def vision_bench_qwen(out, layers):
+    """A random-weight projector at Qwen2.5-VL 3B's vision shapes with `layers` of its 32
+    layers (every 8th over the whole image), a one-layer language model of its width (only
+    loaded: llama-mtmd-cli needs one), and an 896 x 896 image (1,024 image tokens), for
+    tests/bench/vision-encode --qwen25vl."""
+    p, e, heads, ffn, _, wa = QV_3B
+    qwen_mmproj(f"{out}/bench-qwen25vl-3b-mmproj.gguf", 512, QV_3B_TEXT, (p, e, heads, ffn, layers, wa))
+    global HIDDEN, HEADS, KV_HEADS, FFN
+    saved = (HIDDEN, HEADS, KV_HEADS, FFN)
+    HIDDEN, HEADS, KV_HEADS, FFN = QV_3B_TEXT, 16, 2, 256
+    try:
+        model("qwen2vl", f"{out}/bench-qwen25vl-3b-lm.gguf", 513, vocab=(TOKENS + QWEN_VL_TOKENS, MERGES, "default"), template=QWEN_TEMPLATE, head=128, layers=1, context=4096)
+    finally:
+        HIDDEN, HEADS, KV_HEADS, FFN = saved
+    png(f"{out}/image-896-0.png", 896, 896, lambda x, y: ((x * 7 + y * 3) % 256, (x * y) % 256, (x ^ y) % 256))
+
+
 def vision_bench(out, layers):
     """A random-weight projector at Gemma 3 4B's vision shapes with `layers` layers, a language
     model at Gemma 3 4B's shapes (Q8_0 matrices, the tiny vocabulary) with as many of its 34
@@ -963,6 +984,8 @@ if __name__ == "__main__" and sys.argv[1] == "vision":
     qwen_vision(sys.argv[2])
 elif __name__ == "__main__" and sys.argv[1] == "vision-bench":
     vision_bench(sys.argv[2], int(sys.argv[3]))
+elif __name__ == "__main__" and sys.argv[1] == "vision-bench-qwen":
+    vision_bench_qwen(sys.argv[2], int(sys.argv[3]))
 elif __name__ == "__main__" and sys.argv[1] == "moe":
     for seed, (name, arch, experts_type) in enumerate(MOES, start=200):
         model(arch, f"{sys.argv[2]}/{name}.gguf", seed, experts_type=experts_type)
