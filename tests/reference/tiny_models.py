@@ -219,7 +219,7 @@ EXPERTS, EXPERTS_USED, EXPERT_FFN = 8, 2, 32
 def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None, experts_type=None, template=None, embd=1.0, head=None, layers=None, context=None):
     rng = np.random.default_rng(seed)
     tokens, merges, pre = vocab or (TOKENS + (HARMONY_TOKENS if arch == "gpt-oss" else []), MERGES, "default")
-    head = head or (32 if arch in ("qwen3", "qwen3moe", "gemma3") else HIDDEN // HEADS)  # qwen3/gemma3: head size apart from hidden
+    head = head or (32 if arch in ("qwen3", "qwen3vl", "qwen3moe", "gemma3") else HIDDEN // HEADS)  # qwen3/gemma3: head size apart from hidden
     moe = arch in ("qwen3moe", "gpt-oss")
     q, kv = HEADS * head, KV_HEADS * head
     layers = layers or (6 if arch == "gemma3" else 2)
@@ -253,6 +253,11 @@ def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None,
         # eighths with the row and three eighths with the column (Qwen2.5-VL's 16, 24, 24 of
         # 64; 2, 3, 3 of a tiny head's 8).
         w.add_rope_dimension_sections([head // 8, 3 * head // 16, 3 * head // 16, 0])
+    if arch == "qwen3vl":
+        # Interleaved M-RoPE's sections (Qwen3-VL's 24, 20, 20 of 64, scaled to the head), and
+        # two deepstack layers: image tokens carry two more rows, added after layers 0 and 1.
+        w.add_rope_dimension_sections([3 * head // 16, 5 * head // 32, 5 * head // 32, 0])
+        w.add_num_deepstack_layers(QV3_DEEPSTACK)
     if scaling:
         w.add_rope_scaling_orig_ctx_len(ORIGINAL)
     if scaling == "yarn":
@@ -315,7 +320,7 @@ def model(arch, path, seed, scaling=None, vocab=None, pooling=None, rerank=None,
             t[p + "attn_output.bias"] = (0.5 * rng.standard_normal(HIDDEN)).astype(np.float32)
             # A sink per query head: some heads give it most of their weight, some little.
             t[p + "attn_sinks.weight"] = (2.0 * rng.standard_normal(HEADS)).astype(np.float32)
-        if arch in ("qwen3", "qwen3moe", "gemma3"):
+        if arch in ("qwen3", "qwen3vl", "qwen3moe", "gemma3"):
             t[p + "attn_q_norm.weight"] = norm(head)
             t[p + "attn_k_norm.weight"] = norm(head)
         if arch == "gemma3":
@@ -847,6 +852,85 @@ QV_PATCH, QV_HIDDEN, QV_HEADS, QV_FFN, QV_LAYERS, QV_WA_PATTERN = 14, 64, 4, 96,
 QV_3B, QV_3B_TEXT = (14, 1280, 16, 3420, 32, 8), 2048
 
 
+# The vision encoder of a tiny Qwen3-VL mmproj: patches of 16 pixels, learned positions on a
+# 12 x 12 grid (192-pixel inputs), QV3_LAYERS layers, the outputs of layers 1 and 2 merged by
+# deepstack mergers of their own.
+QV3_PATCH, QV3_GRID, QV3_LAYERS, QV3_DEEPSTACK = 16, 12, 4, 2
+
+
+def qwen3_mmproj(path, seed, text_hidden=HIDDEN):
+    """A Qwen3-VL vision projector (`clip.projector_type = qwen3vl_merger`) as llama.cpp's
+    converter writes it: the temporal pair of patch kernels and a bias, learned positions,
+    layer norms, a fused QKV with bias, a GELU feed-forward, the main merger (`v.post_ln`,
+    `mm.0`, `mm.2`) and a deepstack merger per chosen layer (`v.deepstack.N.*`)."""
+    rng = np.random.default_rng(seed)
+    e, p, f, m = QV_HIDDEN, QV3_PATCH, QV_FFN, 4 * QV_HIDDEN
+
+    def mat(rows, cols, scale=None):
+        x = (rng.standard_normal((rows, cols)) * (scale or cols ** -0.5)).astype(np.float32)
+        u = x.view(np.uint32)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+
+    def vec(k, scale=0.1, mean=0.0):
+        return (mean + scale * rng.standard_normal(k)).astype(np.float32)
+
+    w = GGUFWriter(path, "clip")
+    w.add_type("mmproj")
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_projector_type("qwen3vl_merger")
+    w.add_vision_image_size(QV3_GRID * p)
+    w.add_vision_patch_size(p)
+    w.add_vision_embedding_length(e)
+    w.add_vision_feed_forward_length(f)
+    w.add_vision_block_count(QV3_LAYERS)
+    w.add_vision_head_count(QV_HEADS)
+    w.add_vision_projection_dim(text_hidden)
+    w.add_vision_attention_layernorm_eps(1e-6)
+    w.add_vision_image_mean([0.5, 0.5, 0.5])
+    w.add_vision_image_std([0.5, 0.5, 0.5])
+    w.add_vision_use_gelu(True)
+    w.add_vision_spatial_merge_size(2)
+    t = {}
+    for name in ("v.patch_embd.weight", "v.patch_embd.weight.1"):
+        t[name] = (rng.standard_normal((e, 3, p, p)) * (6 * p * p) ** -0.5).astype(np.float16)
+    t["v.patch_embd.bias"] = vec(e)
+    t["v.position_embd.weight"] = mat(QV3_GRID * QV3_GRID, e, 0.5)
+    deep = [1, 2]
+    for i in range(QV3_LAYERS):
+        b = f"v.blk.{i}."
+        for name in ("ln1", "ln2"):
+            t[b + name + ".weight"] = vec(e, 0.1, 1.0)
+            t[b + name + ".bias"] = vec(e)
+        t[b + "attn_qkv.weight"] = mat(3 * e, e).astype(np.float16)
+        t[b + "attn_qkv.bias"] = vec(3 * e)
+        t[b + "attn_out.weight"] = mat(e, e).astype(np.float16)
+        t[b + "attn_out.bias"] = vec(e)
+        t[b + "ffn_up.weight"] = mat(f, e).astype(np.float16)
+        t[b + "ffn_up.bias"] = vec(f)
+        t[b + "ffn_down.weight"] = mat(e, f).astype(np.float16)
+        t[b + "ffn_down.bias"] = vec(e)
+        if i in deep:
+            d = f"v.deepstack.{i}."
+            t[d + "norm.weight"] = vec(m, 0.1, 1.0)
+            t[d + "norm.bias"] = vec(m)
+            t[d + "fc1.weight"] = mat(m, m).astype(np.float16)
+            t[d + "fc1.bias"] = vec(m)
+            t[d + "fc2.weight"] = mat(text_hidden, m).astype(np.float16)
+            t[d + "fc2.bias"] = vec(text_hidden)
+    t["v.post_ln.weight"] = vec(e, 0.1, 1.0)
+    t["v.post_ln.bias"] = vec(e)
+    t["mm.0.weight"] = mat(m, m).astype(np.float16)
+    t["mm.0.bias"] = vec(m)
+    t["mm.2.weight"] = mat(text_hidden, m).astype(np.float16)
+    t["mm.2.bias"] = vec(text_hidden)
+    for name, value in t.items():
+        w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def qwen_mmproj(path, seed, text_hidden=HIDDEN, shapes=None):
     """A Qwen2.5-VL vision projector (`clip.projector_type = qwen2.5vl`) as llama.cpp's
     converter writes it: the temporal patch convolution as two 2-D kernels (no bias), RMS
@@ -940,6 +1024,11 @@ def qwen_vision(out):
     tokens in windows of 8 x 8, the last ones cut), and odd.png, 150 x 230, which is resized."""
     model("qwen2vl", f"{out}/tiny-qwen25vl.gguf", 510, vocab=(TOKENS + QWEN_VL_TOKENS, MERGES, "default"), template=QWEN_TEMPLATE, context=1024)
     qwen_mmproj(f"{out}/tiny-qwen25vl-mmproj.gguf", 511)
+    # Qwen3-VL: its language model (Qwen 3's layers, interleaved M-RoPE, two deepstack layers)
+    # and projector; and grid.png, of its learned positions' own size (192 x 192).
+    model("qwen3vl", f"{out}/tiny-qwen3vl.gguf", 514, vocab=(TOKENS + QWEN_VL_TOKENS, MERGES, "default"), template=QWEN_TEMPLATE, context=1024, layers=3)
+    qwen3_mmproj(f"{out}/tiny-qwen3vl-mmproj.gguf", 515)
+    png(f"{out}/grid.png", 192, 192, lambda x, y: ((x * 13 + y) % 256, (y * 7) % 256, (x * y // 5) % 256))
     png(f"{out}/landscape.png", 476, 280, lambda x, y: ((x * 3 + y * 5) % 256, (x * y // 7) % 256, int(127 + 127 * math.sin(x / 11 - y / 7))))
     png(f"{out}/odd.png", 150, 230, lambda x, y: ((x * 9) % 256, (y * 4 + x) % 256, (x ^ (2 * y)) % 256))
 

@@ -118,7 +118,10 @@ impl Engine {
                     }
                     [coord(p)?, coord(p + row / w)?, coord(p + row % w)?, 0]
                 }
-                None => [coord(i - saved)?; 4],
+                None => {
+                    let p = coord(i - saved)?;
+                    [p, p, p, 0]
+                }
             };
             if i >= a {
                 out.push(at);

@@ -25,6 +25,19 @@ pub enum Projector {
     /// (`mm.0`, `mm.2`); image tokens between `<|vision_start|>` and `<|vision_end|>`, causal,
     /// at 2-D positions of the language model's M-RoPE.
     Qwen25Vl,
+    /// Qwen3-VL's (`qwen3vl_merger`): Qwen2.5-VL's form with a biased patch embedding, learned
+    /// positions resized to the grid, layer norms, a plain GELU feed-forward and no windows;
+    /// the merger's rows carry, after the main projection, one more per deepstack layer (the
+    /// features of that ViT layer merged the same way), added by the language model after
+    /// its first layers.
+    Qwen3Vl,
+}
+
+impl Projector {
+    /// Qwen's dynamic-resolution ViT and merger (either generation).
+    pub fn is_qwen(self) -> bool {
+        matches!(self, Projector::Qwen25Vl | Projector::Qwen3Vl)
+    }
 }
 
 /// The hyperparameters of a vision encoder.
@@ -71,7 +84,7 @@ impl ClipConfig {
     pub fn input_size(&self, width: usize, height: usize) -> (usize, usize) {
         match self.projector {
             Projector::Gemma3 => (self.image_size, self.image_size),
-            Projector::Qwen25Vl => {
+            Projector::Qwen25Vl | Projector::Qwen3Vl => {
                 let unit = self.patch * self.merge;
                 let f = unit as f32;
                 let (w, h) = (width.max(1) as f32, height.max(1) as f32);
@@ -150,7 +163,17 @@ pub enum Head {
     Gemma3 { soft_norm: Vec<f32>, projection: Linear },
     /// Qwen's merger: each `merge x merge` group of patches as one row of their features,
     /// through `up` (`mm.0`), GELU, `down` (`mm.2`).
-    Merger { up: Linear, down: Linear },
+    Merger { up: Linear, down: Linear, deepstack: Vec<Deepstack> },
+}
+
+/// One of Qwen3-VL's deepstack mergers: the output of ViT layer `layer`, each `merge x merge`
+/// group as one row, layer-normed, through `fc1`, GELU, `fc2`.
+#[derive(Clone, Debug)]
+pub struct Deepstack {
+    pub layer: usize,
+    pub norm: LayerNorm,
+    pub fc1: Linear,
+    pub fc2: Linear,
 }
 
 impl Head {
@@ -158,7 +181,7 @@ impl Head {
     fn out_width(&self) -> usize {
         match self {
             Head::Gemma3 { projection, .. } => projection.w.rows,
-            Head::Merger { down, .. } => down.w.rows,
+            Head::Merger { down, deepstack, .. } => down.w.rows * (1 + deepstack.len()),
         }
     }
 }
@@ -210,15 +233,16 @@ fn config(g: &Gguf) -> Result<ClipConfig, ModelError> {
     let projector = match kind {
         "gemma3" => Projector::Gemma3,
         "qwen2.5vl_merger" => Projector::Qwen25Vl,
+        "qwen3vl_merger" => Projector::Qwen3Vl,
         other => {
             return Err(ModelError::Unsupported(format!(
-                "vision projector '{other}' (supported: gemma3, qwen2.5vl_merger)"
+                "vision projector '{other}' (supported: gemma3, qwen2.5vl_merger, qwen3vl_merger)"
             )))
         }
     };
     let flag = |k: &str| g.get(k).and_then(Value::as_bool) == Some(true);
     match projector {
-        Projector::Gemma3 if !flag("clip.use_gelu") => {
+        Projector::Gemma3 | Projector::Qwen3Vl if !flag("clip.use_gelu") => {
             return Err(ModelError::Unsupported("a vision encoder without clip.use_gelu (quick GELU)".into()))
         }
         Projector::Qwen25Vl if !flag("clip.use_silu") => {
@@ -235,10 +259,10 @@ fn config(g: &Gguf) -> Result<ClipConfig, ModelError> {
     let opt = |k: &str, default: usize| if g.get(k).is_some() { usize_key(g, k) } else { Ok(default) };
     let merge = match projector {
         Projector::Gemma3 => opt("clip.vision.projector.scale_factor", 4)?,
-        Projector::Qwen25Vl => opt("clip.vision.spatial_merge_size", 2)?,
+        Projector::Qwen25Vl | Projector::Qwen3Vl => opt("clip.vision.spatial_merge_size", 2)?,
     };
     let window_pattern = match projector {
-        Projector::Gemma3 => 0,
+        Projector::Gemma3 | Projector::Qwen3Vl => 0,
         Projector::Qwen25Vl => usize_key(g, "clip.vision.n_wa_pattern")?,
     };
     let eps = key(g, "clip.vision.attention.layer_norm_epsilon")?
@@ -262,12 +286,13 @@ fn config(g: &Gguf) -> Result<ClipConfig, ModelError> {
     };
     let grid = cfg.image_size / cfg.patch;
     // Qwen's 2-D rotation turns a quarter of each head with each coordinate, twice over.
-    let qwen_heads = projector != Projector::Qwen25Vl || head_dim.is_multiple_of(4);
+    let qwen_heads = !projector.is_qwen() || head_dim.is_multiple_of(4);
     if head_dim * heads != hidden
         || !qwen_heads
         || (projector == Projector::Gemma3
             && (!cfg.image_size.is_multiple_of(cfg.patch) || !grid.is_multiple_of(merge)))
-        || (projector == Projector::Qwen25Vl && merge != 2)
+        || (projector.is_qwen() && merge != 2)
+        || (projector == Projector::Qwen3Vl && !cfg.image_size.is_multiple_of(cfg.patch))
         || eps.is_nan()
         || eps <= 0.0
         || cfg.std.contains(&0.0)
@@ -312,18 +337,39 @@ fn weights(g: &Gguf, cfg: &ClipConfig) -> Result<ClipWeights, ModelError> {
     let norm = |name: &str| -> Result<LayerNorm, ModelError> {
         Ok(LayerNorm { w: vector(&format!("{name}.weight"), e)?, b: bias(&format!("{name}.bias"), e)? })
     };
+    // Q, K and V from one matrix of `3 * hidden` rows and its bias (Qwen3-VL's `attn_qkv`),
+    // each a view of its rows.
+    let split = |name: &str| -> Result<[Linear; 3], ModelError> {
+        let (w, b) = (matrix(&format!("{name}.weight"), 3 * e, e)?, bias(&format!("{name}.bias"), 3 * e)?);
+        let row = w.dtype.bytes_for(e).ok_or_else(|| ModelError::Shape(format!("'{name}' rows of {e}")))?;
+        let t = info(&format!("{name}.weight"))?;
+        let part = |i: usize| -> Result<Linear, ModelError> {
+            let w = Tensor::new(&w.name, w.dtype, e, e, g.blob.clone(), t.offset + i * e * row)?;
+            Ok(Linear { w, b: b[i * e..(i + 1) * e].to_vec() })
+        };
+        Ok([part(0)?, part(1)?, part(2)?])
+    };
     let layers = (0..cfg.layers)
         .map(|i| {
             let b = format!("v.blk.{i}");
+            let [q, k, v] = if g.tensor(&format!("{b}.attn_qkv.weight")).is_some() {
+                split(&format!("{b}.attn_qkv"))?
+            } else {
+                [
+                    linear(&format!("{b}.attn_q"), e, e)?,
+                    linear(&format!("{b}.attn_k"), e, e)?,
+                    linear(&format!("{b}.attn_v"), e, e)?,
+                ]
+            };
             Ok(ClipLayer {
                 ln1: norm(&format!("{b}.ln1"))?,
-                q: linear(&format!("{b}.attn_q"), e, e)?,
-                k: linear(&format!("{b}.attn_k"), e, e)?,
-                v: linear(&format!("{b}.attn_v"), e, e)?,
+                q,
+                k,
+                v,
                 out: linear(&format!("{b}.attn_out"), e, e)?,
                 ln2: norm(&format!("{b}.ln2"))?,
                 gate: match cfg.projector {
-                    Projector::Gemma3 => None,
+                    Projector::Gemma3 | Projector::Qwen3Vl => None,
                     Projector::Qwen25Vl => Some(linear(&format!("{b}.ffn_gate"), cfg.ffn, e)?),
                 },
                 up: linear(&format!("{b}.ffn_up"), cfg.ffn, e)?,
@@ -348,7 +394,7 @@ fn weights(g: &Gguf, cfg: &ClipConfig) -> Result<ClipWeights, ModelError> {
                 },
             }
         }
-        Projector::Qwen25Vl => {
+        Projector::Qwen25Vl | Projector::Qwen3Vl => {
             // The temporal pair of kernels (a video's two frames); a still image is both
             // frames, so the two products are one with the kernels' sum.
             let (k0, k1) =
@@ -356,12 +402,31 @@ fn weights(g: &Gguf, cfg: &ClipConfig) -> Result<ClipWeights, ModelError> {
             let sum: Vec<u8> = (k0.to_f32().iter().zip(k1.to_f32())).flat_map(|(a, b)| (a + b).to_le_bytes()).collect();
             let patch = Tensor::new("v.patch_embd.weight", DType::F32, e, 3 * p * p, Blob::from_vec(sum), 0)?;
             let (m, out_width) = (cfg.merge * cfg.merge * e, info("mm.2.weight")?.dims[1]);
+            let qwen3 = cfg.projector == Projector::Qwen3Vl;
+            let deepstack = (0..cfg.layers)
+                .filter(|il| qwen3 && g.tensor(&format!("v.deepstack.{il}.fc1.weight")).is_some())
+                .map(|il| {
+                    let b = format!("v.deepstack.{il}");
+                    Ok(Deepstack {
+                        layer: il,
+                        norm: LayerNorm {
+                            w: vector(&format!("{b}.norm.weight"), m)?,
+                            b: bias(&format!("{b}.norm.bias"), m)?,
+                        },
+                        fc1: linear(&format!("{b}.fc1"), m, m)?,
+                        fc2: linear(&format!("{b}.fc2"), out_width, m)?,
+                    })
+                })
+                .collect::<Result<Vec<_>, ModelError>>()?;
             ClipWeights {
-                patch: Linear { w: patch, b: vec![0.0; e] },
-                positions: Vec::new(),
+                patch: Linear { w: patch, b: bias("v.patch_embd.bias", e)? },
+                positions: match qwen3 {
+                    true => matrix("v.position_embd.weight", cfg.grid() * cfg.grid(), e)?.to_f32(),
+                    false => Vec::new(),
+                },
                 layers,
                 post_ln: norm("v.post_ln")?,
-                head: Head::Merger { up: linear("mm.0", m, m)?, down: linear("mm.2", out_width, m)? },
+                head: Head::Merger { up: linear("mm.0", m, m)?, down: linear("mm.2", out_width, m)?, deepstack },
             }
         }
     };

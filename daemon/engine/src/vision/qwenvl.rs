@@ -1,5 +1,5 @@
-//! Qwen2.5-VL's vision transformer and patch merger, over one image's patches at once, on the
-//! language model's kernels and thread pool.
+//! Qwen2.5-VL's and Qwen3-VL's vision transformer and patch merger, over one image's patches at
+//! once, on the language model's kernels and thread pool.
 //!
 //! The input is any size in whole merged patches (`patch * merge` pixels each way, see
 //! [`ClipConfig::input_size`]). Its patches are embedded by one product (the temporal pair of
@@ -11,9 +11,16 @@
 //! `window_pattern`-th layer: over the whole image), RMS norm, a SiLU-gated feed-forward.
 //! A last RMS norm; the merger takes each group of 4 patches as one row through `mm.0`, GELU,
 //! `mm.2`; the rows go back to raster order over the merged grid, one image token each.
+//!
+//! Qwen3-VL's differs: the patch embedding has a bias, learned positions (a square grid,
+//! resized bilinearly with corners aligned to the image's grid) are added to it, its norms are
+//! layer norms, its feed-forward a plain GELU one, no layer has windows; and each deepstack
+//! layer's output is merged by a merger of its own (the group's row layer-normed, then
+//! `fc1`, GELU, `fc2`), its rows appended to the main merger's: an image token of
+//! `out_width` is `[main | deepstack 0 | deepstack 1 | ...]`.
 
-use super::clip::{ClipConfig, ClipWeights, Linear};
-use super::siglip::{attention, linear, patch_rows, products};
+use super::clip::{ClipConfig, ClipWeights, Deepstack, LayerNorm, Linear, Projector};
+use super::siglip::{attention, layer_norm, linear, patch_rows, products};
 use inferd_kernels::pool::ThreadPool;
 use inferd_kernels::Kernels;
 
@@ -53,14 +60,14 @@ pub fn order(mw: usize, mh: usize, side: Option<usize>) -> Order {
 
 /// The image tokens of `planes` (the normalized input, three planes of `width x height`, each
 /// a multiple of `patch * merge`): `(width / (patch * merge)) * (height / (patch * merge))`
-/// rows of `cfg.out_width` floats, in raster order. `(up, down)` is the merger
+/// rows of `cfg.out_width` floats, in raster order. `(up, down, deepstack)` is the merger
 /// ([`super::clip::Head::Merger`]).
 pub fn encode(
     pool: &ThreadPool,
     k: &Kernels,
     cfg: &ClipConfig,
     w: &ClipWeights,
-    (up, down): (&Linear, &Linear),
+    (up, down, deepstack): (&Linear, &Linear, &[Deepstack]),
     planes: &[f32],
     (width, height): (usize, usize),
 ) -> Vec<f32> {
@@ -76,10 +83,27 @@ pub fn encode(
     };
     let patches = patch_rows(pool, planes, (width, height), p, n, &at);
     let mut x = linear(pool, k, &w.patch, &patches, n);
+    if !w.positions.is_empty() {
+        let pos = resized_positions(&w.positions, cfg.grid(), e, (width / p, height / p));
+        for (i, row) in x.chunks_exact_mut(e).enumerate() {
+            let (py, px) = at(i);
+            row.iter_mut().zip(&pos[(py * (width / p) + px) * e..][..e]).for_each(|(x, p)| *x += p);
+        }
+    }
+    // Qwen2.5-VL's norms are RMS norms (no bias), Qwen3-VL's layer norms.
+    let rms = cfg.projector == Projector::Qwen25Vl;
+    let norm = |x: &[f32], ln: &LayerNorm, out: &mut [f32]| match rms {
+        true => rms_norm(pool, x, &ln.w, cfg.eps, out),
+        false => layer_norm(pool, x, ln, cfg.eps, out),
+    };
+    let rows = ord.merged.len();
+    let ow = down.w.rows;
+    // The merged rows: the main merger's, then each deepstack merger's (processing order).
+    let mut merged = vec![Vec::new(); 1 + deepstack.len()];
     let angles = rotations(cfg.head_dim, n, &at);
     let mut h = vec![0.0; n * e];
     for (il, l) in w.layers.iter().enumerate() {
-        rms_norm(pool, &x, &l.ln1.w, cfg.eps, &mut h);
+        norm(&x, &l.ln1, &mut h);
         let [mut q, mut kk, v] = products(pool, k, [&l.q, &l.k, &l.v], &h, n);
         rotate(pool, &mut q, &angles, cfg.head_dim);
         rotate(pool, &mut kk, &angles, cfg.head_dim);
@@ -94,7 +118,7 @@ pub fn encode(
         }
         let o = linear(pool, k, &l.out, &a, n);
         x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
-        rms_norm(pool, &x, &l.ln2.w, cfg.eps, &mut h);
+        norm(&x, &l.ln2, &mut h);
         let f = cfg.ffn;
         let d = match &l.gate {
             Some(gate) => {
@@ -109,17 +133,59 @@ pub fn encode(
             }
         };
         x.iter_mut().zip(&d).for_each(|(x, d)| *x += d);
+        for (j, ds) in deepstack.iter().enumerate().filter(|(_, ds)| ds.layer == il) {
+            // The layer's output, each group's `g` patches (consecutive rows) as one row.
+            let mut hn = vec![0.0; n * e];
+            layer_norm(pool, &x, &ds.norm, cfg.eps, &mut hn);
+            merged[1 + j] = mlp(pool, k, (&ds.fc1, &ds.fc2), &hn, rows);
+        }
     }
-    rms_norm(pool, &x, &w.post_ln.w, cfg.eps, &mut h);
-    // The merger: each group's `g` patches (consecutive rows) as one row of `g * e`.
-    let rows = ord.merged.len();
-    let mut u = linear(pool, k, up, &h, rows);
-    gelu(pool, k, &mut u, g * e);
-    let y = linear(pool, k, down, &u, rows);
-    let ow = cfg.out_width;
-    let mut out = vec![0.0; rows * ow];
+    norm(&x, &w.post_ln, &mut h);
+    merged[0] = mlp(pool, k, (up, down), &h, rows);
+    // Each image token: its rows side by side, in raster order.
+    let width_out = ow * merged.len();
+    let mut out = vec![0.0; rows * width_out];
     for (i, &t) in ord.merged.iter().enumerate() {
-        out[t * ow..][..ow].copy_from_slice(&y[i * ow..][..ow]);
+        for (j, m) in merged.iter().enumerate() {
+            out[t * width_out + j * ow..][..ow].copy_from_slice(&m[i * ow..][..ow]);
+        }
+    }
+    out
+}
+
+/// `rows` rows of `x` through `up`, GELU, `down`.
+fn mlp(pool: &ThreadPool, k: &Kernels, (up, down): (&Linear, &Linear), x: &[f32], rows: usize) -> Vec<f32> {
+    let mut u = linear(pool, k, up, x, rows);
+    gelu(pool, k, &mut u, up.w.rows);
+    linear(pool, k, down, &u, rows)
+}
+
+/// A `grid x grid` table of `e`-wide learned positions resized to `(w, h)` (columns, rows):
+/// bilinear with the corners aligned, as llama.cpp's `ggml_interpolate` computes it (the
+/// source coordinate `i / ((out - 1) / (in - 1))` in f32, its neighbours clamped); the table
+/// itself where the sizes agree. Rows in raster order.
+pub fn resized_positions(table: &[f32], grid: usize, e: usize, (w, h): (usize, usize)) -> Vec<f32> {
+    if (w, h) == (grid, grid) {
+        return table.to_vec();
+    }
+    let axis = |out: usize, i: usize| {
+        let sf = if out > 1 && grid > 1 { (out - 1) as f32 / (grid - 1) as f32 } else { out as f32 / grid as f32 };
+        let s = i as f32 / sf;
+        let lo = (s.floor().max(0.0) as usize).min(grid - 1);
+        let hi = (lo + 1).min(grid - 1);
+        (lo, hi, (s - lo as f32).clamp(0.0, 1.0))
+    };
+    let mut out = vec![0.0; w * h * e];
+    for y in 0..h {
+        let (y0, y1, dy) = axis(h, y);
+        for x in 0..w {
+            let (x0, x1, dx) = axis(w, x);
+            let at = |yy: usize, xx: usize| &table[(yy * grid + xx) * e..][..e];
+            let (a, b, c, d) = (at(y0, x0), at(y0, x1), at(y1, x0), at(y1, x1));
+            for (i, o) in out[(y * w + x) * e..][..e].iter_mut().enumerate() {
+                *o = a[i] * (1.0 - dx) * (1.0 - dy) + b[i] * dx * (1.0 - dy) + c[i] * (1.0 - dx) * dy + d[i] * dx * dy;
+            }
+        }
     }
     out
 }
