@@ -78,15 +78,29 @@ impl Rope {
     }
 
     /// [`Rope::angles`] for M-RoPE coordinates (time, row, column, fourth): pair `j` turns by
-    /// the coordinate whose section holds `j` (modulo the sections' sum), `sections` counting
-    /// pairs in that order. Coordinates all equal to `pos` give `angles(pos)`.
-    pub fn angles_sections(&self, coords: [u32; 4], sections: [usize; 4], out: &mut [(f32, f32)]) {
+    /// one coordinate, chosen by its sector `s = j % sum(sections)`. Consecutive (Qwen2-VL):
+    /// the coordinate whose section holds `s`, `sections` counting pairs in order.
+    /// Interleaved (Qwen3-VL): row where `s % 3 == 1` and `s < 3 * sections[1]`, column where
+    /// `s % 3 == 2` and `s < 3 * sections[2]`, time where `s % 3 == 0` and `s < 3 *
+    /// sections[0]`, else the fourth (llama.cpp's reading, which leaves a pair or two past
+    /// the sections to it). Coordinates all equal to `pos` give `angles(pos)` where no pair
+    /// falls to the fourth.
+    pub fn angles_sections(&self, coords: [u32; 4], sections: [usize; 4], interleaved: bool, out: &mut [(f32, f32)]) {
         let total = sections.iter().sum::<usize>().max(1);
         for (j, (o, f)) in out.iter_mut().zip(&self.inv_freq).enumerate() {
             let (mut sector, mut c) = (j % total, 0);
-            while c < 3 && sector >= sections[c] {
-                sector -= sections[c];
-                c += 1;
+            if interleaved {
+                c = match sector % 3 {
+                    1 if sector < 3 * sections[1] => 1,
+                    2 if sector < 3 * sections[2] => 2,
+                    0 if sector < 3 * sections[0] => 0,
+                    _ => 3,
+                };
+            } else {
+                while c < 3 && sector >= sections[c] {
+                    sector -= sections[c];
+                    c += 1;
+                }
             }
             let (sin, cos) = (coords[c] as f32 * f).sin_cos();
             *o = (sin * self.scale, cos * self.scale);
@@ -213,17 +227,23 @@ mod tests {
         // fourth coordinate; equal coordinates are the plain rotation.
         let rope = Rope::new(RopeStyle::Neox, 12, 10000.0);
         let (mut a, mut b) = (vec![(0.0, 0.0); 6], vec![(0.0, 0.0); 6]);
-        rope.angles_sections([9; 4], [1, 2, 2, 1], &mut a);
+        rope.angles_sections([9; 4], [1, 2, 2, 1], false, &mut a);
         rope.angles(9, &mut b);
         assert_eq!(a, b);
-        rope.angles_sections([2, 3, 5, 7], [1, 2, 2, 1], &mut a);
+        rope.angles_sections([2, 3, 5, 7], [1, 2, 2, 1], false, &mut a);
         for (j, c) in [2, 3, 3, 5, 5, 7].into_iter().enumerate() {
             let (s, co) = (c as f32 * rope.inv_freq[j]).sin_cos();
             assert_eq!(a[j], (s, co), "pair {j}");
         }
         // Sections summing to fewer pairs repeat: 1, 1, 1, 0 over 6 pairs is t h w t h w.
-        rope.angles_sections([2, 3, 5, 7], [1, 1, 1, 0], &mut a);
+        rope.angles_sections([2, 3, 5, 7], [1, 1, 1, 0], false, &mut a);
         for (j, c) in [2, 3, 5, 2, 3, 5].into_iter().enumerate() {
+            assert_eq!(a[j], (c as f32 * rope.inv_freq[j]).sin_cos(), "pair {j}");
+        }
+        // Interleaved, sections 3, 1, 1 (5 sectors) over 6 pairs: t h w t, then sector 4 (a
+        // row's turn, but past 3 * 1) falls to the fourth, and pair 5 is sector 0 again.
+        rope.angles_sections([2, 3, 5, 7], [3, 1, 1, 0], true, &mut a);
+        for (j, c) in [2, 3, 5, 2, 7, 2].into_iter().enumerate() {
             assert_eq!(a[j], (c as f32 * rope.inv_freq[j]).sin_cos(), "pair {j}");
         }
     }

@@ -35,6 +35,11 @@ use inferd_kernels::ops::RopeStyle;
 /// What `backend = "cuda"` finds on this machine: the GPU with the model on it, or why not.
 pub fn open(model: &Model, opts: &EngineOptions) -> Result<Box<dyn Backend>, BackendError> {
     let refuse = |why: String| BackendError::Unsupported(format!("backend \"cuda\" for {}: {why}", model.name));
+    // Its rotation is plain RoPE by position: Qwen2-VL's sections equal that for text, but
+    // Qwen3-VL's interleaved ones leave some pairs to the fourth coordinate (0 for text).
+    if model.arch.mrope.is_some_and(|m| m.interleaved) {
+        return Err(refuse("interleaved M-RoPE (Qwen3-VL) runs on the CPU backend".into()));
+    }
     let gpu = Gpu::open(&crate::paths::cache_dir().join("cuda")).map_err(|e| refuse(e.to_string()))?;
     Ok(Box::new(CudaBackend::new(gpu, model, opts).map_err(|e| refuse(e.to_string()))?))
 }

@@ -176,12 +176,21 @@ pub struct Embedded<'a> {
     /// These positions see each other both ways (Gemma 3's image tokens): each attends up to
     /// the last of them, not only up to itself.
     pub both_ways: bool,
+    /// Each position's row carries this many more rows of the model's width after its input
+    /// (Qwen3-VL's deepstack, [`crate::model::Architecture::deepstack`]): a position takes
+    /// `hidden * (1 + deepstack)` floats.
+    pub deepstack: usize,
 }
 
 impl Embedded<'_> {
+    /// Floats of one position's row, given the model's width.
+    pub fn width(&self, hidden: usize) -> usize {
+        hidden * (1 + self.deepstack)
+    }
+
     /// The positions these rows fill, given the model's width.
     pub fn positions(&self, hidden: usize) -> std::ops::Range<usize> {
-        self.pos..self.pos + self.rows.len() / hidden.max(1)
+        self.pos..self.pos + self.rows.len() / self.width(hidden).max(1)
     }
 }
 
@@ -319,12 +328,12 @@ pub fn validate_batch(
         let mut covered = s.start_pos;
         for e in s.embeds {
             let r = e.positions(cfg.hidden);
-            if e.rows.is_empty() || e.rows.len() % cfg.hidden != 0 || r.start < covered || r.end > end {
+            if e.rows.is_empty() || e.rows.len() % e.width(cfg.hidden) != 0 || r.start < covered || r.end > end {
                 return Err(BackendError::Invalid(format!(
                     "input embeddings of {} floats at position {} (width {}, positions {}..{end} of which {covered}.. are free)",
                     e.rows.len(),
                     e.pos,
-                    cfg.hidden,
+                    e.width(cfg.hidden),
                     s.start_pos
                 )));
             }
@@ -409,14 +418,14 @@ mod tests {
             validate_batch(&cfg, &groups, 2, 16, &[sb])
         };
         let media = [1, 2, 1 << 31, (1 << 31) + 7, 3];
-        let at = |pos: usize, n: usize| Embedded { pos, rows: &rows[..n * 4], both_ways: true };
+        let at = |pos: usize, n: usize| Embedded { pos, rows: &rows[..n * 4], both_ways: true, deepstack: 0 };
         assert_eq!(check(&media, &[at(6, 2)]), Ok(()));
         // A media id where no row is given, rows outside the span, rows not a whole width.
         assert_eq!(check(&media, &[at(6, 1)]), Err(BackendError::BadToken((1 << 31) + 7)));
         assert_eq!(check(&media, &[]), Err(BackendError::BadToken(1 << 31)));
         assert!(matches!(check(&media, &[at(8, 2)]), Err(BackendError::Invalid(_))));
         assert!(matches!(check(&media, &[at(3, 1)]), Err(BackendError::Invalid(_))));
-        let ragged = Embedded { pos: 6, rows: &rows[..6], both_ways: true };
+        let ragged = Embedded { pos: 6, rows: &rows[..6], both_ways: true, deepstack: 0 };
         assert!(matches!(check(&media, &[ragged]), Err(BackendError::Invalid(_))));
         // Overlapping runs.
         assert!(matches!(check(&media, &[at(6, 2), at(7, 1)]), Err(BackendError::Invalid(_))));

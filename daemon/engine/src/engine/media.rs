@@ -166,10 +166,16 @@ impl Engine {
     }
 }
 
-/// The backend's view of `needs`: rows of `hidden` floats.
-pub(super) fn embedded(needs: &[Need], hidden: usize, both_ways: bool) -> Vec<Embedded<'_>> {
+/// The backend's view of `needs`: rows of `width` floats, the model's `hidden` and its
+/// deepstack rows.
+pub(super) fn embedded(needs: &[Need], (hidden, width): (usize, usize), both_ways: bool) -> Vec<Embedded<'_>> {
     needs
         .iter()
-        .map(|n| Embedded { pos: n.pos, rows: &n.rows[n.first * hidden..(n.first + n.count) * hidden], both_ways })
+        .map(|n| Embedded {
+            pos: n.pos,
+            rows: &n.rows[n.first * width..(n.first + n.count) * width],
+            both_ways,
+            deepstack: width / hidden.max(1) - 1,
+        })
         .collect()
 }

@@ -217,10 +217,12 @@ impl Engine {
             .collect())
     }
 
-    /// The width of an input embedding, and whether an image's positions see each other both
-    /// ways.
-    fn embedding_form(&self) -> (usize, bool) {
-        (self.backend.config().hidden, self.vision.as_ref().is_some_and(|v| v.bidirectional()))
+    /// The width of the model and of an image's input row (its deepstack rows too), and
+    /// whether an image's positions see each other both ways.
+    fn embedding_form(&self) -> ((usize, usize), bool) {
+        let hidden = self.backend.config().hidden;
+        let width = self.vision.as_ref().map_or(hidden, |v| v.config.out_width);
+        ((hidden, width), self.vision.as_ref().is_some_and(|v| v.bidirectional()))
     }
 
     /// Floats in one of `it`'s rows: the vocabulary's logits, or a hidden state.

@@ -83,7 +83,7 @@ impl Model {
     /// of this model's vocabulary.
     pub fn pair_projector(&mut self, path: &Path) -> Result<(), ModelError> {
         let enc = crate::vision::VisionEncoder::load(path)?;
-        enc.check_pairing(self.config.hidden)?;
+        enc.check_pairing(self.config.hidden * (1 + self.arch.deepstack))?;
         let (begin, end) = enc.markers();
         for m in [begin, end] {
             if self.tokenizer.encode_bare(m, true)?.len() != 1 {

@@ -110,6 +110,7 @@ pub fn runs(arch: &Architecture) -> Result<(), BackendError> {
         final_softcap: _,
         ffn_widths,
         mrope: _,
+        deepstack: _,
     } = arch;
     if ffn_widths.len() != layers.len() || ffn_widths.contains(&0) {
         return Err(BackendError::Unsupported(format!("{}: feed-forward widths {ffn_widths:?}", arch.name)));
@@ -543,8 +544,16 @@ impl CpuBackend {
         let mut t0 = 0;
         for sb in batch {
             for e in sb.embeds {
+                if e.deepstack != arch.deepstack {
+                    return Err(BackendError::Invalid(format!(
+                        "input rows with {} deepstack rows for {}, which takes {}",
+                        e.deepstack, arch.name, arch.deepstack
+                    )));
+                }
                 let at = t0 + e.pos - sb.start_pos;
-                x[at * h..at * h + e.rows.len()].copy_from_slice(e.rows);
+                for (i, row) in e.rows.chunks_exact(e.width(h)).enumerate() {
+                    x[(at + i) * h..(at + i + 1) * h].copy_from_slice(&row[..h]);
+                }
             }
             t0 += sb.tokens.len();
         }
@@ -557,24 +566,24 @@ impl CpuBackend {
                 Self::per_layer_inputs(pool, k, &mut laps, p, cfg, &tokens, &s.acts[Act::X.index()], &mut s.q8, ple);
         }
         // (tokens, rope_dim / 2) rotations of each kind, shared by the layers of that kind.
-        // M-RoPE's coordinates where a sequence gives them (its images'), else the position's.
+        // M-RoPE's coordinates where a sequence gives them (its images'), else (p, p, p, 0).
         let coords: Vec<Option<[u32; 4]>> =
             batch.iter().flat_map(|sb| (0..sb.tokens.len()).map(|i| sb.mrope.get(i).copied())).collect();
-        let sections = match arch.mrope {
-            Some(s) => s,
-            None if coords.iter().any(Option::is_some) => {
-                return Err(BackendError::Invalid(format!("M-RoPE coordinates for {}, which has no M-RoPE", arch.name)))
-            }
-            None => [0; 4],
-        };
+        if arch.mrope.is_none() && coords.iter().any(Option::is_some) {
+            return Err(BackendError::Invalid(format!("M-RoPE coordinates for {}, which has no M-RoPE", arch.name)));
+        }
         s.angles.resize_with(self.ropes.len(), Vec::new);
         for (rope, angles) in self.ropes.iter().zip(s.angles.iter_mut()) {
             let pairs = rope.pairs();
             angles.resize(n * pairs, (0.0, 0.0));
             for (t, (&p, c)) in pos_of.iter().zip(&coords).enumerate() {
-                match c {
-                    Some(c) => rope.angles_sections(*c, sections, &mut angles[t * pairs..(t + 1) * pairs]),
-                    None => rope.angles(p, &mut angles[t * pairs..(t + 1) * pairs]),
+                let out = &mut angles[t * pairs..(t + 1) * pairs];
+                match arch.mrope {
+                    Some(m) => {
+                        let p = p as u32;
+                        rope.angles_sections(c.unwrap_or([p, p, p, 0]), m.sections, m.interleaved, out)
+                    }
+                    None => rope.angles(p, out),
                 }
             }
         }
@@ -615,6 +624,21 @@ impl CpuBackend {
         };
         for (li, lw) in self.w.layers.iter().enumerate() {
             layer(&mut ops, arch, li, lw)?;
+            if li < arch.deepstack {
+                // Qwen3-VL's deepstack: image tokens' row `1 + li` joins their hidden state.
+                let x = &mut ops.s.acts[Act::X.index()];
+                let mut t0 = 0;
+                for sb in batch {
+                    for e in sb.embeds {
+                        let at = t0 + e.pos - sb.start_pos;
+                        for (i, row) in e.rows.chunks_exact(e.width(h)).enumerate() {
+                            let add = &row[(1 + li) * h..(2 + li) * h];
+                            x[(at + i) * h..(at + i + 1) * h].iter_mut().zip(add).for_each(|(x, a)| *x += a);
+                        }
+                    }
+                    t0 += sb.tokens.len();
+                }
+            }
         }
         let [x, xb, .., o] = &mut s.acts;
 

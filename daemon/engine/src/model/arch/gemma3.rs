@@ -63,6 +63,7 @@ fn describe(
         final_softcap: None,
         ffn_widths: vec![cfg.ffn; cfg.n_layers],
         mrope: None,
+        deepstack: 0,
     }
 }
 

@@ -193,12 +193,24 @@ pub struct Architecture {
     /// Each layer's feed-forward width (the model's in every family but Gemma 4, whose layers
     /// that share K/V may have twice the width).
     pub ffn_widths: Vec<usize>,
-    /// M-RoPE (Qwen2-VL's multimodal rotation): of each head's rotated pairs, how many in turn
-    /// take a position's time, row, column and fourth coordinate (repeating where they sum to
-    /// fewer). A text token's four coordinates are its position (so this is plain RoPE for
-    /// text); an image token's are its image's first position plus its row and column
-    /// ([`crate::backend::SeqBatch::mrope`]).
-    pub mrope: Option<[usize; 4]>,
+    /// M-RoPE (Qwen2-VL's and Qwen3-VL's multimodal rotation, [`Mrope`]). A text token's
+    /// coordinates are its position three times and 0; an image token's are its image's first
+    /// position plus its row and column ([`crate::backend::SeqBatch::mrope`]).
+    pub mrope: Option<Mrope>,
+    /// Image tokens' input rows carry this many more rows of the model's width (Qwen3-VL's
+    /// deepstack), the `i`-th added to the token's hidden state after layer `i`.
+    pub deepstack: usize,
+}
+
+/// Which of a position's four coordinates (time, row, column, fourth) turns each rotated
+/// pair of a head ([`inferd_kernels::ops::Rope::angles_sections`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mrope {
+    /// How many pairs each coordinate turns.
+    pub sections: [usize; 4],
+    /// Qwen3-VL's interleaved form (the pairs take time, row, column in turn) instead of
+    /// Qwen2-VL's consecutive sections.
+    pub interleaved: bool,
 }
 
 impl Architecture {
@@ -238,6 +250,7 @@ impl Architecture {
             final_softcap: None,
             ffn_widths: vec![cfg.ffn; cfg.n_layers],
             mrope: None,
+            deepstack: 0,
         }
     }
 }
@@ -285,7 +298,7 @@ pub fn sliding_pattern(n_layers: usize, pattern: usize) -> Vec<bool> {
 
 /// The families [`for_gguf`] and [`for_hf`] know, for their refusals.
 const KNOWN: &str =
-    "llama, mistral, qwen2, qwen2vl, qwen3, qwen3moe, qwen35, qwen35moe, qwen3next, gpt-oss, gemma3, gemma4, phi3";
+    "llama, mistral, qwen2, qwen2vl, qwen3, qwen3vl, qwen3moe, qwen35, qwen35moe, qwen3next, gpt-oss, gemma3, gemma4, phi3";
 
 /// The architecture and hyperparameters of a GGUF file, by its `general.architecture`.
 pub fn for_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
@@ -298,6 +311,7 @@ pub fn for_gguf(g: &Gguf) -> Result<(Architecture, LlamaConfig), ModelError> {
         "mistral" => llama::from_gguf(g, "mistral"),
         "qwen2" => qwen::from_gguf(g, qwen::Qwen::Two),
         "qwen2vl" => qwen::from_gguf(g, qwen::Qwen::TwoVl),
+        "qwen3vl" => qwen::from_gguf(g, qwen::Qwen::ThreeVl),
         "qwen3" => qwen::from_gguf(g, qwen::Qwen::Three),
         "qwen3moe" => qwen::from_gguf(g, qwen::Qwen::ThreeMoe),
         "qwen35" => qwen35::from_gguf(g, qwen35::Hybrid::Qwen35),

@@ -4,7 +4,7 @@
 //! a mixture of experts in every layer (a softmax router, `expert_used_count` experts a token,
 //! their weights normalized to sum 1, SwiGLU experts of `expert_feed_forward_length`).
 
-use super::{Architecture, GgufKeys, HfKeys, Moe, RopeScaling};
+use super::{Architecture, GgufKeys, HfKeys, Moe, Mrope, RopeScaling};
 use crate::model::config::LlamaConfig;
 use crate::model::gguf::Gguf;
 use crate::model::ModelError;
@@ -18,6 +18,8 @@ pub enum Qwen {
     /// Qwen2-VL and Qwen2.5-VL's language model: Qwen 2 with M-RoPE.
     TwoVl,
     Three,
+    /// Qwen3-VL's language model: Qwen 3 with interleaved M-RoPE and deepstack inputs.
+    ThreeVl,
     ThreeMoe,
 }
 
@@ -27,6 +29,7 @@ impl Qwen {
             Qwen::Two => "qwen2",
             Qwen::TwoVl => "qwen2vl",
             Qwen::Three => "qwen3",
+            Qwen::ThreeVl => "qwen3vl",
             Qwen::ThreeMoe => "qwen3moe",
         }
     }
@@ -62,12 +65,24 @@ pub fn from_gguf(g: &Gguf, q: Qwen) -> Result<(Architecture, LlamaConfig), Model
     let config = keys.config(RopeStyle::Neox)?;
     let scaling = keys.rope_scaling(&config)?;
     let moe = if q == Qwen::ThreeMoe { Some(experts(&keys, &config)?) } else { None };
-    let mrope = if q == Qwen::TwoVl { Some(sections(&keys, &config)?) } else { None };
+    let mrope = match q {
+        Qwen::TwoVl => Some(Mrope { sections: sections(&keys, &config)?, interleaved: false }),
+        Qwen::ThreeVl => Some(Mrope { sections: sections(&keys, &config)?, interleaved: true }),
+        _ => None,
+    };
+    let deepstack = match q {
+        Qwen::ThreeVl => keys.opt_uint("n_deepstack_layers")?.unwrap_or(0),
+        _ => 0,
+    };
+    if deepstack >= config.n_layers.max(1) {
+        return Err(ModelError::Config(format!("{deepstack} deepstack layers of {} layers", config.n_layers)));
+    }
     keys.finish(&|k, v| matches!((k, v.as_u64()), ("expert_count" | "expert_used_count", Some(0))))?;
     let tied = g.tensor("output.weight").is_none();
     let mut arch = q.describe(&config, scaling, tied);
     arch.moe = moe;
     arch.mrope = mrope;
+    arch.deepstack = deepstack;
     Ok((arch, config))
 }
 
