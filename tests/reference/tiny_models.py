@@ -776,6 +776,43 @@ G3_4B_VISION = (896, 14, 1152, 16, 4304)
 G3_4B_HIDDEN, G3_4B_TEXT = 2560, (8, 4, 256, 10240, 34)
 
 
+def bf16_values(rng, rows, cols, scale=None):
+    """A random matrix of values a bf16 holds, as the released vision checkpoints' are (trained
+    and published in bf16; the converter's f16 holds them exactly)."""
+    x = (rng.standard_normal((rows, cols)) * (scale or cols ** -0.5)).astype(np.float32)
+    u = x.view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+
+
+def clip_writer(path, projector, image, patch, width, ffn, layers, heads, text_hidden, mean, std):
+    """A projector file's writer with the `clip.*` keys every encoder here has."""
+    w = GGUFWriter(path, "clip")
+    w.add_type("mmproj")
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_projector_type(projector)
+    w.add_vision_image_size(image)
+    w.add_vision_patch_size(patch)
+    w.add_vision_embedding_length(width)
+    w.add_vision_feed_forward_length(ffn)
+    w.add_vision_block_count(layers)
+    w.add_vision_head_count(heads)
+    w.add_vision_projection_dim(text_hidden)
+    w.add_vision_attention_layernorm_eps(1e-6)
+    w.add_vision_image_mean(mean)
+    w.add_vision_image_std(std)
+    return w
+
+
+def write_all(w, tensors):
+    """Adds `tensors` in order and writes the file."""
+    for name, value in tensors.items():
+        w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def mmproj(path, seed, text_hidden=HIDDEN, shapes=None, layers=V_LAYERS):
     """A Gemma 3 vision projector (`clip.projector_type = gemma3`), as `mmproj-*.gguf` files are."""
     rng = np.random.default_rng(seed)
@@ -784,29 +821,12 @@ def mmproj(path, seed, text_hidden=HIDDEN, shapes=None, layers=V_LAYERS):
     n = (V_IMAGE // V_PATCH) ** 2
 
     def mat(rows, cols, scale=None):
-        # Values a bf16 holds, as the released checkpoints' are (trained and published in
-        # bf16; the converter's f16 holds them exactly).
-        x = (rng.standard_normal((rows, cols)) * (scale or cols ** -0.5)).astype(np.float32)
-        u = x.view(np.uint32)
-        return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+        return bf16_values(rng, rows, cols, scale)
 
     def vec(k, scale=0.1, mean=0.0):
         return (mean + scale * rng.standard_normal(k)).astype(np.float32)
 
-    w = GGUFWriter(path, "clip")
-    w.add_type("mmproj")
-    w.add_clip_has_vision_encoder(True)
-    w.add_clip_projector_type("gemma3")
-    w.add_vision_image_size(V_IMAGE)
-    w.add_vision_patch_size(V_PATCH)
-    w.add_vision_embedding_length(e)
-    w.add_vision_feed_forward_length(V_FFN)
-    w.add_vision_block_count(V_LAYERS)
-    w.add_vision_head_count(V_HEADS)
-    w.add_vision_projection_dim(text_hidden)
-    w.add_vision_attention_layernorm_eps(1e-6)
-    w.add_vision_image_mean([0.5, 0.5, 0.5])
-    w.add_vision_image_std([0.5, 0.5, 0.5])
+    w = clip_writer(path, "gemma3", V_IMAGE, V_PATCH, e, V_FFN, V_LAYERS, V_HEADS, text_hidden, [0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
     w.add_vision_use_gelu(True)
     t = {}
     t["v.patch_embd.weight"] = (rng.standard_normal((e, 3, V_PATCH, V_PATCH)) * (3 * V_PATCH * V_PATCH) ** -0.5).astype(np.float32)
@@ -829,12 +849,7 @@ def mmproj(path, seed, text_hidden=HIDDEN, shapes=None, layers=V_LAYERS):
     # Hugging Face's (vision width, text width) parameter, stored as it is.
     t["mm.input_projection.weight"] = mat(e, text_hidden).astype(np.float16)
     t["mm.soft_emb_norm.weight"] = vec(e, 0.1, 1.0)
-    for name, value in t.items():
-        w.add_tensor(name, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_all(w, t)
 
 
 # Qwen's chat markers and image markers (control tokens), and a ChatML template as Qwen's.
@@ -867,27 +882,12 @@ def qwen3_mmproj(path, seed, text_hidden=HIDDEN):
     e, p, f, m = QV_HIDDEN, QV3_PATCH, QV_FFN, 4 * QV_HIDDEN
 
     def mat(rows, cols, scale=None):
-        x = (rng.standard_normal((rows, cols)) * (scale or cols ** -0.5)).astype(np.float32)
-        u = x.view(np.uint32)
-        return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+        return bf16_values(rng, rows, cols, scale)
 
     def vec(k, scale=0.1, mean=0.0):
         return (mean + scale * rng.standard_normal(k)).astype(np.float32)
 
-    w = GGUFWriter(path, "clip")
-    w.add_type("mmproj")
-    w.add_clip_has_vision_encoder(True)
-    w.add_clip_projector_type("qwen3vl_merger")
-    w.add_vision_image_size(QV3_GRID * p)
-    w.add_vision_patch_size(p)
-    w.add_vision_embedding_length(e)
-    w.add_vision_feed_forward_length(f)
-    w.add_vision_block_count(QV3_LAYERS)
-    w.add_vision_head_count(QV_HEADS)
-    w.add_vision_projection_dim(text_hidden)
-    w.add_vision_attention_layernorm_eps(1e-6)
-    w.add_vision_image_mean([0.5, 0.5, 0.5])
-    w.add_vision_image_std([0.5, 0.5, 0.5])
+    w = clip_writer(path, "qwen3vl_merger", QV3_GRID * p, p, e, f, QV3_LAYERS, QV_HEADS, text_hidden, [0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
     w.add_vision_use_gelu(True)
     w.add_vision_spatial_merge_size(2)
     t = {}
@@ -923,12 +923,7 @@ def qwen3_mmproj(path, seed, text_hidden=HIDDEN):
     t["mm.0.bias"] = vec(m)
     t["mm.2.weight"] = mat(text_hidden, m).astype(np.float16)
     t["mm.2.bias"] = vec(text_hidden)
-    for name, value in t.items():
-        w.add_tensor(name, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_all(w, t)
 
 
 def qwen_mmproj(path, seed, text_hidden=HIDDEN, shapes=None):
@@ -940,27 +935,12 @@ def qwen_mmproj(path, seed, text_hidden=HIDDEN, shapes=None):
     p, e, QV_HEADS, QV_FFN, QV_LAYERS, QV_WA_PATTERN = shapes or (QV_PATCH, QV_HIDDEN, globals()["QV_HEADS"], globals()["QV_FFN"], globals()["QV_LAYERS"], globals()["QV_WA_PATTERN"])
 
     def mat(rows, cols, scale=None):
-        x = (rng.standard_normal((rows, cols)) * (scale or cols ** -0.5)).astype(np.float32)
-        u = x.view(np.uint32)
-        return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+        return bf16_values(rng, rows, cols, scale)
 
     def vec(k, scale=0.1, mean=0.0):
         return (mean + scale * rng.standard_normal(k)).astype(np.float32)
 
-    w = GGUFWriter(path, "clip")
-    w.add_type("mmproj")
-    w.add_clip_has_vision_encoder(True)
-    w.add_clip_projector_type("qwen2.5vl_merger")
-    w.add_vision_image_size(560)
-    w.add_vision_patch_size(p)
-    w.add_vision_embedding_length(e)
-    w.add_vision_feed_forward_length(QV_FFN)
-    w.add_vision_block_count(QV_LAYERS)
-    w.add_vision_head_count(QV_HEADS)
-    w.add_vision_projection_dim(text_hidden)
-    w.add_vision_attention_layernorm_eps(1e-6)
-    w.add_vision_image_mean([0.48145466, 0.4578275, 0.40821073])
-    w.add_vision_image_std([0.26862954, 0.26130258, 0.27577711])
+    w = clip_writer(path, "qwen2.5vl_merger", 560, p, e, QV_FFN, QV_LAYERS, QV_HEADS, text_hidden, [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711])
     w.add_vision_use_silu(True)
     w.add_vision_n_wa_pattern(QV_WA_PATTERN)
     t = {}
@@ -983,12 +963,7 @@ def qwen_mmproj(path, seed, text_hidden=HIDDEN, shapes=None):
     t["mm.0.bias"] = vec(4 * e)
     t["mm.2.weight"] = mat(text_hidden, 4 * e).astype(np.float16)
     t["mm.2.bias"] = vec(text_hidden)
-    for name, value in t.items():
-        w.add_tensor(name, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_all(w, t)
 
 
 def png(path, width, height, pixel):
