@@ -871,15 +871,19 @@ QV_3B, QV_3B_TEXT = (14, 1280, 16, 3420, 32, 8), 2048
 # 12 x 12 grid (192-pixel inputs), QV3_LAYERS layers, the outputs of layers 1 and 2 merged by
 # deepstack mergers of their own.
 QV3_PATCH, QV3_GRID, QV3_LAYERS, QV3_DEEPSTACK = 16, 12, 4, 2
+# Qwen3-VL 2B's vision tower (patch, position grid, width, heads, feed-forward, layers, its
+# deepstack layers) and its language model's width, for tests/bench/vision-encode --qwen3vl.
+QV3_2B, QV3_2B_TEXT = (16, 48, 1024, 16, 4096, 24, (5, 11, 17)), 2048
 
 
-def qwen3_mmproj(path, seed, text_hidden=HIDDEN):
+def qwen3_mmproj(path, seed, text_hidden=HIDDEN, shapes=None):
     """A Qwen3-VL vision projector (`clip.projector_type = qwen3vl_merger`) as llama.cpp's
     converter writes it: the temporal pair of patch kernels and a bias, learned positions,
     layer norms, a fused QKV with bias, a GELU feed-forward, the main merger (`v.post_ln`,
     `mm.0`, `mm.2`) and a deepstack merger per chosen layer (`v.deepstack.N.*`)."""
     rng = np.random.default_rng(seed)
-    e, p, f, m = QV_HIDDEN, QV3_PATCH, QV_FFN, 4 * QV_HIDDEN
+    p, grid, e, heads, f, layers, deep = shapes or (QV3_PATCH, QV3_GRID, QV_HIDDEN, QV_HEADS, QV_FFN, QV3_LAYERS, (1, 2))
+    m = 4 * e
 
     def mat(rows, cols, scale=None):
         return bf16_values(rng, rows, cols, scale)
@@ -887,16 +891,15 @@ def qwen3_mmproj(path, seed, text_hidden=HIDDEN):
     def vec(k, scale=0.1, mean=0.0):
         return (mean + scale * rng.standard_normal(k)).astype(np.float32)
 
-    w = clip_writer(path, "qwen3vl_merger", QV3_GRID * p, p, e, f, QV3_LAYERS, QV_HEADS, text_hidden, [0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
+    w = clip_writer(path, "qwen3vl_merger", grid * p, p, e, f, layers, heads, text_hidden, [0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
     w.add_vision_use_gelu(True)
     w.add_vision_spatial_merge_size(2)
     t = {}
     for name in ("v.patch_embd.weight", "v.patch_embd.weight.1"):
         t[name] = (rng.standard_normal((e, 3, p, p)) * (6 * p * p) ** -0.5).astype(np.float16)
     t["v.patch_embd.bias"] = vec(e)
-    t["v.position_embd.weight"] = mat(QV3_GRID * QV3_GRID, e, 0.5)
-    deep = [1, 2]
-    for i in range(QV3_LAYERS):
+    t["v.position_embd.weight"] = mat(grid * grid, e, 0.5)
+    for i in range(layers):
         b = f"v.blk.{i}."
         for name in ("ln1", "ln2"):
             t[b + name + ".weight"] = vec(e, 0.1, 1.0)
@@ -1025,6 +1028,24 @@ def vision_bench_qwen(out, layers):
     png(f"{out}/image-896-0.png", 896, 896, lambda x, y: ((x * 7 + y * 3) % 256, (x * y) % 256, (x ^ y) % 256))
 
 
+def vision_bench_qwen3(out, layers):
+    """A random-weight projector at Qwen3-VL 2B's vision shapes with `layers` of its 24 layers
+    (its three deepstack layers placed in the same proportion), a one-layer language model of
+    its width with three deepstack layers (only loaded), and an 896 x 896 image (784 image
+    tokens), for tests/bench/vision-encode --qwen3vl."""
+    p, grid, e, heads, ffn, full, deep = QV3_2B
+    deep = tuple(min(layers - 1, round(d * layers / full)) for d in deep)
+    qwen3_mmproj(f"{out}/bench-qwen3vl-2b-mmproj.gguf", 516, QV3_2B_TEXT, (p, grid, e, heads, ffn, layers, deep))
+    global HIDDEN, HEADS, KV_HEADS, FFN, QV3_DEEPSTACK
+    saved = (HIDDEN, HEADS, KV_HEADS, FFN, QV3_DEEPSTACK)
+    HIDDEN, HEADS, KV_HEADS, FFN, QV3_DEEPSTACK = QV3_2B_TEXT, 16, 8, 256, len(deep)
+    try:
+        model("qwen3vl", f"{out}/bench-qwen3vl-2b-lm.gguf", 517, vocab=(TOKENS + QWEN_VL_TOKENS, MERGES, "default"), template=QWEN_TEMPLATE, head=128, layers=len(deep) + 1, context=4096)
+    finally:
+        HIDDEN, HEADS, KV_HEADS, FFN, QV3_DEEPSTACK = saved
+    png(f"{out}/image-896-0.png", 896, 896, lambda x, y: ((x * 7 + y * 3) % 256, (x * y) % 256, (x ^ y) % 256))
+
+
 def vision_bench(out, layers):
     """A random-weight projector at Gemma 3 4B's vision shapes with `layers` layers, a language
     model at Gemma 3 4B's shapes (Q8_0 matrices, the tiny vocabulary) with as many of its 34
@@ -1050,6 +1071,8 @@ elif __name__ == "__main__" and sys.argv[1] == "vision-bench":
     vision_bench(sys.argv[2], int(sys.argv[3]))
 elif __name__ == "__main__" and sys.argv[1] == "vision-bench-qwen":
     vision_bench_qwen(sys.argv[2], int(sys.argv[3]))
+elif __name__ == "__main__" and sys.argv[1] == "vision-bench-qwen3":
+    vision_bench_qwen3(sys.argv[2], int(sys.argv[3]))
 elif __name__ == "__main__" and sys.argv[1] == "moe":
     for seed, (name, arch, experts_type) in enumerate(MOES, start=200):
         model(arch, f"{sys.argv[2]}/{name}.gguf", seed, experts_type=experts_type)
