@@ -929,11 +929,12 @@ def qwen3_mmproj(path, seed, text_hidden=HIDDEN, shapes=None):
     write_all(w, t)
 
 
-def qwen_mmproj(path, seed, text_hidden=HIDDEN, shapes=None):
+def qwen_mmproj(path, seed, text_hidden=HIDDEN, shapes=None, qwen2=False):
     """A Qwen2.5-VL vision projector (`clip.projector_type = qwen2.5vl`) as llama.cpp's
     converter writes it: the temporal patch convolution as two 2-D kernels (no bias), RMS
     norms, a gated SiLU feed-forward with biases, the merger's RMS norm as `v.post_ln` and its
-    GELU MLP over 2 x 2 patches as `mm.0` and `mm.2`."""
+    GELU MLP over 2 x 2 patches as `mm.0` and `mm.2`. With `qwen2`, Qwen2-VL's
+    (`qwen2vl_merger`): layer norms with biases, a plain quick-GELU feed-forward, no windows."""
     rng = np.random.default_rng(seed)
     p, e, QV_HEADS, QV_FFN, QV_LAYERS, QV_WA_PATTERN = shapes or (QV_PATCH, QV_HIDDEN, globals()["QV_HEADS"], globals()["QV_FFN"], globals()["QV_LAYERS"], globals()["QV_WA_PATTERN"])
 
@@ -943,9 +944,11 @@ def qwen_mmproj(path, seed, text_hidden=HIDDEN, shapes=None):
     def vec(k, scale=0.1, mean=0.0):
         return (mean + scale * rng.standard_normal(k)).astype(np.float32)
 
-    w = clip_writer(path, "qwen2.5vl_merger", 560, p, e, QV_FFN, QV_LAYERS, QV_HEADS, text_hidden, [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711])
-    w.add_vision_use_silu(True)
-    w.add_vision_n_wa_pattern(QV_WA_PATTERN)
+    kind = "qwen2vl_merger" if qwen2 else "qwen2.5vl_merger"
+    w = clip_writer(path, kind, 560, p, e, QV_FFN, QV_LAYERS, QV_HEADS, text_hidden, [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711])
+    if not qwen2:
+        w.add_vision_use_silu(True)
+        w.add_vision_n_wa_pattern(QV_WA_PATTERN)
     t = {}
     for name in ("v.patch_embd.weight", "v.patch_embd.weight.1"):
         t[name] = (rng.standard_normal((e, 3, p, p)) * (6 * p * p) ** -0.5).astype(np.float16)
@@ -956,12 +959,16 @@ def qwen_mmproj(path, seed, text_hidden=HIDDEN, shapes=None):
             t[b + name + ".bias"] = vec(e)
         for name in ("ln1", "ln2"):
             t[b + name + ".weight"] = vec(e, 0.1, 1.0)
-        for name in ("ffn_gate", "ffn_up"):
+            if qwen2:
+                t[b + name + ".bias"] = vec(e)
+        for name in ("ffn_up",) if qwen2 else ("ffn_gate", "ffn_up"):
             t[b + name + ".weight"] = mat(QV_FFN, e).astype(np.float16)
             t[b + name + ".bias"] = vec(QV_FFN)
         t[b + "ffn_down.weight"] = mat(e, QV_FFN).astype(np.float16)
         t[b + "ffn_down.bias"] = vec(e)
     t["v.post_ln.weight"] = vec(e, 0.1, 1.0)
+    if qwen2:
+        t["v.post_ln.bias"] = vec(e)
     t["mm.0.weight"] = mat(4 * e, 4 * e).astype(np.float16)
     t["mm.0.bias"] = vec(4 * e)
     t["mm.2.weight"] = mat(text_hidden, 4 * e).astype(np.float16)
@@ -1002,6 +1009,8 @@ def qwen_vision(out):
     tokens in windows of 8 x 8, the last ones cut), and odd.png, 150 x 230, which is resized."""
     model("qwen2vl", f"{out}/tiny-qwen25vl.gguf", 510, vocab=(TOKENS + QWEN_VL_TOKENS, MERGES, "default"), template=QWEN_TEMPLATE, context=1024)
     qwen_mmproj(f"{out}/tiny-qwen25vl-mmproj.gguf", 511)
+    # Qwen2-VL's projector for the same language model (Qwen2-VL's is the same family).
+    qwen_mmproj(f"{out}/tiny-qwen2vl-mmproj.gguf", 518, qwen2=True)
     # Qwen3-VL: its language model (Qwen 3's layers, interleaved M-RoPE, two deepstack layers)
     # and projector; and grid.png, of its learned positions' own size (192 x 192).
     model("qwen3vl", f"{out}/tiny-qwen3vl.gguf", 514, vocab=(TOKENS + QWEN_VL_TOKENS, MERGES, "default"), template=QWEN_TEMPLATE, context=1024, layers=3)

@@ -2,7 +2,8 @@
 //! Gemma 3 and its projector (`tests/reference/tiny_models.py vision`: SigLIP's form, 16 image
 //! tokens), an image of the encoder's size and one resized and letterboxed; a tiny
 //! Qwen2.5-VL pair (dynamic resolution, windows, the patch merger; M-RoPE in the language
-//! model), an image of whole merged patches and one resized; a tiny Qwen3-VL pair (learned
+//! model), an image of whole merged patches and one resized, and Qwen2-VL's projector (layer
+//! norms, quick GELU) with the same model; a tiny Qwen3-VL pair (learned
 //! positions resized to the grid, deepstack rows), those and an image of its positions' own
 //! size. The image embeddings equal
 //! `llama-mtmd-cli`'s (its `MTMD_DEBUG_EMBEDDINGS` dump) within a stated tolerance.
@@ -81,6 +82,8 @@ fn image_embeddings_match_llama_cpps() {
     let gemma = tiny_vision(&dir);
     let qwen = tiny_qwen_vision(&dir);
     let qwen3 = tiny_qwen3_vision(&dir);
+    // Qwen2-VL's projector (layer norms, quick GELU, no windows) on the same language model.
+    let qwen2 = (qwen.0.clone(), dir.join("tiny-qwen2vl-mmproj.gguf"));
     let pool = inferd_kernels::pool::ThreadPool::new(2);
     // Gemma 3's fixed square (an image of its size, one letterboxed) and Qwen2.5-VL's dynamic
     // sizes (one whose sides are whole merged patches, in windows whose last ones are cut; one
@@ -89,6 +92,7 @@ fn image_embeddings_match_llama_cpps() {
         (0, gemma, vec!["square.png", "wide.png"]),
         (1, qwen, vec!["landscape.png", "odd.png"]),
         (2, qwen3, vec!["grid.png", "landscape.png", "odd.png"]),
+        (1, qwen2, vec!["landscape.png", "odd.png"]),
     ];
     for (family, (model, mmproj), names) in families {
         let enc = VisionEncoder::load(&mmproj).unwrap();

@@ -19,6 +19,9 @@ pub enum Projector {
     /// other in the language model (non-causal), between `<start_of_image>` and
     /// `<end_of_image>`.
     Gemma3,
+    /// Qwen2-VL's (`qwen2vl_merger`): Qwen2.5-VL's form with layer norms, a plain quick-GELU
+    /// feed-forward and no windows.
+    Qwen2Vl,
     /// Qwen2.5-VL's (`qwen2.5vl_merger`): a ViT over patches of any grid (dynamic resolution,
     /// 2-D rotary positions, RMS norms, a gated SiLU feed-forward, window attention in all
     /// but every `window_pattern`-th layer), its patches merged `merge x merge` by a GELU MLP
@@ -36,7 +39,7 @@ pub enum Projector {
 impl Projector {
     /// Qwen's dynamic-resolution ViT and merger (either generation).
     pub fn is_qwen(self) -> bool {
-        matches!(self, Projector::Qwen25Vl | Projector::Qwen3Vl)
+        matches!(self, Projector::Qwen2Vl | Projector::Qwen25Vl | Projector::Qwen3Vl)
     }
 }
 
@@ -62,6 +65,9 @@ pub struct ClipConfig {
     /// Every this many layers one attends over the whole image, the others within windows
     /// (Qwen2.5-VL's `n_wa_pattern`); 0: every layer over the whole image.
     pub window_pattern: usize,
+    /// A plain feed-forward's activation is quick GELU (`x * sigmoid(1.702 x)`, Qwen2-VL's:
+    /// neither `clip.use_gelu` nor `clip.use_silu`), not GELU.
+    pub quick_gelu: bool,
     /// The language model's embedding width: an image token's size.
     pub out_width: usize,
 }
@@ -84,7 +90,7 @@ impl ClipConfig {
     pub fn input_size(&self, width: usize, height: usize) -> (usize, usize) {
         match self.projector {
             Projector::Gemma3 => (self.image_size, self.image_size),
-            Projector::Qwen25Vl | Projector::Qwen3Vl => {
+            Projector::Qwen2Vl | Projector::Qwen25Vl | Projector::Qwen3Vl => {
                 let unit = self.patch * self.merge;
                 let f = unit as f32;
                 let (w, h) = (width.max(1) as f32, height.max(1) as f32);
@@ -232,11 +238,12 @@ fn config(g: &Gguf) -> Result<ClipConfig, ModelError> {
         .ok_or_else(|| ModelError::MissingKey("clip.projector_type".into()))?;
     let projector = match kind {
         "gemma3" => Projector::Gemma3,
+        "qwen2vl_merger" => Projector::Qwen2Vl,
         "qwen2.5vl_merger" => Projector::Qwen25Vl,
         "qwen3vl_merger" => Projector::Qwen3Vl,
         other => {
             return Err(ModelError::Unsupported(format!(
-                "vision projector '{other}' (supported: gemma3, qwen2.5vl_merger, qwen3vl_merger)"
+                "vision projector '{other}' (supported: gemma3, qwen2vl_merger, qwen2.5vl_merger, qwen3vl_merger)"
             )))
         }
     };
@@ -247,6 +254,9 @@ fn config(g: &Gguf) -> Result<ClipConfig, ModelError> {
         }
         Projector::Qwen25Vl if !flag("clip.use_silu") => {
             return Err(ModelError::Unsupported("a Qwen2.5-VL encoder without clip.use_silu".into()))
+        }
+        Projector::Qwen2Vl if flag("clip.use_silu") => {
+            return Err(ModelError::Unsupported("a Qwen2-VL encoder with clip.use_silu (a gated one)".into()))
         }
         _ => {}
     }
@@ -259,10 +269,15 @@ fn config(g: &Gguf) -> Result<ClipConfig, ModelError> {
     let opt = |k: &str, default: usize| if g.get(k).is_some() { usize_key(g, k) } else { Ok(default) };
     let merge = match projector {
         Projector::Gemma3 => opt("clip.vision.projector.scale_factor", 4)?,
-        Projector::Qwen25Vl | Projector::Qwen3Vl => opt("clip.vision.spatial_merge_size", 2)?,
+        Projector::Qwen2Vl | Projector::Qwen25Vl | Projector::Qwen3Vl => opt("clip.vision.spatial_merge_size", 2)?,
     };
     let window_pattern = match projector {
         Projector::Gemma3 | Projector::Qwen3Vl => 0,
+        Projector::Qwen2Vl => match g.get("clip.vision.n_wa_pattern") {
+            Some(v) if v.as_u64() == Some(0) => 0,
+            Some(_) => usize_key(g, "clip.vision.n_wa_pattern")?,
+            None => 0,
+        },
         Projector::Qwen25Vl => usize_key(g, "clip.vision.n_wa_pattern")?,
     };
     let eps = key(g, "clip.vision.attention.layer_norm_epsilon")?
@@ -282,6 +297,7 @@ fn config(g: &Gguf) -> Result<ClipConfig, ModelError> {
         std: triple(g, "clip.vision.image_std")?,
         merge,
         window_pattern,
+        quick_gelu: projector == Projector::Qwen2Vl && !flag("clip.use_gelu"),
         out_width: 0,
     };
     let grid = cfg.image_size / cfg.patch;
@@ -369,7 +385,7 @@ fn weights(g: &Gguf, cfg: &ClipConfig) -> Result<ClipWeights, ModelError> {
                 out: linear(&format!("{b}.attn_out"), e, e)?,
                 ln2: norm(&format!("{b}.ln2"))?,
                 gate: match cfg.projector {
-                    Projector::Gemma3 | Projector::Qwen3Vl => None,
+                    Projector::Gemma3 | Projector::Qwen2Vl | Projector::Qwen3Vl => None,
                     Projector::Qwen25Vl => Some(linear(&format!("{b}.ffn_gate"), cfg.ffn, e)?),
                 },
                 up: linear(&format!("{b}.ffn_up"), cfg.ffn, e)?,
@@ -394,7 +410,7 @@ fn weights(g: &Gguf, cfg: &ClipConfig) -> Result<ClipWeights, ModelError> {
                 },
             }
         }
-        Projector::Qwen25Vl | Projector::Qwen3Vl => {
+        Projector::Qwen2Vl | Projector::Qwen25Vl | Projector::Qwen3Vl => {
             // The temporal pair of kernels (a video's two frames); a still image is both
             // frames, so the two products are one with the kernels' sum.
             let (k0, k1) =

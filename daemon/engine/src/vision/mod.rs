@@ -65,7 +65,7 @@ impl VisionEncoder {
     pub fn markers(&self) -> (&'static str, &'static str) {
         match self.config.projector {
             Projector::Gemma3 => ("<start_of_image>", "<end_of_image>"),
-            Projector::Qwen25Vl | Projector::Qwen3Vl => ("<|vision_start|>", "<|vision_end|>"),
+            Projector::Qwen2Vl | Projector::Qwen25Vl | Projector::Qwen3Vl => ("<|vision_start|>", "<|vision_end|>"),
         }
     }
 
@@ -73,7 +73,7 @@ impl VisionEncoder {
     pub fn bidirectional(&self) -> bool {
         match self.config.projector {
             Projector::Gemma3 => true,
-            Projector::Qwen25Vl | Projector::Qwen3Vl => false,
+            Projector::Qwen2Vl | Projector::Qwen25Vl | Projector::Qwen3Vl => false,
         }
     }
 
@@ -84,7 +84,7 @@ impl VisionEncoder {
         let (w, h) = c.input_size(img.width, img.height);
         let filter = match c.projector {
             Projector::Gemma3 => Filter::Bilinear,
-            Projector::Qwen25Vl | Projector::Qwen3Vl => Filter::Bicubic,
+            Projector::Qwen2Vl | Projector::Qwen25Vl | Projector::Qwen3Vl => Filter::Bicubic,
         };
         (img.fitted(w, h, filter).planes(c.mean, c.std), (w, h))
     }

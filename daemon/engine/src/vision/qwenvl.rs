@@ -12,7 +12,8 @@
 //! A last RMS norm; the merger takes each group of 4 patches as one row through `mm.0`, GELU,
 //! `mm.2`; the rows go back to raster order over the merged grid, one image token each.
 //!
-//! Qwen3-VL's differs: the patch embedding has a bias, learned positions (a square grid,
+//! Qwen2-VL's differs in its layer norms, its plain quick-GELU feed-forward and having no
+//! windows. Qwen3-VL's differs: the patch embedding has a bias, learned positions (a square grid,
 //! resized bilinearly with corners aligned to the image's grid) are added to it, its norms are
 //! layer norms, its feed-forward a plain GELU one, no layer has windows; and each deepstack
 //! layer's output is merged by a merger of its own (the group's row layer-normed, then
@@ -128,7 +129,12 @@ pub fn encode(
             }
             None => {
                 let mut u = linear(pool, k, &l.up, &h, n);
-                gelu(pool, k, &mut u, f);
+                match cfg.quick_gelu {
+                    true => {
+                        pool.for_rows(&mut u, f, &|_, r| r.iter_mut().for_each(|x| *x /= 1.0 + (-1.702 * *x).exp()))
+                    }
+                    false => gelu(pool, k, &mut u, f),
+                }
                 linear(pool, k, &l.down, &u, n)
             }
         };
