@@ -175,7 +175,7 @@ pub(super) fn embedded(needs: &[Need], (hidden, width): (usize, usize), both_way
             pos: n.pos,
             rows: &n.rows[n.first * width..(n.first + n.count) * width],
             both_ways,
-            deepstack: width / hidden.max(1) - 1,
+            deepstack: (width / hidden.max(1)).saturating_sub(1),
         })
         .collect()
 }

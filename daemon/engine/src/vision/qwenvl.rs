@@ -109,7 +109,7 @@ pub fn encode(
         rotate(pool, &mut q, &angles, cfg.head_dim);
         rotate(pool, &mut kk, &angles, cfg.head_dim);
         let full = !windowed || (il + 1) % cfg.window_pattern == 0;
-        let whole = std::slice::from_ref(&(0..ord.merged.len())).to_vec();
+        let whole: Vec<_> = std::iter::once(0..ord.merged.len()).collect();
         let spans = if full { &whole } else { &ord.windows };
         let mut a = vec![0.0; n * e];
         for s in spans.iter().cloned() {
