@@ -7,7 +7,8 @@
 //! - [`preprocess`]: pixels resized and normalized as the encoder takes them.
 //! - [`clip`]: the projector file's hyperparameters and weights.
 //! - [`siglip`]: Gemma 3's encoder (SigLIP and its projector).
-//! - [`qwenvl`]: Qwen2.5-VL's encoder (a ViT over any size, windows, the patch merger).
+//! - [`qwenvl`]: Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's encoder (a ViT over any size,
+//!   windows, the patch merger, deepstack).
 
 pub mod clip;
 pub mod decode;

@@ -21,7 +21,7 @@
 //! `out_width` is `[main | deepstack 0 | deepstack 1 | ...]`.
 
 use super::clip::{ClipConfig, ClipWeights, Deepstack, LayerNorm, Linear, Projector};
-use super::siglip::{attention, layer_norm, linear, patch_rows, products};
+use super::siglip::{attention, gelu, layer_norm, linear, patch_rows, products};
 use inferd_kernels::pool::ThreadPool;
 use inferd_kernels::Kernels;
 
@@ -194,12 +194,6 @@ pub fn resized_positions(table: &[f32], grid: usize, e: usize, (w, h): (usize, u
         }
     }
     out
-}
-
-/// GELU (tanh's approximation) of each value: the gated kernel with ones as its other factor.
-fn gelu(pool: &ThreadPool, k: &Kernels, x: &mut [f32], width: usize) {
-    let ones = vec![1.0; width];
-    pool.for_rows(x, width, &|_, rows| rows.chunks_exact_mut(width).for_each(|r| (k.geglu)(r, &ones)));
 }
 
 /// Each row of `x` RMS-normed into `out` with weight `w`.

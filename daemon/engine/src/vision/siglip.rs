@@ -43,9 +43,7 @@ pub fn encode(
         x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
         layer_norm(pool, &x, &l.ln2, cfg.eps, &mut h);
         let mut u = linear(pool, k, &l.up, &h, n);
-        // GELU alone: the gated form's kernel, its other factor ones.
-        let ones = vec![1.0; cfg.ffn];
-        pool.for_rows(&mut u, cfg.ffn, &|_, rows| rows.chunks_exact_mut(cfg.ffn).for_each(|r| (k.geglu)(r, &ones)));
+        gelu(pool, k, &mut u, cfg.ffn);
         let d = linear(pool, k, &l.down, &u, n);
         x.iter_mut().zip(&d).for_each(|(x, d)| *x += d);
     }
@@ -95,8 +93,14 @@ pub(super) fn patch_rows(
     patches
 }
 
+/// GELU (tanh's approximation) of each value: the gated kernel with ones as its other factor.
+pub(super) fn gelu(pool: &ThreadPool, k: &Kernels, x: &mut [f32], width: usize) {
+    let ones = vec![1.0; width];
+    pool.for_rows(x, width, &|_, rows| rows.chunks_exact_mut(width).for_each(|r| (k.geglu)(r, &ones)));
+}
+
 /// `x / sqrt(mean(x²) + eps) * w`, the mean of squares summed in f64.
-pub(super) fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
+fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
     let ms = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / x.len() as f64;
     let inv = 1.0 / ((ms as f32) + eps).sqrt();
     x.iter_mut().zip(w).for_each(|(v, w)| *v = *v * inv * w);

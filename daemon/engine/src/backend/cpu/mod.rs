@@ -541,21 +541,14 @@ impl CpuBackend {
         if let Some(scale) = arch.embedding_scale {
             x.iter_mut().for_each(|v| *v *= scale);
         }
-        let mut t0 = 0;
-        for sb in batch {
-            for e in sb.embeds {
-                if e.deepstack != arch.deepstack {
-                    return Err(BackendError::Invalid(format!(
-                        "input rows with {} deepstack rows for {}, which takes {}",
-                        e.deepstack, arch.name, arch.deepstack
-                    )));
-                }
-                let at = t0 + e.pos - sb.start_pos;
-                for (i, row) in e.rows.chunks_exact(e.width(h)).enumerate() {
-                    x[(at + i) * h..(at + i + 1) * h].copy_from_slice(&row[..h]);
-                }
-            }
-            t0 += sb.tokens.len();
+        if let Some(e) = batch.iter().flat_map(|sb| sb.embeds).find(|e| e.deepstack != arch.deepstack) {
+            return Err(BackendError::Invalid(format!(
+                "input rows with {} deepstack rows for {}, which takes {}",
+                e.deepstack, arch.name, arch.deepstack
+            )));
+        }
+        for (t, row) in embedded_rows(batch, h) {
+            x[t * h..(t + 1) * h].copy_from_slice(&row[..h]);
         }
         if self.w.per_layer.is_some() && batch.iter().any(|sb| !sb.embeds.is_empty()) {
             return Err(BackendError::Unsupported("input embeddings for a model with per-layer embeddings".into()));
@@ -566,22 +559,26 @@ impl CpuBackend {
                 Self::per_layer_inputs(pool, k, &mut laps, p, cfg, &tokens, &s.acts[Act::X.index()], &mut s.q8, ple);
         }
         // (tokens, rope_dim / 2) rotations of each kind, shared by the layers of that kind.
-        // M-RoPE's coordinates where a sequence gives them (its images'), else (p, p, p, 0).
-        let coords: Vec<Option<[u32; 4]>> =
-            batch.iter().flat_map(|sb| (0..sb.tokens.len()).map(|i| sb.mrope.get(i).copied())).collect();
-        if arch.mrope.is_none() && coords.iter().any(Option::is_some) {
+        // M-RoPE's coordinates where a sequence gives them (its images'), else (p, p, p, 0);
+        // gathered only where some sequence gives them.
+        let coords: Vec<Option<[u32; 4]>> = match batch.iter().any(|sb| !sb.mrope.is_empty()) {
+            true => batch.iter().flat_map(|sb| (0..sb.tokens.len()).map(|i| sb.mrope.get(i).copied())).collect(),
+            false => Vec::new(),
+        };
+        if arch.mrope.is_none() && !coords.is_empty() {
             return Err(BackendError::Invalid(format!("M-RoPE coordinates for {}, which has no M-RoPE", arch.name)));
         }
         s.angles.resize_with(self.ropes.len(), Vec::new);
         for (rope, angles) in self.ropes.iter().zip(s.angles.iter_mut()) {
             let pairs = rope.pairs();
             angles.resize(n * pairs, (0.0, 0.0));
-            for (t, (&p, c)) in pos_of.iter().zip(&coords).enumerate() {
+            for (t, &p) in pos_of.iter().enumerate() {
                 let out = &mut angles[t * pairs..(t + 1) * pairs];
                 match arch.mrope {
                     Some(m) => {
                         let p = p as u32;
-                        rope.angles_sections(c.unwrap_or([p, p, p, 0]), m.sections, m.interleaved, out)
+                        let c = coords.get(t).copied().flatten().unwrap_or([p, p, p, 0]);
+                        rope.angles_sections(c, m.sections, m.interleaved, out)
                     }
                     None => rope.angles(p, out),
                 }
@@ -627,16 +624,9 @@ impl CpuBackend {
             if li < arch.deepstack {
                 // Qwen3-VL's deepstack: image tokens' row `1 + li` joins their hidden state.
                 let x = &mut ops.s.acts[Act::X.index()];
-                let mut t0 = 0;
-                for sb in batch {
-                    for e in sb.embeds {
-                        let at = t0 + e.pos - sb.start_pos;
-                        for (i, row) in e.rows.chunks_exact(e.width(h)).enumerate() {
-                            let add = &row[(1 + li) * h..(2 + li) * h];
-                            x[(at + i) * h..(at + i + 1) * h].iter_mut().zip(add).for_each(|(x, a)| *x += a);
-                        }
-                    }
-                    t0 += sb.tokens.len();
+                for (t, row) in embedded_rows(batch, h) {
+                    let add = &row[(1 + li) * h..(2 + li) * h];
+                    x[t * h..(t + 1) * h].iter_mut().zip(add).for_each(|(x, a)| *x += a);
                 }
             }
         }
@@ -699,4 +689,20 @@ impl CpuBackend {
         }
         Ok(())
     }
+}
+
+/// Each row of the batch's input embeddings (`Embedded::width` floats) and the index of its
+/// token in the batch.
+fn embedded_rows<'b>(batch: &'b [SeqBatch<'b>], h: usize) -> impl Iterator<Item = (usize, &'b [f32])> + 'b {
+    let starts = batch.iter().scan(0, |t0, sb| {
+        let at = *t0;
+        *t0 += sb.tokens.len();
+        Some(at)
+    });
+    batch.iter().zip(starts).flat_map(move |(sb, t0)| {
+        sb.embeds.iter().flat_map(move |e| {
+            let at = t0 + e.pos - sb.start_pos;
+            e.rows.chunks_exact(e.width(h)).enumerate().map(move |(i, row)| (at + i, row))
+        })
+    })
 }
