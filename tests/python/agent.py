@@ -50,7 +50,9 @@ for question, tool in [("What is the weather like in Paris right now?", "get_wea
     # The model decides (auto). Its calls are run and their results sent back; asked again, it
     # answers in text (kept) or calls again (this small model repeats its call rather than
     # answer after a result: the agent's step limit then ends the turn, and the repeat stays
-    # out of the conversation).
+    # out of the conversation), or echoes the result as a `<tool_response>` block of its own
+    # (which agents drop as they drop the repeat: kept, it teaches the next turn to answer so
+    # instead of calling; which of the two it does turns on the last bits of its arithmetic).
     r = client.chat.completions.create(model=model, messages=messages, tools=tools, temperature=0, max_tokens=200)
     m = r.choices[0].message
     turn["finish"] = r.choices[0].finish_reason
@@ -66,7 +68,7 @@ for question, tool in [("What is the weather like in Paris right now?", "get_wea
         m = r.choices[0].message
         turn["then"] = {"finish": r.choices[0].finish_reason, "content": m.content,
                         "calls": [{"name": c.function.name, "arguments": checked(c.function.name, c.function.arguments)[0]} for c in m.tool_calls or []]}
-        if m.content and not m.tool_calls:
+        if m.content and not m.tool_calls and not m.content.lstrip().startswith("<tool_response>"):
             messages.append({"role": "assistant", "content": m.content})
     turns.append(turn)
 out = {"turns": turns}
