@@ -5,6 +5,11 @@
 //! park on a condition variable (the scheme of llama.cpp's ggml threadpool). The calling thread
 //! takes part in every job. Tasks are claimed from a shared atomic counter, so uneven tasks balance.
 //!
+//! Background work ([`lower_thread_priority`]): a thread that lowers its own priority before it
+//! makes a pool gets workers of the same priority (Linux's nice value is per thread and a new
+//! thread inherits its creator's), so a second pool, such as the vision encoder's, yields the
+//! cores to the engine's steps and takes what they leave.
+//!
 //! Where a step's time goes ([`ThreadPool::set_timing`], [`PoolTime`]): the calling thread's
 //! clock splits each dispatch into its own tasks and its wait for the workers to finish theirs.
 
@@ -288,6 +293,37 @@ impl Drop for ThreadPool {
     }
 }
 
+/// Lowers the calling thread's scheduling priority by `by` nice steps (at most to 19, the
+/// lowest) and returns its nice value after. Threads it creates afterwards start at that value.
+/// Raising a priority needs a privilege, lowering one does not.
+pub fn lower_thread_priority(by: i32) -> std::io::Result<i32> {
+    // SAFETY: gettid has no preconditions and cannot fail.
+    let tid = unsafe { libc::syscall(libc::SYS_gettid) } as libc::id_t;
+    let now = thread_nice(tid)?;
+    let nice = (now + by.max(0)).min(19);
+    // SAFETY: PRIO_PROCESS with a thread id of this process changes that thread alone (Linux's
+    // nice is per thread); no memory is passed.
+    if unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, nice) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    thread_nice(tid)
+}
+
+/// The nice value of thread `tid` of this process.
+fn thread_nice(tid: libc::id_t) -> std::io::Result<i32> {
+    // getpriority returns the value itself, so -1 is an error only when errno says so.
+    // SAFETY: errno is this thread's; clearing it first is how getpriority's man page says to
+    // tell -1 from an error.
+    unsafe { *libc::__errno_location() = 0 };
+    // SAFETY: as for setpriority above; it only reads.
+    let nice = unsafe { libc::getpriority(libc::PRIO_PROCESS, tid) };
+    let err = std::io::Error::last_os_error();
+    match (nice, err.raw_os_error()) {
+        (-1, Some(e)) if e != 0 => Err(err),
+        _ => Ok(nice),
+    }
+}
+
 /// A raw pointer that kernels share across tasks writing disjoint parts of one output buffer.
 #[derive(Clone, Copy)]
 pub struct SyncPtr<T>(pub *mut T);
@@ -329,6 +365,30 @@ mod tests {
             let parallel = rows * width >= PARALLEL_ROWS_MIN && rows >= 2;
             assert_eq!(calls.load(SeqCst) > 1, parallel, "{rows} rows of {width}");
         }
+    }
+
+    #[test]
+    fn a_lowered_thread_and_its_pools_workers_run_at_the_lower_priority() {
+        // In a thread of its own: the test harness's thread keeps its priority.
+        let seen = std::thread::spawn(|| {
+            let before = thread_nice(0).expect("reading the nice value");
+            let after = lower_thread_priority(5).expect("lowering the priority");
+            let pool = ThreadPool::new(3);
+            let nices: Vec<Mutex<Option<i32>>> = (0..64).map(|_| Mutex::new(None)).collect();
+            pool.run(64, &|i| {
+                // SAFETY: gettid has no preconditions.
+                let tid = unsafe { libc::syscall(libc::SYS_gettid) } as libc::id_t;
+                std::thread::sleep(Duration::from_millis(1));
+                *nices[i].lock().unwrap() = thread_nice(tid).ok();
+            });
+            (before, after, nices.into_iter().map(|m| m.into_inner().unwrap()).collect::<Vec<_>>())
+        })
+        .join()
+        .unwrap();
+        let (before, after, nices) = seen;
+        assert_eq!(after, (before + 5).min(19));
+        assert!(nices.iter().all(|&n| n == Some(after)), "{nices:?}");
+        assert_eq!(thread_nice(0).unwrap(), before, "the other threads keep theirs");
     }
 
     #[test]

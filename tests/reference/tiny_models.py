@@ -813,8 +813,9 @@ def write_all(w, tensors):
     w.close()
 
 
-def mmproj(path, seed, text_hidden=HIDDEN, shapes=None, layers=V_LAYERS):
-    """A Gemma 3 vision projector (`clip.projector_type = gemma3`), as `mmproj-*.gguf` files are."""
+def mmproj(path, seed, text_hidden=HIDDEN, shapes=None, layers=V_LAYERS, pool=None):
+    """A Gemma 3 vision projector (`clip.projector_type = gemma3`), as `mmproj-*.gguf` files are
+    (with `pool`, its patches average-pooled `pool x pool` instead of 4 x 4)."""
     rng = np.random.default_rng(seed)
     V_IMAGE, V_PATCH, e, V_HEADS, V_FFN = shapes or (globals()["V_IMAGE"], globals()["V_PATCH"], V_HIDDEN, globals()["V_HEADS"], globals()["V_FFN"])
     V_LAYERS = layers
@@ -828,6 +829,8 @@ def mmproj(path, seed, text_hidden=HIDDEN, shapes=None, layers=V_LAYERS):
 
     w = clip_writer(path, "gemma3", V_IMAGE, V_PATCH, e, V_FFN, V_LAYERS, V_HEADS, text_hidden, [0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
     w.add_vision_use_gelu(True)
+    if pool:
+        w.add_vision_projector_scale_factor(pool)
     t = {}
     t["v.patch_embd.weight"] = (rng.standard_normal((e, 3, V_PATCH, V_PATCH)) * (3 * V_PATCH * V_PATCH) ** -0.5).astype(np.float32)
     t["v.patch_embd.bias"] = vec(e)
@@ -990,7 +993,7 @@ def png(path, width, height, pixel):
 
 def vision(out):
     """tiny-gemma3-vision.gguf (Gemma 3 with its image markers and chat template) and its
-    projector tiny-gemma3-vision-mmproj.gguf, for daemon/tests/daemon/vision.rs; and two
+    projector tiny-gemma3-vision-mmproj.gguf (and a slow one), for daemon/tests/daemon/vision.rs; and two
     images: square.png, of the encoder's input size (taken as it is), and wide.png, which is
     resized and letterboxed."""
     # Token embeddings of the image embeddings' size (Gemma scales looked-up rows by
@@ -998,6 +1001,11 @@ def vision(out):
     # logits leave several tokens likely.
     model("gemma3", f"{out}/tiny-gemma3-vision.gguf", 500, vocab=(TOKENS + GEMMA_TOKENS, MERGES, "default"), template=GEMMA_TEMPLATE, embd=0.15)
     mmproj(f"{out}/tiny-gemma3-vision-mmproj.gguf", 501)
+    # A projector for the same model whose encoding takes long (896 pixels, 4,096 patches,
+    # four layers of width 256: about a second on two cores), pooled 16 x 16 into the same 16
+    # image tokens, so that another request's stream has many steps to run while an image
+    # encodes.
+    mmproj(f"{out}/tiny-gemma3-vision-slow-mmproj.gguf", 504, shapes=(896, 14, 256, 4, 512), layers=4, pool=16)
     png(f"{out}/square.png", V_IMAGE, V_IMAGE, lambda x, y: ((x * 7 + y * 3) % 256, (x * y) % 256, int(127 + 127 * math.sin(x / 9 + y / 13))))
     png(f"{out}/wide.png", 300, 170, lambda x, y: ((x * 5) % 256, (y * 11) % 256, (x ^ y) % 256))
 

@@ -6,7 +6,9 @@
 //! norms, quick GELU) with the same model; a tiny Qwen3-VL pair (learned
 //! positions resized to the grid, deepstack rows), those and an image of its positions' own
 //! size. The image embeddings equal
-//! `llama-mtmd-cli`'s (its `MTMD_DEBUG_EMBEDDINGS` dump) within a stated tolerance.
+//! `llama-mtmd-cli`'s (its `MTMD_DEBUG_EMBEDDINGS` dump) within a stated tolerance. An image
+//! encodes beside the steps (a slow projector for the tiny Gemma 3): text requests keep being
+//! answered meanwhile.
 
 use super::*;
 use inferd_engine::vision::{self, ImageLimits, VisionEncoder};
@@ -617,6 +619,56 @@ fn image_and_text_requests_batch_together_as_each_alone() {
         assert_eq!(a, t, "request {i}: alone {a:?}, together {t:?}");
     }
     assert_ne!(alone[0], alone[1], "the images answer differently");
+    drop(d);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// An image encodes on the encoder's own thread, beside the steps: text requests go on being
+/// answered while it does (encoded inside a step, everything would stop for the whole encoding,
+/// seconds here and 25 seconds for a 4B model's encoder), and the image's answer is the one it
+/// gets alone.
+#[test]
+fn an_image_encoding_holds_up_no_other_request() {
+    use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+    use std::sync::Mutex;
+    let dir = scratch("vision-background");
+    let (model, _) = tiny_vision(&dir);
+    // 4,096 patches through four layers of width 256: seconds on two cores.
+    let entry = vis_entry(&model, &dir.join("tiny-gemma3-vision-slow-mmproj.gguf"));
+    let image = ask("vis", &dir.join("square.png"), "What is this?");
+    let alone = Daemon::start(&scratch("vision-background-alone"), &entry, &[]);
+    let t = Instant::now();
+    let (st, want) = super::http(&alone.socket, "POST", "/v1/chat/completions", &image);
+    let alone_took = t.elapsed();
+    assert_eq!(st, 200, "{want}");
+    drop(alone);
+    let d = Daemon::start(&dir, &entry, &[]);
+    // A client asking short text questions one after another, until told to stop.
+    let text = serde_json::json!({ "model": "vis", "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0 })
+        .to_string();
+    let (answered, stop) = (Mutex::new(Vec::new()), AtomicBool::new(false));
+    let (t0, t1, got) = std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(Relaxed) {
+                let (st, b) = super::http(&d.socket, "POST", "/v1/completions", &text);
+                assert_eq!(st, 200, "{b}");
+                answered.lock().unwrap().push(Instant::now());
+            }
+        });
+        wait_for("the text client's first answers", Duration::from_secs(30), || answered.lock().unwrap().len() >= 3);
+        let t0 = Instant::now();
+        let (st, got) = super::http(&d.socket, "POST", "/v1/chat/completions", &image);
+        let t1 = Instant::now();
+        stop.store(true, Relaxed);
+        assert_eq!(st, 200, "{got}");
+        (t0, t1, got)
+    });
+    let during = answered.lock().unwrap().iter().filter(|&&t| t0 < t && t < t1).count();
+    eprintln!("image alone {alone_took:.2?}, beside the text client {:.2?}; text answers meanwhile: {during}", t1 - t0);
+    assert_eq!(tokens(&got), tokens(&want), "the image's answer beside the text requests");
+    // Encoded in a step, the text answers would stop for the whole encoding: the one under
+    // way when the image came, perhaps one more.
+    assert!(during >= 20, "{during} text answers came while the image request ran");
     drop(d);
     let _ = std::fs::remove_dir_all(dir);
 }

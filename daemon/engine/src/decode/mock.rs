@@ -3,6 +3,7 @@
 
 use super::store::{SeqStore, StoreError, StoreRun, StoreSeq};
 use crate::engine::EngineError;
+use crate::vision::media::{pixel_hash, PromptImage};
 use inferd_plugin_api::abi;
 use std::collections::HashMap;
 
@@ -29,6 +30,11 @@ pub struct MockStore {
     pub positions_run: [usize; 2],
     /// Sequences created for an embedding.
     embeddings: std::collections::HashSet<StoreSeq>,
+    /// Images (by pixel hash) still encoding (`Ok`) or failed (`Err`): the mock takes any
+    /// image, ready unless listed here.
+    pub encoding: HashMap<u128, Result<(), String>>,
+    /// Images registered and not yet released, by pixel hash (tests check that none leaks).
+    pub images_held: HashMap<u128, usize>,
 }
 
 impl MockStore {
@@ -42,6 +48,8 @@ impl MockStore {
             blocks: None,
             positions_run: [0; 2],
             embeddings: Default::default(),
+            encoding: HashMap::new(),
+            images_held: HashMap::new(),
         }
     }
 
@@ -196,6 +204,38 @@ impl SeqStore for MockStore {
 
     fn tokens(&self, s: StoreSeq) -> Vec<u32> {
         self.seqs.get(&s).map(|x| x.1.clone()).unwrap_or_default()
+    }
+
+    /// Takes any image (its positions keep their tokens).
+    fn attach_images(&mut self, _prompt: &mut [u32], images: &mut [PromptImage]) -> Result<(), StoreError> {
+        for img in images.iter() {
+            *self.images_held.entry(pixel_hash(&img.image)).or_default() += 1;
+        }
+        Ok(())
+    }
+
+    fn release_images(&mut self, images: &[PromptImage]) {
+        for img in images {
+            let h = pixel_hash(&img.image);
+            if let Some(n) = self.images_held.get_mut(&h) {
+                *n -= 1;
+                if *n == 0 {
+                    self.images_held.remove(&h);
+                }
+            }
+        }
+    }
+
+    fn images_ready(&mut self, images: &[PromptImage]) -> Result<bool, StoreError> {
+        let mut ready = true;
+        for img in images {
+            match self.encoding.get(&pixel_hash(&img.image)) {
+                Some(Err(why)) => return Err(StoreError::Engine(EngineError::Image(why.clone()))),
+                Some(Ok(())) => ready = false,
+                None => {}
+            }
+        }
+        Ok(ready)
     }
 
     fn run(&mut self, items: &[StoreRun]) -> Result<Vec<Vec<f32>>, StoreError> {

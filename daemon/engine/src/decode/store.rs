@@ -127,6 +127,16 @@ pub trait SeqStore {
     fn release_images(&mut self, images: &[PromptImage]) {
         let _ = images;
     }
+    /// Whether a waiting request's images are ready to run (none still being encoded); an
+    /// error names the encoder's failure on one ([`crate::engine::Engine::images_ready`]).
+    fn images_ready(&mut self, images: &[PromptImage]) -> Result<bool, StoreError> {
+        let _ = images;
+        Ok(true)
+    }
+    /// Waits up to `timeout` for an image being encoded, where one is.
+    fn wait_images(&mut self, timeout: std::time::Duration) {
+        let _ = timeout;
+    }
 }
 
 /// What [`SeqStore::cache_stats`] reports.
@@ -296,12 +306,24 @@ impl SeqStore for EngineStore<'_> {
         n
     }
 
+    /// Registers the images and starts encoding those the partition's prefix cache does not
+    /// hold.
     fn attach_images(&mut self, prompt: &mut [u32], images: &mut [PromptImage]) -> Result<(), StoreError> {
-        Ok(self.engine.attach_images(prompt, images)?)
+        self.engine.attach_images(prompt, images)?;
+        self.engine.start_encodes(prompt, images, self.partition);
+        Ok(())
     }
 
     fn release_images(&mut self, images: &[PromptImage]) {
         self.engine.release_images(images);
+    }
+
+    fn images_ready(&mut self, images: &[PromptImage]) -> Result<bool, StoreError> {
+        Ok(self.engine.images_ready(images)?)
+    }
+
+    fn wait_images(&mut self, timeout: std::time::Duration) {
+        self.engine.wait_images(timeout);
     }
 
     fn create_embedding(&mut self, tokens: &[u32]) -> Result<StoreSeq, StoreError> {

@@ -1,15 +1,33 @@
 //! The engine's images: a prompt's images registered as media ids in its tokens
-//! ([`crate::vision::media`]), and, at each forward pass, the input embeddings of the media
-//! positions it runs, encoded here (on the backend's thread pool) unless kept from an earlier
-//! request. A span of positions whose tokens see each other both ways (Gemma 3's image) is
-//! never cut between two forward passes ([`Engine::image_end`]).
+//! ([`crate::vision::media`]) and handed to the encoder's thread ([`crate::vision::worker`])
+//! as the request arrives, unless their embeddings are kept from an earlier request or the
+//! prefix cache holds their positions; the scheduler admits the request once they are back
+//! ([`Engine::images_ready`]). At each forward pass, the input embeddings of the media
+//! positions it runs (encoded in the step, on the backend's pool, only where they are neither
+//! kept nor found in the cache any more). A span of positions whose tokens see each other both
+//! ways (Gemma 3's image) is never cut between two forward passes ([`Engine::image_end`]).
 
 use super::{Engine, EngineError};
 use crate::backend::{BackendError, Embedded};
 use crate::kv::SeqId;
 use crate::vision::media::{PromptImage, MEDIA_BASE};
+use crate::vision::worker::{EncodeFailure, EncodeWorker};
 use crate::vision::VisionEncoder;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
+use std::time::Duration;
+
+/// The images being encoded on the encoder's thread.
+#[derive(Debug, Default)]
+pub(super) struct Encoding {
+    /// Started with the first image to encode.
+    worker: Option<EncodeWorker>,
+    /// By pixel hash: the job and its stop flag.
+    pending: HashMap<u128, (u64, Arc<AtomicBool>)>,
+    /// By pixel hash, while some request holds the image: why the encoder failed on it.
+    failed: HashMap<u128, String>,
+}
 
 /// Rows of one image's embeddings a forward pass takes: rows `first..first + count`, at
 /// positions from `pos`.
@@ -62,10 +80,87 @@ impl Engine {
         Ok(())
     }
 
-    /// The prompt's images are no longer needed by its request.
+    /// The prompt's images are no longer needed by its request. An image nobody holds any
+    /// more stops encoding.
     pub fn release_images(&mut self, images: &[PromptImage]) {
         for m in images.iter().filter_map(|i| i.media.as_ref()) {
             self.media.release(m);
+            if !self.media.holds(m.hash) {
+                if let Some((_, stop)) = self.encoding.pending.remove(&m.hash) {
+                    stop.store(true, Relaxed);
+                }
+                self.encoding.failed.remove(&m.hash);
+            }
+        }
+    }
+
+    /// Starts encoding, on the encoder's thread, each of a prompt's registered images whose
+    /// embeddings are not kept and whose positions the prefix cache of `partition` does not
+    /// hold now (what it still holds at admission is reused; what it has lost by then is
+    /// encoded in the step). Nothing starts where the backend has no CPU pool (the CUDA
+    /// backend refuses images at the step) or the thread cannot be started (the step encodes).
+    pub fn start_encodes(&mut self, prompt: &[u32], images: &[PromptImage], partition: Option<u64>) {
+        let (Some(enc), Some(pool)) = (self.vision.clone(), self.backend.cpu_pool()) else { return };
+        if images.is_empty() {
+            return;
+        }
+        let cached = self.kv.cached_prefix(partition, prompt);
+        for img in images {
+            let Some(m) = &img.media else { continue };
+            if img.at + m.ids.len() <= cached
+                || self.encoding.pending.contains_key(&m.hash)
+                || self.media.embeddings(m.hash).is_some()
+            {
+                continue;
+            }
+            if self.encoding.worker.is_none() {
+                self.encoding.worker = EncodeWorker::start(Arc::clone(&enc), pool.threads()).ok();
+            }
+            let Some(worker) = &mut self.encoding.worker else { return };
+            let job = worker.submit(m.hash, Arc::clone(&m.image));
+            self.encoding.pending.insert(m.hash, job);
+        }
+    }
+
+    /// Whether a waiting request's images are ready: none is still being encoded. An error
+    /// names the encoder's failure on one of them.
+    pub fn images_ready(&mut self, images: &[PromptImage]) -> Result<bool, EngineError> {
+        self.collect_encoded(None);
+        let mut ready = true;
+        for m in images.iter().filter_map(|i| i.media.as_ref()) {
+            if let Some(why) = self.encoding.failed.get(&m.hash) {
+                return Err(EngineError::Image(why.clone()));
+            }
+            ready &= !self.encoding.pending.contains_key(&m.hash);
+        }
+        Ok(ready)
+    }
+
+    /// Waits up to `timeout` for an image being encoded, where one is.
+    pub fn wait_images(&mut self, timeout: Duration) {
+        if !self.encoding.pending.is_empty() {
+            self.collect_encoded(Some(timeout));
+        }
+    }
+
+    /// Takes the encoder's finished jobs, waiting up to `wait` for the first: embeddings are
+    /// kept (those of an image given up on too: they cost the same as any), failures noted
+    /// while the image is held.
+    fn collect_encoded(&mut self, wait: Option<Duration>) {
+        let Some(worker) = &mut self.encoding.worker else { return };
+        let mut first = wait.and_then(|t| worker.wait(t));
+        while let Some(e) = first.take().or_else(|| worker.try_take()) {
+            let current = self.encoding.pending.get(&e.hash).is_some_and(|&(id, _)| id == e.id);
+            if current {
+                self.encoding.pending.remove(&e.hash);
+            }
+            match e.rows {
+                Ok(rows) => self.media.keep(e.hash, rows),
+                Err(EncodeFailure::Failed(why)) if current => {
+                    self.encoding.failed.insert(e.hash, why);
+                }
+                Err(_) => {}
+            }
         }
     }
 

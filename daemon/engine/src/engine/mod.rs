@@ -78,6 +78,8 @@ pub struct Engine {
     vision: Option<Arc<crate::vision::VisionEncoder>>,
     /// The images of live requests, as media ids, and recent images' embeddings.
     pub media: crate::vision::media::MediaTable,
+    /// Images being encoded beside the steps (`media.rs`).
+    encoding: media::Encoding,
     /// The model rotates by M-RoPE coordinates: an image's tokens take 2-D positions
     /// ([`Engine::mrope`]).
     mrope: bool,
@@ -134,6 +136,7 @@ impl Engine {
             vision: None,
             mrope: false,
             media: Default::default(),
+            encoding: Default::default(),
         }
     }
 

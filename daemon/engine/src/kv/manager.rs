@@ -326,7 +326,7 @@ impl KvCacheManager {
         let id = SeqId(self.next_id);
         self.next_id = self.next_id.wrapping_add(1);
         let groups = self.windows.len();
-        let salt = partition.map(|p| self.hasher.hash_one(("partition", p)));
+        let salt = self.partition_salt(partition);
         self.seqs.insert(
             id,
             Sequence { tables: vec![Vec::new(); groups], floor: vec![0; groups], salt, ..Sequence::default() },
@@ -395,6 +395,44 @@ impl KvCacheManager {
         h.finish()
     }
 
+    /// How many of `prompt`'s tokens a sequence in `partition` would find in the prefix cache
+    /// now ([`KvCacheManager::match_prefix`] without taking them; a hybrid model's may start
+    /// at an earlier checkpoint).
+    pub fn cached_prefix(&self, partition: Option<u64>, prompt: &[u32]) -> usize {
+        self.cached_blocks(self.partition_salt(partition), prompt).1 * self.block_size
+    }
+
+    /// Where a partition's chains of block hashes start.
+    fn partition_salt(&self, partition: Option<u64>) -> Option<BlockHash> {
+        partition.map(|p| self.hasher.hash_one(("partition", p)))
+    }
+
+    /// The chain hashes of `prompt`'s full blocks but the one holding its last token (from
+    /// `salt`), and how many of them the cache holds: the longest run of blocks every
+    /// full-attention group has, then, for windowed models, the longest prefix of that whose
+    /// window blocks every window group still has.
+    fn cached_blocks(&self, salt: Option<BlockHash>, prompt: &[u32]) -> (Vec<BlockHash>, usize) {
+        let bs = self.block_size;
+        let max_blocks = prompt.len().saturating_sub(1) / bs;
+        let chunks: Vec<&[u32]> = prompt.chunks_exact(bs).take(max_blocks).collect();
+        let mut hashes = Vec::with_capacity(chunks.len());
+        let mut parent = salt;
+        for chunk in &chunks {
+            let h = self.chain_hash(parent, chunk);
+            hashes.push(h);
+            parent = Some(h);
+        }
+        let find = |g: usize, i: usize| self.pool.lookup(self.group_key(hashes[i], g), chunks[i]);
+        let groups = self.windows.len();
+        let mut n = (0..hashes.len())
+            .take_while(|&i| (0..groups).all(|g| self.windows[g].is_some() || find(g, i).is_some()))
+            .count();
+        while n > 0 && !(0..groups).all(|g| (self.first_read(g, n * bs)..n).all(|i| find(g, i).is_some())) {
+            n -= 1;
+        }
+        (hashes, n)
+    }
+
     /// For an empty sequence about to be filled with `prompt`: takes every cached full block that
     /// matches the start of the prompt and returns how many prompt tokens are already computed.
     /// At least one prompt token is always left to compute, so the step yields logits.
@@ -411,25 +449,10 @@ impl KvCacheManager {
         if !self.seq(id).tokens.is_empty() {
             return 0;
         }
-        let max_blocks = prompt.len().saturating_sub(1) / bs;
-        let chunks: Vec<&[u32]> = prompt.chunks_exact(bs).take(max_blocks).collect();
-        let mut hashes = Vec::with_capacity(chunks.len());
-        let mut parent = self.seq(id).salt;
-        for chunk in &chunks {
-            let h = self.chain_hash(parent, chunk);
-            hashes.push(h);
-            parent = Some(h);
-        }
+        let (hashes, mut n) = self.cached_blocks(self.seq(id).salt, prompt);
+        let chunks: Vec<&[u32]> = prompt.chunks_exact(bs).take(hashes.len()).collect();
         let find = |g: usize, i: usize| self.pool.lookup(self.group_key(hashes[i], g), chunks[i]);
-        // The longest run of blocks every full-attention group has; then, for windowed models,
-        // the longest prefix of that whose window blocks every window group still has.
         let groups = self.windows.len();
-        let mut n = (0..hashes.len())
-            .take_while(|&i| (0..groups).all(|g| self.windows[g].is_some() || find(g, i).is_some()))
-            .count();
-        while n > 0 && !(0..groups).all(|g| (self.first_read(g, n * bs)..n).all(|i| find(g, i).is_some())) {
-            n -= 1;
-        }
         // A recurrent sequence starts from a checkpoint: the longest run that ends at one.
         let (mut checkpoint, mut checkpoint_at) = (None, None);
         if self.recurrent() {

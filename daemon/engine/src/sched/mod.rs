@@ -8,7 +8,8 @@
 //! scheduler's (`scheduler.rs`, after vLLM's `Scheduler::schedule`): admission by KV blocks and
 //! fairness (`queue.rs`), the token budget of a step (`budget.rs`), embeddings as prompt-like
 //! work in the same steps (`embed.rs`), preemption with recompute, and one path by which every
-//! request leaves.
+//! request leaves. A request with images waits in the queue while its images encode on the
+//! encoder's own thread ([`crate::vision::worker`]), the other requests stepping meanwhile.
 
 pub mod handle;
 pub mod monitor;
@@ -190,6 +191,10 @@ pub struct LoopStats {
     pub preempted: u64,
 }
 
+/// How long a loop with nothing to run but requests whose images are being encoded waits for
+/// the encoder before it looks at its commands again.
+const ENCODE_POLL: Duration = Duration::from_millis(10);
+
 /// Runs until [`Command::Shutdown`] or until every sender is gone and no work is left.
 pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopConfig) -> LoopStats {
     let mut sched = Scheduler::new(cfg.clone());
@@ -247,6 +252,11 @@ pub fn engine_loop(store: &mut dyn SeqStore, rx: &Receiver<Command>, cfg: &LoopC
         }
         let out = sched.step(store);
         report(monitor, store, &mut sched, out.emitted);
+        if sched.stalled() {
+            // Only images being encoded: wait for the encoder (new commands are taken at the
+            // latest this much later).
+            store.wait_images(ENCODE_POLL);
+        }
         if !sched.is_idle() || out.emitted > 0 {
             (idle_since, released) = (std::time::Instant::now(), false);
         }

@@ -6,7 +6,8 @@
 //! then that user's oldest request: users take turns, and one user's batch job cannot starve
 //! another's chat. A request whose prompt shares [`SHARED_PREFILL`] tokens or more with one
 //! still being prefilled is not eligible until that prefill ends: then it finds the shared
-//! part in the prefix cache instead of computing it again.
+//! part in the prefix cache instead of computing it again. A request whose images are still
+//! being encoded is not eligible either (the others run meanwhile).
 
 use super::RequestMeta;
 use std::collections::HashMap;
@@ -20,6 +21,8 @@ pub(super) struct Candidate<'a> {
     pub prompt: &'a [u32],
     /// It was preempted and waits to be recomputed.
     pub resumed: bool,
+    /// Its images are encoded (or it has none): it may run.
+    pub ready: bool,
 }
 
 /// Admission turns per user.
@@ -38,8 +41,9 @@ impl Turns {
     /// The index in `waiting` of the request to admit next, if any is eligible. `running`
     /// holds the uids of the running requests; `prefilling` the prompts still being prefilled.
     pub fn next(&self, waiting: &[Candidate<'_>], running: &[u32], prefilling: &[&[u32]]) -> Option<usize> {
-        let eligible = |c: &Candidate<'_>| !prefilling.iter().any(|p| shared_prefix(p, c.prompt) >= SHARED_PREFILL);
-        if let Some(i) = waiting.iter().position(|c| c.resumed) {
+        let eligible =
+            |c: &Candidate<'_>| c.ready && !prefilling.iter().any(|p| shared_prefix(p, c.prompt) >= SHARED_PREFILL);
+        if let Some(i) = waiting.iter().position(|c| c.resumed && c.ready) {
             return Some(i);
         }
         let class = waiting.iter().filter(|c| eligible(c)).map(|c| c.meta.priority).min()?;

@@ -206,6 +206,8 @@ pub struct Scheduler {
     running: Vec<Running>,
     /// After a preemption nothing is admitted until a request leaves.
     hold: bool,
+    /// Waiting requests whose images were still being encoded at the last admission.
+    unready: usize,
     turns: Turns,
     /// Embedding jobs, in arrival order.
     embeds: Vec<EmbedJob>,
@@ -221,6 +223,7 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             hold: false,
+            unready: 0,
             turns: Turns::default(),
             embeds: Vec::new(),
             stats: LoopStats::default(),
@@ -272,7 +275,9 @@ impl Scheduler {
     pub fn handle(&mut self, cmd: Command, store: &mut dyn SeqStore) {
         match cmd {
             Command::Submit(mut sub) => {
-                // Images become media ids in the prompt here, before anything keys on it.
+                // Images become media ids in the prompt here, before anything keys on it, and
+                // start encoding unless the request's partition of the prefix cache holds them.
+                store.set_partition(partition(self.cfg.prefix_sharing, &sub.meta));
                 let attached = store.attach_images(&mut sub.prompt, &mut sub.images);
                 let streamed = vec![Vec::new(); sub.n.max(1) as usize];
                 let req = Progress { sub, streamed, started: false };
@@ -455,15 +460,19 @@ impl Scheduler {
     fn admit(&mut self, store: &mut dyn SeqStore) {
         // Without a bounded cache there is no prefix cache to wait for either.
         let share = store.capacity().is_some();
+        let mut ready = self.images_ready(store);
         loop {
             if (self.hold && !self.running.is_empty()) || self.running.len() >= self.cfg.max_running.max(1) {
                 return;
             }
             let next = {
-                let cands: Vec<Candidate<'_>> = self
-                    .waiting
-                    .iter()
-                    .map(|w| Candidate { meta: w.req.sub.meta, prompt: &w.req.sub.prompt, resumed: w.resumed })
+                let cands: Vec<Candidate<'_>> = (self.waiting.iter().zip(&ready))
+                    .map(|(w, &ready)| Candidate {
+                        meta: w.req.sub.meta,
+                        prompt: &w.req.sub.prompt,
+                        resumed: w.resumed,
+                        ready,
+                    })
                     .collect();
                 let uids: Vec<u32> = self.running.iter().map(|r| r.req.sub.meta.uid).collect();
                 let prefilling: Vec<&[u32]> = if share {
@@ -488,6 +497,7 @@ impl Scheduler {
                 }
                 if need > free {
                     // Nothing else runs, so everything is free: larger than the cache.
+                    ready.remove(i);
                     if let Some(w) = self.waiting.remove(i) {
                         let why =
                             format!("the request needs {need} KV blocks, more than the cache holds ({free} free)");
@@ -496,6 +506,7 @@ impl Scheduler {
                     continue;
                 }
             }
+            ready.remove(i);
             let Some(w) = self.waiting.remove(i) else { return };
             self.turns.admitted(w.req.sub.meta.uid);
             let generated: &[u32] = match resume {
@@ -539,6 +550,38 @@ impl Scheduler {
                 Err(e) => self.retire(w.req, None, Exit::Failed(e.to_string()), store),
             }
         }
+    }
+
+    /// Whether each waiting request's images are ready (`admit`); a request whose image the
+    /// encoder failed on leaves, failed. Counts those not ready for [`Scheduler::stalled`].
+    fn images_ready(&mut self, store: &mut dyn SeqStore) -> Vec<bool> {
+        let (mut ready, mut failed) = (Vec::with_capacity(self.waiting.len()), Vec::new());
+        for (i, w) in self.waiting.iter().enumerate() {
+            match w.req.sub.images.is_empty() {
+                true => ready.push(true),
+                false => match store.images_ready(&w.req.sub.images) {
+                    Ok(r) => ready.push(r),
+                    Err(e) => failed.push((i, e.to_string())),
+                },
+            }
+        }
+        for (i, why) in failed.into_iter().rev() {
+            if let Some(w) = self.waiting.remove(i) {
+                self.retire(w.req, None, Exit::Failed(why), store);
+            }
+        }
+        self.unready = ready.iter().filter(|r| !**r).count();
+        ready
+    }
+
+    /// Whether the loop has nothing to run until an image is encoded: nothing running, and
+    /// every waiting request waits for its images. The loop then waits for the encoder
+    /// ([`SeqStore::wait_images`]) instead of turning idly.
+    pub fn stalled(&self) -> bool {
+        self.running.is_empty()
+            && self.embeds.is_empty()
+            && !self.waiting.is_empty()
+            && self.unready == self.waiting.len()
     }
 
     /// Plans, budget, one forward, observe, retire, preempt.

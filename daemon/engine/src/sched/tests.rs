@@ -38,10 +38,17 @@ struct Spec {
     n: u32,
     uid: u32,
     priority: Priority,
+    /// An image at the prompt's start: a one-pixel image of this red value.
+    image: Option<u8>,
 }
 
 fn spec(id: RequestId, strategy: &'static str, prompt: Vec<u32>, max_tokens: u32, n: u32) -> Spec {
-    Spec { id, strategy, prompt, max_tokens, n, uid: 0, priority: Priority::Interactive }
+    Spec { id, strategy, prompt, max_tokens, n, uid: 0, priority: Priority::Interactive, image: None }
+}
+
+/// The one-pixel image [`Spec::image`] names.
+fn pixel(red: u8) -> std::sync::Arc<crate::vision::RgbImage> {
+    std::sync::Arc::new(crate::vision::RgbImage { width: 1, height: 1, pixels: vec![red, 0, 0] })
 }
 
 /// What a request's client heard.
@@ -98,7 +105,9 @@ impl Harness {
             grammar: None,
             meta: RequestMeta { uid: s.uid, priority: s.priority, ..Default::default() },
             events: Box::new(move |e| tx.send((id, e)).is_ok()),
-            images: Vec::new(),
+            images: (s.image.iter())
+                .map(|&red| crate::vision::media::PromptImage { at: 0, image: pixel(red), media: None })
+                .collect(),
         };
         self.sched.handle(Command::Submit(sub), &mut self.store);
     }
@@ -141,10 +150,11 @@ impl Harness {
         self.steps.iter().position(what)
     }
 
-    /// Every sequence freed, no block held.
+    /// Every sequence freed, no block or image held.
     fn assert_clean(&self) {
         assert_eq!(self.store.live(), 0, "sequences leaked");
         assert_eq!(self.store.blocks_used(), 0, "blocks leaked");
+        assert!(self.store.images_held.is_empty(), "images leaked: {:?}", self.store.images_held);
     }
 }
 
@@ -520,5 +530,54 @@ fn an_embedding_leaves_at_the_next_step_when_cancelled_failed_or_shut_down() {
     for heard in [running, late] {
         assert_eq!(heard.try_recv().unwrap(), Err("the daemon is shutting down".to_string()));
     }
+    h.assert_clean();
+}
+
+#[test]
+fn a_request_waits_for_its_images_while_the_others_run() {
+    use crate::vision::media::pixel_hash;
+    let mut h = Harness::new(1024, 4, 64, 64);
+    // Image 1 still encoding, image 2 failed, image 3 ready; a text request behind them all.
+    h.store.encoding.insert(pixel_hash(&pixel(1)), Ok(()));
+    h.store.encoding.insert(pixel_hash(&pixel(2)), Err("the vision encoder failed on this image".into()));
+    let specs = [
+        Spec { image: Some(1), ..spec(1, "test-top1", prompt(1, 8), 6, 1) },
+        Spec { image: Some(2), ..spec(2, "test-top1", prompt(2, 8), 6, 1) },
+        Spec { image: Some(3), ..spec(3, "test-top1", prompt(3, 8), 6, 1) },
+        spec(4, "test-top1", prompt(4, 8), 6, 1),
+    ];
+    for s in &specs {
+        h.submit(s);
+    }
+    assert!(!h.sched.stalled(), "nothing has been looked at yet");
+    let out = h.step();
+    assert_eq!(out.admitted, vec![3, 4], "the ready ones, in order");
+    assert!(out.retired.iter().any(|r| matches!(&r.1, Outcome::Failed(w) if w.contains("encoder failed"))), "{out:?}");
+    assert_eq!(h.heard[&2].end, vec![Err("the vision encoder failed on this image".to_string())]);
+    // Request 1 waits, without holding up the others: they finish while its image encodes.
+    while h.sched.running() > 0 {
+        h.step();
+    }
+    assert_finished_as_alone(&h, &specs[2]);
+    assert_finished_as_alone(&h, &specs[3]);
+    assert!(h.heard.get(&1).is_none_or(|x| x.tokens.is_empty() && x.end.is_empty()));
+    assert_eq!(h.sched.requests(), vec![(1, RequestState::Waiting)]);
+    assert!(h.sched.stalled(), "only a request waiting for its image: the loop waits for the encoder");
+    // Encoded: admitted at the next step, answered as alone.
+    h.store.encoding.clear();
+    let out = h.step();
+    assert_eq!(out.admitted, vec![1]);
+    assert!(!h.sched.stalled());
+    h.run_until_idle();
+    assert_finished_as_alone(&h, &specs[0]);
+    h.assert_clean();
+    // Cancelled while its image encodes: it leaves at once and lets go of the image.
+    h.store.encoding.insert(pixel_hash(&pixel(1)), Ok(()));
+    h.submit(&specs[0]);
+    h.step();
+    assert!(!h.store.images_held.is_empty());
+    h.command(Command::Cancel(1));
+    h.step();
+    assert_eq!(h.heard[&1].end[1..], [Err("cancelled".to_string())]);
     h.assert_clean();
 }

@@ -128,6 +128,11 @@ impl MediaTable {
         self.by_id.get(&id).map(|(m, row)| (m, *row))
     }
 
+    /// Whether some request holds the image with hash `hash`.
+    pub fn holds(&self, hash: u128) -> bool {
+        self.by_hash.contains_key(&hash)
+    }
+
     /// Images registered now.
     pub fn len(&self) -> usize {
         self.by_hash.len()

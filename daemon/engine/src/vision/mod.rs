@@ -9,6 +9,7 @@
 //! - [`siglip`]: Gemma 3's encoder (SigLIP and its projector).
 //! - [`qwenvl`]: Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's encoder (a ViT over any size,
 //!   windows, the patch merger, deepstack).
+//! - [`worker`]: the encoder's own thread, so that encoding an image holds up no step.
 
 pub mod clip;
 pub mod decode;
@@ -16,6 +17,7 @@ pub mod media;
 pub mod preprocess;
 pub mod qwenvl;
 pub mod siglip;
+pub mod worker;
 
 pub use clip::{ClipConfig, Head, Projector};
 pub use decode::{decode, ImageError, ImageLimits};
@@ -93,11 +95,28 @@ impl VisionEncoder {
     /// An image's embeddings: [`VisionEncoder::image_tokens`] rows of the language model's
     /// embedding width, row-major over [`VisionEncoder::token_grid`].
     pub fn encode(&self, pool: &ThreadPool, k: &Kernels, img: &RgbImage) -> Vec<f32> {
+        // Never stopped, so always `Some`.
+        self.encode_until(pool, k, img, &|| false).unwrap_or_default()
+    }
+
+    /// [`VisionEncoder::encode`], given up (`None`) where `stop` says so before one of the
+    /// encoder's layers: an image nobody waits for any more ([`worker`]).
+    pub fn encode_until(
+        &self,
+        pool: &ThreadPool,
+        k: &Kernels,
+        img: &RgbImage,
+        stop: &dyn Fn() -> bool,
+    ) -> Option<Vec<f32>> {
         let (planes, size) = self.preprocess(img);
         let (c, w) = (&self.config, &self.weights);
         match &w.head {
-            Head::Gemma3 { soft_norm, projection } => siglip::encode(pool, k, c, w, (soft_norm, projection), &planes),
-            Head::Merger { up, down, deepstack } => qwenvl::encode(pool, k, c, w, (up, down, deepstack), &planes, size),
+            Head::Gemma3 { soft_norm, projection } => {
+                siglip::encode(pool, k, c, w, (soft_norm, projection), &planes, stop)
+            }
+            Head::Merger { up, down, deepstack } => {
+                qwenvl::encode(pool, k, c, w, (up, down, deepstack), (&planes, size), stop)
+            }
         }
     }
 }

@@ -62,16 +62,16 @@ pub fn order(mw: usize, mh: usize, side: Option<usize>) -> Order {
 /// The image tokens of `planes` (the normalized input, three planes of `width x height`, each
 /// a multiple of `patch * merge`): `(width / (patch * merge)) * (height / (patch * merge))`
 /// rows of `cfg.out_width` floats, in raster order. `(up, down, deepstack)` is the merger
-/// ([`super::clip::Head::Merger`]).
+/// ([`super::clip::Head::Merger`]). `None` where `stop` said so before a layer.
 pub fn encode(
     pool: &ThreadPool,
     k: &Kernels,
     cfg: &ClipConfig,
     w: &ClipWeights,
     (up, down, deepstack): (&Linear, &Linear, &[Deepstack]),
-    planes: &[f32],
-    (width, height): (usize, usize),
-) -> Vec<f32> {
+    (planes, (width, height)): (&[f32], (usize, usize)),
+    stop: &dyn Fn() -> bool,
+) -> Option<Vec<f32>> {
     let (p, e, m) = (cfg.patch, cfg.hidden, cfg.merge);
     let (mw, mh) = (width / (p * m), height / (p * m));
     let (n, g) = (mw * mh * m * m, m * m);
@@ -104,6 +104,9 @@ pub fn encode(
     let angles = rotations(cfg.head_dim, n, &at);
     let mut h = vec![0.0; n * e];
     for (il, l) in w.layers.iter().enumerate() {
+        if stop() {
+            return None;
+        }
         norm(&x, &l.ln1, &mut h);
         let [mut q, mut kk, v] = products(pool, k, [&l.q, &l.k, &l.v], &h, n);
         rotate(pool, &mut q, &angles, cfg.head_dim);
@@ -156,7 +159,7 @@ pub fn encode(
             out[t * width_out + j * ow..][..ow].copy_from_slice(&m[i * ow..][..ow]);
         }
     }
-    out
+    Some(out)
 }
 
 /// `rows` rows of `x` through `up`, GELU, `down`.

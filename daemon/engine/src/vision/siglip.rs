@@ -20,6 +20,7 @@ use inferd_kernels::Kernels;
 /// The image tokens of `planes` (the normalized input, three `image_size²` planes):
 /// `(grid / merge)²` rows of `cfg.out_width` floats.
 /// `soft_norm` and `projection` are Gemma 3's projector ([`super::clip::Head::Gemma3`]).
+/// `None` where `stop` said so before a layer.
 pub fn encode(
     pool: &ThreadPool,
     k: &Kernels,
@@ -27,7 +28,8 @@ pub fn encode(
     w: &ClipWeights,
     (soft_norm, projection): (&[f32], &Linear),
     planes: &[f32],
-) -> Vec<f32> {
+    stop: &dyn Fn() -> bool,
+) -> Option<Vec<f32>> {
     let (g, e) = (cfg.grid(), cfg.hidden);
     let n = g * g;
     let side = cfg.image_size;
@@ -36,6 +38,9 @@ pub fn encode(
     x.iter_mut().zip(w.positions.iter()).for_each(|(x, p)| *x += p);
     let mut h = vec![0.0; n * e];
     for l in &w.layers {
+        if stop() {
+            return None;
+        }
         layer_norm(pool, &x, &l.ln1, cfg.eps, &mut h);
         let [q, kk, v] = products(pool, k, [&l.q, &l.k, &l.v], &h, n);
         let a = attention(pool, k, cfg, &q, &kk, &v, n);
@@ -63,7 +68,7 @@ pub fn encode(
         out.iter_mut().for_each(|o| *o *= inv);
         rms_norm_in_place(out, soft_norm, cfg.eps);
     }
-    linear(pool, k, projection, &pooled, pg * pg)
+    Some(linear(pool, k, projection, &pooled, pg * pg))
 }
 
 /// `n` patches of `planes` (three planes of `width x height`) as rows of (channel, row, column),
