@@ -5,10 +5,14 @@
 //! is right when the weights are the traffic; with 4,096 tokens the traffic is the tokens and
 //! the work is arithmetic. Here weights are repacked per product into panels of 32 outputs
 //! ([`Panels`]: pair `p` of the panel's 32 rows side by side), the tokens rounded to bf16
-//! pairs once for every matrix they meet, and a register tile of 12 tokens by 32 outputs ([`crate::cpu::Tile`]) runs
-//! along `KC` pairs at a time: the panel's stretch (16 KiB) stays in L1 while the tokens'
-//! block (`MC` tokens) stays in L2, the outputs summed across stretches in memory. Threads take
-//! runs of tokens, each its own outputs.
+//! once for every matrix they meet (in the form the table's tile reads,
+//! [`crate::cpu::Bf16Kernels::words`]), and a register tile of 12 tokens by 32 outputs
+//! ([`crate::cpu::Tile`]) runs along `KC` pairs at a time. Per block of `MC` tokens (in L2),
+//! each panel in turn passes all its stretches: a stretch (16 KiB) stays in L1 while the
+//! block's tiles pass it, and the block's outputs of one panel (12 KiB) stay in cache while
+//! they are summed across stretches, never a round trip to memory per stretch. Threads take
+//! runs of tokens (blocks of `MC`, taken as
+//! each finishes the last), each its own outputs.
 //!
 //! Weights and tokens are rounded to bf16 (8 significant bits; the products are exact in f32
 //! and summed in f32), so a product is within about 2⁻⁸ of its operands' magnitudes relative
@@ -105,43 +109,46 @@ pub fn pack(pool: &ThreadPool, bk: &Bf16Kernels, src: &Source<'_>) -> Panels {
     Panels { rows, pairs, data }
 }
 
-/// `tokens` rows of `cols` floats as rows of bf16 pairs, across the pool.
-pub fn to_pairs(pool: &ThreadPool, bk: &Bf16Kernels, x: &[f32], cols: usize, tokens: usize) -> Vec<u32> {
-    let pairs = cols.div_ceil(2);
-    let mut a = vec![0u32; tokens * pairs];
-    pool.for_rows(&mut a, pairs, &|first, rows| {
-        for (i, out) in rows.chunks_exact_mut(pairs).enumerate() {
-            (bk.to_bf16)(&x[(first + i) * cols..][..cols], out);
+/// `tokens` rows of `cols` floats rounded to bf16 in the tile's form (rows of
+/// `cols.div_ceil(2) * bk.words` words), across the pool.
+pub fn to_tokens(pool: &ThreadPool, bk: &Bf16Kernels, x: &[f32], cols: usize, tokens: usize) -> Vec<u32> {
+    let row = cols.div_ceil(2) * bk.words;
+    let mut a = vec![0u32; tokens * row];
+    pool.for_rows(&mut a, row, &|first, rows| {
+        for (i, out) in rows.chunks_exact_mut(row).enumerate() {
+            (bk.to_tokens)(&x[(first + i) * cols..][..cols], out);
         }
     });
     a
 }
 
-/// `y = x · Wᵀ`: `tokens` rows of `x` as bf16 pairs ([`to_pairs`]; one rounding serves every
+/// `y = x · Wᵀ`: `tokens` rows of `x` rounded ([`to_tokens`]; one rounding serves every
 /// matrix the input meets) against the packed `w`, into `tokens` rows of `w.rows` outputs,
 /// threads taking runs of tokens.
 pub fn product(pool: &ThreadPool, bk: &Bf16Kernels, w: &Panels, a: &[u32], tokens: usize, y: &mut [f32]) {
-    assert!(a.len() == tokens * w.pairs && y.len() == tokens * w.rows, "product shapes disagree");
-    pool.for_rows(y, w.rows, &|first, ys| {
-        gemm(bk, &a[first * w.pairs..], w.pairs, ys.len() / w.rows, w, ys, w.rows);
+    let row = w.pairs * bk.words;
+    assert!(a.len() == tokens * row && y.len() == tokens * w.rows, "product shapes disagree");
+    pool.for_runs(y, w.rows, MC, &|first, ys| {
+        gemm(bk, &a[first * row..], row, ys.len() / w.rows, w, ys, w.rows);
     });
 }
 
-/// `c[i * ldc + r] = Σ_p a(i, p) · w(r, p)` for `tokens` rows of pairs `a` (`lda` apart) and
-/// every row `r` of `w`, on the calling thread.
+/// `c[i * ldc + r] = Σ_p a(i, p) · w(r, p)` for `tokens` rows of rounded tokens `a` in the
+/// tile's form (`lda` words apart) and every row `r` of `w`, on the calling thread.
 ///
 /// # Panics
 /// Where `a` or `c` is shorter than the shapes say.
 pub fn gemm(bk: &Bf16Kernels, a: &[u32], lda: usize, tokens: usize, w: &Panels, c: &mut [f32], ldc: usize) {
-    for k0 in (0..w.pairs).step_by(KC) {
-        let kc = KC.min(w.pairs - k0);
-        for t0 in (0..tokens).step_by(MC) {
-            let block = MC.min(tokens - t0);
-            for panel in 0..w.panels() {
+    for t0 in (0..tokens).step_by(MC) {
+        let block = MC.min(tokens - t0);
+        for panel in 0..w.panels() {
+            for k0 in (0..w.pairs).step_by(KC) {
+                let kc = KC.min(w.pairs - k0);
                 let (b, lanes) = (w.stretch(panel, k0, kc), PANEL.min(w.rows - panel * PANEL));
                 for i in (t0..t0 + block).step_by(TILE_TOKENS) {
                     let rows = TILE_TOKENS.min(t0 + block - i);
-                    let t = Tile { a: &a[i * lda + k0..], lda, rows, b, kc, lanes, add: k0 > 0 };
+                    let a = &a[i * lda + k0 * bk.words..];
+                    let t = Tile { a, lda, words: bk.words, rows, b, kc, lanes, add: k0 > 0 };
                     (bk.tile)(t, &mut c[i * ldc + panel * PANEL..], ldc);
                 }
             }
@@ -173,16 +180,17 @@ pub fn attention(
     let values: Vec<Panels> = (0..heads)
         .map(|h| pack(pool, bk, &Source::Strided { data: v, offset: h * hd, row: 1, col: e, rows: hd, cols: n }))
         .collect();
-    let (qp, kp) = (hd.div_ceil(2), n.div_ceil(2));
-    // Queries as pairs, head-major: head h's query t at row h * n + t.
+    // Rows of queries and of exponentials in the tile's form.
+    let (qp, kp) = (hd.div_ceil(2) * bk.words, n.div_ceil(2) * bk.words);
+    // Queries head-major: head h's query t at row h * n + t.
     let mut qs = vec![0u32; heads * n * qp];
     pool.for_rows(&mut qs, qp, &|first, rows| {
         for (i, out) in rows.chunks_exact_mut(qp).enumerate() {
             let (h, t) = ((first + i) / n, (first + i) % n);
-            (bk.to_bf16)(&q[t * e + h * hd..][..hd], out);
+            (bk.to_tokens)(&q[t * e + h * hd..][..hd], out);
         }
     });
-    pool.for_rows(out, e, &|first, rows| {
+    pool.for_runs(out, e, MQ * 4, &|first, rows| {
         let m = rows.len() / e;
         let (mut s, mut p, mut sums) = (vec![0f32; MQ * n], vec![0u32; MQ * kp], [0f32; MQ]);
         for h in 0..heads {
@@ -209,18 +217,44 @@ mod tests {
 
     /// The scalar references as a bf16 table, for machines without the instructions.
     fn reference() -> Bf16Kernels {
-        Bf16Kernels { tile: scalar::tile, to_bf16: scalar::to_bf16, softmax: scalar::softmax_bf16 }
+        Bf16Kernels {
+            tile: scalar::tile,
+            to_bf16: scalar::to_bf16,
+            words: 1,
+            to_tokens: scalar::to_bf16,
+            softmax: scalar::softmax_bf16,
+        }
     }
 
-    /// Every bf16 table this processor has: the reference, and the AVX-512 one where present.
+    /// The scalar references with tokens of two words a pair (AVX2's form).
+    fn reference_words() -> Bf16Kernels {
+        Bf16Kernels {
+            words: 2,
+            to_tokens: scalar::to_bf16_words,
+            softmax: |s, scale, out| {
+                let max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                scalar::softmax_tail(s, max, scale, out, 2)
+            },
+            ..reference()
+        }
+    }
+
+    /// Every bf16 table this processor has: the references in both forms, AVX2's and
+    /// AVX-512's where present.
     fn tables() -> Vec<Bf16Kernels> {
-        std::iter::once(reference()).chain(Kernels::all().iter().filter_map(|k| k.bf16)).collect()
+        [reference(), reference_words()].into_iter().chain(Kernels::all().iter().filter_map(|k| k.bf16)).collect()
+    }
+
+    #[test]
+    #[cfg_attr(not(host_avx2), ignore = "this processor lacks AVX2")]
+    fn the_tests_cover_the_avx2_bf16_kernels() {
+        assert!(crate::cpu::table(crate::cpu::Isa::Avx2).bf16.is_some(), "the AVX2 table has no bf16 kernels");
     }
 
     #[test]
     #[cfg_attr(not(host_avx512bf16), ignore = "this processor lacks AVX-512 BF16")]
     fn the_tests_cover_the_avx512_bf16_kernels() {
-        assert_eq!(tables().len(), 2, "the AVX-512 table has no bf16 kernels on a processor with them");
+        assert!(crate::cpu::table(crate::cpu::Isa::Avx512Vnni).bf16.is_some(), "the AVX-512 table has no bf16 kernels");
     }
 
     fn noise(n: usize, seed: u32) -> Vec<f32> {
@@ -250,12 +284,12 @@ mod tests {
         for bk in tables() {
             // Odd columns (a half pair), rows not a whole panel, tokens not a whole tile, and
             // more pairs than one stretch.
-            for (tokens, rows, cols) in [(1, 1, 1), (13, 33, 7), (100, 70, 301), (25, 32, 2 * KC + 2)] {
+            for (tokens, rows, cols) in [(1, 1, 1), (13, 33, 7), (11, 50, 40), (100, 70, 301), (25, 32, 2 * KC + 2)] {
                 let (x, wf) = (noise(tokens * cols, 1), noise(rows * cols, 2));
                 let src = Source::Strided { data: &wf, offset: 0, row: cols, col: 1, rows, cols };
                 let w = pack(&pool, &bk, &src);
                 let mut y = vec![f32::NAN; tokens * rows];
-                product(&pool, &bk, &w, &to_pairs(&pool, &bk, &x, cols, tokens), tokens, &mut y);
+                product(&pool, &bk, &w, &to_tokens(&pool, &bk, &x, cols, tokens), tokens, &mut y);
                 for t in 0..tokens {
                     for r in 0..rows {
                         let (mag, want) = exact(&x[t * cols..][..cols], &wf[r * cols..][..cols]);
@@ -279,10 +313,10 @@ mod tests {
             let w = pack(&pool, &bk, &Source::Strided { data: &w, offset: 0, row: cols, col: 1, rows, cols });
             let x = noise(150 * cols, 4);
             let mut all = vec![0.0; 150 * rows];
-            product(&pool, &bk, &w, &to_pairs(&pool, &bk, &x, cols, 150), 150, &mut all);
+            product(&pool, &bk, &w, &to_tokens(&pool, &bk, &x, cols, 150), 150, &mut all);
             for t in [0, 11, 12, 97, 149] {
                 let mut one = vec![0.0; rows];
-                product(&pool, &bk, &w, &to_pairs(&pool, &bk, &x[t * cols..][..cols], cols, 1), 1, &mut one);
+                product(&pool, &bk, &w, &to_tokens(&pool, &bk, &x[t * cols..][..cols], cols, 1), 1, &mut one);
                 assert_eq!(one, all[t * rows..][..rows], "token {t}");
             }
         }
@@ -290,20 +324,29 @@ mod tests {
 
     #[test]
     fn tables_agree_with_the_reference_on_conversions_and_exponentials() {
+        // The bf16 values of a row in the tokens' form of `bk`, two a pair.
+        let values = |bk: &Bf16Kernels, w: &[u32]| -> Vec<u16> {
+            match bk.words {
+                1 => w.iter().flat_map(|&v| [v as u16, (v >> 16) as u16]).collect(),
+                _ => w.iter().map(|&v| (v >> 16) as u16).collect(),
+            }
+        };
         for bk in tables() {
-            let x = noise(75, 5);
+            let mut x = noise(75, 5);
+            x[..6].copy_from_slice(&[f32::NAN, f32::INFINITY, -0.0, f32::MAX, 1e-40, -3.0e38]);
             let (mut a, mut b) = (vec![0; 38], vec![0; 38]);
             (bk.to_bf16)(&x, &mut a);
             scalar::to_bf16(&x, &mut b);
-            assert_eq!(a, b, "rounding to bf16");
+            assert_eq!(a, b, "rounding to bf16 pairs");
+            let mut t = vec![0; 38 * bk.words];
+            (bk.to_tokens)(&x, &mut t);
+            assert_eq!(values(&bk, &t), values(&reference(), &b), "rounding the tokens");
             let s: Vec<f32> = noise(75, 6).iter().map(|v| v * 30.0).collect();
-            let (got, want) = ((bk.softmax)(&s, 0.3, &mut a), scalar::softmax_bf16(&s, 0.3, &mut b));
+            let (got, want) = ((bk.softmax)(&s, 0.3, &mut t), scalar::softmax_bf16(&s, 0.3, &mut b));
             assert!((got - want).abs() <= want * 1e-5, "sum {got} vs {want}");
-            for (x, y) in a.iter().zip(&b) {
-                for h in [0, 16] {
-                    let (x, y) = ((x >> h) as u16 as i32, (y >> h) as u16 as i32);
-                    assert!((x - y).abs() <= 1, "exponentials differ past one bf16 step: {x:#x} vs {y:#x}");
-                }
+            for (x, y) in values(&bk, &t).iter().zip(values(&reference(), &b)) {
+                let (x, y) = (i32::from(*x), i32::from(y));
+                assert!((x - y).abs() <= 1, "exponentials differ past one bf16 step: {x:#x} vs {y:#x}");
             }
         }
     }

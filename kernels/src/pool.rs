@@ -197,7 +197,18 @@ impl ThreadPool {
         if self.threads() == 1 || data.len() < PARALLEL_ROWS_MIN || rows < 2 || row_len == 0 {
             return f(0, data);
         }
-        let per = rows.div_ceil(self.threads());
+        self.for_runs(data, row_len, rows.div_ceil(self.threads()), f);
+    }
+
+    /// `f(first, rows)` over `data` cut into runs of `per` whole rows of `row_len` items (the
+    /// last may be shorter), the threads taking runs as they finish the last: for long work
+    /// whose runs are many more than the threads, so that a thread slowed by others on its
+    /// core does not hold up the rest.
+    pub fn for_runs<T: Send>(&self, data: &mut [T], row_len: usize, per: usize, f: &(dyn Fn(usize, &mut [T]) + Sync)) {
+        let per = per.max(1);
+        if row_len == 0 || data.is_empty() {
+            return f(0, data);
+        }
         // Each task takes its own run out of its lock: distinct `&mut` runs without unsafe.
         let runs: Vec<Mutex<&mut [T]>> = data.chunks_mut(per * row_len).map(Mutex::new).collect();
         self.run(runs.len(), &|i| {
@@ -364,6 +375,27 @@ mod tests {
             assert_eq!(data, want, "{rows} rows of {width}");
             let parallel = rows * width >= PARALLEL_ROWS_MIN && rows >= 2;
             assert_eq!(calls.load(SeqCst) > 1, parallel, "{rows} rows of {width}");
+        }
+    }
+
+    #[test]
+    fn for_runs_gives_every_row_once_in_runs_of_the_size_asked() {
+        let pool = ThreadPool::new(2);
+        for (rows, per) in [(0, 4), (1, 4), (10, 3), (96, 96), (1000, 7)] {
+            let width = 5;
+            let mut data = vec![0usize; rows * width];
+            let calls = AtomicUsize::new(0);
+            pool.for_runs(&mut data, width, per, &|first, run| {
+                calls.fetch_add(1, SeqCst);
+                assert_eq!(first % per, 0, "runs start at multiples of {per}");
+                assert!(run.len() == per * width || first + run.len() / width == rows, "only the last run is short");
+                for (i, row) in run.chunks_exact_mut(width).enumerate() {
+                    row.iter_mut().for_each(|v| *v += first + i + 1);
+                }
+            });
+            let want: Vec<usize> = (0..rows * width).map(|i| i / width + 1).collect();
+            assert_eq!(data, want, "{rows} rows in runs of {per}");
+            assert_eq!(calls.load(SeqCst), rows.div_ceil(per).max(1), "{rows} rows in runs of {per}");
         }
     }
 

@@ -3,7 +3,7 @@
 //! This file holds the float kernels (dots of f32/f16/bf16 rows, `exp`, GeGLU) and
 //! the activations' 8-bit quantizer. The quantized products are the lane arithmetic's
 //! single-row dots (`lane.rs`) and the 16-row kernel on packed weights (`avx2_packed.rs`);
-//! attention is `avx2_attn.rs`.
+//! attention is `avx2_attn.rs`; the bf16 products of many tokens `avx2_bf16.rs`.
 //!
 //! Every function here is `#[target_feature(enable = "avx2,fma,f16c")]`; the safe wrappers in the
 //! table returned by [`kernels`] are only reachable after [`kernels`] has checked those features.
@@ -56,7 +56,17 @@ pub fn kernels() -> Option<Kernels> {
         gemv16: None,
         // SAFETY: as above.
         gemv16_packed: Some(|dt, w, rb, a, out| unsafe { super::avx2_packed::gemv16_packed(dt, w, rb, a, out) }),
-        bf16: None,
+        bf16: Some(super::Bf16Kernels {
+            // SAFETY: as above.
+            tile: |t, c, ldc| unsafe { super::avx2_bf16::tile(t, c, ldc) },
+            // SAFETY: as above.
+            to_bf16: |x, out| unsafe { super::avx2_bf16::to_bf16(x, out) },
+            words: 2,
+            // SAFETY: as above.
+            to_tokens: |x, out| unsafe { super::avx2_bf16::to_tokens(x, out) },
+            // SAFETY: as above.
+            softmax: |s, scale, out| unsafe { super::avx2_bf16::softmax(s, scale, out) },
+        }),
     })
 }
 
@@ -307,7 +317,7 @@ unsafe fn exp_sum(x: &mut [f32], shift: f32) -> f32 {
 /// polynomial for `e^r` (the classic Cephes `expf` coefficients).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn exp8(x: __m256) -> __m256 {
+pub(super) fn exp8(x: __m256) -> __m256 {
     let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3)), _mm256_set1_ps(88.3));
     let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
         x,

@@ -38,6 +38,9 @@ pub fn kernels() -> Option<Kernels> {
             tile: |t, c, ldc| unsafe { super::avx512_bf16::tile(t, c, ldc) },
             // SAFETY: as above.
             to_bf16: |x, out| unsafe { super::avx512_bf16::to_bf16(x, out) },
+            words: 1,
+            // SAFETY: as above.
+            to_tokens: |x, out| unsafe { super::avx512_bf16::to_bf16(x, out) },
             // SAFETY: as above.
             softmax: |s, scale, out| unsafe { super::avx512_bf16::softmax(s, scale, out) },
         }),

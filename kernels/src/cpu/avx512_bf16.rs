@@ -22,7 +22,7 @@ use std::arch::x86_64::*;
 /// The CPU must support AVX-512 F/BW/VL and BF16 (and AVX2, FMA, F16C).
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16")]
 pub(super) unsafe fn tile(t: Tile<'_>, c: &mut [f32], ldc: usize) {
-    assert!(t.fits(c.len(), ldc), "tile operands out of bounds");
+    assert!(t.fits(c.len(), ldc) && t.words == 1, "tile operands out of bounds");
     // SAFETY: `fits` checked every read of `t.a`, `t.b` and write of `c` the tile makes; the
     // features are the caller's guarantee.
     unsafe {
@@ -131,5 +131,5 @@ pub(super) unsafe fn softmax(s: &[f32], scale: f32, out: &mut [u32]) -> f32 {
             _mm512_storeu_si512(out.as_mut_ptr().add(i * 16).cast(), v);
         }
     }
-    _mm512_reduce_add_ps(acc) + super::scalar::softmax_tail(&s[n..], max, scale, &mut out[n / 2..])
+    _mm512_reduce_add_ps(acc) + super::scalar::softmax_tail(&s[n..], max, scale, &mut out[n / 2..], 1)
 }

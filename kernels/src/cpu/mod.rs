@@ -13,6 +13,8 @@ pub mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx2_attn;
 #[cfg(target_arch = "x86_64")]
+mod avx2_bf16;
+#[cfg(target_arch = "x86_64")]
 mod avx2_group;
 #[cfg(target_arch = "x86_64")]
 mod avx2_packed;
@@ -110,8 +112,8 @@ pub struct Kernels {
     /// [`Kernels::gemv16`] on a group of 16 rows in the packed layout ([`crate::pack`]), for
     /// every quantized type; the same results bit for bit.
     pub gemv16_packed: Option<Gemv16>,
-    /// Products of many tokens in bf16 ([`crate::gemm`]), where the processor multiplies bf16
-    /// pairs (AVX-512 BF16); the references are in [`scalar`].
+    /// Products of many tokens in bf16 ([`crate::gemm`]): AVX-512 BF16's pair products, or
+    /// AVX2's FMA on the pairs widened to f32; the references are in [`scalar`].
     pub bf16: Option<Bf16Kernels>,
 }
 
@@ -121,11 +123,20 @@ pub struct Bf16Kernels {
     /// `c[i * ldc + j] (+)= Σ_p a(i, p) · b(p, j)` for the tile's tokens `i` and its first
     /// `lanes` outputs `j`, over bf16 pairs `p` (see [`Tile`]); other outputs untouched.
     pub tile: fn(Tile<'_>, &mut [f32], usize),
-    /// f32 rounded to bf16 pairs: `out[i] = bf16(x[2i]) | bf16(x[2i + 1]) << 16` (round to
-    /// nearest even; an odd last element's pair has a zero high half).
+    /// f32 rounded to bf16 pairs, the weights' form in their panels: `out[i] = bf16(x[2i]) |
+    /// bf16(x[2i + 1]) << 16` (round to nearest even; an odd last element's pair has a zero
+    /// high half).
     pub to_bf16: fn(&[f32], &mut [u32]),
-    /// A row of attention scores `s` to its unnormalized softmax: `exp(scale * (s - max))` as
-    /// bf16 pairs into `out` (as `to_bf16`), returning the sum of the f32 exponentials.
+    /// Words per pair in the tokens' rows the tile reads: 1 where a pair is one word (as
+    /// `to_bf16` writes it: a bf16 product takes it whole), 2 where each of its values is
+    /// rounded to bf16 and kept as an f32 (the tile broadcasts it to FMA without unpacking).
+    pub words: usize,
+    /// A token's row of f32 in that form: `x.len().div_ceil(2) * words` words, an odd last
+    /// element's partner zero. The values are those of `to_bf16`.
+    pub to_tokens: fn(&[f32], &mut [u32]),
+    /// A row of attention scores `s` to its unnormalized softmax: `exp(scale * (s - max))`
+    /// rounded to bf16 in the tokens' form into `out` (as `to_tokens`), returning the sum of
+    /// the f32 exponentials.
     pub softmax: fn(&[f32], f32, &mut [u32]) -> f32,
 }
 
@@ -134,14 +145,16 @@ pub const PANEL: usize = 32;
 /// The most tokens one [`Tile`] holds.
 pub const TILE_TOKENS: usize = 12;
 
-/// One register tile of a bf16 product: `rows` tokens' bf16 pairs (token `i`'s pair `p` at
-/// `a[i * lda + p]`) against one panel of weights (`b[p * PANEL + j]`: pair `p` of output
-/// `j`), `kc` pairs long; `lanes` of the panel's outputs are stored; `add`: added to the
-/// outputs rather than written over them.
+/// One register tile of a bf16 product: `rows` tokens' pairs in their table's form (token
+/// `i`'s pair `p` at `a[i * lda + p * words..][..words]`, see [`Bf16Kernels::words`]) against
+/// one panel of weights (`b[p * PANEL + j]`: pair `p` of output `j`), `kc` pairs long; `lanes`
+/// of the panel's outputs are stored; `add`: added to the outputs rather than written over
+/// them.
 #[derive(Clone, Copy, Debug)]
 pub struct Tile<'a> {
     pub a: &'a [u32],
     pub lda: usize,
+    pub words: usize,
     pub rows: usize,
     pub b: &'a [u32],
     pub kc: usize,
@@ -154,9 +167,11 @@ impl Tile<'_> {
     /// long at `ldc` apart.
     pub fn fits(&self, c_len: usize, ldc: usize) -> bool {
         let shape = (1..=TILE_TOKENS).contains(&self.rows) && (1..=PANEL).contains(&self.lanes);
+        let row = self.kc * self.words;
         shape
-            && self.lda >= self.kc
-            && self.a.len() >= (self.rows - 1) * self.lda + self.kc
+            && matches!(self.words, 1 | 2)
+            && self.lda >= row
+            && self.a.len() >= (self.rows - 1) * self.lda + row
             && self.b.len() >= self.kc * PANEL
             && ldc >= self.lanes
             && c_len >= (self.rows - 1) * ldc + self.lanes

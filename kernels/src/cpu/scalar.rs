@@ -167,13 +167,18 @@ pub fn exp_sum(x: &mut [f32], shift: f32) -> f32 {
 /// order in f32 (a bf16 product is exact in f32), then added to `c` where `t.add`.
 pub fn tile(t: super::Tile<'_>, c: &mut [f32], ldc: usize) {
     assert!(t.fits(c.len(), ldc), "tile operands out of bounds");
-    let half = |v: u32, h: u32| half::bf16::from_bits((v >> (16 * h)) as u16).to_f32();
+    let half = |v: u32, h: usize| half::bf16::from_bits((v >> (16 * h)) as u16).to_f32();
+    // Value h of token i's pair p, in either of the tokens' forms.
+    let x = |i: usize, p: usize, h: usize| match t.words {
+        1 => half(t.a[i * t.lda + p], h),
+        _ => f32::from_bits(t.a[i * t.lda + 2 * p + h]),
+    };
     for i in 0..t.rows {
         for j in 0..t.lanes {
             let mut sum = 0f32;
             for p in 0..t.kc {
-                let (x, w) = (t.a[i * t.lda + p], t.b[p * super::PANEL + j]);
-                sum += half(x, 0) * half(w, 0) + half(x, 1) * half(w, 1);
+                let w = t.b[p * super::PANEL + j];
+                sum += x(i, p, 0) * half(w, 0) + x(i, p, 1) * half(w, 1);
             }
             let out = &mut c[i * ldc + j];
             *out = if t.add { *out + sum } else { sum };
@@ -194,12 +199,26 @@ pub fn to_bf16(x: &[f32], out: &mut [u32]) {
 /// The exponentials `exp(scale * (s - max))` of a row of scores as bf16 pairs, and their sum.
 pub fn softmax_bf16(s: &[f32], scale: f32, out: &mut [u32]) -> f32 {
     let max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    softmax_tail(s, max, scale, out)
+    softmax_tail(s, max, scale, out, 1)
 }
 
-/// [`softmax_bf16`] for a row whose maximum is known (`max`; the vector kernels' tail).
-pub fn softmax_tail(s: &[f32], max: f32, scale: f32, out: &mut [u32]) -> f32 {
+/// [`softmax_bf16`] for a row whose maximum is known (`max`; the vector kernels' tail), into
+/// `words` words a pair (see [`super::Bf16Kernels::words`]).
+pub fn softmax_tail(s: &[f32], max: f32, scale: f32, out: &mut [u32], words: usize) -> f32 {
     let e: Vec<f32> = s.iter().map(|&v| ((v - max) * scale).exp()).collect();
-    to_bf16(&e, out);
+    if words == 1 {
+        to_bf16(&e, out)
+    } else {
+        to_bf16_words(&e, out)
+    }
     e.iter().sum()
+}
+
+/// Each value rounded to bf16 (as [`to_bf16`]) and kept as an f32: `out[i] = bf16(x[i]) << 16`,
+/// `out` of even length (an odd last value's partner zero): the tokens' form of a table whose
+/// pairs are two words.
+pub fn to_bf16_words(x: &[f32], out: &mut [u32]) {
+    assert_eq!(out.len(), x.len().div_ceil(2) * 2, "two words per two inputs");
+    let b = |v: f32| u32::from(half::bf16::from_f32(v).to_bits()) << 16;
+    out.iter_mut().zip(x.iter().map(|&v| b(v)).chain([0])).for_each(|(o, v)| *o = v);
 }

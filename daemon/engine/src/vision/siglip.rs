@@ -134,7 +134,7 @@ pub(super) fn linear(pool: &ThreadPool, k: &Kernels, l: &Linear, x: &[f32], toke
 }
 
 /// Several products of one input, each with its bias: in bf16 tiles ([`gemm`]) where the
-/// processor multiplies bf16 (the input rounded once for all of them), else in one dispatch
+/// kernel table has them (the input rounded once for all of them), else in one dispatch
 /// of the decode driver, the input quantized to 8-bit blocks where a matrix is quantized.
 pub(super) fn products<const M: usize>(
     pool: &ThreadPool,
@@ -146,10 +146,10 @@ pub(super) fn products<const M: usize>(
     let mut ys: [Vec<f32>; M] = std::array::from_fn(|i| vec![0.0; tokens * ls[i].w.rows]);
     let cols = x.len() / tokens.max(1);
     if let Some(bk) = &k.bf16 {
-        let pairs = gemm::to_pairs(pool, bk, x, cols, tokens);
+        let rounded = gemm::to_tokens(pool, bk, x, cols, tokens);
         for (y, l) in ys.iter_mut().zip(ls) {
             let w = gemm::pack(pool, bk, &gemm::Source::Matrix(l.w.matrix()));
-            gemm::product(pool, bk, &w, &pairs, tokens, y);
+            gemm::product(pool, bk, &w, &rounded, tokens, y);
         }
     } else {
         let mut q8 = Vec::new();
