@@ -6,6 +6,7 @@
 //! quantized per 32-block to [`BlockQ8`] (8-bit, like llama.cpp's Q8_1: the block sum is kept
 //! so the Q4_1 offset term costs one multiply per block).
 
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use std::mem::{offset_of, size_of};
 
@@ -490,7 +491,17 @@ pub fn dequantize_row(dtype: DType, src: &[u8], out: &mut [f32]) {
     assert!(src.len() >= dtype.bytes_for(n).unwrap_or(usize::MAX), "row too short");
     match dtype.class() {
         WeightClass::Float(FloatType::F32) => out.iter_mut().enumerate().for_each(|(i, o)| *o = read_f32(src, 4 * i)),
-        WeightClass::Float(FloatType::F16) => out.iter_mut().enumerate().for_each(|(i, o)| *o = read_f16(src, 2 * i)),
+        WeightClass::Float(FloatType::F16) => {
+            // A run of halves at a time: the half crate converts a slice with F16C, 8 a time.
+            let mut halves = [f16::ZERO; 64];
+            for (c, run) in out.chunks_mut(64).enumerate() {
+                let hs = &mut halves[..run.len()];
+                hs.iter_mut()
+                    .enumerate()
+                    .for_each(|(i, h)| *h = f16::from_le_bytes([src[128 * c + 2 * i], src[128 * c + 2 * i + 1]]));
+                hs.convert_to_f32_slice(run);
+            }
+        }
         WeightClass::Float(FloatType::BF16) => out.iter_mut().enumerate().for_each(|(i, o)| *o = read_bf16(src, 2 * i)),
         WeightClass::Quantized(q) => {
             for (g, chunk) in out.chunks_exact_mut(QK).enumerate() {
@@ -505,6 +516,27 @@ pub use crate::quantize::quantize_row;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn f16_rows_dequantize_as_each_half_converts() {
+        // Every 16-bit pattern but NaNs' (their payloads may differ), in a row not a whole
+        // number of runs.
+        let halves: Vec<u16> = (0..=u16::MAX).filter(|&h| !f16::from_bits(h).is_nan()).take(64 * 7 + 5).collect();
+        let bytes: Vec<u8> = halves.iter().flat_map(|h| h.to_le_bytes()).collect();
+        let mut out = vec![0f32; halves.len()];
+        dequantize_row(DType::F16, &bytes, &mut out);
+        for (i, (&h, &o)) in halves.iter().zip(&out).enumerate() {
+            assert_eq!(o.to_bits(), f16::from_bits(h).to_f32().to_bits(), "half {i}: {h:#x}");
+        }
+        let all: Vec<u16> = (0..=u16::MAX).step_by(97).collect();
+        let bytes: Vec<u8> = all.iter().flat_map(|h| h.to_le_bytes()).collect();
+        let mut out = vec![0f32; all.len()];
+        dequantize_row(DType::F16, &bytes, &mut out);
+        for (&h, &o) in all.iter().zip(&out) {
+            let want = f16::from_bits(h).to_f32();
+            assert!(o.to_bits() == want.to_bits() || (o.is_nan() && want.is_nan()), "{h:#x}");
+        }
+    }
 
     #[test]
     fn quantize_dequantize_round_trip_is_close() {
