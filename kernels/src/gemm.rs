@@ -11,8 +11,7 @@
 //! each panel in turn passes all its stretches: a stretch (16 KiB) stays in L1 while the
 //! block's tiles pass it, and the block's outputs of one panel (12 KiB) stay in cache while
 //! they are summed across stretches, never a round trip to memory per stretch. Threads take
-//! runs of tokens (blocks of `MC`, taken as
-//! each finishes the last), each its own outputs.
+//! blocks of tokens as each finishes its last, each block its own outputs.
 //!
 //! Weights and tokens are rounded to bf16 (8 significant bits; the products are exact in f32
 //! and summed in f32), so a product is within about 2⁻⁸ of its operands' magnitudes relative
@@ -31,7 +30,8 @@ use crate::quant::dequantize_row;
 
 /// Pairs of a panel's stretch held in L1 per tile pass (16 KiB of weights).
 const KC: usize = 128;
-/// Tokens whose stretch of pairs stays in L2 while every panel passes them (48 KiB).
+/// Tokens per block, whose rows stay in L2 while every panel passes them (a stretch of 96
+/// tokens: 48 KiB in one-word pairs, 96 KiB in two).
 const MC: usize = 96;
 /// Queries per block of [`attention`]: their scores (one f32 row of `n` per query) and
 /// exponentials (bf16) stay in L2 at 4,096 keys.

@@ -519,22 +519,15 @@ mod tests {
 
     #[test]
     fn f16_rows_dequantize_as_each_half_converts() {
-        // Every 16-bit pattern but NaNs' (their payloads may differ), in a row not a whole
-        // number of runs.
-        let halves: Vec<u16> = (0..=u16::MAX).filter(|&h| !f16::from_bits(h).is_nan()).take(64 * 7 + 5).collect();
-        let bytes: Vec<u8> = halves.iter().flat_map(|h| h.to_le_bytes()).collect();
-        let mut out = vec![0f32; halves.len()];
-        dequantize_row(DType::F16, &bytes, &mut out);
-        for (i, (&h, &o)) in halves.iter().zip(&out).enumerate() {
-            assert_eq!(o.to_bits(), f16::from_bits(h).to_f32().to_bits(), "half {i}: {h:#x}");
-        }
-        let all: Vec<u16> = (0..=u16::MAX).step_by(97).collect();
+        // Every 16-bit pattern in one row, not a whole number of 64-value runs; a NaN only
+        // as a NaN (its payload may differ).
+        let all: Vec<u16> = (0..=u16::MAX).skip(3).collect();
         let bytes: Vec<u8> = all.iter().flat_map(|h| h.to_le_bytes()).collect();
         let mut out = vec![0f32; all.len()];
         dequantize_row(DType::F16, &bytes, &mut out);
         for (&h, &o) in all.iter().zip(&out) {
             let want = f16::from_bits(h).to_f32();
-            assert!(o.to_bits() == want.to_bits() || (o.is_nan() && want.is_nan()), "{h:#x}");
+            assert!(o.to_bits() == want.to_bits() || (o.is_nan() && want.is_nan()), "{h:#x}: {o} vs {want}");
         }
     }
 
